@@ -1,0 +1,96 @@
+"""Attention in plain torch: write new K/V into their slots, gather each row's KV, one SDPA call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import BatchLayout
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T]
+    query_gather: torch.Tensor  # [B * Q] index into the T tokens (padding repeats a row's last token)
+    query_scatter: torch.Tensor  # [T] index of each token inside the padded [B * Q] layout
+    kv_slots: torch.Tensor  # [B, C] flat KV slot of every context position (padding reads slot 0)
+    mask: torch.Tensor | None  # [B, 1, Q, C] bool, True where a query may attend
+    num_rows: int
+    max_query_len: int
+    single_fresh_row: bool  # one row starting at position 0: plain causal attention, no gather
+
+
+class TorchAttentionBackend:
+    """Reference backend: correct for any ragged mix of prefill chunks and decode rows."""
+
+    def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
+        offsets = layout.input_row_offsets
+        device = offsets.device
+        num_rows = offsets.numel() - 1
+        q_len, c_len = layout.max_query_len, layout.max_context_len
+        starts, lens = offsets[:-1], offsets[1:] - offsets[:-1]  # [B]
+
+        local = torch.arange(q_len, device=device)  # [Q]
+        local = torch.minimum(local[None, :], (lens - 1).clamp(min=0)[:, None])  # [B, Q]
+        query_gather = (starts[:, None] + local).reshape(-1)
+        token_row = torch.repeat_interleave(
+            torch.arange(num_rows, device=device), lens, output_size=layout.positions.numel()
+        )  # [T]
+        token_local = torch.arange(layout.positions.numel(), device=device) - starts[token_row]
+        query_scatter = token_row * q_len + token_local
+
+        ctx = torch.arange(c_len, device=device)  # [C]
+        block_idx = (ctx // layout.block_size).clamp(max=layout.block_tables.shape[1] - 1)
+        kv_slots = layout.block_tables[:, block_idx] * layout.block_size + (ctx % layout.block_size)
+        kv_slots = torch.where(ctx[None, :] < layout.context_lens[:, None], kv_slots, 0)  # [B, C]
+
+        single_fresh_row = layout.is_causal_prefill and num_rows == 1
+        mask = None
+        if not single_fresh_row:
+            q_pos = layout.positions[query_gather].view(num_rows, q_len)  # [B, Q]
+            mask = (ctx[None, None, :] <= q_pos[:, :, None]) & (
+                ctx[None, None, :] < layout.context_lens[:, None, None]
+            )
+            mask = mask.unsqueeze(1)  # [B, 1, Q, C]
+        return TorchAttentionMetadata(
+            slot_mapping=layout.slot_mapping,
+            query_gather=query_gather,
+            query_scatter=query_scatter,
+            kv_slots=kv_slots,
+            mask=mask,
+            num_rows=num_rows,
+            max_query_len=q_len,
+            single_fresh_row=single_fresh_row,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+    ) -> torch.Tensor:
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        k_flat = k_cache.view(-1, k_cache.shape[2], head_dim)
+        v_flat = v_cache.view(-1, v_cache.shape[2], head_dim)
+        k_flat.index_copy_(0, metadata.slot_mapping, k)
+        v_flat.index_copy_(0, metadata.slot_mapping, v)
+
+        b, qn = metadata.num_rows, metadata.max_query_len
+        qp = q[metadata.query_gather].view(b, qn, num_heads, head_dim).transpose(1, 2)
+        if metadata.single_fresh_row:
+            # The row's K/V are exactly this step's: no gather, plain causal attention.
+            kp, vp = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
+            out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+        else:
+            kp = k_flat[metadata.kv_slots].transpose(1, 2)  # [B, Hkv, C, D]
+            vp = v_flat[metadata.kv_slots].transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=metadata.mask, enable_gqa=True
+            )
+        out = out.transpose(1, 2).reshape(b * qn, num_heads, head_dim)  # [B*Q, Hq, D]
+        return out[metadata.query_scatter]

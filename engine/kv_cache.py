@@ -1,0 +1,96 @@
+"""Paged KV cache: per-layer pools of fixed-size blocks, sized from a memory budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from engine.config import Llama3Config
+
+
+class KVCacheCapacityError(ValueError):
+    """The KV cache cannot hold what was asked of it; the message says how much is missing."""
+
+
+@dataclass(frozen=True)
+class KVCacheParams:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_config(cls, config: Llama3Config, block_size: int) -> KVCacheParams:
+        if block_size <= 0:
+            raise KVCacheCapacityError(f"block_size: must be positive, got {block_size}")
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            block_size=block_size,
+            dtype=config.dtype,
+        )
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block across all layers."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for new allocations on ``device``."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def estimate_kv_cache_size(params: KVCacheParams, available_cache_memory: int) -> int:
+    """Bytes of KV cache that fit in ``available_cache_memory``, rounded down to whole blocks."""
+    return (available_cache_memory // params.bytes_per_block) * params.bytes_per_block
+
+
+def plan_num_blocks(
+    params: KVCacheParams,
+    device: torch.device,
+    *,
+    memory_bytes: int | None = None,
+    memory_fraction: float | None = None,
+) -> int:
+    """Number of blocks from a byte budget, or from a fraction of the device's free memory."""
+    if memory_bytes is None:
+        fraction = 0.1 if memory_fraction is None else memory_fraction
+        if not 0 < fraction <= 1:
+            raise KVCacheCapacityError(f"kv_cache_memory_fraction: must be in (0, 1], got {fraction}")
+        memory_bytes = int(available_memory(device) * fraction)
+    num_blocks = estimate_kv_cache_size(params, memory_bytes) // params.bytes_per_block
+    if num_blocks < 1:
+        raise KVCacheCapacityError(
+            f"kv cache: {memory_bytes} bytes hold no block of {params.bytes_per_block} bytes; "
+            "raise kv_cache_memory or lower block_size"
+        )
+    return num_blocks
+
+
+class PagedKVCache:
+    """K and V pools for every layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Block ``b`` of every layer belongs to the same owner, so one block table serves all
+    layers, and a run of consecutive block ids is one contiguous slice of each pool.
+    """
+
+    def __init__(self, params: KVCacheParams, num_blocks: int, device: torch.device) -> None:
+        self.params = params
+        self.num_blocks = num_blocks
+        shape = (num_blocks, params.block_size, params.num_kv_heads, params.head_dim)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (
+                torch.zeros(shape, dtype=params.dtype, device=device),
+                torch.zeros(shape, dtype=params.dtype, device=device),
+            )
+            for _ in range(params.num_layers)
+        ]

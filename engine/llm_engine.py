@@ -1,0 +1,212 @@
+"""The engine loop: schedule, run, postprocess, one step at a time."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.attention import get_backend
+from engine.block_manager import BlockManager
+from engine.config import Llama3Config
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCacheCapacityError, KVCacheParams, PagedKVCache, plan_num_blocks
+from engine.model_runner import ModelRunner, StepOutput
+from engine.registry import load_model
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.sequence import Sequence, TokenLogprobs
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names what is wrong."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # HF model directory
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    kv_cache_memory: int | None = None  # bytes; default: kv_cache_memory_fraction of free memory
+    kv_cache_memory_fraction: float = 0.1
+    enable_prefix_caching: bool = True
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all output tokens so far
+    text: str  # all output text so far (stop string and partial characters held back)
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.device = torch.device(config.device)
+        model, self.model_config = load_model(
+            config.model, dtype=config.dtype, max_length=config.max_model_len, device=self.device
+        )
+        self.max_model_len = self.model_config.max_seq_len
+        self.tokenizer = tokenizer
+        self.eos_token_ids = _eos_token_ids(Path(config.model), self.model_config)
+        kv_params = KVCacheParams.from_config(self.model_config, config.block_size)
+        num_blocks = plan_num_blocks(
+            kv_params,
+            self.device,
+            memory_bytes=config.kv_cache_memory,
+            memory_fraction=config.kv_cache_memory_fraction,
+        )
+        self.kv_cache = PagedKVCache(kv_params, num_blocks, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
+        )
+        self.runner = ModelRunner(model, self.kv_cache, get_backend(config.attention_backend), self.device)
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._order = itertools.count()
+
+    # -- requests ----------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        self._validate(request_id, prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=list(prompt_token_ids),
+            num_prompt_tokens=len(prompt_token_ids),
+            params=params,
+            seed=seed,
+            arrival_order=next(self._order),
+        )
+        self._seqs[request_id] = seq
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq)
+            self._detok.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if request_id in self._seqs:
+            raise RequestError(f"request_id: {request_id!r} is already running")
+        if not prompt:
+            raise RequestError("prompt: is empty; send at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop: stop strings need a tokenizer; use stop_token_ids")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{total} exceeds the context length {self.max_model_len}"
+            )
+        needed = self.block_manager.num_blocks_for(total)
+        if needed > self.block_manager.num_blocks:
+            raise KVCacheCapacityError(
+                f"kv cache: this request needs {needed} blocks but the cache has only "
+                f"{self.block_manager.num_blocks}; raise kv_cache_memory or shorten the request"
+            )
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns outputs of the requests that produced tokens."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise KVCacheCapacityError("kv cache: no request fits; all blocks are leaked?")
+            return []
+        result = self.runner.execute(batch)
+        return self._postprocess(batch, result)
+
+    def _postprocess(self, batch: ScheduledBatch, result: StepOutput) -> list[RequestOutput]:
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_computed_blocks(seq)
+        outputs = []
+        for i, (row, token) in enumerate(zip(result.rows, result.tokens, strict=True)):
+            seq = batch.seqs[row]
+            seq.token_ids.append(token)
+            if result.logprobs is not None and seq.params.logprobs is not None:
+                chosen, ids, values = result.logprobs[i]
+                n = seq.params.logprobs
+                seq.logprobs.append(TokenLogprobs(token, chosen, dict(zip(ids[:n], values[:n], strict=True))))
+            self._check_stop(seq, token)
+            outputs.append(self._output(seq))
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                del self._seqs[seq.request_id]
+                self._detok.pop(seq.request_id, None)
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        if token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif seq.num_output_tokens >= params.max_tokens:
+            seq.finish_reason = "length"
+        detok = self._detok.get(seq.request_id)
+        if detok is not None:
+            detok.add([token], final=seq.finish_reason is not None)
+            if detok.stopped_on is not None and seq.finish_reason is None:
+                seq.finish_reason, seq.stop_reason = "stop", detok.stopped_on
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        detok = self._detok.get(seq.request_id)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids,
+            text=detok.text if detok is not None else "",
+            finished=seq.finish_reason is not None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=list(seq.logprobs),
+        )
+
+
+def _eos_token_ids(model_dir: Path, config: Llama3Config) -> frozenset[int]:
+    """EOS ids from config.json and generation_config.json together."""
+    ids = set(config.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)

@@ -1,0 +1,130 @@
+"""Turns a scheduled batch into model inputs, runs the forward and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend, BatchLayout
+from engine.kv_cache import PagedKVCache
+from engine.models.llama3 import ModelOutputs, ReturnHiddenStates
+from engine.sampler import SamplingTensors, sample, top_logprobs
+from engine.scheduler import ScheduledBatch
+
+
+@dataclass
+class ModelInputs:
+    """One step's ragged batch, on the model's device."""
+
+    tokens: torch.Tensor  # [T] int64
+    input_row_offsets: torch.Tensor  # [B+1] int64
+    layout: BatchLayout
+    logit_indices: torch.Tensor  # [N] int64: last token of each row that samples
+    sample_rows: list[int]  # host: which rows those are
+
+
+@dataclass
+class StepOutput:
+    rows: list[int]  # batch rows that sampled a token
+    tokens: list[int]  # the sampled token per such row
+    logprobs: list[tuple[float, list[int], list[float]]] | None  # per row: chosen, top ids, top values
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_cache: PagedKVCache,
+        backend: AttentionBackend,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = device
+        self.block_size = kv_cache.params.block_size
+
+    def prepare(self, batch: ScheduledBatch) -> ModelInputs:
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        offsets = [0]
+        context_lens: list[int] = []
+        sample_rows: list[int] = []
+        for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            start = seq.num_computed_tokens
+            end = start + num_new
+            tokens.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            offsets.append(offsets[-1] + num_new)
+            context_lens.append(end)
+            if batch.samples(row):
+                sample_rows.append(row)
+        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
+
+        def t(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:  # type: ignore[type-arg]
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        offsets_t = t(offsets)
+        layout = BatchLayout(
+            input_row_offsets=offsets_t,
+            positions=t(positions),
+            slot_mapping=t(slots),
+            context_lens=t(context_lens),
+            block_tables=t(tables),
+            block_size=bs,
+            max_query_len=max(batch.num_new_tokens),
+            max_context_len=max(context_lens),
+            is_causal_prefill=all(s.num_computed_tokens == 0 for s in batch.seqs),
+        )
+        return ModelInputs(
+            tokens=t(tokens),
+            input_row_offsets=offsets_t,
+            layout=layout,
+            logit_indices=t([offsets[r + 1] - 1 for r in sample_rows]),
+            sample_rows=sample_rows,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, inputs: ModelInputs, return_hidden_states: ReturnHiddenStates = ReturnHiddenStates()
+    ) -> ModelOutputs:
+        metadata = self.backend.build_metadata(inputs.layout)
+        out: ModelOutputs = self.model(
+            inputs.tokens,
+            inputs.layout.positions,
+            self.kv_cache.layers,
+            self.backend,
+            metadata,
+            inputs.logit_indices,
+            return_hidden_states,
+        )
+        return out
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        inputs = self.prepare(batch)
+        if not inputs.sample_rows:  # only prefill chunks that do not reach the end
+            self.forward(inputs)
+            return StepOutput(rows=[], tokens=[], logprobs=None)
+        logits = self.forward(inputs).logits  # [N, V]
+        seqs = [batch.seqs[r] for r in inputs.sample_rows]
+        tensors = SamplingTensors.build(
+            [s.params for s in seqs],
+            [s.seed for s in seqs],
+            [s.num_tokens for s in seqs],
+            self.device,
+        )
+        tokens = sample(logits, tensors)
+        logprobs = None
+        num_top = max((s.params.logprobs or 0) for s in seqs)
+        if any(s.params.logprobs is not None for s in seqs):
+            chosen, ids, values = top_logprobs(logits, tokens, num_top)
+            logprobs = list(zip(chosen.tolist(), ids.tolist(), values.tolist(), strict=True))
+        return StepOutput(rows=inputs.sample_rows, tokens=tokens.tolist(), logprobs=logprobs)

@@ -1,0 +1,1 @@
+"""Model definitions; each architecture is declared once in ``engine.registry``."""

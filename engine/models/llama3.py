@@ -1,0 +1,143 @@
+"""Llama-3 decoder over a paged KV cache, for ragged batches of prefill chunks and decode rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.config import Llama3Config
+from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+# Positions past max_seq_len that speculative decoding may write before it rolls back.
+ROPE_SLACK_POSITIONS = 64
+
+
+@dataclass(frozen=True)
+class ReturnHiddenStates:
+    """Which hidden states a forward returns besides logits (drafters need them).
+
+    ``layer_ids``: residual stream after decoder layer i (0-based), for each i.
+    ``final``: the last hidden state after the final norm (what the lm_head sees).
+    """
+
+    layer_ids: tuple[int, ...] = ()
+    final: bool = False
+
+
+@dataclass
+class ModelOutputs:
+    logits: torch.Tensor  # [N, V] fp32, one row per requested logit index
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> [T, H]
+    final_hidden_state: torch.Tensor | None = None  # [T, H]
+
+
+class Llama3Attention(nn.Module):
+    def __init__(self, config: Llama3Config) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class Llama3DecoderLayer(nn.Module):
+    def __init__(self, config: Llama3Config) -> None:
+        super().__init__()
+        self.self_attn = Llama3Attention(config)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        h = self.self_attn(
+            self.input_layernorm(x), positions, rotary, kv_cache, backend, attn_metadata
+        )
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama3Model(nn.Module):
+    """Embedding, decoder layers, final norm and lm_head; logits only where asked."""
+
+    def __init__(self, config: Llama3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Llama3DecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.max_seq_len + ROPE_SLACK_POSITIONS,
+            config.rope_theta,
+            config.rope_scaling,
+            config.dtype,
+        )
+
+    def finalize(self) -> None:
+        """Restores what materialising from the meta device loses: weight ties and buffers."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary.reset_buffers(self.embed_tokens.weight.device)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v) block pools
+        backend: AttentionBackend,
+        attn_metadata: Any,
+        logit_indices: torch.Tensor,  # [N] int64: which of the T tokens get logits
+        return_hidden_states: ReturnHiddenStates = ReturnHiddenStates(),
+    ) -> ModelOutputs:
+        x = self.embed_tokens(tokens)  # [T, H]
+        hidden: dict[int, torch.Tensor] = {}
+        wanted = set(return_hidden_states.layer_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rotary, kv_caches[i], backend, attn_metadata)
+            if i in wanted:
+                hidden[i] = x
+        if return_hidden_states.final:
+            final = self.norm(x)
+            logits = self.lm_head(final[logit_indices]).float()  # [N, V]
+            return ModelOutputs(logits=logits, hidden_states=hidden, final_hidden_state=final)
+        logits = self.lm_head(self.norm(x[logit_indices])).float()  # [N, V]
+        return ModelOutputs(logits=logits, hidden_states=hidden)

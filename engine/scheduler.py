@@ -1,0 +1,120 @@
+"""Continuous batching under one rule: each request's computed tokens catch up with its known tokens.
+
+A fresh prompt, a prefill chunk and a decode step are the same thing here: a request
+with ``num_tokens - num_computed_tokens`` tokens to compute, served within the step's
+token budget. Running requests go first; waiting ones are admitted while blocks and
+budget last. When blocks run out, the newest running request is preempted by
+recompute: its blocks are freed and it waits again, keeping the tokens it has.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # rows per step
+    max_num_batched_tokens: int = 1024  # tokens per step; long prompts are chunked to fit
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass
+class ScheduledBatch:
+    """What the scheduler hands the model runner for one step."""
+
+    seqs: list[Sequence] = field(default_factory=list)  # the rows, in order
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each row computes now
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, row: int) -> bool:
+        """Whether row ``row`` catches up with its known tokens and so samples a new one."""
+        seq = self.seqs[row]
+        return seq.num_computed_tokens + self.num_new_tokens[row] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier row
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.block_manager.append(seq, num_new)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if batch.preempted or not self.block_manager.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def finish(self, seq: Sequence) -> None:
+        """Releases a finished or aborted request's blocks and forgets it."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

@@ -1,0 +1,55 @@
+"""A request as the engine tracks it: its tokens, its blocks and how far it has been computed."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the ``logprobs`` most likely token ids -> logprob
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt followed by generated tokens: the known tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int  # params.seed, or one drawn for this request
+    arrival_order: int
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,120 @@
+"""Tandem's Llama-3 forward against transformers' LlamaForCausalLM, fp32, through the paged cache."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.models.llama3 import ReturnHiddenStates
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+TOL = 1e-4
+NUM_DECODE_STEPS = 32
+
+
+def make_engine(model_dir, **kwargs) -> LLMEngine:
+    config = dict(model=str(model_dir), dtype="float32", kv_cache_memory=1 << 22, block_size=4)
+    config.update(kwargs)
+    return LLMEngine(EngineConfig(**config))
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        t = torch.tensor([ids])
+        return model(t, attention_mask=torch.ones_like(t)).logits[0].float()  # [L, V]
+
+
+def run_teacher_forced(engine: LLMEngine, prompts: list[list[int]], continuations: list[list[int]]):
+    """Drives the engine's scheduler and runner, feeding fixed continuations; returns
+    {row: [logits for each sampled position]}."""
+    sched, runner, bm = engine.scheduler, engine.runner, engine.block_manager
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        seq = Sequence(f"r{i}", list(prompt), len(prompt), SamplingParams(temperature=0), 0, i)
+        sched.add(seq)
+        seqs.append(seq)
+    got: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(prompts))}
+    num_chunked_steps = 0
+    while sched.has_unfinished:
+        batch = sched.schedule()
+        inputs = runner.prepare(batch)
+        num_chunked_steps += any(
+            not batch.samples(r) for r in range(len(batch.seqs))
+        )
+        logits = runner.forward(inputs).logits
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            bm.cache_computed_blocks(seq)
+        for j, row in enumerate(inputs.sample_rows):
+            seq = batch.seqs[row]
+            i = seqs.index(seq)
+            got[i].append(logits[j])
+            if seq.num_output_tokens == len(continuations[i]):
+                sched.finish(seq)
+            else:
+                seq.token_ids.append(continuations[i][seq.num_output_tokens])
+    assert bm.num_free_blocks == bm.num_blocks
+    return got, num_chunked_steps
+
+
+def test_prefill_and_decode_logits_match_transformers(tiny_llama):
+    model_dir, hf = tiny_llama
+    vocab = hf.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    lengths = [1, 7, 19, 33]
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+    continuations = [torch.randint(3, vocab, (NUM_DECODE_STEPS,), generator=gen).tolist() for _ in prompts]
+    # A small token budget forces chunked prefill of the longer prompts next to decode rows.
+    engine = make_engine(model_dir, max_num_batched_tokens=12)
+    got, num_chunked_steps = run_teacher_forced(engine, prompts, continuations)
+    assert num_chunked_steps > 0
+    for i, (prompt, cont) in enumerate(zip(prompts, continuations, strict=True)):
+        ref = hf_logits(hf, prompt + cont)  # [L, V]
+        assert len(got[i]) == NUM_DECODE_STEPS + 1
+        for step, logits in enumerate(got[i]):
+            pos = len(prompt) - 1 + step
+            err = (logits - ref[pos]).abs().max().item()
+            assert err < TOL, f"row {i} (prompt {len(prompt)}), step {step}: max |diff| {err:.2e}"
+
+
+def test_hidden_states_match_transformers(tiny_llama):
+    model_dir, hf = tiny_llama
+    engine = make_engine(model_dir)
+    prompt = list(range(3, 20))
+    seq = Sequence("h", list(prompt), len(prompt), SamplingParams(temperature=0), 0, 0)
+    engine.scheduler.add(seq)
+    batch = engine.scheduler.schedule()
+    inputs = engine.runner.prepare(batch)
+    layers = tuple(range(hf.config.num_hidden_layers))
+    out = engine.runner.forward(inputs, ReturnHiddenStates(layer_ids=layers, final=True))
+    with torch.inference_mode():
+        t = torch.tensor([prompt])
+        ref = hf(t, attention_mask=torch.ones_like(t), output_hidden_states=True).hidden_states
+    # transformers: hidden_states[i + 1] is the output of layer i, the last one after the norm.
+    for i in layers[:-1]:
+        assert (out.hidden_states[i] - ref[i + 1][0]).abs().max().item() < TOL
+    assert out.final_hidden_state is not None
+    assert (out.final_hidden_state - ref[-1][0]).abs().max().item() < TOL
+
+
+def test_engine_greedy_batch_matches_transformers_generate(tiny_llama):
+    model_dir, hf = tiny_llama
+    engine = make_engine(model_dir, max_num_batched_tokens=16)
+    prompts = [[5, 9, 4], list(range(3, 40)), [7] * 11, [3, 4, 5, 6, 7, 8]]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    for i, p in enumerate(prompts):
+        t = torch.tensor([p])
+        ref = hf.generate(
+            t, attention_mask=torch.ones_like(t), max_new_tokens=20, do_sample=False,
+            eos_token_id=None, pad_token_id=None,
+        )[0, len(p):].tolist()
+        assert outs[str(i)].token_ids == ref
+        assert outs[str(i)].finish_reason == "length"
