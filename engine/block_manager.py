@@ -45,9 +45,13 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"num_blocks and block_size must be positive ({num_blocks}, {block_size})")
+            raise ValueError(
+                f"num_blocks and block_size must be positive ({num_blocks}, {block_size})"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -76,6 +80,12 @@ class BlockManager:
         """Gives ``seq`` blocks for all its known tokens, reusing cached prefix blocks."""
         assert not seq.block_table, "allocate() on a request that already holds blocks"
         hits = self._prefix_hits(seq)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        missing = self.num_blocks_for(len(seq.token_ids)) - len(hits)
+        if missing > self.num_free_blocks - revived:
+            raise MemoryError(
+                f"KV cache: need {missing} blocks, {self.num_free_blocks - revived} free"
+            )
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -89,7 +99,9 @@ class BlockManager:
         self._grow(seq, self.num_blocks_for(len(seq.token_ids)))
 
     def can_append(self, seq: BlockOwner, num_new_tokens: int) -> bool:
-        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(
+            seq.block_table
+        )
         return needed <= self.num_free_blocks
 
     def append(self, seq: BlockOwner, num_new_tokens: int) -> None:

@@ -127,7 +127,9 @@ class Llama3Config:
         if act != "silu":
             raise ConfigError(f"hidden_act: {act!r} is not supported; allowed: ['silu']")
         if hf.get("pretraining_tp", 1) not in (1, None):
-            raise ConfigError(f"pretraining_tp: {hf['pretraining_tp']} is not supported; allowed: [1]")
+            raise ConfigError(
+                f"pretraining_tp: {hf['pretraining_tp']} is not supported; allowed: [1]"
+            )
         if hf.get("quantization_config"):
             raise ConfigError(
                 "quantization_config: quantized checkpoints are not supported; "
@@ -187,7 +189,12 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
         return float(theta), None
     missing = [
         k
-        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        for k in (
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        )
         if k not in params
     ]
     if missing:

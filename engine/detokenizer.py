@@ -19,7 +19,6 @@ class IncrementalDetokenizer:
         """Appends tokens; returns the newly emitted text. ``final`` flushes held-back text."""
         self.output_ids.extend(token_ids)
         decoded: str = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
-        stable = decoded
         if self.stop:
             search_from = max(0, len(self.text) - max(len(s) for s in self.stop) + 1)
             hits = [(decoded.find(s, search_from), s) for s in self.stop]
@@ -27,10 +26,11 @@ class IncrementalDetokenizer:
             if hits:
                 index, self.stopped_on = min(hits)
                 return self._emit(decoded[:index])
-            if not final:
-                stable = decoded[: len(decoded) - self._partial_stop_len(decoded)]
+        stable = decoded
         if not final:
             stable = stable.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for more
+            if self.stop:
+                stable = stable[: len(stable) - self._partial_stop_len(stable)]
         return self._emit(stable)
 
     def _partial_stop_len(self, text: str) -> int:

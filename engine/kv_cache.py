@@ -65,7 +65,9 @@ def plan_num_blocks(
     if memory_bytes is None:
         fraction = 0.1 if memory_fraction is None else memory_fraction
         if not 0 < fraction <= 1:
-            raise KVCacheCapacityError(f"kv_cache_memory_fraction: must be in (0, 1], got {fraction}")
+            raise KVCacheCapacityError(
+                f"kv_cache_memory_fraction: must be in (0, 1], got {fraction}"
+            )
         memory_bytes = int(available_memory(device) * fraction)
     num_blocks = estimate_kv_cache_size(params, memory_bytes) // params.bytes_per_block
     if num_blocks < 1:

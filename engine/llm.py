@@ -15,17 +15,25 @@ from engine.sampling_params import SamplingParams
 class LLM:
     """Loads a model once and generates for batches of prompts (text or token ids)."""
 
-    def __init__(self, model: str, dtype: str = "bfloat16", max_model_len: int | None = None, **engine_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "bfloat16",
+        max_model_len: int | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        config = EngineConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, **engine_kwargs)
+        config = EngineConfig(
+            model=str(model), dtype=dtype, max_model_len=max_model_len, **engine_kwargs
+        )
         self.engine = LLMEngine(config, tokenizer=self.tokenizer)
         self._next_id = 0
 
     def generate(
         self,
-        prompts: Seq[str] | Seq[list[int]],
+        prompts: Seq[str | list[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
@@ -36,7 +44,7 @@ class LLM:
             raise ValueError(f"params: got {len(per_prompt)} for {len(prompts)} prompts")
         ids = []
         for prompt, p in zip(prompts, per_prompt, strict=True):
-            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            token_ids = self._encode(prompt)
             request_id = f"offline-{self._next_id}"
             self._next_id += 1
             self.engine.add_request(request_id, token_ids, p)
@@ -53,12 +61,17 @@ class LLM:
                 bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.1f}")
         return [finished[i] for i in ids]
 
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return [int(t) for t in self.tokenizer.encode(prompt)]
+        return list(prompt)
+
     def chat_prompt(self, message: str) -> str:
         """The tokenizer's chat template around one user message (text, with generation prompt)."""
-        text: str = self.tokenizer.apply_chat_template(
+        text = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
         )
-        return text
+        return str(text)
 
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]

@@ -76,11 +76,15 @@ class LLMEngine:
             memory_fraction=config.kv_cache_memory_fraction,
         )
         self.kv_cache = PagedKVCache(kv_params, num_blocks, self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
         )
-        self.runner = ModelRunner(model, self.kv_cache, get_backend(config.attention_backend), self.device)
+        self.runner = ModelRunner(
+            model, self.kv_cache, get_backend(config.attention_backend), self.device
+        )
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._order = itertools.count()
@@ -125,7 +129,9 @@ class LLMEngine:
             raise RequestError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise RequestError(
+                f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
         if params.stop and self.tokenizer is None:
             raise RequestError("stop: stop strings need a tokenizer; use stop_token_ids")
         total = len(prompt) + params.max_tokens
@@ -164,7 +170,9 @@ class LLMEngine:
             if result.logprobs is not None and seq.params.logprobs is not None:
                 chosen, ids, values = result.logprobs[i]
                 n = seq.params.logprobs
-                seq.logprobs.append(TokenLogprobs(token, chosen, dict(zip(ids[:n], values[:n], strict=True))))
+                seq.logprobs.append(
+                    TokenLogprobs(token, chosen, dict(zip(ids[:n], values[:n], strict=True)))
+                )
             self._check_stop(seq, token)
             outputs.append(self._output(seq))
             if seq.finish_reason is not None:
@@ -175,9 +183,8 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
-        if token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif not params.ignore_eos and token in self.eos_token_ids:
+        is_eos = not params.ignore_eos and token in self.eos_token_ids
+        if token in params.stop_token_ids or is_eos:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif seq.num_output_tokens >= params.max_tokens:
             seq.finish_reason = "length"

@@ -9,7 +9,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.kv_cache import PagedKVCache
-from engine.models.llama3 import ModelOutputs, ReturnHiddenStates
+from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs, ReturnHiddenStates
 from engine.sampler import SamplingTensors, sample, top_logprobs
 from engine.scheduler import ScheduledBatch
 
@@ -29,7 +29,9 @@ class ModelInputs:
 class StepOutput:
     rows: list[int]  # batch rows that sampled a token
     tokens: list[int]  # the sampled token per such row
-    logprobs: list[tuple[float, list[int], list[float]]] | None  # per row: chosen, top ids, top values
+    logprobs: (
+        list[tuple[float, list[int], list[float]]] | None
+    )  # per row: chosen, top ids, top values
 
 
 class ModelRunner:
@@ -68,8 +70,8 @@ class ModelRunner:
         max_blocks = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
 
-        def t(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:  # type: ignore[type-arg]
-            return torch.tensor(values, dtype=dtype, device=self.device)
+        def t(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
 
         offsets_t = t(offsets)
         layout = BatchLayout(
@@ -93,7 +95,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, inputs: ModelInputs, return_hidden_states: ReturnHiddenStates = ReturnHiddenStates()
+        self, inputs: ModelInputs, return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES
     ) -> ModelOutputs:
         metadata = self.backend.build_metadata(inputs.layout)
         out: ModelOutputs = self.model(

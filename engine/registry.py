@@ -60,7 +60,10 @@ def llama_weight_rules(config: Llama3Config) -> list[TensorRule]:
         rules.append(
             TensorRule(
                 f"{ours}.mlp.gate_up_proj.weight",
-                (Source(f"{mlp}.gate_proj.weight", (inter, h)), Source(f"{mlp}.up_proj.weight", (inter, h))),
+                (
+                    Source(f"{mlp}.gate_proj.weight", (inter, h)),
+                    Source(f"{mlp}.up_proj.weight", (inter, h)),
+                ),
             )
         )
         rules.append(one(f"{ours}.mlp.down_proj.weight", f"{mlp}.down_proj.weight", (h, inter)))
@@ -68,7 +71,10 @@ def llama_weight_rules(config: Llama3Config) -> list[TensorRule]:
             rules.append(
                 TensorRule(
                     f"{ours}.mlp.gate_up_proj.bias",
-                    (Source(f"{mlp}.gate_proj.bias", (inter,)), Source(f"{mlp}.up_proj.bias", (inter,))),
+                    (
+                        Source(f"{mlp}.gate_proj.bias", (inter,)),
+                        Source(f"{mlp}.up_proj.bias", (inter,)),
+                    ),
                 )
             )
             rules.append(one(f"{ours}.mlp.down_proj.bias", f"{mlp}.down_proj.bias", (h,)))
@@ -101,9 +107,7 @@ def get_architecture(hf_config: dict[str, Any]) -> Architecture:
     for name in names:
         if name in ARCHITECTURES:
             return ARCHITECTURES[name]
-    raise ConfigError(
-        f"architectures: {names} is not supported; allowed: {sorted(ARCHITECTURES)}"
-    )
+    raise ConfigError(f"architectures: {names} is not supported; allowed: {sorted(ARCHITECTURES)}")
 
 
 def load_model(
@@ -120,7 +124,7 @@ def load_model(
     with torch.device("meta"):
         model = arch.model_class(config)
     model = model.to_empty(device=device).to(config.dtype)
-    model.finalize()  # re-tie shared weights and recompute buffers lost on the meta device
+    model.finalize()  # type: ignore[operator]  # re-tie shared weights and recompute buffers lost on the meta device
     reader = CheckpointReader(model_dir)
     try:
         load_weights(model, reader, arch.weight_rules(config))

@@ -42,7 +42,8 @@ def uniform(keys: torch.Tensor, num: int) -> torch.Tensor:
     """Uniform numbers in (0, 1), [B, num], a pure function of each row's key and column."""
     cols = torch.arange(num, device=keys.device, dtype=torch.int64)
     h = hash32(hash32(keys[:, None] ^ cols[None, :]) ^ 0x5BD1E995)
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: fp32 holds (2**23 - 1) + 0.5 exactly, so u stays strictly below 1.
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
@@ -66,7 +67,7 @@ class SamplingTensors:
         positions: list[int],
         device: torch.device,
     ) -> SamplingTensors:
-        def t(values: list, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[type-arg]
+        def t(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(
@@ -96,7 +97,7 @@ def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     # top-p on the top-k renormalised distribution: keep the smallest prefix whose mass
     # reaches top_p (a token is kept when the mass before it is still below top_p).
     mass_before = probs.cumsum(dim=-1) - probs
-    keep &= mass_before < t.top_p[:, None]
+    keep &= (mass_before < t.top_p[:, None]) | (t.top_p[:, None] >= 1.0)
     # min-p: drop tokens below min_p times the most likely token's probability.
     keep &= probs >= t.min_p[:, None] * probs[:, :1]
     keep[:, 0] = True
@@ -120,7 +121,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 def top_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, n: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-probabilities of the model's raw distribution: chosen [B], top-n ids and values [B, n]."""
+    """Log-probabilities of the raw model distribution: chosen [B], top-n ids and values [B, n]."""
     logp = torch.log_softmax(logits, dim=-1)
     chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
     values, ids = logp.topk(n, dim=-1)

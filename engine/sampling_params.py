@@ -32,11 +32,15 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise SamplingParamsError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+            raise SamplingParamsError(
+                f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}"
+            )
         if not 0.0 <= self.temperature <= 100.0:
             raise SamplingParamsError(f"temperature: must be in [0, 100], got {self.temperature}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SamplingParamsError(f"top_k: must be an integer >= 0 (0 disables), got {self.top_k!r}")
+            raise SamplingParamsError(
+                f"top_k: must be an integer >= 0 (0 disables), got {self.top_k!r}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError(f"top_p: must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -50,9 +54,13 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop: every stop string must be a non-empty string")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise SamplingParamsError(f"stop_token_ids: must be token ids >= 0, got {self.stop_token_ids}")
+            raise SamplingParamsError(
+                f"stop_token_ids: must be token ids >= 0, got {self.stop_token_ids}"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise SamplingParamsError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+            raise SamplingParamsError(
+                f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+            )
 
     @property
     def is_greedy(self) -> bool:

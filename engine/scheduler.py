@@ -1,4 +1,4 @@
-"""Continuous batching under one rule: each request's computed tokens catch up with its known tokens.
+"""Continuous batching under one rule: a request's computed tokens catch up with its known tokens.
 
 A fresh prompt, a prefill chunk and a decode step are the same thing here: a request
 with ``num_tokens - num_computed_tokens`` tokens to compute, served within the step's

@@ -86,9 +86,7 @@ class CheckpointReader:
         self._stack.close()
 
 
-def load_weights(
-    model: nn.Module, reader: CheckpointReader, rules: Iterable[TensorRule]
-) -> None:
+def load_weights(model: nn.Module, reader: CheckpointReader, rules: Iterable[TensorRule]) -> None:
     """Fills every parameter of ``model`` from the checkpoint, validating names and shapes."""
     params = dict(model.named_parameters())
     filled: set[str] = set()

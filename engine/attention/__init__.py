@@ -15,5 +15,7 @@ __all__ = ["AttentionBackend", "BatchLayout", "TorchAttentionBackend", "get_back
 def get_backend(name: str = "torch") -> AttentionBackend:
     backends: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
     if name not in backends:
-        raise ValueError(f"attention backend: {name!r} is not available; allowed: {sorted(backends)}")
+        raise ValueError(
+            f"attention backend: {name!r} is not available; allowed: {sorted(backends)}"
+        )
     return backends[name]()

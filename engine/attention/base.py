@@ -17,7 +17,9 @@ class BatchLayout:
 
     input_row_offsets: torch.Tensor  # [B+1] int64: row b owns tokens offsets[b]:offsets[b+1]
     positions: torch.Tensor  # [T] int64: position of each token in its sequence
-    slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block * block_size + offset) each token writes
+    slot_mapping: (
+        torch.Tensor
+    )  # [T] int64: flat KV slot (block * block_size + offset) each token writes
     context_lens: torch.Tensor  # [B] int64: KV length of each row after this step
     block_tables: torch.Tensor  # [B, max_blocks] int64: block ids per row, padded with 0
     block_size: int

@@ -13,7 +13,9 @@ from engine.attention.base import BatchLayout
 @dataclass
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [T]
-    query_gather: torch.Tensor  # [B * Q] index into the T tokens (padding repeats a row's last token)
+    query_gather: (
+        torch.Tensor
+    )  # [B * Q] index into the T tokens (padding repeats a row's last token)
     query_scatter: torch.Tensor  # [T] index of each token inside the padded [B * Q] layout
     kv_slots: torch.Tensor  # [B, C] flat KV slot of every context position (padding reads slot 0)
     mask: torch.Tensor | None  # [B, 1, Q, C] bool, True where a query may attend

@@ -28,6 +28,9 @@ class ReturnHiddenStates:
     final: bool = False
 
 
+NO_HIDDEN_STATES = ReturnHiddenStates()
+
+
 @dataclass
 class ModelOutputs:
     logits: torch.Tensor  # [N, V] fp32, one row per requested logit index
@@ -126,7 +129,7 @@ class Llama3Model(nn.Module):
         backend: AttentionBackend,
         attn_metadata: Any,
         logit_indices: torch.Tensor,  # [N] int64: which of the T tokens get logits
-        return_hidden_states: ReturnHiddenStates = ReturnHiddenStates(),
+        return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES,
     ) -> ModelOutputs:
         x = self.embed_tokens(tokens)  # [T, H]
         hidden: dict[int, torch.Tensor] = {}

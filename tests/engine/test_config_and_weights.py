@@ -49,12 +49,30 @@ def copy_with(src: Path, dst: Path, edit_config=None, edit_tensors=None) -> Path
 
 
 def test_transformers4_and_5_key_names_give_the_same_config():
-    v5 = dict(BASE, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 64}, dtype="bfloat16")
-    v4 = dict(BASE, rope_theta=5e5, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 64}, torch_dtype="bfloat16")
+    v5 = dict(
+        BASE,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 5e5,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        dtype="bfloat16",
+    )
+    v4 = dict(
+        BASE,
+        rope_theta=5e5,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        torch_dtype="bfloat16",
+    )
     a, b = Llama3Config.from_hf(v5), Llama3Config.from_hf(v4)
     assert a == b
     assert a.rope_theta == 5e5 and a.rope_scaling is not None and a.rope_scaling.factor == 8.0
@@ -88,14 +106,18 @@ def test_max_length_over_the_model_limit_is_refused():
 def test_bad_dtype_and_architecture(checkpoint, tmp_path):
     with pytest.raises(ConfigError, match=r"dtype: 'int8' is not supported; allowed"):
         Llama3Config.from_hf(BASE, dtype="int8")
-    bad = copy_with(checkpoint, tmp_path / "m", lambda c: c.update(architectures=["GPT2LMHeadModel"]))
+    bad = copy_with(
+        checkpoint, tmp_path / "m", lambda c: c.update(architectures=["GPT2LMHeadModel"])
+    )
     with pytest.raises(ConfigError, match=r"architectures: \['GPT2LMHeadModel'\] is not supported"):
         load_model(bad)
 
 
 def test_missing_tensor_is_named(checkpoint, tmp_path):
     bad = copy_with(
-        checkpoint, tmp_path / "m", edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight")
+        checkpoint,
+        tmp_path / "m",
+        edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
     )
     with pytest.raises(WeightError, match=r"^model\.layers\.1\.mlp\.up_proj\.weight: missing"):
         load_model(bad, dtype="float32")
@@ -107,21 +129,27 @@ def test_misshapen_tensor_is_named(checkpoint, tmp_path):
 
     bad = copy_with(checkpoint, tmp_path / "m", edit_tensors=shrink)
     with pytest.raises(
-        WeightError, match=r"^model\.layers\.0\.self_attn\.k_proj\.weight: shape \[8, 64\] .* \[64, 64\]"
+        WeightError,
+        match=r"^model\.layers\.0\.self_attn\.k_proj\.weight: shape \[8, 64\] .* \[64, 64\]",
     ):
         load_model(bad, dtype="float32")
 
 
 def test_no_checkpoint_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(BASE))
-    with pytest.raises(WeightError, match="no \\*.safetensors files"):
+    with pytest.raises(WeightError, match=r"no \*\.safetensors files"):
         load_model(tmp_path)
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path):
     single = build_tiny_llama(tmp_path / "single", "gqa4_llama3rope_hd72_mlpbias", num_layers=2)
-    build_tiny_llama(tmp_path / "sharded", "gqa4_llama3rope_hd72_mlpbias", num_layers=2,
-                     max_shard_size="100KB", legacy_keys=True)
+    build_tiny_llama(
+        tmp_path / "sharded",
+        "gqa4_llama3rope_hd72_mlpbias",
+        num_layers=2,
+        max_shard_size="100KB",
+        legacy_keys=True,
+    )
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     assert "rope_theta" in json.loads((tmp_path / "sharded" / "config.json").read_text())
     a, _ = load_model(tmp_path / "single", dtype="float32")

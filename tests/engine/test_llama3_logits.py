@@ -1,4 +1,4 @@
-"""Tandem's Llama-3 forward against transformers' LlamaForCausalLM, fp32, through the paged cache."""
+"""Tandem's Llama-3 forward against transformers' LlamaForCausalLM in fp32, via the paged cache."""
 
 from __future__ import annotations
 
@@ -39,9 +39,7 @@ def run_teacher_forced(engine: LLMEngine, prompts: list[list[int]], continuation
     while sched.has_unfinished:
         batch = sched.schedule()
         inputs = runner.prepare(batch)
-        num_chunked_steps += any(
-            not batch.samples(r) for r in range(len(batch.seqs))
-        )
+        num_chunked_steps += any(not batch.samples(r) for r in range(len(batch.seqs)))
         logits = runner.forward(inputs).logits
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
@@ -64,7 +62,9 @@ def test_prefill_and_decode_logits_match_transformers(tiny_llama):
     gen = torch.Generator().manual_seed(1)
     lengths = [1, 7, 19, 33]
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
-    continuations = [torch.randint(3, vocab, (NUM_DECODE_STEPS,), generator=gen).tolist() for _ in prompts]
+    continuations = [
+        torch.randint(3, vocab, (NUM_DECODE_STEPS,), generator=gen).tolist() for _ in prompts
+    ]
     # A small token budget forces chunked prefill of the longer prompts next to decode rows.
     engine = make_engine(model_dir, max_num_batched_tokens=12)
     got, num_chunked_steps = run_teacher_forced(engine, prompts, continuations)
@@ -113,8 +113,12 @@ def test_engine_greedy_batch_matches_transformers_generate(tiny_llama):
     for i, p in enumerate(prompts):
         t = torch.tensor([p])
         ref = hf.generate(
-            t, attention_mask=torch.ones_like(t), max_new_tokens=20, do_sample=False,
-            eos_token_id=None, pad_token_id=None,
-        )[0, len(p):].tolist()
+            t,
+            attention_mask=torch.ones_like(t),
+            max_new_tokens=20,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=None,
+        )[0, len(p) :].tolist()
         assert outs[str(i)].token_ids == ref
         assert outs[str(i)].finish_reason == "length"

@@ -24,7 +24,9 @@ def engine_for(model_dir, **kwargs) -> LLMEngine:
     return LLMEngine(EngineConfig(**cfg))
 
 
-def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, RequestOutput]:
+def run(
+    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, RequestOutput]:
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     done: dict[str, RequestOutput] = {}
@@ -67,20 +69,26 @@ def test_max_tokens_and_length_finish(tiny):
 def test_refusals_name_the_problem(tiny):
     model_dir, _ = tiny
     engine = engine_for(model_dir, max_model_len=64)
-    with pytest.raises(RequestError, match="^prompt: is empty"):
+    with pytest.raises(RequestError, match=r"^prompt: is empty"):
         engine.add_request("a", [], greedy(4))
-    with pytest.raises(RequestError, match=r"^prompt: token id 64 is outside the vocabulary \[0, 64\)"):
+    with pytest.raises(
+        RequestError, match=r"^prompt: token id 64 is outside the vocabulary \[0, 64\)"
+    ):
         engine.add_request("a", [1, 64], greedy(4))
-    with pytest.raises(RequestError, match="^stop_token_ids: token id 99"):
+    with pytest.raises(RequestError, match=r"^stop_token_ids: token id 99"):
         engine.add_request("a", [1], greedy(4, stop_token_ids=[99]))
-    with pytest.raises(RequestError, match=r"^max_tokens: prompt \(10 tokens\) \+ max_tokens \(60\) = 70"):
+    with pytest.raises(
+        RequestError, match=r"^max_tokens: prompt \(10 tokens\) \+ max_tokens \(60\) = 70"
+    ):
         engine.add_request("a", [1] * 10, greedy(60))
-    with pytest.raises(RequestError, match="^stop: stop strings need a tokenizer"):
+    with pytest.raises(RequestError, match=r"^stop: stop strings need a tokenizer"):
         engine.add_request("a", [1], greedy(4, stop=["x"]))
     engine.add_request("a", [1], greedy(4))
-    with pytest.raises(RequestError, match="^request_id: 'a' is already running"):
+    with pytest.raises(RequestError, match=r"^request_id: 'a' is already running"):
         engine.add_request("a", [1], greedy(4))
-    small = engine_for(model_dir, kv_cache_memory=4 * 2 * 2 * 4 * 2 * 40 * 4)  # 4 blocks of 4 tokens
+    small = engine_for(
+        model_dir, kv_cache_memory=4 * 2 * 2 * 4 * 2 * 40 * 4
+    )  # 4 blocks of 4 tokens
     assert small.block_manager.num_blocks == 4
     with pytest.raises(KVCacheCapacityError, match="needs 5 blocks but the cache has only 4"):
         small.add_request("b", [1] * 10, greedy(10))
@@ -90,7 +98,10 @@ def test_seeded_sampling_is_independent_of_batch_and_chunking(tiny):
     model_dir, _ = tiny
     params = SamplingParams(max_tokens=16, temperature=0.9, top_k=20, top_p=0.95, seed=1234)
     alone = run(engine_for(model_dir), {"x": ([3, 4, 5, 6, 7], params)})["x"].token_ids
-    crowd = {f"o{i}": ([10 + i] * (i + 2), SamplingParams(max_tokens=9, temperature=1.0, seed=i)) for i in range(5)}
+    crowd = {
+        f"o{i}": ([10 + i] * (i + 2), SamplingParams(max_tokens=9, temperature=1.0, seed=i))
+        for i in range(5)
+    }
     crowd["x"] = ([3, 4, 5, 6, 7], params)
     batched = run(engine_for(model_dir, max_num_batched_tokens=3), crowd)["x"].token_ids
     assert batched == alone
@@ -103,7 +114,10 @@ def test_mixed_greedy_and_sampled_rows(tiny):
     ref = run(engine_for(model_dir), {"g": ([7, 7, 8], greedy(10))})["g"].token_ids
     outs = run(
         engine_for(model_dir),
-        {"g": ([7, 7, 8], greedy(10)), "s": ([7, 7, 8], SamplingParams(max_tokens=10, temperature=1.5, seed=3))},
+        {
+            "g": ([7, 7, 8], greedy(10)),
+            "s": ([7, 7, 8], SamplingParams(max_tokens=10, temperature=1.5, seed=3)),
+        },
     )
     assert outs["g"].token_ids == ref
     assert outs["s"].token_ids != ref
@@ -123,7 +137,10 @@ def test_logprobs_are_the_model_distribution(tiny):
         assert abs(lp.logprob - row[lp.token_id].item()) < 1e-4
         top = row.topk(5)
         assert list(lp.top) == top.indices.tolist()
-        assert max(abs(a - b) for a, b in zip(lp.top.values(), top.values.tolist(), strict=True)) < 1e-4
+        assert (
+            max(abs(a - b) for a, b in zip(lp.top.values(), top.values.tolist(), strict=True))
+            < 1e-4
+        )
 
 
 def test_prefix_cache_reuse_gives_identical_output(tiny):
@@ -142,7 +159,9 @@ def test_preemption_by_recompute_keeps_output_identical(tiny):
     model_dir, _ = tiny
     prompts = {f"r{i}": ([3 + i, 5, 7, 11, 13][: 2 + i], greedy(14)) for i in range(4)}
     roomy = run(engine_for(model_dir), dict(prompts))
-    tight_engine = engine_for(model_dir, kv_cache_memory=9 * 2 * 2 * 4 * 2 * 40 * 4, enable_prefix_caching=False)
+    tight_engine = engine_for(
+        model_dir, kv_cache_memory=9 * 2 * 2 * 4 * 2 * 40 * 4, enable_prefix_caching=False
+    )
     assert tight_engine.block_manager.num_blocks == 9
     tight = run(tight_engine, dict(prompts))
     assert tight_engine.scheduler.num_preemptions > 0

@@ -44,10 +44,15 @@ def reference_generate(model, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-            do_sample=False, eos_token_id=None, pad_token_id=None,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=None,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
@@ -62,7 +67,9 @@ def test_greedy_fp32_batch_equals_transformers_alone(smollm2_dir, reference):
     model, tokenizer = reference
     prompts = [chat_ids(tokenizer, q) for q in QUESTIONS]
     assert len({len(p) for p in prompts}) == len(prompts)  # mixed lengths
-    llm = LLM(str(smollm2_dir), dtype="float32", kv_cache_memory=256 << 20, max_num_batched_tokens=128)
+    llm = LLM(
+        str(smollm2_dir), dtype="float32", kv_cache_memory=256 << 20, max_num_batched_tokens=128
+    )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ours = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     refs = [reference_generate(model, p, NEW_TOKENS) for p in prompts]
@@ -73,15 +80,19 @@ def test_greedy_fp32_batch_equals_transformers_alone(smollm2_dir, reference):
 
 @pytest.mark.slow
 def test_stop_strings_on_real_text(smollm2_dir, reference):
-    model, tokenizer = reference
+    _, tokenizer = reference
     llm = LLM(str(smollm2_dir), dtype="float32", kv_cache_memory=64 << 20)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": QUESTIONS[0]}], add_generation_prompt=True, tokenize=False
     )
-    full = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    full = llm.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0]
     assert "Paris" in full.text
     stopped = llm.generate(
-        [prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=["Paris"]), use_tqdm=False
+        [prompt],
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=["Paris"]),
+        use_tqdm=False,
     )[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == "Paris"
     assert stopped.text == full.text[: full.text.index("Paris")]

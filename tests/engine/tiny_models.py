@@ -48,8 +48,14 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def build_tiny_llama(
-    out: Path, shape: str, *, vocab_size: int = 320, num_layers: int = 3, seed: int = 0,
-    legacy_keys: bool = False, max_shard_size: str | None = None,
+    out: Path,
+    shape: str,
+    *,
+    vocab_size: int = 320,
+    num_layers: int = 3,
+    seed: int = 0,
+    legacy_keys: bool = False,
+    max_shard_size: str | None = None,
 ) -> LlamaForCausalLM:
     """Saves a random model to ``out``; returns it in fp32 eval mode.
 

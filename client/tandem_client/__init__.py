@@ -1,0 +1,3 @@
+"""Tandem client: Python SDK and the `tandem` command line."""
+
+__version__ = "0.1.0"

