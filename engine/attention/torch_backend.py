@@ -83,7 +83,9 @@ class TorchAttentionBackend:
         v_flat.index_copy_(0, metadata.slot_mapping, v)
 
         b, qn = metadata.num_rows, metadata.max_query_len
-        qp = q[metadata.query_gather].view(b, qn, num_heads, head_dim).transpose(1, 2)
+        is_uniform = b * qn == q.shape[0]  # every row has qn tokens: padding is the identity
+        qp = q if is_uniform else q[metadata.query_gather]
+        qp = qp.view(b, qn, num_heads, head_dim).transpose(1, 2)
         if metadata.single_fresh_row:
             # The row's K/V are exactly this step's: no gather, plain causal attention.
             kp, vp = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
@@ -95,4 +97,4 @@ class TorchAttentionBackend:
                 qp, kp, vp, attn_mask=metadata.mask, enable_gqa=True
             )
         out = out.transpose(1, 2).reshape(b * qn, num_heads, head_dim)  # [B*Q, Hq, D]
-        return out[metadata.query_scatter]
+        return out if is_uniform else out[metadata.query_scatter]

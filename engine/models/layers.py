@@ -20,10 +20,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        h = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> torch.Tensor:
@@ -44,7 +42,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables [max_positions, head_dim] in the model dtype."""
+    """Precomputed cos/sin tables [max_positions, head_dim] in the model dtype.
+
+    ``lookup`` runs once per forward; ``apply`` rotates queries and keys of every layer.
+    The sine table is stored with the sign of ``rotate_half`` folded in, so a rotation is
+    ``x * cos + swap_halves(x) * signed_sin``: the same products transformers computes.
+    """
 
     def __init__(
         self,
@@ -70,21 +73,74 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2], fp32 as in transformers
         emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin()
+        half = self.head_dim // 2
+        sin[:, :half] = -sin[:, :half]
         self.cos = emb.cos().to(device=device, dtype=self.dtype)
-        self.sin = emb.sin().to(device=device, dtype=self.dtype)
+        self.sin = sin.to(device=device, dtype=self.dtype)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, D], k: [T, Hkv, D], positions: [T]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for each token: ([T, 1, D], [T, 1, D])."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotates ``x`` [T, H, D]; queries and keys may be rotated together."""
+        t, h, d = x.shape
+        swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)  # [x2, x1]
+        return x * cos + swapped * sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class Linear(nn.Linear):
+    """``nn.Linear`` that can run matrix-matrix products of low-precision weights in fp32.
+
+    CPUs without native bf16 dot products (AVX2) convert inside the GEMM once per row, so
+    a bf16 ``F.linear`` costs about M times a matrix-vector product. From ``upcast_min_rows``
+    rows on, the product runs in fp32 (what a bf16 GEMM accumulates in anyway) on an fp32
+    copy of the weight prepacked for oneDNN, and is rounded back to the activation dtype.
+    The copy costs twice the bf16 weight's memory; matrix-vector products keep bf16.
+    """
+
+    upcast_min_rows: int | None = None  # None: always the native dtype
+    _fp32: _PackedFp32Linear | None = None  # made on first use
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.upcast_min_rows is None or x.shape[0] < self.upcast_min_rows:
+            return F.linear(x, self.weight, self.bias)
+        if self._fp32 is None:
+            self._fp32 = _PackedFp32Linear(self.weight, self.bias)
+        return self._fp32(x.float()).to(x.dtype)
+
+
+class _PackedFp32Linear:
+    """fp32 weights in oneDNN's blocked layout (about 1.8x aten's sgemm for few rows)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight.detach().float()
+        self.bias = None if bias is None else bias.detach().float()
+        self.packed: torch.Tensor | None = None
+        if torch.backends.mkldnn.is_available():
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 8)
+            except RuntimeError:
+                self.packed = None
+        if self.packed is not None:
+            self.weight = self.packed  # keep one fp32 copy
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x, self.packed, self.bias, "none", [], ""
+            )
+            return out
+        return F.linear(x, self.weight, self.bias)
+
+
+def upcast_batched_matmuls(model: nn.Module, min_rows: int) -> None:
+    """Turns on fp32 matrix-matrix products for every ``Linear`` of ``model``."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.upcast_min_rows = min_rows
 
 
 class GatedMLP(nn.Module):
@@ -93,8 +149,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.config import Llama3Config
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 
 # Positions past max_seq_len that speculative decoding may write before it rolls back.
 ROPE_SLACK_POSITIONS = 64
@@ -45,26 +45,24 @@ class Llama3Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
 
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin: [T, 1, D] each
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         attn_metadata: Any,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = RotaryEmbedding.apply(qk.view(t, -1, self.head_dim), *rope)  # queries and keys
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -80,15 +78,12 @@ class Llama3DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         attn_metadata: Any,
     ) -> torch.Tensor:
-        h = self.self_attn(
-            self.input_layernorm(x), positions, rotary, kv_cache, backend, attn_metadata
-        )
+        h = self.self_attn(self.input_layernorm(x), rope, kv_cache, backend, attn_metadata)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -104,7 +99,7 @@ class Llama3Model(nn.Module):
             Llama3DecoderLayer(config) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(
@@ -132,10 +127,11 @@ class Llama3Model(nn.Module):
         return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES,
     ) -> ModelOutputs:
         x = self.embed_tokens(tokens)  # [T, H]
+        rope = self.rotary.lookup(positions)
         hidden: dict[int, torch.Tensor] = {}
         wanted = set(return_hidden_states.layer_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, kv_caches[i], backend, attn_metadata)
+            x = layer(x, rope, kv_caches[i], backend, attn_metadata)
             if i in wanted:
                 hidden[i] = x
         if return_hidden_states.final:
