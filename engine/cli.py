@@ -127,26 +127,30 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    start = time.perf_counter()
-    llm = LLM(str(model_dir), dtype=args.dtype)
-    load_s = time.perf_counter() - start
-
-    tokenizer = llm.tokenizer
-    chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
-    prompts = [_chat_prompt(tokenizer, p) if chat else p for p in args.prompts]
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    gen_s = time.perf_counter() - start
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            seed=args.seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
+        start = time.perf_counter()
+        llm = LLM(str(model_dir), dtype=args.dtype)
+        load_s = time.perf_counter() - start
+        tokenizer = llm.tokenizer
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        chat = args.chat if args.chat is not None else has_template
+        prompts = [llm.chat_prompt(p) if chat else p for p in args.prompts]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=True)  # progress on stderr
+        gen_s = time.perf_counter() - start
+    except ValueError as exc:  # config, weight, request and sampling errors name the problem
+        print(f"tandem generate: error: {exc}", file=sys.stderr)
+        return 2
 
     for prompt, out in zip(args.prompts, outputs, strict=True):
         print(f">>> {prompt}")
@@ -158,12 +162,3 @@ def _generate(args: argparse.Namespace) -> int:
         f"{num_tokens / gen_s:.1f} tok/s ({args.dtype}, model loaded in {load_s:.1f} s)"
     )
     return 0
-
-
-def _chat_prompt(tokenizer: Any, prompt: str) -> str:
-    """``prompt`` as the one user message of a chat, ready for the assistant's answer."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
-    assert isinstance(text, str)
-    return text

@@ -17,7 +17,7 @@ from engine.config import Llama3Config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheCapacityError, KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.model_runner import ModelRunner, StepOutput
-from engine.models.layers import upcast_batched_matmuls
+from engine.models.layers import use_packed_gemm
 from engine.registry import load_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -42,9 +42,9 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "torch"
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
-    # bf16/fp16 on CPU: products with at least this many rows run in fp32 (None: never).
-    # Measured on an AVX2 EPYC: native bf16 wins for 1 row, packed fp32 from 2 rows on.
-    cpu_upcast_min_rows: int | None = 2
+    # CPU: products with at least this many rows run on prepacked fp32 weights (None: never).
+    # Measured on an AVX2 EPYC: plain weights win for 1 row, packed fp32 from 2 rows on.
+    cpu_packed_gemm_min_rows: int | None = 2
 
 
 @dataclass
@@ -70,9 +70,8 @@ class LLMEngine:
             config.model, dtype=config.dtype, max_length=config.max_model_len, device=self.device
         )
         self.max_model_len = self.model_config.max_seq_len
-        if self.device.type == "cpu" and self.model_config.dtype != torch.float32:
-            if config.cpu_upcast_min_rows is not None:
-                upcast_batched_matmuls(model, config.cpu_upcast_min_rows)
+        if self.device.type == "cpu" and config.cpu_packed_gemm_min_rows is not None:
+            use_packed_gemm(model, config.cpu_packed_gemm_min_rows)
         self.tokenizer = tokenizer
         self.eos_token_ids = _eos_token_ids(Path(config.model), self.model_config)
         kv_params = KVCacheParams.from_config(self.model_config, config.block_size)

@@ -21,7 +21,7 @@ class ModelInputs:
     tokens: torch.Tensor  # [T] int64
     input_row_offsets: torch.Tensor  # [B+1] int64
     layout: BatchLayout
-    logit_indices: torch.Tensor  # [N] int64: last token of each row that samples
+    logit_indices: torch.Tensor  # [N * n] int64: last n tokens of each row that samples
     sample_rows: list[int]  # host: which rows those are
 
 
@@ -48,7 +48,9 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.params.block_size
 
-    def prepare(self, batch: ScheduledBatch) -> ModelInputs:
+    def prepare(self, batch: ScheduledBatch, return_n_logits: int = 1) -> ModelInputs:
+        """Builds the step's inputs; rows that sample get logits for their last
+        ``return_n_logits`` tokens (speculative verification needs K+1 per row)."""
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -89,7 +91,15 @@ class ModelRunner:
             tokens=t(tokens),
             input_row_offsets=offsets_t,
             layout=layout,
-            logit_indices=t([offsets[r + 1] - 1 for r in sample_rows]),
+            logit_indices=t(
+                [
+                    i
+                    for r in sample_rows
+                    for i in range(
+                        max(offsets[r], offsets[r + 1] - return_n_logits), offsets[r + 1]
+                    )
+                ]
+            ),
             sample_rows=sample_rows,
         )
 

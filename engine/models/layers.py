@@ -44,7 +44,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables [max_positions, head_dim] in the model dtype.
 
-    ``lookup`` runs once per forward; ``apply`` rotates queries and keys of every layer.
+    ``lookup`` runs once per forward; ``rotate`` turns queries and keys of every layer.
     The sine table is stored with the sign of ``rotate_half`` folded in, so a rotation is
     ``x * cos + swap_halves(x) * signed_sin``: the same products transformers computes.
     """
@@ -84,7 +84,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotates ``x`` [T, H, D]; queries and keys may be rotated together."""
         t, h, d = x.shape
         swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)  # [x2, x1]
@@ -92,20 +92,21 @@ class RotaryEmbedding(nn.Module):
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that can run matrix-matrix products of low-precision weights in fp32.
+    """``nn.Linear`` that can run matrix-matrix products on a prepacked fp32 weight (CPU).
 
-    CPUs without native bf16 dot products (AVX2) convert inside the GEMM once per row, so
-    a bf16 ``F.linear`` costs about M times a matrix-vector product. From ``upcast_min_rows``
-    rows on, the product runs in fp32 (what a bf16 GEMM accumulates in anyway) on an fp32
-    copy of the weight prepacked for oneDNN, and is rounded back to the activation dtype.
-    The copy costs twice the bf16 weight's memory; matrix-vector products keep bf16.
+    From ``packed_min_rows`` rows on, the product runs on an fp32 copy of the weight in
+    oneDNN's blocked layout, about 1.8x aten's sgemm for few rows. For bf16 this matters
+    most: CPUs without native bf16 dot products (AVX2) convert inside the GEMM once per
+    row, so a bf16 ``F.linear`` costs about M matrix-vector products; the fp32 product
+    (what a bf16 GEMM accumulates in anyway) is rounded back to bf16. The copy costs twice
+    a bf16 weight's memory; matrix-vector products keep the native weight.
     """
 
-    upcast_min_rows: int | None = None  # None: always the native dtype
+    packed_min_rows: int | None = None  # None: always the plain weight
     _fp32: _PackedFp32Linear | None = None  # made on first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.upcast_min_rows is None or x.shape[0] < self.upcast_min_rows:
+        if self.packed_min_rows is None or x.shape[0] < self.packed_min_rows:
             return F.linear(x, self.weight, self.bias)
         if self._fp32 is None:
             self._fp32 = _PackedFp32Linear(self.weight, self.bias)
@@ -116,7 +117,7 @@ class _PackedFp32Linear:
     """fp32 weights in oneDNN's blocked layout (about 1.8x aten's sgemm for few rows)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight = weight.detach().float()
+        self.weight = weight.detach().float().clone()  # never aliases the model's parameter
         self.bias = None if bias is None else bias.detach().float()
         self.packed: torch.Tensor | None = None
         if torch.backends.mkldnn.is_available():
@@ -136,11 +137,11 @@ class _PackedFp32Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-def upcast_batched_matmuls(model: nn.Module, min_rows: int) -> None:
-    """Turns on fp32 matrix-matrix products for every ``Linear`` of ``model``."""
+def use_packed_gemm(model: nn.Module, min_rows: int) -> None:
+    """Runs products of at least ``min_rows`` rows on packed fp32 weights, in every ``Linear``."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.upcast_min_rows = min_rows
+            module.packed_min_rows = min_rows
 
 
 class GatedMLP(nn.Module):

@@ -60,7 +60,7 @@ class Llama3Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = RotaryEmbedding.apply(qk.view(t, -1, self.head_dim), *rope)  # queries and keys
+        qk = RotaryEmbedding.rotate(qk.view(t, -1, self.head_dim), *rope)  # queries and keys
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # [T, Hq, D]

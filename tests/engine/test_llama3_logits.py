@@ -122,3 +122,20 @@ def test_engine_greedy_batch_matches_transformers_generate(tiny_llama):
         )[0, len(p) :].tolist()
         assert outs[str(i)].token_ids == ref
         assert outs[str(i)].finish_reason == "length"
+
+
+def test_return_n_logits_gives_the_last_tokens_of_each_row(tiny_llama):
+    model_dir, hf = tiny_llama
+    engine = make_engine(model_dir)
+    prompts = [list(range(3, 12)), list(range(20, 25)), [7, 8]]
+    for i, p in enumerate(prompts):
+        engine.scheduler.add(
+            Sequence(f"n{i}", list(p), len(p), SamplingParams(temperature=0), 0, i)
+        )
+    batch = engine.scheduler.schedule()
+    inputs = engine.runner.prepare(batch, return_n_logits=3)
+    logits = engine.runner.forward(inputs).logits
+    expected = [hf_logits(hf, p)[-3:] for p in prompts]
+    expected[2] = hf_logits(hf, prompts[2])  # a row shorter than n returns all its tokens
+    assert logits.shape[0] == 3 + 3 + 2
+    assert (logits - torch.cat(expected)).abs().max().item() < TOL

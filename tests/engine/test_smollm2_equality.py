@@ -11,7 +11,6 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from engine.llm import LLM
-from engine.model_store import prepare
 from engine.sampling_params import SamplingParams
 from tests.comparator import compare_greedy
 
@@ -27,11 +26,6 @@ QUESTIONS = [
     "Summarise the plot of Romeo and Juliet. Then give one reason the story is still told today, "
     "and one way a modern retelling might change the ending.",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir():
-    return prepare("smollm2")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,50 @@
+"""`tandem generate` end to end in a subprocess: real model, real output, clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def tandem(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tandem_client", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.usefixtures("smollm2_dir")
+def test_generate_answers_in_process():
+    result = tandem(
+        "generate",
+        "--model",
+        "smollm2",
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "12",
+        "What is the capital of France?",
+    )
+    assert result.returncode == 0, result.stderr
+    assert ">>> What is the capital of France?" in result.stdout
+    assert "Paris" in result.stdout
+    assert "tok/s (float32" in result.stdout
+
+
+@pytest.mark.usefixtures("smollm2_dir")
+def test_bad_sampling_parameter_is_a_clear_error():
+    result = tandem("generate", "--model", "smollm2", "--top-p", "1.5", "hi")
+    assert result.returncode == 2
+    assert "tandem generate: error: top_p: must be in (0, 1], got 1.5" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_model_says_what_to_run(tmp_path):
+    result = tandem("generate", "--model", str(tmp_path / "nowhere"), "hi")
+    assert result.returncode == 2
+    assert "tandem generate: error:" in result.stderr
+    assert "Traceback" not in result.stderr
