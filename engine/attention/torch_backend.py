@@ -18,7 +18,7 @@ class TorchAttentionMetadata:
     )  # [B * Q] index into the T tokens (padding repeats a row's last token)
     query_scatter: torch.Tensor  # [T] index of each token inside the padded [B * Q] layout
     kv_slots: torch.Tensor  # [B, C] flat KV slot of every context position (padding reads slot 0)
-    mask: torch.Tensor | None  # [B, 1, Q, C] bool, True where a query may attend
+    mask: torch.Tensor | None  # [B, 1, Q, C] bool, True where a query may attend; None: all
     num_rows: int
     max_query_len: int
     single_fresh_row: bool  # one row starting at position 0: plain causal attention, no gather
@@ -49,8 +49,9 @@ class TorchAttentionBackend:
         kv_slots = torch.where(ctx[None, :] < layout.context_lens[:, None], kv_slots, 0)  # [B, C]
 
         single_fresh_row = layout.is_causal_prefill and num_rows == 1
+        single_decode_row = num_rows == 1 and q_len == 1  # sees its whole context: no mask
         mask = None
-        if not single_fresh_row:
+        if not (single_fresh_row or single_decode_row):
             q_pos = layout.positions[query_gather].view(num_rows, q_len)  # [B, Q]
             mask = (ctx[None, None, :] <= q_pos[:, :, None]) & (
                 ctx[None, None, :] < layout.context_lens[:, None, None]
