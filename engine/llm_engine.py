@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import secrets
 from dataclasses import dataclass, field
@@ -93,7 +92,6 @@ class LLMEngine:
         )
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._order = itertools.count()
 
     # -- requests ----------------------------------------------------------------------
 
@@ -108,7 +106,6 @@ class LLMEngine:
             num_prompt_tokens=len(prompt_token_ids),
             params=params,
             seed=seed,
-            arrival_order=next(self._order),
         )
         self._seqs[request_id] = seq
         if self.tokenizer is not None:
@@ -160,7 +157,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.waiting and not self.scheduler.running:
-                raise KVCacheCapacityError("kv cache: no request fits; all blocks are leaked?")
+                raise KVCacheCapacityError(
+                    f"kv cache: the next request does not fit in an idle cache "
+                    f"({self.block_manager.num_free_blocks} of {self.block_manager.num_blocks} "
+                    "blocks free); blocks were not returned, which is a bug"
+                )
             return []
         result = self.runner.execute(batch)
         return self._postprocess(batch, result)

@@ -28,7 +28,6 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     seed: int  # params.seed, or one drawn for this request
-    arrival_order: int
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache

@@ -26,7 +26,7 @@ _ids = itertools.count()
 
 def make_seq(tokens: list[int]) -> Sequence:
     n = next(_ids)
-    return Sequence(f"r{n}", list(tokens), len(tokens), SamplingParams(), seed=0, arrival_order=n)
+    return Sequence(f"r{n}", list(tokens), len(tokens), SamplingParams(), seed=0)
 
 
 def compute(bm: BlockManager, seq: Sequence, upto: int | None = None) -> None:

@@ -31,7 +31,7 @@ def run_teacher_forced(engine: LLMEngine, prompts: list[list[int]], continuation
     sched, runner, bm = engine.scheduler, engine.runner, engine.block_manager
     seqs = []
     for i, prompt in enumerate(prompts):
-        seq = Sequence(f"r{i}", list(prompt), len(prompt), SamplingParams(temperature=0), 0, i)
+        seq = Sequence(f"r{i}", list(prompt), len(prompt), SamplingParams(temperature=0), 0)
         sched.add(seq)
         seqs.append(seq)
     got: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(prompts))}
@@ -82,7 +82,7 @@ def test_hidden_states_match_transformers(tiny_llama):
     model_dir, hf = tiny_llama
     engine = make_engine(model_dir)
     prompt = list(range(3, 20))
-    seq = Sequence("h", list(prompt), len(prompt), SamplingParams(temperature=0), 0, 0)
+    seq = Sequence("h", list(prompt), len(prompt), SamplingParams(temperature=0), 0)
     engine.scheduler.add(seq)
     batch = engine.scheduler.schedule()
     inputs = engine.runner.prepare(batch)
@@ -129,9 +129,7 @@ def test_return_n_logits_gives_the_last_tokens_of_each_row(tiny_llama):
     engine = make_engine(model_dir)
     prompts = [list(range(3, 12)), list(range(20, 25)), [7, 8]]
     for i, p in enumerate(prompts):
-        engine.scheduler.add(
-            Sequence(f"n{i}", list(p), len(p), SamplingParams(temperature=0), 0, i)
-        )
+        engine.scheduler.add(Sequence(f"n{i}", list(p), len(p), SamplingParams(temperature=0), 0))
     batch = engine.scheduler.schedule()
     inputs = engine.runner.prepare(batch, return_n_logits=3)
     logits = engine.runner.forward(inputs).logits

@@ -37,9 +37,7 @@ class Sim:
 
     def add(self, prompt: list[int], max_tokens: int) -> Sequence:
         n = len(self.seqs)
-        seq = Sequence(
-            f"r{n}", list(prompt), len(prompt), SamplingParams(max_tokens=max_tokens), 0, n
-        )
+        seq = Sequence(f"r{n}", list(prompt), len(prompt), SamplingParams(max_tokens=max_tokens), 0)
         self.seqs.append(seq)
         self.samples[seq.request_id] = 0
         self.scheduler.add(seq)
@@ -208,7 +206,7 @@ def test_chunked_prefill_samples_once_at_the_end() -> None:
 
 
 def fake_token_of(prompt: list[int], n: int) -> list[int]:
-    s = Sequence("x", list(prompt), len(prompt), SamplingParams(), 0, 0)
+    s = Sequence("x", list(prompt), len(prompt), SamplingParams(), 0)
     for _ in range(n):
         s.token_ids.append(fake_token(s))
     return s.output_token_ids
