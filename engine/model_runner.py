@@ -25,13 +25,14 @@ class ModelInputs:
     sample_rows: list[int]  # host: which rows those are
 
 
+RowLogprobs = tuple[float, list[int], list[float]]  # chosen token's, top-n ids, top-n values
+
+
 @dataclass
 class StepOutput:
     rows: list[int]  # batch rows that sampled a token
     tokens: list[int]  # the sampled token per such row
-    logprobs: (
-        list[tuple[float, list[int], list[float]]] | None
-    )  # per row: chosen, top ids, top values
+    logprobs: list[RowLogprobs] | None
 
 
 class ModelRunner:

@@ -99,37 +99,43 @@ class Linear(nn.Linear):
     most: CPUs without native bf16 dot products (AVX2) convert inside the GEMM once per
     row, so a bf16 ``F.linear`` costs about M matrix-vector products; the fp32 product
     (what a bf16 GEMM accumulates in anyway) is rounded back to bf16. The copy costs twice
-    a bf16 weight's memory; matrix-vector products keep the native weight.
+    a bf16 weight's memory (one more fp32 weight when serving fp32); matrix-vector products
+    keep the native weight.
     """
 
-    packed_min_rows: int | None = None  # None: always the plain weight
-    _fp32: _PackedFp32Linear | None = None  # made by use_packed_gemm
+    packed_min_rows: int = 0  # set with _fp32 by use_packed_gemm
+    _fp32: _PackedFp32Linear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fp32 is None or self.packed_min_rows is None or x.shape[0] < self.packed_min_rows:
+        if self._fp32 is None or x.shape[0] < self.packed_min_rows:
             return F.linear(x, self.weight, self.bias)
         return self._fp32(x.float()).to(x.dtype)
 
 
 class _PackedFp32Linear:
-    """fp32 weights in oneDNN's blocked layout (about 1.8x aten's sgemm for few rows)."""
+    """An fp32 copy of a weight, in oneDNN's blocked layout when oneDNN can pack it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight = weight.detach().float().clone()  # never aliases the model's parameter
-        self.bias = None if bias is None else bias.detach().float()
-        self.packed: torch.Tensor | None = None
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, is_packed: bool) -> None:
+        self.weight, self.bias, self.is_packed = weight, bias, is_packed
+
+    @classmethod
+    def create(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> _PackedFp32Linear | None:
+        """None when it would only duplicate the weight: fp32 already and no oneDNN packing."""
+        w32 = weight.detach().float()
+        b32 = None if bias is None else bias.detach().float()
         if torch.backends.mkldnn.is_available():
             try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 8)
+                return cls(torch.ops.mkldnn._reorder_linear_weight(w32, 8), b32, is_packed=True)
             except RuntimeError:
-                self.packed = None
-        if self.packed is not None:
-            self.weight = self.packed  # keep one fp32 copy
+                pass
+        if weight.dtype == torch.float32:
+            return None
+        return cls(w32, b32, is_packed=False)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.is_packed:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-                x, self.packed, self.bias, "none", [], ""
+                x, self.weight, self.bias, "none", [], ""
             )
             return out
         return F.linear(x, self.weight, self.bias)
@@ -143,7 +149,7 @@ def use_packed_gemm(model: nn.Module, min_rows: int) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.packed_min_rows = min_rows
-            module._fp32 = _PackedFp32Linear(module.weight, module.bias)
+            module._fp32 = _PackedFp32Linear.create(module.weight, module.bias)
 
 
 class GatedMLP(nn.Module):

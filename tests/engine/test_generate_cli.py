@@ -47,4 +47,5 @@ def test_unknown_model_says_what_to_run(tmp_path):
     result = tandem("generate", "--model", str(tmp_path / "nowhere"), "hi")
     assert result.returncode == 2
     assert "tandem generate: error:" in result.stderr
+    assert "tandem models prepare smollm2" in result.stderr
     assert "Traceback" not in result.stderr
