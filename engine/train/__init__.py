@@ -1,0 +1,1 @@
+"""Data preparation for training speculative-decoding draft models."""
