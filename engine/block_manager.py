@@ -46,8 +46,14 @@ class Block:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_lookahead_slots: int = 0,
     ) -> None:
+        """``num_lookahead_slots``: slots every request holds past its next tokens, where
+        speculative decoding writes drafts and draft KV before it knows what is accepted."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(
                 f"num_blocks and block_size must be positive ({num_blocks}, {block_size})"
@@ -55,6 +61,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.num_lookahead_slots = num_lookahead_slots
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._clean: list[int] = list(range(num_blocks))  # sorted free ids without cached content
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free ids with cached content
@@ -73,7 +80,7 @@ class BlockManager:
     def can_allocate(self, seq: BlockOwner) -> bool:
         hits = self._prefix_hits(seq)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        needed = self.num_blocks_for(len(seq.token_ids)) - len(hits)
+        needed = self.num_blocks_for(len(seq.token_ids) + self.num_lookahead_slots) - len(hits)
         return needed <= self.num_free_blocks - revived
 
     def allocate(self, seq: BlockOwner) -> None:
@@ -81,7 +88,7 @@ class BlockManager:
         assert not seq.block_table, "allocate() on a request that already holds blocks"
         hits = self._prefix_hits(seq)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        missing = self.num_blocks_for(len(seq.token_ids)) - len(hits)
+        missing = self.num_blocks_for(len(seq.token_ids) + self.num_lookahead_slots) - len(hits)
         if missing > self.num_free_blocks - revived:
             raise MemoryError(
                 f"KV cache: need {missing} blocks, {self.num_free_blocks - revived} free"
@@ -96,17 +103,22 @@ class BlockManager:
         seq.block_hashes = [self.blocks[b].hash for b in hits]  # type: ignore[misc]
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
-        self._grow(seq, self.num_blocks_for(len(seq.token_ids)))
+        self._grow(seq, self.num_blocks_for(len(seq.token_ids) + self.num_lookahead_slots))
 
     def can_append(self, seq: BlockOwner, num_new_tokens: int) -> bool:
-        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(
-            seq.block_table
-        )
+        needed = self.num_blocks_for(
+            seq.num_computed_tokens + num_new_tokens + self.num_lookahead_slots
+        ) - len(seq.block_table)
         return needed <= self.num_free_blocks
 
     def append(self, seq: BlockOwner, num_new_tokens: int) -> None:
         """Grows ``seq``'s table so that its next ``num_new_tokens`` tokens have slots."""
-        self._grow(seq, self.num_blocks_for(seq.num_computed_tokens + num_new_tokens))
+        self._grow(
+            seq,
+            self.num_blocks_for(
+                seq.num_computed_tokens + num_new_tokens + self.num_lookahead_slots
+            ),
+        )
 
     def free(self, seq: BlockOwner) -> None:
         # Tail blocks first, so a later eviction takes the end of a prefix before its start.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 from dataclasses import dataclass, field
@@ -15,12 +16,19 @@ from engine.block_manager import BlockManager
 from engine.config import Llama3Config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheCapacityError, KVCacheParams, PagedKVCache, plan_num_blocks
-from engine.model_runner import ModelRunner, StepOutput
+from engine.model_runner import ModelRunner, RowLogprobs, StepOutput
 from engine.models.layers import use_packed_gemm
 from engine.registry import load_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, TokenLogprobs
+from engine.spec.config import SpeculativeConfig
+from engine.spec.spec_runner import (
+    SpecRunner,
+    load_speculator,
+    num_draft_tokens,
+    num_lookahead_slots,
+)
 
 
 class RequestError(ValueError):
@@ -44,6 +52,7 @@ class EngineConfig:
     # CPU: products with at least this many rows run on prepacked fp32 weights (None: never).
     # Measured on an AVX2 EPYC: plain weights win for 1 row, packed fp32 from 2 rows on.
     cpu_packed_gemm_min_rows: int | None = 2
+    speculative: SpeculativeConfig | None = None  # draft model and how to speculate
 
 
 @dataclass
@@ -74,15 +83,25 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = _eos_token_ids(Path(config.model), self.model_config)
         kv_params = KVCacheParams.from_config(self.model_config, config.block_size)
+        plan_params = kv_params
+        drafter, lookahead = None, 0
+        if config.speculative is not None:
+            drafter = load_speculator(config.speculative, model, self.device)
+            draft_params = KVCacheParams.from_config(drafter.config, config.block_size)
+            # One block id holds a target block and a draft block: plan for both together.
+            plan_params = dataclasses.replace(
+                kv_params, num_layers=kv_params.num_layers + draft_params.num_layers
+            )
+            lookahead = num_lookahead_slots(num_draft_tokens(config.speculative, drafter), drafter)
         num_blocks = plan_num_blocks(
-            kv_params,
+            plan_params,
             self.device,
             memory_bytes=config.kv_cache_memory,
             memory_fraction=config.kv_cache_memory_fraction,
         )
         self.kv_cache = PagedKVCache(kv_params, num_blocks, self.device)
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks, config.block_size, config.enable_prefix_caching, lookahead
         )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
@@ -90,6 +109,11 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, self.kv_cache, get_backend(config.attention_backend), self.device
         )
+        self.spec: SpecRunner | None = None
+        if config.speculative is not None and drafter is not None:
+            self.spec = SpecRunner(config.speculative, self.runner, drafter, num_blocks)
+            if config.speculative.adaptive:
+                self.spec.enable_adaptive(config.max_num_seqs, list(range(num_blocks)))
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
@@ -143,7 +167,7 @@ class LLMEngine:
                 f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{total} exceeds the context length {self.max_model_len}"
             )
-        needed = self.block_manager.num_blocks_for(total)
+        needed = self.block_manager.num_blocks_for(total + self.block_manager.num_lookahead_slots)
         if needed > self.block_manager.num_blocks:
             raise KVCacheCapacityError(
                 f"kv cache: this request needs {needed} blocks but the cache has only "
@@ -163,8 +187,62 @@ class LLMEngine:
                     "blocks free); blocks were not returned, which is a bug"
                 )
             return []
-        result = self.runner.execute(batch)
-        return self._postprocess(batch, result)
+        if self.spec is None:
+            return self._postprocess(batch, self.runner.execute(batch))
+        for seq in batch.preempted:
+            seq.draft_token_ids, seq.draft_probs = None, None
+        decode = [i for i in range(len(batch.seqs)) if self._is_spec_decode(batch, i)]
+        prefill = ScheduledBatch(
+            [s for i, s in enumerate(batch.seqs) if i not in decode],
+            [n for i, n in enumerate(batch.num_new_tokens) if i not in decode],
+        )
+        outputs = []
+        if prefill.seqs:
+            outputs += self._postprocess(prefill, self.spec.prefill(prefill))
+        if decode:
+            outputs += self._postprocess_spec([batch.seqs[i] for i in decode])
+        return outputs
+
+    def _is_spec_decode(self, batch: ScheduledBatch, row: int) -> bool:
+        """Rows whose only new token is the pending one and that hold drafts."""
+        seq = batch.seqs[row]
+        return (
+            seq.draft_token_ids is not None
+            and batch.num_new_tokens[row] == 1
+            and batch.samples(row)
+        )
+
+    def _postprocess_spec(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        assert self.spec is not None
+        results = self.spec.decode(seqs)
+        outputs = []
+        for seq, result in zip(seqs, results, strict=True):
+            # Target KV now covers the pending token and every accepted draft.
+            seq.num_computed_tokens += len(result.tokens)
+            for i, token in enumerate(result.tokens):
+                seq.token_ids.append(token)
+                if result.logprobs is not None and seq.params.logprobs is not None:
+                    self._add_logprobs(seq, token, result.logprobs[i])
+                self._check_stop(seq, token)
+                if seq.finish_reason is not None:
+                    break
+            self.block_manager.cache_computed_blocks(seq)
+            outputs.append(self._output(seq))
+            if seq.finish_reason is not None:
+                self._finish(seq)
+        return outputs
+
+    def _add_logprobs(self, seq: Sequence, token: int, row: RowLogprobs) -> None:
+        chosen, ids, values = row
+        n = seq.params.logprobs or 0
+        seq.logprobs.append(
+            TokenLogprobs(token, chosen, dict(zip(ids[:n], values[:n], strict=True)))
+        )
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        del self._seqs[seq.request_id]
+        self._detok.pop(seq.request_id, None)
 
     def _postprocess(self, batch: ScheduledBatch, result: StepOutput) -> list[RequestOutput]:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
@@ -175,17 +253,11 @@ class LLMEngine:
             seq = batch.seqs[row]
             seq.token_ids.append(token)
             if result.logprobs is not None and seq.params.logprobs is not None:
-                chosen, ids, values = result.logprobs[i]
-                n = seq.params.logprobs
-                seq.logprobs.append(
-                    TokenLogprobs(token, chosen, dict(zip(ids[:n], values[:n], strict=True)))
-                )
+                self._add_logprobs(seq, token, result.logprobs[i])
             self._check_stop(seq, token)
             outputs.append(self._output(seq))
             if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-                del self._seqs[seq.request_id]
-                self._detok.pop(seq.request_id, None)
+                self._finish(seq)
         return outputs
 
     def _check_stop(self, seq: Sequence, token: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,6 +34,11 @@ class StepOutput:
     rows: list[int]  # batch rows that sampled a token
     tokens: list[int]  # the sampled token per such row
     logprobs: list[RowLogprobs] | None
+    # What a drafter needs to follow the target (set when hidden states were asked for).
+    inputs: ModelInputs | None = None
+    metadata: Any = None
+    outputs: ModelOutputs | None = None
+    sampled: torch.Tensor | None = None  # [N] the sampled tokens, on the device
 
 
 class ModelRunner:
@@ -106,9 +112,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, inputs: ModelInputs, return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES
+        self,
+        inputs: ModelInputs,
+        return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES,
+        metadata: Any = None,
     ) -> ModelOutputs:
-        metadata = self.backend.build_metadata(inputs.layout)
+        if metadata is None:
+            metadata = self.backend.build_metadata(inputs.layout)
         out: ModelOutputs = self.model(
             inputs.tokens,
             inputs.layout.positions,
@@ -121,12 +131,15 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
+    def execute(
+        self, batch: ScheduledBatch, return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES
+    ) -> StepOutput:
         inputs = self.prepare(batch)
+        metadata = self.backend.build_metadata(inputs.layout)
+        out = self.forward(inputs, return_hidden_states, metadata)
         if not inputs.sample_rows:  # only prefill chunks that do not reach the end
-            self.forward(inputs)
-            return StepOutput(rows=[], tokens=[], logprobs=None)
-        logits = self.forward(inputs).logits  # [N, V]
+            return StepOutput([], [], None, inputs, metadata, out)
+        logits = out.logits  # [N, V]
         seqs = [batch.seqs[r] for r in inputs.sample_rows]
         tensors = SamplingTensors.build(
             [s.params for s in seqs],
@@ -140,4 +153,6 @@ class ModelRunner:
         if any(s.params.logprobs is not None for s in seqs):
             chosen, ids, values = top_logprobs(logits, tokens, num_top)
             logprobs = list(zip(chosen.tolist(), ids.tolist(), values.tolist(), strict=True))
-        return StepOutput(rows=inputs.sample_rows, tokens=tokens.tolist(), logprobs=logprobs)
+        return StepOutput(
+            inputs.sample_rows, tokens.tolist(), logprobs, inputs, metadata, out, sampled=tokens
+        )

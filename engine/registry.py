@@ -22,67 +22,81 @@ class Architecture:
     weight_rules: Callable[[Llama3Config], list[TensorRule]]  # the weight adapter
 
 
+def _one(dst: str, src: str, shape: tuple[int, ...]) -> TensorRule:
+    return TensorRule(dst, (Source(src, shape),))
+
+
+def decoder_layer_rules(
+    config: Llama3Config,
+    hf: str,
+    ours: str,
+    *,
+    in_features: int | None = None,
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm"),
+) -> list[TensorRule]:
+    """One HF Llama decoder layer (prefix ``hf``) -> Tandem's fused layer (prefix ``ours``).
+
+    ``in_features``: attention input width when it is not ``hidden_size`` (EAGLE-3);
+    ``norms``: the layer's RMSNorm weights (EAGLE-1 drafts have no input_layernorm).
+    """
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    inp = in_features or h
+    attn, mlp = f"{hf}.self_attn", f"{hf}.mlp"
+    rules = [
+        TensorRule(
+            f"{ours}.self_attn.qkv_proj.weight",
+            (
+                Source(f"{attn}.q_proj.weight", (q, inp)),
+                Source(f"{attn}.k_proj.weight", (kv, inp)),
+                Source(f"{attn}.v_proj.weight", (kv, inp)),
+            ),
+        ),
+        _one(f"{ours}.self_attn.o_proj.weight", f"{attn}.o_proj.weight", (h, q)),
+        TensorRule(
+            f"{ours}.mlp.gate_up_proj.weight",
+            (
+                Source(f"{mlp}.gate_proj.weight", (inter, h)),
+                Source(f"{mlp}.up_proj.weight", (inter, h)),
+            ),
+        ),
+        _one(f"{ours}.mlp.down_proj.weight", f"{mlp}.down_proj.weight", (h, inter)),
+    ]
+    if config.attention_bias:
+        rules.append(
+            TensorRule(
+                f"{ours}.self_attn.qkv_proj.bias",
+                (
+                    Source(f"{attn}.q_proj.bias", (q,)),
+                    Source(f"{attn}.k_proj.bias", (kv,)),
+                    Source(f"{attn}.v_proj.bias", (kv,)),
+                ),
+            )
+        )
+        rules.append(_one(f"{ours}.self_attn.o_proj.bias", f"{attn}.o_proj.bias", (h,)))
+    if config.mlp_bias:
+        rules.append(
+            TensorRule(
+                f"{ours}.mlp.gate_up_proj.bias",
+                (
+                    Source(f"{mlp}.gate_proj.bias", (inter,)),
+                    Source(f"{mlp}.up_proj.bias", (inter,)),
+                ),
+            )
+        )
+        rules.append(_one(f"{ours}.mlp.down_proj.bias", f"{mlp}.down_proj.bias", (h,)))
+    rules.extend(_one(f"{ours}.{norm}.weight", f"{hf}.{norm}.weight", (h,)) for norm in norms)
+    return rules
+
+
 def llama_weight_rules(config: Llama3Config) -> list[TensorRule]:
     """HF Llama tensors -> Tandem's fused qkv and gate_up parameters."""
-    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
-
-    def one(dst: str, src: str, shape: tuple[int, ...]) -> TensorRule:
-        return TensorRule(dst, (Source(src, shape),))
-
-    rules = [one("embed_tokens.weight", "model.embed_tokens.weight", (config.vocab_size, h))]
+    h = config.hidden_size
+    rules = [_one("embed_tokens.weight", "model.embed_tokens.weight", (config.vocab_size, h))]
     for i in range(config.num_hidden_layers):
-        hf, ours = f"model.layers.{i}", f"layers.{i}"
-        attn = f"{hf}.self_attn"
-        rules.append(
-            TensorRule(
-                f"{ours}.self_attn.qkv_proj.weight",
-                (
-                    Source(f"{attn}.q_proj.weight", (q, h)),
-                    Source(f"{attn}.k_proj.weight", (kv, h)),
-                    Source(f"{attn}.v_proj.weight", (kv, h)),
-                ),
-            )
-        )
-        rules.append(one(f"{ours}.self_attn.o_proj.weight", f"{attn}.o_proj.weight", (h, q)))
-        if config.attention_bias:
-            rules.append(
-                TensorRule(
-                    f"{ours}.self_attn.qkv_proj.bias",
-                    (
-                        Source(f"{attn}.q_proj.bias", (q,)),
-                        Source(f"{attn}.k_proj.bias", (kv,)),
-                        Source(f"{attn}.v_proj.bias", (kv,)),
-                    ),
-                )
-            )
-            rules.append(one(f"{ours}.self_attn.o_proj.bias", f"{attn}.o_proj.bias", (h,)))
-        mlp = f"{hf}.mlp"
-        rules.append(
-            TensorRule(
-                f"{ours}.mlp.gate_up_proj.weight",
-                (
-                    Source(f"{mlp}.gate_proj.weight", (inter, h)),
-                    Source(f"{mlp}.up_proj.weight", (inter, h)),
-                ),
-            )
-        )
-        rules.append(one(f"{ours}.mlp.down_proj.weight", f"{mlp}.down_proj.weight", (h, inter)))
-        if config.mlp_bias:
-            rules.append(
-                TensorRule(
-                    f"{ours}.mlp.gate_up_proj.bias",
-                    (
-                        Source(f"{mlp}.gate_proj.bias", (inter,)),
-                        Source(f"{mlp}.up_proj.bias", (inter,)),
-                    ),
-                )
-            )
-            rules.append(one(f"{ours}.mlp.down_proj.bias", f"{mlp}.down_proj.bias", (h,)))
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            rules.append(one(f"{ours}.{norm}.weight", f"{hf}.{norm}.weight", (h,)))
-    rules.append(one("norm.weight", "model.norm.weight", (h,)))
+        rules.extend(decoder_layer_rules(config, f"model.layers.{i}", f"layers.{i}"))
+    rules.append(_one("norm.weight", "model.norm.weight", (h,)))
     if not config.tie_word_embeddings:
-        rules.append(one("lm_head.weight", "lm_head.weight", (config.vocab_size, h)))
+        rules.append(_one("lm_head.weight", "lm_head.weight", (config.vocab_size, h)))
     return rules
 
 

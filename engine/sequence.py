@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -36,6 +37,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Speculative decoding: drafts proposed after the last token, verified next step.
+    draft_token_ids: list[int] | None = None
+    draft_probs: Any = None  # [K, V] tensor when drafts were sampled, else None
 
     @property
     def num_tokens(self) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import BatchLayout
+from engine.attention.base import BatchLayout, write_kv
 
 
 @dataclass
@@ -48,14 +48,17 @@ class TorchAttentionBackend:
         kv_slots = layout.block_tables[:, block_idx] * layout.block_size + (ctx % layout.block_size)
         kv_slots = torch.where(ctx[None, :] < layout.context_lens[:, None], kv_slots, 0)  # [B, C]
 
-        single_fresh_row = layout.is_causal_prefill and num_rows == 1
-        single_decode_row = num_rows == 1 and q_len == 1  # sees its whole context: no mask
+        single_fresh_row = layout.is_causal_prefill and layout.is_causal and num_rows == 1
+        # One row of one token sees its whole context: no mask needed when C is exact.
+        single_decode_row = num_rows == 1 and q_len == 1 and layout.is_max_context_exact
         mask = None
         if not (single_fresh_row or single_decode_row):
-            q_pos = layout.positions[query_gather].view(num_rows, q_len)  # [B, Q]
-            mask = (ctx[None, None, :] <= q_pos[:, :, None]) & (
-                ctx[None, None, :] < layout.context_lens[:, None, None]
+            mask = (ctx[None, None, :] < layout.context_lens[:, None, None]).expand(
+                num_rows, q_len, c_len
             )
+            if layout.is_causal:
+                q_pos = layout.positions[query_gather].view(num_rows, q_len)  # [B, Q]
+                mask = mask & (ctx[None, None, :] <= q_pos[:, :, None])
             mask = mask.unsqueeze(1)  # [B, 1, Q, C]
         return TorchAttentionMetadata(
             slot_mapping=layout.slot_mapping,
@@ -78,10 +81,9 @@ class TorchAttentionBackend:
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         k_flat = k_cache.view(-1, k_cache.shape[2], head_dim)
         v_flat = v_cache.view(-1, v_cache.shape[2], head_dim)
-        k_flat.index_copy_(0, metadata.slot_mapping, k)
-        v_flat.index_copy_(0, metadata.slot_mapping, v)
 
         b, qn = metadata.num_rows, metadata.max_query_len
         is_uniform = b * qn == q.shape[0]  # every row has qn tokens: padding is the identity

@@ -39,14 +39,17 @@ class ModelOutputs:
 
 
 class Llama3Attention(nn.Module):
-    def __init__(self, config: Llama3Config) -> None:
+    def __init__(self, config: Llama3Config, in_features: int | None = None) -> None:
+        """``in_features``: width of the input when it is not ``hidden_size`` (EAGLE-3)."""
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+            in_features or config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=config.attention_bias,
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
 

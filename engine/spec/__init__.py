@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, lossless acceptance and the unified decode step."""

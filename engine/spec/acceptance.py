@@ -1,0 +1,123 @@
+"""Accepting draft tokens against the target's logits, per row, without host synchronisation.
+
+Greedy rows accept while the draft equals the target's argmax. Sampled rows use lossless
+rejection sampling, so the emitted tokens are distributed exactly as target-only sampling
+under each row's temperature, top-k, top-p and min-p. Random numbers are keyed on
+(request seed, token position) like ``engine.sampler``, so a seeded request samples the
+same tokens however it is batched; with argmax drafts it samples exactly what it would
+without speculation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.sampler import SamplingTensors, filtered_probs, row_keys, uniform
+
+_ACCEPT_SALT = 0x2545F491  # keys the accept/reject coin apart from the token draw
+DRAFT_SALT = 0x61C88647  # keys a sampled draft apart from the target's draw
+
+
+def per_position(t: SamplingTensors, positions: torch.Tensor) -> SamplingTensors:
+    """Row parameters repeated for each of S positions: [B, S] positions -> B*S rows."""
+    s = positions.shape[1]
+
+    def rep(x: torch.Tensor) -> torch.Tensor:
+        return x[:, None].expand(-1, s).reshape(-1)
+
+    return dataclasses.replace(
+        t,
+        temperature=rep(t.temperature),
+        top_k=rep(t.top_k),
+        top_p=rep(t.top_p),
+        min_p=rep(t.min_p),
+        seeds=rep(t.seeds),
+        positions=positions.reshape(-1),
+    )
+
+
+def race(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Draws index i with probability weights_i / sum(weights) per row (exponential race,
+    argmax w_i / E_i with E_i ~ Exp(1) keyed on ``keys``): [N, V] -> [N]."""
+    exp = -torch.log(uniform(keys, weights.shape[-1]))
+    return (weights / exp).argmax(dim=-1)
+
+
+def first_rejection(accepted: torch.Tensor) -> torch.Tensor:
+    """Number of leading accepted drafts per row: [B, K] bool -> [B] int64."""
+    return accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def accept(
+    logits: torch.Tensor,  # [B, K+1, V] fp32: target logits at the pending token and each draft
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    sampling: SamplingTensors,  # per row; ``positions`` ignored (taken from ``first_positions``)
+    first_positions: torch.Tensor,  # [B] int64: position of the token after the pending one
+    draft_probs: torch.Tensor | None = None,  # [B, K, V] what each draft was sampled from
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``num_accepted`` [B] and ``next_tokens`` [B] (the bonus or recovered token)."""
+    b, s, v = logits.shape
+    k = s - 1
+    greedy = logits.argmax(dim=-1)  # [B, K+1]
+    greedy_accepted = draft_tokens == greedy[:, :k]
+    if sampling.all_greedy:
+        num = first_rejection(greedy_accepted)
+        return num, greedy.gather(1, num[:, None]).squeeze(1)
+
+    positions = first_positions[:, None] + torch.arange(s, device=logits.device)  # [B, K+1]
+    flat = per_position(sampling, positions)
+    probs = filtered_probs(logits.reshape(b * s, v), flat).view(b, s, v)  # p, [B, K+1, V]
+    keys = row_keys(flat.seeds, flat.positions)  # [B*(K+1)]
+    if draft_probs is None:
+        # Argmax drafts: q is one-hot at the draft x, so min(1, p(x)/q(x)) = p(x), and the
+        # residual norm(max(0, p - q)) is p without x. Draw s ~ p with the position's keyed
+        # race and accept iff s == x: P(accept) = p(x), and after a rejection s is a draw
+        # from p restricted to tokens != x, i.e. from the residual. If every draft is
+        # accepted the draw at position K is the bonus token, a draw from p.
+        drawn = race(probs.reshape(b * s, v), keys).view(b, s)
+        sampled_accepted = draft_tokens == drawn[:, :k]
+        sampled_next = drawn
+    else:
+        # Sampled drafts x ~ q: accept x with probability min(1, p(x)/q(x)), i.e. when a
+        # keyed uniform r satisfies r * q(x) < p(x). At the first rejection emit a draw from
+        # norm(max(0, p - q)); if all K drafts are accepted, the bonus is a draw from p.
+        p_x = probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
+        q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+        r = uniform(keys.view(b, s)[:, :k].reshape(-1) ^ _ACCEPT_SALT, 1).view(b, k)
+        sampled_accepted = r * q_x < p_x
+        residual = (probs[:, :k] - draft_probs).clamp(min=0)  # [B, K, V]
+        # A zero residual means p == q, where a rejection cannot happen: fall back to p.
+        has_mass = residual.sum(dim=-1, keepdim=True) > 0
+        residual = torch.where(has_mass, residual, probs[:, :k])
+        weights = torch.cat([residual, probs[:, k:]], dim=1)  # [B, K+1, V]
+        sampled_next = race(weights.reshape(b * s, v), keys).view(b, s)
+
+    is_sampled = sampling.temperature[:, None] > 0  # [B, 1]
+    accepted = torch.where(is_sampled, sampled_accepted, greedy_accepted)
+    num = first_rejection(accepted)
+    chosen = torch.where(is_sampled, sampled_next, greedy)
+    return num, chosen.gather(1, num[:, None]).squeeze(1)
+
+
+def accept_synthetic(
+    logits: torch.Tensor,  # [B, K+1, V]
+    sampling: SamplingTensors,
+    first_positions: torch.Tensor,  # [B]
+    rates: torch.Tensor,  # [K] probability of accepting the draft at each position
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NOT LOSSLESS, for benchmarks with random weights only: accept the draft at position j
+    with probability ``rates[j]`` whatever it is, then emit the target's own choice."""
+    b, s, _ = logits.shape
+    positions = first_positions[:, None] + torch.arange(s, device=logits.device)
+    keys = row_keys(per_position(sampling, positions).seeds, positions.reshape(-1))
+    r = uniform(keys.view(b, s)[:, :-1].reshape(-1) ^ _ACCEPT_SALT, 1).view(b, s - 1)
+    num = first_rejection(r < rates[None, :])
+    at = logits.gather(1, num[:, None, None].expand(-1, 1, logits.shape[-1])).squeeze(1)
+    greedy = at.argmax(dim=-1)
+    if sampling.all_greedy:
+        return num, greedy
+    rows = dataclasses.replace(sampling, positions=first_positions + num)
+    drawn = race(filtered_probs(at, rows), row_keys(sampling.seeds, rows.positions))
+    return num, torch.where(sampling.temperature > 0, drawn, greedy)

@@ -1,0 +1,37 @@
+"""How a decode worker speculates: which draft, how deep, and how drafts are accepted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_DRAFT_TOKENS = 16  # bounded by the RoPE slack past max_seq_len (2K + 3 positions)
+ACCEPTANCE_MODES = ("lossless", "synthetic")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    draft_model: str  # HF-format draft directory (EAGLE, EAGLE-3 or DFlash layout)
+    num_draft_tokens: int = 5  # K; a DFlash draft forces its block_size - 1
+    kind: str | None = None  # "eagle" | "eagle3" | "dflash"; None: read from the draft config
+    target_layer_ids: tuple[int, ...] | None = None  # EAGLE-3 taps, overriding the config
+    adaptive: bool = False  # choose K per step (0..K) from measured costs and acceptance
+    sample_drafts: bool = False  # sampled rows draft by sampling q instead of its argmax
+    acceptance: str = "lossless"  # "synthetic": benchmark mode, NOT lossless
+    synthetic_acceptance_rates: tuple[float, ...] = ()  # per position, for "synthetic"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(
+                f"num_draft_tokens: must be in 1..{MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"
+            )
+        if self.acceptance not in ACCEPTANCE_MODES:
+            raise ValueError(
+                f"acceptance: {self.acceptance!r} is not allowed; allowed: {list(ACCEPTANCE_MODES)}"
+            )
+        if self.acceptance == "synthetic":
+            rates = self.synthetic_acceptance_rates
+            if len(rates) < self.num_draft_tokens or not all(0 <= r <= 1 for r in rates):
+                raise ValueError(
+                    "synthetic_acceptance_rates: need one probability in [0, 1] per draft "
+                    f"position ({self.num_draft_tokens}), got {list(rates)}"
+                )

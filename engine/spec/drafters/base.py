@@ -1,0 +1,113 @@
+"""The drafter seam: what the unified step asks of an EAGLE, EAGLE-3 or DFlash draft model.
+
+A drafter is a strategy object. The step hands it the target's hidden states and the
+tokens that follow them (``extend``: write draft KV for committed positions), then asks
+for ``k`` draft tokens after each row's last committed position (``propose``). Shapes
+are fixed by the caller; a drafter never synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from engine.attention.base import AttentionBackend, BatchLayout
+from engine.config import Llama3Config
+from engine.models.llama3 import ModelOutputs, ReturnHiddenStates
+
+# (logits [B, V] over the target vocabulary, draft index j) -> draft tokens [B]
+SelectFn = Callable[[torch.Tensor, int], torch.Tensor]
+KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class DraftConfigError(ValueError):
+    """A draft checkpoint that does not fit its target; the message names the field."""
+
+
+@dataclass
+class ProposeArgs:
+    """Where each row's drafts start. Row b's last committed entry is ``last_index[b]``
+    of the preceding ``extend`` (at position ``last_positions[b]``); the token after it,
+    ``next_tokens[b]``, is known (the bonus token) and sits at ``last_positions[b] + 1``."""
+
+    last_index: torch.Tensor  # [B] int64, flat index into the extend's tokens
+    last_positions: torch.Tensor  # [B] int64
+    next_tokens: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, M] int64, shared with the target
+    block_size: int
+    max_context_len: int  # host bound on last_positions + k + 2 for every row
+
+
+class Drafter(Protocol):
+    kind: str
+    config: Llama3Config  # the draft model's own shapes (its KV cache follows them)
+    target_hidden: ReturnHiddenStates  # what the target forward must return for ``features``
+    fixed_num_draft_tokens: int | None  # DFlash: block_size - 1; chain drafters: None
+
+    def features(self, out: ModelOutputs) -> torch.Tensor:
+        """The target features the drafter conditions on, per token: [T, F]."""
+        ...
+
+    def extend(
+        self,
+        tokens: torch.Tensor,  # [T] token t_{i+1} following each feature position i
+        features: torch.Tensor,  # [T, F]
+        layout: BatchLayout,
+        metadata: Any,  # the backend's metadata for ``layout``
+        kv: KVLayers,
+        backend: AttentionBackend,
+    ) -> torch.Tensor | None:
+        """Writes draft KV for the given positions; returns per-token draft state or None."""
+        ...
+
+    def propose(
+        self,
+        state: torch.Tensor | None,
+        args: ProposeArgs,
+        k: int,
+        select: SelectFn,
+        kv: KVLayers,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """``k`` draft tokens per row: [B, k] int64."""
+        ...
+
+
+def draft_layout(
+    positions: torch.Tensor,  # [B, S] int64
+    args: ProposeArgs,
+    is_causal: bool = True,
+) -> BatchLayout:
+    """Layout of a fixed-shape draft forward of S tokens per row at ``positions``."""
+    return BatchLayout.uniform(
+        positions, args.block_tables, args.block_size, args.max_context_len, is_causal=is_causal
+    )
+
+
+def propose_chain(
+    hidden: torch.Tensor,  # [B, H] draft state at each row's last committed entry
+    args: ProposeArgs,
+    k: int,
+    select: SelectFn,
+    logits: Callable[[torch.Tensor], torch.Tensor],  # [B, H] -> [B, V] target-vocabulary logits
+    step: Callable[[torch.Tensor, torch.Tensor, BatchLayout, Any], torch.Tensor],
+    backend: AttentionBackend,
+) -> torch.Tensor:
+    """EAGLE-style chain: draft j+1 comes from one more draft-layer step over (draft j, state).
+
+    The state at position p (the last committed entry) predicts the token at p+2 (the one
+    after the known bonus token); chain step j then runs at position p + j. [B, k]
+    """
+    drafts = []
+    for j in range(k):
+        token = select(logits(hidden), j)  # [B]
+        drafts.append(token)
+        if j + 1 == k:
+            break
+        positions = (args.last_positions + 1 + j)[:, None]  # [B, 1]
+        layout = draft_layout(positions, args)
+        hidden = step(token, hidden, layout, backend.build_metadata(layout))
+    return torch.stack(drafts, dim=1)

@@ -1,0 +1,232 @@
+"""EAGLE-3 for Llama-3: fused low/mid/high target features and a reduced draft vocabulary.
+
+The target's residual streams at three layers are concatenated and projected by ``fc``
+(3H -> H). One mid-layer attends over ``concat(input_layernorm(embed(t)), hidden_norm(h))``
+(q/k/v in-features 2H) with ``h`` as its residual; its own ``norm`` and ``lm_head`` give
+logits over ``draft_vocab_size`` tokens, mapped to target ids by ``d2t`` offsets
+(target id = draft id + d2t[draft id]). Later chain steps feed the mid-layer's own output
+back as ``h``, without ``fc``. Public layout: ``fc.weight``, ``midlayer.*``, ``norm.weight``,
+``lm_head.weight``, ``d2t``, ``t2d``; config ``draft_vocab_size`` and optionally
+``eagle_config.eagle_aux_hidden_state_layer_ids`` (the layers whose *input* is tapped).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend, BatchLayout
+from engine.config import Llama3Config
+from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from engine.models.llama3 import (
+    ROPE_SLACK_POSITIONS,
+    Llama3Attention,
+    Llama3Model,
+    ModelOutputs,
+    ReturnHiddenStates,
+)
+from engine.registry import decoder_layer_rules
+from engine.spec.drafters.base import (
+    DraftConfigError,
+    KVLayers,
+    ProposeArgs,
+    SelectFn,
+    propose_chain,
+)
+from engine.spec.drafters.loading import build_draft, check_layer_ids, draft_llama_config
+from engine.weights import CheckpointReader, Source, TensorRule, WeightError
+
+
+def default_eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's taps: the inputs of layers 2, L/2 and L-3, i.e. outputs of 1, L/2-1, L-4."""
+    taps = (1, num_layers // 2 - 1, num_layers - 4)
+    return tuple(sorted({min(max(i, 0), num_layers - 1) for i in taps}))
+
+
+class Eagle3MidLayer(nn.Module):
+    def __init__(self, config: Llama3Config) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.self_attn = Llama3Attention(config, in_features=2 * h)
+        self.mlp = GatedMLP(h, config.intermediate_size, config.mlp_bias)
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+
+    def forward(
+        self,
+        embed: torch.Tensor,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        metadata: Any,
+    ) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embed), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
+        h = hidden + self.self_attn(x, rope, kv, backend, metadata)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    kind = "eagle3"
+    fixed_num_draft_tokens: int | None = None
+
+    def __init__(
+        self,
+        config: Llama3Config,
+        target: Llama3Model,
+        layer_ids: tuple[int, ...],
+        draft_vocab_size: int,
+    ) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.config = config
+        self.layer_ids = layer_ids
+        self.target_hidden = ReturnHiddenStates(layer_ids=layer_ids)
+        self.fc = Linear(len(layer_ids) * h, h, bias=False)
+        self.midlayer = Eagle3MidLayer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = Linear(h, draft_vocab_size, bias=False)
+        self.d2t: torch.Tensor
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.max_seq_len + ROPE_SLACK_POSITIONS,
+            config.rope_theta,
+            config.rope_scaling,
+            config.dtype,
+        )
+        self.vocab_size = target.config.vocab_size
+        self._embed = (target.embed_tokens,)  # borrowed, not registered
+
+    def features(self, out: ModelOutputs) -> torch.Tensor:
+        return torch.cat([out.hidden_states[i] for i in self.layer_ids], dim=-1)  # [T, 3H]
+
+    def extra_tensors(self) -> dict[str, torch.Tensor]:
+        """``d2t`` offsets and the ``t2d`` membership mask, as public checkpoints carry them."""
+        ids = torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+        t2d = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.d2t.device)
+        return {"d2t": self.d2t.clone(), "t2d": t2d.index_fill(0, ids, True)}
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Target-vocabulary logits [B, V]; tokens outside the draft vocabulary get -inf."""
+        draft = self.lm_head(self.norm(hidden)).float()  # [B, Vd]
+        ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t  # target ids
+        full = draft.new_full((draft.shape[0], self.vocab_size), float("-inf"))
+        return full.scatter(1, ids.expand_as(draft), draft)
+
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        layout: BatchLayout,
+        metadata: Any,
+        kv: KVLayers,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        rope = self.rotary.lookup(layout.positions)
+        return self.midlayer(self._embed[0](tokens), hidden, rope, kv[0], backend, metadata)  # type: ignore[no-any-return]
+
+    def extend(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        layout: BatchLayout,
+        metadata: Any,
+        kv: KVLayers,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        return self._forward(tokens, self.fc(features), layout, metadata, kv, backend)
+
+    def propose(
+        self,
+        state: torch.Tensor | None,
+        args: ProposeArgs,
+        k: int,
+        select: SelectFn,
+        kv: KVLayers,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        assert state is not None
+        return propose_chain(
+            state[args.last_index],
+            args,
+            k,
+            select,
+            logits=self.logits,
+            step=lambda tokens, g, layout, md: self._forward(tokens, g, layout, md, kv, backend),
+            backend=backend,
+        )
+
+
+def eagle3_layer_ids(hf: dict[str, Any], num_target_layers: int) -> tuple[int, ...]:
+    """Tapped layers as "residual stream after layer i"; the public config names the layers
+    whose input is tapped, so each id there is one more than ours."""
+    eagle = hf.get("eagle_config") or {}
+    taps = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if taps is None:
+        return default_eagle3_layers(num_target_layers)
+    name = "eagle_config.eagle_aux_hidden_state_layer_ids"
+    if not isinstance(taps, list) or not all(isinstance(i, int) and i >= 1 for i in taps):
+        raise DraftConfigError(f"{name}: expected layer indices >= 1, got {taps!r}")
+    return check_layer_ids(name, [i - 1 for i in taps], num_target_layers)
+
+
+def load_eagle3(
+    draft_dir: str | Path | None,
+    hf: dict[str, Any],
+    target: Llama3Model,
+    device: torch.device,
+    layer_ids: tuple[int, ...] | None = None,
+) -> Eagle3Drafter:
+    tc = target.config
+    config = draft_llama_config(hf, tc)
+    ids = (
+        check_layer_ids("target_layer_ids", list(layer_ids), tc.num_hidden_layers)
+        if layer_ids is not None
+        else eagle3_layer_ids(hf, tc.num_hidden_layers)
+    )
+    draft_vocab = hf.get("draft_vocab_size", tc.vocab_size)
+    if not isinstance(draft_vocab, int) or not 0 < draft_vocab <= tc.vocab_size:
+        raise DraftConfigError(
+            f"draft_vocab_size: {draft_vocab!r} must be an integer in 1..{tc.vocab_size} "
+            "(the target's vocabulary)"
+        )
+    h = config.hidden_size
+    rules = [
+        TensorRule("fc.weight", (Source("fc.weight", (h, len(ids) * h)),)),
+        TensorRule("norm.weight", (Source("norm.weight", (h,)),)),
+        TensorRule("lm_head.weight", (Source("lm_head.weight", (draft_vocab, h)),)),
+        *decoder_layer_rules(
+            config,
+            "midlayer",
+            "midlayer",
+            in_features=2 * h,
+            norms=("input_layernorm", "hidden_norm", "post_attention_layernorm"),
+        ),
+    ]
+
+    def load_d2t(module: Eagle3Drafter, reader: CheckpointReader) -> None:
+        if "d2t" not in reader.names():
+            if draft_vocab != tc.vocab_size:
+                raise WeightError("d2t: required when draft_vocab_size is below the target's")
+            return
+        d2t = reader.get("d2t").to(torch.int64)
+        if tuple(d2t.shape) != (draft_vocab,):
+            raise WeightError(f"d2t: shape {list(d2t.shape)} does not match [{draft_vocab}]")
+        target_ids = torch.arange(draft_vocab) + d2t
+        if target_ids.min() < 0 or target_ids.max() >= tc.vocab_size:
+            raise WeightError("d2t: maps a draft token outside the target's vocabulary")
+        module.d2t.copy_(d2t)
+
+    return build_draft(
+        lambda: Eagle3Drafter(config, target, ids, draft_vocab),
+        draft_dir,
+        rules,
+        device,
+        config.dtype,
+        load_d2t,
+    )

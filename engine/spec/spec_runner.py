@@ -1,0 +1,216 @@
+"""Runs speculative decoding for the engine: draft prefill after target prefill, then the
+unified step for decode rows, with counters and (optionally) adaptive K."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.kv_cache import KVCacheParams, PagedKVCache
+from engine.model_runner import ModelRunner, RowLogprobs, StepOutput
+from engine.sampler import SamplingTensors, top_logprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+from engine.spec.adaptive import AdaptiveK, measure_costs
+from engine.spec.config import SpeculativeConfig
+from engine.spec.drafters import Drafter, ProposeArgs, load_drafter
+from engine.spec.stats import SpecDecodeStats
+from engine.spec.unified_step import SpecStepInputs, UnifiedStep
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # emitted this step: accepted drafts, then the next token
+    logprobs: list[RowLogprobs] | None  # one per emitted token, when asked for
+
+
+def load_speculator(config: SpeculativeConfig, target: nn.Module, device: torch.device) -> Drafter:
+    return load_drafter(config.draft_model, target, device, config.kind, config.target_layer_ids)  # type: ignore[arg-type]
+
+
+def num_draft_tokens(config: SpeculativeConfig, drafter: Drafter) -> int:
+    return drafter.fixed_num_draft_tokens or config.num_draft_tokens
+
+
+def num_lookahead_slots(k: int, drafter: Drafter) -> int:
+    """Slots past a row's next token that a step may write: verify up to n+K, drafts up to
+    n+K+max(K, block) (rejected positions are overwritten later)."""
+    return k + max(k, drafter.fixed_num_draft_tokens or 0) + 2
+
+
+class SpecRunner:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        runner: ModelRunner,
+        drafter: Drafter,
+        num_blocks: int,
+    ) -> None:
+        self.config, self.runner, self.drafter = config, runner, drafter
+        self.k = num_draft_tokens(config, drafter)
+        params = KVCacheParams.from_config(drafter.config, runner.block_size)
+        self.draft_kv = PagedKVCache(params, num_blocks, runner.device)
+        self.step = UnifiedStep(
+            runner.model,
+            drafter,
+            runner.kv_cache,
+            self.draft_kv,
+            runner.backend,
+            acceptance=config.acceptance,
+            synthetic_rates=config.synthetic_acceptance_rates,
+            sample_drafts=config.sample_drafts,
+        )
+        self.stats = SpecDecodeStats()
+        self.adaptive: AdaptiveK | None = None
+
+    # -- prefill -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, batch: ScheduledBatch) -> StepOutput:
+        """Target prefill with the drafter's features, draft KV for the same positions, and
+        K drafts for rows that sampled their first token."""
+        result = self.runner.execute(batch, self.drafter.target_hidden)
+        inputs, out = result.inputs, result.outputs
+        assert inputs is not None and out is not None
+        sampled = dict(zip(result.rows, result.tokens, strict=True))
+        shifted: list[int] = []  # the token after each computed position
+        for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            start = seq.num_computed_tokens
+            shifted += seq.token_ids[start + 1 : start + num_new]
+            shifted.append(sampled[row] if row in sampled else seq.token_ids[start + num_new])
+        device = self.runner.device
+        state = self.drafter.extend(
+            torch.tensor(shifted, dtype=torch.int64, device=device),
+            self.drafter.features(out),
+            inputs.layout,
+            result.metadata,
+            self.draft_kv.layers,
+            self.runner.backend,
+        )
+        if not result.rows:
+            return result
+        seqs = [batch.seqs[r] for r in result.rows]
+        offsets = inputs.input_row_offsets
+        rows = torch.tensor(result.rows, dtype=torch.int64, device=device)
+        last_positions = [
+            s.num_computed_tokens + batch.num_new_tokens[r] - 1
+            for r, s in zip(result.rows, seqs, strict=True)
+        ]
+        k = self.k if self.adaptive is None else self.adaptive.choose(len(seqs))
+        args = ProposeArgs(
+            last_index=offsets[rows + 1] - 1,
+            last_positions=torch.tensor(last_positions, dtype=torch.int64, device=device),
+            next_tokens=result.sampled,  # type: ignore[arg-type]
+            block_tables=inputs.layout.block_tables[rows],
+            block_size=self.runner.block_size,
+            max_context_len=max(last_positions) + num_lookahead_slots(k, self.drafter) + 2,
+        )
+        drafts, probs = self.step.propose(state, args, self._sampling(seqs), k)
+        for i, (seq, row_drafts) in enumerate(zip(seqs, drafts.tolist(), strict=True)):
+            seq.draft_token_ids = row_drafts
+            seq.draft_probs = None if probs is None else probs[i]
+        return result
+
+    # -- decode ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> list[DecodeResult]:
+        """One unified step over rows whose target KV covers all but their pending token."""
+        k = min(len(s.draft_token_ids or []) for s in seqs)
+        k_next = self.k if self.adaptive is None else self.adaptive.choose(len(seqs))
+        inputs = self._step_inputs(seqs, k, k_next)
+        out = self.step(inputs, k_next)
+        num_accepted = out.num_accepted.tolist()
+        emitted = out.emitted.tolist()
+        drafts = out.next_draft_tokens.tolist()
+        self.stats.record(k, num_accepted)
+        if self.adaptive is not None:
+            self.adaptive.observe(k, num_accepted)
+        logprobs = self._logprobs(seqs, out.logits, out.emitted)
+        results = []
+        for i, seq in enumerate(seqs):
+            seq.draft_token_ids = drafts[i]
+            seq.draft_probs = None if out.next_draft_probs is None else out.next_draft_probs[i]
+            tokens = emitted[i][: num_accepted[i] + 1]
+            results.append(DecodeResult(tokens, None if logprobs is None else logprobs[i]))
+        return results
+
+    def _step_inputs(self, seqs: list[Sequence], k: int, k_next: int) -> SpecStepInputs:
+        device = self.runner.device
+
+        def t(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        kv_lens = [s.num_computed_tokens for s in seqs]
+        width = max(len(s.block_table) for s in seqs)
+        draft_probs = None
+        if self.config.sample_drafts and all(s.draft_probs is not None for s in seqs):
+            draft_probs = torch.stack([s.draft_probs[:k] for s in seqs])
+        return SpecStepInputs(
+            tokens=t([s.token_ids[-1] for s in seqs]),
+            draft_tokens=t([(s.draft_token_ids or [])[:k] for s in seqs]).view(len(seqs), k),
+            kv_lens=t(kv_lens),
+            block_tables=t([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
+            sampling=self._sampling(seqs),
+            max_context_len=max(kv_lens)
+            + k
+            + max(k_next, self.drafter.fixed_num_draft_tokens or 0)
+            + 3,
+            draft_probs=draft_probs,
+        )
+
+    def _sampling(self, seqs: list[Sequence]) -> SamplingTensors:
+        return SamplingTensors.build(
+            [s.params for s in seqs],
+            [s.seed for s in seqs],
+            [s.num_tokens for s in seqs],
+            self.runner.device,
+        )
+
+    def _logprobs(
+        self, seqs: list[Sequence], logits: torch.Tensor, emitted: torch.Tensor
+    ) -> list[list[RowLogprobs]] | None:
+        if all(s.params.logprobs is None for s in seqs):
+            return None
+        b, s, v = logits.shape
+        n = max(seq.params.logprobs or 0 for seq in seqs)
+        chosen, ids, values = top_logprobs(logits.view(b * s, v), emitted.clamp(min=0).view(-1), n)
+        rows = list(zip(chosen.tolist(), ids.tolist(), values.tolist(), strict=True))
+        return [rows[i * s : (i + 1) * s] for i in range(b)]
+
+    # -- adaptive K --------------------------------------------------------------------
+
+    def enable_adaptive(
+        self, max_batch: int, scratch_blocks: list[int]
+    ) -> dict[int, dict[int, float]]:
+        """Measures step costs per batch bucket and K on scratch blocks (free at start-up)."""
+        bs = self.runner.block_size
+        context = 32
+        per_row = -(-(context + num_lookahead_slots(self.k, self.drafter) + self.k + 2) // bs)
+        buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64) if b <= max_batch]
+        buckets = [b for b in buckets if b * per_row <= len(scratch_blocks)] or [1]
+        choices = list(range(self.k + 1))
+
+        def run_step(b: int, k: int) -> float:
+            params = [SamplingParams(max_tokens=1)] * b
+            sampling = SamplingTensors.build(params, [0] * b, [context] * b, self.runner.device)
+            tables = torch.tensor(scratch_blocks[: b * per_row], dtype=torch.int64).view(b, per_row)
+            inputs = SpecStepInputs(
+                tokens=torch.zeros(b, dtype=torch.int64),
+                draft_tokens=torch.zeros(b, k, dtype=torch.int64),
+                kv_lens=torch.full((b,), context, dtype=torch.int64),
+                block_tables=tables.to(self.runner.device),
+                sampling=sampling,
+                max_context_len=context + 2 * self.k + 4 + bs,
+            )
+            start = time.perf_counter()
+            self.step(inputs, k)
+            return time.perf_counter() - start
+
+        costs = measure_costs(run_step, buckets, choices)
+        self.adaptive = AdaptiveK(choices, costs)
+        return costs

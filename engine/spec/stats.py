@@ -1,0 +1,50 @@
+"""Counters of speculative decoding, and the mean accepted length derived from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0  # row-steps that verified at least one draft token
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # of those, accepted
+    num_steps_without_drafts: int = 0  # row-steps run with K = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: drafts accepted at j
+    verified_per_position: list[int] = field(default_factory=list)  # [j]: drafts verified at j
+
+    def record(self, k: int, num_accepted: list[int]) -> None:
+        """One step of ``len(num_accepted)`` rows that verified ``k`` drafts each."""
+        if k == 0:
+            self.num_steps_without_drafts += len(num_accepted)
+            return
+        grow = k - len(self.accepted_per_position)
+        if grow > 0:
+            self.accepted_per_position += [0] * grow
+            self.verified_per_position += [0] * grow
+        for a in num_accepted:
+            self.num_drafts += 1
+            self.num_draft_tokens += k
+            self.num_accepted_tokens += a
+            for j in range(k):
+                self.verified_per_position[j] += 1
+                self.accepted_per_position[j] += j < a
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau: tokens emitted per verifying step and row (accepted drafts + 1)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "mean_accepted_length": self.mean_accepted_length,
+        }

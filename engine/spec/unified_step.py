@@ -1,0 +1,198 @@
+"""The unified speculative decode step: verify, accept, shift and propose in fixed shapes.
+
+One call computes a whole decode step for a batch of B rows with K drafts each:
+
+1. merge    rows ``[x_n, d_1..d_K]`` at positions n..n+K                 -> [B, K+1]
+2. verify   target forward writing target KV; logits and drafter features
+3. mask     optional structured-output bitmask                            [B, K+1, ceil(V/32)]
+4. accept   ``num_accepted`` [B] and ``next_tokens`` [B]
+5. shift    pair each target feature at n+j with the token at n+j+1
+6. propose  the drafter writes draft KV and drafts ``k_next`` tokens per row
+7. pack     ``emitted`` [B, K+1] (accepted drafts, then the next token, then -1)
+
+KV lengths advance by ``num_accepted + 1``; KV written for rejected positions is
+overwritten by later steps. Nothing here reads a tensor on the host, so the step can
+be captured in a CUDA graph per batch bucket; the only host values are shapes and
+``max_context_len``, a bound fixed when the step is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend, BatchLayout
+from engine.kv_cache import PagedKVCache
+from engine.sampler import SamplingTensors, filtered_probs, row_keys
+from engine.spec.acceptance import DRAFT_SALT, accept, accept_synthetic, race
+from engine.spec.drafters import Drafter, ProposeArgs
+
+
+@dataclass
+class SpecStepInputs:
+    tokens: torch.Tensor  # [B] int64: x_n, each row's pending token (its KV is not written yet)
+    draft_tokens: torch.Tensor  # [B, K] int64: drafts from the previous step
+    kv_lens: torch.Tensor  # [B] int64: n, committed target KV length = the pending position
+    block_tables: torch.Tensor  # [B, M] int64: target and draft KV share them
+    sampling: SamplingTensors  # [B] per-row parameters (``positions`` is not used)
+    max_context_len: int  # host bound >= n + 2K + 3 for every row
+    draft_probs: torch.Tensor | None = None  # [B, K, V] when drafts were sampled
+    bitmask: torch.Tensor | None = None  # [B, K+1, ceil(V/32)] int32, bit set = allowed
+
+
+@dataclass
+class SpecStepOutputs:
+    num_accepted: torch.Tensor  # [B] int64
+    next_tokens: torch.Tensor  # [B] int64: the bonus or recovered token, the new pending one
+    emitted: torch.Tensor  # [B, K+1] int64: accepted drafts, the next token, then -1
+    next_draft_tokens: torch.Tensor  # [B, k_next] int64
+    next_draft_probs: torch.Tensor | None  # [B, k_next, V] when drafts are sampled
+    logits: torch.Tensor  # [B, K+1, V] fp32, for logprobs
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Disallowed tokens get -inf: bit (v % 32) of word (v // 32) clear. [B, S, V]"""
+    v = logits.shape[-1]
+    ids = torch.arange(v, device=logits.device)
+    bits = (bitmask[..., ids // 32] >> (ids % 32)) & 1  # [B, S, V]
+    return logits.masked_fill(bits == 0, float("-inf"))
+
+
+class UnifiedStep:
+    """Target + drafter in one step; ``acceptance`` is "lossless" or "synthetic"."""
+
+    def __init__(
+        self,
+        target: nn.Module,
+        drafter: Drafter,
+        target_kv: PagedKVCache,
+        draft_kv: PagedKVCache,
+        backend: AttentionBackend,
+        *,
+        acceptance: str = "lossless",
+        synthetic_rates: tuple[float, ...] = (),
+        sample_drafts: bool = False,
+    ) -> None:
+        self.target, self.drafter = target, drafter
+        self.target_kv, self.draft_kv = target_kv, draft_kv
+        self.backend = backend
+        self.block_size = target_kv.params.block_size
+        self.acceptance = acceptance
+        self.synthetic_rates = synthetic_rates
+        self.sample_drafts = sample_drafts
+
+    @torch.inference_mode()
+    def __call__(self, inputs: SpecStepInputs, k_next: int) -> SpecStepOutputs:
+        b, k = inputs.draft_tokens.shape
+        s = k + 1
+        device = inputs.tokens.device
+        steps = torch.arange(s, device=device)
+
+        # 1. merge: [x_n, d_1..d_K] per row, at positions n..n+K.
+        tokens = torch.cat([inputs.tokens[:, None], inputs.draft_tokens], dim=1)  # [B, K+1]
+        positions = inputs.kv_lens[:, None] + steps  # [B, K+1]
+        layout = BatchLayout.uniform(
+            positions, inputs.block_tables, self.block_size, inputs.max_context_len
+        )
+        metadata = self.backend.build_metadata(layout)
+
+        # 2. verify: every row's K+1 tokens, target KV written for all of them.
+        out = self.target(
+            tokens.reshape(-1),
+            layout.positions,
+            self.target_kv.layers,
+            self.backend,
+            metadata,
+            torch.arange(b * s, device=device),
+            self.drafter.target_hidden,
+        )
+        logits = out.logits.view(b, s, -1)  # [B, K+1, V]
+
+        # 3. mask
+        if inputs.bitmask is not None:
+            logits = apply_bitmask(logits, inputs.bitmask)
+
+        # 4. accept
+        first_positions = inputs.kv_lens + 1
+        if self.acceptance == "synthetic":
+            rates = torch.tensor(self.synthetic_rates[:k], device=device)
+            num_accepted, next_tokens = accept_synthetic(
+                logits, inputs.sampling, first_positions, rates
+            )
+        else:
+            num_accepted, next_tokens = accept(
+                logits, inputs.draft_tokens, inputs.sampling, first_positions, inputs.draft_probs
+            )
+
+        # 5. shift: feature j (position n+j) pairs with the token at n+j+1: draft j+1 while
+        # accepted, then the next token; entries past num_accepted are never read.
+        padded = torch.cat([inputs.draft_tokens, next_tokens[:, None]], dim=1)  # [B, K+1]
+        is_accepted = steps[None, :] < num_accepted[:, None]
+        shifted = torch.where(is_accepted, padded, next_tokens[:, None])
+        emitted = torch.where(
+            is_accepted,
+            padded,
+            torch.where(steps[None, :] == num_accepted[:, None], next_tokens[:, None], -1),
+        )
+
+        # 6. propose
+        state = self.drafter.extend(
+            shifted.reshape(-1),
+            self.drafter.features(out),
+            layout,
+            metadata,
+            self.draft_kv.layers,
+            self.backend,
+        )
+        args = ProposeArgs(
+            last_index=torch.arange(b, device=device) * s + num_accepted,
+            last_positions=inputs.kv_lens + num_accepted,
+            next_tokens=next_tokens,
+            block_tables=inputs.block_tables,
+            block_size=self.block_size,
+            max_context_len=inputs.max_context_len,
+        )
+        drafts, probs = self.propose(state, args, inputs.sampling, k_next)
+
+        # 7. pack
+        return SpecStepOutputs(
+            num_accepted=num_accepted,
+            next_tokens=next_tokens,
+            emitted=emitted,
+            next_draft_tokens=drafts,
+            next_draft_probs=probs,
+            logits=logits,
+        )
+
+    def propose(
+        self,
+        state: torch.Tensor | None,
+        args: ProposeArgs,
+        sampling: SamplingTensors,
+        k: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``k`` drafts per row after ``args``; argmax drafts unless ``sample_drafts``."""
+        if k == 0:
+            return args.next_tokens.new_zeros((args.next_tokens.shape[0], 0)), None
+        sample = self.sample_drafts and not sampling.all_greedy
+        probs: list[torch.Tensor] = []
+
+        def select(logits: torch.Tensor, j: int) -> torch.Tensor:
+            greedy = logits.argmax(dim=-1)
+            if not sample:
+                return greedy
+            # Draft j is the token at position p + 2 + j (p: last committed, p+1: bonus).
+            rows = dataclasses.replace(sampling, positions=args.last_positions + 2 + j)
+            q = filtered_probs(logits, rows)  # [B, V]
+            drawn = race(q, row_keys(rows.seeds, rows.positions) ^ DRAFT_SALT)
+            is_sampled = sampling.temperature > 0
+            # Greedy rows draft the argmax: their q is one-hot there.
+            one_hot = torch.zeros_like(q).scatter_(1, greedy[:, None], 1.0)
+            probs.append(torch.where(is_sampled[:, None], q, one_hot))
+            return torch.where(is_sampled, drawn, greedy)
+
+        drafts = self.drafter.propose(state, args, k, select, self.draft_kv.layers, self.backend)
+        return drafts, torch.stack(probs, dim=1) if sample else None
