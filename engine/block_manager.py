@@ -209,15 +209,17 @@ class BlockManager:
             taken.append(block_id)
         return taken
 
-    def _find_run(self, n: int) -> int:
-        """Index in the clean list where ``n`` consecutive ids start (0 when there is none)."""
+    def _find_run(self, n: int, max_scan: int = 512) -> int:
+        """Index in the clean list where ``n`` consecutive ids start (0 when none is found).
+
+        The list is sorted and unique, so ids ``clean[i:i+n]`` are consecutive exactly when
+        ``clean[i+n-1] - clean[i] == n-1``. Only the first ``max_scan`` starts are tried:
+        consecutive ids are a preference (fewer, larger KV copies), not a requirement.
+        """
         clean = self._clean
-        run_start = 0
-        for i in range(1, len(clean) + 1):
-            if i == len(clean) or clean[i] != clean[i - 1] + 1:
-                if i - run_start >= n:
-                    return run_start
-                run_start = i
+        for i in range(min(len(clean) - n + 1, max_scan)):
+            if clean[i + n - 1] - clean[i] == n - 1:
+                return i
         return 0
 
     def _reset(self, block: Block) -> None:

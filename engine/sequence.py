@@ -22,7 +22,7 @@ class TokenLogprobs:
     top: dict[int, float]  # the ``logprobs`` most likely token ids -> logprob
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: identity, not field-wise equality
 class Sequence:
     request_id: str
     token_ids: list[int]  # prompt followed by generated tokens: the known tokens

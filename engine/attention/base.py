@@ -80,6 +80,17 @@ class AttentionBackend(Protocol):
 
     def build_metadata(self, layout: BatchLayout) -> Any: ...
 
+    def write_kv(
+        self,
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T]
+    ) -> None:
+        """Stores K/V without attending (DFlash context); a training backend keeps them."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]

@@ -71,6 +71,16 @@ class TorchAttentionBackend:
             single_fresh_row=single_fresh_row,
         )
 
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+
     def forward(
         self,
         q: torch.Tensor,

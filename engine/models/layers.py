@@ -67,7 +67,10 @@ class RotaryEmbedding(nn.Module):
         self.reset_buffers(torch.empty(0).device)
 
     def reset_buffers(self, device: torch.device) -> None:
-        if device.type == "meta":
+        if device.type == "meta":  # shapes only, for tracing the step without data
+            shape = (self.max_positions, self.head_dim)
+            self.cos = torch.empty(shape, dtype=self.dtype, device=device)
+            self.sin = torch.empty(shape, dtype=self.dtype, device=device)
             return
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
         positions = torch.arange(self.max_positions, dtype=torch.float32)

@@ -28,15 +28,22 @@ def draft_hf_config(target_dir: Path, kind: str, **overrides: Any) -> dict[str, 
         hf["num_hidden_layers"] = 2
         hf["block_size"] = 4
         hf["num_target_layers"] = num_layers
-        hf["dflash_config"] = {"mask_token_id": hf["vocab_size"] - 1,
-                               "target_layer_ids": [0, num_layers - 1]}
+        hf["dflash_config"] = {
+            "mask_token_id": hf["vocab_size"] - 1,
+            "target_layer_ids": [0, num_layers - 1],
+        }
     hf.update(overrides)
     return hf
 
 
 def build_random_draft(
-    target_dir: Path, out: Path, kind: str, seed: int = 0, std: float = 0.08,
-    d2t: torch.Tensor | None = None, **overrides: Any,
+    target_dir: Path,
+    out: Path,
+    kind: str,
+    seed: int = 0,
+    std: float = 0.08,
+    d2t: torch.Tensor | None = None,
+    **overrides: Any,
 ) -> Path:
     """Saves a random draft of ``kind`` for the target in ``target_dir`` to ``out``."""
     target, _ = load_model(target_dir, dtype="float32")

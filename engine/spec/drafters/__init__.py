@@ -26,7 +26,7 @@ __all__ = [
     "load_drafter",
 ]
 
-Loader = Callable[[str | Path, dict[str, Any], Llama3Model, torch.device], Drafter]
+Loader = Callable[[str | Path | None, dict[str, Any], Llama3Model, torch.device], Drafter]
 
 DRAFTERS: dict[str, Loader] = {
     "eagle": load_eagle,
@@ -86,5 +86,5 @@ def save_drafter(
     drafter: Drafter, out_dir: str | Path, hf: dict[str, Any], dtype: torch.dtype | None = None
 ) -> None:
     """Writes ``drafter`` in its kind's public layout, loadable by ``load_drafter``."""
-    extra = getattr(drafter, "extra_tensors", lambda: {})()
+    extra: dict[str, torch.Tensor] = getattr(drafter, "extra_tensors", dict)()
     save_draft(drafter, out_dir, hf, extra, dtype)  # type: ignore[arg-type]

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionBackend, BatchLayout, write_kv
+from engine.attention.base import AttentionBackend, BatchLayout
 from engine.config import Llama3Config
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
 from engine.models.llama3 import (
@@ -158,11 +158,11 @@ class DflashDrafter(nn.Module):
         cos, sin = self.rotary.lookup(layout.positions)
         t, c = ctx.shape[0], self.config
         for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
-            proj = layer.self_attn.qkv_proj
+            proj = cast(Llama3DecoderLayer, layer).self_attn.qkv_proj
             bias = None if proj.bias is None else proj.bias[c.q_size :]
             k, v = F.linear(ctx, proj.weight[c.q_size :], bias).split(c.kv_size, dim=-1)
             k = RotaryEmbedding.rotate(k.reshape(t, c.num_key_value_heads, c.head_dim), cos, sin)
-            write_kv(
+            backend.write_kv(
                 k,
                 v.reshape(t, c.num_key_value_heads, c.head_dim),
                 k_cache,

@@ -76,7 +76,7 @@ class EagleDrafter(nn.Module):
     ) -> torch.Tensor:
         embed = self._target[0](tokens)  # [T, H]
         x = self.fc(torch.cat([embed, hidden], dim=-1))
-        return self.layer(x, self.rotary.lookup(layout.positions), kv[0], backend, metadata)  # type: ignore[no-any-return]
+        return self.layer(x, self.rotary.lookup(layout.positions), kv[0], backend, metadata)
 
     def extend(
         self,
@@ -118,7 +118,8 @@ def load_eagle(
     config = draft_llama_config(hf, tc)
     if hf.get("num_hidden_layers", 1) != 1:
         raise DraftConfigError(
-            f"num_hidden_layers: an EAGLE draft has one decoder layer, got {hf['num_hidden_layers']}"
+            "num_hidden_layers: an EAGLE draft has one decoder layer, "
+            f"got {hf['num_hidden_layers']}"
         )
     if draft_dir is None:
         fc_bias, has_input_norm = True, False

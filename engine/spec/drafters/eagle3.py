@@ -128,7 +128,7 @@ class Eagle3Drafter(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         rope = self.rotary.lookup(layout.positions)
-        return self.midlayer(self._embed[0](tokens), hidden, rope, kv[0], backend, metadata)  # type: ignore[no-any-return]
+        return self.midlayer(self._embed[0](tokens), hidden, rope, kv[0], backend, metadata)
 
     def extend(
         self,

@@ -1,0 +1,187 @@
+"""Speculative decoding on tiny random targets: greedy output equals target-only output for
+every drafter and K, and the edge cases of accepting many drafts at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from tests.comparator import compare_greedy
+from tests.engine.tiny_drafts import build_random_draft
+from tests.engine.tiny_models import build_tiny_llama
+
+PROMPTS = [[5, 6, 7], [9] * 11, [3, 4], [10, 11, 12, 13, 14, 15, 16], [40], [1, 2, 3, 4, 5, 6]]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("spec_target")
+    model = build_tiny_llama(out, "gqa3_llama3rope_tied_bias_hd40", num_layers=3, vocab_size=64)
+    return out, model
+
+
+def engine_for(model_dir: Path, spec: SpeculativeConfig | None = None, **kw) -> LLMEngine:
+    cfg = dict(model=str(model_dir), dtype="float32", kv_cache_memory=1 << 21, block_size=4)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg, speculative=spec))
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]):
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return done
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash"])
+def test_greedy_equals_target_only_for_random_drafts(target, tmp_path, kind):
+    model_dir, hf_model = target
+    requests = {str(i): (p, greedy(24 + 3 * i)) for i, p in enumerate(PROMPTS)}
+    base = run(engine_for(model_dir), requests)
+    # EAGLE-3 with a reduced draft vocabulary: every other target id.
+    d2t = torch.arange(32) if kind == "eagle3" else None
+    extra = {"draft_vocab_size": 32} if kind == "eagle3" else {}
+    draft = build_random_draft(model_dir, tmp_path / kind, kind, d2t=d2t, **extra)
+    depths = [3] if kind == "dflash" else [1, 3, 5]  # DFlash: block_size - 1
+    for k in depths:
+        engine = engine_for(model_dir, SpeculativeConfig(str(draft), num_draft_tokens=k))
+        out = run(engine, requests)
+        assert engine.spec is not None and engine.spec.k == k
+        assert engine.spec.stats.num_draft_tokens > 0
+        ours = [out[r].token_ids for r in requests]
+        refs = [base[r].token_ids for r in requests]
+        assert ours == refs or compare_greedy(hf_model, PROMPTS, ours, refs).num_ties <= 1
+
+
+def markov_target(out: Path):
+    """A one-layer target whose next token depends only on the current one (attention
+    output zeroed, final norm weight 1), and an EAGLE draft that reproduces it exactly:
+    ``fc`` keeps the token embedding and the draft layer is the target's layer."""
+    model = build_tiny_llama(out / "target", "mha_plain", num_layers=1, vocab_size=64)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+    model.save_pretrained(out / "target")
+    from engine.registry import load_model
+    from engine.spec.drafters import new_drafter, save_drafter
+    from tests.engine.tiny_drafts import draft_hf_config
+
+    ours, _ = load_model(out / "target", dtype="float32")
+    hf = draft_hf_config(out / "target", "eagle")
+    drafter = new_drafter("eagle", hf, ours, torch.device("cpu"))  # type: ignore[arg-type]
+    h = hf["hidden_size"]
+    with torch.no_grad():
+        drafter.fc.weight.zero_()  # type: ignore[attr-defined]
+        drafter.fc.weight[:, :h] = torch.eye(h)  # type: ignore[attr-defined]
+        drafter.fc.bias.zero_()  # type: ignore[attr-defined]
+        drafter.layer.load_state_dict(ours.layers[0].state_dict(), strict=False)  # type: ignore[attr-defined]
+    save_drafter(drafter, out / "eagle", hf)
+    return out / "target", out / "eagle", model
+
+
+@pytest.fixture(scope="module")
+def markov(tmp_path_factory: pytest.TempPathFactory):
+    return markov_target(tmp_path_factory.mktemp("markov"))
+
+
+def test_oracle_draft_accepts_everything(markov):
+    target_dir, draft_dir, _ = markov
+    requests = {str(i): (p, greedy(30)) for i, p in enumerate(PROMPTS)}
+    base = run(engine_for(target_dir), requests)
+    engine = engine_for(target_dir, SpeculativeConfig(str(draft_dir), num_draft_tokens=4))
+    out = run(engine, requests)
+    assert {r: o.token_ids for r, o in out.items()} == {r: o.token_ids for r, o in base.items()}
+    stats = engine.spec.stats  # type: ignore[union-attr]
+    # 29 tokens after the prefill's first one: 5 per step, so 6 steps, the last one cut.
+    assert stats.num_drafts == 6 * len(PROMPTS)
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert stats.mean_accepted_length == 5.0
+
+
+def test_stops_inside_accepted_drafts(markov):
+    """EOS, a stop token and max_tokens that fall inside a block of accepted drafts end the
+    request exactly where target-only decoding ends it; other rows go on."""
+    target_dir, draft_dir, _ = markov
+    spec = SpeculativeConfig(str(draft_dir), num_draft_tokens=4)
+    base = run(engine_for(target_dir), {"a": (PROMPTS[3], greedy(30))})["a"].token_ids
+    stop = base[6]  # the 7th output token: in the middle of the second verified block
+    first = base.index(stop)
+    requests = {
+        "stop_token": (PROMPTS[3], greedy(30, stop_token_ids=[stop])),
+        "max_tokens": (PROMPTS[3], greedy(7)),
+        "long": (PROMPTS[3], greedy(30)),
+    }
+    for spec_or_none in (None, spec):
+        out = run(engine_for(target_dir, spec_or_none), requests)
+        assert out["stop_token"].token_ids == base[: first + 1]
+        assert (out["stop_token"].finish_reason, out["stop_token"].stop_reason) == ("stop", stop)
+        assert out["max_tokens"].token_ids == base[:7]
+        assert out["max_tokens"].finish_reason == "length"
+        assert out["long"].token_ids == base
+    engine = engine_for(target_dir, spec)
+    engine.eos_token_ids = frozenset({stop})
+    out = run(engine, {"eos": (PROMPTS[3], SamplingParams(max_tokens=30, temperature=0.0))})
+    assert out["eos"].token_ids == base[: first + 1] and out["eos"].finish_reason == "stop"
+
+
+def test_mixed_greedy_and_seeded_rows_match_target_only(markov, target, tmp_path):
+    """With argmax drafts, a seeded sampled row draws exactly what it draws without
+    speculation (random numbers are keyed on seed and position), in a batch with greedy
+    rows and rows of other lengths; logprobs come out for every emitted token."""
+    model_dir, _ = target
+    draft = build_random_draft(model_dir, tmp_path / "eagle", "eagle", std=0.2)
+    requests = {
+        "g0": (PROMPTS[0], greedy(20)),
+        "s1": (
+            PROMPTS[1],
+            SamplingParams(max_tokens=25, temperature=0.8, seed=7, ignore_eos=True, logprobs=2),
+        ),
+        "s2": (
+            PROMPTS[2],
+            SamplingParams(max_tokens=18, temperature=1.0, top_k=5, seed=3, ignore_eos=True),
+        ),
+        "s3": (
+            PROMPTS[3],
+            SamplingParams(max_tokens=22, temperature=0.7, top_p=0.8, seed=11, ignore_eos=True),
+        ),
+        "g4": (PROMPTS[4], greedy(9)),
+    }
+    base = run(engine_for(model_dir), requests)
+    out = run(engine_for(model_dir, SpeculativeConfig(str(draft), num_draft_tokens=3)), requests)
+    for rid in requests:
+        assert out[rid].token_ids == base[rid].token_ids, rid
+    assert [lp.token_id for lp in out["s1"].logprobs] == out["s1"].token_ids
+    for ours, theirs in zip(out["s1"].logprobs, base["s1"].logprobs, strict=True):
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert set(ours.top) == set(theirs.top)
+
+
+def test_preemption_and_prefix_reuse_stay_lossless(target, tmp_path):
+    """A cache too small for every row preempts by recompute; drafts are rebuilt after it."""
+    model_dir, _ = target
+    draft = build_random_draft(model_dir, tmp_path / "eagle3", "eagle3")
+    requests = {str(i): ([7, 8, 9, 10, *p], greedy(40)) for i, p in enumerate(PROMPTS)}
+    base = run(engine_for(model_dir), requests)
+    # 26 blocks (4 slots x 4 layers (3 target, 1 draft) x K,V x 2 heads x 40 dims x fp32):
+    # one row at full length needs 16, so rows preempt each other.
+    block_bytes = 4 * 4 * 2 * 2 * 40 * 4
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=3)
+    engine = engine_for(model_dir, spec, kv_cache_memory=26 * block_bytes)
+    assert engine.block_manager.num_blocks == 26
+    out = run(engine, requests)
+    assert engine.scheduler.num_preemptions > 0
+    assert {r: o.token_ids for r, o in out.items()} == {r: o.token_ids for r, o in base.items()}

@@ -1,0 +1,114 @@
+"""Sampled losslessness: the joint distribution of the first three generated tokens with
+speculation equals target-only sampling (chi-square against the exact distribution,
+enumerated with transformers), and a wrong rule that accepts every draft fails the test."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampler import SamplingTensors, filtered_probs
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from tests.engine.tiny_drafts import build_random_draft
+from tests.engine.tiny_models import build_tiny_llama
+
+VOCAB = 16
+PROMPT = [3, 1, 4, 1, 5]
+NUM_SAMPLES = 20_000
+SETTINGS = {
+    "t1.0": dict(temperature=1.0),
+    "t0.7_topk6": dict(temperature=0.7, top_k=6),
+    "t1.0_topp0.8": dict(temperature=1.0, top_p=0.8),
+}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("sampled")
+    model = build_tiny_llama(out / "target", "mha_plain", num_layers=2, vocab_size=VOCAB)
+    draft = build_random_draft(out / "target", out / "eagle", "eagle", std=0.3)
+    return out / "target", draft, model
+
+
+def exact_joint(model: torch.nn.Module, params: SamplingParams) -> torch.Tensor:
+    """P(t1, t2, t3) of target-only sampling under ``params``: [V, V, V]."""
+
+    def probs(prefixes: list[list[int]]) -> torch.Tensor:
+        ids = torch.tensor([PROMPT + p for p in prefixes])
+        with torch.inference_mode():
+            logits = model(ids, attention_mask=torch.ones_like(ids)).logits[:, -1].float()
+        n = len(prefixes)
+        t = SamplingTensors.build([params] * n, [0] * n, [0] * n, torch.device("cpu"))
+        return filtered_probs(logits, t)  # [n, V]
+
+    p1 = probs([[]])[0]  # [V]
+    p2 = probs([[a] for a in range(VOCAB)])  # [V, V]
+    p3 = probs([[a, b] for a, b in itertools.product(range(VOCAB), repeat=2)])
+    return p1[:, None, None] * p2[:, :, None] * p3.view(VOCAB, VOCAB, VOCAB)
+
+
+def sample_joint(engine: LLMEngine, params: SamplingParams) -> torch.Tensor:
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    for seed in range(NUM_SAMPLES):
+        engine.add_request(str(seed), PROMPT, SamplingParams(**{**params.__dict__, "seed": seed}))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                counts[tuple(out.token_ids)] += 1
+    return counts
+
+
+def chi_square_p(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """p-value of the counts under the exact distribution; cells with fewer than 5
+    expected samples are pooled into one."""
+    expected = expected_probs.flatten().double() * counts.sum()
+    observed = counts.flatten().double()
+    big = expected >= 5
+    e = torch.cat([expected[big], expected[~big].sum()[None]])
+    o = torch.cat([observed[big], observed[~big].sum()[None]])
+    stat = float(((o - e) ** 2 / e.clamp(min=1e-12)).sum())
+    return float(chi2.sf(stat, df=len(e) - 1))
+
+
+def engine_for(model_dir, spec: SpeculativeConfig | None) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            block_size=4,
+            kv_cache_memory=64 << 20,
+            max_num_seqs=1024,
+            max_num_batched_tokens=8192,
+            enable_prefix_caching=False,
+            speculative=spec,
+        )
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_joint_of_three_tokens_matches_target_only(target, setting):
+    model_dir, draft, hf_model = target
+    params = SamplingParams(max_tokens=3, ignore_eos=True, **SETTINGS[setting])
+    exact = exact_joint(hf_model, params)
+    # Sampled drafts (q is the draft's own filtered distribution): the min(1, p/q) rule.
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=2, sample_drafts=True)
+    engine = engine_for(model_dir, spec)
+    counts = sample_joint(engine, params)
+    assert engine.spec is not None and engine.spec.stats.num_accepted_tokens > 0
+    assert 0 < engine.spec.stats.acceptance_rate < 1
+    assert chi_square_p(counts, exact) > 1e-3
+    # Accepting every draft is not lossless, and the same test must say so.
+    wrong = SpeculativeConfig(
+        str(draft),
+        num_draft_tokens=2,
+        sample_drafts=True,
+        acceptance="synthetic",
+        synthetic_acceptance_rates=(1.0, 1.0),
+    )
+    assert chi_square_p(sample_joint(engine_for(model_dir, wrong), params), exact) < 1e-6
