@@ -76,6 +76,16 @@ def register_generate(subparsers: Subparsers) -> None:
         help="wrap each prompt in the tokenizer's chat template (default: when it has one)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--draft", metavar="DIR", help="an EAGLE, EAGLE-3 or DFlash draft directory for the model"
+    )
+    spec.add_argument(
+        "--num-draft-tokens", type=int, default=5, help="K, drafts per step (DFlash: its block)"
+    )
+    spec.add_argument(
+        "--adaptive", action="store_true", help="choose K per step from measured costs"
+    )
     parser.set_defaults(func=_generate)
 
 
@@ -138,8 +148,15 @@ def _generate(args: argparse.Namespace) -> int:
             stop=args.stop,
             ignore_eos=args.ignore_eos,
         )
+        speculative = None
+        if args.draft:
+            from engine.spec.config import SpeculativeConfig
+
+            speculative = SpeculativeConfig(
+                args.draft, num_draft_tokens=args.num_draft_tokens, adaptive=args.adaptive
+            )
         start = time.perf_counter()
-        llm = LLM(str(model_dir), dtype=args.dtype)
+        llm = LLM(str(model_dir), dtype=args.dtype, speculative=speculative)
         load_s = time.perf_counter() - start
         tokenizer = llm.tokenizer
         has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -161,4 +178,11 @@ def _generate(args: argparse.Namespace) -> int:
         f"{num_tokens} tokens from {len(outputs)} prompt(s) in {gen_s:.2f} s: "
         f"{num_tokens / gen_s:.1f} tok/s ({args.dtype}, model loaded in {load_s:.1f} s)"
     )
+    if llm.engine.spec is not None:
+        stats = llm.engine.spec.stats
+        print(
+            f"speculation ({llm.engine.spec.drafter.kind}): mean accepted length "
+            f"{stats.mean_accepted_length:.2f}, {stats.num_accepted_tokens} of "
+            f"{stats.num_draft_tokens} drafts accepted"
+        )
     return 0

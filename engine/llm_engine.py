@@ -21,7 +21,7 @@ from engine.models.layers import use_packed_gemm
 from engine.registry import load_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from engine.sequence import Sequence, TokenLogprobs
+from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from engine.spec.config import SpeculativeConfig
 from engine.spec.spec_runner import (
     SpecRunner,
@@ -53,6 +53,18 @@ class EngineConfig:
     # Measured on an AVX2 EPYC: plain weights win for 1 row, packed fp32 from 2 rows on.
     cpu_packed_gemm_min_rows: int | None = 2
     speculative: SpeculativeConfig | None = None  # draft model and how to speculate
+
+
+@dataclass
+class PrefilledRequest:
+    """What a prefill worker hands on: where the KV sits and what decoding starts from."""
+
+    request_id: str
+    block_table: list[int]  # this worker's blocks holding the prompt's target (+draft) KV
+    num_prompt_tokens: int
+    first_token: int
+    draft_token_ids: list[int]  # empty without speculation
+    seed: int  # the request's seed, so the decode side samples the same tokens
 
 
 @dataclass
@@ -120,8 +132,22 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        is_prefill_only: bool = False,
     ) -> None:
+        """Queues a request. ``is_prefill_only`` (a prefill worker): stop after the first
+        token and keep the blocks until ``release``; ``take_prefilled`` returns the result."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq.is_prefill_only = is_prefill_only
+        self.scheduler.add(seq)
+
+    def _new_sequence(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Sequence:
         self._validate(request_id, prompt_token_ids, params)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(
@@ -134,13 +160,91 @@ class LLMEngine:
         self._seqs[request_id] = seq
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
-        self.scheduler.add(seq)
+        return seq
 
     def abort_request(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
-        if seq is not None:
+        if seq is None:
+            return
+        if seq.status in (SequenceStatus.RESERVED, SequenceStatus.PREFILLED):
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED
+        else:
             self.scheduler.finish(seq)
+        self._detok.pop(request_id, None)
+
+    # -- disaggregation ----------------------------------------------------------------
+
+    @property
+    def kv_pools(self) -> dict[str, PagedKVCache]:
+        """The KV pools a transfer reads or writes, by name; one block id indexes each."""
+        pools = {"target": self.kv_cache}
+        if self.spec is not None:
+            pools["draft"] = self.spec.draft_kv
+        return pools
+
+    def take_prefilled(self, request_id: str) -> PrefilledRequest | None:
+        """A prefill-only request whose first token (and drafts) are ready, or None."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.PREFILLED:
+            return None
+        return PrefilledRequest(
+            request_id=request_id,
+            block_table=list(seq.block_table),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            first_token=seq.token_ids[seq.num_prompt_tokens],
+            draft_token_ids=list(seq.draft_token_ids or []),
+            seed=seq.seed,
+        )
+
+    def release(self, request_id: str) -> None:
+        """Frees a prefilled request's blocks once its KV has been sent."""
+        self.abort_request(request_id)
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], int]:
+        """Decode worker: holds blocks for a request whose KV another worker computes.
+
+        Returns the block table and how many leading prompt tokens are already cached here
+        (prefix reuse: their blocks need no transfer). Raises ``KVCacheCapacityError`` when
+        the cache cannot hold it now.
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if not self.block_manager.can_allocate(seq):
+            del self._seqs[request_id]
             self._detok.pop(request_id, None)
+            raise KVCacheCapacityError(
+                f"kv cache: {self.block_manager.num_free_blocks} blocks free, not enough for "
+                f"{len(prompt_token_ids)} prompt tokens; retry later or on another worker"
+            )
+        self.block_manager.allocate(seq)
+        seq.status = SequenceStatus.RESERVED
+        return list(seq.block_table), seq.num_cached_tokens
+
+    def start_decoding(
+        self, request_id: str, first_token: int, draft_token_ids: list[int] | None = None
+    ) -> RequestOutput:
+        """Joins a reserved request to the running batch once its prompt's KV is in its
+        blocks; ``first_token`` was sampled by the prefill worker."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.RESERVED:
+            raise RequestError(f"request_id: {request_id!r} is not reserved on this worker")
+        vocab = self.model_config.vocab_size
+        if not 0 <= first_token < vocab:
+            raise RequestError(f"first_token: {first_token} is outside the vocabulary")
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.token_ids.append(first_token)
+        if self.spec is not None and draft_token_ids:
+            seq.draft_token_ids = list(draft_token_ids)
+        self.block_manager.cache_computed_blocks(seq)
+        self._check_stop(seq, first_token)
+        output = self._output(seq)
+        if seq.finish_reason is not None:
+            self.abort_request(request_id)
+        else:
+            self.scheduler.join(seq)
+        return output
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -258,6 +362,9 @@ class LLMEngine:
             outputs.append(self._output(seq))
             if seq.finish_reason is not None:
                 self._finish(seq)
+            elif seq.is_prefill_only:
+                self.scheduler.detach(seq)  # blocks stay until release()
+                seq.status = SequenceStatus.PREFILLED
         return outputs
 
     def _check_stop(self, seq: Sequence, token: int) -> None:

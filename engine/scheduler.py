@@ -110,6 +110,17 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def detach(self, seq: Sequence) -> None:
+        """Takes a running request out of the batch but leaves it its blocks (a prefill
+        worker keeps them until the KV has been sent)."""
+        self.running.remove(seq)
+
+    def join(self, seq: Sequence) -> None:
+        """Adds a request whose KV is already in its blocks (a decode worker, after the
+        transfer) straight to the running batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)

@@ -11,7 +11,9 @@ from engine.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    RESERVED = "reserved"  # decode side of disaggregation: blocks held, KV on its way
     RUNNING = "running"
+    PREFILLED = "prefilled"  # prefill side: first token sampled, blocks held for the transfer
     FINISHED = "finished"
 
 
@@ -37,6 +39,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    is_prefill_only: bool = False  # stop after the first token and keep the blocks (prefill worker)
     # Speculative decoding: drafts proposed after the last token, verified next step.
     draft_token_ids: list[int] | None = None
     draft_probs: Any = None  # [K, V] tensor when drafts were sampled, else None

@@ -1,0 +1,231 @@
+"""Speculative decoding on SmolLM2-135M, bf16, on this machine: Tandem without speculation,
+with EAGLE, EAGLE-3 and DFlash drafts, transformers' ``generate`` and (batch 1 only, the
+only batch it supports) transformers' prompt-lookup decoding, side by side in one run.
+
+Prompts are the committed held-out sets (``bench/data/heldout_{chat,code}.jsonl``), never
+used for training. Every row produces exactly ``--new-tokens`` tokens (EOS ignored).
+tau is the mean accepted length (tokens emitted per verifying step); ``tau_no_loops``
+leaves out outputs that end in a loop (a period of 8 tokens or less over the last 32),
+which the Q4_1 SmolLM2 falls into easily and which any drafter predicts trivially.
+At batch 8 and 32 adaptive speculation (K chosen per step from measured costs and
+acceptance) runs against plain decoding. The last line is one JSON object (batch 1, chat).
+
+    python bench/spec_decode.py            # 16 prompts per set at batch 1, 32 at batch 8/32
+    python bench/spec_decode.py --quick    # 4 prompts per set at batch 1, 8 at batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from engine.llm import LLM
+from engine.model_store import prepare
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from engine.spec.stats import SpecDecodeStats
+from engine.train.corpus import load_heldout
+
+DRAFTS = Path(__file__).resolve().parents[1] / "drafts" / "smollm2"
+KINDS = ("eagle", "eagle3", "dflash")
+
+
+def is_looping(tokens: list[int], window: int = 32, max_period: int = 8) -> bool:
+    tail = tokens[-window:]
+    return len(tail) == window and any(
+        all(tail[i] == tail[i + p] for i in range(window - p)) for p in range(1, max_period + 1)
+    )
+
+
+def chat_ids(tokenizer: Any, text: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def run_tandem_bs1(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
+    """One prompt at a time; per-request tau from the counters' deltas."""
+    spec = llm.engine.spec
+    taus, looping, elapsed, tokens = [], [], 0.0, 0
+    for prompt in prompts:
+        before = (spec.stats.num_drafts, spec.stats.num_accepted_tokens) if spec else (0, 0)
+        start = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        elapsed += time.perf_counter() - start
+        tokens += len(out.token_ids)
+        looping.append(is_looping(out.token_ids))
+        if spec:
+            drafts = spec.stats.num_drafts - before[0]
+            taus.append((drafts, spec.stats.num_accepted_tokens - before[1]))
+    result: dict[str, Any] = {"tok_s": tokens / elapsed, "num_looping": sum(looping)}
+    if spec:
+        result["tau"] = _tau(taus)
+        result["tau_no_loops"] = _tau(
+            [t for t, loop in zip(taus, looping, strict=True) if not loop]
+        )
+    return result
+
+
+def _tau(parts: list[tuple[int, int]]) -> float:
+    drafts = sum(d for d, _ in parts)
+    return 1.0 + sum(a for _, a in parts) / drafts if drafts else float("nan")
+
+
+def run_tandem_batch(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, batch: int
+) -> dict[str, Any]:
+    spec = llm.engine.spec
+    before = (spec.stats.num_drafts, spec.stats.num_accepted_tokens) if spec else (0, 0)
+    elapsed, tokens = 0.0, 0
+    for i in range(0, len(prompts), batch):
+        start = time.perf_counter()
+        outs = llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+        elapsed += time.perf_counter() - start
+        tokens += sum(len(o.token_ids) for o in outs)
+    result: dict[str, Any] = {"tok_s": tokens / elapsed}
+    if spec:
+        result["tau"] = _tau(
+            [(spec.stats.num_drafts - before[0], spec.stats.num_accepted_tokens - before[1])]
+        )
+    return result
+
+
+def run_hf(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    new_tokens: int,
+    batch: int,
+    prompt_lookup: bool = False,
+) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if prompt_lookup:
+        kwargs["prompt_lookup_num_tokens"] = 10
+    elapsed, tokens = 0.0, 0
+    for i in range(0, len(prompts), batch):
+        group = prompts[i : i + batch]
+        width = max(len(p) for p in group)
+        pad = tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, **kwargs)
+        elapsed += time.perf_counter() - start
+        tokens += (out.shape[1] - width) * len(group)
+    return {"tok_s": tokens / elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer prompts (a few minutes)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--num-draft-tokens", type=int, default=5, help="K for EAGLE/EAGLE-3")
+    parser.add_argument(
+        "--drafts", type=Path, default=DRAFTS, help="dir with eagle/, eagle3/, dflash/"
+    )
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--skip-batched", action="store_true", help="batch 1 only")
+    args = parser.parse_args()
+
+    missing = [k for k in args.kinds if not (args.drafts / k / "config.json").is_file()]
+    if missing:
+        parser.error(
+            f"no {missing} draft under {args.drafts}; train one with "
+            "`tandem train-draft --target smollm2 --kind KIND --out DIR`"
+        )
+    model_dir = prepare("smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    n1 = 4 if args.quick else 16
+    nb = 8 if args.quick else 32
+    sets = {name: [chat_ids(tokenizer, p) for p in load_heldout(name)] for name in ("chat", "code")}
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    common = dict(dtype="bfloat16", kv_cache_memory=512 << 20)
+
+    def spec(kind: str, adaptive: bool = False) -> SpeculativeConfig:
+        return SpeculativeConfig(
+            str(args.drafts / kind), num_draft_tokens=args.num_draft_tokens, adaptive=adaptive
+        )
+
+    results: dict[str, Any] = {"batch1": {}, "batched": {}}
+    configs = [("nospec", None)] + [(k, spec(k)) for k in args.kinds]
+    bar = tqdm(total=len(sets) * (len(configs) + 2), desc="batch 1")
+    for set_name, prompts in sets.items():
+        row: dict[str, Any] = {}
+        for name, cfg in configs:
+            llm = LLM(str(model_dir), speculative=cfg, **common)
+            llm.generate([prompts[0]], params, use_tqdm=False)  # warm-up
+            if llm.engine.spec is not None:
+                llm.engine.spec.stats = SpecDecodeStats()  # count the measured runs only
+            row[name] = run_tandem_bs1(llm, prompts[:n1], params)
+            bar.update()
+            del llm
+        row["hf"] = run_hf(hf, tokenizer, prompts[:n1], args.new_tokens, 1)
+        bar.update()
+        row["hf_prompt_lookup"] = run_hf(hf, tokenizer, prompts[:n1], args.new_tokens, 1, True)
+        bar.update()
+        results["batch1"][set_name] = row
+    bar.close()
+
+    if not args.skip_batched:
+        for batch in (8, 32):
+            prompts = (sets["chat"] * 2)[: max(nb, batch)]
+            row = {}
+            for name, cfg in [("nospec", None), ("eagle3_adaptive", spec("eagle3", True))]:
+                llm = LLM(str(model_dir), speculative=cfg, max_num_seqs=batch, **common)
+                llm.generate(
+                    prompts[:batch], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False
+                )  # warm-up
+                row[name] = run_tandem_batch(llm, prompts, params, batch)
+                del llm
+            row["hf"] = run_hf(hf, tokenizer, prompts, args.new_tokens, batch)
+            row["adaptive_over_nospec"] = row["eagle3_adaptive"]["tok_s"] / row["nospec"]["tok_s"]
+            results["batched"][str(batch)] = row
+
+    print(
+        json.dumps(
+            {
+                "machine": platform.processor() or platform.machine(),
+                "threads": torch.get_num_threads(),
+                "results": results,
+            },
+            indent=1,
+        )
+    )
+    chat = results["batch1"]["chat"]
+    summary = {
+        "nospec_tok_s": chat["nospec"]["tok_s"],
+        "hf_tok_s": chat["hf"]["tok_s"],
+        "hf_prompt_lookup_tok_s": chat["hf_prompt_lookup"]["tok_s"],
+        "drafters": {
+            k: {
+                "tau": chat[k]["tau"],
+                "tau_no_loops": chat[k]["tau_no_loops"],
+                "tok_s": chat[k]["tok_s"],
+            }
+            for k in args.kinds
+        },
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Greedy losslessness on SmolLM2-135M in fp32: with every drafter and K in {1, 3, 5}
+(DFlash: its block), a mixed batch of 8 chat prompts x 64 tokens equals target-only
+decoding token for token (tie-aware). Uses the committed SmolLM2 drafts when present,
+else random drafts of the same layouts (lossless either way; acceptance differs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from tests.comparator import compare_greedy
+from tests.engine.test_smollm2_equality import QUESTIONS, chat_ids
+from tests.engine.tiny_drafts import build_random_draft
+
+NEW_TOKENS = 64
+COMMITTED = Path(__file__).resolve().parents[3] / "drafts" / "smollm2"
+
+
+def draft_dir(kind: str, smollm2_dir: Path, tmp: Path) -> Path:
+    if (COMMITTED / kind / "config.json").is_file():
+        return COMMITTED / kind
+    return build_random_draft(smollm2_dir, tmp / kind, kind, std=0.02, intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2_dir, tmp_path_factory):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [chat_ids(tokenizer, q) for q in QUESTIONS]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(smollm2_dir), dtype="float32", kv_cache_memory=256 << 20)
+    base = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return prompts, params, base, tmp_path_factory.mktemp("drafts")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "k"),
+    [
+        ("eagle", 1),
+        ("eagle", 3),
+        ("eagle", 5),
+        ("eagle3", 1),
+        ("eagle3", 3),
+        ("eagle3", 5),
+        ("dflash", None),
+    ],
+)
+def test_spec_greedy_equals_target_only(smollm2_dir, setup, kind, k):
+    prompts, params, base, tmp = setup
+    draft = draft_dir(kind, smollm2_dir, tmp)
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=k or 5)
+    llm = LLM(str(smollm2_dir), dtype="float32", kv_cache_memory=256 << 20, speculative=spec)
+    ours = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    stats = llm.engine.spec.stats  # type: ignore[union-attr]
+    assert stats.num_draft_tokens > 0
+    if ours != base:
+        model = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+        result = compare_greedy(model, prompts, ours, base)
+        assert result.num_ties <= 1, f"too many ties to trust: {result.tie_positions}"

@@ -1,0 +1,93 @@
+"""The engine's disaggregation seam: a prefill-only engine computes the prompt and first
+token (and drafts), its KV blocks are copied into blocks a second engine reserved, and the
+second engine decodes: the output equals one engine doing everything."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.kv_cache import KVCacheCapacityError
+from engine.llm_engine import EngineConfig, LLMEngine, RequestError
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from tests.engine.tiny_drafts import build_random_draft
+from tests.engine.tiny_models import build_tiny_llama
+
+PROMPTS = [[5, 6, 7], [9] * 11, [3, 4, 8, 8, 1], [10, 11, 12, 13, 14, 15, 16]]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("disagg")
+    build_tiny_llama(out / "target", "gqa4_llama3rope_hd72_mlpbias", num_layers=2, vocab_size=64)
+    build_random_draft(out / "target", out / "eagle3", "eagle3")
+    return out / "target", out / "eagle3"
+
+
+def engine(target, draft=None, **kw) -> LLMEngine:
+    spec = None if draft is None else SpeculativeConfig(str(draft), num_draft_tokens=3)
+    cfg = dict(model=str(target), dtype="float32", block_size=4, kv_cache_memory=1 << 21)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg, speculative=spec))
+
+
+def params(i: int) -> SamplingParams:
+    if i % 2:
+        return SamplingParams(max_tokens=15, temperature=0.9, seed=100 + i, ignore_eos=True)
+    return SamplingParams(max_tokens=15, temperature=0.0, ignore_eos=True)
+
+
+def drain(e: LLMEngine) -> dict[str, list[int]]:
+    done = {}
+    while e.has_unfinished_requests():
+        for out in e.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return done
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_prefill_here_decode_there_equals_one_engine(dirs, with_draft):
+    target, draft = dirs
+    draft = draft if with_draft else None
+    whole = engine(target, draft)
+    for i, p in enumerate(PROMPTS):
+        whole.add_request(str(i), p, params(i))
+    expected = drain(whole)
+
+    prefill, decode = engine(target, draft), engine(target, draft)
+    for i, p in enumerate(PROMPTS):
+        prefill.add_request(str(i), p, params(i), is_prefill_only=True)
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    for i, p in enumerate(PROMPTS):
+        rid = str(i)
+        done = prefill.take_prefilled(rid)
+        assert done is not None and len(done.draft_token_ids) == (3 if with_draft else 0)
+        table, num_cached = decode.reserve(rid, p, params(i))
+        assert num_cached == 0 and len(table) == len(done.block_table)
+        for name, pool in prefill.kv_pools.items():  # what a KV transport does
+            dst = decode.kv_pools[name]
+            for (k_src, v_src), (k_dst, v_dst) in zip(pool.layers, dst.layers, strict=True):
+                k_dst[table] = k_src[done.block_table]
+                v_dst[table] = v_src[done.block_table]
+        prefill.release(rid)
+        first = decode.start_decoding(rid, done.first_token, done.draft_token_ids)
+        assert first.token_ids == [done.first_token]
+    assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
+    assert drain(decode) == expected
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+
+
+def test_reserve_refuses_when_full_and_abort_frees(dirs):
+    target, _ = dirs
+    e = engine(target, kv_cache_memory=12 * 4 * 2 * 2 * 2 * 72 * 4)  # 12 blocks
+    assert e.block_manager.num_blocks == 12
+    table, _ = e.reserve("a", list(range(1, 40)), SamplingParams(max_tokens=4))
+    assert len(table) == 10
+    with pytest.raises(KVCacheCapacityError, match="retry later"):
+        e.reserve("b", list(range(1, 20)), SamplingParams(max_tokens=4))
+    e.abort_request("a")
+    assert e.block_manager.num_free_blocks == 12
+    with pytest.raises(RequestError, match="not reserved"):
+        e.start_decoding("a", 5)
