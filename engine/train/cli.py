@@ -1,0 +1,118 @@
+"""`tandem train-draft`: self-distil an EAGLE, EAGLE-3 or DFlash draft for a target model.
+
+Registered through the ``tandem.commands`` entry points; torch and the trainer are
+imported inside the handler, so `tandem --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+Subparsers = Any  # argparse._SubParsersAction; private in argparse
+
+
+def register_train_draft(subparsers: Subparsers) -> None:
+    """Add `tandem train-draft`."""
+    parser = subparsers.add_parser(
+        "train-draft",
+        help="train a draft model for speculative decoding",
+        description="Generate training data with the target itself (greedy continuations of "
+        "corpus prompts, cached in OUT/data), train a draft of the given kind on the target's "
+        "hidden states, report held-out acceptance after each epoch, and save the draft in "
+        "HF layout (fp16) with manifest.json in OUT. --resume continues from OUT/checkpoint.",
+    )
+    parser.add_argument(
+        "--target", required=True, help="a prepared model name (e.g. smollm2) or a HF model dir"
+    )
+    parser.add_argument("--kind", required=True, choices=["eagle", "eagle3", "dflash"])
+    parser.add_argument("--out", required=True, help="directory of the trained draft")
+    parser.add_argument("--num-prompts", type=int, default=2000, help="training prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="continuation length")
+    parser.add_argument("--max-prompt-len", type=int, default=192, help="prompt tokens at most")
+    parser.add_argument(
+        "--data",
+        help="train on sequences saved by an earlier run (OUT/data/sequences.safetensors) "
+        "instead of generating them",
+    )
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    parser.add_argument("--intermediate-size", type=int, default=1536, help="draft MLP width")
+    parser.add_argument(
+        "--num-layers", type=int, default=None, help="draft layers (DFlash; default 2)"
+    )
+    parser.add_argument("--block-size", type=int, default=8, help="DFlash block size")
+    parser.add_argument(
+        "--num-draft-steps",
+        type=int,
+        default=None,
+        help="chain steps trained per anchor (training-time test; EAGLE 2, EAGLE-3 4)",
+    )
+    parser.add_argument(
+        "--draft-vocab-size", type=int, default=16384, help="EAGLE-3 reduced vocabulary"
+    )
+    parser.add_argument(
+        "--anchors-per-seq",
+        type=int,
+        default=None,
+        help="anchor positions per sequence and step (0: all; default all, DFlash 16)",
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=_train_draft)
+
+
+def _train_draft(args: argparse.Namespace) -> int:
+    from engine.model_store import ModelNotFoundError, resolve_model
+
+    try:
+        target = resolve_model(args.target)
+    except ModelNotFoundError as exc:
+        print(f"tandem train-draft: error: {exc}", file=sys.stderr)
+        return 2
+
+    from engine.train.data import SequenceSet
+    from engine.train.train_draft import TrainConfig, train_draft
+
+    try:
+        config = TrainConfig(
+            target=str(target),
+            kind=args.kind,
+            out=args.out,
+            num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens,
+            max_prompt_len=args.max_prompt_len,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            intermediate_size=args.intermediate_size,
+            num_layers=args.num_layers,
+            block_size=args.block_size,
+            num_draft_steps=args.num_draft_steps,
+            draft_vocab_size=args.draft_vocab_size,
+            anchors_per_seq=args.anchors_per_seq,
+            resume=args.resume,
+            threads=args.threads,
+            seed=args.seed,
+            command=shlex.join(["tandem", *sys.argv[1:]]),
+        )
+        data, data_meta = None, None
+        if args.data:
+            if not Path(args.data).is_file():
+                raise ValueError(f"--data: {args.data} is not a file")
+            data, data_meta = SequenceSet.load(Path(args.data))
+            data_meta = {**data_meta, "file": str(Path(args.data).resolve())}
+        manifest = train_draft(config, data, data_meta)
+    except (ValueError, OSError) as exc:  # config, data and weight errors name the problem
+        print(f"tandem train-draft: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{args.kind} draft in {args.out}: {manifest['epochs']} epoch(s), "
+        f"final loss {manifest['final_loss']:.4f}, held-out tau {manifest['heldout_tau']:.3f}"
+    )
+    return 0

@@ -1,0 +1,271 @@
+"""Self-distillation data: chat prompts and the target's own greedy continuations.
+
+Stored as one safetensors file (int32 tokens, lengths and prompt lengths; JSON strings in
+its metadata), never pickle, so that a rerun, a resume or another drafter kind reuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class SequenceSet:
+    """Token sequences, each a prompt followed by the target's greedy continuation."""
+
+    sequences: list[list[int]]
+    prompt_lens: list[int]  # the continuation of sequence i starts at prompt_lens[i]
+    special_token_ids: tuple[int, ...] = ()  # the tokenizer's special ids (mask candidates)
+
+    def __post_init__(self) -> None:
+        if len(self.sequences) != len(self.prompt_lens):
+            raise ValueError(
+                f"prompt_lens: {len(self.prompt_lens)} for {len(self.sequences)} sequences"
+            )
+        for i, (seq, n) in enumerate(zip(self.sequences, self.prompt_lens, strict=True)):
+            if not 1 <= n < len(seq):
+                raise ValueError(
+                    f"sequence {i}: prompt length {n} leaves no continuation in {len(seq)} tokens"
+                )
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+    @property
+    def num_continuation_tokens(self) -> int:
+        return self.num_tokens - sum(self.prompt_lens)
+
+    def subset(self, indices: Sequence[int]) -> SequenceSet:
+        return SequenceSet(
+            [self.sequences[i] for i in indices],
+            [self.prompt_lens[i] for i in indices],
+            self.special_token_ids,
+        )
+
+    def split(self, val_fraction: float, seed: int) -> tuple[SequenceSet, SequenceSet]:
+        """(train, validation): a seeded ``val_fraction`` share held out, at least one."""
+        order = list(range(len(self)))
+        random.Random(seed).shuffle(order)
+        num_val = max(1, round(len(self) * val_fraction)) if len(self) > 1 else 0
+        return self.subset(sorted(order[num_val:])), self.subset(sorted(order[:num_val]))
+
+    def token_counts(self, vocab_size: int, continuations_only: bool = False) -> torch.Tensor:
+        """How often each token id occurs: [V] int64."""
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for seq, n in zip(self.sequences, self.prompt_lens, strict=True):
+            ids = torch.tensor(seq[n:] if continuations_only else seq, dtype=torch.int64)
+            counts += torch.bincount(ids, minlength=vocab_size)
+        return counts
+
+    def save(self, path: Path, meta: dict[str, Any]) -> None:
+        from safetensors.torch import save_file
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            "tokens": torch.tensor([t for s in self.sequences for t in s], dtype=torch.int32),
+            "lengths": torch.tensor([len(s) for s in self.sequences], dtype=torch.int32),
+            "prompt_lens": torch.tensor(self.prompt_lens, dtype=torch.int32),
+        }
+        metadata = {
+            "special_token_ids": json.dumps(list(self.special_token_ids)),
+            "meta": json.dumps(meta, sort_keys=True),
+        }
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata=metadata)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> tuple[SequenceSet, dict[str, Any]]:
+        """The sequences and the metadata they were saved with."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tokens = f.get_tensor("tokens").tolist()
+            lengths = f.get_tensor("lengths").tolist()
+            prompt_lens = f.get_tensor("prompt_lens").tolist()
+        sequences, start = [], 0
+        for n in lengths:
+            sequences.append(tokens[start : start + n])
+            start += n
+        special = tuple(json.loads(metadata.get("special_token_ids", "[]")))
+        return cls(sequences, prompt_lens, special), json.loads(metadata.get("meta", "{}"))
+
+
+def chat_prompt_ids(tokenizer: Any, texts: Sequence[str], max_prompt_len: int) -> list[list[int]]:
+    """Each text as one user message in the chat template (with the generation prompt),
+    tokenized as ``LLM`` does; an over-long message is cut so that the whole fits."""
+
+    def encode(message: str) -> list[int]:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+        )
+        return [int(t) for t in tokenizer.encode(text)]
+
+    prompts = []
+    for text in texts:
+        ids = encode(text)
+        content = tokenizer.encode(text, add_special_tokens=False)
+        keep = len(content)
+        while len(ids) > max_prompt_len and keep > 0:
+            keep = max(0, keep - (len(ids) - max_prompt_len) - 1)
+            ids = encode(tokenizer.decode(content[:keep]))
+        prompts.append(ids[-max_prompt_len:])
+    return prompts
+
+
+def special_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """Ids of the tokenizer's special tokens: spare ones (no bos/eos/pad/unk role) first."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    roles = {int(i) for i in getattr(tokenizer, "all_special_ids", [])}
+    spare = {int(i) for i, tok in added.items() if getattr(tok, "special", False)} - roles
+    return (*sorted(spare), *sorted(roles))
+
+
+def generate_continuations(
+    target_dir: str | Path,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    *,
+    num_threads: int | None = None,
+    max_num_seqs: int = 64,
+    dtype: str = "bfloat16",
+    log: Log = print,
+) -> tuple[list[list[int]], dict[str, float]]:
+    """The target's greedy continuation of every prompt, as served (bf16), in large batches.
+
+    Runs the engine without a tokenizer, so that any target directory works. Returns the
+    continuations (ending with EOS when the target stopped) and timing statistics.
+    """
+    from engine.config import Llama3Config, read_hf_config
+    from engine.kv_cache import KVCacheParams
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    config = Llama3Config.from_hf(read_hf_config(target_dir))
+    block_size = 16
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    per_seq = -(-longest // block_size) + 2
+    kv_bytes = KVCacheParams.from_config(config, block_size).bytes_per_block * per_seq
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(target_dir),
+            dtype=dtype,
+            max_model_len=max(longest + 8, 64),
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=2048,
+            kv_cache_memory=kv_bytes * (max_num_seqs + 1),
+            num_threads=num_threads,
+        )
+    )
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), list(prompt), params)
+    outputs: dict[str, list[int]] = {}
+    start, num_tokens = time.perf_counter(), 0
+    with tqdm(total=len(prompts), desc="generate", unit="seq") as bar:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                num_tokens += 1
+                if out.finished:
+                    outputs[out.request_id] = out.token_ids
+                    bar.update(1)
+            bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.1f}")
+    seconds = time.perf_counter() - start
+    log(f"generated {num_tokens} tokens in {seconds:.0f} s ({num_tokens / seconds:.1f} tok/s)")
+    stats = {"seconds": seconds, "tokens": float(num_tokens), "tok_s": num_tokens / seconds}
+    return [outputs[str(i)] for i in range(len(prompts))], stats
+
+
+def length_batches(lengths: Sequence[int], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """Shuffled batches of indices; neighbours in length share a batch (less padding)."""
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    window = batch_size * 16
+    batches = []
+    for i in range(0, len(order), window):
+        chunk = sorted(order[i : i + window], key=lambda j: lengths[j])
+        batches += [chunk[k : k + batch_size] for k in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def pad(sequences: Sequence[list[int]], device: torch.device) -> torch.Tensor:
+    """[B, L] int64, right-padded with 0."""
+    width = max(len(s) for s in sequences)
+    out = torch.zeros((len(sequences), width), dtype=torch.int64)
+    for i, s in enumerate(sequences):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.int64)
+    return out.to(device)
+
+
+def prepare_sequences(
+    target_dir: Path,
+    path: Path,
+    *,
+    num_prompts: int,
+    max_new_tokens: int,
+    max_prompt_len: int,
+    seed: int,
+    num_threads: int | None,
+    log: Log = print,
+) -> tuple[SequenceSet, dict[str, Any]]:
+    """Loads ``path`` when it was made with the same recipe; else builds the prompts from the
+    training corpus, generates the continuations and saves them there."""
+    from transformers import AutoTokenizer
+
+    from engine.train.corpus import build_corpus, corpus_sources
+
+    recipe = {
+        "target": str(target_dir),
+        "num_prompts": num_prompts,
+        "max_new_tokens": max_new_tokens,
+        "max_prompt_len": max_prompt_len,
+        "seed": seed,
+    }
+    if path.is_file():
+        data, meta = SequenceSet.load(path)
+        if meta.get("recipe") == recipe:
+            log(f"reusing {len(data)} generated sequences from {path}")
+            return data, meta
+        log(f"{path} was made with another recipe ({meta.get('recipe')}); generating again")
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompts = build_corpus(num_prompts, seed=seed)
+    if not prompts:
+        raise ValueError("corpus: no training prompts found on this machine")
+    prompt_ids = chat_prompt_ids(tokenizer, [p.text for p in prompts], max_prompt_len)
+    continuations, stats = generate_continuations(
+        target_dir, prompt_ids, max_new_tokens, num_threads=num_threads, log=log
+    )
+    data = SequenceSet(
+        [p + c for p, c in zip(prompt_ids, continuations, strict=True)],
+        [len(p) for p in prompt_ids],
+        special_token_ids(tokenizer),
+    )
+    flavours: dict[str, int] = {}
+    for p in prompts:
+        flavours[p.source] = flavours.get(p.source, 0) + 1
+    meta = {
+        "recipe": recipe,
+        "corpus_sources": corpus_sources(),
+        "prompts_per_source": flavours,
+        "generation": stats,
+    }
+    data.save(path, meta)
+    return data, meta

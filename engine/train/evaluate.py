@@ -1,0 +1,110 @@
+"""Held-out acceptance: greedy drafting simulated through the serving path.
+
+Each (sequence, anchor p) row runs the draft exactly as a decode step would: ``extend``
+over the committed positions 0..p in a fresh paged draft cache with the torch backend,
+then ``propose`` after the known next token t[p+1]. The drafts are compared with the
+target's own greedy tokens t[p+2]..; tau = 1 + the mean number accepted in a row.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kv_cache import KVCacheParams, PagedKVCache
+from engine.spec.drafters.base import Drafter, ProposeArgs, SelectFn
+from engine.train.data import SequenceSet
+from engine.train.features import BLOCK_SIZE, prefill_layout
+
+Anchor = tuple[int, int]  # (sequence index, last committed position p)
+
+
+@dataclass
+class Acceptance:
+    tau: float  # 1 + mean accepted drafts of the first k
+    tau_full: float  # the same over all drafts the drafter proposes (DFlash: block_size - 1)
+    accepted_per_position: list[float]  # share of rows accepting draft j
+    num_anchors: int
+
+
+def propose_at(
+    drafter: Drafter,
+    sequences: Sequence[list[int]],
+    features: Sequence[torch.Tensor],  # per sequence [len_i, F]
+    anchors: Sequence[Anchor],
+    k: int,
+    select: SelectFn,
+) -> torch.Tensor:
+    """``k`` drafts after each anchor via ``extend`` and ``propose`` on a paged cache: [R, k]."""
+    device = features[0].device
+    lookahead = k + max(k, drafter.fixed_num_draft_tokens or 0) + 3
+    lengths = [p + 1 for _, p in anchors]
+    layout = prefill_layout(lengths, device, [n + lookahead for n in lengths])
+    params = KVCacheParams.from_config(drafter.config, BLOCK_SIZE)
+    kv = PagedKVCache(params, int(layout.block_tables.max()) + 1, device)
+    backend = TorchAttentionBackend()
+    shifted = [t for i, p in anchors for t in sequences[i][1 : p + 2]]  # t_{j+1} at j
+    state = drafter.extend(
+        torch.tensor(shifted, device=device),
+        torch.cat([features[i][: p + 1] for i, p in anchors]).to(drafter.config.dtype),
+        layout,
+        backend.build_metadata(layout),
+        kv.layers,
+        backend,
+    )
+    args = ProposeArgs(
+        last_index=layout.input_row_offsets[1:] - 1,
+        last_positions=torch.tensor([p for _, p in anchors], device=device),
+        next_tokens=torch.tensor([sequences[i][p + 1] for i, p in anchors], device=device),
+        block_tables=layout.block_tables,
+        block_size=BLOCK_SIZE,
+        max_context_len=max(lengths) + lookahead,
+    )
+    return drafter.propose(state, args, k, select, kv.layers, backend)
+
+
+def eval_anchors(data: SequenceSet, span: int, per_seq: int, seed: int) -> list[Anchor]:
+    """Up to ``per_seq`` positions p per sequence with p+1 the first continuation token or
+    later, and the ``span`` tokens after p+1 all known."""
+    rng = random.Random(seed)
+    anchors = []
+    for i, (seq, n) in enumerate(zip(data.sequences, data.prompt_lens, strict=True)):
+        valid = list(range(n - 1, len(seq) - 1 - span))
+        anchors += [(i, p) for p in sorted(rng.sample(valid, min(per_seq, len(valid))))]
+    return anchors
+
+
+@torch.no_grad()
+def heldout_acceptance(
+    drafter: Drafter,
+    data: SequenceSet,
+    features: Sequence[torch.Tensor],
+    k: int = 5,
+    per_seq: int = 8,
+    seed: int = 0,
+    chunk: int = 64,
+) -> Acceptance:
+    """Greedy acceptance of ``drafter`` on ``data`` (the target's own continuations)."""
+    num_drafts = drafter.fixed_num_draft_tokens or k
+    anchors = eval_anchors(data, max(k, num_drafts), per_seq, seed)
+    if not anchors:
+        return Acceptance(1.0, 1.0, [], 0)
+    matches = []
+    for start in range(0, len(anchors), chunk):
+        rows = anchors[start : start + chunk]
+        drafts = propose_at(
+            drafter, data.sequences, features, rows, num_drafts, lambda x, j: x.argmax(dim=-1)
+        )
+        truth = torch.tensor([data.sequences[i][p + 2 : p + 2 + num_drafts] for i, p in rows])
+        matches.append((drafts.cpu() == truth).long().cumprod(dim=1))  # [R, K]: accepted prefix
+    match = torch.cat(matches).float()
+    return Acceptance(
+        tau=1.0 + match[:, :k].sum(1).mean().item(),
+        tau_full=1.0 + match.sum(1).mean().item(),
+        accepted_per_position=[round(x, 4) for x in match.mean(0).tolist()],
+        num_anchors=len(anchors),
+    )

@@ -1,0 +1,241 @@
+"""The draft trainer on a tiny target: training lowers the loss, the saved draft loads and
+speeds up the engine losslessly, training attention equals serving attention, and a run
+resumes exactly where it stopped."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import engine.train.train_draft as train_module
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.models.llama3 import Llama3Model
+from engine.registry import load_model
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from engine.spec.drafters import load_drafter, new_drafter
+from engine.train.attention import TrainAttentionBackend
+from engine.train.cli import register_train_draft
+from engine.train.data import SequenceSet, generate_continuations, pad
+from engine.train.evaluate import propose_at
+from engine.train.features import TargetFeatures
+from engine.train.objectives import Batch, Objective, sample_anchors
+from engine.train.recipes import RECIPES, DraftOptions, draft_hf_config
+from engine.train.train_draft import TrainConfig, train_draft
+from tests.engine.tiny_models import build_tiny_llama
+
+VOCAB = 128
+NEW_TOKENS = 40
+
+
+def build_target(out: Path, shape: str) -> Path:
+    build_tiny_llama(out, shape, vocab_size=VOCAB, num_layers=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SequenceSet]:
+    """A tiny target and its own fp32 greedy continuations of a few random prompts: loops
+    of period 1 to 13, so a draft must learn which token follows which in context."""
+    target = build_target(tmp_path_factory.mktemp("target"), "mha_plain")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (8,), generator=gen).tolist() for _ in range(9)]
+    continuations, _ = generate_continuations(
+        target, prompts, NEW_TOKENS, dtype="float32", log=lambda _: None
+    )
+    data = SequenceSet(
+        [p + c for p, c in zip(prompts, continuations, strict=True)], [len(p) for p in prompts]
+    )
+    return target, data
+
+
+def config(target: Path, out: Path, kind: str, **overrides: object) -> TrainConfig:
+    values: dict[str, object] = dict(
+        target=str(target),
+        kind=kind,
+        out=str(out),
+        epochs=20,
+        batch_size=2,
+        lr=2e-2,
+        anchors_per_seq=0,
+        intermediate_size=64,
+        num_layers=1,
+        block_size=4,
+        draft_vocab_size=96,
+        val_fraction=0.1,
+        threads=1,
+    )
+    values.update(overrides)
+    return TrainConfig(**values)  # type: ignore[arg-type]
+
+
+def run_engine(target: Path, prompt: list[int], draft: Path | None) -> tuple[list[int], float]:
+    spec = None if draft is None else SpeculativeConfig(draft_model=str(draft), num_draft_tokens=4)
+    engine = LLMEngine(
+        EngineConfig(model=str(target), dtype="float32", kv_cache_memory=8 << 20, speculative=spec)
+    )
+    engine.add_request("r", prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.token_ids
+    tau = engine.spec.stats.mean_accepted_length if engine.spec is not None else 1.0
+    return tokens, tau
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash"])
+def test_training_lowers_loss_and_the_draft_serves(
+    tiny: tuple[Path, SequenceSet], tmp_path: Path, kind: str
+) -> None:
+    target, data = tiny
+    out = tmp_path / kind
+    manifest = train_draft(config(target, out, kind), data, log=lambda _: None)
+    losses = [h["loss"] for h in manifest["history"]]
+    assert losses[-1] <= 0.7 * losses[0], losses
+    assert (out / "manifest.json").is_file()
+
+    model = cast(Llama3Model, load_model(target, dtype="float32")[0])
+    assert load_drafter(out, model, torch.device("cpu")).kind == kind
+    saved = load_file(out / "model.safetensors")
+    assert {t.dtype for t in saved.values() if t.is_floating_point()} == {torch.float16}
+
+    train, _ = data.split(0.1, seed=0)  # as the trainer splits
+    longest_loop = max(train.sequences, key=lambda s: len(set(s[8:])))
+    plain, _ = run_engine(target, longest_loop[:8], None)
+    spec, tau = run_engine(target, longest_loop[:8], out)
+    assert spec == plain == longest_loop[8:]
+    assert tau > 1.5, tau
+
+
+@pytest.mark.parametrize("shape", ["mha_plain", "gqa3_llama3rope_tied_bias_hd40"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash"])
+def test_training_attention_equals_serving_attention(
+    tiny: tuple[Path, SequenceSet], tmp_path: Path, kind: str, shape: str
+) -> None:
+    """Teacher-forced drafting on the dense training backend gives the logits that the
+    serving path (paged cache, torch backend, one row per anchor) gives, for every step."""
+    _, data = tiny
+    target_dir = build_target(tmp_path / shape, shape)
+    target = cast(Llama3Model, load_model(target_dir, dtype="float32")[0])
+    opts = DraftOptions(64, 1, 4, 3, 96, 0)
+    hf = draft_hf_config(RECIPES[kind], load_hf(target_dir), opts, data)
+    drafter = new_drafter(kind, hf, target, torch.device("cpu"), seed=1)
+    with torch.no_grad():  # larger than the default init, so attention is not uniform
+        for name, p in cast(torch.nn.Module, drafter).named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
+    seqs = data.sequences[:3]
+    batch = Batch(
+        pad(seqs, torch.device("cpu")),
+        torch.tensor([len(s) for s in seqs]),
+        torch.tensor(data.prompt_lens[:3]),
+    )
+    features = TargetFeatures(target, drafter, torch.device("cpu"))
+    k = drafter.fixed_num_draft_tokens or 3
+    kv = [(torch.empty(0), torch.empty(0)) for _ in range(drafter.config.num_hidden_layers)]
+    objective = Objective(drafter, k, 5, [1.0] * k)
+    trained = objective(batch, features.padded(seqs), TrainAttentionBackend(), kv, gen(7)).logits
+
+    anchors, _ = sample_anchors(batch, 5, gen(7))
+    rows = [(b, int(p)) for b in range(len(seqs)) for p in anchors[b]]
+    width = batch.tokens.shape[1]  # the objective feeds padding past a sequence's end
+    teacher = torch.tensor(
+        [[int(batch.tokens[b, min(p + 2 + j, width - 1)]) for j in range(k)] for b, p in rows]
+    )
+    served: list[torch.Tensor] = []
+
+    def select(logits: torch.Tensor, j: int) -> torch.Tensor:
+        served.append(logits)
+        return teacher[:, j]
+
+    with torch.no_grad():
+        propose_at(drafter, seqs, features.ragged(seqs), rows, k, select)
+    assert len(trained) == len(served) == k
+    for j, (a, b) in enumerate(zip(trained, served, strict=True)):
+        finite = torch.isfinite(b)
+        a = a.detach()
+        assert torch.equal(torch.isfinite(a), finite)
+        torch.testing.assert_close(a[finite], b[finite], rtol=1e-4, atol=1e-4, msg=f"step {j}")
+
+
+def test_resume_continues_exactly_where_a_run_stopped(
+    tiny: tuple[Path, SequenceSet], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target, data = tiny
+    whole = config(target, tmp_path / "whole", "eagle3", epochs=2)
+    train_draft(whole, data, log=lambda _: None)
+
+    real_save = train_module.save_checkpoint
+
+    def crash_after_first(*args: Any, **kwargs: Any) -> None:
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "save_checkpoint", crash_after_first)
+    cut = config(target, tmp_path / "cut", "eagle3", epochs=2)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(cut, data, log=lambda _: None)
+    monkeypatch.setattr(train_module, "save_checkpoint", real_save)
+    lines: list[str] = []
+    manifest = train_draft(
+        config(target, tmp_path / "cut", "eagle3", epochs=2, resume=True), data, log=lines.append
+    )
+    assert any("resuming after epoch 1" in line for line in lines)
+    assert [h["epoch"] for h in manifest["history"]] == [1, 2]
+
+    a = load_file(tmp_path / "whole" / "checkpoint" / "model.safetensors")
+    b = load_file(tmp_path / "cut" / "checkpoint" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_cli_trains_from_saved_sequences_and_reports_errors(
+    tiny: tuple[Path, SequenceSet], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target, data = tiny
+    data.save(tmp_path / "seqs.safetensors", {"note": "test"})
+    parser = argparse.ArgumentParser(prog="tandem")
+    register_train_draft(parser.add_subparsers())
+
+    def main(*argv: str) -> int:
+        args = parser.parse_args(["train-draft", *argv])
+        return int(args.func(args))
+
+    common = ("--kind", "eagle", "--intermediate-size", "64", "--threads", "1")
+    out = tmp_path / "draft"
+    rc = main(
+        "--target",
+        str(target),
+        "--out",
+        str(out),
+        "--data",
+        str(tmp_path / "seqs.safetensors"),
+        "--batch-size",
+        "4",
+        *common,
+    )
+    assert rc == 0, capsys.readouterr().err
+    assert (out / "config.json").is_file() and (out / "manifest.json").is_file()
+    assert "eagle draft in" in capsys.readouterr().out
+
+    assert main("--target", str(tmp_path / "nowhere"), "--out", str(out), *common) == 2
+    assert "tandem train-draft: error:" in capsys.readouterr().err
+    rc = main("--target", str(target), "--out", str(out), "--epochs", "0", *common)
+    assert rc == 2
+    assert "tandem train-draft: error: epochs: must be >= 1" in capsys.readouterr().err
+
+
+def load_hf(target: Path) -> dict[str, object]:
+    from engine.config import read_hf_config
+
+    return read_hf_config(target)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
