@@ -106,8 +106,15 @@ class TorchAttentionBackend:
         else:
             kp = k_flat[metadata.kv_slots].transpose(1, 2)  # [B, Hkv, C, D]
             vp = v_flat[metadata.kv_slots].transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=metadata.mask, enable_gqa=True
-            )
+            if qp.device.type == "cpu" and qp.dtype != torch.float32:
+                # CPU SDPA with a mask is ~10x slower in bf16 than in fp32 (measured: 65 vs
+                # 6.5 ms for 64 decode rows of SmolLM2); it accumulates in fp32 either way.
+                out = F.scaled_dot_product_attention(
+                    qp.float(), kp.float(), vp.float(), attn_mask=metadata.mask, enable_gqa=True
+                ).to(qp.dtype)
+            else:
+                out = F.scaled_dot_product_attention(
+                    qp, kp, vp, attn_mask=metadata.mask, enable_gqa=True
+                )
         out = out.transpose(1, 2).reshape(b * qn, num_heads, head_dim)  # [B*Q, Hq, D]
         return out if is_uniform else out[metadata.query_scatter]
