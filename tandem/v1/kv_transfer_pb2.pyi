@@ -170,6 +170,9 @@ class KvHandshake(_message.Message):
     DECODE_EPOCH_FIELD_NUMBER: _builtins.int
     CHECKSUM_KIND_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    NUM_DRAFT_KV_HEADS_FIELD_NUMBER: _builtins.int
+    DRAFT_HEAD_DIM_FIELD_NUMBER: _builtins.int
+    SHM_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request whose reserved blocks receive the KV."""
     model: _builtins.str
@@ -198,6 +201,16 @@ class KvHandshake(_message.Message):
     """Checksum algorithm of every chunk and extra tensor."""
     total_bytes: _builtins.int
     """Total bytes of chunk data to follow (extra tensors excluded); 0: not known upfront."""
+    num_draft_kv_heads: _builtins.int
+    """Draft KV heads per layer; 0: same as num_kv_heads."""
+    draft_head_dim: _builtins.int
+    """Draft head dimension; 0: same as head_dim."""
+    @_builtins.property
+    def shm(self) -> Global___ShmSegment:
+        """Set when sender and receiver share a host: chunk data lies in this shared-memory
+        segment (KvChunk.shm_region) instead of KvChunk.data.
+        """
+
     def __init__(
         self,
         *,
@@ -214,14 +227,76 @@ class KvHandshake(_message.Message):
         decode_epoch: _builtins.int = ...,
         checksum_kind: Global___ChecksumKind.ValueType = ...,
         total_bytes: _builtins.int = ...,
+        num_draft_kv_heads: _builtins.int = ...,
+        draft_head_dim: _builtins.int = ...,
+        shm: Global___ShmSegment | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "checksum_kind", b"checksum_kind", "decode_epoch", b"decode_epoch", "draft_fingerprint", b"draft_fingerprint", "dtype", b"dtype", "head_dim", b"head_dim", "layout", b"layout", "model", b"model", "num_draft_layers", b"num_draft_layers", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "request_id", b"request_id", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "checksum_kind", b"checksum_kind", "decode_epoch", b"decode_epoch", "draft_fingerprint", b"draft_fingerprint", "draft_head_dim", b"draft_head_dim", "dtype", b"dtype", "head_dim", b"head_dim", "layout", b"layout", "model", b"model", "num_draft_kv_heads", b"num_draft_kv_heads", "num_draft_layers", b"num_draft_layers", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "request_id", b"request_id", "shm", b"shm", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___KvHandshake: _TypeAlias = KvHandshake  # noqa: Y015
+
+@_typing.final
+class ShmSegment(_message.Message):
+    """A shared-memory ring that the sender creates and writes chunk data into (same host only)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """File name under /dev/shm, "tandem-kv-" followed by [A-Za-z0-9_-]."""
+    size: _builtins.int
+    """Size of the segment in bytes. Its first 4096 bytes are a header whose first 8 bytes,
+    a little-endian uint64, the receiver sets to the number of chunks it has copied out;
+    the sender reuses a region only after that count covers the chunk that used it.
+    """
+    host_id: _builtins.str
+    """The sender's host id (hostname, boot id, IPC namespace); the receiver refuses another."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        size: _builtins.int = ...,
+        host_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host_id", b"host_id", "name", b"name", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShmSegment: _TypeAlias = ShmSegment  # noqa: Y015
+
+@_typing.final
+class ShmRegion(_message.Message):
+    """Where one chunk's data lies in the handshake's shared-memory segment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    """Byte offset in the segment: 4096 or more (past the header)."""
+    length: _builtins.int
+    """Length in bytes; the same as KvChunk.data would have."""
+    def __init__(
+        self,
+        *,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["length", b"length", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShmRegion: _TypeAlias = ShmRegion  # noqa: Y015
 
 @_typing.final
 class BlockRun(_message.Message):
@@ -265,6 +340,7 @@ class KvChunk(_message.Message):
     CHECKSUM_FIELD_NUMBER: _builtins.int
     IS_LAST_FIELD_NUMBER: _builtins.int
     EXTRA_TENSORS_FIELD_NUMBER: _builtins.int
+    SHM_REGION_FIELD_NUMBER: _builtins.int
     sequence_number: _builtins.int
     """0, 1, 2, ... in send order; a gap or repeat ends the push (OUT_OF_ORDER)."""
     layer_start: _builtins.int
@@ -293,6 +369,10 @@ class KvChunk(_message.Message):
         [num_rows, hidden] with "input_row_offsets" [B + 1] for ragged rows.
         """
 
+    @_builtins.property
+    def shm_region(self) -> Global___ShmRegion:
+        """Shared-memory path only: where data lies (data is then empty; checksum covers the region)."""
+
     def __init__(
         self,
         *,
@@ -306,10 +386,11 @@ class KvChunk(_message.Message):
         checksum: _builtins.int = ...,
         is_last: _builtins.bool = ...,
         extra_tensors: _abc.Iterable[Global___NamedTensor] | None = ...,
+        shm_region: Global___ShmRegion | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["shm_region", b"shm_region"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "data", b"data", "dtype", b"dtype", "extra_tensors", b"extra_tensors", "is_last", b"is_last", "layer_end", b"layer_end", "layer_start", b"layer_start", "pool", b"pool", "runs", b"runs", "sequence_number", b"sequence_number"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "data", b"data", "dtype", b"dtype", "extra_tensors", b"extra_tensors", "is_last", b"is_last", "layer_end", b"layer_end", "layer_start", b"layer_start", "pool", b"pool", "runs", b"runs", "sequence_number", b"sequence_number", "shm_region", b"shm_region"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

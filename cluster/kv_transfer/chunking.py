@@ -1,0 +1,310 @@
+"""A sender that packs layers into checksummed chunks; the gRPC and shm senders build on it.
+
+One chunk holds whole layers of one pool for the same block runs (small layers are grouped
+up to ``chunk_bytes``) or part of one layer's runs (a large layer is split at block bounds).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar
+
+import torch
+
+from cluster.kv_transfer.base import (
+    POOL_TO_WIRE,
+    Handshake,
+    KvLayout,
+    KvPool,
+    KvSender,
+    KvTransferError,
+    RunPair,
+    TransferState,
+    dtype_name,
+    merge_runs,
+    split_runs,
+)
+from cluster.kv_transfer.checksum import checksum_function, checksum_kind
+from tandem.v1 import kv_transfer_pb2 as pb
+
+T = TypeVar("T")
+
+# Test hook: sees each chunk's data after its checksum was taken, before it leaves.
+Tamper = Callable[[int, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    chunk_bytes: int = 4 << 20  # KV bytes per chunk (at least one block per chunk)
+    window: int = 4  # chunks prepared ahead of the transport (queued writes / shm slots)
+    checksum: str = "auto"  # "auto" (fastest installed), "crc32", "crc32c", "xxh3_64"
+    timeout_s: float = 120.0  # deadline of one push
+    max_message_bytes: int = 64 << 20  # the receiver's limit; bounds the extra tensors
+    # Copies and checksums in a worker thread (they release the GIL): overlaps them with
+    # the transport where cores are spare; slower on an oversubscribed host (measured).
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes <= 0 or self.window <= 0 or self.timeout_s <= 0:
+            raise ValueError(f"chunk_bytes, window, timeout_s: must be positive, got {self}")
+        if self.max_message_bytes < self.chunk_bytes + (64 << 10):
+            raise ValueError("max_message_bytes: must exceed chunk_bytes by 64 KiB at least")
+        checksum_kind(self.checksum)  # refuses an unknown or missing algorithm
+
+
+@dataclass
+class ChunkSpec:
+    """Where a chunk's data goes: layers [layer_start, layer_end) of ``pool``, ``runs``."""
+
+    pool: KvPool
+    layer_start: int
+    layer_end: int
+    runs: list[RunPair]
+
+    def header(self, sequence_number: int, dtype: torch.dtype, checksum: int) -> pb.KvChunk:
+        return pb.KvChunk(
+            sequence_number=sequence_number,
+            layer_start=self.layer_start,
+            layer_end=self.layer_end,
+            pool=POOL_TO_WIRE[self.pool],
+            runs=[
+                pb.BlockRun(first_block_id=r.dst_start, num_blocks=r.num_blocks) for r in self.runs
+            ],
+            dtype=dtype_name(dtype),
+            checksum=checksum,
+        )
+
+
+@dataclass
+class _Pending:
+    spec: ChunkSpec
+    buffer: torch.Tensor  # uint8, room for max_layers layers
+    layer_bytes: int
+    max_layers: int
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of ``tensor`` (copied to a contiguous CPU tensor only when needed)."""
+    flat = tensor.detach().contiguous().cpu().reshape(-1)
+    return flat.view(torch.uint8).numpy().data
+
+
+def encode_named_tensor(name: str, tensor: torch.Tensor, checksum: int) -> pb.NamedTensor:
+    data = tensor_bytes(tensor)
+    fn = checksum_function(checksum)
+    assert fn is not None
+    return pb.NamedTensor(
+        name=name,
+        dtype=dtype_name(tensor.dtype),
+        shape=list(tensor.shape),
+        data=bytes(data),
+        checksum=fn(data),
+    )
+
+
+class ChunkingKvSender(KvSender):
+    """Packs layers into chunk buffers from ``_acquire`` and hands them to ``_send_chunk``."""
+
+    def __init__(self, options: TransferOptions, tamper: Tamper | None = None) -> None:
+        super().__init__()
+        self.options = options
+        self.checksum_kind = checksum_kind(options.checksum)
+        self._checksum = checksum_function(self.checksum_kind)
+        self._tamper = tamper
+        self._layout: KvLayout | None = None
+        self._pending: _Pending | None = None
+        self._start = 0.0
+
+    @abc.abstractmethod
+    async def _open(self, handshake: Handshake) -> None: ...
+
+    @abc.abstractmethod
+    async def _acquire(self, num_bytes: int) -> torch.Tensor:
+        """A uint8 buffer of ``num_bytes`` for the next chunk."""
+
+    @abc.abstractmethod
+    async def _send_chunk(self, header: pb.KvChunk, data: torch.Tensor) -> None:
+        """Sends ``data`` (``_seal`` it first: the header's checksum is not set yet)."""
+
+    @abc.abstractmethod
+    async def _close(self, last: pb.KvChunk) -> pb.KvPushReply:
+        """Sends the last message and returns the receiver's reply."""
+
+    @abc.abstractmethod
+    def _on_failed(self) -> None:
+        """Ends the transport's side of a failed or aborted transfer."""
+
+    async def begin(self, handshake: Handshake) -> None:
+        if self.state is not TransferState.RESERVED:
+            raise RuntimeError(f"begin: the transfer is {self.state.value}")
+        self._layout = handshake.layout
+        self._start = time.perf_counter()
+        self.state = TransferState.TRANSFERRING
+        await self._guard(self._open(handshake))
+
+    async def send_layer(
+        self,
+        pool: KvPool,
+        layer: int,
+        src_cache_layer: tuple[torch.Tensor, torch.Tensor],
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+    ) -> None:
+        layout = self._active_layout()
+        runs = self._check_layer(layout, pool, layer, src_cache_layer, src_block_ids, dst_block_ids)
+        if not runs:
+            return
+        block_bytes = layout.block_bytes(pool)
+        layer_bytes = block_bytes * sum(r.num_blocks for r in runs)
+        pending = self._pending
+        if pending and not (
+            pending.spec.pool is pool
+            and pending.spec.runs == runs
+            and pending.spec.layer_end == layer
+            and pending.spec.layer_end - pending.spec.layer_start < pending.max_layers
+        ):
+            await self._flush()
+        if layer_bytes > self.options.chunk_bytes:  # split this layer at block bounds
+            for group in split_runs(runs, max(1, self.options.chunk_bytes // block_bytes)):
+                spec = ChunkSpec(pool, layer, layer + 1, group)
+                buffer = await self._guard(self._acquire(block_bytes * _num_blocks(group)))
+                await self._offload(self._pack, buffer, 0, src_cache_layer, group)
+                await self._emit(spec, buffer)
+            return
+        if self._pending is None:
+            shape = layout.pool_shape(pool)
+            assert shape is not None
+            max_layers = min(self.options.chunk_bytes // layer_bytes, shape.num_layers - layer)
+            buffer = await self._guard(self._acquire(max_layers * layer_bytes))
+            self._pending = _Pending(
+                ChunkSpec(pool, layer, layer, runs), buffer, layer_bytes, max_layers
+            )
+        pending = self._pending
+        assert pending is not None
+        count = pending.spec.layer_end - pending.spec.layer_start
+        offset = count * pending.layer_bytes
+        await self._offload(self._pack, pending.buffer, offset, src_cache_layer, runs)
+        pending.spec.layer_end += 1
+        if count + 1 == pending.max_layers:
+            await self._flush()
+
+    async def finish(self, extra_tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        self._active_layout()
+        await self._flush()
+        extras = [
+            encode_named_tensor(name, t, self.checksum_kind)
+            for name, t in (extra_tensors or {}).items()
+        ]
+        last = pb.KvChunk(sequence_number=self.num_chunks_sent, is_last=True, extra_tensors=extras)
+        if last.ByteSize() + 64 > self.options.max_message_bytes:
+            await self.abort("extra tensors too large")
+            raise ValueError(
+                f"extra_tensors: {last.ByteSize()} bytes exceed max_message_bytes "
+                f"{self.options.max_message_bytes}"
+            )
+        reply = await self._guard(self._close(last))
+        self.seconds = time.perf_counter() - self._start
+        if reply.status != pb.KV_PUSH_STATUS_OK:
+            self._fail(reply.status, reply.message or "refused without a message")
+        self.state = TransferState.DONE
+
+    async def abort(self, reason: str) -> None:
+        if self.state is TransferState.TRANSFERRING:
+            self.state, self.message = TransferState.FAILED, f"aborted: {reason}"
+            self.seconds = time.perf_counter() - self._start
+            self._on_failed()
+
+    def _active_layout(self) -> KvLayout:
+        if self.state is TransferState.FAILED:
+            raise KvTransferError(pb.KV_PUSH_STATUS_INCOMPLETE, self.message)
+        if self.state is not TransferState.TRANSFERRING or self._layout is None:
+            raise RuntimeError(f"the transfer is {self.state.value}, not transferring")
+        return self._layout
+
+    def _check_layer(
+        self,
+        layout: KvLayout,
+        pool: KvPool,
+        layer: int,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+    ) -> list[RunPair]:
+        shape = layout.pool_shape(pool)
+        if shape is None:
+            raise ValueError(f"pool: {pool} is not in the handshake's layout")
+        if not 0 <= layer < shape.num_layers:
+            raise ValueError(f"layer: {layer} outside 0..{shape.num_layers - 1} of {pool}")
+        expected = (layout.block_size, shape.num_kv_heads, shape.head_dim)
+        for t in kv:
+            if t.dtype != layout.dtype or tuple(t.shape[1:]) != expected:
+                raise ValueError(
+                    f"src_cache_layer: {t.dtype} {tuple(t.shape)} does not match the layout "
+                    f"({layout.dtype}, [num_blocks, {', '.join(map(str, expected))}])"
+                )
+        if any(not 0 <= b < kv[0].shape[0] for b in src_block_ids):
+            raise ValueError(f"src_block_ids: outside 0..{kv[0].shape[0] - 1}")
+        return merge_runs(src_block_ids, dst_block_ids)
+
+    async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Copies and checksums: in a worker thread with ``options.offload``, else inline."""
+        if self.options.offload:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+    def _seal(self, header: pb.KvChunk, data: torch.Tensor) -> None:
+        """Sets the header's checksum of ``data`` (then lets the test hook tamper with it)."""
+        assert self._checksum is not None
+        header.checksum = self._checksum(data.numpy().data)
+        if self._tamper is not None:
+            self._tamper(header.sequence_number, data)
+
+    @staticmethod
+    def _pack(
+        buffer: torch.Tensor,
+        offset: int,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        runs: list[RunPair],
+    ) -> None:
+        """Copies each run's K then V blocks into ``buffer`` from byte ``offset``."""
+        for run in runs:
+            for pool_tensor in kv:
+                src = pool_tensor[run.src_start : run.src_start + run.num_blocks]
+                num_bytes = src.numel() * src.element_size()
+                dst = buffer[offset : offset + num_bytes].view(src.dtype).view(src.shape)
+                dst.copy_(src)
+                offset += num_bytes
+
+    async def _flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            num_layers = pending.spec.layer_end - pending.spec.layer_start
+            await self._emit(pending.spec, pending.buffer[: num_layers * pending.layer_bytes])
+
+    async def _emit(self, spec: ChunkSpec, data: torch.Tensor) -> None:
+        layout = self._active_layout()
+        header = spec.header(self.num_chunks_sent, layout.dtype, checksum=0)
+        await self._guard(self._send_chunk(header, data))
+        self.num_chunks_sent += 1
+        self.num_bytes_sent += data.numel()
+
+    async def _guard(self, work: Awaitable[T]) -> T:
+        """Runs transport work; a transport failure fails the transfer."""
+        try:
+            return await work
+        except KvTransferError as e:
+            self._fail(e.status, e.message)
+
+    def _fail(self, status: int, message: str) -> NoReturn:
+        self.state, self.message = TransferState.FAILED, message
+        self.seconds = time.perf_counter() - self._start
+        self._on_failed()
+        raise KvTransferError(status, message)
+
+
+def _num_blocks(runs: list[RunPair]) -> int:
+    return sum(r.num_blocks for r in runs)
