@@ -125,6 +125,7 @@ class ReserveReply(_message.Message):
     LEASE_MS_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
     num_cached_blocks: _builtins.int
     """Leading block_ids that already hold the prompt's KV (prefix cache); not to be pushed."""
     lease_ms: _builtins.int
@@ -133,6 +134,10 @@ class ReserveReply(_message.Message):
     """This decode worker's registration epoch (fencing token); KvHandshake and Decode repeat it."""
     block_size: _builtins.int
     """block_size of this worker's KV pools, in tokens."""
+    host_id: _builtins.str
+    """This worker's host id (cluster.kv_transfer.host_id): a prefill worker with the same id
+    pushes the KV through shared memory instead of the gRPC stream.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Reserved block ids, in block-table order (one id addresses a target and a draft block)."""
@@ -145,10 +150,11 @@ class ReserveReply(_message.Message):
         lease_ms: _builtins.int = ...,
         epoch: _builtins.int = ...,
         block_size: _builtins.int = ...,
+        host_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "block_size", b"block_size", "epoch", b"epoch", "lease_ms", b"lease_ms", "num_cached_blocks", b"num_cached_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "block_size", b"block_size", "epoch", b"epoch", "host_id", b"host_id", "lease_ms", b"lease_ms", "num_cached_blocks", b"num_cached_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -165,12 +171,17 @@ class DecodeRequest(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _builtins.int
     DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    IS_FINISHED_ON_PREFILL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request, as reserved."""
     epoch: _builtins.int
     """ReserveReply.epoch; a restarted worker (new epoch) answers FAILED_PRECONDITION."""
     first_token_id: _builtins.int
     """x[n]: the first token, sampled by the prefill worker (streamed as index 0)."""
+    is_finished_on_prefill: _builtins.bool
+    """PrefillReply.is_finished: the first token already ended the request and no KV was
+    pushed; the decode worker streams that token as the last chunk without waiting.
+    """
     @_builtins.property
     def first_token_logprob(self) -> _generation_pb2.TokenLogprob:
         """Its log-probability, when the request asked for logprobs."""
@@ -189,10 +200,11 @@ class DecodeRequest(_message.Message):
         first_token_id: _builtins.int = ...,
         first_token_logprob: _generation_pb2.TokenLogprob | None = ...,
         draft_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        is_finished_on_prefill: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "first_token_logprob", b"first_token_logprob"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "epoch", b"epoch", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "epoch", b"epoch", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "is_finished_on_prefill", b"is_finished_on_prefill", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_logprob: _TypeAlias = _typing.Literal["first_token_logprob"]  # noqa: Y015
     _WhichOneofArgType__first_token_logprob: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob"]  # noqa: Y015
@@ -254,16 +266,21 @@ Global___AbortReply: _TypeAlias = AbortReply  # noqa: Y015
 
 @_typing.final
 class StatsRequest(_message.Message):
-    """Stats takes no arguments."""
+    """What Stats should include."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    INCLUDE_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    include_block_ids: _builtins.bool
+    """Also list the block ids held by requests (StatsReply.owned_block_ids), for audits."""
     def __init__(
         self,
+        *,
+        include_block_ids: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_block_ids", b"include_block_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -287,6 +304,8 @@ class StatsReply(_message.Message):
     LOAD_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     DRAFT_FIELD_NUMBER: _builtins.int
+    OWNED_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_FIELD_NUMBER: _builtins.int
     role: Global___WorkerRole.ValueType
     """Prefill or decode."""
     worker_id: _builtins.str
@@ -313,6 +332,14 @@ class StatsReply(_message.Message):
     def draft(self) -> Global___DraftConfig:
         """The draft this worker runs; absent without speculative decoding."""
 
+    @_builtins.property
+    def owned_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Block ids held by requests, sorted; only when StatsRequest.include_block_ids."""
+
+    @_builtins.property
+    def speculative(self) -> _generation_pb2.SpeculativeUsage:
+        """Speculative decoding counters of this worker since it started; absent without a draft."""
+
     def __init__(
         self,
         *,
@@ -328,14 +355,21 @@ class StatsReply(_message.Message):
         load: _builtins.float = ...,
         block_size: _builtins.int = ...,
         draft: Global___DraftConfig | None = ...,
+        owned_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        speculative: _generation_pb2.SpeculativeUsage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_draft", b"_draft", "draft", b"draft"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_draft", b"_draft", "_speculative", b"_speculative", "draft", b"draft", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_draft", b"_draft", "block_size", b"block_size", "draft", b"draft", "epoch", b"epoch", "load", b"load", "model", b"model", "num_kv_blocks_cached", b"num_kv_blocks_cached", "num_kv_blocks_free", b"num_kv_blocks_free", "num_kv_blocks_used", b"num_kv_blocks_used", "num_running", b"num_running", "num_waiting", b"num_waiting", "role", b"role", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_draft", b"_draft", "_speculative", b"_speculative", "block_size", b"block_size", "draft", b"draft", "epoch", b"epoch", "load", b"load", "model", b"model", "num_kv_blocks_cached", b"num_kv_blocks_cached", "num_kv_blocks_free", b"num_kv_blocks_free", "num_kv_blocks_used", b"num_kv_blocks_used", "num_running", b"num_running", "num_waiting", b"num_waiting", "owned_block_ids", b"owned_block_ids", "role", b"role", "speculative", b"speculative", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__draft: _TypeAlias = _typing.Literal["draft"]  # noqa: Y015
     _WhichOneofArgType__draft: _TypeAlias = _typing.Literal["_draft", b"_draft"]  # noqa: Y015
+    _WhichOneofReturnType__speculative: _TypeAlias = _typing.Literal["speculative"]  # noqa: Y015
+    _WhichOneofArgType__speculative: _TypeAlias = _typing.Literal["_speculative", b"_speculative"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__draft) -> _WhichOneofReturnType__draft | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__speculative) -> _WhichOneofReturnType__speculative | None: ...
 
 Global___StatsReply: _TypeAlias = StatsReply  # noqa: Y015
 
@@ -405,6 +439,7 @@ class PrefillRequest(_message.Message):
     DECODE_EPOCH_FIELD_NUMBER: _builtins.int
     DECODE_WORKER_ID_FIELD_NUMBER: _builtins.int
     NUM_OUTPUT_TOKENS_SENT_FIELD_NUMBER: _builtins.int
+    DECODE_HOST_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request (ledger key)."""
     model: _builtins.str
@@ -421,6 +456,8 @@ class PrefillRequest(_message.Message):
     """Registry id of the decode worker."""
     num_output_tokens_sent: _builtins.int
     """Output indices already sent (migration); the first token gets this index."""
+    decode_host_id: _builtins.str
+    """ReserveReply.host_id of the decode worker (equal to this worker's: shared memory)."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt (after a migration: prompt + tokens already sent)."""
@@ -446,10 +483,11 @@ class PrefillRequest(_message.Message):
         decode_epoch: _builtins.int = ...,
         decode_worker_id: _builtins.str = ...,
         num_output_tokens_sent: _builtins.int = ...,
+        decode_host_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_address", b"decode_address", "decode_block_ids", b"decode_block_ids", "decode_epoch", b"decode_epoch", "decode_worker_id", b"decode_worker_id", "model", b"model", "num_cached_blocks", b"num_cached_blocks", "num_output_tokens_sent", b"num_output_tokens_sent", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_address", b"decode_address", "decode_block_ids", b"decode_block_ids", "decode_epoch", b"decode_epoch", "decode_host_id", b"decode_host_id", "decode_worker_id", b"decode_worker_id", "model", b"model", "num_cached_blocks", b"num_cached_blocks", "num_output_tokens_sent", b"num_output_tokens_sent", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -467,12 +505,17 @@ class PrefillReply(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_BYTES_PUSHED_FIELD_NUMBER: _builtins.int
     TIMING_FIELD_NUMBER: _builtins.int
+    IS_FINISHED_FIELD_NUMBER: _builtins.int
     first_token_id: _builtins.int
     """x[n]: the first generated token."""
     num_cached_tokens: _builtins.int
     """Prompt tokens whose KV came from this worker's prefix cache."""
     num_bytes_pushed: _builtins.int
     """Bytes pushed to the decode worker (target + draft + extra tensors)."""
+    is_finished: _builtins.bool
+    """The first token ended the request (stop token or string, or max_tokens 1): no KV was
+    pushed; the decode worker is told so with DecodeRequest.is_finished_on_prefill.
+    """
     @_builtins.property
     def first_token_logprob(self) -> _generation_pb2.TokenLogprob:
         """Its log-probability, when the request asked for logprobs."""
@@ -494,10 +537,11 @@ class PrefillReply(_message.Message):
         num_cached_tokens: _builtins.int = ...,
         num_bytes_pushed: _builtins.int = ...,
         timing: Global___PrefillTiming | None = ...,
+        is_finished: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "first_token_logprob", b"first_token_logprob", "timing", b"timing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "num_bytes_pushed", b"num_bytes_pushed", "num_cached_tokens", b"num_cached_tokens", "timing", b"timing"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "is_finished", b"is_finished", "num_bytes_pushed", b"num_bytes_pushed", "num_cached_tokens", b"num_cached_tokens", "timing", b"timing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_logprob: _TypeAlias = _typing.Literal["first_token_logprob"]  # noqa: Y015
     _WhichOneofArgType__first_token_logprob: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob"]  # noqa: Y015

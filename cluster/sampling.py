@@ -1,0 +1,57 @@
+"""tandem.v1.SamplingParams <-> engine SamplingParams, the same on router and workers.
+
+Unset optional fields take the engine's defaults; validation is the engine's own
+(SamplingParamsError, a ValueError whose message starts with the field name).
+"""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprobs
+from tandem.v1 import generation_pb2 as gen
+
+
+def params_from_proto(message: gen.SamplingParams) -> SamplingParams:
+    defaults = SamplingParams()
+    return SamplingParams(
+        max_tokens=message.max_tokens if message.HasField("max_tokens") else defaults.max_tokens,
+        temperature=(
+            message.temperature if message.HasField("temperature") else defaults.temperature
+        ),
+        top_k=message.top_k,
+        top_p=message.top_p if message.HasField("top_p") else defaults.top_p,
+        min_p=message.min_p,
+        seed=message.seed if message.HasField("seed") else None,
+        stop=tuple(message.stop),
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
+    )
+
+
+def params_to_proto(params: SamplingParams) -> gen.SamplingParams:
+    message = gen.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        message.seed = params.seed
+    if params.logprobs is not None:
+        message.logprobs = params.logprobs
+    return message
+
+
+def token_logprob_to_proto(lp: TokenLogprobs) -> gen.TokenLogprob:
+    """One token's log-probability and its alternatives, most likely first."""
+    top = sorted(lp.top.items(), key=lambda kv: -kv[1])
+    return gen.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[gen.TopLogprob(token_id=t, logprob=v) for t, v in top],
+    )

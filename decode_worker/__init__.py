@@ -1,0 +1,1 @@
+"""Decode worker: reserves KV blocks, receives prefilled KV, decodes with the unified step."""

@@ -1,0 +1,386 @@
+"""The decode worker's servicer: Reserve blocks, receive the KV (KvTransfer on the same
+server), Decode as the engine loop produces tokens, Abort, Stats.
+
+A request goes RESERVED (blocks held, KV on its way) -> DECODING (in the running batch,
+its stream fed by the engine thread) -> gone. Whatever ends it (finish, abort, the
+router cancelling the stream, a failed push) frees its blocks in the engine, the
+receiver and the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.engine_loop import EngineLoop, owned_block_ids
+from cluster.engine_setup import draft_figures
+from cluster.kv_transfer import KvLayout, KvReceiver, KvReservation, host_id
+from cluster.ledger import LedgerConflict, RequestState
+from cluster.membership import Membership
+from cluster.rpc import NotFound, PreconditionFailed, Unavailable
+from cluster.sampling import params_from_proto, token_logprob_to_proto
+from engine.llm_engine import LLMEngine, RequestOutput
+from tandem.v1 import generation_pb2 as gen
+from tandem.v1 import worker_pb2 as pb
+from tandem.v1 import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS: dict[str, gen.FinishReason.ValueType] = {
+    "stop": gen.FINISH_REASON_STOP,
+    "length": gen.FINISH_REASON_LENGTH,
+    "abort": gen.FINISH_REASON_ABORT,
+}
+
+
+class _Aborted(Exception):
+    """The request was aborted (Abort RPC, lease lost, engine failure) while streaming."""
+
+
+class OutputSlot:
+    """The newest output of one request. Outputs are cumulative (all tokens so far), so
+    keeping only the newest loses nothing and bounds what a slow reader can pile up."""
+
+    def __init__(self) -> None:
+        self.output: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self._event = asyncio.Event()
+
+    def update(self, output: RequestOutput) -> None:
+        current = self.output
+        if current is None or output.finished or len(output.token_ids) > len(current.token_ids):
+            self.output = output
+            self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._event.set()
+
+    async def next(self) -> RequestOutput:
+        await self._event.wait()
+        self._event.clear()
+        if self.error is not None:
+            raise self.error
+        assert self.output is not None
+        return self.output
+
+
+@dataclass
+class _Request:
+    request_id: str
+    block_ids: list[int]
+    num_prompt_tokens: int
+    logprobs: int | None
+    reserved_at: float = field(default_factory=time.monotonic)
+    slot: OutputSlot | None = None  # set once Decode started
+
+
+class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
+    """tandem.v1.DecodeWorker over one engine (owned by ``engine_loop``'s thread)."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        served_name: str,
+        layout: KvLayout,
+        draft: pb.DraftConfig | None,
+        receiver: KvReceiver,
+        membership: Membership,
+        reserve_timeout_s: float,
+        decode_timeout_s: float = 600.0,
+        accepts_shm: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.served_name = served_name
+        self.layout = layout
+        self.draft = draft
+        self.fingerprint = draft.fingerprint if draft is not None else ""
+        self.receiver = receiver
+        self.membership = membership
+        self.reserve_timeout_s = reserve_timeout_s
+        self.decode_timeout_s = decode_timeout_s
+        self.host_id = host_id() if accepts_shm else ""  # "": senders use gRPC
+        self.block_size = engine.config.block_size
+        self._pools = engine.kv_pools
+        self._requests: dict[str, _Request] = {}
+        self.is_draining = False
+        self.engine_loop: EngineLoop[list[RequestOutput]] = EngineLoop(
+            engine,
+            asyncio.get_running_loop(),
+            on_step=lambda _engine, outputs: outputs,
+            deliver=self._deliver,
+            on_error=self._on_engine_error,
+            name="decode-engine",
+        )
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- RPCs
+
+    async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveReply:
+        rid = request.request_id
+        if self.is_draining:
+            raise Unavailable("decode worker: draining")
+        if request.model and request.model != self.served_name:
+            raise PreconditionFailed(f"model: this worker serves {self.served_name!r}")
+        if request.draft_fingerprint != self.fingerprint:
+            raise PreconditionFailed(
+                f"draft_fingerprint: {request.draft_fingerprint!r}, this worker runs "
+                f"{self.fingerprint!r}"
+            )
+        if rid in self._requests:
+            raise ValueError(f"request_id: {rid!r} is already reserved here")
+        prompt = list(request.prompt_token_ids)
+        if len(prompt) != request.num_prompt_tokens:
+            raise ValueError(
+                f"num_prompt_tokens: {request.num_prompt_tokens}, but {len(prompt)} prompt ids"
+            )
+        params = params_from_proto(request.sampling)
+        req = self._requests[rid] = _Request(rid, [], len(prompt), params.logprobs)
+        try:  # cancelled after the engine reserved: _forget's abort follows it in the queue
+            table, num_cached = await self.engine_loop.call(
+                self.engine.reserve, rid, prompt, params
+            )
+            req.block_ids = table
+            num_cached_blocks = num_cached // self.block_size
+            reservation = KvReservation(rid, table[num_cached_blocks:], self._pools, self.layout)
+            self.receiver.reserve(reservation)
+            self.membership.claim(rid, table, has_draft=self.layout.draft is not None)
+        except BaseException:
+            self._forget(rid)
+            raise
+        return pb.ReserveReply(
+            block_ids=table,
+            num_cached_blocks=num_cached_blocks,
+            lease_ms=int(self.reserve_timeout_s * 1000),
+            epoch=self.membership.epoch,
+            block_size=self.block_size,
+            host_id=self.host_id,
+        )
+
+    async def Decode(
+        self, request: pb.DecodeRequest, context: Any
+    ) -> AsyncIterator[gen.GenerateChunk]:
+        rid = request.request_id
+        req = self._requests.get(rid)
+        if req is None:
+            raise NotFound(f"request_id: {rid!r} is not reserved here (aborted or expired?)")
+        if request.epoch != self.membership.epoch:
+            raise PreconditionFailed(
+                f"epoch: {request.epoch}, this worker is at epoch {self.membership.epoch}"
+            )
+        if req.slot is not None:
+            raise ValueError(f"request_id: {rid!r} is already decoding")
+        slot = req.slot = OutputSlot()
+        stream = _ChunkStream(req, request)
+        is_finished = False
+        try:
+            if not request.is_finished_on_prefill:
+                remaining = context.time_remaining()
+                timeout = self.decode_timeout_s if remaining is None else remaining
+                await self.receiver.wait_done(rid, timeout)
+            self.receiver.release(rid)
+            first = await self.engine_loop.call(
+                self.engine.start_decoding, rid, request.first_token_id, list(request.draft_tokens)
+            )
+            if request.is_finished_on_prefill and not first.finished:
+                raise RuntimeError("is_finished_on_prefill: the first token did not end it here")
+            slot.update(first)
+            while True:
+                output = await slot.next()
+                chunk = stream.chunk(output)
+                if output.finished:
+                    is_finished = True
+                    self._end(rid, RequestState.FINISHED)
+                    yield chunk
+                    return
+                if chunk.token_ids or chunk.text:
+                    yield chunk
+        except _Aborted:
+            yield stream.aborted()
+        finally:
+            if not is_finished:
+                self._forget(rid)
+
+    async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortReply:
+        req = self._requests.get(request.request_id)
+        if req is None:
+            return pb.AbortReply(was_known=False)
+        log.info("abort %s: %s", request.request_id, request.reason or "no reason given")
+        if req.slot is not None:  # the stream ends with an ABORT chunk
+            req.slot.fail(_Aborted(request.reason))
+        self._forget(request.request_id)
+        return pb.AbortReply(was_known=True, num_blocks_freed=len(req.block_ids))
+
+    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsReply:
+        stats = self.engine_loop.stats
+        num_reserved = sum(1 for r in self._requests.values() if r.slot is None)
+        reply = pb.StatsReply(
+            role=pb.WORKER_ROLE_DECODE,
+            worker_id=self.membership.worker_id,
+            epoch=self.membership.epoch,
+            model=self.served_name,
+            num_kv_blocks_used=stats.num_used_blocks,
+            num_kv_blocks_free=stats.num_free_blocks,
+            num_running=stats.num_running,
+            num_waiting=num_reserved,
+            load=stats.load,
+            block_size=self.block_size,
+        )
+        if self.draft is not None:
+            reply.draft.CopyFrom(self.draft)
+        if stats.num_drafts is not None:
+            reply.speculative.CopyFrom(
+                gen.SpeculativeUsage(
+                    num_drafts=stats.num_drafts,
+                    num_draft_tokens=stats.num_draft_tokens,
+                    num_accepted_tokens=stats.num_accepted_tokens,
+                )
+            )
+        if request.include_block_ids:
+            owned, cached = await self.engine_loop.call(owned_block_ids, self.engine, bounded=False)
+            reply.owned_block_ids.extend(owned)
+            reply.num_kv_blocks_cached = len(cached)
+        return reply
+
+    # ---- lifecycle
+
+    def load(self) -> tuple[float, dict[str, str | int | float]]:
+        """Load and figures for heartbeats."""
+        stats = self.engine_loop.stats
+        figures: dict[str, str | int | float] = {
+            "model": self.served_name,
+            "num_running": stats.num_running,
+            "num_free_blocks": stats.num_free_blocks,
+            "num_requests": len(self._requests),
+            "draining": int(self.is_draining),
+            **draft_figures(self.draft),
+        }
+        return stats.load, figures
+
+    def on_lease_lost(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is not None and req.slot is not None:
+            req.slot.fail(_Aborted("lease lost"))
+        self._forget(request_id)
+
+    async def expire_reservations(self) -> None:
+        """Frees reservations whose Decode never came (the router went away)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.reserve_timeout_s / 4))
+            now = time.monotonic()
+            for req in list(self._requests.values()):
+                if req.slot is None and now - req.reserved_at > self.reserve_timeout_s:
+                    log.warning("reservation of %s lapsed", req.request_id)
+                    self._forget(req.request_id)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuses new reservations, waits for running requests to finish."""
+        self.is_draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    # ---- internals
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            req = self._requests.get(output.request_id)
+            if req is not None and req.slot is not None:
+                req.slot.update(output)
+
+    def _on_engine_error(self, error: BaseException) -> None:
+        for req in list(self._requests.values()):
+            if req.slot is not None:
+                req.slot.fail(RuntimeError(f"engine step failed: {error}"))
+            self._forget(req.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """Frees a request everywhere; idempotent."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        self.engine_loop.submit(self.engine.abort_request, request_id, bounded=False)
+        self.receiver.release(request_id)
+        self.membership.release(request_id)
+
+    def _end(self, request_id: str, state: RequestState) -> None:
+        """A finished request: blocks already freed by the engine; ledger updated."""
+        self._requests.pop(request_id, None)
+        self.receiver.release(request_id)
+        self.membership.release(request_id)
+        with contextlib.suppress(LedgerConflict):  # cancelled meanwhile: the router decided
+            self.membership.ledger.transition(
+                request_id, state, expected=RequestState.DECODING, epoch=self.membership.epoch
+            )
+
+
+class _ChunkStream:
+    """Turns one request's cumulative outputs into consecutive chunks."""
+
+    def __init__(self, req: _Request, request: pb.DecodeRequest) -> None:
+        self.req = req
+        self.num_sent = 0  # tokens already in chunks
+        self.num_text_sent = 0  # characters already in chunks
+        self.first_logprob = (
+            request.first_token_logprob if request.HasField("first_token_logprob") else None
+        )
+
+    def chunk(self, output: RequestOutput) -> gen.GenerateChunk:
+        tokens = output.token_ids[self.num_sent :]
+        chunk = gen.GenerateChunk(
+            request_id=self.req.request_id,
+            index=self.num_sent,
+            token_ids=tokens,
+            text=output.text[self.num_text_sent :],
+        )
+        if self.req.logprobs is not None:
+            chunk.logprobs.extend(self._logprobs(output, self.num_sent, len(tokens)))
+        self.num_sent += len(tokens)
+        self.num_text_sent = len(output.text)
+        if output.finished:
+            reason = FINISH_REASONS.get(output.finish_reason or "", gen.FINISH_REASON_ABORT)
+            chunk.finish_reason = reason
+            if isinstance(output.stop_reason, int):
+                chunk.stop_token_id = output.stop_reason
+            elif isinstance(output.stop_reason, str):
+                chunk.stop_string = output.stop_reason
+            chunk.usage.CopyFrom(
+                gen.Usage(
+                    prompt_tokens=self.req.num_prompt_tokens,
+                    completion_tokens=len(output.token_ids),
+                )
+            )
+        return chunk
+
+    def aborted(self) -> gen.GenerateChunk:
+        """The last chunk of a request aborted here."""
+        return gen.GenerateChunk(
+            request_id=self.req.request_id,
+            index=self.num_sent,
+            finish_reason=gen.FINISH_REASON_ABORT,
+            usage=gen.Usage(
+                prompt_tokens=self.req.num_prompt_tokens, completion_tokens=self.num_sent
+            ),
+        )
+
+    def _logprobs(self, output: RequestOutput, start: int, count: int) -> list[gen.TokenLogprob]:
+        """Index 0 was sampled by the prefill worker; index i > 0 is output.logprobs[i - 1]."""
+        entries = []
+        for i in range(start, start + count):
+            token = output.token_ids[i]
+            if i == 0:
+                entries.append(self.first_logprob or gen.TokenLogprob(token_id=token))
+            elif i - 1 < len(output.logprobs):
+                entries.append(token_logprob_to_proto(output.logprobs[i - 1]))
+            else:
+                entries.append(gen.TokenLogprob(token_id=token))
+        return entries

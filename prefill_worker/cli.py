@@ -1,0 +1,119 @@
+"""`tandem prefill` / `python -m prefill_worker`: one prefill worker process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+DEFAULT_PORT = 50051
+SERVICE_NAMES = ("tandem.v1.PrefillWorker",)
+MAX_MESSAGE_BYTES = 16 << 20
+log = logging.getLogger("prefill_worker")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from cluster.engine_setup import add_engine_arguments
+    from cluster.rpc import add_service_arguments
+
+    add_engine_arguments(parser)
+    add_service_arguments(parser, default_port=DEFAULT_PORT)
+    parser.add_argument(
+        "--max-queued", type=int, default=256, help="prefills in flight before RESOURCE_EXHAUSTED"
+    )
+    parser.add_argument(
+        "--kv-transport",
+        choices=["auto", "grpc"],
+        default="auto",
+        help="auto: shared memory to a decode worker on this host; grpc: always the gRPC stream",
+    )
+
+
+def register_prefill(subparsers: Any) -> None:
+    """Add `tandem prefill`."""
+    parser = subparsers.add_parser(
+        "prefill",
+        help="run one prefill worker",
+        description="Serve tandem.v1.PrefillWorker: prefill prompts (target and draft) and push "
+        "their KV to the decode workers the router names.",
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m prefill_worker")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.rpc import setup_logging
+
+    setup_logging("prefill", args.log_level)
+    asyncio.run(serve(args))
+    return 0
+
+
+async def serve(args: argparse.Namespace) -> None:
+    import redis
+
+    from cluster import engine_setup
+    from cluster.ledger import Ledger, WorkerRole
+    from cluster.membership import Membership, Timing
+    from cluster.rpc import (
+        advertised_address,
+        default_worker_id,
+        new_server,
+        set_serving,
+        wait_for_shutdown,
+    )
+    from prefill_worker.service import PrefillWorkerService
+    from tandem.v1 import worker_pb2_grpc
+
+    spec = engine_setup.ModelSpec.from_args(args)
+    engine = engine_setup.build_engine(spec, args)
+    draft = engine_setup.draft_config(engine, spec)
+    layout = engine_setup.kv_layout(engine, spec.served_name, draft.fingerprint if draft else "")
+
+    server, health = new_server(MAX_MESSAGE_BYTES)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    address = advertised_address(args, port)
+    ledger = Ledger(redis.Redis.from_url(args.redis_url), namespace=args.namespace)
+    holder: dict[str, PrefillWorkerService] = {}
+    membership = Membership(
+        ledger,
+        args.worker_id or default_worker_id("prefill", address),
+        role=WorkerRole.PREFILL,
+        address=address,
+        capacity=engine.block_manager.num_blocks,
+        timing=Timing(args.heartbeat_ms, args.lease_ms),
+        load=lambda: holder["service"].load() if holder else (0.0, {}),
+    )
+    service = holder["service"] = PrefillWorkerService(
+        engine,
+        served_name=spec.served_name,
+        layout=layout,
+        draft=draft,
+        membership=membership,
+        max_queued=args.max_queued,
+        use_shm=args.kv_transport == "auto",
+    )
+    membership.register()
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(service, server)
+    service.engine_loop.start()
+    await server.start()
+    membership.start()
+    await set_serving(health, SERVICE_NAMES)
+    log.info("prefill worker %s serving %s at %s", membership.worker_id, spec.served_name, address)
+    reason = await wait_for_shutdown(args.parent_pid)
+    log.info("draining (%s)", reason)
+    await health.enter_graceful_shutdown()
+    await service.drain(args.grace_s)
+    await server.stop(1.0)
+    await membership.stop()
+    service.engine_loop.stop()
+    await service.close()
+    log.info("stopped")

@@ -1,0 +1,296 @@
+"""The prefill worker's servicer: Prefill (engine prefill-only, then the KV push into the
+decode worker's reserved blocks), Abort, Stats.
+
+One Prefill: queued in the engine thread -> first token (and drafts) sampled, blocks kept
+(PREFILLED) -> KV pushed layer by layer, target then draft -> blocks released -> reply.
+Ledger: PREFILLING -> TRANSFERRING (this worker) -> DECODING (handed to the decode worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
+
+from cluster.engine_loop import EngineLoop, owned_block_ids
+from cluster.engine_setup import draft_figures
+from cluster.kv_transfer import (
+    Handshake,
+    KvLayout,
+    KvPool,
+    ShmRingPool,
+    TransferOptions,
+    make_sender,
+)
+from cluster.ledger import LedgerConflict, RequestState
+from cluster.membership import Membership
+from cluster.rpc import Overloaded, PreconditionFailed, Unavailable, channel_options
+from cluster.sampling import params_from_proto, token_logprob_to_proto
+from engine.llm_engine import LLMEngine, PrefilledRequest, RequestOutput
+from tandem.v1 import worker_pb2 as pb
+from tandem.v1 import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Prefilled:
+    output: RequestOutput  # first token (finished: the request ended with it)
+    prefilled: PrefilledRequest | None  # None when finished: no blocks were kept
+
+
+def _collect(engine: LLMEngine, outputs: list[RequestOutput]) -> list[_Prefilled]:
+    """Engine thread: each output of a prefill-only request is its first token."""
+    done = []
+    for output in outputs:
+        if output.finished:
+            done.append(_Prefilled(output, None))
+        elif (prefilled := engine.take_prefilled(output.request_id)) is not None:
+            done.append(_Prefilled(output, prefilled))
+    return done
+
+
+class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
+    """tandem.v1.PrefillWorker over one engine (owned by ``engine_loop``'s thread)."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        served_name: str,
+        layout: KvLayout,
+        draft: pb.DraftConfig | None,
+        membership: Membership,
+        max_queued: int = 256,
+        max_concurrent_pushes: int = 4,
+        transfer_options: TransferOptions | None = None,
+        use_shm: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.served_name = served_name
+        self.layout = layout
+        self.draft = draft
+        self.membership = membership
+        self.max_queued = max_queued
+        self.transfer_options = transfer_options or TransferOptions()
+        # No rings: make_sender picks gRPC even for a decode worker on this host.
+        self.rings = ShmRingPool.for_options(self.transfer_options) if use_shm else None
+        self.is_draining = False
+        self._pools = engine.kv_pools
+        self._push_slots = asyncio.Semaphore(max_concurrent_pushes)
+        self._waiting: dict[str, asyncio.Future[_Prefilled]] = {}
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.engine_loop: EngineLoop[list[_Prefilled]] = EngineLoop(
+            engine,
+            asyncio.get_running_loop(),
+            on_step=_collect,
+            deliver=self._deliver,
+            on_error=self._on_engine_error,
+            max_queued_calls=max_queued,
+            name="prefill-engine",
+        )
+
+    # ---- RPCs
+
+    async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillReply:
+        rid = request.request_id
+        if self.is_draining:
+            raise Unavailable("prefill worker: draining")
+        if request.model and request.model != self.served_name:
+            raise PreconditionFailed(f"model: this worker serves {self.served_name!r}")
+        if rid in self._tasks:
+            raise ValueError(f"request_id: {rid!r} is already being prefilled here")
+        if len(self._tasks) >= self.max_queued:
+            raise Overloaded(f"prefill queue: {self.max_queued} requests in flight; retry later")
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks[rid] = task
+        start = time.monotonic()
+        try:
+            params = params_from_proto(request.sampling)
+            prompt = list(request.prompt_token_ids)
+            future = self._waiting[rid] = asyncio.get_running_loop().create_future()
+            add = functools.partial(self.engine.add_request, is_prefill_only=True)
+            await self.engine_loop.call(add, rid, prompt, params)
+            queued = time.monotonic()
+            result = await future
+            computed = time.monotonic()
+            self._transition(rid, RequestState.PREFILLING, RequestState.TRANSFERRING)
+            num_bytes = 0
+            if result.prefilled is not None:
+                self.membership.claim(
+                    rid, result.prefilled.block_table, has_draft=self.layout.draft is not None
+                )
+                async with self._push_slots:
+                    num_bytes = await self._push(request, result.prefilled)
+            self._transition(
+                rid,
+                RequestState.TRANSFERRING,
+                RequestState.DECODING,
+                new_owner=request.decode_worker_id,
+                new_epoch=request.decode_epoch,
+            )
+            return self._reply(result, params.logprobs, num_bytes, start, queued, computed)
+        finally:
+            self._waiting.pop(rid, None)
+            self._tasks.pop(rid, None)
+            self.engine_loop.submit(self.engine.abort_request, rid, bounded=False)
+            self.membership.release(rid)
+
+    async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortReply:
+        task = self._tasks.get(request.request_id)
+        if task is None:
+            return pb.AbortReply(was_known=False)
+        log.info("abort %s: %s", request.request_id, request.reason or "no reason given")
+        task.cancel()  # Prefill's cleanup frees the blocks
+        return pb.AbortReply(was_known=True)
+
+    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsReply:
+        stats = self.engine_loop.stats
+        reply = pb.StatsReply(
+            role=pb.WORKER_ROLE_PREFILL,
+            worker_id=self.membership.worker_id,
+            epoch=self.membership.epoch,
+            model=self.served_name,
+            num_kv_blocks_used=stats.num_used_blocks,
+            num_kv_blocks_free=stats.num_free_blocks,
+            num_running=len(self._tasks),
+            num_waiting=stats.num_waiting,
+            load=self.load()[0],
+            block_size=self.engine.config.block_size,
+        )
+        if self.draft is not None:
+            reply.draft.CopyFrom(self.draft)
+        if request.include_block_ids:
+            owned, cached = await self.engine_loop.call(owned_block_ids, self.engine, bounded=False)
+            reply.owned_block_ids.extend(owned)
+            reply.num_kv_blocks_cached = len(cached)
+        return reply
+
+    # ---- lifecycle
+
+    def load(self) -> tuple[float, dict[str, str | int | float]]:
+        stats = self.engine_loop.stats
+        load = max(stats.load, len(self._tasks) / self.max_queued)
+        figures: dict[str, str | int | float] = {
+            "model": self.served_name,
+            "num_requests": len(self._tasks),
+            "num_free_blocks": stats.num_free_blocks,
+            "draining": int(self.is_draining),
+            **draft_figures(self.draft),
+        }
+        return min(1.0, load), figures
+
+    async def drain(self, timeout_s: float) -> None:
+        self.is_draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        if self.rings is not None:
+            self.rings.close()
+
+    # ---- internals
+
+    async def _push(self, request: pb.PrefillRequest, prefilled: PrefilledRequest) -> int:
+        """Pushes the KV of every block the decode worker must fill; returns bytes sent."""
+        dst: Sequence[int] = request.decode_block_ids
+        src = prefilled.block_table
+        if len(src) < len(dst):
+            raise PreconditionFailed(
+                f"decode_block_ids: {len(dst)} blocks, but the prefill holds {len(src)}"
+            )
+        first = request.num_cached_blocks
+        src, dst = src[first : len(dst)], list(dst[first:])
+        sender = make_sender(
+            self._channel(request.decode_address),
+            peer_host_id=request.decode_host_id or None,
+            rings=self.rings,
+            options=self.transfer_options,
+        )
+        try:
+            await sender.begin(Handshake(request.request_id, self.layout, request.decode_epoch))
+            for name, pools in self._pools.items():
+                for layer, kv in enumerate(pools.layers):
+                    await sender.send_layer(KvPool(name), layer, kv, src, dst)
+            await sender.finish()
+        except BaseException:
+            await sender.abort("prefill failed or was cancelled")
+            raise
+        return sender.num_bytes_sent
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=channel_options())
+            self._channels[address] = channel
+        return channel
+
+    def _transition(
+        self,
+        rid: str,
+        expected: RequestState,
+        to: RequestState,
+        *,
+        new_owner: str | None = None,
+        new_epoch: int | None = None,
+    ) -> None:
+        try:
+            self.membership.ledger.transition(
+                rid,
+                to,
+                expected=expected,
+                epoch=self.membership.epoch,
+                new_owner=new_owner,
+                new_epoch=new_epoch,
+            )
+        except LedgerConflict:
+            log.info("%s: ledger refused %s -> %s (cancelled meanwhile?)", rid, expected, to)
+            raise
+
+    def _reply(
+        self,
+        result: _Prefilled,
+        logprobs: int | None,
+        num_bytes: int,
+        start: float,
+        queued: float,
+        computed: float,
+    ) -> pb.PrefillReply:
+        output = result.output
+        reply = pb.PrefillReply(
+            first_token_id=output.token_ids[0],
+            draft_tokens=result.prefilled.draft_token_ids if result.prefilled else [],
+            num_cached_tokens=output.num_cached_tokens,
+            num_bytes_pushed=num_bytes,
+            timing=pb.PrefillTiming(
+                queue_s=queued - start,
+                compute_s=computed - queued,
+                transfer_s=time.monotonic() - computed,
+            ),
+            is_finished=output.finished,
+        )
+        if logprobs is not None and output.logprobs:
+            reply.first_token_logprob.CopyFrom(token_logprob_to_proto(output.logprobs[0]))
+        return reply
+
+    def _deliver(self, results: list[_Prefilled]) -> None:
+        for result in results:
+            future = self._waiting.get(result.output.request_id)
+            if future is not None and not future.done():
+                future.set_result(result)
+
+    def _on_engine_error(self, error: BaseException) -> None:
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(RuntimeError(f"engine step failed: {error}"))

@@ -1,0 +1,1 @@
+"""Router: the gRPC front door (tandem.v1.Generation), validation and routing."""

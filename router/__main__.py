@@ -1,0 +1,7 @@
+"""`python -m router ...`: the same as `tandem router ...`."""
+
+import sys
+
+from router.cli import main
+
+sys.exit(main())

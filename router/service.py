@@ -1,0 +1,300 @@
+"""tandem.v1.Generation: validate, pick P and D, record the request in the ledger, then
+D.Reserve -> P.Prefill (P pushes the KV into D's blocks) -> D.Decode, streaming D's
+chunks to the client. Cancellation and deadlines reach P and D (Abort); every way a
+request ends leaves it terminal in the ledger and its blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
+import redis
+
+from cluster.ledger import Ledger, LedgerConflict, RequestState, WorkerInfo, WorkerRole
+from cluster.membership import Membership
+from cluster.rpc import Unavailable, channel_options
+from router.routing import WorkerPicker
+from router.validation import RequestValidator, ValidRequest
+from tandem.v1 import generation_pb2 as gen
+from tandem.v1 import generation_pb2_grpc as gen_grpc
+from tandem.v1 import worker_pb2 as pb
+from tandem.v1 import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 2.0
+RESERVE_TIMEOUT_S = 10.0
+DEADLINE_SLACK_S = 0.05  # errors this close to the deadline are the deadline's doing
+
+
+@dataclass
+class _Route:
+    """One request's path through the cluster."""
+
+    request: ValidRequest
+    prefill: WorkerInfo
+    decode: WorkerInfo
+    deadline: float  # time.monotonic()
+
+    def remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline: exceeded before the request finished")
+        return left
+
+
+def _how_it_ended(error: BaseException, route: _Route) -> tuple[RequestState, str]:
+    """CANCELLED past the deadline or on cancellation, else FAILED, with the reason."""
+    if time.monotonic() >= route.deadline - DEADLINE_SLACK_S:
+        return RequestState.CANCELLED, "deadline"
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):  # the client went away
+        return RequestState.CANCELLED, "cancelled"
+    if isinstance(error, grpc.aio.AioRpcError):
+        return RequestState.FAILED, f"{error.code().name}: {error.details()}"
+    return RequestState.FAILED, f"{type(error).__name__}: {error}"
+
+
+class GenerationService(gen_grpc.GenerationServicer):
+    def __init__(
+        self,
+        *,
+        validator: RequestValidator,
+        picker: WorkerPicker,
+        membership: Membership,
+        draft_dir_name: str = "",
+        default_timeout_s: float = 600.0,
+    ) -> None:
+        self.validator = validator
+        self.picker = picker
+        self.membership = membership
+        self.ledger: Ledger = membership.ledger
+        self.draft_dir_name = draft_dir_name
+        self.default_timeout_s = default_timeout_s
+        self.is_draining = False
+        self.num_in_flight = 0
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._cleanups: set[asyncio.Task[None]] = set()
+
+    # ---- RPCs
+
+    async def Generate(
+        self, request: gen.GenerateRequest, context: Any
+    ) -> AsyncIterator[gen.GenerateChunk]:
+        if self.is_draining:
+            raise Unavailable("router: draining; retry on another router")
+        valid = self.validator.validate(request)
+        remaining = context.time_remaining()
+        timeout = self.default_timeout_s if remaining is None else remaining
+        prefill, decode = self.picker.pick()
+        route = _Route(valid, prefill, decode, time.monotonic() + timeout)
+        self._create_in_ledger(route)
+        self.num_in_flight += 1
+        for worker in (prefill, decode):
+            self.picker.in_flight[worker.worker_id] += 1
+        is_finished = False
+        end_state, reason = RequestState.FAILED, ""
+        try:
+            reserve = await self._reserve(route)
+            prefilled = await self._prefill(route, reserve)
+            async for chunk in self._decode(route, reserve, prefilled):
+                is_finished = chunk.finish_reason != gen.FINISH_REASON_UNSPECIFIED
+                yield chunk
+        except BaseException as e:
+            end_state, reason = _how_it_ended(e, route)
+            raise
+        finally:
+            self.num_in_flight -= 1
+            for worker in (prefill, decode):
+                self.picker.in_flight[worker.worker_id] -= 1
+            if not is_finished:
+                # A task of its own: this one may be cancelled again while it cleans up.
+                self._spawn(self._abandon(route, end_state, reason))
+
+    async def ListModels(
+        self, request: gen.ListModelsRequest, context: Any
+    ) -> gen.ListModelsResponse:
+        model = self.validator.model
+        info = gen.ModelInfo(name=model.name, max_model_len=model.max_model_len)
+        for worker in self.picker.workers(WorkerRole.DECODE)[:1]:
+            info.draft_model = worker.stats.get("draft_model", "")
+            info.draft_kind = worker.stats.get("draft_kind", "")
+        if not info.draft_model and self.draft_dir_name:
+            info.draft_model = self.draft_dir_name
+        return gen.ListModelsResponse(models=[info])
+
+    # ---- the three hops
+
+    def _create_in_ledger(self, route: _Route) -> None:
+        valid = route.request
+        self.ledger.create_request(
+            valid.request_id,
+            owner=self.membership.worker_id,
+            epoch=self.membership.epoch,
+            fields={
+                "model": self.validator.model.name,
+                "num_prompt_tokens": len(valid.prompt_token_ids),
+                "prefill_worker": route.prefill.worker_id,
+                "decode_worker": route.decode.worker_id,
+            },
+        )
+
+    async def _reserve(self, route: _Route) -> pb.ReserveReply:
+        """D holds blocks for the prompt; then the request is handed to P in the ledger."""
+        valid = route.request
+        reply: pb.ReserveReply = await self._decoder(route).Reserve(
+            pb.ReserveRequest(
+                request_id=valid.request_id,
+                model=self.validator.model.name,
+                num_prompt_tokens=len(valid.prompt_token_ids),
+                prompt_token_ids=valid.prompt_token_ids,
+                sampling=valid.sampling,
+                draft_fingerprint=route.prefill.stats.get("draft_fingerprint", ""),
+                router_id=self.membership.worker_id,
+                router_epoch=self.membership.epoch,
+            ),
+            timeout=min(RESERVE_TIMEOUT_S, route.remaining()),
+        )
+        self.ledger.transition(
+            valid.request_id,
+            RequestState.PREFILLING,
+            expected=RequestState.QUEUED,
+            epoch=self.membership.epoch,
+            new_owner=route.prefill.worker_id,
+            new_epoch=route.prefill.epoch,
+        )
+        return reply
+
+    async def _prefill(self, route: _Route, reserve: pb.ReserveReply) -> pb.PrefillReply:
+        """P computes the prompt and pushes its KV into D's blocks (P hands it to D)."""
+        valid = route.request
+        reply: pb.PrefillReply = await self._prefiller(route).Prefill(
+            pb.PrefillRequest(
+                request_id=valid.request_id,
+                model=self.validator.model.name,
+                prompt_token_ids=valid.prompt_token_ids,
+                sampling=valid.sampling,
+                decode_address=route.decode.address,
+                decode_block_ids=reserve.block_ids,
+                num_cached_blocks=reserve.num_cached_blocks,
+                decode_epoch=reserve.epoch,
+                decode_worker_id=route.decode.worker_id,
+                decode_host_id=reserve.host_id,
+            ),
+            timeout=route.remaining(),
+        )
+        return reply
+
+    async def _decode(
+        self, route: _Route, reserve: pb.ReserveReply, prefilled: pb.PrefillReply
+    ) -> AsyncIterator[gen.GenerateChunk]:
+        """D's chunks, checked to be contiguous, up to and including the last one."""
+        request = pb.DecodeRequest(
+            request_id=route.request.request_id,
+            epoch=reserve.epoch,
+            first_token_id=prefilled.first_token_id,
+            draft_tokens=prefilled.draft_tokens,
+            is_finished_on_prefill=prefilled.is_finished,
+        )
+        if prefilled.HasField("first_token_logprob"):
+            request.first_token_logprob.CopyFrom(prefilled.first_token_logprob)
+        call = self._decoder(route).Decode(request, timeout=route.remaining())
+        num_sent = 0
+        try:
+            async for chunk in call:
+                if chunk.index != num_sent:
+                    raise RuntimeError(f"decode stream: chunk index {chunk.index}, want {num_sent}")
+                num_sent += len(chunk.token_ids)
+                if chunk.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
+                    chunk.usage.cached_tokens = prefilled.num_cached_tokens
+                    yield chunk
+                    return
+                yield chunk
+            raise RuntimeError("decode stream: ended without a last chunk")
+        finally:
+            call.cancel()  # no-op once the stream ended; else D stops decoding at once
+
+    # ---- lifecycle
+
+    def load(self) -> tuple[float, dict[str, str | int | float]]:
+        return 0.0, {"num_in_flight": self.num_in_flight, "draining": int(self.is_draining)}
+
+    async def reap_expired_leases(self, period_s: float) -> None:
+        """Takes back in the ledger the blocks of workers that stopped renewing their leases
+        (they died: their memory went with them). Migration of their requests is not done."""
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                for reclaimed in self.ledger.reap_expired():
+                    log.warning(
+                        "lease of %s on %s expired: its blocks were reclaimed",
+                        reclaimed.worker_id,
+                        reclaimed.request_id,
+                    )
+            except redis.RedisError as e:
+                log.warning("reaper: redis: %s", e)
+
+    async def drain(self, timeout_s: float) -> None:
+        self.is_draining = True
+        deadline = time.monotonic() + timeout_s
+        while (self.num_in_flight or self._cleanups) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+    # ---- internals
+
+    def _decoder(self, route: _Route) -> pb_grpc.DecodeWorkerStub:
+        return pb_grpc.DecodeWorkerStub(self._channel(route.decode.address))
+
+    def _prefiller(self, route: _Route) -> pb_grpc.PrefillWorkerStub:
+        return pb_grpc.PrefillWorkerStub(self._channel(route.prefill.address))
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=channel_options())
+            self._channels[address] = channel
+        return channel
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    async def _abandon(self, route: _Route, state: RequestState, reason: str) -> None:
+        """Aborts the request on P and D (idempotent there) and ends it in the ledger."""
+        rid = route.request.request_id
+        log.info("%s %s: %s", rid, state.value.lower(), reason)
+        abort = pb.AbortRequest(request_id=rid, reason=reason[:200])
+        results = await asyncio.gather(
+            self._prefiller(route).Abort(abort, timeout=ABORT_TIMEOUT_S),
+            self._decoder(route).Abort(abort, timeout=ABORT_TIMEOUT_S),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                log.warning("%s: abort failed: %s", rid, result)
+        self._end_in_ledger(rid, state, reason)
+
+    def _end_in_ledger(self, rid: str, state: RequestState, error: str) -> None:
+        """Moves the request to ``state`` from wherever it is (its owner may be moving it)."""
+        for _ in range(5):
+            record = self.ledger.get_request(rid)
+            if record is None or record.state.is_terminal:
+                return
+            try:
+                self.ledger.transition(
+                    rid, state, expected=record.state, epoch=record.epoch, error=error[:500]
+                )
+                return
+            except LedgerConflict:
+                continue
+        log.warning("%s: could not record %s in the ledger", rid, state)

@@ -1,0 +1,420 @@
+"""The whole cluster on a tiny random model: real router, prefill and decode processes
+started by the `tandem serve` launcher, a real redis-server, loopback gRPC (KV through
+shared memory with the draft, through the gRPC stream without). Greedy output equals the
+in-process engine, with and without an EAGLE-3 draft; concurrent streams are complete and
+contiguous; bad requests name their field; cancellation frees every block; the ledger
+ends clean."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import redis
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from cluster.launcher import Cluster, ClusterSpec, Component
+from cluster.ledger import Ledger, RequestState
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from router.client import agenerate, build_request
+from tandem.v1 import generation_pb2 as gen
+from tandem.v1 import generation_pb2_grpc as gen_grpc
+from tandem.v1 import worker_pb2 as pb
+from tandem.v1 import worker_pb2_grpc as pb_grpc
+from tests.comparator import compare_greedy
+from tests.engine.tiny_drafts import build_random_draft
+from tests.engine.tiny_models import build_tiny_llama
+from tests.services.tiny_tokenizer import save_char_tokenizer
+
+VOCAB = 64
+MAX_LEN = 256  # the tiny model's max_position_embeddings
+K = 3
+WORKER_ARGS = ("--dtype", "float32", "--block-size", "4", "--kv-cache-memory", str(24 << 20))
+SERVICE_ARGS = ("--heartbeat-ms", "300", "--lease-ms", "1000", "--log-level", "WARNING")
+
+
+def prompts(n: int, seed: int, max_len: int = 24) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, max_len))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    torch.set_num_threads(1)  # this process shares the cores with the cluster's
+    out = tmp_path_factory.mktemp("cluster_tiny")
+    build_tiny_llama(out / "target", "gqa4_llama3rope_hd72_mlpbias", num_layers=2, vocab_size=VOCAB)
+    # Seed and scale picked so that some drafts are accepted on these prompts.
+    build_random_draft(out / "target", out / "eagle3", "eagle3", seed=1, std=0.3)
+    save_char_tokenizer(out / "target", VOCAB)
+    return out / "target", out / "eagle3"
+
+
+def start_cluster(target: Path, draft: Path | None, log_dir: Path) -> Cluster:
+    """With the draft, KV goes through shared memory; without, through the gRPC stream."""
+    transport = ("--kv-transport", "auto" if draft else "grpc")
+    spec = ClusterSpec(
+        model=str(target),
+        draft=str(draft) if draft else None,
+        num_draft_tokens=K,
+        port=0,
+        worker_args=(*WORKER_ARGS, *transport),
+        service_args=SERVICE_ARGS,
+        log_dir=log_dir,
+        grace_s=5.0,
+    )
+    return Cluster(spec).start(timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def clusters(
+    model_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Cluster]]:
+    """Two clusters, started side by side: with the EAGLE-3 draft (shared by the module)
+    and without a draft (for one equality test)."""
+    target, draft = model_dirs
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            name: pool.submit(start_cluster, target, d, tmp_path_factory.mktemp(f"logs_{name}"))
+            for name, d in (("eagle3", draft), ("plain", None))
+        }
+        started = {}
+        try:
+            for name, future in futures.items():
+                started[name] = future.result()
+            yield started
+        finally:
+            for c in started.values():
+                c.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(clusters: dict[str, Cluster]) -> Cluster:
+    return clusters["eagle3"]
+
+
+@pytest.fixture(scope="module")
+def ledger(cluster: Cluster) -> Iterator[Ledger]:
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    yield Ledger(client)
+    client.close()
+
+
+def reference(
+    target: Path, token_prompts: list[list[int]], max_tokens: int, draft: Path | None = None
+) -> tuple[list[list[int]], LLMEngine]:
+    """Greedy tokens in this process (target alone, or with ``draft``), and the engine."""
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=K) if draft else None
+    config = EngineConfig(
+        model=str(target),
+        dtype="float32",
+        block_size=4,
+        kv_cache_memory=8 << 20,
+        num_threads=1,  # the cores are shared with the cluster (CONVENTIONS.md)
+        speculative=spec,
+    )
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(token_prompts):
+        engine.add_request(str(i), p, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return [done[str(i)] for i in range(len(token_prompts))], engine
+
+
+async def run(address: str, prompt: list[int] | str, **params: object) -> list[gen.GenerateChunk]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return [chunk async for chunk in agenerate(channel, prompt, timeout=60, **params)]
+
+
+def shm_rings(cluster: Cluster) -> list[Path]:
+    """The shared-memory rings the prefill worker keeps for reuse after its pushes."""
+    return list(Path("/dev/shm").glob(f"tandem-kv-{cluster.prefill[0].process.pid}-*"))
+
+
+def tokens(chunks: list[gen.GenerateChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def check_stream(chunks: list[gen.GenerateChunk], max_tokens: int) -> list[int]:
+    """Indices contiguous from 0, one last chunk with finish_reason and usage."""
+    index = 0
+    for chunk in chunks:
+        assert chunk.index == index, f"chunk index {chunk.index}, expected {index}"
+        index += len(chunk.token_ids)
+    assert [c.finish_reason != gen.FINISH_REASON_UNSPECIFIED for c in chunks][-1]
+    assert all(c.finish_reason == gen.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.usage.completion_tokens == index <= max_tokens
+    if last.finish_reason == gen.FINISH_REASON_LENGTH:
+        assert index == max_tokens
+    return tokens(chunks)
+
+
+async def generate_all(
+    address: str, token_prompts: list[list[int]], max_tokens: int
+) -> list[list[int]]:
+    results = await asyncio.gather(
+        *(
+            run(address, p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            for p in token_prompts
+        )
+    )
+    return [check_stream(chunks, max_tokens) for chunks in results]
+
+
+def assert_greedy_equal(
+    target: Path, token_prompts: list[list[int]], ours: list[list[int]], refs: list[list[int]]
+) -> None:
+    hf = LlamaForCausalLM.from_pretrained(str(target), dtype="float32").eval()
+    result = compare_greedy(hf, token_prompts, ours, refs)
+    assert result.num_ties <= 1, result
+
+
+async def test_greedy_with_eagle3_draft_equals_engine(
+    cluster: Cluster, model_dirs: tuple[Path, Path]
+) -> None:
+    """Runs first on the shared cluster: its decode worker's draft counters are ours alone."""
+    target, draft = model_dirs
+    token_prompts = prompts(8, seed=1)
+    ours = await generate_all(cluster.router_address, token_prompts, max_tokens=20)
+    assert shm_rings(cluster), "same host: the KV went through shared-memory rings"
+    assert_greedy_equal(target, token_prompts, ours, reference(target, token_prompts, 20)[0])
+    # The draft ran on the decode worker from the drafts and draft KV the prefill worker
+    # sent: as many drafts accepted as by one engine doing everything.
+    spec_refs, spec_engine = reference(target, token_prompts, 20, draft)
+    assert spec_refs == ours
+    assert spec_engine.spec is not None
+    expected = spec_engine.spec.stats
+    stats = (await worker_stats(cluster.decode[0])).speculative
+    assert expected.num_accepted_tokens > 0
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (
+        expected.num_draft_tokens,
+        expected.num_accepted_tokens,
+    )
+
+
+async def test_greedy_without_draft_equals_engine(
+    clusters: dict[str, Cluster], model_dirs: tuple[Path, Path]
+) -> None:
+    target, _ = model_dirs
+    plain = clusters["plain"]
+    token_prompts = prompts(8, seed=2)
+    ours = await generate_all(plain.router_address, token_prompts, max_tokens=20)
+    assert not shm_rings(plain), "--kv-transport grpc: no shared memory"
+    assert (await worker_stats(plain.decode[0])).HasField("speculative") is False
+    await asyncio.to_thread(plain.stop)  # its cores are the other cluster's again
+    assert_greedy_equal(target, token_prompts, ours, reference(target, token_prompts, 20)[0])
+
+
+async def test_32_concurrent_mixed_requests_complete_in_order(cluster: Cluster) -> None:
+    rng = random.Random(3)
+    token_prompts = prompts(32, seed=3, max_len=60)
+    jobs = []
+    for i, p in enumerate(token_prompts):
+        params: dict[str, object] = {"max_tokens": rng.choice([1, 2, 7, 16, 40])}
+        if i % 3 == 0:
+            params.update(temperature=0.8, seed=1000 + i)
+        else:
+            params.update(temperature=0.0)
+        if i % 4 == 0:
+            params["stop_token_ids"] = [rng.randrange(3, VOCAB)]
+        params["ignore_eos"] = i % 5 != 0
+        jobs.append((p, params))
+    results = await asyncio.gather(*(run(cluster.router_address, p, **kw) for p, kw in jobs))
+    for (_, params), chunks in zip(jobs, results, strict=True):
+        ids = check_stream(chunks, int(params["max_tokens"]))  # type: ignore[call-overload]
+        last = chunks[-1]
+        if last.finish_reason == gen.FINISH_REASON_STOP:
+            assert last.stop_token_id == ids[-1]
+    # A seeded sampled request is reproducible through the cluster.
+    p, params = jobs[0]
+    again = await run(cluster.router_address, p, **params)
+    assert tokens(again) == tokens(results[0])
+
+
+def invalid_requests() -> list[tuple[gen.GenerateRequest, str]]:
+    ok = [5, 6, 7]
+    return [
+        (gen.GenerateRequest(), "prompt"),
+        (build_request([]), "token_ids"),
+        (build_request([5, VOCAB]), "token_ids"),
+        (build_request(ok, stop_token_ids=[VOCAB + 3]), "stop_token_ids"),
+        (build_request(ok, temperature=-1.0), "temperature"),
+        (build_request(ok, top_p=0.0), "top_p"),
+        (build_request(ok, max_tokens=0), "max_tokens"),
+        (build_request(ok, logprobs=21), "logprobs"),
+        (build_request(ok, stop=[f"s{i}" for i in range(17)]), "stop"),
+        (build_request(ok, model="no-such-model"), "model"),
+        (build_request([5] * 250, max_tokens=16), "max_tokens"),
+        (build_request("x" * (64 * MAX_LEN + 1)), "text"),
+        (gen.GenerateRequest(chat=gen.ChatMessages()), "chat"),
+        (build_request(ok, request_id="bad id!"), "request_id"),
+        (build_request([5] * (1 << 20) + [6] * 100_000), "token_ids"),
+    ]
+
+
+async def test_invalid_requests_name_the_field(cluster: Cluster) -> None:
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        stub = gen_grpc.GenerationStub(channel)
+        for request, field in invalid_requests():
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Generate(request, timeout=10):
+                    pass
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, info.value)
+            assert re.match(rf"{field}: ", info.value.details() or ""), info.value.details()
+
+
+async def worker_stats(component: Component, *, include_block_ids: bool = False) -> pb.StatsReply:
+    async with grpc.aio.insecure_channel(component.address) as channel:
+        if component.name.startswith("prefill"):
+            stub: Any = pb_grpc.PrefillWorkerStub(channel)
+        else:
+            stub = pb_grpc.DecodeWorkerStub(channel)
+        request = pb.StatsRequest(include_block_ids=include_block_ids)
+        reply: pb.StatsReply = await stub.Stats(request, timeout=5)
+        return reply
+
+
+async def blocks_in_use(cluster: Cluster) -> tuple[int, int]:
+    p = await worker_stats(cluster.prefill[0])
+    d = await worker_stats(cluster.decode[0])
+    return p.num_kv_blocks_used, d.num_kv_blocks_used
+
+
+async def wait_until_freed(
+    cluster: Cluster, ledger: Ledger, request_id: str, within_s: float
+) -> float:
+    start = time.monotonic()
+    while True:
+        held = [h for h in ledger.holdings() if h.request_id == request_id]
+        if await blocks_in_use(cluster) == (0, 0) and not held:
+            return time.monotonic() - start
+        assert time.monotonic() - start < within_s, (await blocks_in_use(cluster), held)
+        await asyncio.sleep(0.02)
+
+
+async def test_client_cancel_frees_prefill_and_decode_blocks(
+    cluster: Cluster, ledger: Ledger
+) -> None:
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        request = build_request(
+            [7] * 8, request_id="cancel-me", max_tokens=240, temperature=0.0, ignore_eos=True
+        )
+        call = gen_grpc.GenerationStub(channel).Generate(request, timeout=60)
+        first = await call.read()
+        assert first.index == 0
+        _, d_used = await blocks_in_use(cluster)
+        assert d_used > 0
+        call.cancel()
+    assert await wait_until_freed(cluster, ledger, "cancel-me", within_s=1.0) < 1.0
+    record = ledger.get_request("cancel-me")
+    assert record is not None and record.state is RequestState.CANCELLED
+
+
+async def test_deadline_cancels_and_frees(cluster: Cluster, ledger: Ledger) -> None:
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        request = build_request(
+            [9] * 8, request_id="too-slow", max_tokens=240, temperature=0.0, ignore_eos=True
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in gen_grpc.GenerationStub(channel).Generate(request, timeout=0.3):
+                pass
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await wait_until_freed(cluster, ledger, "too-slow", within_s=2.0)
+    record = ledger.get_request("too-slow")
+    assert record is not None and record.state is RequestState.CANCELLED
+
+
+async def test_text_chat_and_stop_strings(cluster: Cluster, model_dirs: tuple[Path, Path]) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dirs[0]))
+    greedy: dict[str, object] = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    address = cluster.router_address
+    chunks = await run(address, "Hello world", **greedy)
+    ids = check_stream(chunks, 24)
+    text = "".join(c.text for c in chunks)
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert tokens(await run(address, tokenizer.encode("Hello world"), **greedy)) == ids
+
+    stop = text[6:8]
+    assert len(stop) == 2
+    stopped = await run(address, "Hello world", stop=[stop], **greedy)
+    last = stopped[-1]
+    assert last.finish_reason == gen.FINISH_REASON_STOP and last.stop_string == stop
+    assert "".join(c.text for c in stopped) == text[: text.index(stop)]
+    assert ids[: len(tokens(stopped))] == tokens(stopped)
+
+    chat = [{"role": "user", "content": "Hi there"}]
+    chunks = await run(address, chat, **greedy)  # type: ignore[arg-type]
+    rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.encode(rendered, add_special_tokens=False)
+    assert check_stream(chunks, 24) == tokens(await run(address, prompt, **greedy))
+
+
+async def test_list_models(cluster: Cluster, model_dirs: tuple[Path, Path]) -> None:
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        reply = await gen_grpc.GenerationStub(channel).ListModels(
+            gen.ListModelsRequest(), timeout=5
+        )
+    (model,) = reply.models
+    assert (model.name, model.max_model_len, model.draft_kind) == ("target", MAX_LEN, "eagle3")
+    assert model.draft_model == model_dirs[1].name
+
+
+def non_final_requests(ledger: Ledger) -> dict[str, str]:
+    found = {}
+    for key in ledger.client.scan_iter(match=f"{ledger.ns}:{{req:*}}", count=1000):
+        if re.fullmatch(rf"{ledger.ns}:\{{req:[^}}]+\}}", key):
+            state = ledger.client.hget(key, "state")
+            if state is not None and not RequestState(state).is_terminal:
+                found[key] = state
+    return found
+
+
+async def test_ledger_audit_is_clean_at_the_end(cluster: Cluster, ledger: Ledger) -> None:
+    """Runs last: every request of the module ended, nothing is held anywhere."""
+    reports = {}
+    for component in (*cluster.prefill, *cluster.decode):
+        stats = await worker_stats(component, include_block_ids=True)
+        assert stats.num_kv_blocks_used == 0 and not stats.owned_block_ids
+        reports[component.name] = set(stats.owned_block_ids)
+    assert ledger.audit(reports) == []
+    assert ledger.holdings() == []
+    assert non_final_requests(ledger) == {}
+    assert not cluster.dead_components()
+
+
+async def test_router_drains_on_sigterm(cluster: Cluster, ledger: Ledger) -> None:
+    """Runs last (stops the router): an in-flight stream finishes, new requests are refused."""
+    assert cluster.router is not None
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        stub = gen_grpc.GenerationStub(channel)
+        request = build_request([4] * 6, max_tokens=200, temperature=0.0, ignore_eos=True)
+        call = stub.Generate(request, timeout=60)
+        first = await call.read()
+        cluster.router.process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub.Generate(build_request([4], max_tokens=2), timeout=5):
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = []
+        while (chunk := await call.read()) != grpc.aio.EOF:
+            rest.append(chunk)
+    assert check_stream([first, *rest], 200) and rest[-1].finish_reason == gen.FINISH_REASON_LENGTH
+    assert await asyncio.to_thread(cluster.router.process.wait, 10) == 0
+    assert ledger.holdings() == [] and non_final_requests(ledger) == {}

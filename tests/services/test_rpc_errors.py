@@ -1,0 +1,108 @@
+"""One interceptor maps every servicer exception to a status code, the server survives
+each of them, and the engine loop's bounded queue answers Overloaded."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+from cluster.engine_loop import EngineLoop
+from cluster.ledger import LedgerConflict
+from cluster.rpc import Overloaded, new_server, status_of
+from engine.kv_cache import KVCacheCapacityError
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from tandem.v1 import generation_pb2 as gen
+from tandem.v1 import generation_pb2_grpc as gen_grpc
+
+RAISED: list[tuple[BaseException, grpc.StatusCode]] = [
+    (ValueError("prompt: is empty"), grpc.StatusCode.INVALID_ARGUMENT),
+    (SamplingParamsError("top_p: must be in (0, 1]"), grpc.StatusCode.INVALID_ARGUMENT),
+    (KVCacheCapacityError("kv cache: full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Overloaded("queue: full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (LedgerConflict("request r: expected QUEUED"), grpc.StatusCode.ABORTED),
+    (TimeoutError("deadline"), grpc.StatusCode.DEADLINE_EXCEEDED),
+    (RuntimeError("secret internals"), grpc.StatusCode.INTERNAL),
+]
+
+
+def test_status_of_maps_subclasses_before_value_error() -> None:
+    for exc, code in RAISED:
+        assert status_of(exc)[0] == code, exc
+    code, message = status_of(RuntimeError("secret internals"))
+    assert "secret" not in message and "RuntimeError" in message
+
+
+class Raising(gen_grpc.GenerationServicer):
+    """Raises RAISED[i] for request_id "i", before or after a first chunk."""
+
+    async def Generate(self, request: gen.GenerateRequest, context: Any) -> AsyncIterator[Any]:
+        index = int(request.request_id)
+        if request.model == "after-first":
+            yield gen.GenerateChunk(request_id=request.request_id)
+        raise RAISED[index][0]
+
+    async def ListModels(self, request: gen.ListModelsRequest, context: Any) -> Any:
+        raise RAISED[int(request.ByteSize())][0]
+
+
+async def test_interceptor_answers_each_exception_and_server_survives() -> None:
+    server, _ = new_server(1 << 20)
+    gen_grpc.add_GenerationServicer_to_server(Raising(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = gen_grpc.GenerationStub(channel)
+            for where in ("", "after-first"):
+                for i, (exc, code) in enumerate(RAISED):
+                    request = gen.GenerateRequest(request_id=str(i), model=where)
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        async for _ in stub.Generate(request, timeout=5):
+                            pass
+                    assert info.value.code() == code
+                    if code != grpc.StatusCode.INTERNAL:
+                        assert info.value.details() == str(exc)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ListModels(gen.ListModelsRequest(), timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # RAISED[0], unary
+    finally:
+        await server.stop(0)
+
+
+def idle_engine() -> Any:
+    """Just enough of LLMEngine for EngineLoop; no request ever runs."""
+    return SimpleNamespace(
+        block_manager=SimpleNamespace(num_blocks=8, num_free_blocks=8),
+        scheduler=SimpleNamespace(running=[], waiting=[], config=SimpleNamespace(max_num_seqs=4)),
+        spec=None,
+        has_unfinished_requests=lambda: False,
+    )
+
+
+async def test_engine_loop_bounds_new_work_but_never_cleanup() -> None:
+    loop = EngineLoop(
+        idle_engine(),
+        asyncio.get_running_loop(),
+        on_step=lambda engine, outputs: outputs,
+        deliver=lambda payload: None,
+        on_error=lambda error: None,
+        max_queued_calls=2,
+    )
+    futures = [loop.submit(SamplingParams, bounded=True) for _ in range(2)]  # not started yet
+    with pytest.raises(Overloaded, match="2 calls waiting"):
+        loop.submit(SamplingParams)
+    cleanup = loop.submit(lambda: "freed", bounded=False)
+    failing = loop.submit(SamplingParams, 0, bounded=False)  # max_tokens 0: refused
+    loop.start()
+    try:
+        assert isinstance(await futures[0], SamplingParams)
+        assert await cleanup == "freed"
+        with pytest.raises(SamplingParamsError, match="max_tokens"):
+            await failing
+    finally:
+        loop.stop()
