@@ -1,4 +1,5 @@
-"""`tandem serve`: the whole cluster on this machine with one command."""
+"""`tandem serve`: the whole cluster on this machine with one command; `tandem ledger audit`:
+check the ledger against the workers' allocators."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ import argparse
 import signal
 import sys
 import threading
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cluster.audit import AllocatorReport
+    from cluster.ledger import WorkerInfo
 
 
 def register_serve(subparsers: Any) -> None:
@@ -86,6 +92,8 @@ def _serve(args: argparse.Namespace) -> int:
         f"{spec.num_decode} decode workers, redis {cluster.redis_url}; Ctrl-C stops",
         file=sys.stderr,
     )
+    for component in cluster.components:
+        print(f"tandem serve: {component.name} metrics {component.metrics_url}", file=sys.stderr)
     rc = 0
     try:
         while not stop.wait(1.0):
@@ -99,3 +107,127 @@ def _serve(args: argparse.Namespace) -> int:
         print("tandem serve: draining and stopping", file=sys.stderr)
         cluster.stop()
     return rc
+
+
+def register_ledger(subparsers: Any) -> None:
+    """Add `tandem ledger audit`."""
+    parser = subparsers.add_parser("ledger", help="inspect the cluster's Redis ledger")
+    commands = parser.add_subparsers(dest="ledger_command", required=True)
+    audit = commands.add_parser(
+        "audit",
+        help="compare the ledger's block holdings with every worker's allocator",
+        description="Ask every registered worker for the block ids its allocator holds "
+        "(Stats RPC) and compare them with the ledger's holdings. Exit 0 when they agree, "
+        "1 on any discrepancy or unreachable worker. Repairs nothing.",
+    )
+    audit.add_argument("--redis-url", required=True, help="the ledger's Redis, redis://...")
+    audit.add_argument("--namespace", default="td", help="ledger key namespace")
+    audit.add_argument("--timeout-s", type=float, default=5.0, help="deadline of each Stats RPC")
+    audit.add_argument("--json", action="store_true", help="print one JSON object")
+    audit.set_defaults(func=_ledger_audit)
+
+
+def _ledger_audit(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    import redis
+
+    from cluster.audit import AllocatorReport
+    from cluster.ledger import Ledger, WorkerRole
+
+    client = redis.Redis.from_url(args.redis_url, decode_responses=True)
+    try:
+        ledger = Ledger(client, namespace=args.namespace)
+        workers = [w for w in ledger.list_workers() if w.role is not WorkerRole.ROUTER]
+        reports, unreachable = asyncio.run(_allocator_reports(workers, args.timeout_s))
+        discrepancies = ledger.audit(reports)
+    except redis.RedisError as e:
+        print(f"tandem ledger audit: error: redis {args.redis_url}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "num_workers": len(workers),
+                    "unreachable": unreachable,
+                    "discrepancies": [
+                        {
+                            "kind": str(d.kind),
+                            "worker_id": d.worker_id,
+                            "block_ids": list(d.block_ids),
+                            "request_ids": list(d.request_ids),
+                            "detail": d.detail,
+                        }
+                        for d in discrepancies
+                    ],
+                },
+                indent=2,
+            )
+        )
+    else:
+        if discrepancies:
+            rows = [("KIND", "WORKER", "BLOCKS", "REQUESTS", "DETAIL")]
+            rows += [
+                (str(d.kind), d.worker_id, _ranges(d.block_ids), ",".join(d.request_ids), d.detail)
+                for d in discrepancies
+            ]
+            widths = [max(len(row[i]) for row in rows) for i in range(4)]
+            for row in rows:
+                cells = (cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True))
+                print("  ".join((*cells, row[4])))
+        for worker_id, error in unreachable.items():
+            print(f"unreachable: {worker_id}: {error}")
+        audited = sum(isinstance(r, AllocatorReport) for r in reports.values())
+        print(f"{len(discrepancies)} discrepancies, {audited} of {len(workers)} workers audited")
+    return 0 if not discrepancies and not unreachable else 1
+
+
+async def _allocator_reports(
+    workers: Sequence[WorkerInfo], timeout_s: float
+) -> tuple[dict[str, AllocatorReport], dict[str, str]]:
+    """Each worker's owned block ids through its Stats RPC; failures by worker id."""
+    import asyncio
+
+    import grpc  # type: ignore[import-untyped]
+
+    from cluster.audit import AllocatorReport
+    from cluster.ledger import WorkerRole
+    from tandem.v1 import worker_pb2 as pb
+    from tandem.v1 import worker_pb2_grpc as pb_grpc
+
+    async def one(info: WorkerInfo) -> AllocatorReport:
+        async with grpc.aio.insecure_channel(info.address) as channel:
+            stub: Any
+            if info.role is WorkerRole.PREFILL:
+                stub = pb_grpc.PrefillWorkerStub(channel)
+            else:
+                stub = pb_grpc.DecodeWorkerStub(channel)
+            request = pb.StatsRequest(include_block_ids=True)
+            reply = await stub.Stats(request, timeout=timeout_s)
+            return AllocatorReport(owned=frozenset(reply.owned_block_ids))
+
+    results = await asyncio.gather(*(one(w) for w in workers), return_exceptions=True)
+    reports: dict[str, AllocatorReport] = {}
+    unreachable: dict[str, str] = {}
+    for info, result in zip(workers, results, strict=True):
+        if isinstance(result, AllocatorReport):
+            reports[info.worker_id] = result
+        elif isinstance(result, grpc.aio.AioRpcError):
+            unreachable[info.worker_id] = f"{result.code().name}: {result.details()}"
+        else:
+            unreachable[info.worker_id] = repr(result)
+    return reports, unreachable
+
+
+def _ranges(block_ids: Sequence[int]) -> str:
+    """``1-3,7`` for sorted ids [1, 2, 3, 7]."""
+    runs: list[list[int]] = []
+    for b in block_ids:
+        if runs and b == runs[-1][1] + 1:
+            runs[-1][1] = b
+        else:
+            runs.append([b, b])
+    return ",".join(str(a) if a == z else f"{a}-{z}" for a, z in runs)

@@ -48,6 +48,7 @@ class ClusterSpec:
     service_args: tuple[str, ...] = ()  # options every process takes (--heartbeat-ms, ...)
     log_dir: Path | None = None  # None: children write to this process's stderr
     grace_s: float = 30.0
+    is_metrics_served: bool = True  # each component serves /metrics on a free port
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -74,6 +75,12 @@ class Component:
     process: subprocess.Popen[bytes]
     log_path: Path | None
     log_file: IO[bytes] | None = field(default=None, repr=False)
+    metrics_port: int = 0  # its Prometheus /metrics; 0: not served
+
+    @property
+    def metrics_url(self) -> str:
+        host = self.address.rsplit(":", 1)[0]
+        return f"http://{host}:{self.metrics_port}/metrics" if self.metrics_port else ""
 
     def log_tail(self, lines: int = 30) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -138,6 +145,7 @@ class Cluster:
     ) -> Component:
         spec = self.spec
         port = port or free_port()
+        metrics_port = free_port() if spec.is_metrics_served else 0
         threads = spec.threads_per_process()
         command = [
             sys.executable,
@@ -150,6 +158,7 @@ class Cluster:
             "--id", name,
             "--threads", str(threads),
             "--grace-s", str(spec.grace_s),
+            "--metrics-port", str(metrics_port),
             "--parent-pid", str(os.getpid()),
             *spec.service_args,
         ]  # fmt: skip
@@ -169,7 +178,8 @@ class Cluster:
             stderr=subprocess.STDOUT if log_file is not None else None,
             start_new_session=True,
         )
-        return Component(name, f"{spec.host}:{port}", process, log_path, log_file)
+        address = f"{spec.host}:{port}"
+        return Component(name, address, process, log_path, log_file, metrics_port)
 
     def _wait_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

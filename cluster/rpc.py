@@ -216,6 +216,9 @@ def add_service_arguments(parser: argparse.ArgumentParser, *, default_port: int)
     group.add_argument("--heartbeat-ms", type=int, default=2000, help="heartbeat period")
     group.add_argument("--lease-ms", type=int, default=10_000, help="lease on held KV blocks")
     group.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")
+    group.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)"
+    )
     group.add_argument("--log-level", default="INFO")
     group.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # exit with the launcher
 

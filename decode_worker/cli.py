@@ -64,6 +64,7 @@ async def serve(args: argparse.Namespace) -> None:
     from cluster.kv_transfer import server_options as kv_server_options
     from cluster.ledger import Ledger, WorkerRole
     from cluster.membership import Membership, Timing
+    from cluster.metrics import DecodeMetrics
     from cluster.rpc import (
         advertised_address,
         default_worker_id,
@@ -83,7 +84,10 @@ async def serve(args: argparse.Namespace) -> None:
     server, health = new_server(max_message_bytes)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = advertised_address(args, port)
-    ledger = Ledger(redis.Redis.from_url(args.redis_url), namespace=args.namespace)
+    metrics = DecodeMetrics()
+    metrics.serve(args.host, args.metrics_port)
+    client = metrics.instrument_redis(redis.Redis.from_url(args.redis_url))
+    ledger = Ledger(client, namespace=args.namespace)
 
     holder: dict[str, DecodeWorkerService] = {}
     membership = Membership(
@@ -108,6 +112,7 @@ async def serve(args: argparse.Namespace) -> None:
         membership=membership,
         reserve_timeout_s=args.reserve_timeout_s,
         accepts_shm=use_shm,
+        metrics=metrics,
     )
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(service, server)
     add_kv_transfer_servicer(server, receiver)
@@ -125,4 +130,5 @@ async def serve(args: argparse.Namespace) -> None:
     expiry.cancel()
     await membership.stop()
     service.engine_loop.stop()
+    metrics.close()
     log.info("stopped")

@@ -22,6 +22,7 @@ from cluster.engine_setup import draft_figures
 from cluster.kv_transfer import KvLayout, KvReceiver, KvReservation, host_id
 from cluster.ledger import LedgerConflict, RequestState
 from cluster.membership import Membership
+from cluster.metrics import DecodeFigures, DecodeMetrics
 from cluster.rpc import NotFound, PreconditionFailed, Unavailable
 from cluster.sampling import params_from_proto, token_logprob_to_proto
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -95,6 +96,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         reserve_timeout_s: float,
         decode_timeout_s: float = 600.0,
         accepts_shm: bool = True,
+        metrics: DecodeMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.served_name = served_name
@@ -118,6 +120,8 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             on_error=self._on_engine_error,
             name="decode-engine",
         )
+        self.metrics = metrics or DecodeMetrics()
+        self.metrics.read_figures_from(self._figures)
 
     @property
     def num_requests(self) -> int:
@@ -290,6 +294,18 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             await asyncio.sleep(0.05)
 
     # ---- internals
+
+    def _figures(self) -> DecodeFigures:
+        """For /metrics scrapes (another thread): one snapshot of the engine loop's stats."""
+        stats = self.engine_loop.stats
+        return DecodeFigures(
+            num_kv_blocks_used=stats.num_used_blocks,
+            num_kv_blocks_free=stats.num_free_blocks,
+            num_running=stats.num_running,
+            num_drafts=stats.num_drafts or 0,
+            num_draft_tokens=stats.num_draft_tokens,
+            num_accepted_tokens=stats.num_accepted_tokens,
+        )
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -63,6 +63,7 @@ async def serve(args: argparse.Namespace) -> None:
     from cluster import engine_setup
     from cluster.ledger import Ledger, WorkerRole
     from cluster.membership import Membership, Timing
+    from cluster.metrics import PrefillMetrics
     from cluster.rpc import (
         advertised_address,
         default_worker_id,
@@ -81,7 +82,10 @@ async def serve(args: argparse.Namespace) -> None:
     server, health = new_server(MAX_MESSAGE_BYTES)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = advertised_address(args, port)
-    ledger = Ledger(redis.Redis.from_url(args.redis_url), namespace=args.namespace)
+    metrics = PrefillMetrics()
+    metrics.serve(args.host, args.metrics_port)
+    client = metrics.instrument_redis(redis.Redis.from_url(args.redis_url))
+    ledger = Ledger(client, namespace=args.namespace)
     holder: dict[str, PrefillWorkerService] = {}
     membership = Membership(
         ledger,
@@ -100,6 +104,7 @@ async def serve(args: argparse.Namespace) -> None:
         membership=membership,
         max_queued=args.max_queued,
         use_shm=args.kv_transport == "auto",
+        metrics=metrics,
     )
     membership.register()
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(service, server)
@@ -116,4 +121,5 @@ async def serve(args: argparse.Namespace) -> None:
     await membership.stop()
     service.engine_loop.stop()
     await service.close()
+    metrics.close()
     log.info("stopped")

@@ -30,6 +30,7 @@ from cluster.kv_transfer import (
 )
 from cluster.ledger import LedgerConflict, RequestState
 from cluster.membership import Membership
+from cluster.metrics import PrefillMetrics
 from cluster.rpc import Overloaded, PreconditionFailed, Unavailable, channel_options
 from cluster.sampling import params_from_proto, token_logprob_to_proto
 from engine.llm_engine import LLMEngine, PrefilledRequest, RequestOutput
@@ -71,6 +72,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         max_concurrent_pushes: int = 4,
         transfer_options: TransferOptions | None = None,
         use_shm: bool = True,
+        metrics: PrefillMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.served_name = served_name
@@ -78,6 +80,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         self.draft = draft
         self.membership = membership
         self.max_queued = max_queued
+        self.metrics = metrics or PrefillMetrics()
         self.transfer_options = transfer_options or TransferOptions()
         # No rings: make_sender picks gRPC even for a decode worker on this host.
         self.rings = ShmRingPool.for_options(self.transfer_options) if use_shm else None
@@ -122,6 +125,8 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             queued = time.monotonic()
             result = await future
             computed = time.monotonic()
+            role = self.metrics.role
+            self.metrics.prefill_seconds.labels(role).observe(computed - queued)
             self._transition(rid, RequestState.PREFILLING, RequestState.TRANSFERRING)
             num_bytes = 0
             if result.prefilled is not None:
@@ -129,7 +134,10 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
                     rid, result.prefilled.block_table, has_draft=self.layout.draft is not None
                 )
                 async with self._push_slots:
+                    pushing = time.monotonic()
                     num_bytes = await self._push(request, result.prefilled)
+                self.metrics.kv_transfer_seconds.labels(role).observe(time.monotonic() - pushing)
+                self.metrics.kv_transfer_bytes.labels(role).inc(num_bytes)
             self._transition(
                 rid,
                 RequestState.TRANSFERRING,

@@ -68,6 +68,7 @@ async def serve(args: argparse.Namespace) -> None:
     from cluster.engine_setup import load_tokenizer
     from cluster.ledger import Ledger, WorkerRole
     from cluster.membership import Membership, Timing
+    from cluster.metrics import RouterMetrics
     from cluster.rpc import (
         advertised_address,
         default_worker_id,
@@ -90,7 +91,10 @@ async def serve(args: argparse.Namespace) -> None:
     server, health = new_server(4 * args.max_request_bytes)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = advertised_address(args, port)
-    ledger = Ledger(redis.Redis.from_url(args.redis_url), namespace=args.namespace)
+    metrics = RouterMetrics()
+    metrics.serve(args.host, args.metrics_port)
+    client = metrics.instrument_redis(redis.Redis.from_url(args.redis_url))
+    ledger = Ledger(client, namespace=args.namespace)
     holder: dict[str, GenerationService] = {}
     membership = Membership(
         ledger,
@@ -107,6 +111,7 @@ async def serve(args: argparse.Namespace) -> None:
         membership=membership,
         draft_dir_name=Path(args.draft).name if args.draft else "",
         default_timeout_s=args.request_timeout_s,
+        metrics=metrics,
     )
     membership.register()
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
@@ -123,4 +128,5 @@ async def serve(args: argparse.Namespace) -> None:
     reaper.cancel()
     await membership.stop()
     await service.close()
+    metrics.close()
     log.info("stopped")

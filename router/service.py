@@ -18,6 +18,7 @@ import redis
 
 from cluster.ledger import Ledger, LedgerConflict, RequestState, WorkerInfo, WorkerRole
 from cluster.membership import Membership
+from cluster.metrics import RouterMetrics
 from cluster.rpc import Unavailable, channel_options
 from router.routing import WorkerPicker
 from router.validation import RequestValidator, ValidRequest
@@ -60,6 +61,35 @@ def _how_it_ended(error: BaseException, route: _Route) -> tuple[RequestState, st
     return RequestState.FAILED, f"{type(error).__name__}: {error}"
 
 
+class _StreamTiming:
+    """One request's latencies, into the router's histograms."""
+
+    def __init__(self, metrics: RouterMetrics, arrived: float) -> None:
+        self.metrics = metrics
+        self.arrived = arrived
+        self.last_sent: float | None = None
+
+    def queued(self, computing_since: float) -> None:
+        self.metrics.queue_seconds.labels(self.metrics.role).observe(
+            max(0.0, computing_since - self.arrived)
+        )
+
+    def sent(self, chunk: gen.GenerateChunk) -> None:
+        if not chunk.token_ids:
+            return
+        now, role = time.monotonic(), self.metrics.role
+        if self.last_sent is None:
+            self.metrics.ttft_seconds.labels(role).observe(now - self.arrived)
+        else:
+            self.metrics.inter_token_seconds.labels(role).observe(now - self.last_sent)
+        self.last_sent = now
+
+    def ended(self, status: str) -> None:
+        role = self.metrics.role
+        self.metrics.e2e_seconds.labels(role).observe(time.monotonic() - self.arrived)
+        self.metrics.requests.labels(role, status).inc()
+
+
 class GenerationService(gen_grpc.GenerationServicer):
     def __init__(
         self,
@@ -69,6 +99,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         membership: Membership,
         draft_dir_name: str = "",
         default_timeout_s: float = 600.0,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.validator = validator
         self.picker = picker
@@ -76,6 +107,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.ledger: Ledger = membership.ledger
         self.draft_dir_name = draft_dir_name
         self.default_timeout_s = default_timeout_s
+        self.metrics = metrics or RouterMetrics()
         self.is_draining = False
         self.num_in_flight = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -86,24 +118,33 @@ class GenerationService(gen_grpc.GenerationServicer):
     async def Generate(
         self, request: gen.GenerateRequest, context: Any
     ) -> AsyncIterator[gen.GenerateChunk]:
-        if self.is_draining:
-            raise Unavailable("router: draining; retry on another router")
-        valid = self.validator.validate(request)
-        remaining = context.time_remaining()
-        timeout = self.default_timeout_s if remaining is None else remaining
-        prefill, decode = self.picker.pick()
-        route = _Route(valid, prefill, decode, time.monotonic() + timeout)
-        self._create_in_ledger(route)
+        arrived = time.monotonic()
+        try:
+            if self.is_draining:
+                raise Unavailable("router: draining; retry on another router")
+            valid = self.validator.validate(request)
+            remaining = context.time_remaining()
+            timeout = self.default_timeout_s if remaining is None else remaining
+            prefill, decode = self.picker.pick()
+            route = _Route(valid, prefill, decode, arrived + timeout)
+            self._create_in_ledger(route)
+        except BaseException:
+            self.metrics.requests.labels(self.metrics.role, "rejected").inc()
+            raise
         self.num_in_flight += 1
         for worker in (prefill, decode):
             self.picker.in_flight[worker.worker_id] += 1
         is_finished = False
         end_state, reason = RequestState.FAILED, ""
+        timing = _StreamTiming(self.metrics, arrived)
         try:
             reserve = await self._reserve(route)
+            prefill_called = time.monotonic()
             prefilled = await self._prefill(route, reserve)
+            timing.queued(prefill_called + prefilled.timing.queue_s)
             async for chunk in self._decode(route, reserve, prefilled):
                 is_finished = chunk.finish_reason != gen.FINISH_REASON_UNSPECIFIED
+                timing.sent(chunk)
                 yield chunk
         except BaseException as e:
             end_state, reason = _how_it_ended(e, route)
@@ -115,6 +156,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             if not is_finished:
                 # A task of its own: this one may be cancelled again while it cleans up.
                 self._spawn(self._abandon(route, end_state, reason))
+            timing.ended("finished" if is_finished else end_state.value.lower())
 
     async def ListModels(
         self, request: gen.ListModelsRequest, context: Any
