@@ -63,3 +63,22 @@ def test_spec_greedy_equals_target_only(smollm2_dir, setup, kind, k):
         model = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
         result = compare_greedy(model, prompts, ours, base)
         assert result.num_ties <= 1, f"too many ties to trust: {result.tie_positions}"
+
+
+@pytest.mark.slow
+def test_stop_string_inside_a_step_ends_where_target_only_ends(smollm2_dir, setup):
+    """A stop string completed by a token in the middle of a step's emitted tokens: the
+    text and tokens end exactly where target-only decoding ends them."""
+    prompts, _, base, tmp = setup
+    llm = LLM(str(smollm2_dir), dtype="float32", kv_cache_memory=256 << 20)
+    text = llm.tokenizer.decode(base[1], skip_special_tokens=True)
+    words = text.split()
+    stop = " ".join(words[len(words) // 2 : len(words) // 2 + 2])  # two words mid-answer
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, stop=[stop], ignore_eos=True)
+    plain = llm.generate([prompts[1]], params, use_tqdm=False)[0]
+    spec = SpeculativeConfig(str(draft_dir("eagle3", smollm2_dir, tmp)), num_draft_tokens=5)
+    llm_spec = LLM(str(smollm2_dir), dtype="float32", kv_cache_memory=256 << 20, speculative=spec)
+    ours = llm_spec.generate([prompts[1]], params, use_tqdm=False)[0]
+    assert (plain.finish_reason, plain.stop_reason) == ("stop", stop)
+    assert (ours.text, ours.token_ids) == (plain.text, plain.token_ids)
+    assert (ours.finish_reason, ours.stop_reason) == ("stop", stop)
