@@ -295,7 +295,7 @@ class LLMEngine:
             return self._postprocess(batch, self.runner.execute(batch))
         for seq in batch.preempted:
             seq.draft_token_ids, seq.draft_probs = None, None
-        decode = [i for i in range(len(batch.seqs)) if self._is_spec_decode(batch, i)]
+        decode = {i for i in range(len(batch.seqs)) if self._is_spec_decode(batch, i)}
         prefill = ScheduledBatch(
             [s for i, s in enumerate(batch.seqs) if i not in decode],
             [n for i, n in enumerate(batch.num_new_tokens) if i not in decode],
@@ -304,7 +304,7 @@ class LLMEngine:
         if prefill.seqs:
             outputs += self._postprocess(prefill, self.spec.prefill(prefill))
         if decode:
-            outputs += self._postprocess_spec([batch.seqs[i] for i in decode])
+            outputs += self._postprocess_spec([batch.seqs[i] for i in sorted(decode)])
         return outputs
 
     def _is_spec_decode(self, batch: ScheduledBatch, row: int) -> bool:

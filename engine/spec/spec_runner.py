@@ -107,7 +107,7 @@ class SpecRunner:
             next_tokens=result.sampled,  # type: ignore[arg-type]
             block_tables=inputs.layout.block_tables[rows],
             block_size=self.runner.block_size,
-            max_context_len=max(last_positions) + num_lookahead_slots(k, self.drafter) + 2,
+            max_context_len=self._context_bound(max(last_positions), 0, k),
         )
         drafts, probs = self.step.propose(state, args, self._sampling(seqs), k)
         for i, (seq, row_drafts) in enumerate(zip(seqs, drafts.tolist(), strict=True)):
@@ -156,12 +156,15 @@ class SpecRunner:
             kv_lens=t(kv_lens),
             block_tables=t([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
             sampling=self._sampling(seqs),
-            max_context_len=max(kv_lens)
-            + k
-            + max(k_next, self.drafter.fixed_num_draft_tokens or 0)
-            + 3,
+            max_context_len=self._context_bound(max(kv_lens), k, k_next),
             draft_probs=draft_probs,
         )
+
+    def _context_bound(self, position: int, k: int, k_next: int) -> int:
+        """Host bound on the KV length of a step from ``position`` (the pending token, or the
+        last prompt token at prefill) that verifies ``k`` drafts and proposes ``k_next``:
+        verify reaches position + k, the drafts at most k + max(k_next, block) further."""
+        return position + k + max(k_next, self.drafter.fixed_num_draft_tokens or 0) + 3
 
     def _sampling(self, seqs: list[Sequence]) -> SamplingTensors:
         return SamplingTensors.build(
@@ -205,7 +208,7 @@ class SpecRunner:
                 kv_lens=torch.full((b,), context, dtype=torch.int64),
                 block_tables=tables.to(self.runner.device),
                 sampling=sampling,
-                max_context_len=context + 2 * self.k + 4 + bs,
+                max_context_len=self._context_bound(context, k, self.k),
             )
             start = time.perf_counter()
             self.step(inputs, k)

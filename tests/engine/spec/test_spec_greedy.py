@@ -185,3 +185,19 @@ def test_preemption_and_prefix_reuse_stay_lossless(target, tmp_path):
     out = run(engine, requests)
     assert engine.scheduler.num_preemptions > 0
     assert {r: o.token_ids for r, o in out.items()} == {r: o.token_ids for r, o in base.items()}
+
+
+def test_adaptive_k_is_lossless_and_measures_every_bucket(target, tmp_path):
+    """Adaptive speculation measures a step cost per batch bucket and K (0 included) at
+    start-up, picks K per step from them, and stays lossless."""
+    model_dir, _ = target
+    draft = build_random_draft(model_dir, tmp_path / "eagle3", "eagle3")
+    requests = {str(i): (p, greedy(20)) for i, p in enumerate(PROMPTS)}
+    base = run(engine_for(model_dir), requests)
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=3, adaptive=True)
+    engine = engine_for(model_dir, spec, max_num_seqs=8)
+    adaptive = engine.spec.adaptive  # type: ignore[union-attr]
+    assert adaptive is not None and adaptive.buckets == [1, 2, 4, 8]
+    assert all(sorted(adaptive.costs[b]) == [0, 1, 2, 3] for b in adaptive.buckets)
+    out = run(engine, requests)
+    assert {r: o.token_ids for r, o in out.items()} == {r: o.token_ids for r, o in base.items()}
