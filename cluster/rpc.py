@@ -23,6 +23,8 @@ from typing import Any
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 
+from cluster.redis_connect import add_redis_arguments
+
 log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -210,7 +212,7 @@ def add_service_arguments(parser: argparse.ArgumentParser, *, default_port: int)
     group.add_argument(
         "--advertise-host", help="host others reach this service at (default: --host)"
     )
-    group.add_argument("--redis-url", required=True, help="the ledger's Redis, redis://...")
+    add_redis_arguments(group, required=True)
     group.add_argument("--namespace", default="td", help="ledger key namespace")
     group.add_argument("--id", dest="worker_id", help="registry id (default: role-host-port)")
     group.add_argument("--heartbeat-ms", type=int, default=2000, help="heartbeat period")

@@ -49,22 +49,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cluster.redis_connect import RedisConnectError
     from cluster.rpc import setup_logging
 
     setup_logging("decode", args.log_level)
-    asyncio.run(serve(args))
+    try:
+        asyncio.run(serve(args))
+    except RedisConnectError as e:
+        log.error("%s", e)
+        return 1
     return 0
 
 
 async def serve(args: argparse.Namespace) -> None:
-    import redis
-
     from cluster import engine_setup
     from cluster.kv_transfer import KvReceiver, ShmAttacher, add_kv_transfer_servicer
     from cluster.kv_transfer import server_options as kv_server_options
     from cluster.ledger import Ledger, WorkerRole
     from cluster.membership import Membership, Timing
     from cluster.metrics import DecodeMetrics
+    from cluster.redis_connect import RedisSettings, connect
     from cluster.rpc import (
         advertised_address,
         default_worker_id,
@@ -76,7 +80,7 @@ async def serve(args: argparse.Namespace) -> None:
     from tandem.v1 import worker_pb2_grpc
 
     spec = engine_setup.ModelSpec.from_args(args)
-    engine = engine_setup.build_engine(spec, args)
+    engine = engine_setup.build_engine(spec, args, preemption="hand_back")
     draft = engine_setup.draft_config(engine, spec)
     layout = engine_setup.kv_layout(engine, spec.served_name, draft.fingerprint if draft else "")
 
@@ -86,7 +90,7 @@ async def serve(args: argparse.Namespace) -> None:
     address = advertised_address(args, port)
     metrics = DecodeMetrics()
     metrics.serve(args.host, args.metrics_port)
-    client = metrics.instrument_redis(redis.Redis.from_url(args.redis_url))
+    client = metrics.instrument_redis(connect(RedisSettings.from_args(args)))
     ledger = Ledger(client, namespace=args.namespace)
 
     holder: dict[str, DecodeWorkerService] = {}

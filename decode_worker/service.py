@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -41,6 +42,9 @@ FINISH_REASONS: dict[str, gen.FinishReason.ValueType] = {
 
 class _Aborted(Exception):
     """The request was aborted (Abort RPC, lease lost, engine failure) while streaming."""
+
+
+PREEMPTED = "preempted"  # RequestOutput.finish_reason of a request handed back (hand_back)
 
 
 class OutputSlot:
@@ -75,8 +79,11 @@ class OutputSlot:
 class _Request:
     request_id: str
     block_ids: list[int]
-    num_prompt_tokens: int
+    num_prompt_tokens: int  # the client's prompt (without output resumed from a preemption)
     logprobs: int | None
+    num_resumed: int  # output tokens an earlier attempt already streamed (a preemption)
+    router_id: str  # who gets the request back on a preemption
+    router_epoch: int
     reserved_at: float = field(default_factory=time.monotonic)
     slot: OutputSlot | None = None  # set once Decode started
 
@@ -148,10 +155,19 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
                 f"num_prompt_tokens: {request.num_prompt_tokens}, but {len(prompt)} prompt ids"
             )
         params = params_from_proto(request.sampling)
-        req = self._requests[rid] = _Request(rid, [], len(prompt), params.logprobs)
+        num_resumed = request.num_output_tokens_sent
+        req = self._requests[rid] = _Request(
+            rid,
+            [],
+            len(prompt) - num_resumed,
+            params.logprobs,
+            num_resumed,
+            request.router_id,
+            request.router_epoch,
+        )
         try:  # cancelled after the engine reserved: _forget's abort follows it in the queue
             table, num_cached = await self.engine_loop.call(
-                self.engine.reserve, rid, prompt, params
+                self.engine.reserve, rid, prompt, params, num_resumed
             )
             req.block_ids = table
             num_cached_blocks = num_cached // self.block_size
@@ -184,9 +200,12 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         if req.slot is not None:
             raise ValueError(f"request_id: {rid!r} is already decoding")
         slot = req.slot = OutputSlot()
-        stream = _ChunkStream(req, request)
         is_finished = False
+        status = "aborted"
         try:
+            # Chunks continue where the earlier attempt's stream stopped, text included.
+            resumed_text = await self.engine_loop.call(self.engine.output_text, rid)
+            stream = _ChunkStream(req, request, len(resumed_text))
             if not request.is_finished_on_prefill:
                 remaining = context.time_remaining()
                 timeout = self.decode_timeout_s if remaining is None else remaining
@@ -200,9 +219,18 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             slot.update(first)
             while True:
                 output = await slot.next()
+                if output.finish_reason == PREEMPTED:
+                    status = PREEMPTED
+                    chunk = stream.chunk(dataclasses.replace(output, finished=False))
+                    if chunk.token_ids or chunk.text:
+                        yield chunk
+                    self._hand_back(req)  # before the router hears of it and re-queues it
+                    yield stream.preempted()
+                    return
                 chunk = stream.chunk(output)
                 if output.finished:
                     is_finished = True
+                    status = "finished"
                     self._end(rid, RequestState.FINISHED)
                     yield chunk
                     return
@@ -211,6 +239,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         except _Aborted:
             yield stream.aborted()
         finally:
+            self.metrics.requests.labels(self.metrics.role, status).inc()
             if not is_finished:
                 self._forget(rid)
 
@@ -328,6 +357,23 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         self.receiver.release(request_id)
         self.membership.release(request_id)
 
+    def _hand_back(self, req: _Request) -> None:
+        """A preempted request (its blocks already freed by the engine) goes back to the
+        router that sent it: DECODING -> QUEUED, owned by the router again."""
+        self._forget(req.request_id)
+        log.info("preempted %s: handed back to %s", req.request_id, req.router_id)
+        if not req.router_id:
+            return
+        with contextlib.suppress(LedgerConflict):  # cancelled meanwhile: the router decided
+            self.membership.ledger.transition(
+                req.request_id,
+                RequestState.QUEUED,
+                expected=RequestState.DECODING,
+                epoch=self.membership.epoch,
+                new_owner=req.router_id,
+                new_epoch=req.router_epoch,
+            )
+
     def _end(self, request_id: str, state: RequestState) -> None:
         """A finished request: blocks already freed by the engine; ledger updated."""
         self._requests.pop(request_id, None)
@@ -342,10 +388,10 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
 class _ChunkStream:
     """Turns one request's cumulative outputs into consecutive chunks."""
 
-    def __init__(self, req: _Request, request: pb.DecodeRequest) -> None:
+    def __init__(self, req: _Request, request: pb.DecodeRequest, num_text_sent: int) -> None:
         self.req = req
-        self.num_sent = 0  # tokens already in chunks
-        self.num_text_sent = 0  # characters already in chunks
+        self.num_sent = req.num_resumed  # tokens already in chunks (by any attempt)
+        self.num_text_sent = num_text_sent  # characters already in chunks
         self.first_logprob = (
             request.first_token_logprob if request.HasField("first_token_logprob") else None
         )
@@ -377,6 +423,14 @@ class _ChunkStream:
             )
         return chunk
 
+    def preempted(self) -> gen.GenerateChunk:
+        """The last chunk of a request handed back: the router resumes it elsewhere."""
+        return gen.GenerateChunk(
+            request_id=self.req.request_id,
+            index=self.num_sent,
+            finish_reason=gen.FINISH_REASON_PREEMPTED,
+        )
+
     def aborted(self) -> gen.GenerateChunk:
         """The last chunk of a request aborted here."""
         return gen.GenerateChunk(
@@ -389,14 +443,16 @@ class _ChunkStream:
         )
 
     def _logprobs(self, output: RequestOutput, start: int, count: int) -> list[gen.TokenLogprob]:
-        """Index 0 was sampled by the prefill worker; index i > 0 is output.logprobs[i - 1]."""
+        """Index r (the tokens resumed before it) was sampled by the prefill worker; index
+        i > r is output.logprobs[i - r - 1]."""
         entries = []
+        first = self.req.num_resumed
         for i in range(start, start + count):
             token = output.token_ids[i]
-            if i == 0:
+            if i == first:
                 entries.append(self.first_logprob or gen.TokenLogprob(token_id=token))
-            elif i - 1 < len(output.logprobs):
-                entries.append(token_logprob_to_proto(output.logprobs[i - 1]))
+            elif 0 <= i - first - 1 < len(output.logprobs):
+                entries.append(token_logprob_to_proto(output.logprobs[i - first - 1]))
             else:
                 entries.append(gen.TokenLogprob(token_id=token))
         return entries

@@ -50,13 +50,27 @@ def register_generate(subparsers: Subparsers) -> None:
     """Add `tandem generate`: offline generation in this process."""
     parser = subparsers.add_parser(
         "generate",
-        help="generate text in-process (no server)",
+        help="generate text in-process, or through a running cluster's router",
         description="Run the engine in this process on one or more prompts and print the "
-        "answers, then the token count and throughput.",
+        "answers, then the token count and throughput. With --router, send the prompts to "
+        "a running cluster (`tandem serve`) instead and print each answer as it streams.",
     )
     parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text")
     parser.add_argument(
-        "--model", required=True, help="a prepared model name (e.g. smollm2) or a HF model dir"
+        "--model", help="a prepared model name (e.g. smollm2) or a HF model dir (in-process)"
+    )
+    parser.add_argument(
+        "--router",
+        metavar="HOST:PORT",
+        help="generate through this router instead of in-process (--model, --dtype, --threads "
+        "and the speculative options are then the cluster's business)",
+    )
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="with --router: wait up to this long for the router to be SERVING",
     )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
@@ -124,6 +138,13 @@ def _models_list(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from engine.model_store import resolve_model
 
+    if args.router:
+        from router.client import generate_cli
+
+        return generate_cli(args)
+    if not args.model:
+        print("tandem generate: error: give --model (in-process) or --router", file=sys.stderr)
+        return 2
     try:
         model_dir = resolve_model(args.model)
     except ModelNotFoundError as exc:

@@ -16,7 +16,7 @@ from engine.block_manager import BlockManager
 from engine.config import Llama3Config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheCapacityError, KVCacheParams, PagedKVCache, plan_num_blocks
-from engine.model_runner import ModelRunner, RowLogprobs, StepOutput
+from engine.model_runner import LayerListener, ModelRunner, RowLogprobs, StepOutput
 from engine.models.layers import use_packed_gemm
 from engine.registry import load_model
 from engine.sampling_params import SamplingParams
@@ -53,6 +53,19 @@ class EngineConfig:
     # Measured on an AVX2 EPYC: plain weights win for 1 row, packed fp32 from 2 rows on.
     cpu_packed_gemm_min_rows: int | None = 2
     speculative: SpeculativeConfig | None = None  # draft model and how to speculate
+    # When blocks run out mid-decode, the newest request is preempted: "recompute" keeps it
+    # waiting here to be prefilled again; "hand_back" (decode workers) ends it with
+    # finish_reason "preempted" so that the router re-prefills it elsewhere and resumes it.
+    preemption: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption: {self.preemption!r} is not one of {', '.join(PREEMPTION_MODES)}"
+            )
+
+
+PREEMPTION_MODES = ("recompute", "hand_back")
 
 
 @dataclass
@@ -74,7 +87,7 @@ class RequestOutput:
     token_ids: list[int]  # all output tokens so far
     text: str  # all output text so far (stop string and partial characters held back)
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "preempted" (hand_back)
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -138,28 +151,50 @@ class LLMEngine:
         params: SamplingParams,
         *,
         is_prefill_only: bool = False,
+        num_generated_tokens: int = 0,
     ) -> None:
         """Queues a request. ``is_prefill_only`` (a prefill worker): stop after the first
-        token and keep the blocks until ``release``; ``take_prefilled`` returns the result."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        token and keep the blocks until ``release``; ``take_prefilled`` returns the result.
+        ``num_generated_tokens``: the last ids of ``prompt_token_ids`` are output an earlier
+        attempt generated (a preempted request resumed); they count towards max_tokens and
+        stop strings, and the output starts with them."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, num_generated_tokens)
         seq.is_prefill_only = is_prefill_only
         self.scheduler.add(seq)
 
     def _new_sequence(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        num_generated_tokens: int = 0,
     ) -> Sequence:
-        self._validate(request_id, prompt_token_ids, params)
+        if not 0 <= num_generated_tokens < min(len(token_ids), params.max_tokens):
+            raise RequestError(
+                f"num_generated_tokens: {num_generated_tokens}, must be at least 0 and below "
+                f"both the number of ids ({len(token_ids)}) and max_tokens ({params.max_tokens})"
+            )
+        num_prompt_tokens = len(token_ids) - num_generated_tokens
+        self._validate(request_id, token_ids[:num_prompt_tokens], params)
+        generated = token_ids[num_prompt_tokens:]
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in generated):
+            raise RequestError(
+                f"prompt: a generated token id is outside the vocabulary [0, {vocab})"
+            )
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(
             request_id=request_id,
-            token_ids=list(prompt_token_ids),
-            num_prompt_tokens=len(prompt_token_ids),
+            token_ids=list(token_ids),
+            num_prompt_tokens=num_prompt_tokens,
             params=params,
             seed=seed,
         )
         self._seqs[request_id] = seq
         if self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+            detok = self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+            if generated:  # an earlier attempt's output: it did not stop there
+                detok.add(generated)
         return seq
 
     def abort_request(self, request_id: str) -> None:
@@ -183,16 +218,24 @@ class LLMEngine:
             pools["draft"] = self.spec.draft_kv
         return pools
 
+    def set_layer_listener(self, listener: LayerListener | None) -> None:
+        """Calls ``listener`` in this engine's thread as each layer of a step (target
+        layers during the forward, draft layers at the end) has its KV written."""
+        self.runner.layer_listener = listener
+
     def take_prefilled(self, request_id: str) -> PrefilledRequest | None:
-        """A prefill-only request whose first token (and drafts) are ready, or None."""
+        """A prefill-only request whose first token (and drafts) are ready, or None (also
+        when the first token ended it: nothing to hand on, ``release`` it all the same)."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.status is not SequenceStatus.PREFILLED:
+            return None
+        if seq.finish_reason is not None:
             return None
         return PrefilledRequest(
             request_id=request_id,
             block_table=list(seq.block_table),
             num_prompt_tokens=seq.num_prompt_tokens,
-            first_token=seq.token_ids[seq.num_prompt_tokens],
+            first_token=seq.token_ids[-1],  # prefill-only: the one token it sampled
             draft_token_ids=list(seq.draft_token_ids or []),
             seed=seq.seed,
         )
@@ -202,7 +245,11 @@ class LLMEngine:
         self.abort_request(request_id)
 
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        num_generated_tokens: int = 0,
     ) -> tuple[list[int], int]:
         """Decode worker: holds blocks for a request whose KV another worker computes.
 
@@ -210,7 +257,7 @@ class LLMEngine:
         (prefix reuse: their blocks need no transfer). Raises ``KVCacheCapacityError`` when
         the cache cannot hold it now.
         """
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, num_generated_tokens)
         if not self.block_manager.can_allocate(seq):
             del self._seqs[request_id]
             self._detok.pop(request_id, None)
@@ -233,7 +280,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not 0 <= first_token < vocab:
             raise RequestError(f"first_token: {first_token} is outside the vocabulary")
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_computed_tokens = seq.num_tokens  # the prompt (and resumed output) arrived
         seq.token_ids.append(first_token)
         if self.spec is not None and draft_token_ids:
             seq.draft_token_ids = list(draft_token_ids)
@@ -245,6 +292,11 @@ class LLMEngine:
         else:
             self.scheduler.join(seq)
         return output
+
+    def output_text(self, request_id: str) -> str:
+        """The text of a request's output so far (held-back characters excluded)."""
+        detok = self._detok.get(request_id)
+        return detok.text if detok is not None else ""
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -283,7 +335,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns outputs of the requests that produced tokens."""
         batch = self.scheduler.schedule()
+        handed_back = self._hand_back(batch) if self.config.preemption == "hand_back" else []
         if not batch.seqs:
+            if handed_back:
+                return handed_back
             if self.scheduler.waiting and not self.scheduler.running:
                 raise KVCacheCapacityError(
                     f"kv cache: the next request does not fit in an idle cache "
@@ -292,7 +347,7 @@ class LLMEngine:
                 )
             return []
         if self.spec is None:
-            return self._postprocess(batch, self.runner.execute(batch))
+            return handed_back + self._postprocess(batch, self.runner.execute(batch))
         for seq in batch.preempted:
             seq.draft_token_ids, seq.draft_probs = None, None
         decode = {i for i in range(len(batch.seqs)) if self._is_spec_decode(batch, i)}
@@ -300,11 +355,24 @@ class LLMEngine:
             [s for i, s in enumerate(batch.seqs) if i not in decode],
             [n for i, n in enumerate(batch.num_new_tokens) if i not in decode],
         )
-        outputs = []
+        outputs = handed_back
         if prefill.seqs:
             outputs += self._postprocess(prefill, self.spec.prefill(prefill))
         if decode:
             outputs += self._postprocess_spec([batch.seqs[i] for i in sorted(decode)])
+        return outputs
+
+    def _hand_back(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Ends the requests this step preempted (their blocks are already free) with
+        finish_reason "preempted": whoever sent them resumes them elsewhere."""
+        outputs = []
+        for seq in batch.preempted:
+            self.scheduler.finish(seq)  # out of the waiting queue
+            seq.finish_reason = "preempted"
+            outputs.append(self._output(seq))
+            self._seqs.pop(seq.request_id, None)
+            self._detok.pop(seq.request_id, None)
+        batch.preempted.clear()
         return outputs
 
     def _is_spec_decode(self, batch: ScheduledBatch, row: int) -> bool:
@@ -360,11 +428,13 @@ class LLMEngine:
                 self._add_logprobs(seq, token, result.logprobs[i])
             self._check_stop(seq, token)
             outputs.append(self._output(seq))
-            if seq.finish_reason is not None:
-                self._finish(seq)
-            elif seq.is_prefill_only:
-                self.scheduler.detach(seq)  # blocks stay until release()
+            if seq.is_prefill_only:
+                # Blocks stay until release(), even when the first token ended it: a layer
+                # listener's transfer may still be reading this step's KV from them.
+                self.scheduler.detach(seq)
                 seq.status = SequenceStatus.PREFILLED
+            elif seq.finish_reason is not None:
+                self._finish(seq)
         return outputs
 
     def _check_stop(self, seq: Sequence, token: int) -> None:

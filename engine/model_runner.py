@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,48 @@ class ModelInputs:
 RowLogprobs = tuple[float, list[int], list[float]]  # chosen token's, top-n ids, top-n values
 
 
+@dataclass(frozen=True)
+class RowKv:
+    """Where one row of a step writes its KV: positions ``[start, end)`` of the request, in
+    the slots of ``block_table`` (a copy: the request's table as the step saw it)."""
+
+    request_id: str
+    start: int
+    end: int
+    block_table: tuple[int, ...]
+    is_last: bool  # the row samples: its known tokens are all computed (a prompt's last chunk)
+
+
+@dataclass(frozen=True)
+class StepKv:
+    """The KV one step writes, row by row; handed to a ``LayerListener``."""
+
+    rows: tuple[RowKv, ...]
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch) -> StepKv:
+        return cls(
+            tuple(
+                RowKv(
+                    seq.request_id,
+                    seq.num_computed_tokens,
+                    seq.num_computed_tokens + num_new,
+                    tuple(seq.block_table),
+                    batch.samples(row),
+                )
+                for row, (seq, num_new) in enumerate(
+                    zip(batch.seqs, batch.num_new_tokens, strict=True)
+                )
+            )
+        )
+
+
+# (pool "target" or "draft", layer, step): that layer's KV of the step is written. Called in
+# the engine's thread; on a GPU the layer's kernels are only queued then (a listener records
+# an event on the current stream and its reader waits for it). Must not block.
+LayerListener = Callable[[str, int, StepKv], None]
+
+
 @dataclass
 class StepOutput:
     rows: list[int]  # batch rows that sampled a token
@@ -39,6 +83,7 @@ class StepOutput:
     metadata: Any = None
     outputs: ModelOutputs | None = None
     sampled: torch.Tensor | None = None  # [N] the sampled tokens, on the device
+    kv_step: StepKv | None = None  # what the layer listener was told (None without one)
 
 
 class ModelRunner:
@@ -54,6 +99,8 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.block_size = kv_cache.params.block_size
+        # Told of each target layer of every ``execute`` (prefill workers push KV from it).
+        self.layer_listener: LayerListener | None = None
 
     def prepare(self, batch: ScheduledBatch, return_n_logits: int = 1) -> ModelInputs:
         """Builds the step's inputs; rows that sample get logits for their last
@@ -116,6 +163,7 @@ class ModelRunner:
         inputs: ModelInputs,
         return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES,
         metadata: Any = None,
+        on_layer: Callable[[int], None] | None = None,
     ) -> ModelOutputs:
         if metadata is None:
             metadata = self.backend.build_metadata(inputs.layout)
@@ -127,8 +175,14 @@ class ModelRunner:
             metadata,
             inputs.logit_indices,
             return_hidden_states,
+            on_layer,
         )
         return out
+
+    def notify_layer(self, pool: str, layer: int, *, step: StepKv) -> None:
+        """Tells the listener that ``layer`` of ``pool`` is written for ``step``."""
+        if self.layer_listener is not None:
+            self.layer_listener(pool, layer, step)
 
     @torch.inference_mode()
     def execute(
@@ -136,9 +190,13 @@ class ModelRunner:
     ) -> StepOutput:
         inputs = self.prepare(batch)
         metadata = self.backend.build_metadata(inputs.layout)
-        out = self.forward(inputs, return_hidden_states, metadata)
+        step = StepKv.of(batch) if self.layer_listener is not None else None
+        on_layer = None
+        if step is not None:
+            on_layer = functools.partial(self.notify_layer, "target", step=step)
+        out = self.forward(inputs, return_hidden_states, metadata, on_layer)
         if not inputs.sample_rows:  # only prefill chunks that do not reach the end
-            return StepOutput([], [], None, inputs, metadata, out)
+            return StepOutput([], [], None, inputs, metadata, out, kv_step=step)
         logits = out.logits  # [N, V]
         seqs = [batch.seqs[r] for r in inputs.sample_rows]
         tensors = SamplingTensors.build(
@@ -154,5 +212,12 @@ class ModelRunner:
             chosen, ids, values = top_logprobs(logits, tokens, num_top)
             logprobs = list(zip(chosen.tolist(), ids.tolist(), values.tolist(), strict=True))
         return StepOutput(
-            inputs.sample_rows, tokens.tolist(), logprobs, inputs, metadata, out, sampled=tokens
+            inputs.sample_rows,
+            tokens.tolist(),
+            logprobs,
+            inputs,
+            metadata,
+            out,
+            sampled=tokens,
+            kv_step=step,
         )

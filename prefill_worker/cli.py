@@ -50,20 +50,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cluster.redis_connect import RedisConnectError
     from cluster.rpc import setup_logging
 
     setup_logging("prefill", args.log_level)
-    asyncio.run(serve(args))
+    try:
+        asyncio.run(serve(args))
+    except RedisConnectError as e:
+        log.error("%s", e)
+        return 1
     return 0
 
 
 async def serve(args: argparse.Namespace) -> None:
-    import redis
-
     from cluster import engine_setup
     from cluster.ledger import Ledger, WorkerRole
     from cluster.membership import Membership, Timing
     from cluster.metrics import PrefillMetrics
+    from cluster.redis_connect import RedisSettings, connect
     from cluster.rpc import (
         advertised_address,
         default_worker_id,
@@ -84,7 +88,7 @@ async def serve(args: argparse.Namespace) -> None:
     address = advertised_address(args, port)
     metrics = PrefillMetrics()
     metrics.serve(args.host, args.metrics_port)
-    client = metrics.instrument_redis(redis.Redis.from_url(args.redis_url))
+    client = metrics.instrument_redis(connect(RedisSettings.from_args(args)))
     ledger = Ledger(client, namespace=args.namespace)
     holder: dict[str, PrefillWorkerService] = {}
     membership = Membership(

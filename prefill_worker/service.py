@@ -1,8 +1,10 @@
-"""The prefill worker's servicer: Prefill (engine prefill-only, then the KV push into the
-decode worker's reserved blocks), Abort, Stats.
+"""The prefill worker's servicer: Prefill (engine prefill-only, its KV pushed into the
+decode worker's reserved blocks as it is computed), Abort, Stats.
 
-One Prefill: queued in the engine thread -> first token (and drafts) sampled, blocks kept
-(PREFILLED) -> KV pushed layer by layer, target then draft -> blocks released -> reply.
+One Prefill: push opened (handshake) and the request queued in the engine thread -> each
+step's target layers pushed as the forward writes them, its draft layers at the end of the
+step (kv_push.py) -> first token (and drafts) sampled, blocks kept (PREFILLED) -> the last
+layers sent and acknowledged -> blocks released -> reply.
 Ledger: PREFILLING -> TRANSFERRING (this worker) -> DECODING (handed to the decode worker).
 """
 
@@ -12,7 +14,6 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,20 +21,14 @@ import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 
 from cluster.engine_loop import EngineLoop, owned_block_ids
 from cluster.engine_setup import draft_figures
-from cluster.kv_transfer import (
-    Handshake,
-    KvLayout,
-    KvPool,
-    ShmRingPool,
-    TransferOptions,
-    make_sender,
-)
+from cluster.kv_transfer import Handshake, KvLayout, ShmRingPool, TransferOptions, make_sender
 from cluster.ledger import LedgerConflict, RequestState
 from cluster.membership import Membership
 from cluster.metrics import PrefillMetrics
 from cluster.rpc import Overloaded, PreconditionFailed, Unavailable, channel_options
 from cluster.sampling import params_from_proto, token_logprob_to_proto
 from engine.llm_engine import LLMEngine, PrefilledRequest, RequestOutput
+from prefill_worker.kv_push import LayerPush, LayerRelay
 from tandem.v1 import worker_pb2 as pb
 from tandem.v1 import worker_pb2_grpc as pb_grpc
 
@@ -43,7 +38,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Prefilled:
     output: RequestOutput  # first token (finished: the request ended with it)
-    prefilled: PrefilledRequest | None  # None when finished: no blocks were kept
+    prefilled: PrefilledRequest | None  # None when finished: no KV to hand on
 
 
 def _collect(engine: LLMEngine, outputs: list[RequestOutput]) -> list[_Prefilled]:
@@ -55,6 +50,15 @@ def _collect(engine: LLMEngine, outputs: list[RequestOutput]) -> list[_Prefilled
         elif (prefilled := engine.take_prefilled(output.request_id)) is not None:
             done.append(_Prefilled(output, prefilled))
     return done
+
+
+async def _first_token(future: asyncio.Future[_Prefilled], push: LayerPush) -> _Prefilled:
+    """The engine's result; a push that fails meanwhile fails the request at once."""
+    waits: set[asyncio.Future[Any]] = {future, push.task}
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    if push.task.done() and not future.done():
+        push.task.result()  # raises the push's error (a push may also end first: all sent)
+    return await future
 
 
 class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
@@ -90,6 +94,8 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         self._waiting: dict[str, asyncio.Future[_Prefilled]] = {}
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._relay = LayerRelay(asyncio.get_running_loop(), engine.device)
+        engine.set_layer_listener(self._relay)  # before the engine thread starts
         self.engine_loop: EngineLoop[list[_Prefilled]] = EngineLoop(
             engine,
             asyncio.get_running_loop(),
@@ -114,16 +120,21 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             raise Overloaded(f"prefill queue: {self.max_queued} requests in flight; retry later")
         task = asyncio.current_task()
         assert task is not None
-        self._tasks[rid] = task
         start = time.monotonic()
+        push = self._start_push(request)
+        self._tasks[rid] = task
         try:
             params = params_from_proto(request.sampling)
             prompt = list(request.prompt_token_ids)
             future = self._waiting[rid] = asyncio.get_running_loop().create_future()
-            add = functools.partial(self.engine.add_request, is_prefill_only=True)
+            add = functools.partial(
+                self.engine.add_request,
+                is_prefill_only=True,
+                num_generated_tokens=request.num_output_tokens_sent,
+            )
             await self.engine_loop.call(add, rid, prompt, params)
             queued = time.monotonic()
-            result = await future
+            result = await _first_token(future, push)
             computed = time.monotonic()
             role = self.metrics.role
             self.metrics.prefill_seconds.labels(role).observe(computed - queued)
@@ -133,11 +144,11 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
                 self.membership.claim(
                     rid, result.prefilled.block_table, has_draft=self.layout.draft is not None
                 )
-                async with self._push_slots:
-                    pushing = time.monotonic()
-                    num_bytes = await self._push(request, result.prefilled)
-                self.metrics.kv_transfer_seconds.labels(role).observe(time.monotonic() - pushing)
+                num_bytes = await push.wait()  # what compute left: the last layers, finish
+                self.metrics.kv_transfer_seconds.labels(role).observe(push.seconds)
                 self.metrics.kv_transfer_bytes.labels(role).inc(num_bytes)
+            else:
+                await push.stop("the first token ended the request: no KV to hand on")
             self._transition(
                 rid,
                 RequestState.TRANSFERRING,
@@ -148,9 +159,13 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             return self._reply(result, params.logprobs, num_bytes, start, queued, computed)
         finally:
             self._waiting.pop(rid, None)
-            self._tasks.pop(rid, None)
-            self.engine_loop.submit(self.engine.abort_request, rid, bounded=False)
-            self.membership.release(rid)
+            self._relay.pushes.pop(rid, None)
+            try:  # the blocks are freed only once the push reads no more of them
+                await push.stop("prefill failed or was cancelled")
+            finally:
+                self._tasks.pop(rid, None)
+                self.engine_loop.submit(self.engine.abort_request, rid, bounded=False)
+                self.membership.release(rid)
 
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortReply:
         task = self._tasks.get(request.request_id)
@@ -210,32 +225,26 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
 
     # ---- internals
 
-    async def _push(self, request: pb.PrefillRequest, prefilled: PrefilledRequest) -> int:
-        """Pushes the KV of every block the decode worker must fill; returns bytes sent."""
-        dst: Sequence[int] = request.decode_block_ids
-        src = prefilled.block_table
-        if len(src) < len(dst):
-            raise PreconditionFailed(
-                f"decode_block_ids: {len(dst)} blocks, but the prefill holds {len(src)}"
-            )
-        first = request.num_cached_blocks
-        src, dst = src[first : len(dst)], list(dst[first:])
+    def _start_push(self, request: pb.PrefillRequest) -> LayerPush:
+        """Opens the push into the decode worker's blocks before any compute; the relay
+        feeds it each layer the engine writes for this request."""
         sender = make_sender(
             self._channel(request.decode_address),
             peer_host_id=request.decode_host_id or None,
             rings=self.rings,
             options=self.transfer_options,
         )
-        try:
-            await sender.begin(Handshake(request.request_id, self.layout, request.decode_epoch))
-            for name, pools in self._pools.items():
-                for layer, kv in enumerate(pools.layers):
-                    await sender.send_layer(KvPool(name), layer, kv, src, dst)
-            await sender.finish()
-        except BaseException:
-            await sender.abort("prefill failed or was cancelled")
-            raise
-        return sender.num_bytes_sent
+        push = LayerPush(
+            sender,
+            Handshake(request.request_id, self.layout, request.decode_epoch),
+            self._pools,
+            request.decode_block_ids,
+            request.num_cached_blocks,
+            self.engine.config.block_size,
+            self._push_slots,
+        )
+        self._relay.pushes[request.request_id] = push
+        return push
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -277,7 +286,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
     ) -> pb.PrefillReply:
         output = result.output
         reply = pb.PrefillReply(
-            first_token_id=output.token_ids[0],
+            first_token_id=output.token_ids[-1],  # after any resumed output
             draft_tokens=result.prefilled.draft_token_ids if result.prefilled else [],
             num_cached_tokens=output.num_cached_tokens,
             num_bytes_pushed=num_bytes,
@@ -289,7 +298,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             is_finished=output.finished,
         )
         if logprobs is not None and output.logprobs:
-            reply.first_token_logprob.CopyFrom(token_logprob_to_proto(output.logprobs[0]))
+            reply.first_token_logprob.CopyFrom(token_logprob_to_proto(output.logprobs[-1]))
         return reply
 
     def _deliver(self, results: list[_Prefilled]) -> None:

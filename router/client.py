@@ -9,6 +9,9 @@ It lives here, not in the `tandem-client` distribution, because it needs the gen
 
 from __future__ import annotations
 
+import argparse
+import sys
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -86,3 +89,87 @@ def collect(chunks: Iterator[gen.GenerateChunk]) -> tuple[list[int], str, gen.Ge
         text += chunk.text
         last = chunk
     return ids, text, last
+
+
+def wait_until_serving(address: str, timeout_s: float) -> None:
+    """Blocks until ``address``'s grpc.health.v1 says SERVING; TimeoutError past
+    ``timeout_s`` (0: ask once)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"router {address}: not SERVING after {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+
+def _retry_unavailable(
+    address: str, prompt: Prompt, params: dict[str, Any], deadline: float
+) -> Iterator[gen.GenerateChunk]:
+    """``generate``, tried again while the router answers UNAVAILABLE before any chunk
+    (its workers are still starting) until ``deadline`` (monotonic)."""
+    while True:
+        chunks = generate(address, prompt, **params)
+        try:
+            first = next(chunks)
+        except StopIteration:
+            return
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+            continue
+        yield first
+        yield from chunks
+        return
+
+
+def generate_cli(args: argparse.Namespace) -> int:
+    """`tandem generate --router HOST:PORT`: each prompt's answer printed as it streams,
+    then tokens, time to first token and tokens per second."""
+    params: dict[str, Any] = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "stop": args.stop,
+        "ignore_eos": args.ignore_eos,
+    }
+    if args.seed is not None:
+        params["seed"] = args.seed
+    deadline = time.monotonic() + args.wait
+    try:
+        wait_until_serving(args.router, args.wait)
+        for text in args.prompts:
+            prompt: Prompt = text if args.chat is False else [{"role": "user", "content": text}]
+            print(f">>> {text}", flush=True)
+            start = time.perf_counter()
+            first = None
+            num_tokens = 0
+            for chunk in _retry_unavailable(args.router, prompt, params, deadline):
+                if first is None and chunk.token_ids:
+                    first = time.perf_counter() - start
+                num_tokens += len(chunk.token_ids)
+                print(chunk.text, end="", flush=True)
+            elapsed = time.perf_counter() - start
+            print(
+                f"\n[{num_tokens} tokens in {elapsed:.2f} s, first after "
+                f"{1e3 * (first or 0.0):.0f} ms, {num_tokens / elapsed:.1f} tok/s]\n",
+                flush=True,
+            )
+    except grpc.RpcError as e:
+        print(f"tandem generate: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except TimeoutError as e:
+        print(f"tandem generate: error: {e}; is `tandem serve` running?", file=sys.stderr)
+        return 1
+    return 0

@@ -7,6 +7,7 @@ equal scores take turns.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections import Counter
@@ -18,10 +19,13 @@ IN_FLIGHT_WEIGHT = 0.01  # score per request this router has in flight on a work
 
 
 class WorkerPicker:
-    def __init__(self, ledger: Ledger, model: str, *, refresh_s: float = 0.25) -> None:
+    def __init__(
+        self, ledger: Ledger, model: str, *, refresh_s: float = 0.25, wait_s: float = 5.0
+    ) -> None:
         self.ledger = ledger
         self.model = model
         self.refresh_s = refresh_s
+        self.wait_s = wait_s  # how long a request waits for a live worker before UNAVAILABLE
         self.in_flight: Counter[str] = Counter()
         self._turn = itertools.count()
         self._workers: list[WorkerInfo] = []
@@ -43,13 +47,33 @@ class WorkerPicker:
     def pick(self) -> tuple[WorkerInfo, WorkerInfo]:
         """A (prefill, decode) pair with the same draft fingerprint."""
         prefill = self._least_loaded(self.workers(WorkerRole.PREFILL), WorkerRole.PREFILL)
+        return prefill, self._least_loaded(self.decoders_for(prefill), WorkerRole.DECODE)
+
+    def decoders_for(self, prefill: WorkerInfo) -> list[WorkerInfo]:
+        """Live decode workers that can take KV from ``prefill`` (same draft fingerprint)."""
         fingerprint = prefill.stats.get("draft_fingerprint", "")
-        decoders = [
+        return [
             w
             for w in self.workers(WorkerRole.DECODE)
             if w.stats.get("draft_fingerprint", "") == fingerprint
         ]
-        return prefill, self._least_loaded(decoders, WorkerRole.DECODE)
+
+    def least_loaded(self, decoders: list[WorkerInfo]) -> WorkerInfo:
+        return self._least_loaded(decoders, WorkerRole.DECODE)
+
+    async def pick_waiting(self, deadline: float) -> tuple[WorkerInfo, WorkerInfo]:
+        """``pick``, re-reading the registry while no pair is live, for at most ``wait_s``
+        and never past ``deadline`` (monotonic): a worker restarting or a heartbeat late
+        under load costs the request latency, not an error."""
+        give_up = min(deadline, time.monotonic() + self.wait_s)
+        while True:
+            try:
+                return self.pick()
+            except Unavailable:
+                if time.monotonic() + self.refresh_s > give_up:
+                    raise
+            self.forget_stale()
+            await asyncio.sleep(self.refresh_s)
 
     def _least_loaded(self, workers: list[WorkerInfo], role: WorkerRole) -> WorkerInfo:
         if not workers:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
@@ -19,7 +19,7 @@ import redis
 from cluster.ledger import Ledger, LedgerConflict, RequestState, WorkerInfo, WorkerRole
 from cluster.membership import Membership
 from cluster.metrics import RouterMetrics
-from cluster.rpc import Unavailable, channel_options
+from cluster.rpc import Overloaded, Unavailable, channel_options
 from router.routing import WorkerPicker
 from router.validation import RequestValidator, ValidRequest
 from tandem.v1 import generation_pb2 as gen
@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 2.0
 RESERVE_TIMEOUT_S = 10.0
 DEADLINE_SLACK_S = 0.05  # errors this close to the deadline are the deadline's doing
+MAX_ATTEMPTS = 8  # one request's prefills: the first, then resumptions after preemptions
+RESERVE_BACKOFF_S = (0.02, 0.5)  # first and longest wait between refused reservations
 
 
 @dataclass
@@ -42,6 +44,13 @@ class _Route:
     prefill: WorkerInfo
     decode: WorkerInfo
     deadline: float  # time.monotonic()
+    sent: list[int] = field(default_factory=list)  # completion ids streamed to the client
+
+    @property
+    def token_ids(self) -> list[int]:
+        """What P prefills and D holds: the prompt, then any output already sent (a request
+        resumed after a preemption)."""
+        return self.request.prompt_token_ids + self.sent
 
     def remaining(self) -> float:
         left = self.deadline - time.monotonic()
@@ -125,34 +134,51 @@ class GenerationService(gen_grpc.GenerationServicer):
             valid = self.validator.validate(request)
             remaining = context.time_remaining()
             timeout = self.default_timeout_s if remaining is None else remaining
-            prefill, decode = self.picker.pick()
+            prefill, decode = await self.picker.pick_waiting(arrived + timeout)
             route = _Route(valid, prefill, decode, arrived + timeout)
+            rid = valid.request_id
             self._create_in_ledger(route)
         except BaseException:
             self.metrics.requests.labels(self.metrics.role, "rejected").inc()
             raise
         self.num_in_flight += 1
-        for worker in (prefill, decode):
-            self.picker.in_flight[worker.worker_id] += 1
+        self._count_in_flight(route, +1)
         is_finished = False
         end_state, reason = RequestState.FAILED, ""
         timing = _StreamTiming(self.metrics, arrived)
         try:
-            reserve = await self._reserve(route)
-            prefill_called = time.monotonic()
-            prefilled = await self._prefill(route, reserve)
-            timing.queued(prefill_called + prefilled.timing.queue_s)
-            async for chunk in self._decode(route, reserve, prefilled):
-                is_finished = chunk.finish_reason != gen.FINISH_REASON_UNSPECIFIED
-                timing.sent(chunk)
-                yield chunk
+            for attempt in range(MAX_ATTEMPTS):
+                if attempt:  # D handed it back: resume it, prompt + tokens sent so far
+                    await self._repick(route)
+                reserve = await self._reserve(route)
+                prefill_called = time.monotonic()
+                prefilled = await self._prefill(route, reserve)
+                if not attempt:
+                    timing.queued(prefill_called + prefilled.timing.queue_s)
+                async for chunk in self._decode(route, reserve, prefilled):
+                    if chunk.finish_reason == gen.FINISH_REASON_PREEMPTED:
+                        continue  # the stream's last chunk: resume it below
+                    route.sent.extend(chunk.token_ids)
+                    is_finished = chunk.finish_reason != gen.FINISH_REASON_UNSPECIFIED
+                    timing.sent(chunk)
+                    yield chunk
+                if is_finished:
+                    return
+                log.info(
+                    "%s preempted on %s after %d tokens",
+                    rid,
+                    route.decode.worker_id,
+                    len(route.sent),
+                )
+            raise Overloaded(
+                f"request preempted {MAX_ATTEMPTS} times for lack of KV blocks; retry later"
+            )
         except BaseException as e:
             end_state, reason = _how_it_ended(e, route)
             raise
         finally:
             self.num_in_flight -= 1
-            for worker in (prefill, decode):
-                self.picker.in_flight[worker.worker_id] -= 1
+            self._count_in_flight(route, -1)
             if not is_finished:
                 # A task of its own: this one may be cancelled again while it cleans up.
                 self._spawn(self._abandon(route, end_state, reason))
@@ -187,21 +213,47 @@ class GenerationService(gen_grpc.GenerationServicer):
         )
 
     async def _reserve(self, route: _Route) -> pb.ReserveReply:
-        """D holds blocks for the prompt; then the request is handed to P in the ledger."""
+        """D holds blocks for the prompt; then the request is handed to P in the ledger.
+
+        A decode worker without room (RESOURCE_EXHAUSTED) is passed over for the others;
+        when every one is full, the request waits with growing pauses until one has room
+        or the deadline comes."""
         valid = route.request
-        reply: pb.ReserveReply = await self._decoder(route).Reserve(
-            pb.ReserveRequest(
-                request_id=valid.request_id,
-                model=self.validator.model.name,
-                num_prompt_tokens=len(valid.prompt_token_ids),
-                prompt_token_ids=valid.prompt_token_ids,
-                sampling=valid.sampling,
-                draft_fingerprint=route.prefill.stats.get("draft_fingerprint", ""),
-                router_id=self.membership.worker_id,
-                router_epoch=self.membership.epoch,
-            ),
-            timeout=min(RESERVE_TIMEOUT_S, route.remaining()),
+        ids = route.token_ids
+        request = pb.ReserveRequest(
+            request_id=valid.request_id,
+            model=self.validator.model.name,
+            num_prompt_tokens=len(ids),
+            prompt_token_ids=ids,
+            sampling=valid.sampling,
+            draft_fingerprint=route.prefill.stats.get("draft_fingerprint", ""),
+            num_output_tokens_sent=len(route.sent),
+            router_id=self.membership.worker_id,
+            router_epoch=self.membership.epoch,
         )
+        full: set[str] = set()
+        pause = RESERVE_BACKOFF_S[0]
+        while True:
+            try:
+                reply: pb.ReserveReply = await self._decoder(route).Reserve(
+                    request, timeout=min(RESERVE_TIMEOUT_S, route.remaining())
+                )
+                break
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                full.add(route.decode.worker_id)
+            others = [w for w in self.picker.decoders_for(route.prefill) if w.worker_id not in full]
+            if not others:  # all full: wait, then try them all again
+                await asyncio.sleep(min(pause, route.remaining()))
+                pause = min(2 * pause, RESERVE_BACKOFF_S[1])
+                full.clear()
+                self.picker.forget_stale()
+                others = self.picker.decoders_for(route.prefill)
+            if others:
+                self._count_in_flight(route, -1)
+                route.decode = self.picker.least_loaded(others)
+                self._count_in_flight(route, +1)
         self.ledger.transition(
             valid.request_id,
             RequestState.PREFILLING,
@@ -219,7 +271,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             pb.PrefillRequest(
                 request_id=valid.request_id,
                 model=self.validator.model.name,
-                prompt_token_ids=valid.prompt_token_ids,
+                prompt_token_ids=route.token_ids,
                 sampling=valid.sampling,
                 decode_address=route.decode.address,
                 decode_block_ids=reserve.block_ids,
@@ -227,6 +279,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                 decode_epoch=reserve.epoch,
                 decode_worker_id=route.decode.worker_id,
                 decode_host_id=reserve.host_id,
+                num_output_tokens_sent=len(route.sent),
             ),
             timeout=route.remaining(),
         )
@@ -246,12 +299,15 @@ class GenerationService(gen_grpc.GenerationServicer):
         if prefilled.HasField("first_token_logprob"):
             request.first_token_logprob.CopyFrom(prefilled.first_token_logprob)
         call = self._decoder(route).Decode(request, timeout=route.remaining())
-        num_sent = 0
+        num_sent = len(route.sent)
         try:
             async for chunk in call:
                 if chunk.index != num_sent:
                     raise RuntimeError(f"decode stream: chunk index {chunk.index}, want {num_sent}")
                 num_sent += len(chunk.token_ids)
+                if chunk.finish_reason == gen.FINISH_REASON_PREEMPTED:
+                    yield chunk
+                    return
                 if chunk.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
                     chunk.usage.cached_tokens = prefilled.num_cached_tokens
                     yield chunk
@@ -305,6 +361,18 @@ class GenerationService(gen_grpc.GenerationServicer):
             channel = grpc.aio.insecure_channel(address, options=channel_options())
             self._channels[address] = channel
         return channel
+
+    def _count_in_flight(self, route: _Route, delta: int) -> None:
+        for worker in (route.prefill, route.decode):
+            self.picker.in_flight[worker.worker_id] += delta
+
+    async def _repick(self, route: _Route) -> None:
+        """New P and D for a request its decode worker handed back (the ledger has it
+        QUEUED and owned by this router again)."""
+        self._count_in_flight(route, -1)
+        self.picker.forget_stale()
+        route.prefill, route.decode = await self.picker.pick_waiting(route.deadline)
+        self._count_in_flight(route, +1)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -251,10 +251,17 @@ class ChunkingKvSender(KvSender):
         return merge_runs(src_block_ids, dst_block_ids)
 
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
-        """Copies and checksums: in a worker thread with ``options.offload``, else inline."""
-        if self.options.offload:
-            return await asyncio.to_thread(fn, *args)
-        return fn(*args)
+        """Copies and checksums: in a worker thread with ``options.offload``, else inline.
+        A cancelled caller waits for the thread: it may be reading pool blocks that are
+        freed as soon as the push has stopped."""
+        if not self.options.offload:
+            return fn(*args)
+        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            await asyncio.wait({work})
+            raise
 
     def _seal(self, header: pb.KvChunk, data: torch.Tensor) -> None:
         """Sets the header's checksum of ``data`` (then lets the test hook tamper with it)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,7 @@ class Llama3Model(nn.Module):
         attn_metadata: Any,
         logit_indices: torch.Tensor,  # [N] int64: which of the T tokens get logits
         return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES,
+        on_layer: Callable[[int], None] | None = None,  # told once layer i wrote its KV
     ) -> ModelOutputs:
         x = self.embed_tokens(tokens)  # [T, H]
         rope = self.rotary.lookup(positions)
@@ -137,6 +139,8 @@ class Llama3Model(nn.Module):
             x = layer(x, rope, kv_caches[i], backend, attn_metadata)
             if i in wanted:
                 hidden[i] = x
+            if on_layer is not None:  # a prefill worker starts pushing layer i's KV
+                on_layer(i)
         if return_hidden_states.final:
             final = self.norm(x)
             logits = self.lm_head(final[logit_indices]).float()  # [N, V]

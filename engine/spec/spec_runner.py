@@ -73,6 +73,13 @@ class SpecRunner:
     def prefill(self, batch: ScheduledBatch) -> StepOutput:
         """Target prefill with the drafter's features, draft KV for the same positions, and
         K drafts for rows that sampled their first token."""
+        result = self._prefill(batch)
+        if result.kv_step is not None:  # the drafter is done: every draft layer is written
+            for layer in range(len(self.draft_kv.layers)):
+                self.runner.notify_layer("draft", layer, step=result.kv_step)
+        return result
+
+    def _prefill(self, batch: ScheduledBatch) -> StepOutput:
         result = self.runner.execute(batch, self.drafter.target_hidden)
         inputs, out = result.inputs, result.outputs
         assert inputs is not None and out is not None

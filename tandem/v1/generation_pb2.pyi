@@ -33,6 +33,11 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """max_tokens or the model's context length reached."""
     FINISH_REASON_ABORT: _FinishReason.ValueType  # 3
     """Aborted by the server (shutdown, migration impossible); the stream then ends OK."""
+    FINISH_REASON_PREEMPTED: _FinishReason.ValueType  # 4
+    """Between a decode worker and the router only, never sent to a client: the decode
+    worker ran out of KV blocks and handed the request back (DECODING -> QUEUED); the
+    router resumes it, prompt + tokens sent so far, on a prefill and decode worker.
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why a completion ended."""
@@ -45,6 +50,11 @@ FINISH_REASON_LENGTH: FinishReason.ValueType  # 2
 """max_tokens or the model's context length reached."""
 FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 """Aborted by the server (shutdown, migration impossible); the stream then ends OK."""
+FINISH_REASON_PREEMPTED: FinishReason.ValueType  # 4
+"""Between a decode worker and the router only, never sent to a client: the decode
+worker ran out of KV blocks and handed the request back (DECODING -> QUEUED); the
+router resumes it, prompt + tokens sent so far, on a prefill and decode worker.
+"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final

@@ -31,6 +31,7 @@ EXPECTED: dict[type[Metrics], set[str]] = {
         "tandem_spec_drafts",
         "tandem_spec_draft_tokens",
         "tandem_spec_accepted_tokens",
+        "tandem_requests",  # finished, aborted, preempted
     },
 }
 

@@ -91,3 +91,54 @@ def test_reserve_refuses_when_full_and_abort_frees(dirs):
     assert e.block_manager.num_free_blocks == 12
     with pytest.raises(RequestError, match="not reserved"):
         e.start_decoding("a", 5)
+
+
+def test_preempted_requests_hand_back_and_resume_where_they_stopped(dirs):
+    """A decode engine short of blocks ends the newest request with "preempted" (blocks
+    freed, the tokens so far in its output); resuming it elsewhere from prompt + those
+    tokens gives exactly what one roomy engine gives, greedy and seeded rows alike."""
+    target, _ = dirs
+    whole = engine(target)
+    for i, p in enumerate(PROMPTS):
+        whole.add_request(str(i), p, params(i))
+    expected = drain(whole)
+
+    block_bytes = (1 << 21) // whole.block_manager.num_blocks
+    tight = engine(target, preemption="hand_back", kv_cache_memory=14 * block_bytes)
+    assert tight.block_manager.num_blocks == 14  # 4 requests need up to 7 blocks each
+    for i, p in enumerate(PROMPTS):
+        tight.add_request(str(i), p, params(i))
+    done: dict[str, list[int]] = {}
+    handed_back = []
+    while tight.has_unfinished_requests():
+        for out in tight.step():
+            if out.finish_reason == "preempted":
+                handed_back.append(out.request_id)
+                assert out.finished and 0 < len(out.token_ids) < 15
+                assert out.request_id not in tight._seqs  # gone here, nothing held
+                resumed = engine(target)
+                p = PROMPTS[int(out.request_id)]
+                resumed.add_request(
+                    out.request_id,
+                    p + out.token_ids,
+                    params(int(out.request_id)),
+                    num_generated_tokens=len(out.token_ids),
+                )
+                done.update(drain(resumed))
+            elif out.finished:
+                done[out.request_id] = out.token_ids
+    assert handed_back, "the cache was meant to run out"
+    assert tight.scheduler.num_preemptions == len(handed_back)
+    assert done == expected
+    assert tight.block_manager.num_free_blocks == tight.block_manager.num_blocks
+
+
+def test_resume_is_validated(dirs):
+    target, _ = dirs
+    e = engine(target)
+    with pytest.raises(RequestError, match="num_generated_tokens"):
+        e.add_request("a", [5, 6], SamplingParams(max_tokens=3), num_generated_tokens=3)
+    with pytest.raises(RequestError, match="num_generated_tokens"):
+        e.add_request("b", [5, 6, 7, 8], SamplingParams(max_tokens=3), num_generated_tokens=3)
+    with pytest.raises(ValueError, match="preemption"):
+        EngineConfig(model=str(target), preemption="drop")

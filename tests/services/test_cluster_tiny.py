@@ -18,7 +18,6 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -26,19 +25,26 @@ import redis
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from cluster.launcher import Cluster, ClusterSpec, Component
+from cluster.launcher import Cluster, ClusterSpec
 from cluster.ledger import Ledger, RequestState
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
-from router.client import agenerate, build_request
+from router.client import build_request
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import generation_pb2_grpc as gen_grpc
-from tandem.v1 import worker_pb2 as pb
-from tandem.v1 import worker_pb2_grpc as pb_grpc
 from tests.comparator import compare_greedy
 from tests.engine.tiny_drafts import build_random_draft
 from tests.engine.tiny_models import build_tiny_llama
+from tests.services.cluster_helpers import (
+    assert_audit_clean,
+    check_stream,
+    generate_all,
+    non_final_requests,
+    run,
+    tokens,
+    worker_stats,
+)
 from tests.services.tiny_tokenizer import save_char_tokenizer
 
 VOCAB = 64
@@ -139,45 +145,9 @@ def reference(
     return [done[str(i)] for i in range(len(token_prompts))], engine
 
 
-async def run(address: str, prompt: list[int] | str, **params: object) -> list[gen.GenerateChunk]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return [chunk async for chunk in agenerate(channel, prompt, timeout=60, **params)]
-
-
 def shm_rings(cluster: Cluster) -> list[Path]:
     """The shared-memory rings the prefill worker keeps for reuse after its pushes."""
     return list(Path("/dev/shm").glob(f"tandem-kv-{cluster.prefill[0].process.pid}-*"))
-
-
-def tokens(chunks: list[gen.GenerateChunk]) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]
-
-
-def check_stream(chunks: list[gen.GenerateChunk], max_tokens: int) -> list[int]:
-    """Indices contiguous from 0, one last chunk with finish_reason and usage."""
-    index = 0
-    for chunk in chunks:
-        assert chunk.index == index, f"chunk index {chunk.index}, expected {index}"
-        index += len(chunk.token_ids)
-    assert [c.finish_reason != gen.FINISH_REASON_UNSPECIFIED for c in chunks][-1]
-    assert all(c.finish_reason == gen.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
-    last = chunks[-1]
-    assert last.usage.completion_tokens == index <= max_tokens
-    if last.finish_reason == gen.FINISH_REASON_LENGTH:
-        assert index == max_tokens
-    return tokens(chunks)
-
-
-async def generate_all(
-    address: str, token_prompts: list[list[int]], max_tokens: int
-) -> list[list[int]]:
-    results = await asyncio.gather(
-        *(
-            run(address, p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            for p in token_prompts
-        )
-    )
-    return [check_stream(chunks, max_tokens) for chunks in results]
 
 
 def assert_greedy_equal(
@@ -282,17 +252,6 @@ async def test_invalid_requests_name_the_field(cluster: Cluster) -> None:
             assert re.match(rf"{field}: ", info.value.details() or ""), info.value.details()
 
 
-async def worker_stats(component: Component, *, include_block_ids: bool = False) -> pb.StatsReply:
-    async with grpc.aio.insecure_channel(component.address) as channel:
-        if component.name.startswith("prefill"):
-            stub: Any = pb_grpc.PrefillWorkerStub(channel)
-        else:
-            stub = pb_grpc.DecodeWorkerStub(channel)
-        request = pb.StatsRequest(include_block_ids=include_block_ids)
-        reply: pb.StatsReply = await stub.Stats(request, timeout=5)
-        return reply
-
-
 async def blocks_in_use(cluster: Cluster) -> tuple[int, int]:
     p = await worker_stats(cluster.prefill[0])
     d = await worker_stats(cluster.decode[0])
@@ -378,27 +337,9 @@ async def test_list_models(cluster: Cluster, model_dirs: tuple[Path, Path]) -> N
     assert model.draft_model == model_dirs[1].name
 
 
-def non_final_requests(ledger: Ledger) -> dict[str, str]:
-    found = {}
-    for key in ledger.client.scan_iter(match=f"{ledger.ns}:{{req:*}}", count=1000):
-        if re.fullmatch(rf"{ledger.ns}:\{{req:[^}}]+\}}", key):
-            state = ledger.client.hget(key, "state")
-            if state is not None and not RequestState(state).is_terminal:
-                found[key] = state
-    return found
-
-
 async def test_ledger_audit_is_clean_at_the_end(cluster: Cluster, ledger: Ledger) -> None:
     """Runs last: every request of the module ended, nothing is held anywhere."""
-    reports = {}
-    for component in (*cluster.prefill, *cluster.decode):
-        stats = await worker_stats(component, include_block_ids=True)
-        assert stats.num_kv_blocks_used == 0 and not stats.owned_block_ids
-        reports[component.name] = set(stats.owned_block_ids)
-    assert ledger.audit(reports) == []
-    assert ledger.holdings() == []
-    assert non_final_requests(ledger) == {}
-    assert not cluster.dead_components()
+    await assert_audit_clean(cluster, ledger)
 
 
 async def test_tandem_ledger_audit_command_is_clean(cluster: Cluster, tmp_path: Path) -> None:

@@ -1,0 +1,174 @@
+"""Pushes a request's KV while its prefill runs: each layer's blocks leave as soon as the
+engine has written them, so the transfer overlaps the compute of the next layers.
+
+Engine thread: ``LayerRelay`` is the engine's layer listener; it hands "layer i of pool p
+is written for these rows" to the event loop and never blocks. Event loop: one
+``LayerPush`` per request opens the push when Prefill arrives, sends each written layer's
+newly complete blocks in order, and finishes after the last layer of the last chunk.
+
+Which blocks a step sends, and why the loop may read them while the engine thread runs on:
+- A chunk that does not end the prompt sends the blocks its tokens completed, from the
+  first block not sent yet up to ``end // block_size``; the chunk that ends it sends the
+  rest of the reservation (the partial last block, lookahead blocks). Later chunks write
+  only positions from ``end`` on, all in blocks this step does not send: a block that
+  straddles a chunk boundary leaves with the chunk that completes it (never twice), so no
+  block is read while the engine may still write it, in this layer or any other.
+- A layer is read only after the engine said it wrote it (on a GPU, after its event), and
+  the draft pool only at the end of the step, once the drafter's proposals (which write
+  draft KV past the prompt) are done.
+- A prefill-only request is given blocks for its whole prompt when it is admitted (it
+  never grows, so it is never preempted) and keeps them until Prefill releases them, after
+  its push stopped: LLMEngine holds them even when the first token ends the request. No
+  other request writes them meanwhile (prefix-cache sharers only read full blocks).
+- Blocks the decode worker already caches (``num_cached_blocks``) are never sent; blocks
+  this worker had cached (never computed in a step) go with the request's first step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cluster.kv_transfer import Handshake, KvPool, KvSender
+from cluster.kv_transfer.base import PagedPools
+from cluster.rpc import PreconditionFailed
+from engine.model_runner import RowKv, StepKv
+
+
+@dataclass(frozen=True)
+class _Written:
+    """One layer of one pool, written for ``row`` by a step."""
+
+    pool: KvPool
+    layer: int
+    row: RowKv
+    event: Any  # torch.cuda.Event recorded after the layer's kernels; None on a CPU
+
+
+class LayerPush:
+    """One request's push, fed layer by layer by ``LayerRelay``; ``task`` returns the KV
+    bytes sent. Holds one of ``slots`` (bounded concurrent pushes) from begin to finish."""
+
+    def __init__(
+        self,
+        sender: KvSender,
+        handshake: Handshake,
+        pools: Mapping[str, PagedPools],
+        dst_block_ids: Sequence[int],
+        num_cached_blocks: int,  # leading blocks the decode worker already holds
+        block_size: int,
+        slots: asyncio.Semaphore,
+    ) -> None:
+        self.sender = sender
+        self.seconds = 0.0  # begin .. finish acknowledged
+        self._handshake = handshake
+        self._pools = pools
+        self._dst = list(dst_block_ids)
+        self._block_size = block_size
+        self._slots = slots
+        # Unbounded by type, bounded by the request: one entry per layer of each of its steps.
+        self._queue: asyncio.Queue[_Written] = asyncio.Queue()
+        self._next_block = {KvPool(name): num_cached_blocks for name in pools}
+        self._end = {KvPool(name): 0 for name in pools}
+        self._window: dict[KvPool, tuple[int, int]] = {}
+        last = KvPool(list(pools)[-1])
+        self._last = (last, len(pools[last].layers) - 1)  # the layer after which it finishes
+        self._abort_reason = "prefill failed or was cancelled"
+        self.task: asyncio.Task[int] = asyncio.create_task(self._run())
+
+    def on_written(self, written: _Written) -> None:
+        """Event loop: a layer the engine wrote (ignored once the push has ended)."""
+        if not self.task.done():
+            self._queue.put_nowait(written)
+
+    async def wait(self) -> int:
+        """Until the last layer is sent and acknowledged; the KV bytes sent."""
+        return await self.task
+
+    async def stop(self, reason: str) -> None:
+        """Ends the push if it still runs (the receiver marks the request failed) and
+        returns once it reads no more blocks, so that they can be freed."""
+        if not self.task.done():
+            self._abort_reason = reason
+            self.task.cancel()
+        await asyncio.wait({self.task})
+        if not self.task.cancelled():
+            self.task.exception()  # retrieved: the caller has already raised what mattered
+
+    async def _run(self) -> int:
+        try:
+            async with self._slots:
+                start = time.perf_counter()
+                await self.sender.begin(self._handshake)
+                while not await self._send(await self._queue.get()):
+                    pass
+                await self.sender.finish()
+                self.seconds = time.perf_counter() - start
+        except BaseException:
+            await self.sender.abort(self._abort_reason)
+            raise
+        return self.sender.num_bytes_sent
+
+    async def _send(self, written: _Written) -> bool:
+        """Sends one written layer's blocks; True once it was the push's last layer."""
+        pool, layer, row = written.pool, written.layer, written.row
+        lo, hi = self._blocks(pool, layer, row)
+        if hi > lo:
+            if written.event is not None:
+                await asyncio.to_thread(written.event.synchronize)
+            src = row.block_table[lo:hi]
+            kv = self._pools[pool].layers[layer]
+            await self.sender.send_layer(pool, layer, kv, src, self._dst[lo:hi])
+        return row.is_last and (pool, layer) == self._last
+
+    def _blocks(self, pool: KvPool, layer: int, row: RowKv) -> tuple[int, int]:
+        """Block indices [lo, hi) of the request that this step of ``pool`` sends: fixed at
+        the step's layer 0 (every step tells layers in order), the same for every layer."""
+        if layer == 0:
+            if row.start < self._end[pool]:  # cannot happen for a prefill-only request
+                raise RuntimeError(f"{pool} KV recomputed from {row.start}: preempted mid-push")
+            if len(row.block_table) < len(self._dst):
+                raise PreconditionFailed(
+                    f"decode_block_ids: {len(self._dst)} blocks, but the prefill holds "
+                    f"{len(row.block_table)}"
+                )
+            lo = self._next_block[pool]
+            end = len(self._dst) if row.is_last else row.end // self._block_size
+            hi = max(lo, min(end, len(self._dst)))
+            self._end[pool], self._next_block[pool], self._window[pool] = row.end, hi, (lo, hi)
+        return self._window[pool]
+
+
+class LayerRelay:
+    """The engine's layer listener: hands each written layer to the pushes of the step's
+    requests through the event loop, never blocking the engine thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, device: torch.device) -> None:
+        # Written by the event loop, read by the engine thread (single dict operations).
+        self.pushes: dict[str, LayerPush] = {}
+        self._loop = loop
+        self._is_cuda = device.type == "cuda"
+
+    def __call__(self, pool: str, layer: int, step: StepKv) -> None:
+        if not self.pushes:
+            return
+        rows = []
+        for row in step.rows:  # one get each: the event loop may drop a push meanwhile
+            if (push := self.pushes.get(row.request_id)) is not None:
+                rows.append((push, row))
+        if rows:
+            # On a GPU the layer's kernels are only queued: the reader waits for this event.
+            event = torch.cuda.Event() if self._is_cuda else None
+            if event is not None:
+                event.record()
+            self._loop.call_soon_threadsafe(_hand_over, KvPool(pool), layer, rows, event)
+
+
+def _hand_over(pool: KvPool, layer: int, rows: list[tuple[LayerPush, RowKv]], event: Any) -> None:
+    for push, row in rows:
+        push.on_written(_Written(pool, layer, row, event))

@@ -1,0 +1,89 @@
+"""What the cluster tests share: streaming a request through the router, checking a
+stream's chunks, asking workers for their stats, and the end-of-test audit."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import grpc
+
+from cluster.launcher import Cluster, Component
+from cluster.ledger import Ledger, RequestState
+from router.client import agenerate
+from tandem.v1 import generation_pb2 as gen
+from tandem.v1 import worker_pb2 as pb
+from tandem.v1 import worker_pb2_grpc as pb_grpc
+
+
+async def run(address: str, prompt: list[int] | str, **params: object) -> list[gen.GenerateChunk]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return [chunk async for chunk in agenerate(channel, prompt, timeout=120, **params)]
+
+
+def tokens(chunks: list[gen.GenerateChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def check_stream(chunks: list[gen.GenerateChunk], max_tokens: int) -> list[int]:
+    """Indices contiguous from 0, one last chunk with finish_reason and usage."""
+    index = 0
+    for chunk in chunks:
+        assert chunk.index == index, f"chunk index {chunk.index}, expected {index}"
+        index += len(chunk.token_ids)
+    assert [c.finish_reason != gen.FINISH_REASON_UNSPECIFIED for c in chunks][-1]
+    assert all(c.finish_reason == gen.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.usage.completion_tokens == index <= max_tokens
+    if last.finish_reason == gen.FINISH_REASON_LENGTH:
+        assert index == max_tokens
+    return tokens(chunks)
+
+
+async def generate_all(
+    address: str, token_prompts: list[list[int]], max_tokens: int
+) -> list[list[int]]:
+    """Greedy, all prompts at once (concurrent streams)."""
+    results = await asyncio.gather(
+        *(
+            run(address, p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            for p in token_prompts
+        )
+    )
+    return [check_stream(chunks, max_tokens) for chunks in results]
+
+
+async def worker_stats(component: Component, *, include_block_ids: bool = False) -> pb.StatsReply:
+    async with grpc.aio.insecure_channel(component.address) as channel:
+        if component.name.startswith("prefill"):
+            stub: Any = pb_grpc.PrefillWorkerStub(channel)
+        else:
+            stub = pb_grpc.DecodeWorkerStub(channel)
+        request = pb.StatsRequest(include_block_ids=include_block_ids)
+        reply: pb.StatsReply = await stub.Stats(request, timeout=5)
+        return reply
+
+
+def non_final_requests(ledger: Ledger) -> dict[str, str]:
+    found = {}
+    for key in ledger.client.scan_iter(match=f"{ledger.ns}:{{req:*}}", count=1000):
+        if re.fullmatch(rf"{ledger.ns}:\{{req:[^}}]+\}}", key):
+            state = ledger.client.hget(key, "state")
+            if state is not None and not RequestState(state).is_terminal:
+                found[key] = state
+    return found
+
+
+async def assert_audit_clean(cluster: Cluster, ledger: Ledger) -> None:
+    """Every request ended: no worker holds a block for a request, the ledger agrees, no
+    request is left in a non-final state, every component is alive."""
+    reports = {}
+    for component in (*cluster.prefill, *cluster.decode):
+        stats = await worker_stats(component, include_block_ids=True)
+        assert stats.num_kv_blocks_used == 0 and not stats.owned_block_ids, component.name
+        reports[component.name] = set(stats.owned_block_ids)
+    assert ledger.audit(reports) == []
+    assert ledger.holdings() == []
+    assert non_final_requests(ledger) == {}
+    assert not cluster.dead_components()

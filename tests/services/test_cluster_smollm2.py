@@ -1,0 +1,154 @@
+"""The cluster on SmolLM2-135M (fp32; the Q4_1 GGUF dequantized): real router, prefill and
+decode processes, real redis-server, loopback gRPC. Greedy output through 1 prefill + 1
+decode and 2 + 2 workers, with no drafter and with each committed drafter, equals the
+in-process engine token for token on 8 chat prompts; with one decode worker, the draft
+counters equal those of one engine doing everything. After each cluster, the ledger audit
+is clean."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from cluster.launcher import Cluster, ClusterSpec, Component
+from cluster.ledger import Ledger
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from tests.comparator import compare_greedy
+from tests.engine.test_smollm2_equality import QUESTIONS, chat_ids
+from tests.services.cluster_helpers import assert_audit_clean, generate_all, worker_stats
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 32
+K = 3
+DRAFTS = Path(__file__).resolve().parents[2] / "drafts" / "smollm2"
+WORKER_ARGS = ("--dtype", "float32", "--kv-cache-memory", str(96 << 20))
+SERVICE_ARGS = ("--heartbeat-ms", "300", "--lease-ms", "1000", "--log-level", "WARNING")
+
+
+def draft_dir(kind: str | None) -> Path | None:
+    if kind is None:
+        return None
+    path = DRAFTS / kind
+    assert (path / "config.json").is_file(), f"the committed {kind} draft is missing: {path}"
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir: Path) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    return [chat_ids(tokenizer, q) for q in QUESTIONS]
+
+
+def in_process(
+    model: Path, prompts: list[list[int]], draft: Path | None = None
+) -> tuple[list[list[int]], LLM]:
+    """Greedy tokens of one engine doing everything (this process; 1 thread, since the
+    cluster's processes share the cores)."""
+    torch.set_num_threads(1)
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=K) if draft else None
+    llm = LLM(str(model), dtype="float32", kv_cache_memory=96 << 20, speculative=spec)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    return in_process(smollm2_dir, prompts)[0]
+
+
+@pytest.fixture
+def ledger_of() -> Iterator[list[redis.Redis]]:
+    clients: list[redis.Redis] = []
+    yield clients
+    for client in clients:
+        client.close()
+
+
+def start(model: Path, draft: Path | None, n: int, log_dir: Path) -> Cluster:
+    spec = ClusterSpec(
+        model=str(model),
+        draft=str(draft) if draft else None,
+        num_draft_tokens=K,
+        num_prefill=n,
+        num_decode=n,
+        port=0,
+        worker_args=WORKER_ARGS,
+        service_args=SERVICE_ARGS,
+        log_dir=log_dir,
+        grace_s=5.0,
+    )
+    return Cluster(spec).start(timeout_s=180)
+
+
+def scrape(component: Component, name: str) -> float:
+    """The sum of one metric's samples on ``component``'s /metrics."""
+    with urllib.request.urlopen(component.metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    values = re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    return sum(float(v) for v in values)
+
+
+def assert_equal_up_to_ties(
+    model: Path, prompts: list[list[int]], ours: list[list[int]], refs: list[list[int]]
+) -> None:
+    if ours == refs:
+        return
+    hf = LlamaForCausalLM.from_pretrained(str(model), dtype="float32").eval()
+    result = compare_greedy(hf, prompts, ours, refs)
+    assert result.num_ties <= 1, result
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["1p1d", "2p2d"])
+@pytest.mark.parametrize("kind", [None, "eagle", "eagle3", "dflash"], ids=str)
+async def test_greedy_through_cluster_equals_engine(
+    smollm2_dir: Path,
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    kind: str | None,
+    n: int,
+    tmp_path: Path,
+) -> None:
+    draft = draft_dir(kind)
+    cluster = start(smollm2_dir, draft, n, tmp_path / "logs")
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    try:
+        ours = await generate_all(cluster.router_address, prompts, NEW_TOKENS)
+        ledger = Ledger(client)
+        await assert_audit_clean(cluster, ledger)
+        # Every worker took part: prompts were spread over the prefill and decode pools.
+        for component in cluster.prefill:
+            assert scrape(component, "tandem_prefill_seconds_count") > 0, component.name
+        finished = [scrape(c, "tandem_requests_total") for c in cluster.decode]
+        assert sum(finished) == len(prompts) and min(finished) > 0, finished
+        stats = [await worker_stats(c) for c in cluster.decode]
+    finally:
+        client.close()
+        cluster.stop()
+    assert_equal_up_to_ties(smollm2_dir, prompts, ours, reference)
+    if draft is None:
+        assert not any(s.HasField("speculative") for s in stats)
+        return
+    # The drafts ran on the decode workers from the drafts and draft KV the prefill workers
+    # sent. With one decode worker, exactly as many were accepted as in one engine.
+    accepted = sum(s.speculative.num_accepted_tokens for s in stats)
+    assert accepted > 0
+    if n == 1 and ours == reference:
+        spec_tokens, llm = in_process(smollm2_dir, prompts, draft)
+        assert spec_tokens == ours
+        assert llm.engine.spec is not None
+        expected = llm.engine.spec.stats
+        (only,) = stats
+        assert (only.speculative.num_draft_tokens, only.speculative.num_accepted_tokens) == (
+            expected.num_draft_tokens,
+            expected.num_accepted_tokens,
+        )
