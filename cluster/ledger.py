@@ -52,6 +52,9 @@ _WORKER_FIELDS = frozenset(
 )
 
 
+PREFIX_KEY_TTL_MS = 3_600_000  # a prefix-index key outlives its entries by up to this
+
+
 class LedgerConflict(Exception):
     """A refused change: wrong state, stale epoch, expired lease; says expected vs found."""
 
@@ -516,10 +519,24 @@ class Ledger:
     # ---- prefix index (hints for KV-aware routing)
 
     def publish_prefix(self, worker_id: str, block_hashes: Iterable[str], *, ttl_ms: int) -> None:
-        """Advertises that ``worker_id`` caches the KV blocks with these content hashes."""
+        """Advertises that ``worker_id`` caches the KV blocks with these content hashes
+        (one pipelined round trip; each block's key may live on another cluster node)."""
         _check_id("worker_id", worker_id)
-        for block_hash in block_hashes:
-            self._run(lua.PUBLISH_PREFIX, [self._prefix_key(block_hash)], [worker_id, ttl_ms])
+        keys = [self._prefix_key(h) for h in block_hashes]
+        if not keys:
+            return
+        # Plain commands, not a script: cluster pipelines refuse EVALSHA. Entries expire by
+        # score (this host's clock: a routing hint tolerates skew); the key itself lives at
+        # least PREFIX_KEY_TTL_MS (garbage collection only: without PEXPIRE GT, which 6.2
+        # lacks, a short-lived entry must not cut the others' key short).
+        now = int(time.time() * 1000)
+        key_ttl = max(ttl_ms, PREFIX_KEY_TTL_MS)
+        with self.client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.zremrangebyscore(key, "-inf", now)
+                pipe.zadd(key, {worker_id: now + ttl_ms})
+                pipe.pexpire(key, key_ttl)
+            pipe.execute()
 
     def withdraw_prefix(self, worker_id: str, block_hashes: Iterable[str]) -> None:
         """Withdraws advertised blocks (evicted from the worker's prefix cache)."""
@@ -527,14 +544,21 @@ class Ledger:
             self.client.zrem(self._prefix_key(block_hash), worker_id)
 
     def match_prefix(self, block_hashes: Sequence[str]) -> dict[str, int]:
-        """For each worker, how many leading blocks of this chain of hashes it caches."""
+        """For each worker, how many leading blocks of this chain of hashes it caches
+        (one pipelined round trip)."""
+        keys = [self._prefix_key(h) for h in block_hashes]
+        if not keys:
+            return {}
+        now = int(time.time() * 1000)
+        with self.client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.zrangebyscore(key, f"({now}", "+inf")
+            found = pipe.execute()
         matched: dict[str, int] = {}
         candidates: set[str] | None = None
-        for i, block_hash in enumerate(block_hashes):
-            workers = {
-                _text(w) for w in self._run(lua.MATCH_PREFIX, [self._prefix_key(block_hash)], [])
-            }
-            candidates = workers if candidates is None else candidates & workers
+        for i, workers in enumerate(found):
+            names = {_text(w) for w in workers}
+            candidates = names if candidates is None else candidates & names
             if not candidates:
                 break
             for worker_id in candidates:

@@ -269,24 +269,3 @@ end
 return redis.call('DEL', KEYS[1])
 """
 )
-
-# KEYS: one prefix-block key (zset worker -> expiry ms). ARGV: worker, ttl_ms.
-PUBLISH_PREFIX = (
-    _PRELUDE
-    + """
-local now = tonumber(now_ms())
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-redis.call('ZADD', KEYS[1], string.format('%.0f', now + tonumber(ARGV[2])), ARGV[1])
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 1
-"""
-)
-
-# Read-only. KEYS: one prefix-block key. Returns the workers whose entry has not expired.
-MATCH_PREFIX = """
-local t = redis.call('TIME')
-local now = t[1] .. string.sub(string.format('%06d', tonumber(t[2])), 1, 3)
-return redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')
-"""

@@ -1,21 +1,49 @@
-"""Which prefill and decode worker serve a request: the least loaded live ones.
+"""Which prefill and decode worker serve a request.
 
-Load comes from the ledger's worker registry (each worker heartbeats the figures its Stats
+Prefix first: the router remembers in the ledger's prefix index which workers were sent
+which prompt prefixes (a chain of hashes over 16-token blocks), and prefers the worker
+that saw the longest prefix of this prompt, since its prefix cache likely still holds
+that KV; but only a worker that saw at least half the prompt's blocks, is not nearly
+full and has at most 2 more requests in flight from this router than the least busy
+one (so a shared system prompt does not pull every request onto the first worker that
+saw it). Otherwise, or on a tie, the least loaded: load
+comes from the ledger's worker registry (each worker heartbeats the figures its Stats
 reports); between heartbeats the requests this router has sent a worker count too, and
 equal scores take turns.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import itertools
 import time
 from collections import Counter
+from collections.abc import Sequence
+
+import xxhash
 
 from cluster.ledger import Ledger, WorkerInfo, WorkerRole
 from cluster.rpc import Unavailable
 
 IN_FLIGHT_WEIGHT = 0.01  # score per request this router has in flight on a worker
+PREFIX_BLOCK_TOKENS = 16  # granularity of the prefix index
+PREFIX_TTL_MS = 600_000  # how long a sent prefix is assumed cached on its workers
+MAX_LOAD_FOR_AFFINITY = 0.8  # a fuller worker is not preferred for its cached prefix
+MIN_MATCH_FRACTION = 0.5  # of the prompt's blocks, for a worker to count as warm
+MAX_AFFINITY_IMBALANCE = 2  # in-flight requests a warm worker may have over the least busy
+
+
+def prefix_hashes(token_ids: Sequence[int], block_tokens: int = PREFIX_BLOCK_TOKENS) -> list[str]:
+    """One hash per full block of ``block_tokens`` tokens, each chained on the one before,
+    so that equal hashes mean equal prefixes."""
+    hashes: list[str] = []
+    previous = b""
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        block = array.array("I", token_ids[start : start + block_tokens]).tobytes()
+        previous = xxhash.xxh3_128_digest(previous + block)
+        hashes.append(previous.hex())
+    return hashes
 
 
 class WorkerPicker:
@@ -44,10 +72,38 @@ class WorkerPicker:
             and w.stats.get("draining", "0") == "0"
         ]
 
-    def pick(self) -> tuple[WorkerInfo, WorkerInfo]:
-        """A (prefill, decode) pair with the same draft fingerprint."""
-        prefill = self._least_loaded(self.workers(WorkerRole.PREFILL), WorkerRole.PREFILL)
-        return prefill, self._least_loaded(self.decoders_for(prefill), WorkerRole.DECODE)
+    def pick(self, hashes: Sequence[str] = ()) -> tuple[WorkerInfo, WorkerInfo]:
+        """A (prefill, decode) pair with the same draft fingerprint, each the worker that
+        saw the longest prefix of ``hashes`` (``prefix_hashes`` of the prompt), else the
+        least loaded."""
+        matched = self.ledger.match_prefix(hashes) if hashes else {}
+        enough = max(1, int(MIN_MATCH_FRACTION * len(hashes) + 0.5))
+        warm = {w: n for w, n in matched.items() if n >= enough}
+        prefill = self._best(self.workers(WorkerRole.PREFILL), WorkerRole.PREFILL, warm)
+        return prefill, self._best(self.decoders_for(prefill), WorkerRole.DECODE, warm)
+
+    def remember(self, workers: Sequence[WorkerInfo], hashes: Sequence[str]) -> None:
+        """Records that ``workers`` were sent the prompt with these prefix hashes."""
+        for worker in workers:
+            self.ledger.publish_prefix(worker.worker_id, hashes, ttl_ms=PREFIX_TTL_MS)
+
+    def _best(
+        self, workers: list[WorkerInfo], role: WorkerRole, matched: dict[str, int]
+    ) -> WorkerInfo:
+        if not workers or not matched:
+            return self._least_loaded(workers, role)
+        least_busy = min(self.in_flight[w.worker_id] for w in workers)
+        warm = [
+            w
+            for w in workers
+            if matched.get(w.worker_id, 0)
+            and w.load < MAX_LOAD_FOR_AFFINITY
+            and self.in_flight[w.worker_id] - least_busy <= MAX_AFFINITY_IMBALANCE
+        ]
+        if warm:
+            longest = max(matched[w.worker_id] for w in warm)
+            workers = [w for w in warm if matched[w.worker_id] == longest]
+        return self._least_loaded(workers, role)
 
     def decoders_for(self, prefill: WorkerInfo) -> list[WorkerInfo]:
         """Live decode workers that can take KV from ``prefill`` (same draft fingerprint)."""
@@ -61,14 +117,16 @@ class WorkerPicker:
     def least_loaded(self, decoders: list[WorkerInfo]) -> WorkerInfo:
         return self._least_loaded(decoders, WorkerRole.DECODE)
 
-    async def pick_waiting(self, deadline: float) -> tuple[WorkerInfo, WorkerInfo]:
+    async def pick_waiting(
+        self, deadline: float, hashes: Sequence[str] = ()
+    ) -> tuple[WorkerInfo, WorkerInfo]:
         """``pick``, re-reading the registry while no pair is live, for at most ``wait_s``
         and never past ``deadline`` (monotonic): a worker restarting or a heartbeat late
         under load costs the request latency, not an error."""
         give_up = min(deadline, time.monotonic() + self.wait_s)
         while True:
             try:
-                return self.pick()
+                return self.pick(hashes)
             except Unavailable:
                 if time.monotonic() + self.refresh_s > give_up:
                     raise

@@ -20,7 +20,7 @@ from cluster.ledger import Ledger, LedgerConflict, RequestState, WorkerInfo, Wor
 from cluster.membership import Membership
 from cluster.metrics import RouterMetrics
 from cluster.rpc import Overloaded, Unavailable, channel_options
-from router.routing import WorkerPicker
+from router.routing import WorkerPicker, prefix_hashes
 from router.validation import RequestValidator, ValidRequest
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import generation_pb2_grpc as gen_grpc
@@ -134,7 +134,8 @@ class GenerationService(gen_grpc.GenerationServicer):
             valid = self.validator.validate(request)
             remaining = context.time_remaining()
             timeout = self.default_timeout_s if remaining is None else remaining
-            prefill, decode = await self.picker.pick_waiting(arrived + timeout)
+            hashes = prefix_hashes(valid.prompt_token_ids)
+            prefill, decode = await self.picker.pick_waiting(arrived + timeout, hashes)
             route = _Route(valid, prefill, decode, arrived + timeout)
             rid = valid.request_id
             self._create_in_ledger(route)
@@ -151,6 +152,10 @@ class GenerationService(gen_grpc.GenerationServicer):
                 if attempt:  # D handed it back: resume it, prompt + tokens sent so far
                     await self._repick(route)
                 reserve = await self._reserve(route)
+                try:
+                    self.picker.remember((route.prefill, route.decode), hashes)
+                except redis.RedisError as e:  # a routing hint lost, not the request
+                    log.warning("prefix index: redis: %s", e)
                 prefill_called = time.monotonic()
                 prefilled = await self._prefill(route, reserve)
                 if not attempt:
@@ -371,7 +376,8 @@ class GenerationService(gen_grpc.GenerationServicer):
         QUEUED and owned by this router again)."""
         self._count_in_flight(route, -1)
         self.picker.forget_stale()
-        route.prefill, route.decode = await self.picker.pick_waiting(route.deadline)
+        hashes = prefix_hashes(route.token_ids)
+        route.prefill, route.decode = await self.picker.pick_waiting(route.deadline, hashes)
         self._count_in_flight(route, +1)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:

@@ -24,7 +24,13 @@ from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from tests.comparator import compare_greedy
 from tests.engine.test_smollm2_equality import QUESTIONS, chat_ids
-from tests.services.cluster_helpers import assert_audit_clean, generate_all, worker_stats
+from tests.services.cluster_helpers import (
+    assert_audit_clean,
+    generate_all,
+    run,
+    tokens,
+    worker_stats,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -123,14 +129,20 @@ async def test_greedy_through_cluster_equals_engine(
     client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
     try:
         ours = await generate_all(cluster.router_address, prompts, NEW_TOKENS)
+        stats = [await worker_stats(c) for c in cluster.decode]  # draft counters of those 8
+        # The same prompt again goes where it went (prefix-aware routing) and finds its
+        # prompt's KV in the prefill worker's prefix cache.
+        greedy = {"max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+        again = await run(cluster.router_address, prompts[7], **greedy)
+        assert_equal_up_to_ties(smollm2_dir, [prompts[7]], [tokens(again)], [ours[7]])
+        assert again[-1].usage.cached_tokens >= len(prompts[7]) // 32 * 16 > 0
         ledger = Ledger(client)
         await assert_audit_clean(cluster, ledger)
         # Every worker took part: prompts were spread over the prefill and decode pools.
         for component in cluster.prefill:
             assert scrape(component, "tandem_prefill_seconds_count") > 0, component.name
         finished = [scrape(c, "tandem_requests_total") for c in cluster.decode]
-        assert sum(finished) == len(prompts) and min(finished) > 0, finished
-        stats = [await worker_stats(c) for c in cluster.decode]
+        assert sum(finished) == len(prompts) + 1 and min(finished) > 0, finished
     finally:
         client.close()
         cluster.stop()

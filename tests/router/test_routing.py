@@ -1,0 +1,108 @@
+"""WorkerPicker on a real Redis ledger: prefix affinity first (unless the warm worker is
+nearly full), else least loaded; only decode workers with the prefill worker's draft
+fingerprint; waiting for a worker that is late."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from cluster.ledger import Ledger, WorkerRole
+from cluster.redis_server import RedisServer
+from cluster.rpc import Unavailable
+from router.routing import PREFIX_BLOCK_TOKENS, WorkerPicker, prefix_hashes
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer(unix_socket=True) as server:
+        yield server
+
+
+@pytest.fixture
+def ledger(redis_server: RedisServer) -> Iterator[Ledger]:
+    client = redis_server.client(decode_responses=True)
+    yield Ledger(client, namespace=f"t{uuid.uuid4().hex[:10]}")
+    client.close()
+
+
+def join(ledger: Ledger, worker_id: str, role: WorkerRole, load: float, fp: str = "") -> None:
+    epoch = ledger.register_worker(
+        worker_id, role=role, address=f"{worker_id}:1", capacity=1, ttl_ms=60_000
+    )
+    stats = {"model": "m", "draining": 0, "draft_fingerprint": fp}
+    ledger.heartbeat(worker_id, epoch=epoch, ttl_ms=60_000, load=load, stats=stats)
+
+
+def test_prefix_hashes_chain_full_blocks() -> None:
+    a = list(range(40))
+    assert len(prefix_hashes(a)) == 40 // PREFIX_BLOCK_TOKENS == 2
+    assert prefix_hashes(a[:15]) == []
+    b = [*a[:16], 99, *a[17:]]
+    assert prefix_hashes(b)[0] == prefix_hashes(a)[0]
+    assert prefix_hashes(b)[1] != prefix_hashes(a)[1]
+    c = [*a[16:32], *a[:16]]  # the same blocks in another order: other chain
+    assert set(prefix_hashes(c)).isdisjoint(prefix_hashes(a))
+
+
+def test_prefix_affinity_then_least_loaded(ledger: Ledger) -> None:
+    for i, load in enumerate((0.1, 0.3)):
+        join(ledger, f"p{i}", WorkerRole.PREFILL, load)
+        join(ledger, f"d{i}", WorkerRole.DECODE, load)
+    picker = WorkerPicker(ledger, "m", refresh_s=0.0)
+    prompt = list(range(100))
+    hashes = prefix_hashes(prompt)
+    p, d = picker.pick(hashes)
+    assert (p.worker_id, d.worker_id) == ("p0", "d0")  # nothing seen: least loaded
+    by_id = {w.worker_id: w for w in ledger.list_workers()}
+    picker.remember([by_id["p1"], by_id["d1"]], hashes)
+    p, d = picker.pick(hashes)
+    assert (p.worker_id, d.worker_id) == ("p1", "d1")  # more loaded, but warm
+    longer = prefix_hashes([*prompt[:48], 7, 7, 7])  # shares 3 of its blocks
+    assert picker.pick(longer)[1].worker_id == "d1"
+    picker.remember([by_id["d0"]], hashes[:2])
+    assert picker.pick(hashes)[1].worker_id == "d1"  # the longest match wins
+    assert picker.pick(prefix_hashes([5] * 64))[1].worker_id == "d0"  # unseen prompt
+    picker.in_flight["d1"] = 3  # 3 more in flight than d0: affinity yields to balance
+    assert picker.pick(hashes)[1].worker_id == "d0"
+    picker.in_flight["d1"] = 2
+    assert picker.pick(hashes)[1].worker_id == "d1"
+    join(ledger, "d1", WorkerRole.DECODE, 0.95)  # nearly full: affinity yields to load
+    assert picker.pick(hashes)[1].worker_id == "d0"
+    picker.remember([by_id["d0"]], hashes[:2])
+    join(ledger, "d1", WorkerRole.DECODE, 0.3)
+    picker.in_flight["d1"] = 0
+    few = hashes[:2] + prefix_hashes([1] * 80)[2:]  # 2 of 5 blocks seen: not warm
+    assert picker.pick(few)[1].worker_id == "d0"
+
+
+def test_decode_workers_must_match_the_draft(ledger: Ledger) -> None:
+    join(ledger, "p0", WorkerRole.PREFILL, 0.1, fp="eagle3:abc")
+    join(ledger, "d0", WorkerRole.DECODE, 0.0, fp="")
+    join(ledger, "d1", WorkerRole.DECODE, 0.5, fp="eagle3:abc")
+    picker = WorkerPicker(ledger, "m", refresh_s=0.0)
+    assert picker.pick()[1].worker_id == "d1"
+
+
+async def test_waits_for_a_late_worker_then_gives_up(ledger: Ledger) -> None:
+    join(ledger, "p0", WorkerRole.PREFILL, 0.1)
+    picker = WorkerPicker(ledger, "m", refresh_s=0.05, wait_s=2.0)
+
+    async def late_decode_worker() -> None:
+        await asyncio.sleep(0.3)
+        join(ledger, "d0", WorkerRole.DECODE, 0.0)
+
+    task = asyncio.create_task(late_decode_worker())
+    start = time.monotonic()
+    _, d = await picker.pick_waiting(time.monotonic() + 10)
+    await task
+    assert d.worker_id == "d0" and 0.25 < time.monotonic() - start < 1.5
+    lonely = WorkerPicker(ledger, "other-model", refresh_s=0.05, wait_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(Unavailable, match="no live prefill worker serves model 'other-model'"):
+        await lonely.pick_waiting(time.monotonic() + 10)
+    assert time.monotonic() - start < 1.0
