@@ -158,13 +158,22 @@ def channel_options(max_message_bytes: int = 64 << 20) -> list[tuple[str, Any]]:
     ]
 
 
-def new_server(max_message_bytes: int) -> tuple[grpc.aio.Server, Any]:
-    """A grpc.aio server with the error interceptor and a health servicer (returned)."""
+def new_server(
+    max_message_bytes: int, reflected_services: Sequence[str] = ()
+) -> tuple[grpc.aio.Server, Any]:
+    """A grpc.aio server with the error interceptor and a health servicer (returned);
+    with ``reflected_services``, also gRPC server reflection for them (and health), so
+    that grpcurl and grpcui can list and call them without the .proto files."""
     server = grpc.aio.server(
         interceptors=[ErrorInterceptor()], options=server_options(max_message_bytes)
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if reflected_services:
+        from grpc_reflection.v1alpha import reflection  # type: ignore[import-untyped]
+
+        names = (*reflected_services, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
     return server, health_servicer
 
 
@@ -220,6 +229,11 @@ def add_service_arguments(parser: argparse.ArgumentParser, *, default_port: int)
     group.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")
     group.add_argument(
         "--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)"
+    )
+    group.add_argument(
+        "--reflection",
+        action="store_true",
+        help="serve gRPC server reflection (for grpcurl / grpcui; off by default)",
     )
     group.add_argument("--log-level", default="INFO")
     group.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # exit with the launcher

@@ -85,7 +85,7 @@ async def serve(args: argparse.Namespace) -> None:
     layout = engine_setup.kv_layout(engine, spec.served_name, draft.fingerprint if draft else "")
 
     max_message_bytes = dict(kv_server_options())["grpc.max_receive_message_length"]
-    server, health = new_server(max_message_bytes)
+    server, health = new_server(max_message_bytes, SERVICE_NAMES if args.reflection else ())
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = advertised_address(args, port)
     metrics = DecodeMetrics()

@@ -83,7 +83,7 @@ async def serve(args: argparse.Namespace) -> None:
     draft = engine_setup.draft_config(engine, spec)
     layout = engine_setup.kv_layout(engine, spec.served_name, draft.fingerprint if draft else "")
 
-    server, health = new_server(MAX_MESSAGE_BYTES)
+    server, health = new_server(MAX_MESSAGE_BYTES, SERVICE_NAMES if args.reflection else ())
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = advertised_address(args, port)
     metrics = PrefillMetrics()

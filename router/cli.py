@@ -92,7 +92,9 @@ async def serve(args: argparse.Namespace) -> None:
     validator = RequestValidator(
         model, load_tokenizer(model_dir), max_request_bytes=args.max_request_bytes
     )
-    server, health = new_server(4 * args.max_request_bytes)
+    server, health = new_server(
+        4 * args.max_request_bytes, SERVICE_NAMES if args.reflection else ()
+    )
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = advertised_address(args, port)
     metrics = RouterMetrics()

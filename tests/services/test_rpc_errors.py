@@ -106,3 +106,30 @@ async def test_engine_loop_bounds_new_work_but_never_cleanup() -> None:
             await failing
     finally:
         loop.stop()
+
+
+def test_reflection_lists_the_services_only_when_asked() -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    async def services(reflected: tuple[str, ...]) -> list[str]:
+        server, _ = new_server(1 << 20, reflected)
+        gen_grpc.add_GenerationServicer_to_server(Raising(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                database = ProtoReflectionDescriptorDatabase(channel)
+                return await asyncio.to_thread(lambda: sorted(database.get_services()))
+        except grpc.RpcError as e:
+            return [e.code().name]
+        finally:
+            await server.stop(0)
+
+    assert asyncio.run(services(("tandem.v1.Generation",))) == [
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+        "tandem.v1.Generation",
+    ]
+    assert asyncio.run(services(())) == ["UNIMPLEMENTED"]
