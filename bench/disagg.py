@@ -160,7 +160,7 @@ def main() -> None:
 
     model = str(resolve_model(args.model))
     lengths = (128, 512) if args.quick else (128, 2048)
-    rounds = {1: 3 if args.quick else 6, 8: 1 if args.quick else 2}  # batches per concurrency
+    rounds = {1: 3 if args.quick else 4, 8: 1}  # batches per concurrency
     settings = [(n, c) for n in lengths for c in rounds]
     windows = {
         n: prompt_windows(model, n, 2 * sum(c * r for c, r in rounds.items())) for n in lengths

@@ -20,7 +20,7 @@ from typing import Any
 
 from cluster.engine_loop import EngineLoop, owned_block_ids
 from cluster.engine_setup import draft_figures
-from cluster.kv_transfer import KvLayout, KvReceiver, KvReservation, host_id
+from cluster.kv_transfer import KvLayout, KvReceiver, KvReservation, TransferState, host_id
 from cluster.ledger import LedgerConflict, RequestState
 from cluster.membership import Membership
 from cluster.metrics import DecodeFigures, DecodeMetrics
@@ -306,12 +306,16 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         self._forget(request_id)
 
     async def expire_reservations(self) -> None:
-        """Frees reservations whose Decode never came (the router went away)."""
+        """Frees reservations whose Decode never came (the router went away). One whose KV
+        push is open is not idle: the prefill worker holds the stream from the moment the
+        request reaches it (queued, computing, sending) and ends it if it gives up."""
         while True:
             await asyncio.sleep(min(1.0, self.reserve_timeout_s / 4))
             now = time.monotonic()
             for req in list(self._requests.values()):
-                if req.slot is None and now - req.reserved_at > self.reserve_timeout_s:
+                if self.receiver.state(req.request_id) is TransferState.TRANSFERRING:
+                    req.reserved_at = now  # the lapse counts from the push's end
+                elif req.slot is None and now - req.reserved_at > self.reserve_timeout_s:
                     log.warning("reservation of %s lapsed", req.request_id)
                     self._forget(req.request_id)
 

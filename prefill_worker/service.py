@@ -11,6 +11,7 @@ Ledger: PREFILLING -> TRANSFERRING (this worker) -> DECODING (handed to the deco
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -121,7 +122,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         task = asyncio.current_task()
         assert task is not None
         start = time.monotonic()
-        push = self._start_push(request)
+        push = self._start_push(request, context.time_remaining())
         self._tasks[rid] = task
         try:
             params = params_from_proto(request.sampling)
@@ -225,14 +226,18 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
 
     # ---- internals
 
-    def _start_push(self, request: pb.PrefillRequest) -> LayerPush:
+    def _start_push(self, request: pb.PrefillRequest, remaining_s: float | None) -> LayerPush:
         """Opens the push into the decode worker's blocks before any compute; the relay
-        feeds it each layer the engine writes for this request."""
+        feeds it each layer the engine writes for this request. The push lives as long
+        as the request may (its deadline), since it is open while the request queues."""
+        options = self.transfer_options
+        if remaining_s is not None and remaining_s > options.timeout_s:
+            options = dataclasses.replace(options, timeout_s=remaining_s)
         sender = make_sender(
             self._channel(request.decode_address),
             peer_host_id=request.decode_host_id or None,
             rings=self.rings,
-            options=self.transfer_options,
+            options=options,
         )
         push = LayerPush(
             sender,
