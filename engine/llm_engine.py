@@ -169,7 +169,8 @@ class LLMEngine:
         params: SamplingParams,
         num_generated_tokens: int = 0,
     ) -> Sequence:
-        if not 0 <= num_generated_tokens < min(len(token_ids), params.max_tokens):
+        limit = min(len(token_ids), params.max_tokens)
+        if num_generated_tokens < 0 or (num_generated_tokens and num_generated_tokens >= limit):
             raise RequestError(
                 f"num_generated_tokens: {num_generated_tokens}, must be at least 0 and below "
                 f"both the number of ids ({len(token_ids)}) and max_tokens ({params.max_tokens})"
