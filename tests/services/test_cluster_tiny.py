@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -43,6 +43,7 @@ from tests.services.cluster_helpers import (
     non_final_requests,
     run,
     tokens,
+    wait_audit_clean,
     worker_stats,
 )
 from tests.services.tiny_tokenizer import save_char_tokenizer
@@ -118,6 +119,13 @@ def ledger(cluster: Cluster) -> Iterator[Ledger]:
     client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
     yield Ledger(client)
     client.close()
+
+
+@pytest.fixture(autouse=True)
+async def audit_after_each_test(cluster: Cluster, ledger: Ledger) -> AsyncIterator[None]:
+    """After every test: nothing held by any worker or in the ledger, nothing live."""
+    yield
+    await wait_audit_clean(cluster, ledger)
 
 
 def reference(
