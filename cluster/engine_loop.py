@@ -19,6 +19,7 @@ from typing import Any, Generic, TypeVar
 
 from cluster.rpc import Overloaded
 from engine.llm_engine import LLMEngine, RequestOutput
+from tandem.v1.worker_pb2 import StatsReply
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,12 @@ class EngineLoop(Generic[Payload]):
 
     async def call(self, fn: Callable[..., T], *args: Any, bounded: bool = True) -> T:
         return await self.submit(fn, *args, bounded=bounded)
+
+    async def report_block_ids(self, reply: StatsReply) -> None:
+        """Fills a Stats reply's block ids held by requests and count of cached ones."""
+        owned, cached = await self.call(owned_block_ids, self.engine, bounded=False)
+        reply.owned_block_ids.extend(owned)
+        reply.num_kv_blocks_cached = len(cached)
 
     def _run(self) -> None:
         engine = self.engine

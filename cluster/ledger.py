@@ -518,10 +518,14 @@ class Ledger:
 
     # ---- prefix index (hints for KV-aware routing)
 
-    def publish_prefix(self, worker_id: str, block_hashes: Iterable[str], *, ttl_ms: int) -> None:
-        """Advertises that ``worker_id`` caches the KV blocks with these content hashes
-        (one pipelined round trip; each block's key may live on another cluster node)."""
-        _check_id("worker_id", worker_id)
+    def publish_prefix(
+        self, worker_ids: Iterable[str], block_hashes: Iterable[str], *, ttl_ms: int
+    ) -> None:
+        """Advertises that each of ``worker_ids`` caches the KV blocks with these content
+        hashes (one pipelined round trip; each block's key may live on another node)."""
+        workers = list(worker_ids)
+        for worker_id in workers:
+            _check_id("worker_id", worker_id)
         keys = [self._prefix_key(h) for h in block_hashes]
         if not keys:
             return
@@ -534,7 +538,7 @@ class Ledger:
         with self.client.pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.zremrangebyscore(key, "-inf", now)
-                pipe.zadd(key, {worker_id: now + ttl_ms})
+                pipe.zadd(key, dict.fromkeys(workers, now + ttl_ms))
                 pipe.pexpire(key, key_ttl)
             pipe.execute()
 

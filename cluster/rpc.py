@@ -17,7 +17,7 @@ import re
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
@@ -158,6 +158,25 @@ def channel_options(max_message_bytes: int = 64 << 20) -> list[tuple[str, Any]]:
     ]
 
 
+class ChannelPool:
+    """One grpc.aio channel per peer address, opened on first use, closed together."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=channel_options())
+            self._channels[address] = channel
+        return channel
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
 def new_server(
     max_message_bytes: int, reflected_services: Sequence[str] = ()
 ) -> tuple[grpc.aio.Server, Any]:
@@ -237,6 +256,35 @@ def add_service_arguments(parser: argparse.ArgumentParser, *, default_port: int)
     )
     group.add_argument("--log-level", default="INFO")
     group.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # exit with the launcher
+
+
+def add_kv_transport_argument(parser: argparse.ArgumentParser) -> None:
+    """``--kv-transport``, which both worker kinds take (the sender and the receiver)."""
+    parser.add_argument(
+        "--kv-transport",
+        choices=["auto", "grpc"],
+        default="auto",
+        help="auto: KV between workers on one host goes through shared memory; grpc: always "
+        "the gRPC stream",
+    )
+
+
+def run_service(
+    role: str,
+    serve: Callable[[argparse.Namespace], Coroutine[Any, Any, None]],
+    args: argparse.Namespace,
+) -> int:
+    """A service process's body: logging, then ``serve(args)`` until shutdown. A Redis that
+    cannot be reached or refuses the credentials ends it with one logged line and exit 1."""
+    from cluster.redis_connect import RedisConnectError
+
+    setup_logging(role, args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except RedisConnectError as e:
+        logging.getLogger(role).error("%s", e)
+        return 1
+    return 0
 
 
 def advertised_address(args: argparse.Namespace, port: int) -> str:

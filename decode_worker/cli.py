@@ -15,19 +15,14 @@ log = logging.getLogger("decode_worker")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from cluster.engine_setup import add_engine_arguments
-    from cluster.rpc import add_service_arguments
+    from cluster.rpc import add_kv_transport_argument, add_service_arguments
 
     add_engine_arguments(parser)
     add_service_arguments(parser, default_port=DEFAULT_PORT)
     parser.add_argument(
         "--reserve-timeout-s", type=float, default=60.0, help="reservations lapse after this"
     )
-    parser.add_argument(
-        "--kv-transport",
-        choices=["auto", "grpc"],
-        default="auto",
-        help="auto: same-host pushes through shared memory; grpc: always the gRPC stream",
-    )
+    add_kv_transport_argument(parser)
 
 
 def register_decode(subparsers: Any) -> None:
@@ -49,16 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.redis_connect import RedisConnectError
-    from cluster.rpc import setup_logging
+    from cluster.rpc import run_service
 
-    setup_logging("decode", args.log_level)
-    try:
-        asyncio.run(serve(args))
-    except RedisConnectError as e:
-        log.error("%s", e)
-        return 1
-    return 0
+    return run_service("decode", serve, args)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.engine_loop import EngineLoop, owned_block_ids
+from cluster.engine_loop import EngineLoop
 from cluster.engine_setup import draft_figures
 from cluster.kv_transfer import KvLayout, KvReceiver, KvReservation, TransferState, host_id
 from cluster.ledger import LedgerConflict, RequestState
@@ -84,6 +84,7 @@ class _Request:
     num_resumed: int  # output tokens an earlier attempt already streamed (a preemption)
     router_id: str  # who gets the request back on a preemption
     router_epoch: int
+    num_text_resumed: int = 0  # characters of the resumed output already streamed
     reserved_at: float = field(default_factory=time.monotonic)
     slot: OutputSlot | None = None  # set once Decode started
 
@@ -165,10 +166,14 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             request.router_id,
             request.router_epoch,
         )
+
+        def reserve() -> tuple[list[int], int, int]:
+            """Engine thread: the blocks, and the characters of resumed output already sent."""
+            table, num_cached = self.engine.reserve(rid, prompt, params, num_resumed)
+            return table, num_cached, len(self.engine.output_text(rid)) if num_resumed else 0
+
         try:  # cancelled after the engine reserved: _forget's abort follows it in the queue
-            table, num_cached = await self.engine_loop.call(
-                self.engine.reserve, rid, prompt, params, num_resumed
-            )
+            table, num_cached, req.num_text_resumed = await self.engine_loop.call(reserve)
             req.block_ids = table
             num_cached_blocks = num_cached // self.block_size
             reservation = KvReservation(rid, table[num_cached_blocks:], self._pools, self.layout)
@@ -203,9 +208,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         is_finished = False
         status = "aborted"
         try:
-            # Chunks continue where the earlier attempt's stream stopped, text included.
-            resumed_text = await self.engine_loop.call(self.engine.output_text, rid)
-            stream = _ChunkStream(req, request, len(resumed_text))
+            stream = _ChunkStream(req, request)
             if not request.is_finished_on_prefill:
                 remaining = context.time_remaining()
                 timeout = self.decode_timeout_s if remaining is None else remaining
@@ -279,9 +282,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
                 )
             )
         if request.include_block_ids:
-            owned, cached = await self.engine_loop.call(owned_block_ids, self.engine, bounded=False)
-            reply.owned_block_ids.extend(owned)
-            reply.num_kv_blocks_cached = len(cached)
+            await self.engine_loop.report_block_ids(reply)
         return reply
 
     # ---- lifecycle
@@ -392,10 +393,11 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
 class _ChunkStream:
     """Turns one request's cumulative outputs into consecutive chunks."""
 
-    def __init__(self, req: _Request, request: pb.DecodeRequest, num_text_sent: int) -> None:
+    def __init__(self, req: _Request, request: pb.DecodeRequest) -> None:
         self.req = req
+        # Chunks continue where an earlier attempt's stream stopped, text included.
         self.num_sent = req.num_resumed  # tokens already in chunks (by any attempt)
-        self.num_text_sent = num_text_sent  # characters already in chunks
+        self.num_text_sent = req.num_text_resumed  # characters already in chunks
         self.first_logprob = (
             request.first_token_logprob if request.HasField("first_token_logprob") else None
         )

@@ -176,13 +176,8 @@ class LLMEngine:
                 f"both the number of ids ({len(token_ids)}) and max_tokens ({params.max_tokens})"
             )
         num_prompt_tokens = len(token_ids) - num_generated_tokens
-        self._validate(request_id, token_ids[:num_prompt_tokens], params)
+        self._validate(request_id, token_ids, params, num_prompt_tokens)
         generated = token_ids[num_prompt_tokens:]
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in generated):
-            raise RequestError(
-                f"prompt: a generated token id is outside the vocabulary [0, {vocab})"
-            )
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(
             request_id=request_id,
@@ -302,13 +297,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _validate(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, num_prompt_tokens: int
+    ) -> None:
+        """``token_ids``: the prompt's ``num_prompt_tokens``, then any resumed output."""
         if request_id in self._seqs:
             raise RequestError(f"request_id: {request_id!r} is already running")
-        if not prompt:
+        if not num_prompt_tokens:
             raise RequestError("prompt: is empty; send at least one token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
+        bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
@@ -318,11 +316,11 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise RequestError("stop: stop strings need a tokenizer; use stop_token_ids")
-        total = len(prompt) + params.max_tokens
+        total = num_prompt_tokens + params.max_tokens
         if total > self.max_model_len:
             raise RequestError(
-                f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{total} exceeds the context length {self.max_model_len}"
+                f"max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens "
+                f"({params.max_tokens}) = {total} exceeds the context length {self.max_model_len}"
             )
         needed = self.block_manager.num_blocks_for(total + self.block_manager.num_lookahead_slots)
         if needed > self.block_manager.num_blocks:

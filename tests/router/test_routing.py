@@ -6,28 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import Iterator
 
 import pytest
 
 from cluster.ledger import Ledger, WorkerRole
-from cluster.redis_server import RedisServer
 from cluster.rpc import Unavailable
 from router.routing import PREFIX_BLOCK_TOKENS, WorkerPicker, prefix_hashes
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer(unix_socket=True) as server:
-        yield server
-
-
-@pytest.fixture
-def ledger(redis_server: RedisServer) -> Iterator[Ledger]:
-    client = redis_server.client(decode_responses=True)
-    yield Ledger(client, namespace=f"t{uuid.uuid4().hex[:10]}")
-    client.close()
 
 
 def join(ledger: Ledger, worker_id: str, role: WorkerRole, load: float, fp: str = "") -> None:
