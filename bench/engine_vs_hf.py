@@ -130,6 +130,12 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=2, help="runs per side, interleaved; the best is kept"
     )
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="Tandem without torch.compile (default: decode steps compiled, "
+        "EngineConfig(torch_compile=True); compiling takes about a minute per dtype)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     new_tokens = 32 if args.quick else args.new_tokens
@@ -145,12 +151,22 @@ def main() -> None:
     print(
         "# SmolLM2-135M-Instruct: packaged Q4_1 GGUF dequantized to fp32 (538 MB), cast per table"
     )
+    print(f"# Tandem decode steps: {'eager' if args.eager else 'torch.compile'}")
     results: dict[str, float] = {
         "roofline_tok_s_bs1": roofline_tok_s_bs1(config),
         "dram_gbps": dram_gbps(),
     }
     for dtype in dtypes:
-        engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, kv_cache_memory=1 << 30))
+        started = time.perf_counter()
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(model_dir),
+                dtype=dtype,
+                kv_cache_memory=1 << 30,
+                torch_compile=not args.eager,
+            )
+        )
+        print(f"# {dtype}: engine ready in {time.perf_counter() - started:.0f} s", flush=True)
         hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         warm = chat_prompts(tokenizer, 2)
         tandem_tok_s(engine, warm, 4)

@@ -45,6 +45,12 @@ def register_serve(subparsers: Any) -> None:
     parser.add_argument("--kv-cache-memory", type=int, help="KV cache bytes per worker")
     parser.add_argument("--block-size", type=int, help="tokens per KV block")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    parser.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="decode workers run decode steps through torch.compile (faster at small "
+        "batches; start-up takes a minute or two longer)",
+    )
     parser.add_argument("--log-dir", help="write each process's log there (default: stderr)")
     parser.add_argument("--grace-s", type=float, default=30.0, help="drain time on shutdown")
     parser.set_defaults(func=_serve)
@@ -86,6 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         threads=args.threads,
         worker_args=tuple(worker_args),
+        decode_args=("--torch-compile",) if args.torch_compile else (),
         router_args=tuple(router_args),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         grace_s=args.grace_s,

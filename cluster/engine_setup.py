@@ -35,6 +35,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--threads", type=int, help="torch CPU threads of this process")
     group.add_argument("--draft", metavar="DIR", help="EAGLE / EAGLE-3 / DFlash draft directory")
     group.add_argument("--num-draft-tokens", type=int, default=5, help="K, drafts per step")
+    group.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="decode steps through torch.compile (CPU: about 1.4x the tokens per second at "
+        "batch 1); compiling takes a minute or two at start-up, before the worker serves",
+    )
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,7 @@ def build_engine(
         num_threads=args.threads,
         speculative=speculative,
         preemption=preemption,
+        torch_compile=args.torch_compile,
     )
     return LLMEngine(config, tokenizer=load_tokenizer(spec.model_dir))
 

@@ -27,6 +27,7 @@ from cluster.redis_connect import PASSWORD_ENV, RedisConnectError, RedisSettings
 from cluster.redis_server import RedisServer, free_port
 
 STARTUP_TIMEOUT_S = 180.0
+COMPILE_STARTUP_S = 300.0  # more, per decode worker on a shared core, with --torch-compile
 
 
 class ClusterError(RuntimeError):
@@ -117,8 +118,12 @@ class Cluster:
         assert self.router is not None
         return self.router.address
 
-    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> Cluster:
+    def start(self, timeout_s: float | None = None) -> Cluster:
         spec = self.spec
+        if timeout_s is None:
+            timeout_s = STARTUP_TIMEOUT_S
+            if "--torch-compile" in spec.decode_args:
+                timeout_s += COMPILE_STARTUP_S * spec.num_decode
         try:
             if self.redis_settings is None:
                 self.redis = RedisServer().start()

@@ -90,6 +90,12 @@ def register_generate(subparsers: Subparsers) -> None:
         help="wrap each prompt in the tokenizer's chat template (default: when it has one)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="decode steps through torch.compile: faster at small batches, after a minute "
+        "or two of compiling (worth it for long generations)",
+    )
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument(
         "--draft", metavar="DIR", help="an EAGLE, EAGLE-3 or DFlash draft directory for the model"
@@ -177,7 +183,12 @@ def _generate(args: argparse.Namespace) -> int:
                 args.draft, num_draft_tokens=args.num_draft_tokens, adaptive=args.adaptive
             )
         start = time.perf_counter()
-        llm = LLM(str(model_dir), dtype=args.dtype, speculative=speculative)
+        llm = LLM(
+            str(model_dir),
+            dtype=args.dtype,
+            speculative=speculative,
+            torch_compile=args.torch_compile,
+        )
         load_s = time.perf_counter() - start
         tokenizer = llm.tokenizer
         has_template = bool(getattr(tokenizer, "chat_template", None))

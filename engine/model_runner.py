@@ -93,8 +93,17 @@ class ModelRunner:
         kv_cache: PagedKVCache,
         backend: AttentionBackend,
         device: torch.device,
+        *,
+        compile_decode: bool = False,
     ) -> None:
         self.model = model
+        # What decode steps call: the model, or torch.compile of it with dynamic shapes
+        # (batch size and context length are symbolic: a graph for one row and one for
+        # several, not one per shape). On CPU inductor fuses the ~40 small ops per layer around
+        # the matrix products into a few kernels; that is most of a batch-1 step's time.
+        self.decode_model: nn.Module = model
+        if compile_decode:
+            self.decode_model = torch.compile(model, dynamic=True)  # type: ignore[assignment]
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
@@ -167,7 +176,12 @@ class ModelRunner:
     ) -> ModelOutputs:
         if metadata is None:
             metadata = self.backend.build_metadata(inputs.layout)
-        out: ModelOutputs = self.model(
+        # Decode rows only (one token each) run the compiled forward; speculative
+        # verification calls ``decode_model`` itself. Prompt chunks stay eager: each query
+        # length would be a graph of its own, for work whose small ops matter less.
+        is_decode = inputs.layout.max_query_len == 1 and on_layer is None
+        model = self.decode_model if is_decode else self.model
+        out: ModelOutputs = model(
             inputs.tokens,
             inputs.layout.positions,
             self.kv_cache.layers,

@@ -95,7 +95,10 @@ class TorchAttentionBackend:
         k_flat = k_cache.view(-1, k_cache.shape[2], head_dim)
         v_flat = v_cache.view(-1, v_cache.shape[2], head_dim)
 
-        b, qn = metadata.num_rows, metadata.max_query_len
+        # From tensor shapes, not the host ints: under torch.compile they stay symbolic, so
+        # one graph serves every batch size and query length.
+        b = metadata.kv_slots.shape[0]
+        qn = metadata.query_gather.shape[0] // b
         is_uniform = b * qn == q.shape[0]  # every row has qn tokens: padding is the identity
         qp = q if is_uniform else q[metadata.query_gather]
         qp = qp.view(b, qn, num_heads, head_dim).transpose(1, 2)

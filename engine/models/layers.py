@@ -137,11 +137,24 @@ class _PackedFp32Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_packed:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-                x, self.weight, self.bias, "none", [], ""
-            )
-            return out
+            return packed_fp32_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+@torch.library.custom_op("tandem::packed_fp32_linear", mutates_args=())
+def packed_fp32_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` with ``weight`` in oneDNN's blocked layout. An opaque op, so
+    that torch.compile calls it as it is (inductor's own lowering of the oneDNN op expects
+    weights it packed itself)."""
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return out
+
+
+@packed_fp32_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def use_packed_gemm(model: nn.Module, min_rows: int) -> None:

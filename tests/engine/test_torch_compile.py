@@ -1,0 +1,114 @@
+"""``EngineConfig(torch_compile=True)``: decode steps and speculative verification run through
+torch.compile, and the output equals the eager engine's (fp32, tie-aware comparator).
+
+Compiling takes a while even for a tiny model (about 20 s per graph on two cores), so one
+module-scoped pair of engines serves every test here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from tests.comparator import compare_greedy
+from tests.engine.tiny_drafts import build_random_draft
+from tests.engine.tiny_models import build_tiny_llama
+
+PROMPTS = [[5, 6, 7], [9] * 11, [3, 4], [10, 11, 12, 13, 14, 15, 16], [40], [1, 2, 3, 4, 5, 6]]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("compile_target")
+    # packed fp32 GEMM on (the default): multi-row products go through the opaque op
+    model = build_tiny_llama(out, "gqa3_llama3rope_tied_bias_hd40", num_layers=2, vocab_size=64)
+    return out, model
+
+
+def engine_for(model_dir: Path, spec: SpeculativeConfig | None = None, **kw) -> LLMEngine:
+    cfg = dict(model=str(model_dir), dtype="float32", kv_cache_memory=1 << 21, block_size=4)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg, speculative=spec))
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]):
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return done
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def assert_same_greedy(hf_model, ours: dict, refs: dict, requests: dict) -> None:
+    a = [ours[r].token_ids for r in requests]
+    b = [refs[r].token_ids for r in requests]
+    assert a == b or compare_greedy(hf_model, PROMPTS, a, b).num_ties <= 1
+
+
+def test_compiled_decode_equals_eager(target):
+    model_dir, hf_model = target
+    requests = {str(i): (p, greedy(20 + 3 * i)) for i, p in enumerate(PROMPTS)}
+    eager = run(engine_for(model_dir), requests)
+    counters.clear()
+    engine = engine_for(model_dir, torch_compile=True)  # warms up: compiles here
+    assert counters["stats"]["unique_graphs"] == 2  # one decode row; several rows
+    calls = counters["stats"]["calls_captured"]
+    compiled = run(engine, requests)
+    assert_same_greedy(hf_model, compiled, eager, requests)
+    one = {"0": requests["3"]}  # batch 1 alone
+    assert compiled["3"].token_ids == run(engine, one)["0"].token_ids
+    # Batch sizes 6 down to 1 and every context length ran on the warm-up's graphs.
+    assert counters["stats"]["unique_graphs"] == 2
+    assert counters["stats"]["calls_captured"] == calls
+
+
+def test_compiled_verify_is_lossless(target, tmp_path):
+    model_dir, hf_model = target
+    requests = {str(i): (p, greedy(24)) for i, p in enumerate(PROMPTS)}
+    base = run(engine_for(model_dir), requests)
+    draft = build_random_draft(model_dir, tmp_path / "eagle3", "eagle3")
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=3)
+    engine = engine_for(model_dir, spec, torch_compile=True)
+    assert engine.runner.decode_model is not engine.runner.model
+    assert engine.spec is not None and engine.spec.stats.num_draft_tokens == 0  # warm-up forgot
+    out = run(engine, requests)
+    assert engine.spec.stats.num_draft_tokens > 0
+    assert_same_greedy(hf_model, out, base, requests)
+
+
+def test_logits_of_a_compiled_step_match_eager(target):
+    """The verify-shaped forward (4 rows of 3 tokens after a prompt) within 1e-5."""
+    model_dir, _ = target
+    engine = engine_for(model_dir, torch_compile=True)
+    runner = engine.runner
+    for rid, prompt in enumerate(PROMPTS[:4]):
+        engine.add_request(str(rid), prompt, greedy(8))
+    for _ in range(3):  # prompts, then decode steps
+        engine.step()
+    batch = engine.scheduler.schedule()
+    inputs = runner.prepare(batch, return_n_logits=1)
+    with torch.inference_mode():
+        eager_logits = runner.model(
+            inputs.tokens,
+            inputs.layout.positions,
+            runner.kv_cache.layers,
+            runner.backend,
+            runner.backend.build_metadata(inputs.layout),
+            inputs.logit_indices,
+        ).logits
+        compiled_logits = runner.forward(inputs).logits
+    torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-5, atol=1e-5)
