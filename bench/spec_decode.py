@@ -143,6 +143,12 @@ def main() -> None:
     )
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--skip-batched", action="store_true", help="batch 1 only")
+    parser.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="Tandem's decode steps through torch.compile (each engine compiles for a minute "
+        "or two first)",
+    )
     args = parser.parse_args()
 
     missing = [k for k in args.kinds if not (args.drafts / k / "config.json").is_file()]
@@ -158,7 +164,7 @@ def main() -> None:
     sets = {name: [chat_ids(tokenizer, p) for p in load_heldout(name)] for name in ("chat", "code")}
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    common = dict(dtype="bfloat16", kv_cache_memory=512 << 20)
+    common = dict(dtype="bfloat16", kv_cache_memory=512 << 20, torch_compile=args.torch_compile)
 
     def spec(kind: str, adaptive: bool = False) -> SpeculativeConfig:
         return SpeculativeConfig(
