@@ -10,7 +10,8 @@ head_dim 128, block_size 16; 4 runs of consecutive blocks) four ways, interleave
   ``--chunk-mib`` messages to a servicer that drops them: gRPC's own ceiling here);
 - ``raw_socket``: the same bytes as one ``sendall`` from a pre-touched buffer into
   ``recv_into`` a pre-touched buffer, until the receiver acknowledges;
-- ``shm``: ShmKvSender (ring in /dev/shm, control over gRPC), checksums included;
+- ``shm``: ShmKvSender (chunks and their headers in a /dev/shm ring, FIFO wake-ups;
+  gRPC for the handshake, the last message and the reply), checksums included;
 - ``memcpy``: one ``tensor.copy_`` of the same bytes into a pre-touched tensor.
 
 Each figure is the best of ``--repeats`` after one warm-up; each process uses one torch

@@ -1,16 +1,27 @@
 """Chunk checksums: XXH3-64 by default (xxhash is a dependency), zlib's CRC-32 and
-CRC-32C (when google-crc32c is installed) on request."""
+CRC-32C (when google-crc32c is installed) on request. Each has a one-shot function and a
+running form (``update`` piece by piece, same value) for checksumming while copying."""
 
 from __future__ import annotations
 
 import importlib
 import zlib
 from collections.abc import Callable
+from typing import Protocol
 
 from tandem.v1 import kv_transfer_pb2 as pb
 
 Buffer = bytes | bytearray | memoryview
 ChecksumFn = Callable[[Buffer], int]
+
+
+class RunningChecksum(Protocol):
+    """The checksum of the bytes given to ``update`` so far, in order."""
+
+    def update(self, data: Buffer, /) -> None: ...
+
+    def intdigest(self) -> int: ...
+
 
 # Measured here (loaded 2-core EPYC VM, 4 MiB cached buffers): zlib.crc32 3.8 GB/s,
 # xxhash.xxh3_64 25 GB/s, google_crc32c 24 GB/s on bytes (13.6 GB/s with the copy).
@@ -38,6 +49,47 @@ def _read_only(fn: ChecksumFn | None) -> ChecksumFn | None:
     return lambda data: fn(data if isinstance(data, bytes) else bytes(data))
 
 
+class _Crc32:
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, data: Buffer, /) -> None:
+        self._value = zlib.crc32(data, self._value)
+
+    def intdigest(self) -> int:
+        return self._value
+
+
+class _Crc32c:
+    def __init__(self, state: object) -> None:
+        self._state = state
+
+    def update(self, data: Buffer, /) -> None:
+        self._state.update(data if isinstance(data, bytes) else bytes(data))  # type: ignore[attr-defined]
+
+    def intdigest(self) -> int:
+        return int.from_bytes(self._state.digest(), "big")  # type: ignore[attr-defined]
+
+
+def _running() -> dict[int, Callable[[], RunningChecksum]]:
+    found: dict[int, Callable[[], RunningChecksum]] = {pb.CHECKSUM_KIND_CRC32: _Crc32}
+    xxh3 = _optional_class("xxhash", "xxh3_64")
+    if xxh3 is not None:
+        found[pb.CHECKSUM_KIND_XXH3_64] = xxh3  # seed 0, as xxh3_64_intdigest
+    crc32c = _optional_class("google_crc32c", "Checksum")
+    if crc32c is not None:
+        found[pb.CHECKSUM_KIND_CRC32C] = lambda: _Crc32c(crc32c())
+    return found
+
+
+def _optional_class(module: str, attribute: str) -> Callable[[], RunningChecksum] | None:
+    try:
+        cls: Callable[[], RunningChecksum] = getattr(importlib.import_module(module), attribute)
+    except ImportError:
+        return None
+    return cls
+
+
 def _available() -> dict[int, ChecksumFn]:
     found: dict[int, ChecksumFn | None] = {
         pb.CHECKSUM_KIND_CRC32: zlib.crc32,
@@ -48,6 +100,7 @@ def _available() -> dict[int, ChecksumFn]:
 
 
 _AVAILABLE = _available()
+_RUNNING = _running()
 
 
 def checksum_kind(name: str) -> int:
@@ -65,6 +118,12 @@ def checksum_kind(name: str) -> int:
 def checksum_function(kind: int) -> ChecksumFn | None:
     """The function for a wire ChecksumKind, or None when it is unknown or not installed."""
     return _AVAILABLE.get(kind)
+
+
+def running_checksum(kind: int) -> RunningChecksum:
+    """A fresh running checksum of a wire ChecksumKind that ``checksum_kind`` accepted (or
+    ``checksum_function`` found): its ``intdigest`` equals the one-shot function's."""
+    return _RUNNING[kind]()
 
 
 def kind_name(kind: int) -> str:

@@ -2,6 +2,7 @@
 
 One chunk holds whole layers of one pool for the same block runs (small layers are grouped
 up to ``chunk_bytes``) or part of one layer's runs (a large layer is split at block bounds).
+Blocks are checksummed as they are packed (copying.pack), while they are in cache.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ from cluster.kv_transfer.base import (
     merge_runs,
     split_runs,
 )
-from cluster.kv_transfer.checksum import checksum_function, checksum_kind
+from cluster.kv_transfer.checksum import (
+    RunningChecksum,
+    checksum_function,
+    checksum_kind,
+    running_checksum,
+)
+from cluster.kv_transfer.copying import byte_view, copy_then_hash, pack
 from tandem.v1 import kv_transfer_pb2 as pb
 
 T = TypeVar("T")
@@ -85,6 +92,7 @@ class _Pending:
     buffer: torch.Tensor  # uint8, room for max_layers layers
     layer_bytes: int
     max_layers: int
+    running: RunningChecksum  # of the layers packed so far
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -113,7 +121,6 @@ class ChunkingKvSender(KvSender):
         super().__init__()
         self.options = options
         self.checksum_kind = checksum_kind(options.checksum)
-        self._checksum = checksum_function(self.checksum_kind)
         self._tamper = tamper
         self._layout: KvLayout | None = None
         self._pending: _Pending | None = None
@@ -128,7 +135,7 @@ class ChunkingKvSender(KvSender):
 
     @abc.abstractmethod
     async def _send_chunk(self, header: pb.KvChunk, data: torch.Tensor) -> None:
-        """Sends ``data`` (``_seal`` it first: the header's checksum is not set yet)."""
+        """Sends ``data`` (a buffer from ``_acquire``) with its header (checksum set)."""
 
     @abc.abstractmethod
     async def _close(self, last: pb.KvChunk) -> pb.KvPushReply:
@@ -172,8 +179,9 @@ class ChunkingKvSender(KvSender):
             for group in split_runs(runs, max(1, self.options.chunk_bytes // block_bytes)):
                 spec = ChunkSpec(pool, layer, layer + 1, group)
                 buffer = await self._guard(self._acquire(block_bytes * _num_blocks(group)))
-                await self._offload(self._pack, buffer, 0, src_cache_layer, group)
-                await self._emit(spec, buffer)
+                running = running_checksum(self.checksum_kind)
+                await self._offload(self._pack, buffer, 0, src_cache_layer, group, running)
+                await self._emit(spec, buffer, running)
             return
         if self._pending is None:
             shape = layout.pool_shape(pool)
@@ -181,13 +189,19 @@ class ChunkingKvSender(KvSender):
             max_layers = min(self.options.chunk_bytes // layer_bytes, shape.num_layers - layer)
             buffer = await self._guard(self._acquire(max_layers * layer_bytes))
             self._pending = _Pending(
-                ChunkSpec(pool, layer, layer, runs), buffer, layer_bytes, max_layers
+                ChunkSpec(pool, layer, layer, runs),
+                buffer,
+                layer_bytes,
+                max_layers,
+                running_checksum(self.checksum_kind),
             )
         pending = self._pending
         assert pending is not None
         count = pending.spec.layer_end - pending.spec.layer_start
         offset = count * pending.layer_bytes
-        await self._offload(self._pack, pending.buffer, offset, src_cache_layer, runs)
+        await self._offload(
+            self._pack, pending.buffer, offset, src_cache_layer, runs, pending.running
+        )
         pending.spec.layer_end += 1
         if count + 1 == pending.max_layers:
             await self._flush()
@@ -246,8 +260,9 @@ class ChunkingKvSender(KvSender):
                     f"src_cache_layer: {t.dtype} {tuple(t.shape)} does not match the layout "
                     f"({layout.dtype}, [num_blocks, {', '.join(map(str, expected))}])"
                 )
-        if any(not 0 <= b < kv[0].shape[0] for b in src_block_ids):
-            raise ValueError(f"src_block_ids: outside 0..{kv[0].shape[0] - 1}")
+        num_blocks = kv[0].shape[0]
+        if src_block_ids and not 0 <= min(src_block_ids) <= max(src_block_ids) < num_blocks:
+            raise ValueError(f"src_block_ids: outside 0..{num_blocks - 1}")
         return merge_runs(src_block_ids, dst_block_ids)
 
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
@@ -263,38 +278,45 @@ class ChunkingKvSender(KvSender):
             await asyncio.wait({work})
             raise
 
-    def _seal(self, header: pb.KvChunk, data: torch.Tensor) -> None:
-        """Sets the header's checksum of ``data`` (then lets the test hook tamper with it)."""
-        assert self._checksum is not None
-        header.checksum = self._checksum(data.numpy().data)
-        if self._tamper is not None:
-            self._tamper(header.sequence_number, data)
-
     @staticmethod
     def _pack(
         buffer: torch.Tensor,
         offset: int,
         kv: tuple[torch.Tensor, torch.Tensor],
         runs: list[RunPair],
+        running: RunningChecksum,
     ) -> None:
-        """Copies each run's K then V blocks into ``buffer`` from byte ``offset``."""
+        """Copies each run's K then V blocks into ``buffer`` from byte ``offset``, adding
+        them to ``running`` (so ``offset`` must be where the last pack ended)."""
+        dst = byte_view(buffer)
+        assert dst is not None, "chunk buffers are contiguous CPU bytes"
+        block_bytes = kv[0][0].numel() * kv[0].element_size()  # K (or V) of one block
+        pool_bytes = [byte_view(t) for t in kv]  # whole pools: no view per run
         for run in runs:
-            for pool_tensor in kv:
-                src = pool_tensor[run.src_start : run.src_start + run.num_blocks]
-                num_bytes = src.numel() * src.element_size()
-                dst = buffer[offset : offset + num_bytes].view(src.dtype).view(src.shape)
-                dst.copy_(src)
+            num_bytes = run.num_blocks * block_bytes
+            start = run.src_start * block_bytes
+            for pool_tensor, src in zip(kv, pool_bytes, strict=True):
+                piece = dst[offset : offset + num_bytes]
+                if src is not None:
+                    copy_then_hash(piece, src[start : start + num_bytes], running)
+                else:
+                    blocks = pool_tensor[run.src_start : run.src_start + run.num_blocks]
+                    pack(piece, blocks, running)
                 offset += num_bytes
 
     async def _flush(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             num_layers = pending.spec.layer_end - pending.spec.layer_start
-            await self._emit(pending.spec, pending.buffer[: num_layers * pending.layer_bytes])
+            data = pending.buffer[: num_layers * pending.layer_bytes]
+            await self._emit(pending.spec, data, pending.running)
 
-    async def _emit(self, spec: ChunkSpec, data: torch.Tensor) -> None:
+    async def _emit(self, spec: ChunkSpec, data: torch.Tensor, running: RunningChecksum) -> None:
+        """Sends a packed chunk; the test hook may tamper with it after its checksum."""
         layout = self._active_layout()
-        header = spec.header(self.num_chunks_sent, layout.dtype, checksum=0)
+        header = spec.header(self.num_chunks_sent, layout.dtype, running.intdigest())
+        if self._tamper is not None:
+            self._tamper(header.sequence_number, data)
         await self._guard(self._send_chunk(header, data))
         self.num_chunks_sent += 1
         self.num_bytes_sent += data.numel()

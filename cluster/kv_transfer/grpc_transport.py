@@ -96,8 +96,8 @@ class GrpcKvSender(ChunkingKvSender):
     async def _send_chunk(self, header: pb.KvChunk, data: torch.Tensor) -> None:
         await self._put(await self._offload(self._encode, header, data))
 
-    def _encode(self, header: pb.KvChunk, data: torch.Tensor) -> bytes:
-        self._seal(header, data)
+    @staticmethod
+    def _encode(header: pb.KvChunk, data: torch.Tensor) -> bytes:
         return encode_chunk_message(header, data.numpy().data)
 
     async def _close(self, last: pb.KvChunk) -> pb.KvPushReply:
@@ -133,6 +133,7 @@ class GrpcKvSender(ChunkingKvSender):
                     await self._call.write(message)
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
                     self._write_error = e
+            self._queue.task_done()
 
     async def _failure(self) -> KvTransferError:
         """Why writes stopped: the receiver's early reply (a refusal) or the RPC's error."""

@@ -1,20 +1,27 @@
 """The receiving side of every transport: reservations, checks, writes into the pools.
 
 A decode worker ``reserve``s a request's destination blocks, the transport feeds the push
-(``receive`` for a KvPushMessage stream, a ``ReceiveSession`` for direct copies), and the
-worker awaits ``wait_done``. Anything wrong (checksum, layout, block outside the
-reservation, sequence gap or repeat, missing KV) fails the request with a message.
+(``receive`` for a KvPushMessage stream, with chunks from a shared-memory ring when the
+handshake names one; a ``ReceiveSession`` for direct copies), and the worker awaits
+``wait_done``. Anything wrong (checksum, layout, block outside the reservation, sequence gap
+or repeat, missing KV) fails the request with a message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import warnings
 import zlib
-from collections.abc import AsyncIterable, Callable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 
@@ -28,7 +35,13 @@ from cluster.kv_transfer.base import (
     TransferState,
     dtype_name,
 )
-from cluster.kv_transfer.checksum import ChecksumFn, checksum_function, kind_name
+from cluster.kv_transfer.checksum import (
+    ChecksumFn,
+    checksum_function,
+    kind_name,
+    running_checksum,
+)
+from cluster.kv_transfer.copying import byte_view, hash_then_copy, unpack
 from cluster.kv_transfer.wire import split_push_message
 from tandem.v1 import kv_transfer_pb2 as pb
 
@@ -43,12 +56,20 @@ MAX_EXTRA_DIMS = 8
 
 
 class ChunkSource(Protocol):
-    """Chunk data that lies outside the messages (the shared-memory ring)."""
+    """Chunks that travel outside the message stream (the shared-memory ring), in order."""
 
-    def region(self, offset: int, length: int) -> memoryview:
-        """Raises ValueError for a region outside the segment's data area."""
+    def next_chunk(self) -> tuple[pb.KvChunk, memoryview] | None:
+        """The next published chunk (its header, and its data in place), or None for now.
+        Raises ValueError on a chunk that cannot be read."""
 
-    def mark_consumed(self, num_chunks: int) -> None: ...
+    def consumed(self) -> None:
+        """The chunk from the last ``next_chunk`` was copied out: its space may be reused."""
+
+    async def wait(self, until: asyncio.Future[Any]) -> None:
+        """Returns once a chunk may have been published, or once ``until`` is done."""
+
+    def close(self) -> None:
+        """The push ended: stop watching (idempotent)."""
 
 
 SegmentAttacher = Callable[[pb.ShmSegment], ChunkSource]  # raises ValueError / OSError
@@ -177,6 +198,7 @@ class KvReceiver:
         """Consumes one Push stream of serialized KvPushMessages; the reply says OK or why
         it was refused. Chunk data is checked and written from the received bytes."""
         session: ReceiveSession | None = None
+        ring_stream: AsyncGenerator[bytes, None] | None = None
         iterator = aiter(raw_messages)
         try:
             first = await anext(iterator, None)
@@ -188,12 +210,21 @@ class KvReceiver:
                     pb.KV_PUSH_STATUS_OUT_OF_ORDER, "a chunk before the handshake"
                 )
             session = self.open(message.handshake)
-            async for raw in iterator:
+            source = session.source
+            stream: AsyncIterator[bytes] = iterator
+            if source is not None:
+                stream = ring_stream = _with_ring_chunks(iterator, session, source)
+            async for raw in stream:
                 if session.is_finished:
                     raise KvTransferError(pb.KV_PUSH_STATUS_OUT_OF_ORDER, "a message after is_last")
                 message, data = _split(raw)
                 if message.WhichOneof("kind") != "chunk":
                     raise KvTransferError(pb.KV_PUSH_STATUS_OUT_OF_ORDER, "a second handshake")
+                if source is not None and (data or message.chunk.runs):
+                    raise KvTransferError(
+                        pb.KV_PUSH_STATUS_INVALID_CHUNK,
+                        "shm: chunk data travels in the shared-memory ring, not in messages",
+                    )
                 session.on_chunk(message.chunk, data)
             if not session.is_finished:
                 raise KvTransferError(
@@ -209,6 +240,52 @@ class KvReceiver:
             if session is not None:
                 session.fail(pb.KV_PUSH_STATUS_INCOMPLETE, "the push was cancelled or broke")
             raise
+        finally:
+            if ring_stream is not None:
+                await ring_stream.aclose()
+            if session is not None and session.source is not None:
+                session.source.close()
+
+
+async def _with_ring_chunks(
+    messages: AsyncIterator[bytes], session: ReceiveSession, source: ChunkSource
+) -> AsyncGenerator[bytes, None]:
+    """The stream's messages; while waiting for each one, ring chunks go to ``session`` as
+    they are published, and every chunk published before a message goes before it."""
+    while True:
+        read = asyncio.ensure_future(anext(messages, None))
+        try:
+            while not read.done():
+                if _take_ring_chunk(session, source):
+                    await asyncio.sleep(0)  # one chunk per turn of the loop
+                else:
+                    await source.wait(read)
+            while _take_ring_chunk(session, source):
+                pass
+        finally:
+            read.cancel()  # a refused push: the reply ends the stream
+        raw = read.result()
+        if raw is None:
+            return
+        yield raw
+
+
+def _take_ring_chunk(session: ReceiveSession, source: ChunkSource) -> bool:
+    """Writes the ring's next published chunk, if any."""
+    try:
+        item = source.next_chunk()
+    except ValueError as e:
+        raise KvTransferError(pb.KV_PUSH_STATUS_INVALID_CHUNK, f"shm: {e}") from e
+    if item is None:
+        return False
+    chunk, data = item
+    if chunk.is_last or chunk.extra_tensors:
+        raise KvTransferError(
+            pb.KV_PUSH_STATUS_INVALID_CHUNK, "shm: the last message travels in the stream"
+        )
+    session.on_chunk(chunk, data)
+    source.consumed()
+    return True
 
 
 def _split(raw: bytes) -> tuple[pb.KvPushMessage, memoryview]:
@@ -225,12 +302,19 @@ class ReceiveSession:
         self._record = record
         self._layout = record.reservation.layout
         self._checksum: ChecksumFn = zlib.crc32  # set by check_handshake
-        self._source: ChunkSource | None = None
+        self._checksum_kind: int = pb.CHECKSUM_KIND_CRC32
+        self.source: ChunkSource | None = None  # the ring of a shared-memory push
+        self._byte_views: dict[tuple[KvPool, int], tuple[memoryview | None, ...]] = {}
         self._next_sequence = 0
         block_ids = record.reservation.block_ids
         self._index = {block: i for i, block in enumerate(block_ids)}
-        self._written = {  # [num_layers, num_reserved]: which (layer, block) arrived
-            pool: torch.zeros(shape.num_layers, len(block_ids), dtype=torch.bool)
+        # _run_end[i]: end of the consecutive block ids from reservation index i
+        self._run_end = list(range(1, len(block_ids) + 1))
+        for i in reversed(range(len(block_ids) - 1)):
+            if block_ids[i + 1] == block_ids[i] + 1:
+                self._run_end[i] = self._run_end[i + 1]
+        self._written = {  # per layer, per reservation index: 1 once that block arrived
+            pool: [bytearray(len(block_ids)) for _ in range(shape.num_layers)]
             for pool in KvPool
             if (shape := self._layout.pool_shape(pool)) is not None
         }
@@ -242,7 +326,7 @@ class ReceiveSession:
         checksum = checksum_function(hs.checksum_kind)
         if checksum is None:
             self._refuse_incompatible(f"checksum_kind: {kind_name(hs.checksum_kind)} unavailable")
-        self._checksum = checksum
+        self._checksum, self._checksum_kind = checksum, hs.checksum_kind
         try:
             sender = KvLayout.from_handshake(hs)
         except ValueError as e:
@@ -254,13 +338,15 @@ class ReceiveSession:
             if attach is None:
                 self._refuse_incompatible("shm: shared memory is not enabled on this receiver")
             try:
-                self._source = attach(hs.shm)
+                self.source = attach(hs.shm)
             except (ValueError, OSError) as e:
                 self._refuse_incompatible(f"shm: {e}")
 
     def on_chunk(self, chunk: pb.KvChunk, data: memoryview) -> None:
-        """Checks one chunk completely, then writes it (nothing is written on a refusal).
-        ``data`` is the chunk's data field (split off by wire.split_push_message)."""
+        """Checks one chunk's header, then writes its data while checksumming it: a refused
+        chunk marks nothing written, though a corrupted one may have overwritten its (still
+        unwritten, reserved) blocks. ``data`` is the chunk's data field (split off by
+        wire.split_push_message) or its data in the ring."""
         self._check_live()
         if chunk.sequence_number != self._next_sequence:
             what = "repeat" if chunk.sequence_number < self._next_sequence else "gap"
@@ -274,7 +360,7 @@ class ReceiveSession:
             self._invalid("extra_tensors: only on the last message")
         if chunk.runs:
             self._on_data(chunk, data)
-        elif data or chunk.HasField("shm_region") or not chunk.is_last:
+        elif data or not chunk.is_last:
             self._invalid("runs: a chunk with data names no block runs")
         self.num_chunks += 1
         if chunk.is_last:
@@ -285,38 +371,49 @@ class ReceiveSession:
 
     def check_runs(
         self, pool: KvPool, layer_start: int, layer_end: int, runs: Sequence[tuple[int, int]]
-    ) -> torch.Tensor:
-        """Reservation indices of the runs' blocks (``[n]``), after checking pool, layers,
+    ) -> list[tuple[int, int]]:
+        """The runs' blocks as ranges of reservation indices, after checking pool, layers,
         and that every block is reserved and not written yet for these layers."""
         self._check_live()
         written = self._written.get(pool)
         if written is None:
             self._invalid(f"pool: the request has no {pool} KV")
-        if not 0 <= layer_start < layer_end <= written.shape[0]:
-            self._invalid(f"layers: [{layer_start}, {layer_end}) not in [0, {written.shape[0]})")
+        if not 0 <= layer_start < layer_end <= len(written):
+            self._invalid(f"layers: [{layer_start}, {layer_end}) not in [0, {len(written)})")
         if len(runs) > len(self._index):
             self._invalid(f"runs: {len(runs)} runs for {len(self._index)} reserved blocks")
-        indices = []
+        ranges = []
         for first, num_blocks in runs:
             if num_blocks < 1:
                 self._invalid(f"runs: empty run at block {first}")
+            start = self._index.get(first)
+            if start is not None and self._run_end[start] >= start + num_blocks:
+                ranges.append((start, start + num_blocks))  # reserved as a run too
+                continue
             for block in range(first, first + num_blocks):
                 if block not in self._index:
                     self._invalid(f"runs: block {block} is outside the reservation")
-                indices.append(self._index[block])
-        index = torch.tensor(indices, dtype=torch.long)
-        seen = written[layer_start:layer_end, index]
-        if bool(seen.any()):
-            layer, i = (int(x) for x in seen.nonzero()[0])
-            block = self._record.reservation.block_ids[indices[i]]
-            self._invalid(f"runs: {pool} layer {layer_start + layer} block {block} repeated")
-        return index
+                ranges.append((self._index[block], self._index[block] + 1))
+        for layer in range(layer_start, layer_end):
+            for a, b in ranges:
+                if (i := written[layer].find(1, a, b)) >= 0:
+                    block = self._record.reservation.block_ids[i]
+                    self._invalid(f"runs: {pool} layer {layer} block {block} repeated")
+        return ranges
+
+    def _mark_written(
+        self, pool: KvPool, layer_start: int, layer_end: int, ranges: list[tuple[int, int]]
+    ) -> None:
+        for row in self._written[pool][layer_start:layer_end]:
+            for a, b in ranges:
+                row[a:b] = b"\x01" * (b - a)
 
     def write_direct(
         self, pool: KvPool, layer: int, kv: tuple[torch.Tensor, torch.Tensor], runs: list[RunPair]
     ) -> int:
         """Copies runs of one layer straight from a source pool (loopback); returns bytes."""
-        index = self.check_runs(pool, layer, layer + 1, [(r.dst_start, r.num_blocks) for r in runs])
+        dst_runs = [(r.dst_start, r.num_blocks) for r in runs]
+        ranges = self.check_runs(pool, layer, layer + 1, dst_runs)
         dst_k, dst_v = self._record.reservation.pools[pool].layers[layer]
         num_bytes = 0
         for run in runs:
@@ -324,7 +421,7 @@ class ReceiveSession:
                 piece = src[run.src_start : run.src_start + run.num_blocks]
                 dst[run.dst_start : run.dst_start + run.num_blocks].copy_(piece)
                 num_bytes += piece.numel() * piece.element_size()
-        self._written[pool][layer, index] = True
+        self._mark_written(pool, layer, layer + 1, ranges)
         self.num_bytes += num_bytes
         return num_bytes
 
@@ -343,42 +440,27 @@ class ReceiveSession:
             message=message,
         )
 
-    def _on_data(self, chunk: pb.KvChunk, inline: memoryview) -> None:
+    def _on_data(self, chunk: pb.KvChunk, data: memoryview) -> None:
         pool = POOL_FROM_WIRE.get(chunk.pool)
         if pool is None:
             self._invalid(f"pool: {chunk.pool} is not a pool")
         if chunk.dtype != dtype_name(self._layout.dtype):
             self._invalid(f"dtype: chunk has {chunk.dtype!r}, handshake {self._layout.dtype}")
         runs = [(r.first_block_id, r.num_blocks) for r in chunk.runs]
-        index = self.check_runs(pool, chunk.layer_start, chunk.layer_end, runs)
+        ranges = self.check_runs(pool, chunk.layer_start, chunk.layer_end, runs)
+        num_blocks = sum(b - a for a, b in ranges)
         expected = (
-            (chunk.layer_end - chunk.layer_start) * len(index) * self._layout.block_bytes(pool)
+            (chunk.layer_end - chunk.layer_start) * num_blocks * self._layout.block_bytes(pool)
         )
-        data = self._data(chunk, inline)
         if len(data) != expected:
             self._invalid(f"data: {len(data)} bytes, expected {expected} for these layers and runs")
-        if self._checksum(data) != chunk.checksum:
+        if self._write(pool, chunk.layer_start, chunk.layer_end, runs, data) != chunk.checksum:
             raise KvTransferError(
                 pb.KV_PUSH_STATUS_CHECKSUM_MISMATCH,
                 f"chunk {chunk.sequence_number}: checksum differs from its data",
             )
-        self._write(pool, chunk.layer_start, chunk.layer_end, runs, data)
-        self._written[pool][chunk.layer_start : chunk.layer_end, index] = True
+        self._mark_written(pool, chunk.layer_start, chunk.layer_end, ranges)
         self.num_bytes += len(data)
-        if self._source is not None:
-            self._source.mark_consumed(chunk.sequence_number + 1)
-
-    def _data(self, chunk: pb.KvChunk, inline: memoryview) -> memoryview:
-        if self._source is None:
-            if chunk.HasField("shm_region"):
-                self._invalid("shm_region: this push has no shared-memory segment")
-            return inline
-        if inline or not chunk.HasField("shm_region"):
-            self._invalid("shm_region: a shared-memory push carries data only in its segment")
-        try:
-            return self._source.region(chunk.shm_region.offset, chunk.shm_region.length)
-        except ValueError as e:
-            self._invalid(f"shm_region: {e}")
 
     def _write(
         self,
@@ -387,18 +469,33 @@ class ReceiveSession:
         layer_end: int,
         runs: list[tuple[int, int]],
         data: memoryview,
-    ) -> None:
-        with warnings.catch_warnings():  # read-only bytes: the view is only read from
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(data, dtype=self._layout.dtype)
+    ) -> int:
+        """Copies the chunk's data into the pools; returns its checksum (taken piece by
+        piece just before each piece is copied, while it is in cache)."""
+        running = running_checksum(self._checksum_kind)
         layers = self._record.reservation.pools[pool].layers
+        block_bytes = self._layout.block_bytes(pool) // 2  # K (or V) of one block
         offset = 0
         for layer in range(layer_start, layer_end):
+            views = self._pool_bytes(pool, layer)
             for first, num_blocks in runs:
-                for dst_pool in layers[layer]:
-                    dst = dst_pool[first : first + num_blocks]
-                    dst.copy_(flat[offset : offset + dst.numel()].view(dst.shape))
-                    offset += dst.numel()
+                num_bytes, start = num_blocks * block_bytes, first * block_bytes
+                for dst_pool, dst in zip(layers[layer], views, strict=True):
+                    src = data[offset : offset + num_bytes]
+                    if dst is not None:
+                        hash_then_copy(dst[start : start + num_bytes], src, running)
+                    else:
+                        unpack(dst_pool[first : first + num_blocks], src, running)
+                    offset += num_bytes
+        return running.intdigest()
+
+    def _pool_bytes(self, pool: KvPool, layer: int) -> tuple[memoryview | None, ...]:
+        """K and V of a destination layer as bytes (None: not CPU memory), made once."""
+        views = self._byte_views.get((pool, layer))
+        if views is None:
+            kv = self._record.reservation.pools[pool].layers[layer]
+            views = self._byte_views[pool, layer] = tuple(byte_view(t) for t in kv)
+        return views
 
     def _decode_extra(self, t: pb.NamedTensor) -> torch.Tensor:
         dtype = EXTRA_DTYPES.get(t.dtype)
@@ -418,8 +515,9 @@ class ReceiveSession:
 
     def _complete(self, extra: dict[str, torch.Tensor]) -> None:
         for pool, written in self._written.items():
-            if not bool(written.all()):
-                layer, i = (int(x) for x in (~written).nonzero()[0])
+            for layer, row in enumerate(written):
+                if (i := row.find(0)) < 0:
+                    continue
                 block = self._record.reservation.block_ids[i]
                 raise KvTransferError(
                     pb.KV_PUSH_STATUS_INCOMPLETE,

@@ -207,8 +207,8 @@ class KvHandshake(_message.Message):
     """Draft head dimension; 0: same as head_dim."""
     @_builtins.property
     def shm(self) -> Global___ShmSegment:
-        """Set when sender and receiver share a host: chunk data lies in this shared-memory
-        segment (KvChunk.shm_region) instead of KvChunk.data.
+        """Set when sender and receiver share a host: every chunk but the last (is_last) travels
+        in this shared-memory ring instead of this stream.
         """
 
     def __init__(
@@ -241,62 +241,59 @@ Global___KvHandshake: _TypeAlias = KvHandshake  # noqa: Y015
 
 @_typing.final
 class ShmSegment(_message.Message):
-    """A shared-memory ring that the sender creates and writes chunk data into (same host only)."""
+    """A shared-memory ring that the sender creates and writes chunks into (same host only).
+
+    The file /dev/shm/<name> holds a 4096-byte header (reserved, zero), then num_slots slots
+    of slot_bytes. Chunk i (sequence_number i) lies in slot i % num_slots: a 24-byte slot
+    header (little-endian uint64 sequence_number, uint64 data length, uint32 header length,
+    4 zero bytes), then that many bytes of a serialized KvChunk without data (runs, layers,
+    pool, dtype, checksum), and the chunk data from byte data_offset of the slot.
+
+    Two FIFOs beside it carry wake-ups: the sender writes one byte to /dev/shm/<name>-ready
+    per chunk it published (after the chunk), the receiver one byte to /dev/shm/<name>-free
+    per chunk it copied out (several in one write, at the latest before it waits for more);
+    the sender reuses a slot only once the bytes read from -free cover the chunk that used
+    it. The last message (is_last, extra tensors) comes over the stream after every chunk
+    in the ring; refusals come as the Push reply.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
     HOST_ID_FIELD_NUMBER: _builtins.int
+    SLOT_BYTES_FIELD_NUMBER: _builtins.int
+    NUM_SLOTS_FIELD_NUMBER: _builtins.int
+    DATA_OFFSET_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """File name under /dev/shm, "tandem-kv-" followed by [A-Za-z0-9_-]."""
     size: _builtins.int
-    """Size of the segment in bytes. Its first 4096 bytes are a header whose first 8 bytes,
-    a little-endian uint64, the receiver sets to the number of chunks it has copied out;
-    the sender reuses a region only after that count covers the chunk that used it.
-    """
+    """Size of the file in bytes: 4096 + num_slots * slot_bytes."""
     host_id: _builtins.str
     """The sender's host id (hostname, boot id, IPC namespace); the receiver refuses another."""
+    slot_bytes: _builtins.int
+    """Bytes per slot: slot header, KvChunk header room, then data."""
+    num_slots: _builtins.int
+    """Slots in the ring: chunks the sender may publish ahead of the receiver."""
+    data_offset: _builtins.int
+    """Offset of the chunk data within a slot (past the slot header and KvChunk header room)."""
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         size: _builtins.int = ...,
         host_id: _builtins.str = ...,
+        slot_bytes: _builtins.int = ...,
+        num_slots: _builtins.int = ...,
+        data_offset: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host_id", b"host_id", "name", b"name", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_offset", b"data_offset", "host_id", b"host_id", "name", b"name", "num_slots", b"num_slots", "size", b"size", "slot_bytes", b"slot_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ShmSegment: _TypeAlias = ShmSegment  # noqa: Y015
-
-@_typing.final
-class ShmRegion(_message.Message):
-    """Where one chunk's data lies in the handshake's shared-memory segment."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    OFFSET_FIELD_NUMBER: _builtins.int
-    LENGTH_FIELD_NUMBER: _builtins.int
-    offset: _builtins.int
-    """Byte offset in the segment: 4096 or more (past the header)."""
-    length: _builtins.int
-    """Length in bytes; the same as KvChunk.data would have."""
-    def __init__(
-        self,
-        *,
-        offset: _builtins.int = ...,
-        length: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["length", b"length", "offset", b"offset"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ShmRegion: _TypeAlias = ShmRegion  # noqa: Y015
 
 @_typing.final
 class BlockRun(_message.Message):
@@ -340,7 +337,6 @@ class KvChunk(_message.Message):
     CHECKSUM_FIELD_NUMBER: _builtins.int
     IS_LAST_FIELD_NUMBER: _builtins.int
     EXTRA_TENSORS_FIELD_NUMBER: _builtins.int
-    SHM_REGION_FIELD_NUMBER: _builtins.int
     sequence_number: _builtins.int
     """0, 1, 2, ... in send order; a gap or repeat ends the push (OUT_OF_ORDER)."""
     layer_start: _builtins.int
@@ -353,7 +349,8 @@ class KvChunk(_message.Message):
     """Element type of data; must equal the handshake's dtype."""
     data: _builtins.bytes
     """For each layer in [layer_start, layer_end), for each run in order: the run's blocks
-    of that layer, contiguous, in the handshake's layout. Empty on a trailer-only message.
+    of that layer, contiguous, in the handshake's layout. Empty on a trailer-only message
+    and in the ring (the data follows the header there).
     """
     checksum: _builtins.int
     """Checksum of data (handshake's checksum_kind)."""
@@ -369,10 +366,6 @@ class KvChunk(_message.Message):
         [num_rows, hidden] with "input_row_offsets" [B + 1] for ragged rows.
         """
 
-    @_builtins.property
-    def shm_region(self) -> Global___ShmRegion:
-        """Shared-memory path only: where data lies (data is then empty; checksum covers the region)."""
-
     def __init__(
         self,
         *,
@@ -386,11 +379,10 @@ class KvChunk(_message.Message):
         checksum: _builtins.int = ...,
         is_last: _builtins.bool = ...,
         extra_tensors: _abc.Iterable[Global___NamedTensor] | None = ...,
-        shm_region: Global___ShmRegion | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["shm_region", b"shm_region"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "data", b"data", "dtype", b"dtype", "extra_tensors", b"extra_tensors", "is_last", b"is_last", "layer_end", b"layer_end", "layer_start", b"layer_start", "pool", b"pool", "runs", b"runs", "sequence_number", b"sequence_number", "shm_region", b"shm_region"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "data", b"data", "dtype", b"dtype", "extra_tensors", b"extra_tensors", "is_last", b"is_last", "layer_end", b"layer_end", "layer_start", b"layer_start", "pool", b"pool", "runs", b"runs", "sequence_number", b"sequence_number"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
