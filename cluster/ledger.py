@@ -78,8 +78,10 @@ _ABANDON = frozenset({RequestState.CANCELLED, RequestState.FAILED})
 ALLOWED_TRANSITIONS: Mapping[RequestState, frozenset[RequestState]] = {
     RequestState.QUEUED: _ABANDON | {RequestState.PREFILLING},
     RequestState.PREFILLING: _ABANDON | {RequestState.TRANSFERRING},
-    RequestState.TRANSFERRING: _ABANDON | {RequestState.DECODING},
-    # QUEUED: preemption hand-back (the request is re-prefilled elsewhere).
+    # QUEUED (from TRANSFERRING and DECODING): a preempted request handed back, or the
+    # router taking back the request of a decode worker it lost; either is re-prefilled
+    # elsewhere and resumed.
+    RequestState.TRANSFERRING: _ABANDON | {RequestState.DECODING, RequestState.QUEUED},
     RequestState.DECODING: _ABANDON | {RequestState.FINISHED, RequestState.QUEUED},
     RequestState.FINISHED: frozenset(),
     RequestState.FAILED: frozenset(),

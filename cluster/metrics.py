@@ -111,6 +111,10 @@ class RouterMetrics(Metrics):
             "Requests by how they ended: finished, cancelled, failed, rejected",
             ["status"],
         )
+        self.migrations = self._counter(
+            "tandem_migrations",
+            "Requests resumed on another decode worker after losing the stream of theirs",
+        )
 
 
 class PrefillMetrics(Metrics):

@@ -32,6 +32,7 @@ PREFIX_TTL_MS = 600_000  # how long a sent prefix is assumed cached on its worke
 MAX_LOAD_FOR_AFFINITY = 0.8  # a fuller worker is not preferred for its cached prefix
 MIN_MATCH_FRACTION = 0.5  # of the prompt's blocks, for a worker to count as warm
 MAX_AFFINITY_IMBALANCE = 2  # in-flight requests a warm worker may have over the least busy
+UNREACHABLE_S = 30.0  # a worker whose connection broke is passed over this long (same epoch)
 
 
 def prefix_hashes(token_ids: Sequence[int], block_tokens: int = PREFIX_BLOCK_TOKENS) -> list[str]:
@@ -58,6 +59,23 @@ class WorkerPicker:
         self._turn = itertools.count()
         self._workers: list[WorkerInfo] = []
         self._fetched_at = -1e9
+        # (worker id, epoch) -> until when (monotonic) it is passed over: a worker whose
+        # stream broke is gone, or soon will be from the registry; a restarted one has a new
+        # epoch and is picked again at once.
+        self._unreachable: dict[tuple[str, int], float] = {}
+
+    def mark_unreachable(self, worker: WorkerInfo, for_s: float = UNREACHABLE_S) -> None:
+        """Passes ``worker`` over for ``for_s`` (its connection broke)."""
+        self._unreachable[(worker.worker_id, worker.epoch)] = time.monotonic() + for_s
+
+    def _is_reachable(self, worker: WorkerInfo) -> bool:
+        until = self._unreachable.get((worker.worker_id, worker.epoch))
+        if until is None:
+            return True
+        if time.monotonic() < until:
+            return False
+        del self._unreachable[(worker.worker_id, worker.epoch)]
+        return True
 
     def workers(self, role: WorkerRole) -> list[WorkerInfo]:
         """Live workers of ``role`` serving this model, not draining (cached briefly)."""
@@ -70,6 +88,7 @@ class WorkerPicker:
             if w.role is role
             and w.stats.get("model") == self.model
             and w.stats.get("draining", "0") == "0"
+            and self._is_reachable(w)
         ]
 
     def pick(self, hashes: Sequence[str] = ()) -> tuple[WorkerInfo, WorkerInfo]:

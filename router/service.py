@@ -7,6 +7,7 @@ request ends leaves it terminal in the ledger and its blocks freed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 2.0
 RESERVE_TIMEOUT_S = 10.0
 DEADLINE_SLACK_S = 0.05  # errors this close to the deadline are the deadline's doing
-MAX_ATTEMPTS = 8  # one request's prefills: the first, then resumptions after preemptions
+MAX_ATTEMPTS = 8  # one request's prefills: the first, then resumptions (preempted, D lost)
 RESERVE_BACKOFF_S = (0.02, 0.5)  # first and longest wait between refused reservations
 
 
@@ -160,13 +161,19 @@ class GenerationService(gen_grpc.GenerationServicer):
                 prefilled = await self._prefill(route, reserve)
                 if not attempt:
                     timing.queued(prefill_called + prefilled.timing.queue_s)
-                async for chunk in self._decode(route, reserve, prefilled):
-                    if chunk.finish_reason == gen.FINISH_REASON_PREEMPTED:
-                        continue  # the stream's last chunk: resume it below
-                    route.sent.extend(chunk.token_ids)
-                    is_finished = chunk.finish_reason != gen.FINISH_REASON_UNSPECIFIED
-                    timing.sent(chunk)
-                    yield chunk
+                try:
+                    async for chunk in self._decode(route, reserve, prefilled):
+                        if chunk.finish_reason == gen.FINISH_REASON_PREEMPTED:
+                            continue  # the stream's last chunk: resume it below
+                        route.sent.extend(chunk.token_ids)
+                        is_finished = chunk.finish_reason != gen.FINISH_REASON_UNSPECIFIED
+                        timing.sent(chunk)
+                        yield chunk
+                except grpc.aio.AioRpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE or attempt + 1 == MAX_ATTEMPTS:
+                        raise
+                    self._take_back(route, e)  # D is gone: resume the request elsewhere
+                    continue
                 if is_finished:
                     return
                 log.info(
@@ -176,7 +183,8 @@ class GenerationService(gen_grpc.GenerationServicer):
                     len(route.sent),
                 )
             raise Overloaded(
-                f"request preempted {MAX_ATTEMPTS} times for lack of KV blocks; retry later"
+                f"request interrupted {MAX_ATTEMPTS} times (preempted for lack of KV blocks, "
+                "or its decode worker lost); retry later"
             )
         except BaseException as e:
             end_state, reason = _how_it_ended(e, route)
@@ -220,9 +228,9 @@ class GenerationService(gen_grpc.GenerationServicer):
     async def _reserve(self, route: _Route) -> pb.ReserveReply:
         """D holds blocks for the prompt; then the request is handed to P in the ledger.
 
-        A decode worker without room (RESOURCE_EXHAUSTED) is passed over for the others;
-        when every one is full, the request waits with growing pauses until one has room
-        or the deadline comes."""
+        A decode worker without room (RESOURCE_EXHAUSTED) or unreachable (UNAVAILABLE) is
+        passed over for the others; when every one is full, the request waits with growing
+        pauses until one has room or the deadline comes."""
         valid = route.request
         ids = route.token_ids
         request = pb.ReserveRequest(
@@ -245,7 +253,9 @@ class GenerationService(gen_grpc.GenerationServicer):
                 )
                 break
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:  # died since its last heartbeat
+                    self.picker.mark_unreachable(route.decode)
+                elif e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
                 full.add(route.decode.worker_id)
             others = [w for w in self.picker.decoders_for(route.prefill) if w.worker_id not in full]
@@ -371,6 +381,53 @@ class GenerationService(gen_grpc.GenerationServicer):
         hashes = prefix_hashes(route.token_ids)
         route.prefill, route.decode = await self.picker.pick_waiting(route.deadline, hashes)
         self._count_in_flight(route, +1)
+
+    def _take_back(self, route: _Route, error: grpc.aio.AioRpcError) -> None:
+        """The decode stream broke (D died or is unreachable): D is passed over from now
+        on, and the request, owned by D in the ledger, becomes QUEUED and this router's
+        again, for the attempt loop to resume it on a new P and D (prompt + tokens sent,
+        as after a preemption). D's fencing epoch is superseded, so a D that is in fact
+        alive can no longer move the request; its blocks go back by its Abort (sent here)
+        or, when it is dead, by the reaper once its lease expires."""
+        rid, lost = route.request.request_id, route.decode
+        log.warning(
+            "%s: lost decode worker %s after %d tokens (%s: %s); migrating",
+            rid,
+            lost.worker_id,
+            len(route.sent),
+            error.code().name,
+            error.details(),
+        )
+        self.picker.mark_unreachable(lost)
+        abort = pb.AbortRequest(request_id=rid, reason="migrated: the router lost its stream")
+        self._spawn(self._abort_quietly(lost, abort))
+        record = self.ledger.get_request(rid)
+        if record is None or record.state not in (
+            RequestState.TRANSFERRING,
+            RequestState.DECODING,
+        ):
+            raise error  # ended, or not D's: nothing to resume
+        try:
+            self.ledger.transition(
+                rid,
+                RequestState.QUEUED,
+                expected=record.state,
+                epoch=record.epoch,
+                new_owner=self.membership.worker_id,
+                new_epoch=self.membership.epoch,
+            )
+        except LedgerConflict:  # D moved it meanwhile: fine if it handed it back to us
+            record = self.ledger.get_request(rid)
+            if record is None or record.owner != self.membership.worker_id:
+                raise error from None
+            if record.state is not RequestState.QUEUED:
+                raise error from None
+        self.metrics.migrations.labels(self.metrics.role).inc()
+
+    async def _abort_quietly(self, decoder: WorkerInfo, abort: pb.AbortRequest) -> None:
+        stub = pb_grpc.DecodeWorkerStub(self._channels.get(decoder.address))
+        with contextlib.suppress(grpc.aio.AioRpcError):  # dead, as expected
+            await stub.Abort(abort, timeout=ABORT_TIMEOUT_S)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -56,6 +56,7 @@ def build_tiny_llama(
     seed: int = 0,
     legacy_keys: bool = False,
     max_shard_size: str | None = None,
+    max_position_embeddings: int = 256,
 ) -> LlamaForCausalLM:
     """Saves a random model to ``out``; returns it in fp32 eval mode.
 
@@ -71,7 +72,7 @@ def build_tiny_llama(
     config = LlamaConfig(
         vocab_size=vocab_size,
         num_hidden_layers=num_layers,
-        max_position_embeddings=256,
+        max_position_embeddings=max_position_embeddings,
         rope_parameters=rope,
         bos_token_id=1,
         eos_token_id=2,
