@@ -60,7 +60,7 @@ class EngineConfig:
     # waiting here to be prefilled again; "hand_back" (decode workers) ends it with
     # finish_reason "preempted" so that the router re-prefills it elsewhere and resumes it.
     preemption: str = "recompute"
-    # Decode steps (and speculative verification) through torch.compile: on CPU about 1.4x
+    # Decode steps (and speculative verification) through torch.compile: on CPU about 1.8x
     # the tokens per second at batch 1 (bench/RESULTS.md). Compiling takes 30-60 s on two
     # cores, paid at start-up by a short warm-up generation, so no request waits for it.
     torch_compile: bool = False
