@@ -61,8 +61,9 @@ class EngineConfig:
     # finish_reason "preempted" so that the router re-prefills it elsewhere and resumes it.
     preemption: str = "recompute"
     # Decode steps (and speculative verification) through torch.compile: on CPU about 1.8x
-    # the tokens per second at batch 1 (bench/RESULTS.md). Compiling takes 30-60 s on two
-    # cores, paid at start-up by a short warm-up generation, so no request waits for it.
+    # the tokens per second at batch 1 (bench/RESULTS.md). Compiling takes one to three
+    # minutes on two cores, paid at start-up by a short warm-up generation, so no request
+    # waits for it.
     torch_compile: bool = False
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ EXPECTED: dict[type[Metrics], set[str]] = {
         "tandem_e2e_request_latency_seconds",
         "tandem_queue_seconds",
         "tandem_requests",  # exposed as tandem_requests_total
+        "tandem_migrations",  # requests resumed after losing their decode worker
     },
     PrefillMetrics: COMMON
     | {"tandem_prefill_seconds", "tandem_kv_transfer_bytes", "tandem_kv_transfer_seconds"},
