@@ -5,10 +5,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import grpc
 import torch
 
-from cluster.kv_transfer import Handshake, KvLayout, KvPool, KvSender, PoolShape
+from cluster.kv_transfer import (
+    Handshake,
+    KvLayout,
+    KvPool,
+    KvReceiver,
+    KvReservation,
+    KvSender,
+    PoolShape,
+    ShmAttacher,
+    add_kv_transfer_servicer,
+    server_options,
+)
+from cluster.kv_transfer.receiver import ChunkSource
 from engine.kv_cache import KVCacheParams, PagedKVCache
+from tandem.v1 import kv_transfer_pb2 as pb
 
 NUM_BLOCKS = 16
 # Runs: 3-5 -> 10-12 (one copy), 9 -> 0, 1-2 -> 6-7 (one copy), 12 -> 2, 13-14 -> 4, 3.
@@ -96,3 +110,27 @@ def mismatches(
                     if not torch.equal(bits(d[block]), bits(want)):
                         wrong.append(f"{pool} layer {layer} {name} block {block}")
     return wrong
+
+
+class Receiving:
+    """A grpc.aio server with a KvReceiver (shared memory enabled) and a client channel;
+    ``ring_names`` lists the shared-memory rings it mapped, in order."""
+
+    def __init__(self) -> None:
+        self.ring_names: list[str] = []
+        attacher = ShmAttacher()
+
+        def attach(segment: pb.ShmSegment) -> ChunkSource:
+            self.ring_names.append(segment.name)
+            return attacher(segment)
+
+        self.receiver = KvReceiver(attach_segment=attach)
+        self.server = grpc.aio.server(options=server_options())
+        add_kv_transfer_servicer(self.server, self.receiver)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+
+    def reserve(self, request_id: str, layout: KvLayout) -> dict[KvPool, PagedKVCache]:
+        pools = make_pools(layout, DST_SEED)
+        self.receiver.reserve(KvReservation(request_id, DST_IDS, pools, layout))
+        return pools

@@ -16,7 +16,6 @@ import torch
 
 from cluster.kv_transfer import (
     Handshake,
-    KvLayout,
     KvPool,
     KvReceiver,
     KvReservation,
@@ -26,21 +25,18 @@ from cluster.kv_transfer import (
     ShmRingPool,
     TransferOptions,
     TransferState,
-    add_kv_transfer_servicer,
-    server_options,
 )
 from cluster.kv_transfer.checksum import checksum_function, running_checksum
 from cluster.kv_transfer.copying import PIECE_BYTES, copy_then_hash, hash_then_copy
 from cluster.kv_transfer.grpc_transport import SERVICE
-from cluster.kv_transfer.receiver import ChunkSource
 from cluster.kv_transfer.shm_transport import HEADER_BYTES, SLOT_HEADER, ShmRing
-from engine.kv_cache import PagedKVCache
 from tandem.v1 import kv_transfer_pb2 as pb
 from tests.cluster.kv_pools import (
     DST_IDS,
     DST_SEED,
     SRC_IDS,
     SRC_SEED,
+    Receiving,
     layout_for,
     make_pools,
     mismatches,
@@ -54,38 +50,6 @@ NUM_ONE_BLOCK_CHUNKS = (3 + 1) * len(DST_IDS)  # target and draft layers, 9 bloc
 
 def ring_files(name: str) -> list[Path]:
     return [p for p in Path("/dev/shm").glob(f"{name}*") if p.name.startswith(name)]
-
-
-class Receiving:
-    """A grpc.aio server with a KvReceiver whose attacher records the rings it mapped."""
-
-    def __init__(self) -> None:
-        self.ring_names: list[str] = []
-        attacher = ShmAttacher()
-
-        def attach(segment: pb.ShmSegment) -> ChunkSource:
-            self.ring_names.append(segment.name)
-            return attacher(segment)
-
-        self.receiver = KvReceiver(attach_segment=attach)
-        self.server = grpc.aio.server(options=server_options())
-        add_kv_transfer_servicer(self.server, self.receiver)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
-
-    def reserve(self, request_id: str, layout: KvLayout) -> dict[KvPool, PagedKVCache]:
-        pools = make_pools(layout, DST_SEED)
-        self.receiver.reserve(KvReservation(request_id, DST_IDS, pools, layout))
-        return pools
-
-
-@pytest.fixture
-async def receiving() -> AsyncIterator[Receiving]:
-    r = Receiving()
-    await r.server.start()
-    yield r
-    await r.channel.close()
-    await r.server.stop(0)
 
 
 @pytest.fixture

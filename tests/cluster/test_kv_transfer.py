@@ -24,15 +24,12 @@ from cluster.kv_transfer import (
     KvReservation,
     KvTransferError,
     LoopbackTransport,
-    ShmAttacher,
     ShmKvSender,
     ShmRingPool,
     TransferOptions,
     TransferState,
-    add_kv_transfer_servicer,
     host_id,
     make_sender,
-    server_options,
 )
 from cluster.kv_transfer.base import RunPair, merge_runs, split_runs
 from cluster.kv_transfer.checksum import checksum_kind
@@ -44,6 +41,7 @@ from tests.cluster.kv_pools import (
     DST_SEED,
     SRC_IDS,
     SRC_SEED,
+    Receiving,
     extra_tensors,
     layout_for,
     make_pools,
@@ -56,31 +54,6 @@ DTYPES = [torch.float32, torch.bfloat16]
 # Small chunks: a target layer (9 blocks x 256 B in fp32) splits, draft layers group.
 SMALL_CHUNKS = TransferOptions(chunk_bytes=1024, window=2, timeout_s=10)
 GROUPED_LAYERS = TransferOptions(chunk_bytes=16 << 10, window=2, timeout_s=10)
-
-
-class Receiving:
-    """A grpc.aio server with a KvReceiver (shared memory enabled) and a client channel."""
-
-    def __init__(self) -> None:
-        self.receiver = KvReceiver(attach_segment=ShmAttacher())
-        self.server = grpc.aio.server(options=server_options())
-        add_kv_transfer_servicer(self.server, self.receiver)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
-
-    def reserve(self, request_id: str, layout: KvLayout) -> dict[KvPool, PagedKVCache]:
-        pools = make_pools(layout, DST_SEED)
-        self.receiver.reserve(KvReservation(request_id, DST_IDS, pools, layout))
-        return pools
-
-
-@pytest.fixture
-async def receiving() -> AsyncIterator[Receiving]:
-    r = Receiving()
-    await r.server.start()
-    yield r
-    await r.channel.close()
-    await r.server.stop(0)
 
 
 @pytest.fixture

@@ -7,20 +7,15 @@ module-scoped pair of engines serves every test here.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from tests.comparator import compare_greedy
+from tests.engine.spec.test_spec_greedy import PROMPTS, engine_for, greedy, run
 from tests.engine.tiny_drafts import build_random_draft
 from tests.engine.tiny_models import build_tiny_llama
-
-PROMPTS = [[5, 6, 7], [9] * 11, [3, 4], [10, 11, 12, 13, 14, 15, 16], [40], [1, 2, 3, 4, 5, 6]]
 
 
 @pytest.fixture(scope="module")
@@ -29,28 +24,6 @@ def target(tmp_path_factory: pytest.TempPathFactory):
     # packed fp32 GEMM on (the default): multi-row products go through the opaque op
     model = build_tiny_llama(out, "gqa3_llama3rope_tied_bias_hd40", num_layers=2, vocab_size=64)
     return out, model
-
-
-def engine_for(model_dir: Path, spec: SpeculativeConfig | None = None, **kw) -> LLMEngine:
-    cfg = dict(model=str(model_dir), dtype="float32", kv_cache_memory=1 << 21, block_size=4)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg, speculative=spec))
-
-
-def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]):
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return done
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 def assert_same_greedy(hf_model, ours: dict, refs: dict, requests: dict) -> None:
