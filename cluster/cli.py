@@ -24,7 +24,9 @@ def register_serve(subparsers: Any) -> None:
         help="run a whole cluster here (redis, prefill and decode workers, router)",
         description="Start an embedded redis-server (unless --redis-url), N prefill and M "
         "decode worker processes and the router, sharing this machine's cores. Prints the "
-        "router's address once everything is SERVING; Ctrl-C or SIGTERM drains and stops.",
+        "router's address once everything is SERVING; Ctrl-C or SIGTERM drains and stops. "
+        "A worker that dies is restarted (with growing pauses, within a budget); when the "
+        "router, the embedded Redis or a worker past its budget dies, everything stops.",
     )
     parser.add_argument("--model", required=True, help="HF model directory or a prepared name")
     parser.add_argument("--draft", metavar="DIR", help="EAGLE / EAGLE-3 / DFlash draft directory")
@@ -53,6 +55,19 @@ def register_serve(subparsers: Any) -> None:
     )
     parser.add_argument("--log-dir", help="write each process's log there (default: stderr)")
     parser.add_argument("--grace-s", type=float, default=30.0, help="drain time on shutdown")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of one dead worker allowed within --restart-window-s; one more death "
+        "stops the cluster (0: the first death stops it; default 5)",
+    )
+    parser.add_argument(
+        "--restart-window-s",
+        type=float,
+        default=60.0,
+        help="the window --max-restarts counts in (default 60)",
+    )
     parser.set_defaults(func=_serve)
 
 
@@ -61,8 +76,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     from cluster.launcher import Cluster, ClusterError, ClusterSpec
     from cluster.redis_connect import RedisConnectError, RedisSettings
+    from cluster.supervisor import RestartPolicy, Supervisor
     from engine.model_store import ModelNotFoundError, resolve_model
 
+    try:
+        policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)
+    except ValueError as e:
+        print(f"tandem serve: error: --max-restarts, --restart-window-s: {e}", file=sys.stderr)
+        return 2
     try:
         model = str(resolve_model(args.model))
         redis_settings = RedisSettings.from_args(args) if args.redis_url else None
@@ -114,15 +135,8 @@ def _serve(args: argparse.Namespace) -> int:
     )
     for component in cluster.components:
         print(f"tandem serve: {component.name} metrics {component.metrics_url}", file=sys.stderr)
-    rc = 0
     try:
-        while not stop.wait(1.0):
-            dead = cluster.dead_components()
-            if dead:
-                names = ", ".join(f"{c.name} (exit {c.process.returncode})" for c in dead)
-                print(f"tandem serve: stopping, died: {names}", file=sys.stderr)
-                rc = 1
-                break
+        rc = Supervisor(cluster, policy).run(stop)
     finally:
         print("tandem serve: draining and stopping", file=sys.stderr)
         cluster.stop()

@@ -4,7 +4,8 @@ sharing the cores. `tandem serve` and the service tests start clusters through h
 
 Stopping drains in request order: the router first (no new requests, in-flight ones
 finish), then the workers, each with SIGTERM (health NOT_SERVING, finish, stop), SIGKILL
-only past the grace period.
+only past the grace period. A worker that dies can be started again with the same
+command line (``Cluster.restart``); cluster.supervisor decides when.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -75,10 +76,14 @@ class ClusterSpec:
 class Component:
     name: str  # "router", "prefill-0", "decode-1"
     address: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes]  # the running (or last) instance
     log_path: Path | None
     log_file: IO[bytes] | None = field(default=None, repr=False)
     metrics_port: int = 0  # its Prometheus /metrics; 0: not served
+    command: tuple[str, ...] = ()  # what started it: a restart runs the same again
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)  # may carry a password
+    is_worker: bool = False  # a prefill or decode worker (the router is not restarted)
+    num_restarts: int = 0
 
     @property
     def metrics_url(self) -> str:
@@ -186,45 +191,57 @@ class Cluster:
         env.update(self.redis_settings.to_env())  # not argv: ps shows every command line
         env.update(OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=str(threads))
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        log_path = log_file = None
-        if spec.log_dir is not None:
-            log_path = spec.log_dir / f"{name}.log"
-            log_file = log_path.open("wb")
-        # A session of its own: Ctrl-C reaches the launcher only, which stops children in order.
-        process = subprocess.Popen(
-            command,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file if log_file is not None else None,
-            stderr=subprocess.STDOUT if log_file is not None else None,
-            start_new_session=True,
-        )
+        log_path = spec.log_dir / f"{name}.log" if spec.log_dir is not None else None
+        log_file = log_path.open("wb") if log_path is not None else None
         address = f"{spec.host}:{port}"
-        return Component(name, address, process, log_path, log_file, metrics_port)
+        process = _launch(command, env, log_file)
+        return Component(
+            name,
+            address,
+            process,
+            log_path,
+            log_file,
+            metrics_port,
+            command=tuple(command),
+            env=env,
+            is_worker=is_worker,
+        )
+
+    def restart(self, component: Component) -> None:
+        """Starts a dead worker again: a fresh interpreter with the same command line (same
+        port, same id), its log appended to. It registers in the ledger with a new epoch."""
+        if component.process.poll() is None:
+            raise ClusterError(f"{component.name}: still running (pid {component.process.pid})")
+        if component.log_file is not None:
+            component.log_file.close()
+            assert component.log_path is not None
+            component.log_file = component.log_path.open("ab")
+        component.process = _launch(list(component.command), component.env, component.log_file)
+        component.num_restarts += 1
 
     def _wait_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         pending = list(self.components)
-        channels = {c.name: grpc.insecure_channel(c.address) for c in pending}
-        try:
-            while pending:
-                for component in list(pending):
-                    self._check_alive(component)
-                    stub = health_pb2_grpc.HealthStub(channels[component.name])
-                    try:
-                        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                    except grpc.RpcError:
-                        continue
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        pending.remove(component)
-                if pending and time.monotonic() > deadline:
-                    names = ", ".join(c.name for c in pending)
-                    raise ClusterError(f"not SERVING within {timeout_s} s: {names}")
-                if pending:
-                    time.sleep(0.2)
-        finally:
-            for channel in channels.values():
-                channel.close()
+        while pending:
+            for component in list(pending):
+                self._check_alive(component)
+                if self.is_serving(component, timeout_s=1.0):
+                    pending.remove(component)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise ClusterError(f"not SERVING within {timeout_s} s: {names}")
+            if pending:
+                time.sleep(0.2)
+
+    def is_serving(self, component: Component, timeout_s: float = 0.5) -> bool:
+        """Whether ``component`` answers its gRPC health check with SERVING."""
+        with grpc.insecure_channel(component.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            except grpc.RpcError:
+                return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     def _check_alive(self, component: Component) -> None:
         code = component.process.poll()
@@ -269,3 +286,18 @@ class Cluster:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _launch(
+    command: Sequence[str], env: Mapping[str, str], log_file: IO[bytes] | None
+) -> subprocess.Popen[bytes]:
+    """One child process, in a session of its own: Ctrl-C reaches the launcher only, which
+    stops children in order."""
+    return subprocess.Popen(
+        list(command),
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=log_file if log_file is not None else None,
+        stderr=subprocess.STDOUT if log_file is not None else None,
+        start_new_session=True,
+    )

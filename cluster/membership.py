@@ -3,6 +3,12 @@ heartbeats carrying its load, and leases on the KV blocks it holds for requests.
 
 Calls are synchronous redis-py calls on the event loop: each is one short round trip to
 a local Redis, cheaper than a hop to a thread on a 2-core host.
+
+A heartbeat that finds the registration gone (Redis restarted empty, or this process
+stalled past the registration's TTL) registers again with a new epoch. What was held under
+the old epoch is dropped (``on_lease_lost`` for each request): the ledger no longer knows
+it, or no longer lets the old epoch move it. A Redis that cannot be reached is logged once
+when it goes and once when it is back; the process keeps serving meanwhile.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class Membership:
         timing: Timing,
         load: Callable[[], tuple[float, Mapping[str, str | int | float]]],
         on_lease_lost: Callable[[str], None] = lambda request_id: None,
+        on_registered_again: Callable[[int], None] = lambda epoch: None,
     ) -> None:
         self.ledger = ledger
         self.worker_id = worker_id
@@ -59,11 +66,14 @@ class Membership:
         self.timing = timing
         self._load = load
         self._on_lease_lost = on_lease_lost
+        self._on_registered_again = on_registered_again  # gets the new epoch
         self.epoch = 0
+        self._is_redis_down = False
         self._held: dict[str, bool] = {}  # request id -> has draft blocks
         self._task: asyncio.Task[None] | None = None
 
     def register(self) -> int:
+        """Registers with a fresh epoch (and heartbeats once); returns the epoch."""
         self.epoch = self.ledger.register_worker(
             self.worker_id,
             role=self.role,
@@ -123,7 +133,13 @@ class Membership:
                 self._heartbeat()
                 self._renew_leases()
             except redis.RedisError as e:
-                log.warning("heartbeat: redis: %s", e)
+                if not self._is_redis_down:
+                    log.warning("heartbeat: redis unreachable (%s); serving on, retrying", e)
+                self._is_redis_down = True
+                continue
+            if self._is_redis_down:
+                log.warning("heartbeat: redis reachable again")
+                self._is_redis_down = False
 
     def _heartbeat(self) -> None:
         load, stats = self._load()
@@ -135,9 +151,25 @@ class Membership:
                 load=load,
                 stats=stats,
             )
-        except LedgerConflict as e:  # expired (a long stall): register again
-            log.warning("heartbeat refused (%s); registering again", e)
-            self.register()
+        except LedgerConflict as e:  # Redis restarted empty, or a long stall: register again
+            self._register_again(str(e))
+
+    def _register_again(self, why: str) -> None:
+        old_epoch = self.epoch
+        self.register()  # a RedisError leaves everything as it was, for the next heartbeat
+        lost = list(self._held)
+        self._held.clear()
+        log.warning(
+            "registration lost (%s): registered again at epoch %d (was %d); dropping %d "
+            "requests held under the old epoch",
+            why,
+            self.epoch,
+            old_epoch,
+            len(lost),
+        )
+        self._on_registered_again(self.epoch)
+        for request_id in lost:
+            self._on_lease_lost(request_id)
 
     def _renew_leases(self) -> None:
         for request_id in list(self._held):

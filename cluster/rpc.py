@@ -3,8 +3,9 @@ grpc.health.v1, bounded messages and keepalive, and a graceful drain on SIGTERM.
 
 Servicers stay thin and raise plain exceptions; ``ErrorInterceptor`` turns them into
 status codes: ValueError -> INVALID_ARGUMENT, a full cache or queue -> RESOURCE_EXHAUSTED,
-LedgerConflict -> ABORTED, a downstream RPC error -> its own code, anything else ->
-INTERNAL with a short message (the traceback goes to the log). No request crashes a server.
+LedgerConflict -> ABORTED, the ledger's Redis unreachable -> UNAVAILABLE, a downstream RPC
+error -> its own code, anything else -> INTERNAL with a short message (the traceback goes
+to the log). No request crashes a server.
 """
 
 from __future__ import annotations
@@ -68,12 +69,24 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a client gets for ``exc``."""
     if isinstance(exc, grpc.aio.AioRpcError):  # a downstream call: pass its status on
         return exc.code(), exc.details() or exc.code().name
+    if _is_redis_unreachable(exc):
+        return grpc.StatusCode.UNAVAILABLE, _short(
+            f"the ledger's Redis is unreachable ({exc}); retry once it is back"
+        )
     for module_name, class_name, code in _STATUS_BY_TYPE:
         module = sys.modules.get(module_name)
         cls = getattr(module, class_name, None) if module is not None else None
         if cls is not None and isinstance(exc, cls):
             return code, _short(str(exc) or class_name)
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
+
+
+def _is_redis_unreachable(exc: BaseException) -> bool:
+    """A redis-py connection error or timeout (looked up in sys.modules, as in status_of)."""
+    module = sys.modules.get("redis.exceptions")
+    if module is None:
+        return False
+    return isinstance(exc, module.ConnectionError | module.TimeoutError)
 
 
 def _short(message: str) -> str:
@@ -150,11 +163,16 @@ def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
 
 
 def channel_options(max_message_bytes: int = 64 << 20) -> list[tuple[str, Any]]:
+    """Bounded messages, keepalive, and reconnection at most 1 s apart: a worker restarted
+    at the same address is reached within a second of listening (gRPC's default backoff
+    grows to 2 minutes)."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 20_000),
         ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 

@@ -82,6 +82,10 @@ async def serve(args: argparse.Namespace) -> None:
     ledger = Ledger(client, namespace=args.namespace)
 
     holder: dict[str, DecodeWorkerService] = {}
+
+    def registered_again(new_epoch: int) -> None:  # the ledger's Redis restarted empty
+        receiver.epoch = new_epoch  # pushes into reservations from now on carry it
+
     membership = Membership(
         ledger,
         args.worker_id or default_worker_id("decode", address),
@@ -91,6 +95,7 @@ async def serve(args: argparse.Namespace) -> None:
         timing=Timing(args.heartbeat_ms, args.lease_ms),
         load=lambda: holder["service"].load() if holder else (0.0, {}),
         on_lease_lost=lambda rid: holder["service"].on_lease_lost(rid),
+        on_registered_again=registered_again,
     )
     epoch = membership.register()
     use_shm = args.kv_transport == "auto"

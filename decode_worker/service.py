@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
+
 from cluster.engine_loop import EngineLoop
 from cluster.engine_setup import draft_figures
 from cluster.kv_transfer import KvLayout, KvReceiver, KvReservation, TransferState, host_id
@@ -301,9 +303,17 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         return stats.load, figures
 
     def on_lease_lost(self, request_id: str) -> None:
+        """The ledger no longer has this worker holding the request (its Redis restarted
+        empty, or a stall outlived the lease): the request is dropped here, and its stream
+        ends UNAVAILABLE, which the router answers by resuming it elsewhere."""
         req = self._requests.get(request_id)
         if req is not None and req.slot is not None:
-            req.slot.fail(_Aborted("lease lost"))
+            req.slot.fail(
+                Unavailable(
+                    f"decode worker {self.membership.worker_id}: lost its lease on the "
+                    "request's KV blocks in the ledger (Redis restarted, or a stall)"
+                )
+            )
         self._forget(request_id)
 
     async def expire_reservations(self) -> None:
@@ -380,14 +390,20 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             )
 
     def _end(self, request_id: str, state: RequestState) -> None:
-        """A finished request: blocks already freed by the engine; ledger updated."""
+        """A finished request: blocks already freed by the engine; ledger updated. The
+        client gets its last chunk even when Redis cannot be reached (the record, if it
+        survives, expires)."""
         self._requests.pop(request_id, None)
         self.receiver.release(request_id)
         self.membership.release(request_id)
-        with contextlib.suppress(LedgerConflict):  # cancelled meanwhile: the router decided
+        try:
             self.membership.ledger.transition(
                 request_id, state, expected=RequestState.DECODING, epoch=self.membership.epoch
             )
+        except LedgerConflict:  # cancelled meanwhile: the router decided
+            pass
+        except redis.RedisError as e:
+            log.warning("%s %s, not recorded in the ledger: redis: %s", request_id, state, e)
 
 
 class _ChunkStream:

@@ -68,6 +68,10 @@ class WorkerPicker:
         """Passes ``worker`` over for ``for_s`` (its connection broke)."""
         self._unreachable[(worker.worker_id, worker.epoch)] = time.monotonic() + for_s
 
+    def mark_reachable(self, worker: WorkerInfo) -> None:
+        """Picks ``worker`` again (it answered after all, e.g. once its channel reconnected)."""
+        self._unreachable.pop((worker.worker_id, worker.epoch), None)
+
     def _is_reachable(self, worker: WorkerInfo) -> bool:
         until = self._unreachable.get((worker.worker_id, worker.epoch))
         if until is None:
@@ -149,12 +153,12 @@ class WorkerPicker:
         return self._least_loaded(decoders, WorkerRole.DECODE)
 
     async def pick_waiting(
-        self, deadline: float, hashes: Sequence[str] = ()
+        self, deadline: float, hashes: Sequence[str] = (), wait_s: float | None = None
     ) -> tuple[WorkerInfo, WorkerInfo]:
         """``pick``, re-reading the registry while no pair is live, for at most ``wait_s``
-        and never past ``deadline`` (monotonic): a worker restarting or a heartbeat late
-        under load costs the request latency, not an error."""
-        give_up = min(deadline, time.monotonic() + self.wait_s)
+        (default: the picker's) and never past ``deadline`` (monotonic): a worker
+        restarting or a heartbeat late under load costs the request latency, not an error."""
+        give_up = min(deadline, time.monotonic() + (self.wait_s if wait_s is None else wait_s))
         while True:
             try:
                 return self.pick(hashes)

@@ -34,6 +34,10 @@ ABORT_TIMEOUT_S = 2.0
 RESERVE_TIMEOUT_S = 10.0
 DEADLINE_SLACK_S = 0.05  # errors this close to the deadline are the deadline's doing
 MAX_ATTEMPTS = 8  # one request's prefills: the first, then resumptions (preempted, D lost)
+# How long a request that lost its decode worker waits for a live one (the only one may be
+# restarting: `tandem serve` restarts a dead worker within seconds); new requests wait the
+# picker's wait_s.
+RESUME_WAIT_S = 30.0
 RESERVE_BACKOFF_S = (0.02, 0.5)  # first and longest wait between refused reservations
 
 
@@ -46,6 +50,7 @@ class _Route:
     decode: WorkerInfo
     deadline: float  # time.monotonic()
     sent: list[int] = field(default_factory=list)  # completion ids streamed to the client
+    owner_epoch: int = 0  # this router's epoch in the ledger record, while the router owns it
 
     @property
     def token_ids(self) -> list[int]:
@@ -172,7 +177,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                 except grpc.aio.AioRpcError as e:
                     if e.code() != grpc.StatusCode.UNAVAILABLE or attempt + 1 == MAX_ATTEMPTS:
                         raise
-                    self._take_back(route, e)  # D is gone: resume the request elsewhere
+                    await self._take_back(route, e)  # D is gone: resume it elsewhere
                     continue
                 if is_finished:
                     return
@@ -188,6 +193,11 @@ class GenerationService(gen_grpc.GenerationServicer):
             )
         except BaseException as e:
             end_state, reason = _how_it_ended(e, route)
+            if end_state is RequestState.FAILED and self._is_forgotten(rid):
+                raise Unavailable(
+                    f"request {rid}: the ledger lost its record while it ran (its Redis "
+                    f"restarted?); retry. ({reason})"
+                ) from e
             raise
         finally:
             self.num_in_flight -= 1
@@ -212,11 +222,13 @@ class GenerationService(gen_grpc.GenerationServicer):
     # ---- the three hops
 
     def _create_in_ledger(self, route: _Route) -> None:
+        """Records the request, QUEUED and owned by this router (at its current epoch)."""
         valid = route.request
+        route.owner_epoch = self.membership.epoch
         self.ledger.create_request(
             valid.request_id,
             owner=self.membership.worker_id,
-            epoch=self.membership.epoch,
+            epoch=route.owner_epoch,
             fields={
                 "model": self.validator.model.name,
                 "num_prompt_tokens": len(valid.prompt_token_ids),
@@ -242,7 +254,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             draft_fingerprint=route.prefill.stats.get("draft_fingerprint", ""),
             num_output_tokens_sent=len(route.sent),
             router_id=self.membership.worker_id,
-            router_epoch=self.membership.epoch,
+            router_epoch=route.owner_epoch,  # a preempted request comes back to it
         )
         full: set[str] = set()
         pause = RESERVE_BACKOFF_S[0]
@@ -251,6 +263,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                 reply: pb.ReserveReply = await self._decoder(route).Reserve(
                     request, timeout=min(RESERVE_TIMEOUT_S, route.remaining())
                 )
+                self.picker.mark_reachable(route.decode)  # even if an earlier call failed
                 break
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:  # died since its last heartbeat
@@ -273,7 +286,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             valid.request_id,
             RequestState.PREFILLING,
             expected=RequestState.QUEUED,
-            epoch=self.membership.epoch,
+            epoch=route.owner_epoch,
             new_owner=route.prefill.worker_id,
             new_epoch=route.prefill.epoch,
         )
@@ -375,20 +388,25 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     async def _repick(self, route: _Route) -> None:
         """New P and D for a request its decode worker handed back (the ledger has it
-        QUEUED and owned by this router again)."""
+        QUEUED and owned by this router again); waits up to RESUME_WAIT_S for them."""
         self._count_in_flight(route, -1)
         self.picker.forget_stale()
         hashes = prefix_hashes(route.token_ids)
-        route.prefill, route.decode = await self.picker.pick_waiting(route.deadline, hashes)
+        route.prefill, route.decode = await self.picker.pick_waiting(
+            route.deadline, hashes, wait_s=RESUME_WAIT_S
+        )
         self._count_in_flight(route, +1)
 
-    def _take_back(self, route: _Route, error: grpc.aio.AioRpcError) -> None:
+    async def _take_back(self, route: _Route, error: grpc.aio.AioRpcError) -> None:
         """The decode stream broke (D died or is unreachable): D is passed over from now
         on, and the request, owned by D in the ledger, becomes QUEUED and this router's
         again, for the attempt loop to resume it on a new P and D (prompt + tokens sent,
         as after a preemption). D's fencing epoch is superseded, so a D that is in fact
         alive can no longer move the request; its blocks go back by its Abort (sent here)
-        or, when it is dead, by the reaper once its lease expires."""
+        or, when it is dead, by the reaper once its lease expires. A request the ledger
+        forgot (its Redis restarted empty, and D, registering again, dropped what it held)
+        is recorded anew. The Abort is awaited: D may be alive under a new epoch and be
+        picked at once, and a late Abort would end the resumed request there."""
         rid, lost = route.request.request_id, route.decode
         log.warning(
             "%s: lost decode worker %s after %d tokens (%s: %s); migrating",
@@ -400,29 +418,39 @@ class GenerationService(gen_grpc.GenerationServicer):
         )
         self.picker.mark_unreachable(lost)
         abort = pb.AbortRequest(request_id=rid, reason="migrated: the router lost its stream")
-        self._spawn(self._abort_quietly(lost, abort))
+        await self._abort_quietly(lost, abort)  # a dead process refuses it at once
         record = self.ledger.get_request(rid)
-        if record is None or record.state not in (
-            RequestState.TRANSFERRING,
-            RequestState.DECODING,
-        ):
+        if record is None:
+            log.warning("%s: not in the ledger any more (Redis restarted?); recorded again", rid)
+            self._create_in_ledger(route)
+        elif record.state not in (RequestState.TRANSFERRING, RequestState.DECODING):
             raise error  # ended, or not D's: nothing to resume
+        else:
+            self._take_over(route, record.state, record.epoch, error)
+        self.metrics.migrations.labels(self.metrics.role).inc()
+
+    def _take_over(
+        self, route: _Route, state: RequestState, epoch: int, error: grpc.aio.AioRpcError
+    ) -> None:
+        """``state`` (D's, at ``epoch``) -> QUEUED, owned by this router again."""
+        rid = route.request.request_id
         try:
             self.ledger.transition(
                 rid,
                 RequestState.QUEUED,
-                expected=record.state,
-                epoch=record.epoch,
+                expected=state,
+                epoch=epoch,
                 new_owner=self.membership.worker_id,
                 new_epoch=self.membership.epoch,
             )
+            route.owner_epoch = self.membership.epoch
         except LedgerConflict:  # D moved it meanwhile: fine if it handed it back to us
             record = self.ledger.get_request(rid)
             if record is None or record.owner != self.membership.worker_id:
                 raise error from None
             if record.state is not RequestState.QUEUED:
                 raise error from None
-        self.metrics.migrations.labels(self.metrics.role).inc()
+            route.owner_epoch = record.epoch
 
     async def _abort_quietly(self, decoder: WorkerInfo, abort: pb.AbortRequest) -> None:
         stub = pb_grpc.DecodeWorkerStub(self._channels.get(decoder.address))
@@ -448,6 +476,14 @@ class GenerationService(gen_grpc.GenerationServicer):
             if isinstance(result, BaseException):
                 log.warning("%s: abort failed: %s", rid, result)
         self._end_in_ledger(rid, state, reason)
+
+    def _is_forgotten(self, rid: str) -> bool:
+        """Whether the ledger has no record of this (recorded) request: its Redis restarted
+        empty. False when Redis cannot be asked (that error speaks for itself)."""
+        try:
+            return self.ledger.get_request(rid) is None
+        except redis.RedisError:
+            return False
 
     def _end_in_ledger(self, rid: str, state: RequestState, error: str) -> None:
         """Moves the request to ``state`` from wherever it is (its owner may be moving it)."""

@@ -72,6 +72,23 @@ def test_decode_workers_must_match_the_draft(ledger: Ledger) -> None:
     assert picker.pick()[1].worker_id == "d1"
 
 
+def test_an_unreachable_worker_is_passed_over_until_it_answers_or_restarts(
+    ledger: Ledger,
+) -> None:
+    join(ledger, "p0", WorkerRole.PREFILL, 0.1)
+    join(ledger, "d0", WorkerRole.DECODE, 0.1)
+    picker = WorkerPicker(ledger, "m", refresh_s=0.0)
+    _, d = picker.pick()
+    picker.mark_unreachable(d)
+    with pytest.raises(Unavailable, match="no live decode worker"):
+        picker.pick()
+    picker.mark_reachable(d)  # it answered after all
+    assert picker.pick()[1] == d
+    picker.mark_unreachable(d)
+    join(ledger, "d0", WorkerRole.DECODE, 0.1)  # restarted: registered with a new epoch
+    assert picker.pick()[1].epoch > d.epoch
+
+
 async def test_waits_for_a_late_worker_then_gives_up(ledger: Ledger) -> None:
     join(ledger, "p0", WorkerRole.PREFILL, 0.1)
     picker = WorkerPicker(ledger, "m", refresh_s=0.05, wait_s=2.0)

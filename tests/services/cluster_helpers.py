@@ -1,20 +1,70 @@
-"""What the cluster tests share: streaming a request through the router, checking a
-stream's chunks, asking workers for their stats, and the end-of-test audit."""
+"""What the cluster tests share: a tiny target model and its in-process greedy output,
+streaming a request through the router, checking a stream's chunks, asking workers for
+their stats, reading a router counter, and the end-of-test audit."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from cluster.launcher import Cluster, Component
 from cluster.ledger import Ledger, RequestState
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
 from router.client import agenerate
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import worker_pb2 as pb
 from tandem.v1 import worker_pb2_grpc as pb_grpc
+from tests.engine.tiny_models import build_tiny_llama
+from tests.services.tiny_tokenizer import save_char_tokenizer
+
+TINY_VOCAB = 64
+
+
+def build_tiny_target(out: Path) -> Path:
+    """A 2-layer random Llama (GQA, Llama-3 RoPE, MLP bias) with a character tokenizer,
+    positions up to 2048 so that long streams fit."""
+    build_tiny_llama(
+        out,
+        "gqa4_llama3rope_hd72_mlpbias",
+        num_layers=2,
+        vocab_size=TINY_VOCAB,
+        max_position_embeddings=2048,
+    )
+    save_char_tokenizer(out, TINY_VOCAB)
+    return out
+
+
+def engine_greedy(target: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy output of the in-process engine (fp32, block size 4, EOS ignored), per prompt."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(target), dtype="float32", block_size=4, kv_cache_memory=8 << 20, num_threads=1
+        )
+    )
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def router_counter(cluster: Cluster, name: str) -> float:
+    """A counter of the router's /metrics (``tandem_migrations_total``...); 0 if absent."""
+    assert cluster.router is not None
+    with urllib.request.urlopen(cluster.router.metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    found = re.search(rf'^{name}\{{role="router"\}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 async def run(address: str, prompt: list[int] | str, **params: object) -> list[gen.GenerateChunk]:

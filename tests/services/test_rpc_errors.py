@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
+import redis
 
 from cluster.engine_loop import EngineLoop
 from cluster.ledger import LedgerConflict
@@ -35,6 +36,15 @@ def test_status_of_maps_subclasses_before_value_error() -> None:
         assert status_of(exc)[0] == code, exc
     code, message = status_of(RuntimeError("secret internals"))
     assert "secret" not in message and "RuntimeError" in message
+
+
+def test_an_unreachable_ledger_is_unavailable_and_says_so() -> None:
+    refused = redis.ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused.")
+    code, message = status_of(refused)
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert message.startswith("the ledger's Redis is unreachable (Error 111 connecting")
+    assert status_of(redis.TimeoutError("Timeout reading from socket"))[0] == code
+    assert status_of(redis.ResponseError("WRONGTYPE"))[0] == grpc.StatusCode.INTERNAL
 
 
 class Raising(gen_grpc.GenerationServicer):

@@ -1,0 +1,129 @@
+"""The ledger's Redis restarts empty under a running cluster (a real redis-server, killed
+with SIGKILL and started again on its port; router, prefill and decode workers as real
+processes). While it is down, a new request fails at once with UNAVAILABLE naming Redis.
+Once it is back, every component notices its registration is gone and registers again
+with a new epoch; the streams that were decoding resume (the router records them anew)
+and complete equal to the in-process engine; new requests are served; the new ledger
+ends clean."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+import torch
+
+from cluster.launcher import Cluster, ClusterSpec
+from cluster.ledger import Ledger
+from cluster.redis_server import RedisServer, free_port
+from router.client import agenerate
+from tandem.v1 import generation_pb2 as gen
+from tests.services.cluster_helpers import (
+    build_tiny_target,
+    check_stream,
+    engine_greedy,
+    generate_all,
+    run,
+    wait_audit_clean,
+)
+
+MAX_TOKENS = 300  # long enough that every stream is mid-way when Redis goes
+PROMPTS = [[(3 * i + 7 * j) % 61 + 3 for j in range(6 + 4 * i)] for i in range(3)]
+LATER_PROMPTS = [[9, 4, 33, 20, 5], [17, 60, 3, 3, 41, 8, 25, 12, 7]]
+TOKENS_BEFORE_KILL = 8
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(1)  # this process shares the cores with the cluster's
+    return build_tiny_target(tmp_path_factory.mktemp("redis_restart") / "target")
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    """On a fixed TCP port, so that the restarted server is where the cluster looks."""
+    server = RedisServer(port=free_port()).start()
+    yield server
+    server.stop()
+
+
+def epochs(ledger: Ledger) -> dict[str, int]:
+    return {w.worker_id: w.epoch for w in ledger.list_workers() if w.stats.get("model")}
+
+
+async def test_cluster_survives_an_empty_redis_restart(
+    target: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    spec = ClusterSpec(
+        model=str(target),
+        num_prefill=1,
+        num_decode=1,
+        redis=redis_server.settings,
+        port=0,
+        worker_args=("--dtype", "float32", "--block-size", "4"),
+        service_args=("--heartbeat-ms", "300", "--lease-ms", "1000", "--log-level", "WARNING"),
+        log_dir=tmp_path_factory.mktemp("logs"),
+        grace_s=5.0,
+    )
+    with Cluster(spec) as cluster:
+        client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+        ledger = Ledger(client)
+        try:
+            before = epochs(ledger)
+            assert set(before) == {"prefill-0", "decode-0"}  # the router: no model figure
+            counts = [0] * len(PROMPTS)
+            all_started = asyncio.Event()
+
+            async def stream(i: int) -> list[gen.GenerateChunk]:
+                chunks = []
+                async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+                    request = agenerate(
+                        channel,
+                        PROMPTS[i],
+                        timeout=120,
+                        max_tokens=MAX_TOKENS,
+                        temperature=0.0,
+                        ignore_eos=True,
+                    )
+                    async for chunk in request:
+                        chunks.append(chunk)
+                        counts[i] += len(chunk.token_ids)
+                        if min(counts) >= TOKENS_BEFORE_KILL:
+                            all_started.set()
+                return chunks
+
+            tasks = [asyncio.create_task(stream(i)) for i in range(len(PROMPTS))]
+            await asyncio.wait_for(all_started.wait(), timeout=60)
+            assert redis_server.process is not None
+            redis_server.process.kill()  # SIGKILL: nothing saved
+            redis_server.process.wait(timeout=10)
+
+            # Down: a new request is refused at once, saying why.
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await run(cluster.router_address, LATER_PROMPTS[0], max_tokens=4)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "Redis is unreachable" in (refused.value.details() or "")
+            assert time.monotonic() - started < 5
+
+            redis_server.stop()  # its directory goes: nothing was persisted anyway
+            redis_server.start()  # empty, on the same port
+            assert max(counts) < MAX_TOKENS, "a stream ended before the restart: raise MAX_TOKENS"
+            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+
+            expected = engine_greedy(target, [*PROMPTS, *LATER_PROMPTS], MAX_TOKENS)
+            assert [check_stream(c, MAX_TOKENS) for c in results] == expected[: len(PROMPTS)]
+            after = epochs(ledger)
+            assert set(after) == set(before)
+            assert all(after[w] > before[w] for w in before), (before, after)
+
+            later = await generate_all(cluster.router_address, LATER_PROMPTS, MAX_TOKENS)
+            assert later == expected[len(PROMPTS) :]
+            await wait_audit_clean(cluster, ledger, within_s=10)
+        finally:
+            client.close()

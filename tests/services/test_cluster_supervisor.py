@@ -1,0 +1,173 @@
+"""`tandem serve`'s supervisor on a real cluster (1 prefill + 1 decode worker, router and
+redis-server as processes, loopback gRPC). A decode worker killed with SIGKILL mid-stream
+is started again on its port with a new epoch; the streams it carried wait for it and
+complete, equal to the in-process engine, and new requests are served. A worker that dies
+on every start (its port taken) uses up its restart budget, and the supervisor gives up
+naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+import torch
+
+from cluster.launcher import Cluster, ClusterSpec, Component
+from cluster.ledger import Ledger, WorkerRole
+from cluster.supervisor import RestartPolicy, Supervisor
+from router.client import agenerate
+from tandem.v1 import generation_pb2 as gen
+from tests.services.cluster_helpers import (
+    build_tiny_target,
+    check_stream,
+    engine_greedy,
+    router_counter,
+    run,
+    wait_audit_clean,
+)
+
+MAX_TOKENS = 400  # long enough that every stream is mid-way when its worker is killed
+PROMPTS = [[(7 * i + 5 * j) % 61 + 3 for j in range(4 + 5 * i)] for i in range(3)]
+LATER_PROMPT = [11, 5, 42, 7, 9, 30, 12]  # sent once the restarted worker serves
+TOKENS_BEFORE_KILL = 8
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(1)  # this process shares the cores with the cluster's
+    return build_tiny_target(tmp_path_factory.mktemp("supervise") / "target")
+
+
+@pytest.fixture(scope="module")
+def cluster(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    spec = ClusterSpec(
+        model=str(target),
+        num_prefill=1,
+        num_decode=1,
+        port=0,
+        worker_args=("--dtype", "float32", "--block-size", "4"),
+        service_args=("--heartbeat-ms", "300", "--lease-ms", "1000", "--log-level", "WARNING"),
+        log_dir=tmp_path_factory.mktemp("logs"),
+        grace_s=5.0,
+    )
+    with Cluster(spec) as started:
+        yield started
+
+
+def registered_epoch(ledger: Ledger, worker_id: str) -> int | None:
+    found = [w.epoch for w in ledger.list_workers(WorkerRole.DECODE) if w.worker_id == worker_id]
+    return found[0] if found else None
+
+
+async def test_killed_decode_worker_is_restarted_and_its_streams_complete(
+    cluster: Cluster, target: Path
+) -> None:
+    lines: list[str] = []
+    policy = RestartPolicy(max_restarts=3, initial_backoff_s=0.2, max_backoff_s=1.0)
+    supervisor = Supervisor(cluster, policy, say=lines.append)
+    stop = threading.Event()
+    watcher = threading.Thread(target=supervisor.run, args=(stop, 0.1), daemon=True)
+    watcher.start()
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    ledger = Ledger(client)
+    try:
+        decode = cluster.decode[0]
+        epoch_before = registered_epoch(ledger, decode.name)
+        counts = [0] * len(PROMPTS)
+        all_started = asyncio.Event()
+
+        async def stream(i: int) -> list[gen.GenerateChunk]:
+            chunks = []
+            async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+                request = agenerate(
+                    channel,
+                    PROMPTS[i],
+                    timeout=120,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0.0,
+                    ignore_eos=True,
+                )
+                async for chunk in request:
+                    chunks.append(chunk)
+                    counts[i] += len(chunk.token_ids)
+                    if min(counts) >= TOKENS_BEFORE_KILL:
+                        all_started.set()
+            return chunks
+
+        tasks = [asyncio.create_task(stream(i)) for i in range(len(PROMPTS))]
+        await asyncio.wait_for(all_started.wait(), timeout=60)
+        old_pid = decode.process.pid
+        decode.process.send_signal(signal.SIGKILL)
+        assert max(counts) < MAX_TOKENS, "a stream ended before the kill: raise MAX_TOKENS"
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+
+        expected = engine_greedy(target, [*PROMPTS, LATER_PROMPT], MAX_TOKENS)
+        assert [check_stream(chunks, MAX_TOKENS) for chunks in results] == expected[:-1]
+        assert router_counter(cluster, "tandem_migrations_total") >= 1
+        assert decode.process.pid != old_pid and decode.num_restarts == 1
+        epoch_after = registered_epoch(ledger, decode.name)
+        assert epoch_before is not None and epoch_after is not None
+        assert epoch_after > epoch_before
+        assert any("decode-0 died (killed by SIGKILL); restarting it" in line for line in lines)
+        assert any(line.startswith("decode-0 restarted (restart 1") for line in lines)
+
+        later = await run(
+            cluster.router_address,
+            LATER_PROMPT,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            ignore_eos=True,
+        )
+        assert check_stream(later, MAX_TOKENS) == expected[-1]
+        # The killed instance's holdings go by the new instance's claims or the reaper.
+        await wait_audit_clean(cluster, ledger, within_s=10)
+        assert any(line.startswith("decode-0 is SERVING again") for line in lines)
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+        client.close()
+
+
+def take_port(component: Component) -> socket.socket:
+    """Listens on ``component``'s port, so that a restarted instance cannot bind it."""
+    host, port = component.address.rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # no SO_REUSEPORT: gRPC's fails
+    sock.bind((host, int(port)))
+    sock.listen()
+    return sock
+
+
+def test_worker_dying_on_every_start_uses_up_its_budget(cluster: Cluster) -> None:
+    lines: list[str] = []
+    policy = RestartPolicy(max_restarts=2, initial_backoff_s=0.1, max_backoff_s=0.2)
+    supervisor = Supervisor(cluster, policy, say=lines.append)
+    prefill = cluster.prefill[0]
+    prefill.process.send_signal(signal.SIGKILL)
+    prefill.process.wait(timeout=10)
+    blocker = take_port(prefill)
+    try:
+        result: list[int] = []
+        stop = threading.Event()
+        watcher = threading.Thread(
+            target=lambda: result.append(supervisor.run(stop, 0.1)), daemon=True
+        )
+        watcher.start()
+        watcher.join(timeout=90)
+        stop.set()
+        assert result == [1], lines
+    finally:
+        blocker.close()
+    assert prefill.num_restarts == 2
+    assert [line.split(" (")[0] for line in lines if "died" in line] == ["prefill-0 died"] * 3
+    last = lines[-1]
+    assert last.startswith("prefill-0 died (exit code 1) after 2 restarts in the last 60 s")
+    assert "--max-restarts 2" in last and "giving up, stopping the cluster" in last
+    assert "Failed to bind" in last  # the tail of its log
