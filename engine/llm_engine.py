@@ -52,7 +52,8 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "torch"
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
-    # CPU: products with at least this many rows run on prepacked fp32 weights (None: never).
+    # CPU: bf16 products run on the bf16 kernel (kernels/cpu) where it builds; other
+    # products with at least this many rows on prepacked fp32 weights. None: neither.
     # Measured on an AVX2 EPYC: plain weights win for 1 row, packed fp32 from 2 rows on.
     cpu_packed_gemm_min_rows: int | None = 2
     speculative: SpeculativeConfig | None = None  # draft model and how to speculate
@@ -122,6 +123,9 @@ class LLMEngine:
         drafter, lookahead = None, 0
         if config.speculative is not None:
             drafter = load_speculator(config.speculative, model, self.device)
+            if self.device.type == "cpu" and config.cpu_packed_gemm_min_rows is not None:
+                assert isinstance(drafter, torch.nn.Module)
+                use_packed_gemm(drafter, config.cpu_packed_gemm_min_rows)
             draft_params = KVCacheParams.from_config(drafter.config, config.block_size)
             # One block id holds a target block and a draft block: plan for both together.
             plan_params = dataclasses.replace(

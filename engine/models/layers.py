@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import Llama3RopeScaling
+from kernels.cpu import bf16_gemm
 
 
 class RMSNorm(nn.Module):
@@ -95,21 +96,28 @@ class RotaryEmbedding(nn.Module):
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that can run matrix-matrix products on a prepacked fp32 weight (CPU).
+    """``nn.Linear`` with CPU products prepared for decode and verify steps (``use_packed_gemm``).
 
-    From ``packed_min_rows`` rows on, the product runs on an fp32 copy of the weight in
-    oneDNN's blocked layout, about 1.8x aten's sgemm for few rows. For bf16 this matters
-    most: CPUs without native bf16 dot products (AVX2) convert inside the GEMM once per
-    row, so a bf16 ``F.linear`` costs about M matrix-vector products; the fp32 product
-    (what a bf16 GEMM accumulates in anyway) is rounded back to bf16. The copy costs twice
-    a bf16 weight's memory (one more fp32 weight when serving fp32); matrix-vector products
-    keep the native weight.
+    CPUs without native bf16 dot products (AVX2) make aten's bf16 GEMM convert the weight
+    once per row, so a product of M rows costs about M matrix-vector products. Two remedies:
+
+    - bf16 weights, when ``kernels.cpu.bf16_gemm`` is built: every product runs on it,
+      from a copy of the weight packed in 16-column panels. It converts each weight element
+      once per call, so 6 rows cost about what 2 do, and 1 row half of aten's time.
+    - otherwise, from ``packed_min_rows`` rows on, the product runs on an fp32 copy of the
+      weight in oneDNN's blocked layout, about 1.8x aten's sgemm for few rows (what a bf16
+      GEMM accumulates in anyway, rounded back to bf16). It costs twice a bf16 weight's
+      memory (one more fp32 weight when serving fp32); matrix-vector products keep the
+      native weight.
     """
 
     packed_min_rows: int = 0  # set with _fp32 by use_packed_gemm
     _fp32: _PackedFp32Linear | None = None
+    _panels: torch.Tensor | None = None  # set by use_packed_gemm: the bf16 kernel's layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._panels is not None:
+            return bf16_gemm.linear(x, self._panels, self.bias, self.out_features)
         if self._fp32 is None or x.shape[0] < self.packed_min_rows:
             return F.linear(x, self.weight, self.bias)
         return self._fp32(x.float()).to(x.dtype)
@@ -158,14 +166,21 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 def use_packed_gemm(model: nn.Module, min_rows: int) -> None:
-    """Runs products of at least ``min_rows`` rows on packed fp32 weights, in every ``Linear``.
+    """Prepares every ``Linear`` of an inference model for fast CPU products (see ``Linear``).
 
-    Packs now (about 2 s for SmolLM2), so that the first request does not pay for it.
+    bf16 weights go to the bf16 kernel when it is available (it builds on first
+    use); other weights run products of at least ``min_rows`` rows on packed fp32 copies.
+    Packs now (about 2 s for SmolLM2), so that the first request does not pay for it. The
+    packed copies are not updated if the weights change afterwards.
     """
     for module in model.modules():
-        if isinstance(module, Linear):
-            module.packed_min_rows = min_rows
-            module._fp32 = _PackedFp32Linear.create(module.weight, module.bias)
+        if not isinstance(module, Linear):
+            continue
+        if module.weight.dtype == torch.bfloat16 and bf16_gemm.available():
+            module._panels = bf16_gemm.pack(module.weight)
+            continue
+        module.packed_min_rows = min_rows
+        module._fp32 = _PackedFp32Linear.create(module.weight, module.bias)
 
 
 class GatedMLP(nn.Module):

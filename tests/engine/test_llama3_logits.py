@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -137,3 +138,35 @@ def test_return_n_logits_gives_the_last_tokens_of_each_row(tiny_llama):
     expected[2] = hf_logits(hf, prompts[2])  # a row shorter than n returns all its tokens
     assert logits.shape[0] == 3 + 3 + 2
     assert (logits - torch.cat(expected)).abs().max().item() < TOL
+
+
+def test_bf16_logits_on_the_cpu_kernel_are_as_close_to_fp32_as_aten_bf16(tiny_llama):
+    """bf16 products on kernels/cpu (every Linear, prefill and decode rows alike) err from
+    the fp32 reference no more than aten's bf16 products do."""
+    from engine.models.layers import Linear
+    from kernels.cpu import bf16_gemm
+
+    if not bf16_gemm.available():
+        pytest.skip("the CPU bf16 kernel is not built here (needs AVX2 and a C++ compiler)")
+    model_dir, hf = tiny_llama
+    gen = torch.Generator().manual_seed(2)
+    vocab = hf.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 23)]
+    continuations = [torch.randint(3, vocab, (8,), generator=gen).tolist() for _ in prompts]
+    errors = {}
+    for name, packed_rows in (("kernel", 2), ("aten", None)):
+        engine = make_engine(
+            model_dir,
+            dtype="bfloat16",
+            max_num_batched_tokens=12,
+            cpu_packed_gemm_min_rows=packed_rows,
+        )
+        linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+        assert all((m._panels is not None) == (name == "kernel") for m in linears)
+        got, _ = run_teacher_forced(engine, prompts, continuations)
+        errors[name] = max(
+            (logits.float() - hf_logits(hf, p + c)[len(p) - 1 + step]).abs().max().item()
+            for i, (p, c) in enumerate(zip(prompts, continuations, strict=True))
+            for step, logits in enumerate(got[i])
+        )
+    assert 0 < errors["kernel"] <= 1.5 * errors["aten"] + 1e-3, errors

@@ -1,0 +1,1 @@
+"""Compute kernels, each beside the plain-torch reference it must agree with."""

@@ -1,0 +1,231 @@
+// bf16 GEMM for CPUs without native bf16 dot products (AVX2 + FMA).
+//
+// out[M, N] = x[M, K] @ W[N, K]^T + bias. aten's bf16 GEMM on such CPUs converts the
+// weight to fp32 once per row, so the few rows of a decode or verify step cost about M
+// matrix-vector products. Here every weight element is read from memory and converted
+// once per call, whatever M is. The weight is pre-packed in panels of 16 output columns
+// ([N/16][K][16] bf16, `pack`); a panel is multiplied with up to kMaxRows rows held in
+// registers (2 * rows accumulators of 8 floats). With more rows the panel is first
+// converted to an fp32 buffer that stays in L1/L2 while every 6-row tile of x passes over
+// it, which makes large M (prefill) run like an fp32 GEMM. Accumulation is fp32; the
+// result is rounded once to the output dtype, as aten's bf16 GEMM does.
+
+#include <immintrin.h>
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPanel = 16;   // output columns per panel: two AVX2 vectors of floats
+constexpr int64_t kMaxRows = 6;  // rows per register tile: 12 accumulators + 2 weights + 1 x
+
+// One k of a packed panel: 16 bf16 (32 bytes), stored as 8 u32 lanes whose low half is
+// column j and high half column j + 8 (`pack`). A bf16 is the upper half of an fp32, so
+// shifting the low halves up gives columns 0-7 and masking the low halves off gives
+// columns 8-15: one load and two integer ops, no shuffle.
+inline void load_panel_row(const uint16_t* p, __m256& lo, __m256& hi) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// Round-to-nearest-even fp32 -> bf16 (NaN kept quiet), 8 lanes.
+inline __m128i to_bf16x8(__m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  __m256 is_nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
+  rounded = _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(is_nan));
+  __m256i hi = _mm256_srli_epi32(rounded, 16);
+  // pack 8 x u32 (values < 2^16) into 8 x u16, keeping lane order
+  __m128i lo128 = _mm256_castsi256_si128(hi);
+  __m128i hi128 = _mm256_extracti128_si256(hi, 1);
+  return _mm_packus_epi32(lo128, hi128);
+}
+
+// One register tile: ROWS rows of x (fp32, row stride K) times one packed panel, into
+// acc_out [ROWS][16]. With few rows there are too few independent accumulators to hide
+// the FMA latency, so even and odd k accumulate apart (SPLIT sets) and are summed at the end.
+// W is uint16_t (a packed bf16 panel) or float (a panel converted by `widen_panel`).
+inline void load_panel_row(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_load_ps(p);
+  hi = _mm256_load_ps(p + 8);
+}
+
+template <int ROWS, typename W>
+inline void tile(const float* x, int64_t K, const W* panel, const float* bias, float* acc_out) {
+  constexpr int SPLIT = ROWS <= 2 ? 2 : 1;
+  __m256 acc0[SPLIT][ROWS], acc1[SPLIT][ROWS];
+#pragma GCC unroll 16
+  for (int s = 0; s < SPLIT; ++s) {
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      acc0[s][r] = _mm256_setzero_ps();
+      acc1[s][r] = _mm256_setzero_ps();
+    }
+  }
+  int64_t k = 0;
+  for (; k + SPLIT <= K; k += SPLIT) {
+#pragma GCC unroll 2
+    for (int s = 0; s < SPLIT; ++s) {
+      __m256 w0, w1;
+      load_panel_row(panel + (k + s) * kPanel, w0, w1);
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+        __m256 xv = _mm256_broadcast_ss(x + r * K + k + s);
+        acc0[s][r] = _mm256_fmadd_ps(xv, w0, acc0[s][r]);
+        acc1[s][r] = _mm256_fmadd_ps(xv, w1, acc1[s][r]);
+      }
+    }
+  }
+  for (; k < K; ++k) {  // odd K with SPLIT == 2
+    __m256 w0, w1;
+    load_panel_row(panel + k * kPanel, w0, w1);
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      __m256 xv = _mm256_broadcast_ss(x + r * K + k);
+      acc0[0][r] = _mm256_fmadd_ps(xv, w0, acc0[0][r]);
+      acc1[0][r] = _mm256_fmadd_ps(xv, w1, acc1[0][r]);
+    }
+  }
+  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  if (bias != nullptr) {
+    b0 = _mm256_loadu_ps(bias);
+    b1 = _mm256_loadu_ps(bias + 8);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+    __m256 lo = acc0[0][r], hi = acc1[0][r];
+    if constexpr (SPLIT == 2) {
+      lo = _mm256_add_ps(lo, acc0[1][r]);
+      hi = _mm256_add_ps(hi, acc1[1][r]);
+    }
+    _mm256_storeu_ps(acc_out + r * kPanel, _mm256_add_ps(lo, b0));
+    _mm256_storeu_ps(acc_out + r * kPanel + 8, _mm256_add_ps(hi, b1));
+  }
+}
+
+template <typename W>
+using TileFn = void (*)(const float*, int64_t, const W*, const float*, float*);
+template <typename W>
+constexpr TileFn<W> kTiles[kMaxRows + 1] = {nullptr,     tile<1, W>, tile<2, W>, tile<3, W>,
+                                            tile<4, W>, tile<5, W>, tile<6, W>};
+
+// A packed bf16 panel -> fp32, columns back in natural order: [K][16] floats.
+inline void widen_panel(const uint16_t* panel, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 lo, hi;
+    load_panel_row(panel + k * kPanel, lo, hi);
+    _mm256_store_ps(out + k * kPanel, lo);
+    _mm256_store_ps(out + k * kPanel + 8, hi);
+  }
+}
+
+// Rows [m0, m0 + rows) of one panel's result (tile_out [rows][16] floats) into out.
+inline void store_tile(const float* tile_out, int rows, int64_t m0, int64_t n0, int64_t cols,
+                       int64_t N, bool out_bf16, char* out) {
+  for (int r = 0; r < rows; ++r) {
+    const float* src = tile_out + r * kPanel;
+    if (out_bf16) {
+      uint16_t* dst = reinterpret_cast<uint16_t*>(out) + (m0 + r) * N + n0;
+      alignas(16) uint16_t tmp[kPanel];
+      _mm_store_si128(reinterpret_cast<__m128i*>(tmp), to_bf16x8(_mm256_load_ps(src)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(tmp + 8), to_bf16x8(_mm256_load_ps(src + 8)));
+      std::memcpy(dst, tmp, cols * sizeof(uint16_t));
+    } else {
+      float* dst = reinterpret_cast<float*>(out) + (m0 + r) * N + n0;
+      std::memcpy(dst, src, cols * sizeof(float));
+    }
+  }
+}
+
+}  // namespace
+
+// [N, K] bf16 -> [ceil(N/16), K, 16] bf16, zero-padded past N; within a panel row the
+// columns are interleaved 0, 8, 1, 9, ..., 7, 15 (see load_panel_row).
+at::Tensor pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "pack: expected a 2-D bfloat16 weight, got ", weight.sizes(), " ",
+              weight.scalar_type());
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  at::Tensor padded = at::zeros({panels * kPanel, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  // [panels, 2, 8, K] -> [panels, K, 8, 2]: column c = half * 8 + j lands at j * 2 + half
+  return padded.view({panels, 2, kPanel / 2, K}).permute({0, 3, 2, 1}).contiguous().view(
+      {panels, K, kPanel});
+}
+
+// x [..., K] (bf16 or fp32), packed [P, K, 16] bf16, bias [N] or none -> [..., N] in x's dtype.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                  int64_t N) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel &&
+                  packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+              "linear: packed weight must come from pack()");
+  const int64_t K = packed.size(1);
+  TORCH_CHECK(x.size(-1) == K, "linear: x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel,
+              "linear: N=", N, " does not match the packed weight");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "linear: x must be bfloat16 or float32");
+  const int64_t M = x.numel() / K;
+  at::Tensor x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
+  at::Tensor bias32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " values, N=", N);
+    bias32 = at::zeros({packed.size(0) * kPanel}, x32.options());
+    bias32.narrow(0, 0, N).copy_(*bias);
+  }
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end() - 1);
+  out_shape.push_back(N);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
+
+  const float* xp = x32.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  char* op = static_cast<char*>(out.data_ptr());
+  const int64_t panels = packed.size(0);
+
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    alignas(32) float tile_out[kMaxRows * kPanel];
+    std::vector<float> wide;  // the current panel in fp32, when more rows than one tile
+    if (M > kMaxRows) wide.resize(K * kPanel + 8);
+    float* wide_p = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(wide.data()) + 31) & ~static_cast<uintptr_t>(31));
+    for (int64_t p = begin; p < end; ++p) {
+      const uint16_t* panel = wp + p * K * kPanel;
+      const float* pb = bp ? bp + p * kPanel : nullptr;
+      const int64_t n0 = p * kPanel;
+      const int64_t cols = std::min(kPanel, N - n0);
+      if (M <= kMaxRows) {
+        const int rows = static_cast<int>(M);
+        kTiles<uint16_t>[rows](xp, K, panel, pb, tile_out);
+        store_tile(tile_out, rows, 0, n0, cols, N, out_bf16, op);
+        continue;
+      }
+      widen_panel(panel, K, wide_p);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int rows = static_cast<int>(std::min(kMaxRows, M - m0));
+        kTiles<float>[rows](xp + m0 * K, K, wide_p, pb, tile_out);
+        store_tile(tile_out, rows, m0, n0, cols, N, out_bf16, op);
+      }
+    }
+  });
+  return out.view(out_shape);
+}
+
+TORCH_LIBRARY(tandem_cpu, m) {
+  m.def("pack_bf16(Tensor weight) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("pack_bf16", &pack);
+  m.impl("bf16_linear", &linear);
+}
