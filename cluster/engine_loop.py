@@ -13,7 +13,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -73,6 +73,18 @@ def owned_block_ids(engine: LLMEngine) -> tuple[list[int], list[int]]:
     owned = [b.block_id for b in blocks if b.ref_count > 0]
     cached = [b.block_id for b in blocks if b.ref_count == 0 and b.hash is not None]
     return owned, cached
+
+
+def block_tables(engine: LLMEngine, request_ids: Collection[str]) -> dict[str, list[int]]:
+    """The block tables of those of ``request_ids`` in the engine's batch (running or
+    waiting); a request reserved but not started, or already ended, is not there."""
+    wanted = set(request_ids)
+    scheduler = engine.scheduler
+    return {
+        seq.request_id: list(seq.block_table)
+        for seq in (*scheduler.running, *scheduler.waiting)
+        if seq.request_id in wanted
+    }
 
 
 @dataclass

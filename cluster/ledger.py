@@ -12,6 +12,7 @@ Keys, under a namespace ``ns`` (default "td"):
     {ns}:{req:ID}:lease:WORKER            string (epoch) with the lease TTL
     {ns}:holdings                         zset "ID/WORKER" -> lease expiry hint (ms), for the reaper
     {ns}:epoch                            counter of registration epochs (fencing tokens)
+    {ns}:generation                       random id of this lifetime of the Redis data
     {ns}:workers                          set of worker ids (index of the records below)
     {ns}:worker:WORKER                    hash: role, address, capacity, load, epoch (heartbeat TTL)
     {ns}:prefix:HASH                      zset worker -> expiry ms: who caches this KV block
@@ -19,11 +20,16 @@ Keys, under a namespace ``ns`` (default "td"):
 Fencing: a request record holds its owner's epoch; a transition must present it. Epochs
 come from one counter, so an epoch names one registration of one worker: a worker that
 restarted, or a request that moved on, refuses the stale holder.
+
+Restarts: every component remembers the generation it joined (``join_generation``); a
+different one, or none, means Redis restarted empty or was flushed, and decode workers
+record again what they are decoding (``restore_decoding``; cluster.membership).
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -217,6 +223,10 @@ class Ledger:
     def _holdings_key(self) -> str:
         return f"{self.ns}:holdings"
 
+    @property
+    def _generation_key(self) -> str:
+        return f"{self.ns}:generation"
+
     # ---- scripts
 
     def _run(self, source: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -292,6 +302,43 @@ class Ledger:
         ttl = self.finished_ttl_ms if to.is_terminal else self.request_ttl_ms
         args = [request_id, expected, to, epoch, new_owner or "", new_epoch or 0, ttl, error or ""]
         flat = self._run(lua.TRANSITION, [self._record_key(request_id)], args)
+        return self._record(request_id, _pairs(flat))
+
+    def restore_decoding(
+        self,
+        request_id: str,
+        worker_id: str,
+        *,
+        epoch: int,
+        block_ids: Iterable[int],
+        has_draft: bool,
+        lease_ms: int,
+        fields: Mapping[str, str | int | float] | None = None,
+    ) -> RequestRecord:
+        """Records again, after the ledger's Redis restarted empty, a request that decode
+        worker ``worker_id`` is decoding: DECODING, owned by it at ``epoch`` (its new one),
+        holding ``block_ids`` (target, and draft if ``has_draft``) under a lease, with
+        ``fields`` (model, num_prompt_tokens...) and the server time in ``restored_ms``.
+        LedgerConflict if the request has a record: recorded meanwhile, not this worker's
+        to overwrite. One script over the request's keys (it runs on Redis Cluster)."""
+        _check_id("request_id", request_id)
+        _check_id("worker_id", worker_id)
+        ids = _check_block_ids(block_ids)
+        extra: list[str] = []
+        for name, value in (fields or {}).items():
+            if name in _RECORD_FIELDS or name == "restored_ms":
+                raise ValueError(f"fields: {name!r} is reserved ({sorted(_RECORD_FIELDS)})")
+            extra += [name, str(value)]
+        record, holders, lease, target, draft = self._request_keys(request_id, worker_id)
+        if ids:  # index first, as claim_blocks does: the reaper must be able to find it
+            member = f"{request_id}/{worker_id}"
+            self.client.zadd(self._holdings_key, {member: self._expiry_hint(lease_ms)})
+        args = [request_id, worker_id, epoch, self.request_ttl_ms, lease_ms, int(has_draft)]
+        flat = self._run(
+            lua.RESTORE_DECODING,
+            [record, holders, lease, target, draft],
+            [*args, len(extra), *extra, *ids],
+        )
         return self._record(request_id, _pairs(flat))
 
     @staticmethod
@@ -442,6 +489,14 @@ class Ledger:
         return holdings
 
     # ---- workers
+
+    def join_generation(self) -> str:
+        """The ledger's generation: a random id set when Redis has none (new, restarted
+        empty or flushed), else the one already there. A component that finds another id
+        than the one it joined knows the ledger lost everything since, which a refused
+        heartbeat alone cannot tell from a stall past the registration's TTL."""
+        generation = self._run(lua.JOIN_GENERATION, [self._generation_key], [secrets.token_hex(8)])
+        return _text(generation)
 
     def register_worker(
         self,

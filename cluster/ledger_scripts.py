@@ -103,6 +103,43 @@ return redis.call('SCARD', KEYS[3])
 """
 )
 
+# KEYS: record, holders, lease, target set, draft set.
+# ARGV: request_id, worker, epoch, request_ttl_ms, lease_ms, has_draft ('1' or '0'),
+# number of field arguments n, field, value, ... (n of them), block ids...
+# After the ledger's Redis restarted empty: the decode worker that is decoding a request
+# records it again, DECODING and its own at its new epoch, with the blocks it holds (both
+# pools when it has a draft) under a lease. A record that exists is left alone: someone
+# recorded the request meanwhile and the worker must drop it.
+RESTORE_DECODING = (
+    _PRELUDE
+    + """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return conflict('request ' .. ARGV[1] .. ': expected no record to restore, found one (' ..
+    tostring(redis.call('HGET', KEYS[1], 'state')) .. ')')
+end
+local now = now_ms()
+local num_fields = tonumber(ARGV[7])
+redis.call('HSET', KEYS[1], 'state', 'DECODING', 'owner', ARGV[2], 'epoch', ARGV[3],
+  'version', '0', 'created_ms', now, 'updated_ms', now, 'restored_ms', now,
+  unpack(ARGV, 8, 7 + num_fields))
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('DEL', KEYS[4], KEYS[5])
+local first = 8 + num_fields
+for i = first, #ARGV, 1000 do
+  local last = math.min(i + 999, #ARGV)
+  redis.call('SADD', KEYS[4], unpack(ARGV, i, last))
+  if ARGV[6] == '1' then
+    redis.call('SADD', KEYS[5], unpack(ARGV, i, last))
+  end
+end
+if #ARGV >= first then
+  redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+  redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[5])
+end
+return redis.call('HGETALL', KEYS[1])
+"""
+)
+
 # KEYS: holders, lease, target set, draft set. ARGV: request_id, worker, epoch,
 # pool ('' for both), block ids... (none: all of the pool). Returns {released, remaining}.
 RELEASE_BLOCKS = (
@@ -216,6 +253,14 @@ end
 return redis.call('INCR', KEYS[1])
 """
 )
+
+# KEYS: generation. ARGV: a fresh random id. The ledger's generation names one lifetime
+# of its Redis data: set when absent (a new, restarted-empty or flushed Redis), else kept.
+# Returns the current one.
+JOIN_GENERATION = """
+redis.call('SET', KEYS[1], ARGV[1], 'NX')
+return redis.call('GET', KEYS[1])
+"""
 
 # KEYS: worker record. ARGV: worker, epoch, ttl_ms, field, value, ...
 REGISTER_WORKER = (

@@ -4,19 +4,26 @@ heartbeats carrying its load, and leases on the KV blocks it holds for requests.
 Calls are synchronous redis-py calls on the event loop: each is one short round trip to
 a local Redis, cheaper than a hop to a thread on a 2-core host.
 
-A heartbeat that finds the registration gone (Redis restarted empty, or this process
-stalled past the registration's TTL) registers again with a new epoch. What was held under
-the old epoch is dropped (``on_lease_lost`` for each request): the ledger no longer knows
-it, or no longer lets the old epoch move it. A Redis that cannot be reached is logged once
-when it goes and once when it is back; the process keeps serving meanwhile.
+Each heartbeat first checks the ledger's generation (cluster.ledger.join_generation):
+
+- another one, or none: Redis restarted empty (or was flushed). The component registers
+  again with a new epoch and records again what it holds (``rebuild_from``: a decode
+  worker's decoding requests, each in one script, owned by it at the new epoch), so their
+  streams go on; whatever it held that is not recorded again is dropped (``on_lease_lost``).
+- the same one, but the registration is gone: this process stalled past its TTL. It
+  registers again and drops all it held: its leases may have been reclaimed and its
+  requests taken over, so the old epoch must not move them.
+
+A Redis that cannot be reached is logged once when it goes and once when it is back; the
+process keeps serving meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import redis
 
@@ -44,6 +51,20 @@ class Timing:
             )
 
 
+@dataclass(frozen=True)
+class HeldRequest:
+    """A request a worker holds, as the ledger should record it again after its Redis
+    restarted empty: the blocks the worker's allocator holds for it, and record fields."""
+
+    request_id: str
+    block_ids: Sequence[int]
+    fields: Mapping[str, str | int] = field(default_factory=dict)
+
+
+async def _holds_nothing() -> Sequence[HeldRequest]:
+    return ()
+
+
 class Membership:
     """Registers ``worker_id`` on ``start``, heartbeats and renews leases until ``stop``."""
 
@@ -59,6 +80,7 @@ class Membership:
         load: Callable[[], tuple[float, Mapping[str, str | int | float]]],
         on_lease_lost: Callable[[str], None] = lambda request_id: None,
         on_registered_again: Callable[[int], None] = lambda epoch: None,
+        rebuild_from: Callable[[], Awaitable[Sequence[HeldRequest]]] = _holds_nothing,
     ) -> None:
         self.ledger = ledger
         self.worker_id = worker_id
@@ -67,13 +89,17 @@ class Membership:
         self._load = load
         self._on_lease_lost = on_lease_lost
         self._on_registered_again = on_registered_again  # gets the new epoch
+        self._rebuild_from = rebuild_from  # asked once registered again after a restart
         self.epoch = 0
+        self.generation = ""  # the ledger's, as joined at registration
         self._is_redis_down = False
         self._held: dict[str, bool] = {}  # request id -> has draft blocks
         self._task: asyncio.Task[None] | None = None
 
     def register(self) -> int:
-        """Registers with a fresh epoch (and heartbeats once); returns the epoch."""
+        """Joins the ledger's generation, registers with a fresh epoch and heartbeats once;
+        returns the epoch."""
+        generation = self.ledger.join_generation()
         self.epoch = self.ledger.register_worker(
             self.worker_id,
             role=self.role,
@@ -81,7 +107,8 @@ class Membership:
             capacity=self.capacity,
             ttl_ms=self.timing.registration_ttl_ms,
         )
-        self._heartbeat()
+        self._send_heartbeat()
+        self.generation = generation  # last: a failure above is retried as a restart
         return self.epoch
 
     def start(self) -> None:
@@ -130,8 +157,10 @@ class Membership:
         while True:
             await asyncio.sleep(self.timing.heartbeat_ms / 1000)
             try:
-                self._heartbeat()
-                self._renew_leases()
+                await self._beat()
+            except LedgerConflict as e:  # registering refused: Redis restarted meanwhile?
+                log.warning("heartbeat: %s; retrying", e)
+                continue
             except redis.RedisError as e:
                 if not self._is_redis_down:
                     log.warning("heartbeat: redis unreachable (%s); serving on, retrying", e)
@@ -141,20 +170,95 @@ class Membership:
                 log.warning("heartbeat: redis reachable again")
                 self._is_redis_down = False
 
-    def _heartbeat(self) -> None:
-        load, stats = self._load()
+    async def _beat(self) -> None:
+        """One heartbeat and lease renewal. The generation is looked at first, and again
+        when something is refused: a refusal means "forgotten" after a restart, and "too
+        late" after a stall, which call for different answers."""
+        if self._is_ledger_new():
+            await self._rebuild()
+            return
         try:
-            self.ledger.heartbeat(
+            self._send_heartbeat()
+        except LedgerConflict as e:
+            if self._is_ledger_new():  # restarted since the look above
+                await self._rebuild()
+            else:
+                self._register_again(str(e))
+            return
+        if not self._renew_leases():
+            await self._rebuild()
+
+    def _is_ledger_new(self) -> bool:
+        """Whether the ledger's generation is not the one this component joined."""
+        return self.ledger.join_generation() != self.generation
+
+    def _send_heartbeat(self) -> None:
+        load, stats = self._load()
+        self.ledger.heartbeat(
+            self.worker_id,
+            epoch=self.epoch,
+            ttl_ms=self.timing.registration_ttl_ms,
+            load=load,
+            stats=stats,
+        )
+
+    async def _rebuild(self) -> None:
+        """The ledger's Redis restarted empty: registers again, then records again, at the
+        new epoch, the requests ``rebuild_from`` names among those held; the others are
+        dropped. Requests claimed after registering (under the new epoch) are kept."""
+        old_epoch, old_generation = self.epoch, self.generation
+        self.register()  # a RedisError leaves everything as it was, for the next heartbeat
+        held, self._held = self._held, {}
+        self._on_registered_again(self.epoch)
+        try:
+            for request in await self._held_now():
+                self._restore(request, has_draft=held.get(request.request_id))
+        finally:  # a RedisError midway drops the rest: the ledger does not know them
+            lost = [rid for rid in held if rid not in self._held]
+            log.warning(
+                "the ledger's Redis restarted empty (generation %s, was %s): registered again "
+                "at epoch %d (was %d); %d requests recorded again, %d dropped",
+                self.generation,
+                old_generation,
+                self.epoch,
+                old_epoch,
+                len(held) - len(lost),
+                len(lost),
+            )
+            for request_id in lost:
+                self._on_lease_lost(request_id)
+
+    async def _held_now(self) -> Sequence[HeldRequest]:
+        """``rebuild_from``'s answer; none when it fails (the heartbeat must go on)."""
+        try:
+            return await self._rebuild_from()
+        except Exception:
+            log.exception("after a Redis restart: cannot list the requests held")
+            return ()
+
+    def _restore(self, request: HeldRequest, *, has_draft: bool | None) -> None:
+        """Records ``request`` again at this epoch, if it was held under the old one
+        (``has_draft`` None: it was not) and not claimed since."""
+        if has_draft is None or request.request_id in self._held:
+            return
+        try:
+            self.ledger.restore_decoding(
+                request.request_id,
                 self.worker_id,
                 epoch=self.epoch,
-                ttl_ms=self.timing.registration_ttl_ms,
-                load=load,
-                stats=stats,
+                block_ids=request.block_ids,
+                has_draft=has_draft,
+                lease_ms=self.timing.lease_ms,
+                fields=request.fields,
             )
-        except LedgerConflict as e:  # Redis restarted empty, or a long stall: register again
-            self._register_again(str(e))
+        except LedgerConflict as e:  # recorded meanwhile: not this worker's any more
+            log.warning("%s: not recorded again: %s", request.request_id, e)
+            return
+        self._held[request.request_id] = has_draft
 
     def _register_again(self, why: str) -> None:
+        """The registration expired while the ledger lived on (a stall): registers again
+        and drops all that was held under the old epoch."""
         old_epoch = self.epoch
         self.register()  # a RedisError leaves everything as it was, for the next heartbeat
         lost = list(self._held)
@@ -171,13 +275,18 @@ class Membership:
         for request_id in lost:
             self._on_lease_lost(request_id)
 
-    def _renew_leases(self) -> None:
+    def _renew_leases(self) -> bool:
+        """Renews every lease; False, renewing no more, when a refusal turns out to mean
+        that the ledger restarted."""
         for request_id in list(self._held):
             try:
                 self.ledger.renew_lease(
                     request_id, self.worker_id, epoch=self.epoch, lease_ms=self.timing.lease_ms
                 )
             except LedgerConflict as e:
+                if self._is_ledger_new():
+                    return False
                 log.warning("lease on %s lost: %s", request_id, e)
                 self._held.pop(request_id, None)
                 self._on_lease_lost(request_id)
+        return True

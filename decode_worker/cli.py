@@ -83,7 +83,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     holder: dict[str, DecodeWorkerService] = {}
 
-    def registered_again(new_epoch: int) -> None:  # the ledger's Redis restarted empty
+    def registered_again(new_epoch: int) -> None:  # Redis restarted empty, or a stall
         receiver.epoch = new_epoch  # pushes into reservations from now on carry it
 
     membership = Membership(
@@ -96,6 +96,7 @@ async def serve(args: argparse.Namespace) -> None:
         load=lambda: holder["service"].load() if holder else (0.0, {}),
         on_lease_lost=lambda rid: holder["service"].on_lease_lost(rid),
         on_registered_again=registered_again,
+        rebuild_from=lambda: holder["service"].held_requests(),
     )
     epoch = membership.register()
     use_shm = args.kv_transport == "auto"

@@ -4,7 +4,9 @@ server), Decode as the engine loop produces tokens, Abort, Stats.
 A request goes RESERVED (blocks held, KV on its way) -> DECODING (in the running batch,
 its stream fed by the engine thread) -> gone. Whatever ends it (finish, abort, the
 router cancelling the stream, a failed push) frees its blocks in the engine, the
-receiver and the ledger.
+receiver and the ledger. When the ledger's Redis restarts empty, the requests decoding
+here are recorded again from this worker's memory (``held_requests``, cluster.membership)
+and their streams go on.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from typing import Any
 
 import redis
 
-from cluster.engine_loop import EngineLoop
+from cluster.engine_loop import EngineLoop, block_tables
 from cluster.engine_setup import draft_figures
 from cluster.kv_transfer import KvLayout, KvReceiver, KvReservation, TransferState, host_id
 from cluster.ledger import LedgerConflict, RequestState
-from cluster.membership import Membership
+from cluster.membership import HeldRequest, Membership
 from cluster.metrics import DecodeFigures, DecodeMetrics
 from cluster.rpc import NotFound, PreconditionFailed, Unavailable
 from cluster.sampling import params_from_proto, token_logprob_to_proto
@@ -302,16 +304,46 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         }
         return stats.load, figures
 
+    async def held_requests(self) -> list[HeldRequest]:
+        """What the ledger should record again after its Redis restarted empty: each
+        request whose Decode stream runs here (its record was DECODING and this worker's),
+        with the blocks its allocator holds for it now and the fields the router recorded.
+        Reservations whose Decode has not begun are left out and dropped: their records
+        were at the prefill worker's stage, not this worker's to vouch for."""
+        decoding = [rid for rid, req in self._requests.items() if req.slot is not None]
+        tables = await self.engine_loop.call(block_tables, self.engine, decoding, bounded=False)
+        held = []
+        for rid in decoding:
+            req = self._requests.get(rid)
+            if req is None or req.slot is None:
+                continue  # ended while the engine was asked
+            held.append(
+                HeldRequest(
+                    rid,
+                    # Not in the batch yet (KV just arrived): its reserved blocks.
+                    tables.get(rid, req.block_ids),
+                    {
+                        "model": self.served_name,
+                        "num_prompt_tokens": req.num_prompt_tokens,
+                        "decode_worker": self.membership.worker_id,
+                        "router": req.router_id,
+                        "router_epoch": req.router_epoch,
+                    },
+                )
+            )
+        return held
+
     def on_lease_lost(self, request_id: str) -> None:
-        """The ledger no longer has this worker holding the request (its Redis restarted
-        empty, or a stall outlived the lease): the request is dropped here, and its stream
-        ends UNAVAILABLE, which the router answers by resuming it elsewhere."""
+        """The ledger no longer has this worker holding the request (a stall outlived the
+        lease, or its Redis restarted empty and the record could not be made again): the
+        request is dropped here, and its stream ends UNAVAILABLE, which the router answers
+        by resuming it elsewhere."""
         req = self._requests.get(request_id)
         if req is not None and req.slot is not None:
             req.slot.fail(
                 Unavailable(
                     f"decode worker {self.membership.worker_id}: lost its lease on the "
-                    "request's KV blocks in the ledger (Redis restarted, or a stall)"
+                    "request's KV blocks in the ledger (a stall, or Redis restarted)"
                 )
             )
         self._forget(request_id)

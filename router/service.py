@@ -50,7 +50,10 @@ class _Route:
     decode: WorkerInfo
     deadline: float  # time.monotonic()
     sent: list[int] = field(default_factory=list)  # completion ids streamed to the client
-    owner_epoch: int = 0  # this router's epoch in the ledger record, while the router owns it
+    # This router's epoch in the ledger record while the router owns it, and the one a
+    # decode worker hands a preempted request back at; kept when the router registers
+    # again after a Redis restart (a record the decode worker rebuilt carries it on).
+    owner_epoch: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -404,9 +407,9 @@ class GenerationService(gen_grpc.GenerationServicer):
         as after a preemption). D's fencing epoch is superseded, so a D that is in fact
         alive can no longer move the request; its blocks go back by its Abort (sent here)
         or, when it is dead, by the reaper once its lease expires. A request the ledger
-        forgot (its Redis restarted empty, and D, registering again, dropped what it held)
-        is recorded anew. The Abort is awaited: D may be alive under a new epoch and be
-        picked at once, and a late Abort would end the resumed request there."""
+        forgot (its Redis restarted empty, and D did not record it again, e.g. because D
+        died meanwhile) is recorded anew. The Abort is awaited: D may be alive under a new
+        epoch and be picked at once, and a late Abort would end the resumed request there."""
         rid, lost = route.request.request_id, route.decode
         log.warning(
             "%s: lost decode worker %s after %d tokens (%s: %s); migrating",

@@ -376,6 +376,78 @@ def test_epochs_keep_growing_across_a_redis_restart() -> None:
     assert epochs == sorted(set(epochs))
 
 
+def test_generation_is_set_once_per_lifetime_of_the_data(ledger: Ledger) -> None:
+    first = ledger.join_generation()
+    assert len(first) == 16 and ledger.join_generation() == first
+    for key in ledger.client.scan_iter(match=f"{ledger.ns}:*"):  # restarted empty
+        ledger.client.delete(key)
+    second = ledger.join_generation()
+    assert second != first and ledger.join_generation() == second
+
+
+def test_restore_decoding_after_a_restart(ledger: Ledger) -> None:
+    """The decode worker's rebuilt record: DECODING and its own at its new epoch, its
+    blocks under a lease; it ends, or goes back to the router at the router's old epoch,
+    as the original would have. A record that exists is never overwritten."""
+    e = _register(ledger)
+    new_epoch = ledger.register_worker(
+        "decode-0", role=WorkerRole.DECODE, address="127.0.0.1:3", capacity=128, ttl_ms=60_000
+    )
+    fields = {"model": "m", "num_prompt_tokens": 5, "router": "router-0", "router_epoch": e.router}
+    record = ledger.restore_decoding(
+        "r1",
+        "decode-0",
+        epoch=new_epoch,
+        block_ids=[4, 5, 6],
+        has_draft=True,
+        lease_ms=LEASE_MS,
+        fields=fields,
+    )
+    assert (record.state, record.owner, record.epoch, record.version) == (
+        S.DECODING,
+        "decode-0",
+        new_epoch,
+        0,
+    )
+    assert {k: v for k, v in record.fields.items() if k != "restored_ms"} == {
+        k: str(v) for k, v in fields.items()
+    }
+    [holding] = ledger.holdings()
+    assert (holding.request_id, holding.epoch) == ("r1", new_epoch)
+    assert holding.request_state is S.DECODING
+    assert holding.blocks == {Pool.TARGET: {4, 5, 6}, Pool.DRAFT: {4, 5, 6}}
+    assert 0 < holding.lease_ttl_ms <= LEASE_MS
+    with pytest.raises(LedgerConflict, match="expected no record to restore, found one"):
+        ledger.restore_decoding(
+            "r1", "decode-0", epoch=new_epoch, block_ids=[7], has_draft=False, lease_ms=LEASE_MS
+        )
+    with pytest.raises(LedgerConflict, match="stale epoch"):
+        ledger.transition("r1", S.FINISHED, expected=S.DECODING, epoch=e.decode)
+    with pytest.raises(ValueError, match="reserved"):
+        ledger.restore_decoding(
+            "r2", "decode-0", epoch=new_epoch, block_ids=[], has_draft=False, lease_ms=1,
+            fields={"restored_ms": 1},
+        )  # fmt: skip
+
+    # Preempted: handed back to the router at the epoch the router used for it.
+    assert ledger.release_blocks("r1", "decode-0", epoch=new_epoch) == 6
+    ledger.transition(
+        "r1",
+        S.QUEUED,
+        expected=S.DECODING,
+        epoch=new_epoch,
+        new_owner="router-0",
+        new_epoch=e.router,
+    )
+    ledger.transition("r1", S.CANCELLED, expected=S.QUEUED, epoch=e.router)
+    ledger.restore_decoding(
+        "r3", "decode-0", epoch=new_epoch, block_ids=[1], has_draft=False, lease_ms=LEASE_MS
+    )
+    ledger.release_blocks("r3", "decode-0", epoch=new_epoch)
+    assert ledger.transition("r3", S.FINISHED, expected=S.DECODING, epoch=new_epoch).version == 1
+    assert ledger.holdings() == [] and ledger.audit({"decode-0": set()}) == []
+
+
 def test_prefix_index(ledger: Ledger) -> None:
     ledger.publish_prefix(["decode-0"], ["h1", "h2", "h3"], ttl_ms=60_000)
     ledger.publish_prefix(["decode-1"], ["h1", "h2"], ttl_ms=60_000)

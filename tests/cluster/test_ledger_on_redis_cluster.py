@@ -79,6 +79,18 @@ def test_ledger_on_redis_cluster(redis_cluster: LocalRedisCluster) -> None:
     assert all(r.blocks == {Pool.TARGET: {1, 2}, Pool.DRAFT: {1, 2}} for r in reclaimed)
     assert ledger.holdings() == []
 
+    # After a restart: the generation key, and a rebuilt record with its blocks.
+    generation = ledger.join_generation()
+    assert ledger.join_generation() == generation
+    ledger.restore_decoding(
+        "restored", "decode-0", epoch=decode, block_ids=[7, 8], has_draft=True, lease_ms=60_000
+    )
+    [restored] = ledger.holdings("decode-0")
+    assert restored.blocks == {Pool.TARGET: {7, 8}, Pool.DRAFT: {7, 8}}
+    assert restored.request_state is S.DECODING
+    ledger.release_blocks("restored", "decode-0", epoch=decode)
+    ledger.transition("restored", S.FINISHED, expected=S.DECODING, epoch=decode)
+
     ledger.heartbeat("decode-0", epoch=decode, ttl_ms=60_000, load=0.5)
     assert [w.worker_id for w in ledger.list_workers(WorkerRole.DECODE)] == ["decode-0"]
     assert ledger.deregister_worker("router-0", epoch=router)

@@ -1,13 +1,15 @@
 """Membership on a real Redis: heartbeats keep a registration and its leases alive; when
-Redis forgets everything (restarted empty), the next heartbeat registers again with a new
-epoch and drops what was held under the old one."""
+Redis forgets everything (restarted empty: a new generation), the next heartbeat registers
+again with a new epoch and records again what the worker says it decodes, dropping the
+rest; a stall past the registration (same generation) drops all that was held."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 
-from cluster.ledger import Ledger, WorkerRole
-from cluster.membership import Membership, Timing
+from cluster.ledger import Ledger, Pool, RequestState, WorkerRole
+from cluster.membership import HeldRequest, Membership, Timing
 
 
 async def test_registers_again_with_a_new_epoch_when_redis_forgets_it(ledger: Ledger) -> None:
@@ -44,3 +46,110 @@ async def test_registers_again_with_a_new_epoch_when_redis_forgets_it(ledger: Le
     finally:
         await membership.stop()
     assert ledger.list_workers() == []
+
+
+def _decode_membership(
+    ledger: Ledger,
+    lost: list[str],
+    rebuild_from: Callable[[], Awaitable[Sequence[HeldRequest]]],
+) -> Membership:
+    return Membership(
+        ledger,
+        "d0",
+        role=WorkerRole.DECODE,
+        address="127.0.0.1:1",
+        capacity=8,
+        timing=Timing(heartbeat_ms=50, lease_ms=500),
+        load=lambda: (0.0, {"model": "m"}),
+        on_lease_lost=lost.append,
+        rebuild_from=rebuild_from,
+    )
+
+
+async def _wait_for(condition: Callable[[], bool], timeout_s: float = 2.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+async def test_rebuilds_decoding_requests_when_redis_restarts_empty(ledger: Ledger) -> None:
+    """A new generation: what the worker says it is decoding is recorded again, DECODING
+    and owned by it at its new epoch, with its blocks under a live lease; the rest of what
+    it held is dropped. The record then ends as any other."""
+    lost: list[str] = []
+    asked: list[int] = []
+
+    async def decoding() -> Sequence[HeldRequest]:
+        asked.append(membership.epoch)
+        fields = {"model": "m", "num_prompt_tokens": 7, "router": "router-0"}
+        return [HeldRequest("r1", [1, 2, 3, 9], fields)]  # the table grew since the claim
+
+    membership = _decode_membership(ledger, lost, decoding)
+    first = membership.register()
+    generation = membership.generation
+    for rid in ("r1", "r2"):  # r2: reserved, its KV still on the way
+        ledger.create_request(rid, owner="router-0", epoch=1)
+        membership.claim(rid, [4, 5] if rid == "r2" else [1, 2, 3], has_draft=True)
+    membership.start()
+    try:
+        for key in ledger.client.scan_iter(match=f"{ledger.ns}:*"):  # an empty restart
+            ledger.client.delete(key)
+        await _wait_for(lambda: bool(asked))
+        assert asked == [membership.epoch] and membership.epoch > first
+        assert membership.generation not in ("", generation)
+        assert lost == ["r2"]
+        assert membership.is_holding("r1") and not membership.is_holding("r2")
+
+        record = ledger.get_request("r1")
+        assert record is not None
+        assert (record.state, record.owner, record.epoch) == (
+            RequestState.DECODING,
+            "d0",
+            membership.epoch,
+        )
+        assert record.fields["num_prompt_tokens"] == "7" and "restored_ms" in record.fields
+        assert ledger.get_request("r2") is None
+        [holding] = ledger.holdings()
+        assert (holding.request_id, holding.worker_id, holding.epoch) == (
+            "r1",
+            "d0",
+            membership.epoch,
+        )
+        assert holding.blocks == {Pool.TARGET: {1, 2, 3, 9}, Pool.DRAFT: {1, 2, 3, 9}}
+        await asyncio.sleep(0.7)  # past the lease: the heartbeat renews the rebuilt one
+        assert ledger.holdings()[0].lease_ttl_ms > 0 and lost == ["r2"]
+
+        membership.release("r1")  # finished: the new epoch ends it
+        ledger.transition(
+            "r1", RequestState.FINISHED, expected=RequestState.DECODING, epoch=membership.epoch
+        )
+        assert ledger.holdings() == [] and len(asked) == 1
+    finally:
+        await membership.stop()
+
+
+async def test_a_stall_past_the_registration_drops_what_was_held(ledger: Ledger) -> None:
+    """The same generation but no registration: the process stalled, its requests may
+    have moved on, so nothing is rebuilt and everything held is dropped."""
+    lost: list[str] = []
+    asked: list[int] = []
+
+    async def decoding() -> Sequence[HeldRequest]:
+        asked.append(membership.epoch)
+        return [HeldRequest("r1", [1, 2])]
+
+    membership = _decode_membership(ledger, lost, decoding)
+    first = membership.register()
+    ledger.create_request("r1", owner="router-0", epoch=1)
+    membership.claim("r1", [1, 2], has_draft=False)
+    membership.start()
+    try:
+        ledger.client.delete(f"{ledger.ns}:worker:d0")  # expired, as after a long stall
+        await _wait_for(lambda: bool(lost))
+        assert lost == ["r1"] and asked == [] and membership.epoch > first
+        record = ledger.get_request("r1")
+        assert record is not None and record.state is RequestState.QUEUED  # untouched
+    finally:
+        await membership.stop()

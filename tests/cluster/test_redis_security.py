@@ -7,12 +7,8 @@ scripts/install adds it when run as root. Certificates come from trustme.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,35 +30,17 @@ from cluster.redis_server import (
     free_port,
     tls_redis_server_binary,
 )
+from tests.cluster.redis_tls import Certs, issue_certs, ledger_acl, run_tandem
 
 S = RequestState
-REPO = Path(__file__).resolve().parents[2]
 ADMIN_PASSWORD = "admin-pw"
 LEDGER_USER, LEDGER_PASSWORD, LEDGER_NS = "ledger", "ledger-pw", "tdacl"
-# What the ledger needs, and no more: its namespace's keys; TIME is called by its scripts.
-LEDGER_ACL = (
-    f"{LEDGER_USER} on >{LEDGER_PASSWORD} resetkeys ~{LEDGER_NS}:* resetchannels -@all "
-    "+@read +@write +@scripting +ping +time -@dangerous"
-)
-
-
-@dataclass(frozen=True)
-class Certs:
-    ca: Path  # the trustme CA's certificate
-    server: Path  # certificate for 127.0.0.1 and its key, one PEM
-    client: Path  # client certificate and its key, one PEM
+LEDGER_ACL = ledger_acl(LEDGER_USER, LEDGER_PASSWORD, LEDGER_NS)
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
-    trustme = pytest.importorskip("trustme", reason="trustme: pip install -e '.[dev]'")
-    directory = tmp_path_factory.mktemp("certs")
-    ca = trustme.CA()
-    certs = Certs(directory / "ca.pem", directory / "server.pem", directory / "client.pem")
-    ca.cert_pem.write_to_path(str(certs.ca))
-    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(certs.server))
-    ca.issue_cert("tandem-client").private_key_and_cert_chain_pem.write_to_path(str(certs.client))
-    return certs
+    return issue_certs(tmp_path_factory.mktemp("certs"))
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +114,14 @@ def _round_trip(client: redis.Redis, namespace: str) -> None:
     assert (record.state, record.owner, record.version) == (S.FINISHED, "decode-0", 4)
     assert ledger.get_request(rid) == record
     assert {w.worker_id for w in ledger.list_workers()} == {"router-0", "prefill-0", "decode-0"}
+    # What a Redis restart takes: the generation key, a decode worker's rebuilt record.
+    assert ledger.join_generation() == ledger.join_generation()
+    restored = f"{rid}-restored"
+    ledger.restore_decoding(
+        restored, "decode-0", epoch=decode, block_ids=[3], has_draft=False, lease_ms=60_000
+    )
+    assert ledger.release_blocks(restored, "decode-0", epoch=decode) == 1
+    ledger.transition(restored, S.FINISHED, expected=S.DECODING, epoch=decode)
 
 
 # ---- password and ACL user
@@ -288,15 +274,6 @@ def test_mutual_tls(mtls_server: RedisServer, certs: Certs) -> None:
 # ---- the command line
 
 
-def _tandem(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """`tandem ARGS` in a fresh interpreter, importing this checkout."""
-    env = {k: v for k, v in os.environ.items() if k != PASSWORD_ENV}
-    paths = [str(REPO), str(REPO / "client"), env.get("PYTHONPATH")]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
-    command = [sys.executable, "-m", "tandem_client", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=cwd, env=env)
-
-
 def test_ledger_audit_command_over_tls(
     tls_server: RedisServer, certs: Certs, tmp_path: Path
 ) -> None:
@@ -304,12 +281,12 @@ def test_ledger_audit_command_over_tls(
     secret.write_text(ADMIN_PASSWORD + "\n")
     audit = ["ledger", "audit", "--redis-url", tls_server.url, "--redis-ca-file", str(certs.ca)]
     audit += ["--namespace", f"t{uuid.uuid4().hex[:8]}"]
-    done = _tandem(*audit, "--redis-password-file", str(secret), cwd=tmp_path)
+    done = run_tandem(*audit, "--redis-password-file", str(secret), cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 discrepancies, 0 of 0 workers audited" in done.stdout
     # Without the CA: one clear line on stderr, exit 1, no traceback.
     without_ca = [a for a in audit if a not in ("--redis-ca-file", str(certs.ca))]
-    done = _tandem(*without_ca, "--redis-password-file", str(secret), cwd=tmp_path)
+    done = run_tandem(*without_ca, "--redis-password-file", str(secret), cwd=tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "TLS handshake failed" in done.stderr and "--redis-ca-file" in done.stderr
     assert "Traceback" not in done.stderr

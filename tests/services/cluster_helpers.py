@@ -1,6 +1,6 @@
 """What the cluster tests share: a tiny target model and its in-process greedy output,
 streaming a request through the router, checking a stream's chunks, asking workers for
-their stats, reading a router counter, and the end-of-test audit."""
+their stats, reading a component's metrics, and the end-of-test audit."""
 
 from __future__ import annotations
 
@@ -61,9 +61,15 @@ def engine_greedy(target: Path, prompts: list[list[int]], max_tokens: int) -> li
 def router_counter(cluster: Cluster, name: str) -> float:
     """A counter of the router's /metrics (``tandem_migrations_total``...); 0 if absent."""
     assert cluster.router is not None
-    with urllib.request.urlopen(cluster.router.metrics_url, timeout=5) as response:
+    return metric(cluster.router, name, "router")
+
+
+def metric(component: Component, name: str, role: str) -> float:
+    """A figure of ``component``'s /metrics with only the role label (a counter, or a
+    histogram's ``_count``...); 0 if absent."""
+    with urllib.request.urlopen(component.metrics_url, timeout=5) as response:
         text = response.read().decode()
-    found = re.search(rf'^{name}\{{role="router"\}} (\S+)$', text, re.M)
+    found = re.search(rf'^{name}\{{role="{role}"\}} (\S+)$', text, re.M)
     return float(found.group(1)) if found else 0.0
 
 

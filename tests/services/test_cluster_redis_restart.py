@@ -1,10 +1,11 @@
 """The ledger's Redis restarts empty under a running cluster (a real redis-server, killed
 with SIGKILL and started again on its port; router, prefill and decode workers as real
 processes). While it is down, a new request fails at once with UNAVAILABLE naming Redis.
-Once it is back, every component notices its registration is gone and registers again
-with a new epoch; the streams that were decoding resume (the router records them anew)
-and complete equal to the in-process engine; new requests are served; the new ledger
-ends clean."""
+Once it is back, every component sees a new ledger generation and registers again with a
+new epoch; the decode worker records again the requests it is decoding (DECODING, its own
+at its new epoch, the blocks its allocator holds for them), so their streams go on with
+no migration and no second prefill, and complete equal to the in-process engine; new
+requests are served; the new ledger ends clean."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import pytest
 import redis
 import torch
 
+from cluster.audit import DiscrepancyKind
 from cluster.launcher import Cluster, ClusterSpec
-from cluster.ledger import Ledger
+from cluster.ledger import Holding, Ledger, Pool, RequestRecord, RequestState
 from cluster.redis_server import RedisServer, free_port
 from router.client import agenerate
 from tandem.v1 import generation_pb2 as gen
@@ -28,14 +30,18 @@ from tests.services.cluster_helpers import (
     check_stream,
     engine_greedy,
     generate_all,
+    metric,
+    router_counter,
     run,
     wait_audit_clean,
+    worker_stats,
 )
 
-MAX_TOKENS = 300  # long enough that every stream is mid-way when Redis goes
+MAX_TOKENS = 300  # long enough that every stream is mid-way until the checks are done
 PROMPTS = [[(3 * i + 7 * j) % 61 + 3 for j in range(6 + 4 * i)] for i in range(3)]
 LATER_PROMPTS = [[9, 4, 33, 20, 5], [17, 60, 3, 3, 41, 8, 25, 12, 7]]
 TOKENS_BEFORE_KILL = 8
+DECODE = "decode-0"
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +62,23 @@ def epochs(ledger: Ledger) -> dict[str, int]:
     return {w.worker_id: w.epoch for w in ledger.list_workers() if w.stats.get("model")}
 
 
-async def test_cluster_survives_an_empty_redis_restart(
+def decode_holdings(ledger: Ledger) -> dict[str, Holding]:
+    return {h.request_id: h for h in ledger.holdings(DECODE)}
+
+
+async def wait_rebuilt(ledger: Ledger, request_ids: list[str], old_epoch: int) -> int:
+    """The decode worker's new epoch, once every request is recorded again under it."""
+    deadline = time.monotonic() + 10
+    while True:
+        epoch = epochs(ledger).get(DECODE, old_epoch)
+        records = [ledger.get_request(rid) for rid in request_ids]
+        if epoch > old_epoch and all(r is not None and r.epoch == epoch for r in records):
+            return epoch
+        assert time.monotonic() < deadline, f"not rebuilt within 10 s: {records}"
+        await asyncio.sleep(0.05)
+
+
+async def test_decoding_streams_survive_an_empty_redis_restart(
     target: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     spec = ClusterSpec(
@@ -75,8 +97,9 @@ async def test_cluster_survives_an_empty_redis_restart(
         ledger = Ledger(client)
         try:
             before = epochs(ledger)
-            assert set(before) == {"prefill-0", "decode-0"}  # the router: no model figure
+            assert set(before) == {"prefill-0", DECODE}  # the router: no model figure
             counts = [0] * len(PROMPTS)
+            request_ids = [""] * len(PROMPTS)
             all_started = asyncio.Event()
 
             async def stream(i: int) -> list[gen.GenerateChunk]:
@@ -92,6 +115,7 @@ async def test_cluster_survives_an_empty_redis_restart(
                     )
                     async for chunk in request:
                         chunks.append(chunk)
+                        request_ids[i] = chunk.request_id
                         counts[i] += len(chunk.token_ids)
                         if min(counts) >= TOKENS_BEFORE_KILL:
                             all_started.set()
@@ -99,6 +123,12 @@ async def test_cluster_survives_an_empty_redis_restart(
 
             tasks = [asyncio.create_task(stream(i)) for i in range(len(PROMPTS))]
             await asyncio.wait_for(all_started.wait(), timeout=60)
+            records: dict[str, RequestRecord] = {}
+            for rid in request_ids:
+                record = ledger.get_request(rid)
+                assert record is not None and record.state is RequestState.DECODING
+                records[rid] = record
+            claimed = decode_holdings(ledger)
             assert redis_server.process is not None
             redis_server.process.kill()  # SIGKILL: nothing saved
             redis_server.process.wait(timeout=10)
@@ -113,11 +143,43 @@ async def test_cluster_survives_an_empty_redis_restart(
 
             redis_server.stop()  # its directory goes: nothing was persisted anyway
             redis_server.start()  # empty, on the same port
-            assert max(counts) < MAX_TOKENS, "a stream ended before the restart: raise MAX_TOKENS"
-            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+            new_epoch = await wait_rebuilt(ledger, request_ids, before[DECODE])
 
+            # Rebuilt from the decode worker: its records, at its new epoch, holding at
+            # least the blocks it had claimed (its tables grew since), all in its allocator.
+            stats = await worker_stats(cluster.decode[0], include_block_ids=True)
+            prefill_stats = await worker_stats(cluster.prefill[0], include_block_ids=True)
+            rebuilt = decode_holdings(ledger)
+            assert max(counts) < MAX_TOKENS, "a stream ended before the checks: raise MAX_TOKENS"
+            for rid, old in records.items():
+                record = ledger.get_request(rid)
+                assert record is not None
+                assert (record.state, record.owner, record.epoch) == (
+                    RequestState.DECODING,
+                    DECODE,
+                    new_epoch,
+                )
+                assert "restored_ms" in record.fields
+                for name in ("model", "num_prompt_tokens", "decode_worker"):
+                    assert record.fields[name] == old.fields[name], name
+                holding = rebuilt[rid]
+                assert holding.epoch == new_epoch and holding.lease_ttl_ms > 0
+                assert holding.blocks[Pool.TARGET] >= claimed[rid].blocks[Pool.TARGET]
+            owned = set(stats.owned_block_ids)
+            assert set().union(*(h.blocks[Pool.TARGET] for h in rebuilt.values())) <= owned
+            # Only blocks taken for tokens decoded since the rebuild are the worker's alone.
+            reports = {"prefill-0": set(prefill_stats.owned_block_ids), DECODE: owned}
+            found = ledger.audit(reports)
+            assert {(d.kind, d.worker_id) for d in found} <= {
+                (DiscrepancyKind.WORKER_ONLY, DECODE)
+            }, found
+
+            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
             expected = engine_greedy(target, [*PROMPTS, *LATER_PROMPTS], MAX_TOKENS)
             assert [check_stream(c, MAX_TOKENS) for c in results] == expected[: len(PROMPTS)]
+            assert router_counter(cluster, "tandem_migrations_total") == 0
+            prefills = metric(cluster.prefill[0], "tandem_prefill_seconds_count", "prefill")
+            assert prefills == len(PROMPTS)  # none prefilled again
             after = epochs(ledger)
             assert set(after) == set(before)
             assert all(after[w] > before[w] for w in before), (before, after)
