@@ -112,6 +112,10 @@ class Membership:
         return self.epoch
 
     def start(self) -> None:
+        """Heartbeats now, then in the background. The one in ``register`` may predate the
+        service (its load has no "model" yet): this one makes the registry show what the
+        component serves before its health says SERVING, so a router sees every worker."""
+        self._send_heartbeat()
         self._task = asyncio.create_task(self._run(), name=f"heartbeat-{self.worker_id}")
 
     async def stop(self) -> None:
