@@ -21,9 +21,11 @@ def register_train_draft(subparsers: Subparsers) -> None:
         "train-draft",
         help="train a draft model for speculative decoding",
         description="Generate training data with the target itself (greedy continuations of "
-        "corpus prompts, cached in OUT/data), train a draft of the given kind on the target's "
-        "hidden states, report held-out acceptance after each epoch, and save the draft in "
-        "HF layout (fp16) with manifest.json in OUT. --resume continues from OUT/checkpoint.",
+        "corpus prompts, cached in OUT/data) or read it (--data), compute the target's hidden "
+        "states of the training sequences once (cached in fp16 in OUT/data), train a draft of "
+        "the given kind on them, report held-out acceptance after each epoch, and save the "
+        "draft in HF layout (fp16) with manifest.json in OUT. --resume continues from "
+        "OUT/checkpoint.",
     )
     parser.add_argument(
         "--target", required=True, help="a prepared model name (e.g. smollm2) or a HF model dir"
@@ -35,8 +37,26 @@ def register_train_draft(subparsers: Subparsers) -> None:
     parser.add_argument("--max-prompt-len", type=int, default=192, help="prompt tokens at most")
     parser.add_argument(
         "--data",
-        help="train on sequences saved by an earlier run (OUT/data/sequences.safetensors) "
-        "instead of generating them",
+        nargs="+",
+        type=Path,
+        metavar="PATH",
+        help="train on sequences saved earlier instead of generating them: files such as "
+        "OUT/data/sequences.safetensors, or directories of *.safetensors shards; all files "
+        "are concatenated in sorted path order",
+    )
+    parser.add_argument(
+        "--max-sequences",
+        type=int,
+        default=None,
+        metavar="N",
+        help="use only the first N sequences, training and held-out (quick runs)",
+    )
+    parser.add_argument(
+        "--no-feature-cache",
+        dest="feature_cache",
+        action="store_false",
+        help="compute the target's hidden states for every batch of every epoch instead of "
+        "once into OUT/data/features-KIND-*.safetensors (fp16; 2 bytes x tokens x features)",
     )
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
@@ -76,7 +96,7 @@ def _train_draft(args: argparse.Namespace) -> int:
         print(f"tandem train-draft: error: {exc}", file=sys.stderr)
         return 2
 
-    from engine.train.data import SequenceSet
+    from engine.train.data import load_sequence_files
     from engine.train.train_draft import TrainConfig, train_draft
 
     try:
@@ -96,17 +116,14 @@ def _train_draft(args: argparse.Namespace) -> int:
             num_draft_steps=args.num_draft_steps,
             draft_vocab_size=args.draft_vocab_size,
             anchors_per_seq=args.anchors_per_seq,
+            max_sequences=args.max_sequences,
+            feature_cache=args.feature_cache,
             resume=args.resume,
             threads=args.threads,
             seed=args.seed,
             command=shlex.join(["tandem", *sys.argv[1:]]),
         )
-        data, data_meta = None, None
-        if args.data:
-            if not Path(args.data).is_file():
-                raise ValueError(f"--data: {args.data} is not a file")
-            data, data_meta = SequenceSet.load(Path(args.data))
-            data_meta = {**data_meta, "file": str(Path(args.data).resolve())}
+        data, data_meta = load_sequence_files(args.data) if args.data else (None, None)
         manifest = train_draft(config, data, data_meta)
     except (ValueError, OSError) as exc:  # config, data and weight errors name the problem
         print(f"tandem train-draft: error: {exc}", file=sys.stderr)

@@ -1,11 +1,13 @@
 """Self-distillation data: chat prompts and the target's own greedy continuations.
 
-Stored as one safetensors file (int32 tokens, lengths and prompt lengths; JSON strings in
-its metadata), never pickle, so that a rerun, a resume or another drafter kind reuses it.
+Stored as one safetensors file per set or shard (int32 tokens, lengths and prompt lengths;
+JSON strings in its metadata), never pickle, so that a rerun, a resume or another drafter
+kind reuses it; a training run may read several (``load_sequence_files``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
@@ -57,6 +59,25 @@ class SequenceSet:
             self.special_token_ids,
         )
 
+    @classmethod
+    def concat(cls, parts: Sequence[SequenceSet]) -> SequenceSet:
+        """The sequences of ``parts`` in order; all must come from one tokenizer."""
+        specials = {p.special_token_ids for p in parts}
+        if len(specials) > 1:
+            raise ValueError(f"special_token_ids: the parts differ ({sorted(specials)})")
+        return cls(
+            [s for p in parts for s in p.sequences],
+            [n for p in parts for n in p.prompt_lens],
+            parts[0].special_token_ids,
+        )
+
+    def sha256(self) -> str:
+        """A hash of the tokens and where each sequence ends (prompt lengths left out)."""
+        digest = hashlib.sha256()
+        for values in ([len(s) for s in self.sequences], [t for s in self.sequences for t in s]):
+            digest.update(torch.tensor(values, dtype=torch.int64).numpy().tobytes())
+        return digest.hexdigest()
+
     def split(self, val_fraction: float, seed: int) -> tuple[SequenceSet, SequenceSet]:
         """(train, validation): a seeded ``val_fraction`` share held out, at least one."""
         order = list(range(len(self)))
@@ -95,6 +116,9 @@ class SequenceSet:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
+            names = f.keys()
+            if "tokens" not in names:
+                raise ValueError(f"data: {path} holds no sequences (not from SequenceSet.save)")
             metadata = f.metadata() or {}
             tokens = f.get_tensor("tokens").tolist()
             lengths = f.get_tensor("lengths").tolist()
@@ -105,6 +129,29 @@ class SequenceSet:
             start += n
         special = tuple(json.loads(metadata.get("special_token_ids", "[]")))
         return cls(sequences, prompt_lens, special), json.loads(metadata.get("meta", "{}"))
+
+
+def load_sequence_files(paths: Sequence[Path]) -> tuple[SequenceSet, dict[str, Any]]:
+    """The sequences of every file, concatenated in sorted path order (so that the order of
+    ``paths`` does not matter); a directory stands for its ``*.safetensors`` files. The
+    metadata lists each file with its sequence count and the metadata it was saved with."""
+    files: set[Path] = set()
+    for path in paths:
+        if path.is_dir():
+            shards = list(path.glob("*.safetensors"))
+            if not shards:
+                raise ValueError(f"data: {path} holds no *.safetensors files")
+            files.update(f.resolve() for f in shards)
+        elif path.is_file():
+            files.add(path.resolve())
+        else:
+            raise ValueError(f"data: {path} is neither a file nor a directory")
+    parts, records = [], []
+    for file in sorted(files):
+        part, meta = SequenceSet.load(file)
+        parts.append(part)
+        records.append({"path": str(file), "num_sequences": len(part), "meta": meta})
+    return SequenceSet.concat(parts), {"files": records}
 
 
 def chat_prompt_ids(tokenizer: Any, texts: Sequence[str], max_prompt_len: int) -> list[list[int]]:

@@ -87,8 +87,14 @@ class TargetFeatures:
 
     def padded(self, sequences: Sequence[list[int]]) -> torch.Tensor:
         """[B, L, F] fp32, zero past each sequence's end."""
-        rows = self.ragged(sequences)
-        out = rows[0].new_zeros((len(rows), max(len(r) for r in rows), rows[0].shape[-1]))
-        for i, r in enumerate(rows):
-            out[i, : r.shape[0]] = r
-        return out
+        return pad_rows(self.ragged(sequences))
+
+
+def pad_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-sequence [len_i, F] features (fp32 or cached fp16) as [B, L, F] fp32, zero past
+    each sequence's end."""
+    width = max(r.shape[0] for r in rows)
+    out = torch.zeros((len(rows), width, rows[0].shape[-1]), device=rows[0].device)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+    return out

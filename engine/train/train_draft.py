@@ -1,12 +1,16 @@
 """Self-distillation of a draft model (EAGLE, EAGLE-3 or DFlash) for a Llama target.
 
 1. data: training-corpus prompts in the chat template, continued greedily by the target
-   (``data.prepare_sequences``; cached in ``OUT/data``).
-2. per batch: target features on the fly (``features.TargetFeatures``), then the draft's
-   own ``extend`` and ``propose`` on the dense training backend (``objectives``).
-3. per epoch: held-out acceptance through the serving path (``evaluate``) and a resumable
+   (``data.prepare_sequences``; cached in ``OUT/data``), or one or more files or shard
+   directories saved earlier (``data.load_sequence_files``).
+2. once: the target's features of every training sequence (``features.TargetFeatures``),
+   in fp16 in RAM and in ``OUT/data`` for reruns and ``--resume`` (``feature_cache``);
+   without the cache they are computed again for every batch of every epoch.
+3. per batch: the draft's own ``extend`` and ``propose`` on the dense training backend
+   (``objectives``).
+4. per epoch: held-out acceptance through the serving path (``evaluate``) and a resumable
    checkpoint in ``OUT/checkpoint`` (fp32 draft, optimizer tensors in safetensors).
-4. the end: the draft in fp16 in ``OUT`` (loadable by ``load_drafter``) and ``manifest.json``.
+5. the end: the draft in fp16 in ``OUT`` (loadable by ``load_drafter``) and ``manifest.json``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -32,6 +36,7 @@ from engine.train.attention import TrainAttentionBackend
 from engine.train.checkpoint import load_checkpoint, save_checkpoint
 from engine.train.data import SequenceSet, length_batches, pad, prepare_sequences
 from engine.train.evaluate import Acceptance, heldout_acceptance
+from engine.train.feature_cache import load_or_compute
 from engine.train.features import TargetFeatures
 from engine.train.objectives import Batch, describe
 from engine.train.recipes import RECIPES, DraftOptions, draft_hf_config
@@ -63,6 +68,8 @@ class TrainConfig:
     num_draft_steps: int | None = None  # chain steps trained; None: the kind's default
     draft_vocab_size: int = 16384  # EAGLE-3
     anchors_per_seq: int | None = None  # None: the kind's default; 0: all
+    max_sequences: int | None = None  # train and evaluate on the first N only (quick runs)
+    feature_cache: bool = True  # the target's features once, in fp16, not per batch
     val_fraction: float = 0.05
     eval_k: int = 5
     eval_anchors_per_seq: int = 8
@@ -103,6 +110,8 @@ class TrainConfig:
             raise ValueError(f"num_layers: an {self.kind} draft has one layer")
         if self.num_draft_steps is not None and self.num_draft_steps < 1:
             raise ValueError(f"num_draft_steps: must be >= 1, got {self.num_draft_steps}")
+        if self.max_sequences is not None and self.max_sequences < 1:
+            raise ValueError(f"max_sequences: must be >= 1, got {self.max_sequences}")
 
     def options(self) -> DraftOptions:
         recipe = RECIPES[self.kind]
@@ -154,6 +163,8 @@ def train_draft(
             num_threads=config.threads,
             log=log,
         )
+    if config.max_sequences is not None and len(data) > config.max_sequences:
+        data = data.subset(range(config.max_sequences))
     train, val = data.split(config.val_fraction, config.seed)
     log(
         f"data: {len(train)} training and {len(val)} held-out sequences, "
@@ -169,14 +180,15 @@ def train_draft(
             f"epoch {epoch + 1}: loss {record['loss']:.4f}, held-out tau(K={config.eval_k}) "
             f"{acceptance.tau:.3f} (full K: {acceptance.tau_full:.3f}, "
             f"{acceptance.num_anchors} anchors), {record['train_tokens_per_s']:.0f} tok/s "
-            f"(target {record['features_s']:.0f} s, draft {record['draft_s']:.0f} s)"
+            f"(features {record['features_s']:.0f} s, draft {record['draft_s']:.0f} s)"
         )
         trainer.save_checkpoint(epoch + 1)
     return finish(config, trainer, data, train, val, data_meta, log)
 
 
 class DraftTrainer:
-    """The target (frozen, fp32), the draft (fp32, AdamW) and one epoch at a time."""
+    """The target (frozen, fp32), its features of the training sequences (cached, or per
+    batch), the draft (fp32, AdamW) and one epoch at a time."""
 
     def __init__(self, config: TrainConfig, train: SequenceSet, log: Log) -> None:
         self.config, self.train, self.device = config, train, torch.device("cpu")
@@ -209,6 +221,24 @@ class DraftTrainer:
             self.history, self.first_epoch = state.meta["history"], state.meta["epoch"]
         self.objective = recipe.objective(self.drafter, opts.num_drafts, opts.max_anchors)
         self.features = TargetFeatures(self.target, self.drafter, self.device)
+        # Features of a batch of training sequences (by index): [B, L, F] fp32.
+        self.batch_features: Callable[[Sequence[int]], torch.Tensor]
+        self.cache_info: dict[str, Any] | None = None  # for the manifest
+        if config.feature_cache:
+            cache, self.cache_info = load_or_compute(
+                Path(config.out) / "data",
+                config.kind,
+                Path(config.target),
+                self.features,
+                train,
+                config.batch_size,
+                log,
+            )
+            self.batch_features = cache.padded
+        else:
+            self.batch_features = lambda indices: self.features.padded(
+                [train.sequences[j] for j in indices]
+            )
         self.backend = TrainAttentionBackend()
         # One dummy cache per draft layer: the training backend keys its K/V by them.
         num_layers = self.drafter.config.num_hidden_layers
@@ -229,7 +259,7 @@ class DraftTrainer:
             step = epoch * self.num_batches + i
             seqs = [train.sequences[j] for j in indices]
             start = time.perf_counter()
-            feats = self.features.padded(seqs)  # [B, L, F]
+            feats = self.batch_features(indices)  # [B, L, F]
             mid = time.perf_counter()
             batch = Batch(
                 tokens=pad(seqs, self.device),
@@ -314,6 +344,7 @@ def finish(
             "num_train_tokens": train.num_tokens,
             "num_train_generated_tokens": train.num_continuation_tokens,
         },
+        "feature_cache": trainer.cache_info,
         "epochs": len(history),
         "final_loss": last.get("loss"),
         "heldout_tau": last.get("heldout", {}).get("tau"),

@@ -1,10 +1,12 @@
 """The draft trainer on a tiny target: training lowers the loss, the saved draft loads and
-speeds up the engine losslessly, training attention equals serving attention, and a run
-resumes exactly where it stopped."""
+speeds up the engine losslessly, training attention equals serving attention, cached fp16
+target features train like features computed per batch, and a run resumes exactly where it
+stopped."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any, cast
 
@@ -21,8 +23,9 @@ from engine.spec.config import SpeculativeConfig
 from engine.spec.drafters import load_drafter, new_drafter
 from engine.train.attention import TrainAttentionBackend
 from engine.train.cli import register_train_draft
-from engine.train.data import SequenceSet, generate_continuations, pad
+from engine.train.data import SequenceSet, generate_continuations, load_sequence_files, pad
 from engine.train.evaluate import propose_at
+from engine.train.feature_cache import load_or_compute
 from engine.train.features import TargetFeatures
 from engine.train.objectives import Batch, Objective, sample_anchors
 from engine.train.recipes import RECIPES, DraftOptions, draft_hf_config
@@ -163,6 +166,94 @@ def test_training_attention_equals_serving_attention(
         torch.testing.assert_close(a[finite], b[finite], rtol=1e-4, atol=1e-4, msg=f"step {j}")
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash"])
+def test_cached_fp16_features_give_the_loss_of_features_computed_per_batch(
+    tiny: tuple[Path, SequenceSet], tmp_path: Path, kind: str
+) -> None:
+    """The cache holds the fp32 features rounded to fp16, so a batch's loss moves by no
+    more than that rounding; a second run reads the file, other sequences replace it."""
+    target_dir, data = tiny
+    target = cast(Llama3Model, load_model(target_dir, dtype="float32")[0])
+    opts = DraftOptions(64, 1, 4, 3, 96, 0)
+    hf = draft_hf_config(RECIPES[kind], load_hf(target_dir), opts, data)
+    drafter = new_drafter(kind, hf, target, torch.device("cpu"), seed=1)
+    features = TargetFeatures(target, drafter, torch.device("cpu"))
+    cache, info = load_or_compute(tmp_path, kind, target_dir, features, data, 4, lambda _: None)
+    assert not info["is_reused"]
+    assert load_file(info["file"])["features"].dtype == torch.float16
+
+    indices = [5, 0, 7]
+    seqs = [data.sequences[i] for i in indices]
+    fresh, cached = features.padded(seqs), cache.padded(indices)  # [B, L, F] fp32 both
+    assert cached.dtype == torch.float32
+    torch.testing.assert_close(cached, fresh, rtol=2**-11, atol=1e-6)  # fp16: 11-bit mantissa
+    batch = Batch(
+        pad(seqs, torch.device("cpu")),
+        torch.tensor([len(s) for s in seqs]),
+        torch.tensor([data.prompt_lens[i] for i in indices]),
+    )
+    k = drafter.fixed_num_draft_tokens or 3
+    kv = [(torch.empty(0), torch.empty(0)) for _ in range(drafter.config.num_hidden_layers)]
+    objective = RECIPES[kind].objective(drafter, k, 0)
+    a, b = (objective(batch, f, TrainAttentionBackend(), kv, gen(3)).loss for f in (fresh, cached))
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=0)
+
+    again, info_again = load_or_compute(
+        tmp_path, kind, target_dir, features, data, 4, lambda _: None
+    )
+    assert info_again["is_reused"] and info_again["file"] == info["file"]
+    assert torch.equal(again.features, cache.features)
+    _, other = load_or_compute(
+        tmp_path, kind, target_dir, features, data.subset(range(4)), 4, lambda _: None
+    )
+    assert other["file"] != info["file"]
+    assert [p.name for p in tmp_path.glob("features-*")] == [Path(other["file"]).name]
+
+
+def test_training_from_the_feature_cache_matches_training_without_it(
+    tiny: tuple[Path, SequenceSet], tmp_path: Path
+) -> None:
+    target, data = tiny
+    runs = [
+        train_draft(
+            config(target, tmp_path / str(is_cached), "eagle3", epochs=3, feature_cache=is_cached),
+            data,
+            log=lambda _: None,
+        )
+        for is_cached in (True, False)
+    ]
+    assert runs[0]["feature_cache"]["file"].startswith(str(tmp_path / "True" / "data"))
+    assert runs[1]["feature_cache"] is None
+    cached, fresh = ([h["loss"] for h in run["history"]] for run in runs)
+    torch.testing.assert_close(cached, fresh, rtol=1e-4, atol=0)
+
+
+def test_data_files_concatenate_in_sorted_order(
+    tiny: tuple[Path, SequenceSet], tmp_path: Path
+) -> None:
+    _, data = tiny
+    shards = tmp_path / "shards"
+    data.subset(range(5, 9)).save(shards / "shard001.safetensors", {"shard": 1})
+    data.subset(range(5)).save(shards / "shard000.safetensors", {"shard": 0})
+    data.subset(range(2)).save(tmp_path / "extra.safetensors", {})
+    loaded, meta = load_sequence_files([shards / "shard001.safetensors", shards])
+    assert loaded.sequences == data.sequences and loaded.prompt_lens == data.prompt_lens
+    assert [(Path(f["path"]).name, f["num_sequences"], f["meta"]) for f in meta["files"]] == [
+        ("shard000.safetensors", 5, {"shard": 0}),
+        ("shard001.safetensors", 4, {"shard": 1}),
+    ]
+    both, _ = load_sequence_files([shards, tmp_path / "extra.safetensors"])
+    assert both.sequences == data.sequences[:2] + data.sequences  # "extra" < "shards/..."
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no"):
+        load_sequence_files([tmp_path / "empty"])
+    with pytest.raises(ValueError, match="neither a file nor a directory"):
+        load_sequence_files([tmp_path / "nowhere"])
+    SequenceSet(data.sequences[:1], data.prompt_lens[:1], (1,)).save(shards / "x.safetensors", {})
+    with pytest.raises(ValueError, match="special_token_ids"):
+        load_sequence_files([shards])
+
+
 def test_resume_continues_exactly_where_a_run_stopped(
     tiny: tuple[Path, SequenceSet], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -186,6 +277,7 @@ def test_resume_continues_exactly_where_a_run_stopped(
         config(target, tmp_path / "cut", "eagle3", epochs=2, resume=True), data, log=lines.append
     )
     assert any("resuming after epoch 1" in line for line in lines)
+    assert manifest["feature_cache"]["is_reused"]  # read back from cut/data
     assert [h["epoch"] for h in manifest["history"]] == [1, 2]
 
     a = load_file(tmp_path / "whole" / "checkpoint" / "model.safetensors")
@@ -199,7 +291,8 @@ def test_cli_trains_from_saved_sequences_and_reports_errors(
     tiny: tuple[Path, SequenceSet], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     target, data = tiny
-    data.save(tmp_path / "seqs.safetensors", {"note": "test"})
+    data.subset(range(6)).save(tmp_path / "shards" / "shard000.safetensors", {"note": "test"})
+    data.subset(range(6, 9)).save(tmp_path / "shards" / "shard001.safetensors", {})
     parser = argparse.ArgumentParser(prog="tandem")
     register_train_draft(parser.add_subparsers())
 
@@ -215,7 +308,9 @@ def test_cli_trains_from_saved_sequences_and_reports_errors(
         "--out",
         str(out),
         "--data",
-        str(tmp_path / "seqs.safetensors"),
+        str(tmp_path / "shards"),
+        "--max-sequences",
+        "8",
         "--batch-size",
         "4",
         *common,
@@ -223,9 +318,17 @@ def test_cli_trains_from_saved_sequences_and_reports_errors(
     assert rc == 0, capsys.readouterr().err
     assert (out / "config.json").is_file() and (out / "manifest.json").is_file()
     assert "eagle draft in" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    files = [(Path(f["path"]).name, f["num_sequences"]) for f in manifest["data"]["files"]]
+    assert files == [("shard000.safetensors", 6), ("shard001.safetensors", 3)]
+    assert manifest["data"]["num_sequences"] == 8
+    assert Path(manifest["feature_cache"]["file"]).parent == out / "data"
 
     assert main("--target", str(tmp_path / "nowhere"), "--out", str(out), *common) == 2
     assert "tandem train-draft: error:" in capsys.readouterr().err
+    rc = main("--target", str(target), "--out", str(out), "--data", str(tmp_path / "no"), *common)
+    assert rc == 2
+    assert "is neither a file nor a directory" in capsys.readouterr().err
     rc = main("--target", str(target), "--out", str(out), "--epochs", "0", *common)
     assert rc == 2
     assert "tandem train-draft: error: epochs: must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,139 @@
+"""The frozen target's features of the training sequences, computed once per run in fp16.
+
+The target's forward costs about as much as the draft's own training step, and its
+output never changes between epochs, so one pass before training computes it for every
+training sequence, keeps it in RAM and saves it as ``OUT/data/features-<kind>-<key>.safetensors``
+for ``--resume`` and reruns. ``key`` is a hash of everything the features depend on: the
+target's weights (path, size and mtime of each safetensors file), the drafter kind's
+layout (which hidden states) and the training sequences themselves.
+
+A matching file is read whole into RAM rather than memory-mapped: [num_tokens, F] fp16 is
+2 GB for 600k tokens of EAGLE-3 features on SmolLM2 (F = 1728), and every epoch reads all
+of it, so an in-RAM slice per sequence beats paging it in from disk again each epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from engine.models.llama3 import ReturnHiddenStates
+from engine.train.data import SequenceSet
+from engine.train.features import TargetFeatures, pad_rows
+
+Log = Callable[[str], None]
+
+FORMAT = 1  # bump when the way features are computed changes: older files then miss
+
+
+class CachedFeatures:
+    """Per training sequence, the target's features: one [num_tokens, F] fp16 tensor."""
+
+    def __init__(self, features: torch.Tensor, lengths: Sequence[int]) -> None:
+        self.features = features
+        self.offsets = [0, *itertools.accumulate(lengths)]
+
+    def padded(self, indices: Sequence[int]) -> torch.Tensor:
+        """[B, L, F] fp32 for the sequences at ``indices``, zero past each one's end."""
+        return pad_rows([self.features[self.offsets[i] : self.offsets[i + 1]] for i in indices])
+
+
+def fingerprint(
+    target_dir: Path, kind: str, layout: ReturnHiddenStates, train: SequenceSet
+) -> dict[str, Any]:
+    """What the features depend on, as JSON values (stored in the file, hashed in its name)."""
+    weights = [
+        {"file": p.name, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        for p in sorted(target_dir.glob("*.safetensors"))
+        for stat in [p.stat()]
+    ]
+    return {
+        "format": FORMAT,
+        "target": str(target_dir.resolve()),
+        "weights": weights,
+        "kind": kind,
+        "layout": asdict(layout),
+        "sequences_sha256": train.sha256(),
+    }
+
+
+def load_or_compute(
+    data_dir: Path,
+    kind: str,
+    target_dir: Path,
+    features: TargetFeatures,
+    train: SequenceSet,
+    batch_size: int,
+    log: Log,
+) -> tuple[CachedFeatures, dict[str, Any]]:
+    """The features of ``train`` from the file with the same fingerprint, else computed
+    (replacing this kind's older files) and saved; and what the manifest says about them."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    meta = fingerprint(target_dir, kind, features.drafter.target_hidden, train)
+    text = json.dumps(meta, sort_keys=True)
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = data_dir / f"features-{kind}-{key}.safetensors"
+    lengths = [len(s) for s in train.sequences]
+    start = time.perf_counter()
+    if path.is_file():
+        with safe_open(str(path), framework="pt") as f:
+            is_match = (f.metadata() or {}).get("fingerprint") == text
+        if is_match:
+            cache = CachedFeatures(load_file(path)["features"], lengths)
+            seconds = time.perf_counter() - start
+            log(f"target features of {len(train)} sequences read from {path} in {seconds:.0f} s")
+            return cache, {"file": str(path), "is_reused": True, "seconds": round(seconds, 1)}
+    store = compute(features, train, batch_size)
+    for stale in data_dir.glob(f"features-{kind}-*.safetensors"):
+        log(f"removing {stale} (features of other weights or sequences)")
+        stale.unlink()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file({"features": store}, str(tmp), metadata={"fingerprint": text})
+    tmp.replace(path)
+    seconds = time.perf_counter() - start
+    log(
+        f"target features of {len(train)} sequences ({store.shape[0]} x {store.shape[1]} fp16, "
+        f"{store.numel() * 2 / 2**30:.2f} GiB) computed in {seconds:.0f} s, saved to {path}"
+    )
+    return CachedFeatures(store, lengths), {
+        "file": str(path),
+        "is_reused": False,
+        "seconds": round(seconds, 1),
+    }
+
+
+def compute(features: TargetFeatures, train: SequenceSet, batch_size: int) -> torch.Tensor:
+    """One pass of the target over ``train``, in batches of neighbours in length (the torch
+    backend pads a batch's rows to its longest): [num_tokens, F] fp16 in ``train``'s order."""
+    offsets = [0, *itertools.accumulate(len(s) for s in train.sequences)]
+    order = sorted(range(len(train)), key=lambda i: len(train.sequences[i]))
+    store: torch.Tensor | None = None
+    with tqdm(total=len(train), desc="target features", unit="seq") as bar:
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            rows = features.ragged([train.sequences[i] for i in chunk])  # [len_i, F] fp32
+            if store is None:
+                store = torch.empty((offsets[-1], rows[0].shape[1]), dtype=torch.float16)
+            for i, row in zip(chunk, rows, strict=True):
+                half = row.half()
+                if not bool(torch.isfinite(half).all()):
+                    raise ValueError(
+                        "feature cache: the target's hidden states overflow fp16; "
+                        "train with --no-feature-cache"
+                    )
+                store[offsets[i] : offsets[i + 1]] = half
+            bar.update(len(chunk))
+    assert store is not None
+    return store
