@@ -83,6 +83,12 @@ def register_train_draft(subparsers: Subparsers) -> None:
     )
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the target and the draft run for training, e.g. cuda (default: cpu); "
+        "the continuations are generated on CPU",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=_train_draft)
 
@@ -120,6 +126,7 @@ def _train_draft(args: argparse.Namespace) -> int:
             feature_cache=args.feature_cache,
             resume=args.resume,
             threads=args.threads,
+            device=args.device,
             seed=args.seed,
             command=shlex.join(["tandem", *sys.argv[1:]]),
         )

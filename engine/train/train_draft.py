@@ -75,6 +75,7 @@ class TrainConfig:
     eval_anchors_per_seq: int = 8
     resume: bool = False
     threads: int | None = None
+    device: str = "cpu"  # where the target and the draft run ("cuda" on a GPU machine)
     seed: int = 0
     command: str = ""  # the command line, recorded in the manifest
 
@@ -108,6 +109,12 @@ class TrainConfig:
             raise ValueError(f"num_layers: must be >= 1, got {self.num_layers}")
         if self.num_layers not in (None, 1) and self.kind != "dflash":
             raise ValueError(f"num_layers: an {self.kind} draft has one layer")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"device: {self.device!r} is not a torch device ({e})") from e
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {self.device!r}, but this machine has no CUDA device")
         if self.num_draft_steps is not None and self.num_draft_steps < 1:
             raise ValueError(f"num_draft_steps: must be >= 1, got {self.num_draft_steps}")
         if self.max_sequences is not None and self.max_sequences < 1:
@@ -191,7 +198,7 @@ class DraftTrainer:
     batch), the draft (fp32, AdamW) and one epoch at a time."""
 
     def __init__(self, config: TrainConfig, train: SequenceSet, log: Log) -> None:
-        self.config, self.train, self.device = config, train, torch.device("cpu")
+        self.config, self.train, self.device = config, train, torch.device(config.device)
         model, _ = load_model(config.target, dtype="float32", device=self.device)
         self.target = cast(Llama3Model, model).requires_grad_(False)
         recipe, opts = RECIPES[config.kind], config.options()
@@ -259,12 +266,14 @@ class DraftTrainer:
             step = epoch * self.num_batches + i
             seqs = [train.sequences[j] for j in indices]
             start = time.perf_counter()
-            feats = self.batch_features(indices)  # [B, L, F]
+            feats = self.batch_features(indices).to(self.device)  # [B, L, F]
             mid = time.perf_counter()
             batch = Batch(
                 tokens=pad(seqs, self.device),
                 lengths=torch.tensor([len(s) for s in seqs], device=self.device),
-                prompt_lens=torch.tensor([train.prompt_lens[j] for j in indices]),
+                prompt_lens=torch.tensor(
+                    [train.prompt_lens[j] for j in indices], device=self.device
+                ),
             )
             generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
             result = self.objective(batch, feats, self.backend, self.kv, generator)

@@ -342,3 +342,12 @@ def load_hf(target: Path) -> dict[str, object]:
 
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def test_device_is_checked_before_anything_runs(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="device: 'gpu0' is not a torch device"):
+        config(tmp_path, tmp_path / "out", "eagle3", device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="this machine has no CUDA device"):
+            config(tmp_path, tmp_path / "out", "eagle3", device="cuda")
+    assert config(tmp_path, tmp_path / "out", "eagle3", device="cpu").device == "cpu"
