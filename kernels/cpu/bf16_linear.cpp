@@ -58,7 +58,7 @@ inline void load_panel_row(const float* p, __m256& lo, __m256& hi) {
 }
 
 template <int ROWS, typename W>
-inline void tile(const float* x, int64_t K, const W* panel, const float* bias, float* acc_out) {
+inline void tile(const float* x, int64_t K, const W* panel, float* acc_out) {
   constexpr int SPLIT = ROWS <= 2 ? 2 : 1;
   __m256 acc0[SPLIT][ROWS], acc1[SPLIT][ROWS];
 #pragma GCC unroll 16
@@ -93,11 +93,6 @@ inline void tile(const float* x, int64_t K, const W* panel, const float* bias, f
       acc1[0][r] = _mm256_fmadd_ps(xv, w1, acc1[0][r]);
     }
   }
-  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-  if (bias != nullptr) {
-    b0 = _mm256_loadu_ps(bias);
-    b1 = _mm256_loadu_ps(bias + 8);
-  }
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
     __m256 lo = acc0[0][r], hi = acc1[0][r];
@@ -105,13 +100,13 @@ inline void tile(const float* x, int64_t K, const W* panel, const float* bias, f
       lo = _mm256_add_ps(lo, acc0[1][r]);
       hi = _mm256_add_ps(hi, acc1[1][r]);
     }
-    _mm256_storeu_ps(acc_out + r * kPanel, _mm256_add_ps(lo, b0));
-    _mm256_storeu_ps(acc_out + r * kPanel + 8, _mm256_add_ps(hi, b1));
+    _mm256_storeu_ps(acc_out + r * kPanel, lo);
+    _mm256_storeu_ps(acc_out + r * kPanel + 8, hi);
   }
 }
 
 template <typename W>
-using TileFn = void (*)(const float*, int64_t, const W*, const float*, float*);
+using TileFn = void (*)(const float*, int64_t, const W*, float*);
 template <typename W>
 constexpr TileFn<W> kTiles[kMaxRows + 1] = {nullptr,     tile<1, W>, tile<2, W>, tile<3, W>,
                                             tile<4, W>, tile<5, W>, tile<6, W>};
@@ -126,11 +121,15 @@ inline void widen_panel(const uint16_t* panel, int64_t K, float* out) {
   }
 }
 
-// Rows [m0, m0 + rows) of one panel's result (tile_out [rows][16] floats) into out.
-inline void store_tile(const float* tile_out, int rows, int64_t m0, int64_t n0, int64_t cols,
-                       int64_t N, bool out_bf16, char* out) {
+// Rows [m0, m0 + rows) of one panel's result (tile_out [rows][16] floats), plus the bias
+// of its columns (bias + n0, or null), into out.
+inline void store_tile(float* tile_out, int rows, int64_t m0, int64_t n0, int64_t cols,
+                       int64_t N, const float* bias, bool out_bf16, char* out) {
   for (int r = 0; r < rows; ++r) {
-    const float* src = tile_out + r * kPanel;
+    float* src = tile_out + r * kPanel;
+    if (bias != nullptr) {
+      for (int64_t c = 0; c < cols; ++c) src[c] += bias[c];
+    }
     if (out_bf16) {
       uint16_t* dst = reinterpret_cast<uint16_t*>(out) + (m0 + r) * N + n0;
       alignas(16) uint16_t tmp[kPanel];
@@ -178,8 +177,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   at::Tensor bias32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " values, N=", N);
-    bias32 = at::zeros({packed.size(0) * kPanel}, x32.options());
-    bias32.narrow(0, 0, N).copy_(*bias);
+    bias32 = bias->reshape({N}).to(at::kFloat).contiguous();
   }
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end() - 1);
   out_shape.push_back(N);
@@ -200,20 +198,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
         (reinterpret_cast<uintptr_t>(wide.data()) + 31) & ~static_cast<uintptr_t>(31));
     for (int64_t p = begin; p < end; ++p) {
       const uint16_t* panel = wp + p * K * kPanel;
-      const float* pb = bp ? bp + p * kPanel : nullptr;
+      const float* pb = bp ? bp + p * kPanel : nullptr;  // this panel's columns' bias
       const int64_t n0 = p * kPanel;
       const int64_t cols = std::min(kPanel, N - n0);
       if (M <= kMaxRows) {
         const int rows = static_cast<int>(M);
-        kTiles<uint16_t>[rows](xp, K, panel, pb, tile_out);
-        store_tile(tile_out, rows, 0, n0, cols, N, out_bf16, op);
+        kTiles<uint16_t>[rows](xp, K, panel, tile_out);
+        store_tile(tile_out, rows, 0, n0, cols, N, pb, out_bf16, op);
         continue;
       }
       widen_panel(panel, K, wide_p);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int rows = static_cast<int>(std::min(kMaxRows, M - m0));
-        kTiles<float>[rows](xp + m0 * K, K, wide_p, pb, tile_out);
-        store_tile(tile_out, rows, m0, n0, cols, N, out_bf16, op);
+        kTiles<float>[rows](xp + m0 * K, K, wide_p, tile_out);
+        store_tile(tile_out, rows, m0, n0, cols, N, pb, out_bf16, op);
       }
     }
   });
