@@ -6,7 +6,8 @@ rest; a stall past the registration (same generation) drops all that was held.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from cluster.ledger import Ledger, Pool, RequestState, WorkerRole
 from cluster.membership import HeldRequest, Membership, Timing
@@ -15,17 +16,7 @@ from cluster.membership import HeldRequest, Membership, Timing
 async def test_registers_again_with_a_new_epoch_when_redis_forgets_it(ledger: Ledger) -> None:
     lost: list[str] = []
     again: list[int] = []
-    membership = Membership(
-        ledger,
-        "d0",
-        role=WorkerRole.DECODE,
-        address="127.0.0.1:1",
-        capacity=8,
-        timing=Timing(heartbeat_ms=50, lease_ms=200),
-        load=lambda: (0.0, {"model": "m"}),
-        on_lease_lost=lost.append,
-        on_registered_again=again.append,
-    )
+    membership = _decode_membership(ledger, lost, lease_ms=200, on_registered_again=again.append)
     first = membership.register()
     ledger.create_request("r1", owner="router", epoch=1)
     membership.claim("r1", [1, 2], has_draft=False)
@@ -49,20 +40,20 @@ async def test_registers_again_with_a_new_epoch_when_redis_forgets_it(ledger: Le
 
 
 def _decode_membership(
-    ledger: Ledger,
-    lost: list[str],
-    rebuild_from: Callable[[], Awaitable[Sequence[HeldRequest]]],
+    ledger: Ledger, lost: list[str], *, lease_ms: int = 500, **callbacks: Any
 ) -> Membership:
+    """A decode worker "d0" heartbeating every 50 ms, serving model "m"; ``callbacks``:
+    ``rebuild_from``, ``on_registered_again``."""
     return Membership(
         ledger,
         "d0",
         role=WorkerRole.DECODE,
         address="127.0.0.1:1",
         capacity=8,
-        timing=Timing(heartbeat_ms=50, lease_ms=500),
+        timing=Timing(heartbeat_ms=50, lease_ms=lease_ms),
         load=lambda: (0.0, {"model": "m"}),
         on_lease_lost=lost.append,
-        rebuild_from=rebuild_from,
+        **callbacks,
     )
 
 
@@ -86,7 +77,7 @@ async def test_rebuilds_decoding_requests_when_redis_restarts_empty(ledger: Ledg
         fields = {"model": "m", "num_prompt_tokens": 7, "router": "router-0"}
         return [HeldRequest("r1", [1, 2, 3, 9], fields)]  # the table grew since the claim
 
-    membership = _decode_membership(ledger, lost, decoding)
+    membership = _decode_membership(ledger, lost, rebuild_from=decoding)
     first = membership.register()
     generation = membership.generation
     for rid in ("r1", "r2"):  # r2: reserved, its KV still on the way
@@ -140,7 +131,7 @@ async def test_a_stall_past_the_registration_drops_what_was_held(ledger: Ledger)
         asked.append(membership.epoch)
         return [HeldRequest("r1", [1, 2])]
 
-    membership = _decode_membership(ledger, lost, decoding)
+    membership = _decode_membership(ledger, lost, rebuild_from=decoding)
     first = membership.register()
     ledger.create_request("r1", owner="router-0", epoch=1)
     membership.claim("r1", [1, 2], has_draft=False)

@@ -1,18 +1,20 @@
-"""What the cluster tests share: a tiny target model and its in-process greedy output,
-streaming a request through the router, checking a stream's chunks, asking workers for
-their stats, reading a component's metrics, and the end-of-test audit."""
+"""What the cluster tests share: a tiny target model and its in-process greedy output, a
+cluster spec for it, streaming requests through the router (also several at once, to act
+mid-stream), checking a stream's chunks, asking workers for their stats, reading a
+component's metrics, and the end-of-test audit."""
 
 from __future__ import annotations
 
 import asyncio
 import re
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from cluster.launcher import Cluster, Component
+from cluster.launcher import Cluster, ClusterSpec, Component
 from cluster.ledger import Ledger, RequestState
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
@@ -24,6 +26,10 @@ from tests.engine.tiny_models import build_tiny_llama
 from tests.services.tiny_tokenizer import save_char_tokenizer
 
 TINY_VOCAB = 64
+# fp32 and small blocks, as the in-process engine the output is compared with
+TINY_WORKER_ARGS = ("--dtype", "float32", "--block-size", "4")
+# Heartbeats and leases short enough that a test sees deaths and expiries within a second.
+SERVICE_ARGS = ("--heartbeat-ms", "300", "--lease-ms", "1000", "--log-level", "WARNING")
 
 
 def build_tiny_target(out: Path) -> Path:
@@ -38,6 +44,21 @@ def build_tiny_target(out: Path) -> Path:
     )
     save_char_tokenizer(out, TINY_VOCAB)
     return out
+
+
+def tiny_cluster_spec(target: Path, log_dir: Path, **fields: Any) -> ClusterSpec:
+    """A cluster serving the tiny target, 1 prefill + 1 decode worker and an embedded
+    Redis unless ``fields`` (any of ``ClusterSpec``'s) say otherwise."""
+    values: dict[str, Any] = dict(
+        model=str(target),
+        port=0,
+        worker_args=TINY_WORKER_ARGS,
+        service_args=SERVICE_ARGS,
+        log_dir=log_dir,
+        grace_s=5.0,
+    )
+    values.update(fields)
+    return ClusterSpec(**values)
 
 
 def engine_greedy(target: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -76,6 +97,50 @@ def metric(component: Component, name: str, role: str) -> float:
 async def run(address: str, prompt: list[int] | str, **params: object) -> list[gen.GenerateChunk]:
     async with grpc.aio.insecure_channel(address) as channel:
         return [chunk async for chunk in agenerate(channel, prompt, timeout=120, **params)]
+
+
+@dataclass
+class Streams:
+    """Greedy streams through the router, running, and what each has received so far."""
+
+    tasks: list[asyncio.Task[list[gen.GenerateChunk]]]
+    counts: list[int]  # tokens received per stream
+    request_ids: list[str]  # each stream's request id, from its first chunk
+
+    async def results(self, timeout_s: float = 120) -> list[list[gen.GenerateChunk]]:
+        return await asyncio.wait_for(asyncio.gather(*self.tasks), timeout=timeout_s)
+
+
+async def start_streams(
+    address: str, prompts: list[list[int]], max_tokens: int, *, min_tokens: int
+) -> Streams:
+    """A greedy stream per prompt, all at once; returns once every one has received at
+    least ``min_tokens`` tokens: the moment a test kills something mid-stream."""
+    streams = Streams([], [0] * len(prompts), [""] * len(prompts))
+    all_started = asyncio.Event()
+
+    async def stream(i: int) -> list[gen.GenerateChunk]:
+        chunks = []
+        async with grpc.aio.insecure_channel(address) as channel:
+            request = agenerate(
+                channel,
+                prompts[i],
+                timeout=120,
+                max_tokens=max_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+            )
+            async for chunk in request:
+                chunks.append(chunk)
+                streams.request_ids[i] = chunk.request_id
+                streams.counts[i] += len(chunk.token_ids)
+                if min(streams.counts) >= min_tokens:
+                    all_started.set()
+        return chunks
+
+    streams.tasks = [asyncio.create_task(stream(i)) for i in range(len(prompts))]
+    await asyncio.wait_for(all_started.wait(), timeout=60)
+    return streams
 
 
 def tokens(chunks: list[gen.GenerateChunk]) -> list[int]:

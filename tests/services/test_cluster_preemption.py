@@ -17,14 +17,20 @@ import pytest
 import redis
 import torch
 
-from cluster.launcher import Cluster, ClusterSpec
+from cluster.launcher import Cluster
 from cluster.ledger import Ledger
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from tests.engine.tiny_drafts import build_random_draft
 from tests.engine.tiny_models import build_tiny_llama
-from tests.services.cluster_helpers import assert_audit_clean, check_stream, run, worker_stats
+from tests.services.cluster_helpers import (
+    assert_audit_clean,
+    check_stream,
+    run,
+    tiny_cluster_spec,
+    worker_stats,
+)
 from tests.services.tiny_tokenizer import save_char_tokenizer
 
 VOCAB = 64
@@ -65,17 +71,12 @@ def block_bytes(target: Path, draft: Path) -> int:
 @pytest.fixture(scope="module")
 def cluster(dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     target, draft = dirs
-    common = ("--dtype", "float32", "--block-size", "4")
-    spec = ClusterSpec(
-        model=str(target),
+    spec = tiny_cluster_spec(
+        target,
+        tmp_path_factory.mktemp("logs"),
         draft=str(draft),
         num_draft_tokens=K,
-        port=0,
-        worker_args=common,
         decode_args=("--kv-cache-memory", str(NUM_DECODE_BLOCKS * block_bytes(target, draft))),
-        service_args=("--heartbeat-ms", "300", "--lease-ms", "1000", "--log-level", "WARNING"),
-        log_dir=tmp_path_factory.mktemp("logs"),
-        grace_s=5.0,
     )
     with Cluster(spec) as started:
         yield started

@@ -20,11 +20,9 @@ import redis
 import torch
 
 from cluster.audit import DiscrepancyKind
-from cluster.launcher import Cluster, ClusterSpec
+from cluster.launcher import Cluster
 from cluster.ledger import Holding, Ledger, Pool, RequestRecord, RequestState
 from cluster.redis_server import RedisServer, free_port
-from router.client import agenerate
-from tandem.v1 import generation_pb2 as gen
 from tests.services.cluster_helpers import (
     build_tiny_target,
     check_stream,
@@ -33,6 +31,8 @@ from tests.services.cluster_helpers import (
     metric,
     router_counter,
     run,
+    start_streams,
+    tiny_cluster_spec,
     wait_audit_clean,
     worker_stats,
 )
@@ -81,50 +81,18 @@ async def wait_rebuilt(ledger: Ledger, request_ids: list[str], old_epoch: int) -
 async def test_decoding_streams_survive_an_empty_redis_restart(
     target: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    spec = ClusterSpec(
-        model=str(target),
-        num_prefill=1,
-        num_decode=1,
-        redis=redis_server.settings,
-        port=0,
-        worker_args=("--dtype", "float32", "--block-size", "4"),
-        service_args=("--heartbeat-ms", "300", "--lease-ms", "1000", "--log-level", "WARNING"),
-        log_dir=tmp_path_factory.mktemp("logs"),
-        grace_s=5.0,
-    )
+    spec = tiny_cluster_spec(target, tmp_path_factory.mktemp("logs"), redis=redis_server.settings)
     with Cluster(spec) as cluster:
         client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
         ledger = Ledger(client)
         try:
             before = epochs(ledger)
             assert set(before) == {"prefill-0", DECODE}  # the router: no model figure
-            counts = [0] * len(PROMPTS)
-            request_ids = [""] * len(PROMPTS)
-            all_started = asyncio.Event()
-
-            async def stream(i: int) -> list[gen.GenerateChunk]:
-                chunks = []
-                async with grpc.aio.insecure_channel(cluster.router_address) as channel:
-                    request = agenerate(
-                        channel,
-                        PROMPTS[i],
-                        timeout=120,
-                        max_tokens=MAX_TOKENS,
-                        temperature=0.0,
-                        ignore_eos=True,
-                    )
-                    async for chunk in request:
-                        chunks.append(chunk)
-                        request_ids[i] = chunk.request_id
-                        counts[i] += len(chunk.token_ids)
-                        if min(counts) >= TOKENS_BEFORE_KILL:
-                            all_started.set()
-                return chunks
-
-            tasks = [asyncio.create_task(stream(i)) for i in range(len(PROMPTS))]
-            await asyncio.wait_for(all_started.wait(), timeout=60)
+            streams = await start_streams(
+                cluster.router_address, PROMPTS, MAX_TOKENS, min_tokens=TOKENS_BEFORE_KILL
+            )
             records: dict[str, RequestRecord] = {}
-            for rid in request_ids:
+            for rid in streams.request_ids:
                 record = ledger.get_request(rid)
                 assert record is not None and record.state is RequestState.DECODING
                 records[rid] = record
@@ -143,14 +111,16 @@ async def test_decoding_streams_survive_an_empty_redis_restart(
 
             redis_server.stop()  # its directory goes: nothing was persisted anyway
             redis_server.start()  # empty, on the same port
-            new_epoch = await wait_rebuilt(ledger, request_ids, before[DECODE])
+            new_epoch = await wait_rebuilt(ledger, streams.request_ids, before[DECODE])
 
             # Rebuilt from the decode worker: its records, at its new epoch, holding at
             # least the blocks it had claimed (its tables grew since), all in its allocator.
             stats = await worker_stats(cluster.decode[0], include_block_ids=True)
             prefill_stats = await worker_stats(cluster.prefill[0], include_block_ids=True)
             rebuilt = decode_holdings(ledger)
-            assert max(counts) < MAX_TOKENS, "a stream ended before the checks: raise MAX_TOKENS"
+            assert max(streams.counts) < MAX_TOKENS, (
+                "a stream ended before the checks: raise MAX_TOKENS"
+            )
             for rid, old in records.items():
                 record = ledger.get_request(rid)
                 assert record is not None
@@ -174,7 +144,7 @@ async def test_decoding_streams_survive_an_empty_redis_restart(
                 (DiscrepancyKind.WORKER_ONLY, DECODE)
             }, found
 
-            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+            results = await streams.results()
             expected = engine_greedy(target, [*PROMPTS, *LATER_PROMPTS], MAX_TOKENS)
             assert [check_stream(c, MAX_TOKENS) for c in results] == expected[: len(PROMPTS)]
             assert router_counter(cluster, "tandem_migrations_total") == 0

@@ -25,6 +25,7 @@ from engine.spec.config import SpeculativeConfig
 from tests.comparator import compare_greedy
 from tests.engine.test_smollm2_equality import QUESTIONS, chat_ids
 from tests.services.cluster_helpers import (
+    SERVICE_ARGS,
     assert_audit_clean,
     generate_all,
     run,
@@ -38,7 +39,6 @@ NEW_TOKENS = 32
 K = 3
 DRAFTS = Path(__file__).resolve().parents[2] / "drafts" / "smollm2"
 WORKER_ARGS = ("--dtype", "float32", "--kv-cache-memory", str(96 << 20))
-SERVICE_ARGS = ("--heartbeat-ms", "300", "--lease-ms", "1000", "--log-level", "WARNING")
 
 
 def draft_dir(kind: str | None) -> Path | None:

@@ -7,29 +7,27 @@ naming it."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 import redis
 import torch
 
-from cluster.launcher import Cluster, ClusterSpec, Component
+from cluster.launcher import Cluster, Component
 from cluster.ledger import Ledger, WorkerRole
 from cluster.supervisor import RestartPolicy, Supervisor
-from router.client import agenerate
-from tandem.v1 import generation_pb2 as gen
 from tests.services.cluster_helpers import (
     build_tiny_target,
     check_stream,
     engine_greedy,
     router_counter,
     run,
+    start_streams,
+    tiny_cluster_spec,
     wait_audit_clean,
 )
 
@@ -47,17 +45,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    spec = ClusterSpec(
-        model=str(target),
-        num_prefill=1,
-        num_decode=1,
-        port=0,
-        worker_args=("--dtype", "float32", "--block-size", "4"),
-        service_args=("--heartbeat-ms", "300", "--lease-ms", "1000", "--log-level", "WARNING"),
-        log_dir=tmp_path_factory.mktemp("logs"),
-        grace_s=5.0,
-    )
-    with Cluster(spec) as started:
+    with Cluster(tiny_cluster_spec(target, tmp_path_factory.mktemp("logs"))) as started:
         yield started
 
 
@@ -80,33 +68,13 @@ async def test_killed_decode_worker_is_restarted_and_its_streams_complete(
     try:
         decode = cluster.decode[0]
         epoch_before = registered_epoch(ledger, decode.name)
-        counts = [0] * len(PROMPTS)
-        all_started = asyncio.Event()
-
-        async def stream(i: int) -> list[gen.GenerateChunk]:
-            chunks = []
-            async with grpc.aio.insecure_channel(cluster.router_address) as channel:
-                request = agenerate(
-                    channel,
-                    PROMPTS[i],
-                    timeout=120,
-                    max_tokens=MAX_TOKENS,
-                    temperature=0.0,
-                    ignore_eos=True,
-                )
-                async for chunk in request:
-                    chunks.append(chunk)
-                    counts[i] += len(chunk.token_ids)
-                    if min(counts) >= TOKENS_BEFORE_KILL:
-                        all_started.set()
-            return chunks
-
-        tasks = [asyncio.create_task(stream(i)) for i in range(len(PROMPTS))]
-        await asyncio.wait_for(all_started.wait(), timeout=60)
+        streams = await start_streams(
+            cluster.router_address, PROMPTS, MAX_TOKENS, min_tokens=TOKENS_BEFORE_KILL
+        )
         old_pid = decode.process.pid
         decode.process.send_signal(signal.SIGKILL)
-        assert max(counts) < MAX_TOKENS, "a stream ended before the kill: raise MAX_TOKENS"
-        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+        assert max(streams.counts) < MAX_TOKENS, "a stream ended before the kill: raise MAX_TOKENS"
+        results = await streams.results()
 
         expected = engine_greedy(target, [*PROMPTS, LATER_PROMPT], MAX_TOKENS)
         assert [check_stream(chunks, MAX_TOKENS) for chunks in results] == expected[:-1]

@@ -25,7 +25,7 @@ import redis
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from cluster.launcher import Cluster, ClusterSpec
+from cluster.launcher import Cluster
 from cluster.ledger import Ledger, RequestState
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
@@ -37,11 +37,13 @@ from tests.comparator import compare_greedy
 from tests.engine.tiny_drafts import build_random_draft
 from tests.engine.tiny_models import build_tiny_llama
 from tests.services.cluster_helpers import (
+    TINY_WORKER_ARGS,
     assert_audit_clean,
     check_stream,
     generate_all,
     non_final_requests,
     run,
+    tiny_cluster_spec,
     tokens,
     wait_audit_clean,
     worker_stats,
@@ -51,8 +53,7 @@ from tests.services.tiny_tokenizer import save_char_tokenizer
 VOCAB = 64
 MAX_LEN = 256  # the tiny model's max_position_embeddings
 K = 3
-WORKER_ARGS = ("--dtype", "float32", "--block-size", "4", "--kv-cache-memory", str(24 << 20))
-SERVICE_ARGS = ("--heartbeat-ms", "300", "--lease-ms", "1000", "--log-level", "WARNING")
+WORKER_ARGS = (*TINY_WORKER_ARGS, "--kv-cache-memory", str(24 << 20))
 
 
 def prompts(n: int, seed: int, max_len: int = 24) -> list[list[int]]:
@@ -74,15 +75,12 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def start_cluster(target: Path, draft: Path | None, log_dir: Path) -> Cluster:
     """With the draft, KV goes through shared memory; without, through the gRPC stream."""
     transport = ("--kv-transport", "auto" if draft else "grpc")
-    spec = ClusterSpec(
-        model=str(target),
+    spec = tiny_cluster_spec(
+        target,
+        log_dir,
         draft=str(draft) if draft else None,
         num_draft_tokens=K,
-        port=0,
         worker_args=(*WORKER_ARGS, *transport),
-        service_args=SERVICE_ARGS,
-        log_dir=log_dir,
-        grace_s=5.0,
     )
     return Cluster(spec).start(timeout_s=120)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.launcher import Cluster, ClusterSpec
+from cluster.launcher import Cluster
 from cluster.ledger import Ledger
 from cluster.redis_connect import RedisSettings
 from cluster.redis_server import RedisServer, RedisServerError, ServerTls, tls_redis_server_binary
@@ -24,6 +24,7 @@ from tests.services.cluster_helpers import (
     build_tiny_target,
     engine_greedy,
     generate_all,
+    tiny_cluster_spec,
     wait_audit_clean,
 )
 
@@ -63,15 +64,8 @@ async def test_cluster_on_tls_redis_as_an_acl_user(
         url=tls_server.url, username=USER, password=PASSWORD, ca_file=str(certs.ca)
     )
     assert settings.url.startswith("rediss://")
-    spec = ClusterSpec(
-        model=str(target),
-        redis=settings,  # the password reaches the children in their environment
-        port=0,
-        worker_args=("--dtype", "float32", "--block-size", "4"),
-        service_args=("--heartbeat-ms", "300", "--lease-ms", "1000", "--log-level", "WARNING"),
-        log_dir=tmp_path / "logs",
-        grace_s=5.0,
-    )
+    # the password reaches the children in their environment
+    spec = tiny_cluster_spec(target, tmp_path / "logs", redis=settings)
     with Cluster(spec) as cluster:
         admin = tls_server.client(decode_responses=True)
         try:
