@@ -4,14 +4,19 @@ Workers hold the truth of their memory; the ledger is soft state. A discrepancy 
 leak on one side (blocks one side thinks are held and the other does not), a block
 held twice, or a holding that outlived its request or its worker. `tandem ledger audit`
 prints these; nothing here repairs anything.
+
+A live cluster grants and frees blocks while it is looked at: the ledger follows an
+allocator within a turn of the worker's event loop, so a block granted or freed between
+reading the allocator and reading the ledger shows on one side only, once. Several looks
+tell that from a leak, which shows in every one (``seen_in_every_look``).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -126,3 +131,28 @@ def find_discrepancies(
                 )
             )
     return found
+
+
+def seen_in_every_look(looks: Sequence[Sequence[Discrepancy]]) -> list[Discrepancy]:
+    """The last look's discrepancies, each cut to the blocks that every look found in the
+    same kind of discrepancy on the same worker (one without blocks: its requests). What
+    only some looks saw was a block being granted or freed meanwhile, not a leak."""
+
+    def marks(d: Discrepancy) -> set[Hashable]:
+        if d.block_ids:
+            return {(d.kind, d.worker_id, b) for b in d.block_ids}
+        return {(d.kind, d.worker_id, d.request_ids)}
+
+    if not looks:
+        return []
+    common = set.intersection(*({m for d in found for m in marks(d)} for found in looks))
+    kept = []
+    for d in looks[-1]:
+        if not d.block_ids:
+            if marks(d) <= common:
+                kept.append(d)
+            continue
+        block_ids = tuple(b for b in d.block_ids if (d.kind, d.worker_id, b) in common)
+        if block_ids:
+            kept.append(replace(d, block_ids=block_ids))
+    return kept

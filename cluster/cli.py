@@ -143,6 +143,9 @@ def _serve(args: argparse.Namespace) -> int:
     return rc
 
 
+AUDIT_LOOK_INTERVAL_S = 0.2  # far longer than a worker takes to record a change
+
+
 def register_ledger(subparsers: Any) -> None:
     """Add `tandem ledger audit`."""
     parser = subparsers.add_parser("ledger", help="inspect the cluster's Redis ledger")
@@ -152,11 +155,20 @@ def register_ledger(subparsers: Any) -> None:
         help="compare the ledger's block holdings with every worker's allocator",
         description="Ask every registered worker for the block ids its allocator holds "
         "(Stats RPC) and compare them with the ledger's holdings. Exit 0 when they agree, "
-        "1 on any discrepancy or unreachable worker. Repairs nothing.",
+        "1 on any discrepancy or unreachable worker. Repairs nothing. A live cluster is "
+        "looked at again before a discrepancy counts (see --looks).",
     )
     add_redis_arguments(audit, required=True)
     audit.add_argument("--namespace", default="td", help="ledger key namespace")
     audit.add_argument("--timeout-s", type=float, default=5.0, help="deadline of each Stats RPC")
+    audit.add_argument(
+        "--looks",
+        type=int,
+        default=3,
+        help=f"a discrepancy counts once found in this many looks, {AUDIT_LOOK_INTERVAL_S} s "
+        "apart (a block granted or freed while the audit looked is not one); a clean look "
+        "ends the audit",
+    )
     audit.add_argument("--json", action="store_true", help="print one JSON object")
     audit.set_defaults(func=_ledger_audit)
 
@@ -164,13 +176,17 @@ def register_ledger(subparsers: Any) -> None:
 def _ledger_audit(args: argparse.Namespace) -> int:
     import asyncio
     import json
+    import time
 
     import redis
 
-    from cluster.audit import AllocatorReport
+    from cluster.audit import AllocatorReport, Discrepancy, seen_in_every_look
     from cluster.ledger import Ledger, WorkerRole
     from cluster.redis_connect import RedisConnectError, RedisSettings, connect, explain
 
+    if args.looks < 1:
+        print(f"tandem ledger audit: error: --looks: at least 1, got {args.looks}", file=sys.stderr)
+        return 1
     try:
         settings = RedisSettings.from_args(args)
         client = connect(settings, decode_responses=True)
@@ -179,9 +195,15 @@ def _ledger_audit(args: argparse.Namespace) -> int:
         return 1
     try:
         ledger = Ledger(client, namespace=args.namespace)
-        workers = [w for w in ledger.list_workers() if w.role is not WorkerRole.ROUTER]
-        reports, unreachable = asyncio.run(_allocator_reports(workers, args.timeout_s))
-        discrepancies = ledger.audit(reports)
+        looks: list[list[Discrepancy]] = []
+        while True:
+            workers = [w for w in ledger.list_workers() if w.role is not WorkerRole.ROUTER]
+            reports, unreachable = asyncio.run(_allocator_reports(workers, args.timeout_s))
+            looks.append(ledger.audit(reports))
+            discrepancies = seen_in_every_look(looks)
+            if not discrepancies or len(looks) == args.looks:
+                break
+            time.sleep(AUDIT_LOOK_INTERVAL_S)
     except redis.RedisError as e:
         print(f"tandem ledger audit: error: {explain(e, settings)}", file=sys.stderr)
         return 1
@@ -192,6 +214,7 @@ def _ledger_audit(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "num_workers": len(workers),
+                    "num_looks": len(looks),
                     "unreachable": unreachable,
                     "discrepancies": [
                         {

@@ -87,6 +87,27 @@ def block_tables(engine: LLMEngine, request_ids: Collection[str]) -> dict[str, l
     }
 
 
+class BlockTableWatch:
+    """The block tables of running requests that changed since the last look: how a decode
+    worker learns, once per step, which of its requests grew (engine thread only)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, list[int]] = {}
+
+    def changed(self, engine: LLMEngine) -> dict[str, list[int]]:
+        """Request id -> a copy of its table, for those that differ from the last look
+        (a request seen for the first time included)."""
+        changed: dict[str, list[int]] = {}
+        tables: dict[str, list[int]] = {}
+        for seq in engine.scheduler.running:
+            table = self._tables.get(seq.request_id)
+            if table != seq.block_table:
+                table = changed[seq.request_id] = list(seq.block_table)
+            tables[seq.request_id] = table
+        self._tables = tables  # ended requests drop out
+        return changed
+
+
 @dataclass
 class _Call:
     fn: Callable[..., Any]

@@ -8,7 +8,8 @@ Keys, under a namespace ``ns`` (default "td"):
 
     {ns}:{req:ID}                         hash: state, owner, epoch, version, times, fields
     {ns}:{req:ID}:holders                 hash: worker id -> epoch of the instance holding blocks
-    {ns}:{req:ID}:blocks:WORKER:POOL      set of block ids held by WORKER in POOL
+    {ns}:{req:ID}:blocks:WORKER:POOL      set of block ids held by WORKER in POOL (claimed, then
+                                          resized as the owner's allocator grows its table)
     {ns}:{req:ID}:lease:WORKER            string (epoch) with the lease TTL
     {ns}:holdings                         zset "ID/WORKER" -> lease expiry hint (ms), for the reaper
     {ns}:epoch                            counter of registration epochs (fencing tokens)
@@ -383,6 +384,36 @@ class Ledger:
         keys = [record, holders, pool_set, lease, target, draft]
         held = self._run(lua.CLAIM_BLOCKS, keys, [request_id, worker_id, epoch, lease_ms, *ids])
         self._index(request_id, worker_id, lease_ms)
+        return int(held)
+
+    def resize_blocks(
+        self,
+        request_id: str,
+        worker_id: str,
+        *,
+        epoch: int,
+        num_held: int,
+        added: Iterable[int],
+        removed: Iterable[int],
+        has_draft: bool,
+        expected: RequestState = RequestState.DECODING,
+    ) -> int:
+        """Records that the allocator of ``worker_id``, the request's owner at ``epoch``,
+        grew or shrank its table: ``added`` and ``removed`` block ids, in the target pool
+        and, if ``has_draft``, the draft pool. LedgerConflict unless the request is in
+        ``expected`` and owned by the worker at ``epoch``, its lease is alive and the ledger
+        holds ``num_held`` target blocks for it (what the worker recorded last). Returns
+        the number of target blocks now held; none ends the holding, as a release."""
+        _check_id("request_id", request_id)
+        _check_id("worker_id", worker_id)
+        added_ids, removed_ids = _check_block_ids(added), _check_block_ids(removed)
+        record, holders, lease, target, draft = self._request_keys(request_id, worker_id)
+        args = [request_id, worker_id, epoch, RequestState(expected), num_held, int(has_draft)]
+        held = self._run(
+            lua.RESIZE_BLOCKS,
+            [record, holders, lease, target, draft],
+            [*args, len(added_ids), *added_ids, *removed_ids],
+        )
         return int(held)
 
     def release_blocks(

@@ -104,6 +104,62 @@ return redis.call('SCARD', KEYS[3])
 )
 
 # KEYS: record, holders, lease, target set, draft set.
+# ARGV: request_id, worker, epoch, expected state, number of target blocks held now,
+# has_draft ('1' or '0'), number of added ids n, added ids (n of them), removed ids...
+# The owner's allocator grew (or shrank) the request's table: the worker must own the
+# request at its epoch in the expected state, hold its blocks under a live lease, and the
+# ledger must hold as many blocks as the worker recorded last (else an update was lost, or
+# the data went back in time). Returns the number of target blocks now held.
+RESIZE_BLOCKS = (
+    _PRELUDE
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'state', 'owner', 'epoch')
+if not cur[1] then
+  return conflict('request ' .. ARGV[1] .. ': expected state ' .. ARGV[4] ..
+    ', found no record (unknown or expired)')
+end
+if cur[1] ~= ARGV[4] then
+  return conflict('request ' .. ARGV[1] .. ': expected state ' .. ARGV[4] .. ', found ' .. cur[1])
+end
+if cur[2] ~= ARGV[2] or cur[3] ~= ARGV[3] then
+  return conflict('request ' .. ARGV[1] .. ': stale epoch: expected owner ' .. cur[2] ..
+    ' at epoch ' .. cur[3] .. ', got ' .. ARGV[2] .. ' at ' .. ARGV[3])
+end
+local held = redis.call('HGET', KEYS[2], ARGV[2])
+if held ~= ARGV[3] then
+  return conflict('request ' .. ARGV[1] .. ': expected blocks held by worker ' .. ARGV[2] ..
+    ' at epoch ' .. ARGV[3] .. ', found ' .. (held and ('epoch ' .. held) or 'none'))
+end
+if redis.call('EXISTS', KEYS[3]) == 0 then
+  return conflict('request ' .. ARGV[1] .. ': lease of worker ' .. ARGV[2] ..
+    ' expected alive, found expired')
+end
+local num_held = redis.call('SCARD', KEYS[4])
+if num_held ~= tonumber(ARGV[5]) then
+  return conflict('request ' .. ARGV[1] .. ': expected ' .. ARGV[5] .. ' blocks held by worker ' ..
+    ARGV[2] .. ', found ' .. num_held)
+end
+local sets = {KEYS[4]}
+if ARGV[6] == '1' then table.insert(sets, KEYS[5]) end
+local first_removed = 8 + tonumber(ARGV[7])
+for _, key in ipairs(sets) do
+  for i = 8, first_removed - 1, 1000 do
+    redis.call('SADD', key, unpack(ARGV, i, math.min(i + 999, first_removed - 1)))
+  end
+  for i = first_removed, #ARGV, 1000 do
+    redis.call('SREM', key, unpack(ARGV, i, math.min(i + 999, #ARGV)))
+  end
+end
+num_held = redis.call('SCARD', KEYS[4])
+if num_held == 0 then  -- as RELEASE_BLOCKS: holding nothing ends the holding
+  redis.call('HDEL', KEYS[2], ARGV[2])
+  redis.call('DEL', KEYS[3])
+end
+return num_held
+"""
+)
+
+# KEYS: record, holders, lease, target set, draft set.
 # ARGV: request_id, worker, epoch, request_ttl_ms, lease_ms, has_draft ('1' or '0'),
 # number of field arguments n, field, value, ... (n of them), block ids...
 # After the ledger's Redis restarted empty: the decode worker that is decoding a request

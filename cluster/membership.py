@@ -2,7 +2,9 @@
 heartbeats carrying its load, and leases on the KV blocks it holds for requests.
 
 Calls are synchronous redis-py calls on the event loop: each is one short round trip to
-a local Redis, cheaper than a hop to a thread on a 2-core host.
+a local Redis, cheaper than a hop to a thread on a 2-core host. A decode worker's tables
+grow as it decodes (``resize``); the ledger follows once per turn of the event loop, not
+on the engine's step, with one script per request whose blocks changed.
 
 Each heartbeat first checks the ledger's generation (cluster.ledger.join_generation):
 
@@ -65,6 +67,14 @@ async def _holds_nothing() -> Sequence[HeldRequest]:
     return ()
 
 
+@dataclass
+class _Held:
+    """A request this worker holds blocks for, as the ledger records them."""
+
+    has_draft: bool  # the draft pool's blocks too (the same ids)
+    block_ids: frozenset[int]
+
+
 class Membership:
     """Registers ``worker_id`` on ``start``, heartbeats and renews leases until ``stop``."""
 
@@ -93,7 +103,10 @@ class Membership:
         self.epoch = 0
         self.generation = ""  # the ledger's, as joined at registration
         self._is_redis_down = False
-        self._held: dict[str, bool] = {}  # request id -> has draft blocks
+        self._held: dict[str, _Held] = {}
+        # Allocator tables noted by ``resize``, not yet recorded in the ledger.
+        self._tables: dict[str, Sequence[int]] = {}
+        self._is_sync_due = False
         self._task: asyncio.Task[None] | None = None
 
     def register(self) -> int:
@@ -141,10 +154,23 @@ class Membership:
                 block_ids=block_ids,
                 lease_ms=self.timing.lease_ms,
             )
-        self._held[request_id] = has_draft
+        held = self._held.get(request_id)
+        claimed = frozenset(block_ids) | (held.block_ids if held else frozenset())
+        self._held[request_id] = _Held(has_draft, claimed)
+
+    def resize(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Notes that the allocator's table for a held request is now ``block_ids`` (grown
+        or shrunk). The ledger is told off the caller's path: once the event loop has run
+        what is ready (a decode step's outputs), for every request noted, one script per
+        request whose blocks changed; while Redis is unreachable, at a later heartbeat."""
+        self._tables[request_id] = block_ids
+        if not self._is_sync_due and not self._is_redis_down:
+            self._is_sync_due = True
+            asyncio.get_running_loop().call_soon(self._sync_soon)
 
     def release(self, request_id: str) -> None:
         """Forgets a request's blocks in the ledger. Idempotent; never raises."""
+        self._tables.pop(request_id, None)
         if self._held.pop(request_id, None) is None:
             return
         try:
@@ -175,22 +201,23 @@ class Membership:
                 self._is_redis_down = False
 
     async def _beat(self) -> None:
-        """One heartbeat and lease renewal. The generation is looked at first, and again
-        when something is refused: a refusal means "forgotten" after a restart, and "too
-        late" after a stall, which call for different answers."""
+        """One heartbeat, lease renewal and what ``resize`` noted. The generation is looked
+        at first, and again when something is refused: a refusal means "forgotten" after a
+        restart, and "too late" after a stall, which call for different answers."""
         if self._is_ledger_new():
             await self._rebuild()
-            return
-        try:
-            self._send_heartbeat()
-        except LedgerConflict as e:
-            if self._is_ledger_new():  # restarted since the look above
-                await self._rebuild()
+        else:
+            try:
+                self._send_heartbeat()
+            except LedgerConflict as e:
+                if self._is_ledger_new():  # restarted since the look above
+                    await self._rebuild()
+                else:
+                    self._register_again(str(e))
             else:
-                self._register_again(str(e))
-            return
-        if not self._renew_leases():
-            await self._rebuild()
+                if not self._renew_leases():
+                    await self._rebuild()
+        self._sync_tables()  # noted while Redis was unreachable, or during a rebuild
 
     def _is_ledger_new(self) -> bool:
         """Whether the ledger's generation is not the one this component joined."""
@@ -216,7 +243,7 @@ class Membership:
         self._on_registered_again(self.epoch)
         try:
             for request in await self._held_now():
-                self._restore(request, has_draft=held.get(request.request_id))
+                self._restore(request, held.get(request.request_id))
         finally:  # a RedisError midway drops the rest: the ledger does not know them
             lost = [rid for rid in held if rid not in self._held]
             log.warning(
@@ -240,10 +267,10 @@ class Membership:
             log.exception("after a Redis restart: cannot list the requests held")
             return ()
 
-    def _restore(self, request: HeldRequest, *, has_draft: bool | None) -> None:
+    def _restore(self, request: HeldRequest, old: _Held | None) -> None:
         """Records ``request`` again at this epoch, if it was held under the old one
-        (``has_draft`` None: it was not) and not claimed since."""
-        if has_draft is None or request.request_id in self._held:
+        (``old``) and not claimed since."""
+        if old is None or request.request_id in self._held:
             return
         try:
             self.ledger.restore_decoding(
@@ -251,14 +278,14 @@ class Membership:
                 self.worker_id,
                 epoch=self.epoch,
                 block_ids=request.block_ids,
-                has_draft=has_draft,
+                has_draft=old.has_draft,
                 lease_ms=self.timing.lease_ms,
                 fields=request.fields,
             )
         except LedgerConflict as e:  # recorded meanwhile: not this worker's any more
             log.warning("%s: not recorded again: %s", request.request_id, e)
             return
-        self._held[request.request_id] = has_draft
+        self._held[request.request_id] = _Held(old.has_draft, frozenset(request.block_ids))
 
     def _register_again(self, why: str) -> None:
         """The registration expired while the ledger lived on (a stall): registers again
@@ -267,6 +294,7 @@ class Membership:
         self.register()  # a RedisError leaves everything as it was, for the next heartbeat
         lost = list(self._held)
         self._held.clear()
+        self._tables.clear()
         log.warning(
             "registration lost (%s): registered again at epoch %d (was %d); dropping %d "
             "requests held under the old epoch",
@@ -291,6 +319,51 @@ class Membership:
                 if self._is_ledger_new():
                     return False
                 log.warning("lease on %s lost: %s", request_id, e)
-                self._held.pop(request_id, None)
-                self._on_lease_lost(request_id)
+                self._drop(request_id)
         return True
+
+    def _sync_soon(self) -> None:
+        """``resize``'s call, once the event loop has run what was ready."""
+        self._is_sync_due = False
+        try:
+            self._sync_tables()
+        except redis.RedisError as e:  # the heartbeat tries again
+            if not self._is_redis_down:
+                log.warning("blocks: redis unreachable (%s); serving on, retrying", e)
+            self._is_redis_down = True
+
+    def _sync_tables(self) -> None:
+        """Records the tables ``resize`` noted, one script per held request whose blocks
+        changed. A refusal after a restart leaves them to the rebuild; any other means that
+        the ledger no longer has this worker holding the request, which is dropped."""
+        for request_id, table in list(self._tables.items()):
+            held = self._held.get(request_id)
+            if held is None:
+                continue  # not recorded again (yet) after a restart: kept until released
+            block_ids = frozenset(table)
+            if block_ids != held.block_ids:
+                try:
+                    self.ledger.resize_blocks(
+                        request_id,
+                        self.worker_id,
+                        epoch=self.epoch,
+                        num_held=len(held.block_ids),
+                        added=sorted(block_ids - held.block_ids),
+                        removed=sorted(held.block_ids - block_ids),
+                        has_draft=held.has_draft,
+                    )
+                except LedgerConflict as e:
+                    if self._is_ledger_new():
+                        return
+                    log.warning("blocks of %s not recorded, dropping it: %s", request_id, e)
+                    self.release(request_id)  # what the ledger still has this worker hold
+                    self._on_lease_lost(request_id)
+                    continue
+                held.block_ids = block_ids
+            del self._tables[request_id]
+
+    def _drop(self, request_id: str) -> None:
+        """The ledger no longer has this worker holding the request (its lease expired)."""
+        self._held.pop(request_id, None)
+        self._tables.pop(request_id, None)
+        self._on_lease_lost(request_id)

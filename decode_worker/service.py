@@ -2,8 +2,9 @@
 server), Decode as the engine loop produces tokens, Abort, Stats.
 
 A request goes RESERVED (blocks held, KV on its way) -> DECODING (in the running batch,
-its stream fed by the engine thread) -> gone. Whatever ends it (finish, abort, the
-router cancelling the stream, a failed push) frees its blocks in the engine, the
+its stream fed by the engine thread; the blocks its table grows by are recorded in the
+ledger after each step, off the engine thread) -> gone. Whatever ends it (finish, abort,
+the router cancelling the stream, a failed push) frees its blocks in the engine, the
 receiver and the ledger. When the ledger's Redis restarts empty, the requests decoding
 here are recorded again from this worker's memory (``held_requests``, cluster.membership)
 and their streams go on.
@@ -22,7 +23,7 @@ from typing import Any
 
 import redis
 
-from cluster.engine_loop import EngineLoop, block_tables
+from cluster.engine_loop import BlockTableWatch, EngineLoop, block_tables
 from cluster.engine_setup import draft_figures
 from cluster.kv_transfer import KvLayout, KvReceiver, KvReservation, TransferState, host_id
 from cluster.ledger import LedgerConflict, RequestState
@@ -79,10 +80,18 @@ class OutputSlot:
         return self.output
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What one engine step hands the event loop."""
+
+    outputs: list[RequestOutput]
+    tables: dict[str, list[int]]  # request id -> its block table, where the step changed it
+
+
 @dataclass
 class _Request:
     request_id: str
-    block_ids: list[int]
+    block_ids: list[int]  # its block table: as reserved, then as the engine grew it
     num_prompt_tokens: int  # the client's prompt (without output resumed from a preemption)
     logprobs: int | None
     num_resumed: int  # output tokens an earlier attempt already streamed (a preemption)
@@ -124,10 +133,11 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         self._pools = engine.kv_pools
         self._requests: dict[str, _Request] = {}
         self.is_draining = False
-        self.engine_loop: EngineLoop[list[RequestOutput]] = EngineLoop(
+        watch = BlockTableWatch()
+        self.engine_loop: EngineLoop[_Step] = EngineLoop(
             engine,
             asyncio.get_running_loop(),
-            on_step=lambda _engine, outputs: outputs,
+            on_step=lambda engine, outputs: _Step(outputs, watch.changed(engine)),
             deliver=self._deliver,
             on_error=self._on_engine_error,
             name="decode-engine",
@@ -383,11 +393,16 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             num_accepted_tokens=stats.num_accepted_tokens,
         )
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
+    def _deliver(self, step: _Step) -> None:
+        for output in step.outputs:
             req = self._requests.get(output.request_id)
             if req is not None and req.slot is not None:
                 req.slot.update(output)
+        for rid, table in step.tables.items():  # the ledger follows, after this step
+            req = self._requests.get(rid)
+            if req is not None:
+                req.block_ids = table
+                self.membership.resize(rid, table)
 
     def _on_engine_error(self, error: BaseException) -> None:
         for req in list(self._requests.values()):

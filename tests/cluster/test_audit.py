@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from cluster.audit import AllocatorReport, Discrepancy, DiscrepancyKind, find_discrepancies
+from cluster.audit import (
+    AllocatorReport,
+    Discrepancy,
+    DiscrepancyKind,
+    find_discrepancies,
+    seen_in_every_look,
+)
 from cluster.ledger import Holding, Ledger, Pool, RequestState, WorkerRole
 
 K = DiscrepancyKind
@@ -65,3 +71,22 @@ def test_audit_through_the_ledger(ledger: Ledger) -> None:
     assert (leak.kind, leak.block_ids, leak.request_ids) == (K.LEDGER_ONLY, (1,), ("r1",))
     ledger.transition("r1", RequestState.CANCELLED, expected=RequestState.QUEUED, epoch=7)
     assert [d.kind for d in ledger.audit({"d0": {0, 1}})] == [K.ENDED_REQUEST]
+
+
+def test_only_what_every_look_found_counts() -> None:
+    """A block granted between reading the allocator and the ledger shows in one look; a
+    leak, in all of them."""
+    holdings = [_holding("r1", "d0", {1, 2, 3}, RequestState.DECODING)]
+    growing = find_discrepancies(holdings, {"d0": {1, 2}}, {"d0"})  # 3: granted meanwhile
+    leaking = find_discrepancies(holdings, {"d0": {1, 2, 3, 7}}, {"d0"})  # 7: a leak
+    grown = [_holding("r1", "d0", {1, 2, 3, 4}, RequestState.DECODING)]
+    both = find_discrepancies(grown, {"d0": {1, 2, 3, 7}}, {"d0"})  # 4 granted, 7 leaked
+    assert [(d.kind, d.block_ids) for d in both] == [(K.LEDGER_ONLY, (4,)), (K.WORKER_ONLY, (7,))]
+    assert seen_in_every_look([growing, leaking]) == []
+    assert seen_in_every_look([growing]) == growing
+    assert seen_in_every_look([leaking, both]) == [both[1]]
+    ended = [_holding("r9", "d0", set(), None)]  # no blocks: compared by its request
+    gone = find_discrepancies(ended, {}, {"d0"})
+    assert seen_in_every_look([gone, gone]) == gone
+    assert seen_in_every_look([gone, []]) == []
+    assert seen_in_every_look([]) == []

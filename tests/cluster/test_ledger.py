@@ -6,6 +6,7 @@ import itertools
 import random
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -288,6 +289,65 @@ def test_claim_release_and_ended_requests(ledger: Ledger) -> None:
         )
     with pytest.raises(ValueError, match="request_id"):
         ledger.create_request("a{b}", owner="router-0", epoch=e.router)
+
+
+def test_resize_follows_the_owners_allocator(ledger: Ledger) -> None:
+    """A decode worker's table grows (and shrinks) while it decodes: recorded in both pools
+    in one script that checks the state, the owner's epoch, the lease and the count the
+    worker last recorded; an empty table ends the holding as a release does."""
+    e = _register(ledger)
+    for rid, block_ids in (("r1", [4, 5]), ("r2", [20, 21])):
+        _drive(ledger, rid, S.DECODING, e)
+        for pool in Pool:
+            ledger.claim_blocks(
+                rid, "decode-0", epoch=e.decode, pool=pool, block_ids=block_ids, lease_ms=LEASE_MS
+            )
+
+    def resize(
+        added: Sequence[int],
+        removed: Sequence[int] = (),
+        *,
+        num_held: int,
+        rid: str = "r1",
+        epoch: int = e.decode,
+        has_draft: bool = True,
+    ) -> int:
+        return ledger.resize_blocks(
+            rid,
+            "decode-0",
+            epoch=epoch,
+            num_held=num_held,
+            added=added,
+            removed=removed,
+            has_draft=has_draft,
+        )
+
+    assert resize([6, 7], num_held=2) == 4
+    many = range(100, 100 + 2500)  # more than one Lua unpack() batch
+    assert resize(many, [4], num_held=4) == 2503
+    r1 = {h.request_id: h for h in ledger.holdings()}["r1"]
+    assert r1.blocks == {Pool.TARGET: {5, 6, 7, *many}, Pool.DRAFT: {5, 6, 7, *many}}
+    assert resize([], many, num_held=2503, has_draft=False) == 3  # the draft pool is kept
+    r1 = {h.request_id: h for h in ledger.holdings()}["r1"]
+    assert r1.blocks == {Pool.TARGET: {5, 6, 7}, Pool.DRAFT: {5, 6, 7, *many}}
+    ledger.release_blocks("r1", "decode-0", epoch=e.decode, pool=Pool.DRAFT, block_ids=many)
+    assert ledger.audit({"decode-0": {5, 6, 7, 20, 21}}) == []
+
+    with pytest.raises(LedgerConflict, match="expected 4 blocks held by worker decode-0, found 3"):
+        resize([8], num_held=4)  # an update this worker made was lost
+    with pytest.raises(LedgerConflict, match="stale epoch: expected owner decode-0 at epoch"):
+        resize([8], num_held=3, epoch=e.prefill)
+    assert resize([], [5, 6, 7], num_held=3) == 0
+    assert [h.request_id for h in ledger.holdings()] == ["r2"]
+    with pytest.raises(LedgerConflict, match="expected blocks held by worker decode-0 at epoch"):
+        resize([8], num_held=0)
+    ledger.transition("r1", S.FINISHED, expected=S.DECODING, epoch=e.decode)
+    with pytest.raises(LedgerConflict, match="r1: expected state DECODING, found FINISHED"):
+        resize([8], num_held=0)
+    ledger.client.delete(ledger._request_keys("r2", "decode-0")[2])  # r2's lease expired
+    with pytest.raises(LedgerConflict, match="lease of worker decode-0 expected alive"):
+        resize([8], num_held=2, rid="r2")
+    assert {h.request_id: h.blocks[Pool.TARGET] for h in ledger.holdings()} == {"r2": {20, 21}}
 
 
 def test_expired_lease_is_reaped(ledger: Ledger) -> None:

@@ -6,9 +6,11 @@ rest; a stall past the registration (same generation) drops all that was held.""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cluster import ledger_scripts as lua
 from cluster.ledger import Ledger, Pool, RequestState, WorkerRole
 from cluster.membership import HeldRequest, Membership, Timing
 
@@ -87,6 +89,7 @@ async def test_rebuilds_decoding_requests_when_redis_restarts_empty(ledger: Ledg
     try:
         for key in ledger.client.scan_iter(match=f"{ledger.ns}:*"):  # an empty restart
             ledger.client.delete(key)
+        membership.resize("r1", [1, 2, 3, 9, 10])  # refused: kept for after the rebuild
         await _wait_for(lambda: bool(asked))
         assert asked == [membership.epoch] and membership.epoch > first
         assert membership.generation not in ("", generation)
@@ -108,7 +111,7 @@ async def test_rebuilds_decoding_requests_when_redis_restarts_empty(ledger: Ledg
             "d0",
             membership.epoch,
         )
-        assert holding.blocks == {Pool.TARGET: {1, 2, 3, 9}, Pool.DRAFT: {1, 2, 3, 9}}
+        assert holding.blocks == {Pool.TARGET: {1, 2, 3, 9, 10}, Pool.DRAFT: {1, 2, 3, 9, 10}}
         await asyncio.sleep(0.7)  # past the lease: the heartbeat renews the rebuilt one
         assert ledger.holdings()[0].lease_ttl_ms > 0 and lost == ["r2"]
 
@@ -119,6 +122,74 @@ async def test_rebuilds_decoding_requests_when_redis_restarts_empty(ledger: Ledg
         assert ledger.holdings() == [] and len(asked) == 1
     finally:
         await membership.stop()
+
+
+async def test_grown_tables_are_recorded_after_the_step_one_script_each(ledger: Ledger) -> None:
+    """``resize`` writes nothing on the caller's path; once the event loop turns, one
+    script per request whose table changed, however often it was noted. A request the
+    ledger has moved on (the router took it back) is refused and dropped."""
+    lost: list[str] = []
+    membership = _decode_membership(ledger, lost)
+    membership.register()
+    for rid, block_ids in (("r1", [1, 2]), ("r2", [5])):
+        _decoding(ledger, rid, owner_epoch=membership.epoch)
+        membership.claim(rid, block_ids, has_draft=True)
+    ledger.client.script_load(lua.RESIZE_BLOCKS)  # counted below: no NOSCRIPT retry
+    calls = _script_calls(ledger)
+    membership.resize("r1", [1, 2, 3])
+    membership.resize("r2", [5])  # unchanged
+    membership.resize("r1", [1, 2, 3, 4])  # grew again within the same step
+    assert _script_calls(ledger) == calls  # nothing on the caller's path
+    await asyncio.sleep(0)
+    assert _script_calls(ledger) == calls + 1
+    assert _target_blocks(ledger) == {"r1": {1, 2, 3, 4}, "r2": {5}}
+    assert {h.request_id: h.blocks[Pool.DRAFT] for h in ledger.holdings()} == {
+        "r1": {1, 2, 3, 4},
+        "r2": {5},
+    }
+    assert ledger.audit({"d0": {1, 2, 3, 4, 5}}) == []
+
+    calls = _script_calls(ledger)
+    membership.resize("r2", [5, 6])
+    membership.resize("r1", [2, 3, 4])  # shrunk
+    await asyncio.sleep(0)
+    assert _script_calls(ledger) == calls + 2
+    assert _target_blocks(ledger) == {"r1": {2, 3, 4}, "r2": {5, 6}}
+
+    ledger.transition(  # the router took r1 back (it lost d0's stream)
+        "r1",
+        RequestState.QUEUED,
+        expected=RequestState.DECODING,
+        epoch=membership.epoch,
+        new_owner="router-0",
+        new_epoch=1,
+    )
+    membership.resize("r1", [2, 3, 4, 7])
+    await asyncio.sleep(0)
+    assert lost == ["r1"] and not membership.is_holding("r1") and membership.is_holding("r2")
+    assert _target_blocks(ledger) == {"r2": {5, 6}}  # d0's holding of r1 released
+    membership.release("r2")
+    assert ledger.holdings() == [] and ledger.audit({"d0": set()}) == []
+
+
+def _decoding(ledger: Ledger, request_id: str, *, owner_epoch: int) -> None:
+    """A request handed to decode worker d0 at ``owner_epoch`` (by router-0 at epoch 1)."""
+    ledger.create_request(request_id, owner="router-0", epoch=1)
+    path = [RequestState.QUEUED, RequestState.PREFILLING, RequestState.TRANSFERRING]
+    for expected, to in itertools.pairwise([*path, RequestState.DECODING]):
+        epoch = 1 if expected is RequestState.QUEUED else owner_epoch
+        ledger.transition(
+            request_id, to, expected=expected, epoch=epoch, new_owner="d0", new_epoch=owner_epoch
+        )
+
+
+def _script_calls(ledger: Ledger) -> int:
+    """EVALSHA calls the server has run: the ledger's scripts, reads included."""
+    return int(ledger.client.info("commandstats")["cmdstat_evalsha"]["calls"])
+
+
+def _target_blocks(ledger: Ledger) -> dict[str, frozenset[int]]:
+    return {h.request_id: h.blocks[Pool.TARGET] for h in ledger.holdings()}
 
 
 async def test_a_stall_past_the_registration_drops_what_was_held(ledger: Ledger) -> None:

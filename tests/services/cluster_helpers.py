@@ -1,19 +1,21 @@
 """What the cluster tests share: a tiny target model and its in-process greedy output, a
 cluster spec for it, streaming requests through the router (also several at once, to act
 mid-stream), checking a stream's chunks, asking workers for their stats, reading a
-component's metrics, and the end-of-test audit."""
+component's metrics, the audit of a live cluster and the end-of-test audit."""
 
 from __future__ import annotations
 
 import asyncio
 import re
 import urllib.request
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from cluster.audit import Discrepancy, seen_in_every_look
 from cluster.launcher import Cluster, ClusterSpec, Component
 from cluster.ledger import Ledger, RequestState
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -209,6 +211,22 @@ async def assert_audit_clean(cluster: Cluster, ledger: Ledger) -> None:
     assert non_final_requests(ledger) == {}
     crashed = [c.name for c in cluster.dead_components() if c.process.returncode != 0]
     assert not crashed, f"died: {crashed}"  # a drained component exits 0
+
+
+async def audit_live(cluster: Cluster, ledger: Ledger, num_looks: int = 3) -> list[Discrepancy]:
+    """The ledger against the workers' allocators while requests run, as `tandem ledger
+    audit` does it: what every look, 0.2 s apart, found (a clean look ends it)."""
+    looks: list[list[Discrepancy]] = []
+    while True:
+        reports: dict[str, AbstractSet[int]] = {}
+        for component in (*cluster.prefill, *cluster.decode):
+            stats = await worker_stats(component, include_block_ids=True)
+            reports[component.name] = set(stats.owned_block_ids)
+        looks.append(ledger.audit(reports))
+        found = seen_in_every_look(looks)
+        if not found or len(looks) == num_looks:
+            return found
+        await asyncio.sleep(0.2)
 
 
 async def wait_audit_clean(cluster: Cluster, ledger: Ledger, within_s: float = 3.0) -> None:

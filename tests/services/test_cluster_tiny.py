@@ -26,7 +26,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from cluster.launcher import Cluster
-from cluster.ledger import Ledger, RequestState
+from cluster.ledger import Ledger, Pool, RequestState
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
@@ -43,6 +43,7 @@ from tests.services.cluster_helpers import (
     generate_all,
     non_final_requests,
     run,
+    start_streams,
     tiny_cluster_spec,
     tokens,
     wait_audit_clean,
@@ -185,6 +186,37 @@ async def test_greedy_with_eagle3_draft_equals_engine(
         expected.num_draft_tokens,
         expected.num_accepted_tokens,
     )
+
+
+async def test_ledger_follows_the_decode_workers_allocator_mid_decode(
+    cluster: Cluster, ledger: Ledger, tmp_path: Path
+) -> None:
+    """Long streams grow their block tables as they decode, and the ledger follows after
+    each step, in both pools. Mid-decode: `tandem ledger audit` agrees; the ledger never
+    holds a block the allocator does not; and when the allocator stands still across a
+    look (its Stats before and after the ledger read agree), the two are equal."""
+    decode = cluster.decode[0]
+    max_tokens = 230  # prompts of 8 tokens at most: within the model's 256 positions
+    streams = await start_streams(
+        cluster.router_address, prompts(3, seed=5, max_len=8), max_tokens, min_tokens=4
+    )
+    audit = asyncio.create_task(audit_command(cluster, tmp_path))
+    agreed: set[tuple[int, ...]] = set()  # table sizes at which the two were equal
+    while not audit.done():
+        before = await worker_stats(decode, include_block_ids=True)
+        holdings = ledger.holdings(decode.name)
+        after = await worker_stats(decode, include_block_ids=True)
+        owned = set(after.owned_block_ids)
+        held = [h.blocks[Pool.TARGET] for h in holdings]
+        assert all(h.blocks[Pool.DRAFT] == h.blocks[Pool.TARGET] for h in holdings)
+        assert set().union(*held) <= owned
+        if set(before.owned_block_ids) == owned and set().union(*held) == owned:
+            agreed.add(tuple(sorted(len(b) for b in held)))
+    done = await audit
+    assert max(streams.counts) < max_tokens, "a stream ended before the checks: longer ones"
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(agreed) >= 3, agreed  # the ledger kept up with the tables as they grew
+    assert [len(check_stream(c, max_tokens)) for c in await streams.results()] == [max_tokens] * 3
 
 
 async def test_greedy_without_draft_equals_engine(
@@ -348,14 +380,19 @@ async def test_ledger_audit_is_clean_at_the_end(cluster: Cluster, ledger: Ledger
     await assert_audit_clean(cluster, ledger)
 
 
-async def test_tandem_ledger_audit_command_is_clean(cluster: Cluster, tmp_path: Path) -> None:
-    """`tandem ledger audit` asks the workers itself and agrees: exit 0, no discrepancy."""
+async def audit_command(cluster: Cluster, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`tandem ledger audit` on the cluster, as a command (in a thread)."""
     command = [sys.executable, "-m", "tandem_client", "ledger", "audit"]
     command += ["--redis-url", cluster.redis_url]
     # Not from the checkout: a stale in-tree *.egg-info there would hide new entry points.
-    done = await asyncio.to_thread(
-        subprocess.run, command, capture_output=True, text=True, timeout=60, cwd=tmp_path
+    return await asyncio.to_thread(
+        subprocess.run, command, capture_output=True, text=True, timeout=60, cwd=cwd
     )
+
+
+async def test_tandem_ledger_audit_command_is_clean(cluster: Cluster, tmp_path: Path) -> None:
+    """`tandem ledger audit` asks the workers itself and agrees: exit 0, no discrepancy."""
+    done = await audit_command(cluster, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     num_workers = len(cluster.prefill) + len(cluster.decode)
     expected = f"0 discrepancies, {num_workers} of {num_workers} workers audited"
