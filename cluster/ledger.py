@@ -13,7 +13,8 @@ Keys, under a namespace ``ns`` (default "td"):
     {ns}:{req:ID}:lease:WORKER            string (epoch) with the lease TTL
     {ns}:holdings                         zset "ID/WORKER" -> lease expiry hint (ms), for the reaper
     {ns}:epoch                            counter of registration epochs (fencing tokens)
-    {ns}:generation                       random id of this lifetime of the Redis data
+    {ns}:generation                       hash: id, started_ms, tick:WORKER (this lifetime of the
+                                          data, and each component's clock)
     {ns}:workers                          set of worker ids (index of the records below)
     {ns}:worker:WORKER                    hash: role, address, capacity, load, epoch (heartbeat TTL)
     {ns}:prefix:HASH                      zset worker -> expiry ms: who caches this KV block
@@ -22,9 +23,13 @@ Fencing: a request record holds its owner's epoch; a transition must present it.
 come from one counter, so an epoch names one registration of one worker: a worker that
 restarted, or a request that moved on, refuses the stale holder.
 
-Restarts: every component remembers the generation it joined (``join_generation``); a
-different one, or none, means Redis restarted empty or was flushed, and decode workers
-record again what they are decoding (``restore_decoding``; cluster.membership).
+Restarts: every component remembers the generation it joined and the tick of its own
+clock in the ledger as it last advanced it (``join_generation``, at every heartbeat). A
+different generation, or none, means Redis restarted empty or was flushed; the same one
+with a clock not past the tick it last read means the data went back in time (Redis was
+restored from a snapshot), and a new generation begins, which the others see at their
+next heartbeat. Either way decode workers record again what they are decoding
+(``restore_decoding``; cluster.membership).
 """
 
 from __future__ import annotations
@@ -131,6 +136,15 @@ class WorkerInfo:
     registered_ms: int
     heartbeat_ms: int
     stats: Mapping[str, str]  # further figures from heartbeats (num_running, ...)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One lifetime of the ledger's data, as a component last read it."""
+
+    id: str  # random; a new one when the data was lost (restarted empty, restored)
+    started_ms: int  # Redis server clock: a record last changed before is from before it
+    tick: int  # this component's clock in the ledger, which only its own reads advance
 
 
 @dataclass(frozen=True)
@@ -315,13 +329,16 @@ class Ledger:
         has_draft: bool,
         lease_ms: int,
         fields: Mapping[str, str | int | float] | None = None,
+        stale_before_ms: int = 0,
     ) -> RequestRecord:
-        """Records again, after the ledger's Redis restarted empty, a request that decode
-        worker ``worker_id`` is decoding: DECODING, owned by it at ``epoch`` (its new one),
+        """Records again, after the ledger lost its data, a request that decode worker
+        ``worker_id`` is decoding: DECODING, owned by it at ``epoch`` (its new one),
         holding ``block_ids`` (target, and draft if ``has_draft``) under a lease, with
         ``fields`` (model, num_prompt_tokens...) and the server time in ``restored_ms``.
-        LedgerConflict if the request has a record: recorded meanwhile, not this worker's
-        to overwrite. One script over the request's keys (it runs on Redis Cluster)."""
+        A record last changed before ``stale_before_ms`` (the generation's start: a Redis
+        restored from a snapshot brings back old records) and not ended is replaced;
+        LedgerConflict for any other: recorded meanwhile, not this worker's to overwrite.
+        One script over the request's keys (it runs on Redis Cluster)."""
         _check_id("request_id", request_id)
         _check_id("worker_id", worker_id)
         ids = _check_block_ids(block_ids)
@@ -338,7 +355,7 @@ class Ledger:
         flat = self._run(
             lua.RESTORE_DECODING,
             [record, holders, lease, target, draft],
-            [*args, len(extra), *extra, *ids],
+            [*args, stale_before_ms, len(extra), *extra, *ids],
         )
         return self._record(request_id, _pairs(flat))
 
@@ -521,13 +538,20 @@ class Ledger:
 
     # ---- workers
 
-    def join_generation(self) -> str:
-        """The ledger's generation: a random id set when Redis has none (new, restarted
-        empty or flushed), else the one already there. A component that finds another id
-        than the one it joined knows the ledger lost everything since, which a refused
+    def join_generation(self, worker_id: str, seen: Generation | None = None) -> Generation:
+        """The ledger's generation, with ``worker_id``'s clock advanced by one. A new one
+        begins when Redis has none (new, restarted empty or flushed), or when it has
+        ``seen`` (what this worker read last) but the worker's clock is not past it: the
+        data went back in time (restored from a snapshot). A component that finds another
+        id than the one it joined knows the ledger lost data since, which a refused
         heartbeat alone cannot tell from a stall past the registration's TTL."""
-        generation = self._run(lua.JOIN_GENERATION, [self._generation_key], [secrets.token_hex(8)])
-        return _text(generation)
+        _check_id("worker_id", worker_id)
+        args = [secrets.token_hex(8), worker_id]
+        args += [seen.id, str(seen.tick)] if seen else ["", "0"]
+        generation_id, started_ms, tick = self._run(
+            lua.JOIN_GENERATION, [self._generation_key], args
+        )
+        return Generation(_text(generation_id), int(started_ms), int(tick))
 
     def register_worker(
         self,

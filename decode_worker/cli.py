@@ -83,7 +83,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     holder: dict[str, DecodeWorkerService] = {}
 
-    def registered_again(new_epoch: int) -> None:  # Redis restarted empty, or a stall
+    def registered_again(new_epoch: int) -> None:  # Redis lost data (restart, restore), a stall
         receiver.epoch = new_epoch  # pushes into reservations from now on carry it
 
     membership = Membership(

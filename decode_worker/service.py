@@ -5,9 +5,9 @@ A request goes RESERVED (blocks held, KV on its way) -> DECODING (in the running
 its stream fed by the engine thread; the blocks its table grows by are recorded in the
 ledger after each step, off the engine thread) -> gone. Whatever ends it (finish, abort,
 the router cancelling the stream, a failed push) frees its blocks in the engine, the
-receiver and the ledger. When the ledger's Redis restarts empty, the requests decoding
-here are recorded again from this worker's memory (``held_requests``, cluster.membership)
-and their streams go on.
+receiver and the ledger. When the ledger's Redis restarts empty or is restored from a
+snapshot, the requests decoding here are recorded again from this worker's memory
+(``held_requests``, cluster.membership) and their streams go on.
 """
 
 from __future__ import annotations
@@ -315,11 +315,12 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         return stats.load, figures
 
     async def held_requests(self) -> list[HeldRequest]:
-        """What the ledger should record again after its Redis restarted empty: each
-        request whose Decode stream runs here (its record was DECODING and this worker's),
-        with the blocks its allocator holds for it now and the fields the router recorded.
-        Reservations whose Decode has not begun are left out and dropped: their records
-        were at the prefill worker's stage, not this worker's to vouch for."""
+        """What the ledger should record again after it lost data (restarted empty, or
+        restored from a snapshot): each request whose Decode stream runs here (its record
+        was DECODING and this worker's), with the blocks its allocator holds for it now and
+        the fields the router recorded. Reservations whose Decode has not begun are left
+        out and dropped: their records were at the prefill worker's stage, not this
+        worker's to vouch for."""
         decoding = [rid for rid, req in self._requests.items() if req.slot is not None]
         tables = await self.engine_loop.call(block_tables, self.engine, decoding, bounded=False)
         held = []
@@ -345,7 +346,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
 
     def on_lease_lost(self, request_id: str) -> None:
         """The ledger no longer has this worker holding the request (a stall outlived the
-        lease, or its Redis restarted empty and the record could not be made again): the
+        lease, or the ledger lost data and the record could not be made again): the
         request is dropped here, and its stream ends UNAVAILABLE, which the router answers
         by resuming it elsewhere."""
         req = self._requests.get(request_id)

@@ -9,11 +9,13 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from cluster.ledger import (
     ALLOWED_TRANSITIONS,
+    Generation,
     Ledger,
     LedgerConflict,
     Pool,
@@ -21,7 +23,7 @@ from cluster.ledger import (
     RequestState,
     WorkerRole,
 )
-from cluster.redis_server import RedisServer
+from cluster.redis_server import RedisServer, free_port
 
 S = RequestState
 LEASE_MS = 60_000
@@ -437,12 +439,84 @@ def test_epochs_keep_growing_across_a_redis_restart() -> None:
 
 
 def test_generation_is_set_once_per_lifetime_of_the_data(ledger: Ledger) -> None:
-    first = ledger.join_generation()
-    assert len(first) == 16 and ledger.join_generation() == first
+    first = ledger.join_generation("w1")
+    assert len(first.id) == 16 and first.tick == 1
+    assert ledger.join_generation("w1", first) == Generation(first.id, first.started_ms, 2)
+    assert ledger.join_generation("w2") == Generation(first.id, first.started_ms, 1)  # its own
     for key in ledger.client.scan_iter(match=f"{ledger.ns}:*"):  # restarted empty
         ledger.client.delete(key)
-    second = ledger.join_generation()
-    assert second != first and ledger.join_generation() == second
+    second = ledger.join_generation("w1", first)
+    assert second.id != first.id and second.tick == 1 and second.started_ms >= first.started_ms
+    assert ledger.join_generation("w1", second).id == second.id
+
+
+def test_a_redis_restored_from_a_snapshot_starts_a_new_generation(tmp_path: Path) -> None:
+    """Restored from a snapshot, Redis has the generation it had, with the clock of a
+    component that heartbeat since behind what it read: that component begins a new
+    generation, which the others see at their next look, whatever they read before.
+    Epochs handed out since the snapshot are not handed out again, and a decode worker's
+    rebuilt records replace the images the snapshot brought back, not a record changed
+    since the generation began, nor an ended one."""
+    with RedisServer(port=free_port()) as server:  # TCP: restarted where the client looks
+        ledger = Ledger(server.client(decode_responses=True))
+        e = _register(ledger)
+        router_seen = ledger.join_generation("router-0")
+        decode_seen = ledger.join_generation("decode-0")
+        _drive(ledger, "r1", S.DECODING, e)
+        ledger.claim_blocks(
+            "r1", "decode-0", epoch=e.decode, pool=Pool.TARGET, block_ids=[1, 2], lease_ms=LEASE_MS
+        )
+        _drive(ledger, "r2", S.TRANSFERRING, e)
+        _drive(ledger, "r5", S.FINISHED, e)
+        snapshot = server.save(tmp_path / "dump.rdb")
+
+        for _ in range(2):  # heartbeats after the snapshot
+            decode_seen = ledger.join_generation("decode-0", decode_seen)
+        _drive(ledger, "r3", S.DECODING, e)  # begun after the snapshot: lost with it
+        since = ledger.register_worker(
+            "decode-0", role=WorkerRole.DECODE, address="127.0.0.1:3", capacity=128, ttl_ms=60_000
+        )
+        assert since > e.decode
+        assert server.process is not None
+        server.process.kill()
+        server.process.wait()
+        server.stop()
+        server.rdb = snapshot
+        server.start()
+
+        for _ in range(3):  # the router read nothing since the snapshot: no clue alone
+            router_seen = ledger.join_generation("router-0", router_seen)
+            assert router_seen.id == decode_seen.id
+        restored = ledger.join_generation("decode-0", decode_seen)
+        assert restored.id != decode_seen.id and restored.started_ms > decode_seen.started_ms
+        assert ledger.join_generation("router-0", router_seen).id == restored.id
+        assert ledger.join_generation("decode-0", decode_seen).id == restored.id  # begun once
+        new_epoch = ledger.register_worker(
+            "decode-0", role=WorkerRole.DECODE, address="127.0.0.1:3", capacity=128, ttl_ms=60_000
+        )
+        assert new_epoch > since
+
+        old_records = {rid: _record(ledger, rid).state for rid in ("r1", "r2", "r5")}
+        assert old_records == {"r1": S.DECODING, "r2": S.TRANSFERRING, "r5": S.FINISHED}
+        _drive(ledger, "r4", S.QUEUED, e)  # recorded since the generation began
+        restore = {"epoch": new_epoch, "lease_ms": LEASE_MS, "has_draft": False}
+        assert ledger.get_request("r3") is None
+        for rid, block_ids in (("r1", [1, 2, 3, 4]), ("r2", [7]), ("r3", [9])):
+            record = ledger.restore_decoding(
+                rid, "decode-0", block_ids=block_ids, stale_before_ms=restored.started_ms, **restore
+            )
+            assert (record.state, record.owner, record.epoch) == (S.DECODING, "decode-0", new_epoch)
+        for rid, state in (("r4", "QUEUED"), ("r5", "FINISHED")):
+            with pytest.raises(LedgerConflict, match=f"expected no record to restore.*{state}"):
+                ledger.restore_decoding(
+                    rid, "decode-0", block_ids=[8], stale_before_ms=restored.started_ms, **restore
+                )
+        assert {h.request_id: (h.epoch, h.blocks[Pool.TARGET]) for h in ledger.holdings()} == {
+            "r1": (new_epoch, {1, 2, 3, 4}),
+            "r2": (new_epoch, {7}),
+            "r3": (new_epoch, {9}),
+        }
+        ledger.client.close()
 
 
 def test_restore_decoding_after_a_restart(ledger: Ledger) -> None:

@@ -80,8 +80,8 @@ def test_ledger_on_redis_cluster(redis_cluster: LocalRedisCluster) -> None:
     assert ledger.holdings() == []
 
     # After a restart: the generation key, and a rebuilt record with its blocks.
-    generation = ledger.join_generation()
-    assert ledger.join_generation() == generation
+    generation = ledger.join_generation("w")
+    assert ledger.join_generation("w", generation).id == generation.id
     ledger.restore_decoding(
         "restored", "decode-0", epoch=decode, block_ids=[7, 8], has_draft=True, lease_ms=60_000
     )

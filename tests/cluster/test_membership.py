@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from cluster import ledger_scripts as lua
 from cluster.ledger import Ledger, Pool, RequestState, WorkerRole
 from cluster.membership import HeldRequest, Membership, Timing
+from cluster.redis_server import RedisServer, free_port
 
 
 async def test_registers_again_with_a_new_epoch_when_redis_forgets_it(ledger: Ledger) -> None:
@@ -124,6 +126,61 @@ async def test_rebuilds_decoding_requests_when_redis_restarts_empty(ledger: Ledg
         await membership.stop()
 
 
+async def test_rebuilds_decoding_requests_when_redis_is_restored_from_a_snapshot(
+    tmp_path: Path,
+) -> None:
+    """Redis comes back from a snapshot taken before the worker's last heartbeats: the same
+    generation, but the worker's clock in it is behind what it read. A new generation
+    begins and the worker rebuilds as after an empty restart: a new epoch, and what it
+    decodes recorded again, replacing the records the snapshot brought back (an older
+    state, an older table), nothing dropped."""
+    with RedisServer(port=free_port()) as server:  # TCP: restarted where the client looks
+        ledger = Ledger(server.client(decode_responses=True), namespace="snap")
+        lost: list[str] = []
+        tables = {"r1": [1, 2], "r2": [5]}
+
+        async def decoding() -> Sequence[HeldRequest]:
+            return [HeldRequest(rid, table, {"model": "m"}) for rid, table in tables.items()]
+
+        membership = _decode_membership(ledger, lost, rebuild_from=decoding)
+        first = membership.register()
+        _decoding(ledger, "r1", owner_epoch=first)
+        ledger.create_request("r2", owner="router-0", epoch=1)  # its prefill is under way
+        for rid, table in tables.items():
+            membership.claim(rid, table, has_draft=False)
+        snapshot = server.save(tmp_path / "dump.rdb")
+        membership.start()
+        try:
+            _hand_to_d0(ledger, "r2", owner_epoch=first)
+            tables["r1"] = [1, 2, 3]
+            membership.resize("r1", tables["r1"])
+            await asyncio.sleep(0.2)  # heartbeats: the worker's clock moves on
+            assert _target_blocks(ledger) == {"r1": {1, 2, 3}, "r2": {5}}
+            generation = membership.generation
+            assert server.process is not None
+            server.process.kill()
+            server.process.wait()
+            server.stop()
+            server.rdb = snapshot
+            server.start()
+            await _wait_for(lambda: membership.epoch > first, timeout_s=5)
+
+            assert membership.generation.id != generation.id and lost == []
+            for rid in tables:
+                record = ledger.get_request(rid)
+                assert record is not None, rid
+                assert (record.state, record.owner, record.epoch) == (
+                    RequestState.DECODING,
+                    "d0",
+                    membership.epoch,
+                )
+            assert _target_blocks(ledger) == {"r1": {1, 2, 3}, "r2": {5}}
+            assert {h.epoch for h in ledger.holdings()} == {membership.epoch}
+        finally:
+            await membership.stop()
+            ledger.client.close()
+
+
 async def test_grown_tables_are_recorded_after_the_step_one_script_each(ledger: Ledger) -> None:
     """``resize`` writes nothing on the caller's path; once the event loop turns, one
     script per request whose table changed, however often it was noted. A request the
@@ -173,8 +230,13 @@ async def test_grown_tables_are_recorded_after_the_step_one_script_each(ledger: 
 
 
 def _decoding(ledger: Ledger, request_id: str, *, owner_epoch: int) -> None:
-    """A request handed to decode worker d0 at ``owner_epoch`` (by router-0 at epoch 1)."""
+    """A request router-0 (at epoch 1) recorded and handed to decode worker d0."""
     ledger.create_request(request_id, owner="router-0", epoch=1)
+    _hand_to_d0(ledger, request_id, owner_epoch=owner_epoch)
+
+
+def _hand_to_d0(ledger: Ledger, request_id: str, *, owner_epoch: int) -> None:
+    """QUEUED -> DECODING, owned by decode worker d0 at ``owner_epoch``."""
     path = [RequestState.QUEUED, RequestState.PREFILLING, RequestState.TRANSFERRING]
     for expected, to in itertools.pairwise([*path, RequestState.DECODING]):
         epoch = 1 if expected is RequestState.QUEUED else owner_epoch

@@ -115,7 +115,7 @@ def _round_trip(client: redis.Redis, namespace: str) -> None:
     assert ledger.get_request(rid) == record
     assert {w.worker_id for w in ledger.list_workers()} == {"router-0", "prefill-0", "decode-0"}
     # What a Redis restart takes: the generation key, a decode worker's rebuilt record.
-    assert ledger.join_generation() == ledger.join_generation()
+    assert ledger.join_generation("w").id == ledger.join_generation("w").id
     restored = f"{rid}-restored"
     ledger.restore_decoding(
         restored, "decode-0", epoch=decode, block_ids=[3], has_draft=False, lease_ms=60_000
