@@ -161,6 +161,8 @@ class ModelRunner:
             max_query_len=max(batch.num_new_tokens),
             max_context_len=max(context_lens),
             is_causal_prefill=all(s.num_computed_tokens == 0 for s in batch.seqs),
+            query_lens=list(batch.num_new_tokens),
+            context_lens_host=context_lens,
         )
         return ModelInputs(
             tokens=t(tokens),

@@ -30,6 +30,11 @@ class BatchLayout:
     # False when max_context_len is only a host-side bound (speculative steps, where each
     # row's length is known on the device only): no shortcut may assume it is exact.
     is_max_context_exact: bool = True
+    # Host-side copies of each row's query and context length, where the host built the
+    # batch (None where they live on the device only): a backend may split a ragged mix
+    # of prompt chunks and decode rows into groups instead of padding every row.
+    query_lens: list[int] | None = None
+    context_lens_host: list[int] | None = None
 
     @classmethod
     def uniform(

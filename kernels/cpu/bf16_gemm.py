@@ -8,69 +8,18 @@ cost about what one does, and many rows (prefill) run like an fp32 GEMM. Measure
 SmolLM2-135M shapes on a 2-core EPYC (``python -m kernels.cpu.bf16_gemm``), one forward's
 products at 1 row take half aten's time, and at 6 rows about a sixth.
 
-The extension is compiled with ``torch.utils.cpp_extension`` into torch's extension cache
-(about 40 s, once per machine and source version; ``scripts/install`` does it ahead).
-Without AVX2 or a C++ compiler, ``available()`` is False and callers keep aten's path;
-``TANDEM_CPU_KERNELS=0`` turns it off.
+Built with the other CPU kernels (``kernels/cpu/extension.py``).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from kernels.cpu.extension import available
 
-_SOURCE = Path(__file__).with_name("bf16_linear.cpp")
-PANEL = 16  # output columns per packed panel, as in the source
-DISABLE_ENV = "TANDEM_CPU_KERNELS"  # "0" turns the kernels off (aten's path everywhere)
-
-
-@functools.cache
-def available() -> bool:
-    """Whether the kernel is built and loaded (builds it on the first call)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return False
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        logger.info("CPU bf16 kernel not used: this CPU has no AVX2")
-        return False
-    try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(
-            name="tandem_cpu_kernels",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-    except Exception as exc:  # no compiler, headers, ninja...: the aten path still works
-        logger.warning(
-            "CPU bf16 kernel not built (%s); bf16 products of a few rows run on aten, "
-            "several times slower. Install a C++ compiler and ninja to get it.",
-            exc,
-        )
-        return False
-    _register_fakes()
-    return True
-
-
-def _register_fakes() -> None:
-    """Shapes for torch.compile: the ops are opaque to it and called as they are."""
-
-    @torch.library.register_fake("tandem_cpu::pack_bf16")
-    def _(weight: torch.Tensor) -> torch.Tensor:
-        panels = (weight.shape[0] + PANEL - 1) // PANEL
-        return weight.new_empty((panels, weight.shape[1], PANEL))
-
-    @torch.library.register_fake("tandem_cpu::bf16_linear")
-    def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-        return x.new_empty((*x.shape[:-1], n))
+__all__ = ["available", "linear", "pack"]
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@
 
 #include <immintrin.h>
 #include <torch/extension.h>
+
+#include "vec.h"
 #include <ATen/Parallel.h>
 
 #include <cstdint>
@@ -19,6 +21,8 @@
 #include <vector>
 
 namespace {
+
+using tandem_cpu::to_bf16x8;
 
 constexpr int64_t kPanel = 16;   // output columns per panel: two AVX2 vectors of floats
 constexpr int64_t kMaxRows = 6;  // rows per register tile: 12 accumulators + 2 weights + 1 x
@@ -31,21 +35,6 @@ inline void load_panel_row(const uint16_t* p, __m256& lo, __m256& hi) {
   __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-
-// Round-to-nearest-even fp32 -> bf16 (NaN kept quiet), 8 lanes.
-inline __m128i to_bf16x8(__m256 v) {
-  __m256i bits = _mm256_castps_si256(v);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  __m256 is_nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
-  rounded = _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(is_nan));
-  __m256i hi = _mm256_srli_epi32(rounded, 16);
-  // pack 8 x u32 (values < 2^16) into 8 x u16, keeping lane order
-  __m128i lo128 = _mm256_castsi256_si128(hi);
-  __m128i hi128 = _mm256_extracti128_si256(hi, 1);
-  return _mm_packus_epi32(lo128, hi128);
 }
 
 // One register tile: ROWS rows of x (fp32, row stride K) times one packed panel, into

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.attention.torch_backend import split_rows
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.models.llama3 import ReturnHiddenStates
 from engine.sampling_params import SamplingParams
@@ -28,7 +29,8 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 def run_teacher_forced(engine: LLMEngine, prompts: list[list[int]], continuations: list[list[int]]):
     """Drives the engine's scheduler and runner, feeding fixed continuations; returns
-    {row: [logits for each sampled position]}."""
+    ({row: [logits for each sampled position]}, steps with a prompt chunk that does not
+    sample, steps whose attention ran as separate groups of rows)."""
     sched, runner, bm = engine.scheduler, engine.runner, engine.block_manager
     seqs = []
     for i, prompt in enumerate(prompts):
@@ -36,11 +38,13 @@ def run_teacher_forced(engine: LLMEngine, prompts: list[list[int]], continuation
         sched.add(seq)
         seqs.append(seq)
     got: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(prompts))}
-    num_chunked_steps = 0
+    num_chunked_steps = num_split_steps = 0
     while sched.has_unfinished:
         batch = sched.schedule()
         inputs = runner.prepare(batch)
         num_chunked_steps += any(not batch.samples(r) for r in range(len(batch.seqs)))
+        layout = inputs.layout
+        num_split_steps += len(split_rows(layout.query_lens, layout.context_lens_host)) > 1
         logits = runner.forward(inputs).logits
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
@@ -54,10 +58,13 @@ def run_teacher_forced(engine: LLMEngine, prompts: list[list[int]], continuation
             else:
                 seq.token_ids.append(continuations[i][seq.num_output_tokens])
     assert bm.num_free_blocks == bm.num_blocks
-    return got, num_chunked_steps
+    return got, num_chunked_steps, num_split_steps
 
 
-def test_prefill_and_decode_logits_match_transformers(tiny_llama):
+# A budget of 12 tokens chunks the longer prompts next to decode rows (one attention call);
+# 40 puts chunks of more than 16 tokens next to decode rows (attention in two row groups).
+@pytest.mark.parametrize("max_num_batched_tokens", [12, 40])
+def test_prefill_and_decode_logits_match_transformers(tiny_llama, max_num_batched_tokens):
     model_dir, hf = tiny_llama
     vocab = hf.config.vocab_size
     gen = torch.Generator().manual_seed(1)
@@ -66,10 +73,10 @@ def test_prefill_and_decode_logits_match_transformers(tiny_llama):
     continuations = [
         torch.randint(3, vocab, (NUM_DECODE_STEPS,), generator=gen).tolist() for _ in prompts
     ]
-    # A small token budget forces chunked prefill of the longer prompts next to decode rows.
-    engine = make_engine(model_dir, max_num_batched_tokens=12)
-    got, num_chunked_steps = run_teacher_forced(engine, prompts, continuations)
+    engine = make_engine(model_dir, max_num_batched_tokens=max_num_batched_tokens)
+    got, num_chunked_steps, num_split_steps = run_teacher_forced(engine, prompts, continuations)
     assert num_chunked_steps > 0
+    assert (num_split_steps > 0) == (max_num_batched_tokens > 16)
     for i, (prompt, cont) in enumerate(zip(prompts, continuations, strict=True)):
         ref = hf_logits(hf, prompt + cont)  # [L, V]
         assert len(got[i]) == NUM_DECODE_STEPS + 1
@@ -163,7 +170,7 @@ def test_bf16_logits_on_the_cpu_kernel_are_as_close_to_fp32_as_aten_bf16(tiny_ll
         )
         linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
         assert all((m._panels is not None) == (name == "kernel") for m in linears)
-        got, _ = run_teacher_forced(engine, prompts, continuations)
+        got, _, _ = run_teacher_forced(engine, prompts, continuations)
         errors[name] = max(
             (logits.float() - hf_logits(hf, p + c)[len(p) - 1 + step]).abs().max().item()
             for i, (p, c) in enumerate(zip(prompts, continuations, strict=True))

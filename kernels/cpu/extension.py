@@ -1,0 +1,70 @@
+"""The C++ CPU kernels (``*.cpp`` here), built together on first use as one extension.
+
+Compiled with ``torch.utils.cpp_extension`` into torch's extension cache (about a minute,
+once per machine and source version; ``scripts/install`` does it ahead). Without AVX2 or
+a C++ compiler, ``available()`` is False and callers keep their plain-torch path;
+``TANDEM_CPU_KERNELS=0`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_HERE = Path(__file__).parent
+SOURCES = ["bf16_linear.cpp", "paged_attention.cpp"]
+PANEL = 16  # output columns per packed bf16 panel, as in bf16_linear.cpp
+DISABLE_ENV = "TANDEM_CPU_KERNELS"  # "0" turns the kernels off (aten's path everywhere)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels are built and loaded (builds them on the first call)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return False
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        logger.info("CPU kernels not used: this CPU has no AVX2")
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name="tandem_cpu_kernels",
+            sources=[str(_HERE / name) for name in SOURCES],
+            extra_include_paths=[str(_HERE)],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as exc:  # no compiler, headers, ninja...: the torch paths still work
+        logger.warning(
+            "CPU kernels not built (%s); bf16 products and decode attention run on aten, "
+            "several times slower. Install a C++ compiler and ninja to get them.",
+            exc,
+        )
+        return False
+    _register_fakes()
+    return True
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile and the meta device: the ops are opaque to the compiler."""
+
+    @torch.library.register_fake("tandem_cpu::pack_bf16")
+    def _(weight: torch.Tensor) -> torch.Tensor:
+        panels = (weight.shape[0] + PANEL - 1) // PANEL
+        return weight.new_empty((panels, weight.shape[1], PANEL))
+
+    @torch.library.register_fake("tandem_cpu::bf16_linear")
+    def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.register_fake("tandem_cpu::paged_attention")
+    def _(q: torch.Tensor, *args: object) -> torch.Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
