@@ -9,6 +9,7 @@ The last line is one JSON object.
 
     python bench/engine_vs_hf.py            # bf16 and fp32, batch 1, 8 and 32
     python bench/engine_vs_hf.py --quick    # bf16 only, fewer tokens
+    python bench/engine_vs_hf.py --dtypes bfloat16
 
 Each figure is the best of ``--repeats`` interleaved runs: this machine is a shared VM
 whose throughput drifts by up to a third between minutes.
@@ -125,6 +126,13 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="bf16 only, 32 new tokens")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=["bfloat16", "float32"],
+        default=["bfloat16", "float32"],
+        help="dtypes to run (--quick: bfloat16)",
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument(
@@ -139,7 +147,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     new_tokens = 32 if args.quick else args.new_tokens
-    dtypes = ["bfloat16"] if args.quick else ["bfloat16", "float32"]
+    dtypes = ["bfloat16"] if args.quick else args.dtypes
 
     model_dir = prepare("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

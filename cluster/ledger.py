@@ -89,10 +89,10 @@ TERMINAL_STATES = frozenset({RequestState.FINISHED, RequestState.FAILED, Request
 _ABANDON = frozenset({RequestState.CANCELLED, RequestState.FAILED})
 ALLOWED_TRANSITIONS: Mapping[RequestState, frozenset[RequestState]] = {
     RequestState.QUEUED: _ABANDON | {RequestState.PREFILLING},
-    RequestState.PREFILLING: _ABANDON | {RequestState.TRANSFERRING},
-    # QUEUED (from TRANSFERRING and DECODING): a preempted request handed back, or the
-    # router taking back the request of a decode worker it lost; either is re-prefilled
-    # elsewhere and resumed.
+    # QUEUED (from PREFILLING, TRANSFERRING and DECODING): a preempted request handed
+    # back, or the router taking back a request whose prefill failed or whose decode
+    # worker it lost; either is re-prefilled elsewhere and resumed.
+    RequestState.PREFILLING: _ABANDON | {RequestState.TRANSFERRING, RequestState.QUEUED},
     RequestState.TRANSFERRING: _ABANDON | {RequestState.DECODING, RequestState.QUEUED},
     RequestState.DECODING: _ABANDON | {RequestState.FINISHED, RequestState.QUEUED},
     RequestState.FINISHED: frozenset(),

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 2.0
 RESERVE_TIMEOUT_S = 10.0
+# A picked prefill worker's channel must be ready within this: one restarted at the same
+# address is reached at the channel's next reconnection (at most 1 s apart, rpc.py).
+PREFILL_CONNECT_S = 3.0
 DEADLINE_SLACK_S = 0.05  # errors this close to the deadline are the deadline's doing
 MAX_ATTEMPTS = 8  # one request's prefills: the first, then resumptions (preempted, D lost)
 # How long a request that lost its decode worker waits for a live one (the only one may be
@@ -166,7 +169,16 @@ class GenerationService(gen_grpc.GenerationServicer):
                 except redis.RedisError as e:  # a routing hint lost, not the request
                     log.warning("prefix index: redis: %s", e)
                 prefill_called = time.monotonic()
-                prefilled = await self._prefill(route, reserve)
+                try:
+                    prefilled = await self._prefill(route, reserve)
+                except (grpc.aio.AioRpcError, Unavailable) as e:
+                    is_unavailable = (
+                        isinstance(e, Unavailable) or e.code() == grpc.StatusCode.UNAVAILABLE
+                    )
+                    if not is_unavailable or attempt + 1 == MAX_ATTEMPTS:
+                        raise
+                    await self._take_back_from_prefill(route, e)  # P or D's blocks gone
+                    continue
                 if not attempt:
                     timing.queued(prefill_called + prefilled.timing.queue_s)
                 try:
@@ -298,7 +310,17 @@ class GenerationService(gen_grpc.GenerationServicer):
     async def _prefill(self, route: _Route, reserve: pb.ReserveReply) -> pb.PrefillReply:
         """P computes the prompt and pushes its KV into D's blocks (P hands it to D)."""
         valid = route.request
-        reply: pb.PrefillReply = await self._prefiller(route).Prefill(
+        channel = self._channels.get(route.prefill.address)
+        try:
+            await asyncio.wait_for(
+                channel.channel_ready(), min(PREFILL_CONNECT_S, max(route.remaining(), 0.0))
+            )
+        except TimeoutError:
+            raise Unavailable(
+                f"prefill worker {route.prefill.worker_id} at {route.prefill.address}: "
+                f"not reachable within {PREFILL_CONNECT_S:g} s"
+            ) from None
+        reply: pb.PrefillReply = await pb_grpc.PrefillWorkerStub(channel).Prefill(
             pb.PrefillRequest(
                 request_id=valid.request_id,
                 model=self.validator.model.name,
@@ -432,10 +454,54 @@ class GenerationService(gen_grpc.GenerationServicer):
             self._take_over(route, record.state, record.epoch, error)
         self.metrics.migrations.labels(self.metrics.role).inc()
 
-    def _take_over(
-        self, route: _Route, state: RequestState, epoch: int, error: grpc.aio.AioRpcError
+    async def _take_back_from_prefill(
+        self, route: _Route, error: grpc.aio.AioRpcError | Unavailable
     ) -> None:
-        """``state`` (D's, at ``epoch``) -> QUEUED, owned by this router again."""
+        """Prefill failed as unavailable before the first token: P died, or D let the
+        reservation go (D lost its lease on the blocks in a stall, or D died). P and D are
+        told to drop it, and the request becomes QUEUED and this router's again, to be
+        prefilled anew on the P and D picked next."""
+        rid = route.request.request_id
+        details = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
+        details = details or ""
+        log.warning(
+            "%s: prefill on %s for %s failed (UNAVAILABLE: %s); prefilling it again",
+            rid,
+            route.prefill.worker_id,
+            route.decode.worker_id,
+            details,
+        )
+        if not details.startswith("KV_PUSH_STATUS_"):  # not D refusing P's push
+            self.picker.mark_unreachable(route.prefill)  # (KvTransferError's message)
+        abort = pb.AbortRequest(request_id=rid, reason="prefill failed: prefilling it again")
+        await asyncio.gather(
+            self._abort_prefill_quietly(route.prefill, abort),
+            self._abort_quietly(route.decode, abort),
+        )
+        record = self.ledger.get_request(rid)
+        if record is None:
+            log.warning("%s: not in the ledger any more (Redis restarted?); recorded again", rid)
+            self._create_in_ledger(route)
+        elif record.state is RequestState.QUEUED and record.owner == self.membership.worker_id:
+            route.owner_epoch = record.epoch
+        elif record.state in (
+            RequestState.PREFILLING,
+            RequestState.TRANSFERRING,
+            RequestState.DECODING,
+        ):
+            self._take_over(route, record.state, record.epoch, error)
+        else:
+            raise error  # ended meanwhile: nothing to resume
+        self.metrics.migrations.labels(self.metrics.role).inc()
+
+    def _take_over(
+        self,
+        route: _Route,
+        state: RequestState,
+        epoch: int,
+        error: grpc.aio.AioRpcError | Unavailable,
+    ) -> None:
+        """``state`` (its holder's, P or D, at ``epoch``) -> QUEUED, owned by this router again."""
         rid = route.request.request_id
         try:
             self.ledger.transition(
@@ -458,6 +524,11 @@ class GenerationService(gen_grpc.GenerationServicer):
     async def _abort_quietly(self, decoder: WorkerInfo, abort: pb.AbortRequest) -> None:
         stub = pb_grpc.DecodeWorkerStub(self._channels.get(decoder.address))
         with contextlib.suppress(grpc.aio.AioRpcError):  # dead, as expected
+            await stub.Abort(abort, timeout=ABORT_TIMEOUT_S)
+
+    async def _abort_prefill_quietly(self, prefiller: WorkerInfo, abort: pb.AbortRequest) -> None:
+        stub = pb_grpc.PrefillWorkerStub(self._channels.get(prefiller.address))
+        with contextlib.suppress(grpc.aio.AioRpcError):  # dead, as may be
             await stub.Abort(abort, timeout=ABORT_TIMEOUT_S)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:

@@ -1,12 +1,14 @@
 """`tandem serve`'s supervisor on a real cluster (1 prefill + 1 decode worker, router and
 redis-server as processes, loopback gRPC). A decode worker killed with SIGKILL mid-stream
 is started again on its port with a new epoch; the streams it carried wait for it and
-complete, equal to the in-process engine, and new requests are served. A worker that dies
+complete, equal to the in-process engine, and new requests are served. A request whose
+prefill worker dies mid-prefill is prefilled again on its restarted instance. A worker that dies
 on every start (its port taken) uses up its restart budget, and the supervisor gives up
 naming it."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import threading
@@ -103,6 +105,48 @@ async def test_killed_decode_worker_is_restarted_and_its_streams_complete(
         client.close()
 
 
+async def test_request_whose_prefill_worker_dies_mid_prefill_is_prefilled_again(
+    cluster: Cluster, target: Path
+) -> None:
+    """P is stopped (SIGSTOP) before a request comes, so the router's Prefill waits on it,
+    then killed: the router hears UNAVAILABLE before any token, takes the request back
+    and prefills it again on P's restarted instance; the client sees only latency."""
+    lines: list[str] = []
+    policy = RestartPolicy(max_restarts=3, initial_backoff_s=0.2, max_backoff_s=1.0)
+    supervisor = Supervisor(cluster, policy, say=lines.append)
+    stop = threading.Event()
+    watcher = threading.Thread(target=supervisor.run, args=(stop, 0.1), daemon=True)
+    watcher.start()
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    prefill = cluster.prefill[0]
+    migrations_before = router_counter(cluster, "tandem_migrations_total")
+    try:
+        prefill.process.send_signal(signal.SIGSTOP)  # still registered for ~0.9 s
+        stream = asyncio.create_task(
+            run(
+                cluster.router_address,
+                LATER_PROMPT,
+                max_tokens=32,
+                temperature=0.0,
+                ignore_eos=True,
+            )
+        )
+        await asyncio.sleep(0.5)  # the router has picked P and waits on its Prefill
+        assert not stream.done()
+        prefill.process.send_signal(signal.SIGKILL)
+        chunks = await asyncio.wait_for(stream, timeout=60)
+
+        assert check_stream(chunks, 32) == engine_greedy(target, [LATER_PROMPT], 32)[0]
+        assert router_counter(cluster, "tandem_migrations_total") == migrations_before + 1
+        assert prefill.num_restarts == 1
+        assert any("prefill-0 died (killed by SIGKILL); restarting it" in line for line in lines)
+        await wait_audit_clean(cluster, Ledger(client), within_s=10)
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+        client.close()
+
+
 def take_port(component: Component) -> socket.socket:
     """Listens on ``component``'s port, so that a restarted instance cannot bind it."""
     host, port = component.address.rsplit(":", 1)
@@ -118,6 +162,7 @@ def test_worker_dying_on_every_start_uses_up_its_budget(cluster: Cluster) -> Non
     policy = RestartPolicy(max_restarts=2, initial_backoff_s=0.1, max_backoff_s=0.2)
     supervisor = Supervisor(cluster, policy, say=lines.append)
     prefill = cluster.prefill[0]
+    restarts_before = prefill.num_restarts  # by the tests above
     prefill.process.send_signal(signal.SIGKILL)
     prefill.process.wait(timeout=10)
     blocker = take_port(prefill)
@@ -133,7 +178,7 @@ def test_worker_dying_on_every_start_uses_up_its_budget(cluster: Cluster) -> Non
         assert result == [1], lines
     finally:
         blocker.close()
-    assert prefill.num_restarts == 2
+    assert prefill.num_restarts == restarts_before + 2
     assert [line.split(" (")[0] for line in lines if "died" in line] == ["prefill-0 died"] * 3
     last = lines[-1]
     assert last.startswith("prefill-0 died (exit code 1) after 2 restarts in the last 60 s")
