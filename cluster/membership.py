@@ -37,6 +37,13 @@ from cluster.ledger import Generation, Ledger, LedgerConflict, Pool, WorkerRole
 log = logging.getLogger(__name__)
 
 
+# A registration outlives the start-up work between ``register`` and ``start`` (building
+# the service, starting the engine thread, binding the port: over a second on a loaded
+# machine), so that no router picks the worker under an epoch it is about to leave (a
+# registration expired before the first heartbeat comes back under a new epoch).
+STARTUP_TTL_MS = 10_000
+
+
 @dataclass(frozen=True)
 class Timing:
     """Heartbeat period, registration TTL and block lease, in milliseconds."""
@@ -114,16 +121,18 @@ class Membership:
 
     def register(self) -> int:
         """Joins the ledger's generation, registers with a fresh epoch and heartbeats once;
-        returns the epoch."""
+        returns the epoch. The registration lasts STARTUP_TTL_MS, until ``start``'s
+        heartbeats keep it to ``registration_ttl_ms``."""
         generation = self.ledger.join_generation(self.worker_id)
+        ttl_ms = max(self.timing.registration_ttl_ms, STARTUP_TTL_MS)
         self.epoch = self.ledger.register_worker(
             self.worker_id,
             role=self.role,
             address=self.address,
             capacity=self.capacity,
-            ttl_ms=self.timing.registration_ttl_ms,
+            ttl_ms=ttl_ms,
         )
-        self._send_heartbeat()
+        self._send_heartbeat(ttl_ms)
         self.generation = generation  # last: a failure above is retried as a restart
         return self.epoch
 
@@ -231,12 +240,12 @@ class Membership:
         self.generation = generation
         return False
 
-    def _send_heartbeat(self) -> None:
+    def _send_heartbeat(self, ttl_ms: int | None = None) -> None:
         load, stats = self._load()
         self.ledger.heartbeat(
             self.worker_id,
             epoch=self.epoch,
-            ttl_ms=self.timing.registration_ttl_ms,
+            ttl_ms=ttl_ms or self.timing.registration_ttl_ms,
             load=load,
             stats=stats,
         )

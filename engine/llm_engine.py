@@ -32,6 +32,7 @@ from engine.spec.spec_runner import (
     num_lookahead_slots,
 )
 from engine.spec.stats import SpecDecodeStats
+from kernels.cpu import extension as cpu_kernels
 
 
 class RequestError(ValueError):
@@ -145,6 +146,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
         )
+        if self.device.type == "cpu":
+            cpu_kernels.available()  # built or loaded now, not inside the first step
         self.runner = ModelRunner(
             model,
             self.kv_cache,

@@ -172,12 +172,16 @@ class GenerationService(gen_grpc.GenerationServicer):
                 try:
                     prefilled = await self._prefill(route, reserve)
                 except (grpc.aio.AioRpcError, Unavailable) as e:
-                    is_unavailable = (
-                        isinstance(e, Unavailable) or e.code() == grpc.StatusCode.UNAVAILABLE
+                    # UNAVAILABLE: P died, or D let the blocks go. ABORTED: P refused a
+                    # ledger step, e.g. the request names an epoch P has left behind (P
+                    # registered again after a stall, and this router picked it before).
+                    is_retried = isinstance(e, Unavailable) or e.code() in (
+                        grpc.StatusCode.UNAVAILABLE,
+                        grpc.StatusCode.ABORTED,
                     )
-                    if not is_unavailable or attempt + 1 == MAX_ATTEMPTS:
+                    if not is_retried or attempt + 1 == MAX_ATTEMPTS:
                         raise
-                    await self._take_back_from_prefill(route, e)  # P or D's blocks gone
+                    await self._take_back_from_prefill(route, e)
                     continue
                 if not attempt:
                     timing.queued(prefill_called + prefilled.timing.queue_s)
@@ -457,20 +461,24 @@ class GenerationService(gen_grpc.GenerationServicer):
     async def _take_back_from_prefill(
         self, route: _Route, error: grpc.aio.AioRpcError | Unavailable
     ) -> None:
-        """Prefill failed as unavailable before the first token: P died, or D let the
-        reservation go (D lost its lease on the blocks in a stall, or D died). P and D are
-        told to drop it, and the request becomes QUEUED and this router's again, to be
-        prefilled anew on the P and D picked next."""
+        """Prefill failed before the first token: P died or refused the request under an
+        epoch it has left, or D let the reservation go (D lost its lease on the blocks in
+        a stall, or D died). P and D are told to drop it, and the request becomes QUEUED
+        and this router's again, to be prefilled anew on the P and D picked next."""
         rid = route.request.request_id
-        details = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
-        details = details or ""
+        if isinstance(error, grpc.aio.AioRpcError):
+            code, details = error.code().name, error.details() or ""
+        else:
+            code, details = "UNAVAILABLE", str(error)
         log.warning(
-            "%s: prefill on %s for %s failed (UNAVAILABLE: %s); prefilling it again",
+            "%s: prefill on %s for %s failed (%s: %s); prefilling it again",
             rid,
             route.prefill.worker_id,
             route.decode.worker_id,
+            code,
             details,
         )
+        self.picker.forget_stale()  # P or D may be known under an epoch it has left
         if not details.startswith("KV_PUSH_STATUS_"):  # not D refusing P's push
             self.picker.mark_unreachable(route.prefill)  # (KvTransferError's message)
         abort = pb.AbortRequest(request_id=rid, reason="prefill failed: prefilling it again")

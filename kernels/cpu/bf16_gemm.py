@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.cpu.extension import available
+from kernels.cpu.timing import best_ms
 
 __all__ = ["available", "linear", "pack"]
 
@@ -39,7 +40,6 @@ def linear(
 def _benchmark() -> None:
     """Times the kernel against aten at SmolLM2-135M shapes; prints one table."""
     import argparse
-    import time
 
     import torch.nn.functional as F
 
@@ -53,17 +53,6 @@ def _benchmark() -> None:
     torch.set_num_threads(args.threads)
     if not available():
         raise SystemExit("the kernel is not available here (see the warning above)")
-
-    def best_ms(fn: Callable[[], object], repeat: int = 30) -> float:
-        for _ in range(3):
-            fn()
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(repeat):
-                fn()
-            best = min(best, (time.perf_counter() - start) / repeat)
-        return best * 1e3
 
     def products(rows: int, n: int, k: int) -> list[Callable[[], object]]:
         """aten bf16, oneDNN on a packed fp32 copy, this kernel: one product each."""

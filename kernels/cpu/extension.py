@@ -8,9 +8,12 @@ a C++ compiler, ``available()`` is False and callers keep their plain-torch path
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +24,13 @@ _HERE = Path(__file__).parent
 SOURCES = ["bf16_linear.cpp", "paged_attention.cpp"]
 PANEL = 16  # output columns per packed bf16 panel, as in bf16_linear.cpp
 DISABLE_ENV = "TANDEM_CPU_KERNELS"  # "0" turns the kernels off (aten's path everywhere)
+# One build directory per checkout (its path hashed into the name): two checkouts would
+# otherwise rebuild each other's copy in turn, each build invalidating the other's.
+NAME = "tandem_cpu_kernels_" + hashlib.sha1(str(_HERE.resolve()).encode()).hexdigest()[:8]
+# torch's build lock has no owner: a process killed mid-build (a worker stopped with
+# SIGKILL) leaves it, and every later load waits on it for ever. A build takes about two
+# minutes here; a lock older than this is taken for such a leftover and removed.
+STALE_LOCK_S = 600.0
 
 
 @functools.cache
@@ -34,8 +44,10 @@ def available() -> bool:
     try:
         from torch.utils import cpp_extension
 
+        with contextlib.suppress(AttributeError, OSError):  # a private torch helper
+            _remove_stale_lock(Path(cpp_extension._get_build_directory(NAME, verbose=False)))
         cpp_extension.load(
-            name="tandem_cpu_kernels",
+            name=NAME,
             sources=[str(_HERE / name) for name in SOURCES],
             extra_include_paths=[str(_HERE)],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
@@ -51,6 +63,17 @@ def available() -> bool:
         return False
     _register_fakes()
     return True
+
+
+def _remove_stale_lock(build_dir: Path) -> None:
+    lock = build_dir / "lock"
+    try:
+        age_s = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age_s > STALE_LOCK_S:
+        logger.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age_s)
+        lock.unlink(missing_ok=True)
 
 
 def _register_fakes() -> None:

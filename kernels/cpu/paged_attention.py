@@ -7,11 +7,10 @@ fp32 casts, masked SDPA) at SmolLM2-135M's attention shapes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from kernels.cpu.extension import available
+from kernels.cpu.timing import best_ms
 
 __all__ = ["attention", "available"]
 
@@ -37,7 +36,6 @@ def attention(
 def _benchmark() -> None:
     """Times one layer's decode attention: the kernel against gather + SDPA."""
     import argparse
-    import time
 
     import torch.nn.functional as F
 
@@ -54,16 +52,6 @@ def _benchmark() -> None:
     if not available():
         raise SystemExit("the kernel is not available here (see the warning above)")
     hq, hkv, d, bs = 9, 3, 64, 16
-
-    def best_ms(fn: Callable[[], object], repeat: int = 20) -> float:
-        fn()
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(repeat):
-                fn()
-            best = min(best, (time.perf_counter() - start) / repeat)
-        return best * 1e3
 
     def one_layer(b: int) -> tuple[float, float]:
         """(gather + SDPA, kernel) ms for ``b`` rows."""

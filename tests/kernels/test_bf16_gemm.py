@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels.cpu import bf16_gemm
+from tests.kernels.compile_count import CountingCompiler
 
 pytestmark = pytest.mark.skipif(
     not bf16_gemm.available(), reason="needs an AVX2 CPU and a C++ compiler to build the kernel"
@@ -89,17 +90,11 @@ def test_mismatched_arguments_say_what_is_wrong() -> None:
 
 def test_compiled_callers_see_one_graph_for_every_row_count_from_two() -> None:
     """No guard on the row count: one graph serves them all (dynamo specializes 1 row)."""
-    torch._dynamo.reset()
     weight = torch.randn(64, 32).bfloat16()
     packed = bf16_gemm.pack(weight)
-    compiles = 0
+    compiler = CountingCompiler()
 
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
-        nonlocal compiles
-        compiles += 1
-        return gm.forward
-
-    @torch.compile(backend=backend, dynamic=True)
+    @compiler.compile
     def f(x: torch.Tensor) -> torch.Tensor:
         return bf16_gemm.linear(x * 2, packed, None, 64).relu()
 
@@ -107,4 +102,4 @@ def test_compiled_callers_see_one_graph_for_every_row_count_from_two() -> None:
         x = torch.randn(rows, 32).bfloat16()
         want = bf16_gemm.linear(x * 2, packed, None, 64).relu()
         assert torch.equal(f(x), want)
-    assert compiles == 1
+    assert compiler.count == 1

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import paged_attention
+from tests.kernels.compile_count import CountingCompiler
 
 pytestmark = pytest.mark.skipif(
     not paged_attention.available(),
@@ -145,15 +146,9 @@ def test_bad_arguments_say_what_is_wrong() -> None:
 
 
 def test_compiled_callers_see_one_graph_for_every_batch() -> None:
-    torch._dynamo.reset()
-    compiles = 0
+    compiler = CountingCompiler()
 
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
-        nonlocal compiles
-        compiles += 1
-        return gm.forward
-
-    @torch.compile(backend=backend, dynamic=True)
+    @compiler.compile
     def f(case: dict[str, torch.Tensor]) -> torch.Tensor:
         return run(case, True) * 2
 
@@ -166,4 +161,4 @@ def test_compiled_callers_see_one_graph_for_every_batch() -> None:
     ]:
         case = make_case(query_lens, context_lens)
         assert torch.equal(f(case), run(case, True) * 2)
-    assert compiles == 1
+    assert compiler.count == 1

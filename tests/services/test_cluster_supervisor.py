@@ -9,6 +9,7 @@ naming it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 import threading
@@ -51,6 +52,23 @@ def cluster(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield started
 
 
+@contextlib.contextmanager
+def supervising(cluster: Cluster) -> Iterator[list[str]]:
+    """A supervisor watching ``cluster`` on a thread (quick restarts, up to 3); yields the
+    lines it says."""
+    lines: list[str] = []
+    policy = RestartPolicy(max_restarts=3, initial_backoff_s=0.2, max_backoff_s=1.0)
+    supervisor = Supervisor(cluster, policy, say=lines.append)
+    stop = threading.Event()
+    watcher = threading.Thread(target=supervisor.run, args=(stop, 0.1), daemon=True)
+    watcher.start()
+    try:
+        yield lines
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+
+
 def registered_epoch(ledger: Ledger, worker_id: str) -> int | None:
     found = [w.epoch for w in ledger.list_workers(WorkerRole.DECODE) if w.worker_id == worker_id]
     return found[0] if found else None
@@ -59,50 +77,45 @@ def registered_epoch(ledger: Ledger, worker_id: str) -> int | None:
 async def test_killed_decode_worker_is_restarted_and_its_streams_complete(
     cluster: Cluster, target: Path
 ) -> None:
-    lines: list[str] = []
-    policy = RestartPolicy(max_restarts=3, initial_backoff_s=0.2, max_backoff_s=1.0)
-    supervisor = Supervisor(cluster, policy, say=lines.append)
-    stop = threading.Event()
-    watcher = threading.Thread(target=supervisor.run, args=(stop, 0.1), daemon=True)
-    watcher.start()
     client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
     ledger = Ledger(client)
-    try:
-        decode = cluster.decode[0]
-        epoch_before = registered_epoch(ledger, decode.name)
-        streams = await start_streams(
-            cluster.router_address, PROMPTS, MAX_TOKENS, min_tokens=TOKENS_BEFORE_KILL
-        )
-        old_pid = decode.process.pid
-        decode.process.send_signal(signal.SIGKILL)
-        assert max(streams.counts) < MAX_TOKENS, "a stream ended before the kill: raise MAX_TOKENS"
-        results = await streams.results()
+    with supervising(cluster) as lines:
+        try:
+            decode = cluster.decode[0]
+            epoch_before = registered_epoch(ledger, decode.name)
+            streams = await start_streams(
+                cluster.router_address, PROMPTS, MAX_TOKENS, min_tokens=TOKENS_BEFORE_KILL
+            )
+            old_pid = decode.process.pid
+            decode.process.send_signal(signal.SIGKILL)
+            assert max(streams.counts) < MAX_TOKENS, (
+                "a stream ended before the kill: raise MAX_TOKENS"
+            )
+            results = await streams.results()
 
-        expected = engine_greedy(target, [*PROMPTS, LATER_PROMPT], MAX_TOKENS)
-        assert [check_stream(chunks, MAX_TOKENS) for chunks in results] == expected[:-1]
-        assert router_counter(cluster, "tandem_migrations_total") >= 1
-        assert decode.process.pid != old_pid and decode.num_restarts == 1
-        epoch_after = registered_epoch(ledger, decode.name)
-        assert epoch_before is not None and epoch_after is not None
-        assert epoch_after > epoch_before
-        assert any("decode-0 died (killed by SIGKILL); restarting it" in line for line in lines)
-        assert any(line.startswith("decode-0 restarted (restart 1") for line in lines)
+            expected = engine_greedy(target, [*PROMPTS, LATER_PROMPT], MAX_TOKENS)
+            assert [check_stream(chunks, MAX_TOKENS) for chunks in results] == expected[:-1]
+            assert router_counter(cluster, "tandem_migrations_total") >= 1
+            assert decode.process.pid != old_pid and decode.num_restarts == 1
+            epoch_after = registered_epoch(ledger, decode.name)
+            assert epoch_before is not None and epoch_after is not None
+            assert epoch_after > epoch_before
+            assert any("decode-0 died (killed by SIGKILL); restarting it" in line for line in lines)
+            assert any(line.startswith("decode-0 restarted (restart 1") for line in lines)
 
-        later = await run(
-            cluster.router_address,
-            LATER_PROMPT,
-            max_tokens=MAX_TOKENS,
-            temperature=0.0,
-            ignore_eos=True,
-        )
-        assert check_stream(later, MAX_TOKENS) == expected[-1]
-        # The killed instance's holdings go by the new instance's claims or the reaper.
-        await wait_audit_clean(cluster, ledger, within_s=10)
-        assert any(line.startswith("decode-0 is SERVING again") for line in lines)
-    finally:
-        stop.set()
-        watcher.join(timeout=10)
-        client.close()
+            later = await run(
+                cluster.router_address,
+                LATER_PROMPT,
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                ignore_eos=True,
+            )
+            assert check_stream(later, MAX_TOKENS) == expected[-1]
+            # The killed instance's holdings go by the new instance's claims or the reaper.
+            await wait_audit_clean(cluster, ledger, within_s=10)
+            assert any(line.startswith("decode-0 is SERVING again") for line in lines)
+        finally:
+            client.close()
 
 
 async def test_request_whose_prefill_worker_dies_mid_prefill_is_prefilled_again(
@@ -111,40 +124,35 @@ async def test_request_whose_prefill_worker_dies_mid_prefill_is_prefilled_again(
     """P is stopped (SIGSTOP) before a request comes, so the router's Prefill waits on it,
     then killed: the router hears UNAVAILABLE before any token, takes the request back
     and prefills it again on P's restarted instance; the client sees only latency."""
-    lines: list[str] = []
-    policy = RestartPolicy(max_restarts=3, initial_backoff_s=0.2, max_backoff_s=1.0)
-    supervisor = Supervisor(cluster, policy, say=lines.append)
-    stop = threading.Event()
-    watcher = threading.Thread(target=supervisor.run, args=(stop, 0.1), daemon=True)
-    watcher.start()
     client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
     prefill = cluster.prefill[0]
     migrations_before = router_counter(cluster, "tandem_migrations_total")
-    try:
-        prefill.process.send_signal(signal.SIGSTOP)  # still registered for ~0.9 s
-        stream = asyncio.create_task(
-            run(
-                cluster.router_address,
-                LATER_PROMPT,
-                max_tokens=32,
-                temperature=0.0,
-                ignore_eos=True,
+    with supervising(cluster) as lines:
+        try:
+            prefill.process.send_signal(signal.SIGSTOP)  # still registered for ~0.9 s
+            stream = asyncio.create_task(
+                run(
+                    cluster.router_address,
+                    LATER_PROMPT,
+                    max_tokens=32,
+                    temperature=0.0,
+                    ignore_eos=True,
+                )
             )
-        )
-        await asyncio.sleep(0.5)  # the router has picked P and waits on its Prefill
-        assert not stream.done()
-        prefill.process.send_signal(signal.SIGKILL)
-        chunks = await asyncio.wait_for(stream, timeout=60)
+            await asyncio.sleep(0.5)  # the router has picked P and waits on its Prefill
+            assert not stream.done()
+            prefill.process.send_signal(signal.SIGKILL)
+            chunks = await asyncio.wait_for(stream, timeout=60)
 
-        assert check_stream(chunks, 32) == engine_greedy(target, [LATER_PROMPT], 32)[0]
-        assert router_counter(cluster, "tandem_migrations_total") == migrations_before + 1
-        assert prefill.num_restarts == 1
-        assert any("prefill-0 died (killed by SIGKILL); restarting it" in line for line in lines)
-        await wait_audit_clean(cluster, Ledger(client), within_s=10)
-    finally:
-        stop.set()
-        watcher.join(timeout=10)
-        client.close()
+            assert check_stream(chunks, 32) == engine_greedy(target, [LATER_PROMPT], 32)[0]
+            assert router_counter(cluster, "tandem_migrations_total") == migrations_before + 1
+            assert prefill.num_restarts == 1
+            assert any(
+                "prefill-0 died (killed by SIGKILL); restarting it" in line for line in lines
+            )
+            await wait_audit_clean(cluster, Ledger(client), within_s=10)
+        finally:
+            client.close()
 
 
 def take_port(component: Component) -> socket.socket:

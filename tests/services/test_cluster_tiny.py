@@ -202,7 +202,9 @@ async def test_ledger_follows_the_decode_workers_allocator_mid_decode(
     )
     audit = asyncio.create_task(audit_command(cluster, tmp_path))
     agreed: set[tuple[int, ...]] = set()  # table sizes at which the two were equal
-    while not audit.done():
+    # Looks go on while the audit runs, then (a loaded machine gives fewer looks) until
+    # three sizes agreed or the streams near their end.
+    while not audit.done() or (len(agreed) < 3 and max(streams.counts) < max_tokens - 40):
         before = await worker_stats(decode, include_block_ids=True)
         holdings = ledger.holdings(decode.name)
         after = await worker_stats(decode, include_block_ids=True)
