@@ -19,4 +19,3 @@ def test_a_lock_older_than_any_build_is_removed_and_a_recent_one_kept(tmp_path: 
     extension._remove_stale_lock(tmp_path)
     assert not lock.exists()
     extension._remove_stale_lock(tmp_path)  # none: nothing to do
-
