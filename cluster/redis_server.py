@@ -122,7 +122,6 @@ class RedisServer:
     ``password`` is the default user's; ``acl_users`` are ACL ``user`` lines without the
     word "user" (``"ledger on >pw ~td:* +@all"``); both go to a config file, not argv.
     ``tls`` serves TLS only (``rediss://``), with Debian's binary unless ``binary`` says.
-    ``rdb``: an RDB snapshot (from ``save``) that the server loads when it starts.
     """
 
     def __init__(
@@ -136,7 +135,6 @@ class RedisServer:
         password: str | None = None,
         acl_users: tuple[str, ...] = (),
         tls: ServerTls | None = None,
-        rdb: Path | None = None,
     ) -> None:
         if tls is not None and unix_socket:
             raise ValueError("tls: TCP only, not with unix_socket")
@@ -148,7 +146,6 @@ class RedisServer:
         self.password = password
         self.acl_users = acl_users
         self.tls = tls
-        self.rdb = rdb
         self.binary = binary or (tls_redis_server_binary() if tls else redis_server_binary())
         self.directory: Path | None = None
         self.process: subprocess.Popen[bytes] | None = None
@@ -191,27 +188,36 @@ class RedisServer:
         shutil.copyfile(self.directory / "dump.rdb", dest)
         return dest
 
-    def start(self) -> RedisServer:
-        """Starts the server; a port picked here that turns out taken is picked again."""
+    def crash(self) -> None:
+        """Kills the server as a crash would (SIGKILL: nothing saved), then cleans up."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.stop()
+
+    def start(self, rdb: Path | None = None) -> RedisServer:
+        """Starts the server, from the RDB snapshot ``rdb`` (``save``'s) if given, as a
+        Redis restored from a backup; a port picked here that turns out taken is picked
+        again."""
         if self.process is not None:
             raise RedisServerError("already started")
         attempts_left = 1 if self.unix_socket or self.fixed_port else START_ATTEMPTS
         while True:
             attempts_left -= 1
             try:
-                return self._start_once()
+                return self._start_once(rdb)
             except RedisServerError:
                 if attempts_left == 0:
                     raise
 
-    def _start_once(self) -> RedisServer:
+    def _start_once(self, rdb: Path | None) -> RedisServer:
         if self.unix_socket:
             self.port = 0
         else:
             self.port = self.fixed_port or free_port(with_cluster_bus=self.cluster_enabled)
         self.directory = Path(tempfile.mkdtemp(dir="/tmp", prefix="td"))
-        if self.rdb is not None:
-            shutil.copyfile(self.rdb, self.directory / "dump.rdb")  # the default dbfilename
+        if rdb is not None:
+            shutil.copyfile(rdb, self.directory / "dump.rdb")  # the default dbfilename
         args = [
             str(self.binary),
             *self._write_secrets(),

@@ -448,15 +448,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.picker.mark_unreachable(lost)
         abort = pb.AbortRequest(request_id=rid, reason="migrated: the router lost its stream")
         await self._abort_quietly(lost, abort)  # a dead process refuses it at once
-        record = self.ledger.get_request(rid)
-        if record is None:
-            log.warning("%s: not in the ledger any more (Redis restarted?); recorded again", rid)
-            self._create_in_ledger(route)
-        elif record.state not in (RequestState.TRANSFERRING, RequestState.DECODING):
-            raise error  # ended, or not D's: nothing to resume
-        else:
-            self._take_over(route, record.state, record.epoch, error)
-        self.metrics.migrations.labels(self.metrics.role).inc()
+        self._requeue(route, error)
 
     async def _take_back_from_prefill(
         self, route: _Route, error: grpc.aio.AioRpcError | Unavailable
@@ -483,15 +475,22 @@ class GenerationService(gen_grpc.GenerationServicer):
             self.picker.mark_unreachable(route.prefill)  # (KvTransferError's message)
         abort = pb.AbortRequest(request_id=rid, reason="prefill failed: prefilling it again")
         await asyncio.gather(
-            self._abort_prefill_quietly(route.prefill, abort),
-            self._abort_quietly(route.decode, abort),
+            self._abort_quietly(route.prefill, abort), self._abort_quietly(route.decode, abort)
         )
+        self._requeue(route, error)
+
+    def _requeue(self, route: _Route, error: grpc.aio.AioRpcError | Unavailable) -> None:
+        """The request, wherever P or D left it, becomes QUEUED and this router's again,
+        for the attempt loop to prefill it anew (prompt + tokens sent). A request the
+        ledger forgot (its Redis restarted empty, and D did not record it again) is
+        recorded anew; one that ended meanwhile is not resumed (``error`` is raised)."""
+        rid = route.request.request_id
         record = self.ledger.get_request(rid)
         if record is None:
             log.warning("%s: not in the ledger any more (Redis restarted?); recorded again", rid)
             self._create_in_ledger(route)
         elif record.state is RequestState.QUEUED and record.owner == self.membership.worker_id:
-            route.owner_epoch = record.epoch
+            route.owner_epoch = record.epoch  # handed back to this router already
         elif record.state in (
             RequestState.PREFILLING,
             RequestState.TRANSFERRING,
@@ -499,7 +498,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         ):
             self._take_over(route, record.state, record.epoch, error)
         else:
-            raise error  # ended meanwhile: nothing to resume
+            raise error  # ended, or not P's or D's: nothing to resume
         self.metrics.migrations.labels(self.metrics.role).inc()
 
     def _take_over(
@@ -529,14 +528,15 @@ class GenerationService(gen_grpc.GenerationServicer):
                 raise error from None
             route.owner_epoch = record.epoch
 
-    async def _abort_quietly(self, decoder: WorkerInfo, abort: pb.AbortRequest) -> None:
-        stub = pb_grpc.DecodeWorkerStub(self._channels.get(decoder.address))
+    async def _abort_quietly(self, worker: WorkerInfo, abort: pb.AbortRequest) -> None:
+        """Aborts on a prefill or decode worker that may well be dead."""
+        channel = self._channels.get(worker.address)
+        stub = (
+            pb_grpc.PrefillWorkerStub(channel)
+            if worker.role is WorkerRole.PREFILL
+            else pb_grpc.DecodeWorkerStub(channel)
+        )
         with contextlib.suppress(grpc.aio.AioRpcError):  # dead, as expected
-            await stub.Abort(abort, timeout=ABORT_TIMEOUT_S)
-
-    async def _abort_prefill_quietly(self, prefiller: WorkerInfo, abort: pb.AbortRequest) -> None:
-        stub = pb_grpc.PrefillWorkerStub(self._channels.get(prefiller.address))
-        with contextlib.suppress(grpc.aio.AioRpcError):  # dead, as may be
             await stub.Abort(abort, timeout=ABORT_TIMEOUT_S)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:

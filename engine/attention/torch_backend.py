@@ -49,10 +49,10 @@ class TorchAttentionMetadata:
 SHORT_QUERY_LEN = 16
 
 
-def split_rows(query_lens: list[int], context_lens: list[int]) -> list[list[int]]:
-    """Rows grouped so that short (decode) rows are not padded to long (prompt) rows, nor
-    to their context: [rows] per group, in row order; one group when splitting saves
-    nothing."""
+def split_rows(query_lens: list[int]) -> list[list[int]]:
+    """Rows grouped so that short (decode) rows are not padded to long (prompt) rows:
+    [rows] per group, in row order; one group when splitting saves nothing. (Each group
+    also pads only to its own longest context, ``row_subset``.)"""
     short = [r for r, n in enumerate(query_lens) if n <= SHORT_QUERY_LEN]
     long = [r for r, n in enumerate(query_lens) if n > SHORT_QUERY_LEN]
     if not short or not long:
@@ -94,7 +94,7 @@ class TorchAttentionBackend:
 
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
         if layout.query_lens is not None and layout.context_lens_host is not None:
-            groups = split_rows(layout.query_lens, layout.context_lens_host)
+            groups = split_rows(layout.query_lens)
             if len(groups) > 1:
                 parts = [row_subset(layout, rows) for rows in groups]
                 none = layout.slot_mapping[:0]

@@ -1,9 +1,9 @@
 """The C++ CPU kernels (``*.cpp`` here), built together on first use as one extension.
 
-Compiled with ``torch.utils.cpp_extension`` into torch's extension cache (about a minute,
-once per machine and source version; ``scripts/install`` does it ahead). Without AVX2 or
-a C++ compiler, ``available()`` is False and callers keep their plain-torch path;
-``TANDEM_CPU_KERNELS=0`` turns the kernels off.
+Compiled with ``torch.utils.cpp_extension`` into torch's extension cache (about two
+minutes here, once per checkout and source version; ``scripts/install`` does it ahead).
+Without AVX2 or a C++ compiler, ``available()`` is False and callers keep their
+plain-torch path; ``TANDEM_CPU_KERNELS=0`` turns the kernels off.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@
 // bf16 caches to fp32 (SDPA on CPU is slower in bf16) and attends through a [B, Q, C] mask:
 // at 64 rows of ~300 tokens those copies took twice the time of the attention itself, and
 // attention as much as all of the step's matrix products. Here each (row, KV head) reads
-// its K/V rows once, where they lie in the cache, converting as it goes; the row's queries
-// of that head group (Q tokens x Hq/Hkv heads) share every K/V row read.
+// its K/V rows where they lie in the cache, converting as it goes: from memory for the
+// first of the row's queries of that head group (Q tokens x Hq/Hkv heads), then from L1/L2
+// for the others.
 //
 // Per (row, KV head), per query: the scores of every context position it may see (causal:
 // positions <= its own; else the whole context), their softmax (fp32, max subtracted),
@@ -32,7 +33,7 @@ using tandem_cpu::load8;
 using tandem_cpu::store8;
 
 struct Shapes {
-  int64_t num_kv_heads, group, head_dim, block_size, max_blocks;
+  int64_t num_kv_heads, group, block_size, max_blocks;
 };
 
 // One row's tokens [t0, t1) and one KV head h. T: the element type of q, the caches and
@@ -111,7 +112,7 @@ void attend_row_head(const T* q, const T* k_cache, const T* v_cache, const int64
 template <typename T>
 using RowHeadFn = decltype(&attend_row_head<T, 8>);
 
-// The head sizes compiled in: 64 (SmolLM2, Llama-3.2 1B/3B... with 64) and 128 (Llama-3 8B/70B).
+// The head sizes compiled in: 64 (SmolLM2, Llama-3.2 1B) and 128 (Llama-3 8B/70B, 3.2 3B).
 template <typename T>
 RowHeadFn<T> row_head_fn(int64_t head_dim) {
   switch (head_dim) {
@@ -155,7 +156,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
               " tokens need ", T, " positions");
   const at::Tensor q = q_in.contiguous();
   at::Tensor out = at::empty_like(q);
-  const Shapes s{Hkv, Hq / Hkv, D, k_cache.size(1), block_tables.size(1)};
+  const Shapes s{Hkv, Hq / Hkv, k_cache.size(1), block_tables.size(1)};
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* offsets = row_offsets.data_ptr<int64_t>();

@@ -477,12 +477,8 @@ def test_a_redis_restored_from_a_snapshot_starts_a_new_generation(tmp_path: Path
             "decode-0", role=WorkerRole.DECODE, address="127.0.0.1:3", capacity=128, ttl_ms=60_000
         )
         assert since > e.decode
-        assert server.process is not None
-        server.process.kill()
-        server.process.wait()
-        server.stop()
-        server.rdb = snapshot
-        server.start()
+        server.crash()
+        server.start(rdb=snapshot)
 
         for _ in range(3):  # the router read nothing since the snapshot: no clue alone
             router_seen = ledger.join_generation("router-0", router_seen)

@@ -157,12 +157,8 @@ async def test_rebuilds_decoding_requests_when_redis_is_restored_from_a_snapshot
             await asyncio.sleep(0.2)  # heartbeats: the worker's clock moves on
             assert _target_blocks(ledger) == {"r1": {1, 2, 3}, "r2": {5}}
             generation = membership.generation
-            assert server.process is not None
-            server.process.kill()
-            server.process.wait()
-            server.stop()
-            server.rdb = snapshot
-            server.start()
+            server.crash()
+            server.start(rdb=snapshot)
             await _wait_for(lambda: membership.epoch > first, timeout_s=5)
 
             assert membership.generation.id != generation.id and lost == []

@@ -44,7 +44,7 @@ def run_teacher_forced(engine: LLMEngine, prompts: list[list[int]], continuation
         inputs = runner.prepare(batch)
         num_chunked_steps += any(not batch.samples(r) for r in range(len(batch.seqs)))
         layout = inputs.layout
-        num_split_steps += len(split_rows(layout.query_lens, layout.context_lens_host)) > 1
+        num_split_steps += len(split_rows(layout.query_lens)) > 1
         logits = runner.forward(inputs).logits
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n

@@ -104,16 +104,13 @@ def decoding_records(ledger: Ledger, streams: Streams) -> dict[str, RequestRecor
 async def kill_redis_and_refuse(cluster: Cluster, redis_server: RedisServer) -> None:
     """SIGKILL (nothing saved); while it is down, a new request is refused at once,
     saying why."""
-    assert redis_server.process is not None
-    redis_server.process.kill()
-    redis_server.process.wait(timeout=10)
+    redis_server.crash()  # its directory goes
     started = time.monotonic()
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await run(cluster.router_address, LATER_PROMPTS[0], max_tokens=4)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "Redis is unreachable" in (refused.value.details() or "")
     assert time.monotonic() - started < 5
-    redis_server.stop()  # its directory goes
 
 
 async def wait_rebuilt(ledger: Ledger, request_ids: list[str], old_epoch: int) -> int:
@@ -220,9 +217,7 @@ async def test_decoding_streams_survive_a_redis_restored_from_a_snapshot(
     for rid in records:
         assert grown[rid].blocks[Pool.TARGET] > at_snapshot[rid].blocks[Pool.TARGET]
     await kill_redis_and_refuse(cluster, redis_server)
-    redis_server.rdb = snapshot
-    redis_server.start()  # as it was at the snapshot, on the same port
-    redis_server.rdb = None
+    redis_server.start(rdb=snapshot)  # as it was at the snapshot, on the same port
     assert ledger.get_request(served[0].request_id) is None  # served after it: forgotten
 
     await check_rebuilt(cluster, ledger, streams, records, before)
