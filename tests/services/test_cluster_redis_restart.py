@@ -156,10 +156,20 @@ async def check_rebuilt(
     assert set().union(*(h.blocks[Pool.TARGET] for h in rebuilt.values())) <= owned
     assert await audit_live(cluster, ledger) == []  # blocks grown since: recorded
     assert max(streams.counts) < MAX_TOKENS, "a stream ended before the checks: raise MAX_TOKENS"
-    after = epochs(ledger)
-    assert set(after) == set(before)
-    assert all(after[w] > before[w] for w in before), (before, after)
+    await wait_registered_again(ledger, before)
     return rebuilt
+
+
+async def wait_registered_again(ledger: Ledger, before: dict[str, int]) -> None:
+    """Every component of `before` registered again, at a later epoch. Each registers on
+    its own heartbeat, so the prefill worker may come back after the decode worker."""
+    deadline = time.monotonic() + 10
+    while True:
+        after = epochs(ledger)
+        if set(after) == set(before) and all(after[w] > before[w] for w in before):
+            return
+        assert time.monotonic() < deadline, f"not registered again within 10 s: {before} -> {after}"
+        await asyncio.sleep(0.05)
 
 
 async def test_decoding_streams_survive_an_empty_redis_restart(
