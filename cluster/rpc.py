@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 MAX_STATUS_MESSAGE = 400  # characters of an exception message sent back
+# Trailing metadata on a status raised by a refused KV push: the wire KvPushStatus name,
+# so a caller two hops up (the router, behind the prefill worker) tells "D refused P's
+# push" from "P broke" without reading the message.
+KV_PUSH_STATUS_KEY = "tandem-kv-push-status"
 
 
 class Overloaded(Exception):
@@ -81,6 +85,24 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
 
 
+def trailing_metadata_of(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """What travels with ``exc``'s status besides the message: a downstream call's own
+    trailing metadata (passed on, as its status is), or what the exception carries
+    (``KvTransferError.trailing_metadata``)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return tuple((k, v) for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str))
+    return tuple(getattr(exc, "trailing_metadata", ()))
+
+
+def kv_push_status(error: grpc.aio.AioRpcError) -> str | None:
+    """The KvPushStatus name when ``error`` is a KV push that the receiver refused
+    (``KV_PUSH_STATUS_STALE_EPOCH``, ...), else None."""
+    for key, value in error.trailing_metadata() or ():
+        if key == KV_PUSH_STATUS_KEY:
+            return str(value)
+    return None
+
+
 def _is_redis_unreachable(exc: BaseException) -> bool:
     """A redis-py connection error or timeout (looked up in sys.modules, as in status_of)."""
     module = sys.modules.get("redis.exceptions")
@@ -101,7 +123,7 @@ async def _abort(context: Any, exc: Exception, method: str) -> None:
         log.error("%s failed", method, exc_info=exc)
     else:
         log.debug("%s: %s %s", method, code.name, message)
-    await context.abort(code, message)
+    await context.abort(code, message, trailing_metadata=trailing_metadata_of(exc))
 
 
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Any]:

@@ -20,7 +20,7 @@ import redis
 from cluster.ledger import Ledger, LedgerConflict, RequestState, WorkerInfo, WorkerRole
 from cluster.membership import Membership
 from cluster.metrics import RouterMetrics
-from cluster.rpc import ChannelPool, Overloaded, Unavailable
+from cluster.rpc import ChannelPool, Overloaded, Unavailable, kv_push_status
 from router.routing import WorkerPicker, prefix_hashes
 from router.validation import RequestValidator, ValidRequest
 from tandem.v1 import generation_pb2 as gen
@@ -460,8 +460,9 @@ class GenerationService(gen_grpc.GenerationServicer):
         rid = route.request.request_id
         if isinstance(error, grpc.aio.AioRpcError):
             code, details = error.code().name, error.details() or ""
+            push_refused = kv_push_status(error) is not None
         else:
-            code, details = "UNAVAILABLE", str(error)
+            code, details, push_refused = "UNAVAILABLE", str(error), False
         log.warning(
             "%s: prefill on %s for %s failed (%s: %s); prefilling it again",
             rid,
@@ -471,8 +472,8 @@ class GenerationService(gen_grpc.GenerationServicer):
             details,
         )
         self.picker.forget_stale()  # P or D may be known under an epoch it has left
-        if not details.startswith("KV_PUSH_STATUS_"):  # not D refusing P's push
-            self.picker.mark_unreachable(route.prefill)  # (KvTransferError's message)
+        if not push_refused:  # P itself failed, not D refusing P's push
+            self.picker.mark_unreachable(route.prefill)
         abort = pb.AbortRequest(request_id=rid, reason="prefill failed: prefilling it again")
         await asyncio.gather(
             self._abort_quietly(route.prefill, abort), self._abort_quietly(route.decode, abort)

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from cluster.rpc import KV_PUSH_STATUS_KEY
 from tandem.v1 import kv_transfer_pb2 as pb
 
 # One layer's pool as chunk data orders it: K blocks of a run, then V blocks of the run.
@@ -52,6 +53,11 @@ class KvTransferError(Exception):
         super().__init__(f"{pb.KvPushStatus.Name(pb.KvPushStatus.ValueType(status))}: {message}")
         self.status = status
         self.message = message
+
+    @property
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Sent with the gRPC status this error becomes (see cluster.rpc)."""
+        return ((KV_PUSH_STATUS_KEY, pb.KvPushStatus.Name(pb.KvPushStatus.ValueType(self.status))),)
 
 
 class PagedPools(Protocol):

@@ -13,12 +13,14 @@ import pytest
 import redis
 
 from cluster.engine_loop import EngineLoop
+from cluster.kv_transfer.base import KvTransferError
 from cluster.ledger import LedgerConflict
-from cluster.rpc import Overloaded, new_server, status_of
+from cluster.rpc import Overloaded, Unavailable, kv_push_status, new_server, status_of
 from engine.kv_cache import KVCacheCapacityError
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import generation_pb2_grpc as gen_grpc
+from tandem.v1 import kv_transfer_pb2 as kv_pb
 
 RAISED: list[tuple[BaseException, grpc.StatusCode]] = [
     (ValueError("prompt: is empty"), grpc.StatusCode.INVALID_ARGUMENT),
@@ -82,6 +84,56 @@ async def test_interceptor_answers_each_exception_and_server_survives() -> None:
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # RAISED[0], unary
     finally:
         await server.stop(0)
+
+
+class Relaying(gen_grpc.GenerationServicer):
+    """Raises KvTransferError(STALE_EPOCH) for request "push", Unavailable otherwise; with
+    ``downstream`` set, calls that server instead and lets its error go up, as the prefill
+    worker does with a decode worker's refusal."""
+
+    def __init__(self, downstream: str | None = None) -> None:
+        self.downstream = downstream
+
+    async def Generate(self, request: gen.GenerateRequest, context: Any) -> AsyncIterator[Any]:
+        if self.downstream is not None:
+            async with grpc.aio.insecure_channel(self.downstream) as channel:
+                async for chunk in gen_grpc.GenerationStub(channel).Generate(request, timeout=5):
+                    yield chunk
+        elif request.request_id == "push":
+            raise KvTransferError(kv_pb.KV_PUSH_STATUS_STALE_EPOCH, "epoch 3 is not 4")
+        else:
+            raise Unavailable("draining")
+
+
+async def test_a_refused_push_is_told_apart_two_hops_up() -> None:
+    """The router tells D refusing P's push from P failing by trailing metadata, not by
+    the message: it reaches the caller of the caller with the status."""
+    servers: list[Any] = []
+    try:
+        address: str | None = None  # the decode worker, then the prefill worker calling it
+        for _ in range(2):
+            server, _ = new_server(1 << 20)
+            gen_grpc.add_GenerationServicer_to_server(Relaying(downstream=address), server)
+            address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+            await server.start()
+            servers.append(server)
+        assert address is not None
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = gen_grpc.GenerationStub(channel)
+            found = {}
+            for request_id in ("push", "other"):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in stub.Generate(gen.GenerateRequest(request_id=request_id)):
+                        pass
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+                found[request_id] = (kv_push_status(info.value), info.value.details())
+        assert found == {
+            "push": ("KV_PUSH_STATUS_STALE_EPOCH", "KV_PUSH_STATUS_STALE_EPOCH: epoch 3 is not 4"),
+            "other": (None, "draining"),
+        }
+    finally:
+        for server in servers:
+            await server.stop(0)
 
 
 def idle_engine() -> Any:
