@@ -21,6 +21,25 @@ local function conflict(msg)
   return redis.error_reply('TDCONFLICT ' .. msg)
 end
 local TERMINAL = {FINISHED = true, FAILED = true, CANCELLED = true}
+-- The record KEYS[1] of request rid must be in state `expected` and owned at `epoch` (by
+-- `owner` too, unless it is nil). Returns a refusal to return as is, or nil when it is.
+-- `edge` (may be '') names the refused move in the message.
+local function check_owner(rid, expected, owner, epoch, edge)
+  local cur = redis.call('HMGET', KEYS[1], 'state', 'owner', 'epoch')
+  if not cur[1] then
+    return conflict('request ' .. rid .. ': expected state ' .. expected ..
+      ', found no record (unknown or expired)')
+  end
+  if cur[1] ~= expected then
+    return conflict('request ' .. rid .. ': expected state ' .. expected .. ', found ' ..
+      cur[1] .. edge)
+  end
+  if cur[3] ~= epoch or (owner and cur[2] ~= owner) then
+    return conflict('request ' .. rid .. ': stale epoch: expected owner ' .. cur[2] ..
+      ' at epoch ' .. cur[3] .. ', got ' .. (owner and (owner .. ' at ') or 'epoch ') .. epoch)
+  end
+  return nil
+end
 """
 
 # KEYS: record. ARGV: request_id, owner, epoch, ttl_ms, field, value, ...
@@ -43,19 +62,9 @@ return redis.call('HGETALL', KEYS[1])
 TRANSITION = (
     _PRELUDE
     + """
-local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'owner')
-if not cur[1] then
-  return conflict('request ' .. ARGV[1] .. ': expected state ' .. ARGV[2] ..
-    ', found no record (unknown or expired)')
-end
-if cur[1] ~= ARGV[2] then
-  return conflict('request ' .. ARGV[1] .. ': expected state ' .. ARGV[2] .. ', found ' ..
-    cur[1] .. ' (' .. ARGV[2] .. ' -> ' .. ARGV[3] .. ' refused)')
-end
-if cur[2] ~= ARGV[4] then
-  return conflict('request ' .. ARGV[1] .. ': stale epoch: expected owner epoch ' .. cur[2] ..
-    ' (' .. cur[3] .. '), got ' .. ARGV[4])
-end
+local refused = check_owner(ARGV[1], ARGV[2], nil, ARGV[4],
+  ' (' .. ARGV[2] .. ' -> ' .. ARGV[3] .. ' refused)')
+if refused then return refused end
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'updated_ms', now_ms())
 redis.call('HINCRBY', KEYS[1], 'version', 1)
 if ARGV[5] ~= '' then
@@ -113,18 +122,8 @@ return redis.call('SCARD', KEYS[3])
 RESIZE_BLOCKS = (
     _PRELUDE
     + """
-local cur = redis.call('HMGET', KEYS[1], 'state', 'owner', 'epoch')
-if not cur[1] then
-  return conflict('request ' .. ARGV[1] .. ': expected state ' .. ARGV[4] ..
-    ', found no record (unknown or expired)')
-end
-if cur[1] ~= ARGV[4] then
-  return conflict('request ' .. ARGV[1] .. ': expected state ' .. ARGV[4] .. ', found ' .. cur[1])
-end
-if cur[2] ~= ARGV[2] or cur[3] ~= ARGV[3] then
-  return conflict('request ' .. ARGV[1] .. ': stale epoch: expected owner ' .. cur[2] ..
-    ' at epoch ' .. cur[3] .. ', got ' .. ARGV[2] .. ' at ' .. ARGV[3])
-end
+local refused = check_owner(ARGV[1], ARGV[4], ARGV[2], ARGV[3], '')
+if refused then return refused end
 local held = redis.call('HGET', KEYS[2], ARGV[2])
 if held ~= ARGV[3] then
   return conflict('request ' .. ARGV[1] .. ': expected blocks held by worker ' .. ARGV[2] ..

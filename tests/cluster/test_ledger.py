@@ -170,7 +170,7 @@ def test_stale_epoch_is_refused(ledger: Ledger) -> None:
     _drive(ledger, "r1", S.PREFILLING, e)
     # The router handed the request over: its epoch no longer moves it.
     with pytest.raises(
-        LedgerConflict, match=rf"expected owner epoch {e.prefill} \(prefill-0\), got {e.router}"
+        LedgerConflict, match=f"expected owner prefill-0 at epoch {e.prefill}, got epoch {e.router}"
     ):
         ledger.transition("r1", S.TRANSFERRING, expected=S.PREFILLING, epoch=e.router)
     # The prefill worker restarts (new registration, new epoch): neither instance can
