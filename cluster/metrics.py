@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from cluster.loop_watchdog import LoopWatchdog
+
 # Latencies from 1 ms to 2 min; ITL and Redis round trips need the low end.
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -26,7 +28,7 @@ REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 
 
 class Metrics:
-    """What every component exports: Redis round trips."""
+    """What every component exports: Redis round trips, event-loop lag."""
 
     def __init__(self, role: str) -> None:
         self.role = role
@@ -37,7 +39,19 @@ class Metrics:
             ["command"],
             buckets=REDIS_BUCKETS,
         )
+        self.loop_lag_seconds = self._histogram(
+            "tandem_event_loop_lag_seconds",
+            "How late the event loop ran a tick due every 50 ms (a stall delays every RPC, "
+            "stream and heartbeat of the component)",
+        )
         self._server: Any = None
+        self._watchdog: LoopWatchdog | None = None
+
+    def watch_loop(self) -> None:
+        """Measures the running event loop's lag, and logs its stalls with their cause
+        (cluster.loop_watchdog), until ``close``."""
+        self._watchdog = LoopWatchdog(self.loop_lag_seconds.labels(self.role).observe)
+        self._watchdog.start()
 
     def _histogram(
         self,
@@ -81,6 +95,9 @@ class Metrics:
         return int(self._server.server_port)
 
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

@@ -78,6 +78,7 @@ async def serve(args: argparse.Namespace) -> None:
     address = advertised_address(args, port)
     metrics = DecodeMetrics()
     metrics.serve(args.host, args.metrics_port)
+    metrics.watch_loop()
     client = metrics.instrument_redis(connect(RedisSettings.from_args(args)))
     ledger = Ledger(client, namespace=args.namespace)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 from cluster.metrics import DecodeFigures, DecodeMetrics, Metrics, PrefillMetrics, RouterMetrics
 from cluster.redis_server import free_port
 
-COMMON = {"tandem_redis_seconds"}
+COMMON = {"tandem_redis_seconds", "tandem_event_loop_lag_seconds"}
 EXPECTED: dict[type[Metrics], set[str]] = {
     RouterMetrics: COMMON
     | {
@@ -52,6 +53,22 @@ def test_decode_gauges_and_counters_read_the_service_figures() -> None:
     assert get("tandem_kv_blocks_used", {"role": "decode"}) == 3
     assert get("tandem_kv_blocks_free", {"role": "decode"}) == 5
     assert get("tandem_spec_accepted_tokens_total", {"role": "decode"}) == 7
+
+
+async def test_the_loop_lag_is_measured_until_close() -> None:
+    metrics = PrefillMetrics()
+    metrics.watch_loop()
+    await asyncio.sleep(0.5)  # about 10 ticks of 50 ms
+    metrics.close()
+    count = metrics.registry.get_sample_value(
+        "tandem_event_loop_lag_seconds_count", {"role": "prefill"}
+    )
+    assert count is not None and 5 <= count <= 10
+    await asyncio.sleep(0.2)
+    after = metrics.registry.get_sample_value(
+        "tandem_event_loop_lag_seconds_count", {"role": "prefill"}
+    )
+    assert after == count  # stopped
 
 
 class _FakeRedis:
