@@ -19,7 +19,7 @@ from engine.config import Llama3Config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheCapacityError, KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.model_runner import LayerListener, ModelRunner, RowLogprobs, StepOutput
-from engine.models.layers import use_packed_gemm
+from engine.models.layers import release_packed_weights, use_packed_gemm
 from engine.registry import load_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -115,8 +115,10 @@ class LLMEngine:
             config.model, dtype=config.dtype, max_length=config.max_model_len, device=self.device
         )
         self.max_model_len = self.model_config.max_seq_len
+        packed: list[torch.nn.Module] = []  # models whose products use_packed_gemm prepared
         if self.device.type == "cpu" and config.cpu_packed_gemm_min_rows is not None:
             use_packed_gemm(model, config.cpu_packed_gemm_min_rows)
+            packed.append(model)
         self.tokenizer = tokenizer
         self.eos_token_ids = _eos_token_ids(Path(config.model), self.model_config)
         kv_params = KVCacheParams.from_config(self.model_config, config.block_size)
@@ -127,12 +129,16 @@ class LLMEngine:
             if self.device.type == "cpu" and config.cpu_packed_gemm_min_rows is not None:
                 assert isinstance(drafter, torch.nn.Module)
                 use_packed_gemm(drafter, config.cpu_packed_gemm_min_rows)
+                packed.append(drafter)
             draft_params = KVCacheParams.from_config(drafter.config, config.block_size)
             # One block id holds a target block and a draft block: plan for both together.
             plan_params = dataclasses.replace(
                 kv_params, num_layers=kv_params.num_layers + draft_params.num_layers
             )
             lookahead = num_lookahead_slots(num_draft_tokens(config.speculative, drafter), drafter)
+        if packed:
+            freed = release_packed_weights(*packed)
+            logger.info("weights on the bf16 kernel's panels: %.0f MB of copies freed", freed / 1e6)
         num_blocks = plan_num_blocks(
             plan_params,
             self.device,

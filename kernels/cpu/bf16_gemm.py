@@ -20,11 +20,14 @@ import torch
 from kernels.cpu.extension import available
 from kernels.cpu.timing import best_ms
 
-__all__ = ["available", "linear", "pack"]
+__all__ = ["PANEL", "available", "linear", "pack"]
+
+PANEL = 16  # output features per panel: panels[i] holds weight rows 16 i .. 16 i + 15
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] bf16 -> [ceil(N/16), K, 16] bf16 panels for ``linear``."""
+    """[N, K] bf16 -> [ceil(N/16), K, 16] bf16 panels for ``linear``. Rows from a multiple
+    of ``PANEL`` on are a slice of panels: ``pack(w)[r // PANEL:]`` is ``pack(w[r:])``."""
     packed: torch.Tensor = torch.ops.tandem_cpu.pack_bf16(weight.detach().contiguous())
     return packed
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
+from engine.models.layers import Linear, release_packed_weights, use_packed_gemm
 from kernels.cpu import bf16_gemm
 from tests.kernels.compile_count import CountingCompiler
 
@@ -103,3 +105,49 @@ def test_compiled_callers_see_one_graph_for_every_row_count_from_two() -> None:
         want = bf16_gemm.linear(x * 2, packed, None, 64).relu()
         assert torch.equal(f(x), want)
     assert compiler.count == 1
+
+
+def packed_linear(out_features: int, in_features: int, seed: int) -> Linear:
+    torch.manual_seed(seed)
+    linear = Linear(in_features, out_features, bias=True).bfloat16()
+    use_packed_gemm(linear, min_rows=2)
+    return linear
+
+
+@pytest.mark.parametrize("start", [0, 16, 48, 20, 79])
+def test_rows_from_start_equal_those_of_the_whole_product(start: int) -> None:
+    """DFlash's context K/V: the kv rows of a fused qkv projection, on panels (from a
+    panel boundary) or sliced from the whole product (elsewhere), before and after the
+    native weight is released."""
+    linear = packed_linear(80, 40, seed=start)
+    x = torch.randn(7, 40).bfloat16()
+    whole = linear(x)
+    want = reference(x.float(), linear.weight.float(), linear.bias.float())[:, start:]
+    got = linear.forward_rows(x, start)
+    assert torch.equal(got, whole[:, start:])  # same columns, same accumulation order
+    assert (got.double() - want).abs().max().item() < 0.05  # bf16 rounding of the output
+    assert release_packed_weights(linear) == 80 * 40 * 2
+    assert linear.weight.numel() == 0
+    assert torch.equal(linear.forward_rows(x, start), got)
+    assert torch.equal(linear(x), whole)
+
+
+def test_release_keeps_weights_shared_with_another_parameter() -> None:
+    """A tied lm_head keeps the embedding's weight; weights only the panels need go."""
+    model = nn.Module()
+    model.embed = nn.Embedding(64, 40).bfloat16()
+    model.head = Linear(40, 64, bias=False).bfloat16()
+    model.head.weight = model.embed.weight  # tied, as tie_word_embeddings does
+    model.proj = Linear(40, 48, bias=False).bfloat16()
+    other = nn.Module()  # a drafter, packed and released together with the target
+    other.fc = Linear(80, 40, bias=True).bfloat16()
+    use_packed_gemm(model, min_rows=2)
+    use_packed_gemm(other, min_rows=2)
+    x = torch.randn(3, 40).bfloat16()
+    before = (model.head(x), model.proj(x), other.fc(torch.cat([x, x], dim=-1)))
+    assert release_packed_weights(model, other) == (48 * 40 + 40 * 80) * 2
+    assert model.head.weight is model.embed.weight and model.embed.weight.shape == (64, 40)
+    assert model.proj.weight.numel() == 0 and other.fc.weight.numel() == 0
+    after = (model.head(x), model.proj(x), other.fc(torch.cat([x, x], dim=-1)))
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert release_packed_weights(model, other) == 0  # nothing left to free

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, BatchLayout
@@ -159,8 +158,7 @@ class DflashDrafter(nn.Module):
         t, c = ctx.shape[0], self.config
         for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
             proj = cast(Llama3DecoderLayer, layer).self_attn.qkv_proj
-            bias = None if proj.bias is None else proj.bias[c.q_size :]
-            k, v = F.linear(ctx, proj.weight[c.q_size :], bias).split(c.kv_size, dim=-1)
+            k, v = proj.forward_rows(ctx, c.q_size).split(c.kv_size, dim=-1)
             k = RotaryEmbedding.rotate(k.reshape(t, c.num_key_value_heads, c.head_dim), cos, sin)
             backend.write_kv(
                 k,
