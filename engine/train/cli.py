@@ -1,4 +1,6 @@
-"""`tandem train-draft`: self-distil an EAGLE, EAGLE-3 or DFlash draft for a target model.
+"""`tandem train-draft`: self-distil an EAGLE, EAGLE-3 or DFlash draft for a target model;
+`tandem draft-data`: the target's self-distillation data in shards, for sets larger than
+one sitting.
 
 Registered through the ``tandem.commands`` entry points; torch and the trainer are
 imported inside the handler, so `tandem --help` stays fast.
@@ -139,4 +141,65 @@ def _train_draft(args: argparse.Namespace) -> int:
         f"{args.kind} draft in {args.out}: {manifest['epochs']} epoch(s), "
         f"final loss {manifest['final_loss']:.4f}, held-out tau {manifest['heldout_tau']:.3f}"
     )
+    return 0
+
+
+def register_draft_data(subparsers: Subparsers) -> None:
+    """Add `tandem draft-data`."""
+    parser = subparsers.add_parser(
+        "draft-data",
+        help="generate self-distillation data for train-draft, in resumable shards",
+        description="Build the training corpus's prompts (held-out prompts excluded), cut them "
+        "into shards of --shard-size, and generate the target's greedy bf16 continuations "
+        "shard by shard into OUT/shardNNN.safetensors. A shard already there with the same "
+        "recipe is kept: a stopped run resumes, and a larger --num-shards adds to the set. "
+        "Train on it with `tandem train-draft --data OUT`.",
+    )
+    parser.add_argument(
+        "--target", required=True, help="a prepared model name (e.g. smollm2) or a HF model dir"
+    )
+    parser.add_argument("--out", required=True, type=Path, help="directory of the shards")
+    parser.add_argument("--num-prompts", type=int, default=6000, help="prompts in the whole set")
+    parser.add_argument("--shard-size", type=int, default=250, help="sequences per shard")
+    parser.add_argument(
+        "--num-shards", type=int, default=None, help="make the first N shards only (default all)"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="continuation length")
+    parser.add_argument("--max-prompt-len", type=int, default=192, help="prompt tokens at most")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=64, help="continuations generated at once"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=1, help="corpus order")
+    parser.set_defaults(func=_draft_data)
+
+
+def _draft_data(args: argparse.Namespace) -> int:
+    from engine.model_store import ModelNotFoundError, resolve_model
+
+    try:
+        target = resolve_model(args.target)
+    except ModelNotFoundError as exc:
+        print(f"tandem draft-data: error: {exc}", file=sys.stderr)
+        return 2
+
+    from engine.train.data import prepare_shards
+
+    try:
+        paths = prepare_shards(
+            Path(target),
+            args.out,
+            num_prompts=args.num_prompts,
+            shard_size=args.shard_size,
+            num_shards=args.num_shards,
+            max_new_tokens=args.max_new_tokens,
+            max_prompt_len=args.max_prompt_len,
+            seed=args.seed,
+            num_threads=args.threads,
+            max_num_seqs=args.max_num_seqs,
+        )
+    except (ValueError, OSError) as exc:
+        print(f"tandem draft-data: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{len(paths)} shard(s) in {args.out}")
     return 0

@@ -275,10 +275,6 @@ def prepare_sequences(
 ) -> tuple[SequenceSet, dict[str, Any]]:
     """Loads ``path`` when it was made with the same recipe; else builds the prompts from the
     training corpus, generates the continuations and saves them there."""
-    from transformers import AutoTokenizer
-
-    from engine.train.corpus import build_corpus, corpus_sources
-
     recipe = {
         "target": str(target_dir),
         "num_prompts": num_prompts,
@@ -292,27 +288,118 @@ def prepare_sequences(
             log(f"reusing {len(data)} generated sequences from {path}")
             return data, meta
         log(f"{path} was made with another recipe ({meta.get('recipe')}); generating again")
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    prompts = build_corpus(num_prompts, seed=seed)
-    if not prompts:
-        raise ValueError("corpus: no training prompts found on this machine")
-    prompt_ids = chat_prompt_ids(tokenizer, [p.text for p in prompts], max_prompt_len)
-    continuations, stats = generate_continuations(
-        target_dir, prompt_ids, max_new_tokens, num_threads=num_threads, log=log
+    corpus = _Corpus.build(target_dir, num_prompts, max_prompt_len, seed)
+    data, meta = corpus.generate(
+        range(len(corpus.prompts)), max_new_tokens, num_threads=num_threads, log=log
     )
-    data = SequenceSet(
-        [p + c for p, c in zip(prompt_ids, continuations, strict=True)],
-        [len(p) for p in prompt_ids],
-        special_token_ids(tokenizer),
-    )
-    flavours: dict[str, int] = {}
-    for p in prompts:
-        flavours[p.source] = flavours.get(p.source, 0) + 1
-    meta = {
-        "recipe": recipe,
-        "corpus_sources": corpus_sources(),
-        "prompts_per_source": flavours,
-        "generation": stats,
-    }
+    meta = {"recipe": recipe, **meta}
     data.save(path, meta)
     return data, meta
+
+
+def prepare_shards(
+    target_dir: Path,
+    out_dir: Path,
+    *,
+    num_prompts: int,
+    shard_size: int,
+    num_shards: int | None,
+    max_new_tokens: int,
+    max_prompt_len: int,
+    seed: int,
+    num_threads: int | None,
+    max_num_seqs: int = 64,
+    log: Log = print,
+) -> list[Path]:
+    """Self-distillation data in shards of ``shard_size`` sequences (``shardNNN.safetensors``
+    in ``out_dir``), for sets larger than one sitting: the corpus's ``num_prompts`` prompts,
+    in its order, cut into shards; the first ``num_shards`` (None: all) are made. A shard
+    already there with the same recipe is kept, so a stopped run resumes where it was and a
+    later run with a larger ``num_shards`` adds to the set. Returns every shard's path."""
+    if shard_size <= 0:
+        raise ValueError(f"shard_size: must be positive, got {shard_size}")
+    corpus = _Corpus.build(target_dir, num_prompts, max_prompt_len, seed)
+    total = -(-len(corpus.prompts) // shard_size)
+    wanted = total if num_shards is None else min(num_shards, total)
+    paths = []
+    for index in range(wanted):
+        path = out_dir / f"shard{index:03d}.safetensors"
+        paths.append(path)
+        recipe = {
+            "target": str(target_dir),
+            "num_prompts": num_prompts,
+            "max_new_tokens": max_new_tokens,
+            "max_prompt_len": max_prompt_len,
+            "seed": seed,
+            "shard_size": shard_size,
+            "shard": index,
+        }
+        if path.is_file() and SequenceSet.load(path)[1].get("recipe") == recipe:
+            log(f"shard {index + 1}/{wanted}: {path} is there")
+            continue
+        log(f"shard {index + 1}/{wanted}: generating {path}")
+        rows = range(index * shard_size, min((index + 1) * shard_size, len(corpus.prompts)))
+        data, meta = corpus.generate(
+            rows, max_new_tokens, num_threads=num_threads, max_num_seqs=max_num_seqs, log=log
+        )
+        data.save(path, {"recipe": recipe, **meta})
+    return paths
+
+
+@dataclass
+class _Corpus:
+    """The training prompts of a recipe, as text and as the target's chat-template ids."""
+
+    target_dir: Path
+    tokenizer: Any
+    prompts: list[Any]  # engine.train.corpus.Prompt
+    prompt_ids: list[list[int]]
+
+    @classmethod
+    def build(cls, target_dir: Path, num_prompts: int, max_prompt_len: int, seed: int) -> _Corpus:
+        from transformers import AutoTokenizer
+
+        from engine.train.corpus import build_corpus
+
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        prompts = build_corpus(num_prompts, seed=seed)
+        if not prompts:
+            raise ValueError("corpus: no training prompts found on this machine")
+        ids = chat_prompt_ids(tokenizer, [p.text for p in prompts], max_prompt_len)
+        return cls(target_dir, tokenizer, prompts, ids)
+
+    def generate(
+        self,
+        rows: Sequence[int],
+        max_new_tokens: int,
+        *,
+        num_threads: int | None,
+        max_num_seqs: int = 64,
+        log: Log = print,
+    ) -> tuple[SequenceSet, dict[str, Any]]:
+        """The target's continuations of the prompts ``rows``, and what to record of them."""
+        from engine.train.corpus import corpus_sources
+
+        prompt_ids = [self.prompt_ids[i] for i in rows]
+        continuations, stats = generate_continuations(
+            self.target_dir,
+            prompt_ids,
+            max_new_tokens,
+            num_threads=num_threads,
+            max_num_seqs=max_num_seqs,
+            log=log,
+        )
+        data = SequenceSet(
+            [p + c for p, c in zip(prompt_ids, continuations, strict=True)],
+            [len(p) for p in prompt_ids],
+            special_token_ids(self.tokenizer),
+        )
+        sources: dict[str, int] = {}
+        for i in rows:
+            sources[self.prompts[i].source] = sources.get(self.prompts[i].source, 0) + 1
+        meta = {
+            "corpus_sources": corpus_sources(),
+            "prompts_per_source": sources,
+            "generation": stats,
+        }
+        return data, meta
