@@ -12,6 +12,7 @@ acceptance) runs against plain decoding. The last line is one JSON object (batch
 
     python bench/spec_decode.py            # 16 prompts per set at batch 1, 32 at batch 8/32
     python bench/spec_decode.py --quick    # 4 prompts per set at batch 1, 8 at batch 8
+    python bench/spec_decode.py --quick --skip-batch1   # adaptive at batch 8 and 32 only
 """
 
 from __future__ import annotations
@@ -144,6 +145,11 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--skip-batched", action="store_true", help="batch 1 only")
     parser.add_argument(
+        "--skip-batch1",
+        action="store_true",
+        help="batch 8 and 32 only (the last line then holds their figures)",
+    )
+    parser.add_argument(
         "--torch-compile",
         action="store_true",
         help="Tandem's decode steps through torch.compile (each engine compiles for a minute "
@@ -173,8 +179,8 @@ def main() -> None:
 
     results: dict[str, Any] = {"batch1": {}, "batched": {}}
     configs = [("nospec", None)] + [(k, spec(k)) for k in args.kinds]
-    bar = tqdm(total=len(sets) * (len(configs) + 2), desc="batch 1")
-    for set_name, prompts in sets.items():
+    bar = tqdm(total=0 if args.skip_batch1 else len(sets) * (len(configs) + 2), desc="batch 1")
+    for set_name, prompts in sets.items() if not args.skip_batch1 else ():
         row: dict[str, Any] = {}
         for name, cfg in configs:
             llm = LLM(str(model_dir), speculative=cfg, **common)
@@ -216,6 +222,9 @@ def main() -> None:
             indent=1,
         )
     )
+    if args.skip_batch1:
+        print(json.dumps({b: row["adaptive_over_nospec"] for b, row in results["batched"].items()}))
+        return
     chat = results["batch1"]["chat"]
     summary = {
         "nospec_tok_s": chat["nospec"]["tok_s"],

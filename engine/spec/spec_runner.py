@@ -127,16 +127,19 @@ class SpecRunner:
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[DecodeResult]:
         """One unified step over rows whose target KV covers all but their pending token."""
+        started = time.perf_counter()
         k = min(len(s.draft_token_ids or []) for s in seqs)
         k_next = self.k if self.adaptive is None else self.adaptive.choose(len(seqs))
         inputs = self._step_inputs(seqs, k, k_next)
         out = self.step(inputs, k_next)
         num_accepted = out.num_accepted.tolist()
         emitted = out.emitted.tolist()
-        drafts = out.next_draft_tokens.tolist()
+        drafts = out.next_draft_tokens.tolist()  # the step has completed: time it
         self.stats.record(k, num_accepted)
         if self.adaptive is not None:
             self.adaptive.observe(k, num_accepted)
+            if k == k_next:  # a step at one depth, as the costs are measured
+                self.adaptive.observe_cost(len(seqs), k, time.perf_counter() - started)
         logprobs = self._logprobs(seqs, out.logits, out.emitted)
         results = []
         for i, seq in enumerate(seqs):
