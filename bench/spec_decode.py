@@ -179,8 +179,9 @@ def main() -> None:
 
     results: dict[str, Any] = {"batch1": {}, "batched": {}}
     configs = [("nospec", None)] + [(k, spec(k)) for k in args.kinds]
-    bar = tqdm(total=0 if args.skip_batch1 else len(sets) * (len(configs) + 2), desc="batch 1")
-    for set_name, prompts in sets.items() if not args.skip_batch1 else ():
+    batch1_sets = {} if args.skip_batch1 else sets
+    bar = tqdm(total=len(batch1_sets) * (len(configs) + 2), desc="batch 1")
+    for set_name, prompts in batch1_sets.items():
         row: dict[str, Any] = {}
         for name, cfg in configs:
             llm = LLM(str(model_dir), speculative=cfg, **common)

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class LoopWatchdog:
         self.on_stall = on_stall or _log_stall
         self._lock = threading.Lock()
         self._loop_thread = 0
-        self._schedstat: Path | None = None
+        self._schedstat: int | None = None  # an open fd, read again at each tick
         self._last = _Sample(time.monotonic(), time.process_time(), None)
         self._stack: str | None = None  # taken by the watcher during this stall
         self._stopping = threading.Event()
@@ -94,8 +94,11 @@ class LoopWatchdog:
 
     def start(self) -> None:
         self._loop_thread = threading.get_ident()
-        path = Path(f"/proc/self/task/{threading.get_native_id()}/schedstat")
-        self._schedstat = path if path.exists() else None
+        try:
+            path = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+            self._schedstat = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._schedstat = None
         self._last = self._sample()
         self._task = asyncio.get_running_loop().create_task(self._tick(), name="loop-watchdog")
         self._thread = threading.Thread(target=self._watch, name="loop-watchdog", daemon=True)
@@ -107,12 +110,15 @@ class LoopWatchdog:
             self._task.cancel()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
+        if self._schedstat is not None:
+            os.close(self._schedstat)
+            self._schedstat = None
 
     def _sample(self) -> _Sample:
         thread = None
         if self._schedstat is not None:
             try:
-                on_cpu_ns, runnable_ns, _ = self._schedstat.read_text().split()
+                on_cpu_ns, runnable_ns, _ = os.pread(self._schedstat, 128, 0).split()
                 thread = (int(on_cpu_ns) / 1e9, int(runnable_ns) / 1e9)
             except (OSError, ValueError):
                 thread = None

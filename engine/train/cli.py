@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +30,10 @@ def register_train_draft(subparsers: Subparsers) -> None:
         "draft in HF layout (fp16) with manifest.json in OUT. --resume continues from "
         "OUT/checkpoint.",
     )
-    parser.add_argument(
-        "--target", required=True, help="a prepared model name (e.g. smollm2) or a HF model dir"
-    )
+    _add_target(parser)
     parser.add_argument("--kind", required=True, choices=["eagle", "eagle3", "dflash"])
     parser.add_argument("--out", required=True, help="directory of the trained draft")
-    parser.add_argument("--num-prompts", type=int, default=2000, help="training prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="continuation length")
-    parser.add_argument("--max-prompt-len", type=int, default=192, help="prompt tokens at most")
+    _add_data_recipe(parser, num_prompts=2000, what="training prompts")
     parser.add_argument(
         "--data",
         nargs="+",
@@ -96,18 +93,10 @@ def register_train_draft(subparsers: Subparsers) -> None:
 
 
 def _train_draft(args: argparse.Namespace) -> int:
-    from engine.model_store import ModelNotFoundError, resolve_model
+    def train(target: Path) -> int:
+        from engine.train.data import load_sequence_files
+        from engine.train.train_draft import TrainConfig, train_draft
 
-    try:
-        target = resolve_model(args.target)
-    except ModelNotFoundError as exc:
-        print(f"tandem train-draft: error: {exc}", file=sys.stderr)
-        return 2
-
-    from engine.train.data import load_sequence_files
-    from engine.train.train_draft import TrainConfig, train_draft
-
-    try:
         config = TrainConfig(
             target=str(target),
             kind=args.kind,
@@ -134,14 +123,13 @@ def _train_draft(args: argparse.Namespace) -> int:
         )
         data, data_meta = load_sequence_files(args.data) if args.data else (None, None)
         manifest = train_draft(config, data, data_meta)
-    except (ValueError, OSError) as exc:  # config, data and weight errors name the problem
-        print(f"tandem train-draft: error: {exc}", file=sys.stderr)
-        return 2
-    print(
-        f"{args.kind} draft in {args.out}: {manifest['epochs']} epoch(s), "
-        f"final loss {manifest['final_loss']:.4f}, held-out tau {manifest['heldout_tau']:.3f}"
-    )
-    return 0
+        print(
+            f"{args.kind} draft in {args.out}: {manifest['epochs']} epoch(s), final loss "
+            f"{manifest['final_loss']:.4f}, held-out tau {manifest['heldout_tau']:.3f}"
+        )
+        return 0
+
+    return _run("train-draft", args.target, train)
 
 
 def register_draft_data(subparsers: Subparsers) -> None:
@@ -155,17 +143,13 @@ def register_draft_data(subparsers: Subparsers) -> None:
         "recipe is kept: a stopped run resumes, and a larger --num-shards adds to the set. "
         "Train on it with `tandem train-draft --data OUT`.",
     )
-    parser.add_argument(
-        "--target", required=True, help="a prepared model name (e.g. smollm2) or a HF model dir"
-    )
+    _add_target(parser)
     parser.add_argument("--out", required=True, type=Path, help="directory of the shards")
-    parser.add_argument("--num-prompts", type=int, default=6000, help="prompts in the whole set")
+    _add_data_recipe(parser, num_prompts=6000, what="prompts in the whole set")
     parser.add_argument("--shard-size", type=int, default=250, help="sequences per shard")
     parser.add_argument(
         "--num-shards", type=int, default=None, help="make the first N shards only (default all)"
     )
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="continuation length")
-    parser.add_argument("--max-prompt-len", type=int, default=192, help="prompt tokens at most")
     parser.add_argument(
         "--max-num-seqs", type=int, default=64, help="continuations generated at once"
     )
@@ -175,19 +159,11 @@ def register_draft_data(subparsers: Subparsers) -> None:
 
 
 def _draft_data(args: argparse.Namespace) -> int:
-    from engine.model_store import ModelNotFoundError, resolve_model
+    def make(target: Path) -> int:
+        from engine.train.data import prepare_shards
 
-    try:
-        target = resolve_model(args.target)
-    except ModelNotFoundError as exc:
-        print(f"tandem draft-data: error: {exc}", file=sys.stderr)
-        return 2
-
-    from engine.train.data import prepare_shards
-
-    try:
         paths = prepare_shards(
-            Path(target),
+            target,
             args.out,
             num_prompts=args.num_prompts,
             shard_size=args.shard_size,
@@ -198,8 +174,32 @@ def _draft_data(args: argparse.Namespace) -> int:
             num_threads=args.threads,
             max_num_seqs=args.max_num_seqs,
         )
-    except (ValueError, OSError) as exc:
-        print(f"tandem draft-data: error: {exc}", file=sys.stderr)
+        print(f"{len(paths)} shard(s) in {args.out}")
+        return 0
+
+    return _run("draft-data", args.target, make)
+
+
+def _add_target(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target", required=True, help="a prepared model name (e.g. smollm2) or a HF model dir"
+    )
+
+
+def _add_data_recipe(parser: argparse.ArgumentParser, *, num_prompts: int, what: str) -> None:
+    """The self-distillation data's recipe, as train-draft and draft-data both take it."""
+    parser.add_argument("--num-prompts", type=int, default=num_prompts, help=what)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="continuation length")
+    parser.add_argument("--max-prompt-len", type=int, default=192, help="prompt tokens at most")
+
+
+def _run(command: str, target_name: str, body: Callable[[Path], int]) -> int:
+    """``body`` on the resolved target; an unknown target, or a config, data or weight error
+    (each names the problem), is one line on stderr and exit status 2."""
+    from engine.model_store import ModelNotFoundError, resolve_model
+
+    try:
+        return body(Path(resolve_model(target_name)))
+    except (ModelNotFoundError, ValueError, OSError) as exc:
+        print(f"tandem {command}: error: {exc}", file=sys.stderr)
         return 2
-    print(f"{len(paths)} shard(s) in {args.out}")
-    return 0

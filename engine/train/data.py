@@ -110,6 +110,15 @@ class SequenceSet:
         save_file(tensors, str(tmp), metadata=metadata)
         tmp.replace(path)
 
+    @staticmethod
+    def read_meta(path: Path) -> dict[str, Any]:
+        """The metadata a file was saved with, without reading its sequences."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta: dict[str, Any] = json.loads((f.metadata() or {}).get("meta", "{}"))
+        return meta
+
     @classmethod
     def load(cls, path: Path) -> tuple[SequenceSet, dict[str, Any]]:
         """The sequences and the metadata they were saved with."""
@@ -275,13 +284,7 @@ def prepare_sequences(
 ) -> tuple[SequenceSet, dict[str, Any]]:
     """Loads ``path`` when it was made with the same recipe; else builds the prompts from the
     training corpus, generates the continuations and saves them there."""
-    recipe = {
-        "target": str(target_dir),
-        "num_prompts": num_prompts,
-        "max_new_tokens": max_new_tokens,
-        "max_prompt_len": max_prompt_len,
-        "seed": seed,
-    }
+    recipe = _recipe(target_dir, num_prompts, max_new_tokens, max_prompt_len, seed)
     if path.is_file():
         data, meta = SequenceSet.load(path)
         if meta.get("recipe") == recipe:
@@ -315,35 +318,48 @@ def prepare_shards(
     in ``out_dir``), for sets larger than one sitting: the corpus's ``num_prompts`` prompts,
     in its order, cut into shards; the first ``num_shards`` (None: all) are made. A shard
     already there with the same recipe is kept, so a stopped run resumes where it was and a
-    later run with a larger ``num_shards`` adds to the set. Returns every shard's path."""
+    later run with a larger ``num_shards`` adds to the set; the corpus is built only when a
+    shard must be made. Returns the paths of the shards there now (fewer than asked when
+    the corpus runs dry)."""
     if shard_size <= 0:
         raise ValueError(f"shard_size: must be positive, got {shard_size}")
-    corpus = _Corpus.build(target_dir, num_prompts, max_prompt_len, seed)
-    total = -(-len(corpus.prompts) // shard_size)
-    wanted = total if num_shards is None else min(num_shards, total)
+    corpus: _Corpus | None = None  # built once a shard must be made: a resumed set needs none
+    wanted = -(-num_prompts // shard_size)
+    wanted = wanted if num_shards is None else min(num_shards, wanted)
     paths = []
     for index in range(wanted):
         path = out_dir / f"shard{index:03d}.safetensors"
-        paths.append(path)
-        recipe = {
-            "target": str(target_dir),
-            "num_prompts": num_prompts,
-            "max_new_tokens": max_new_tokens,
-            "max_prompt_len": max_prompt_len,
-            "seed": seed,
-            "shard_size": shard_size,
-            "shard": index,
-        }
-        if path.is_file() and SequenceSet.load(path)[1].get("recipe") == recipe:
+        recipe = _recipe(target_dir, num_prompts, max_new_tokens, max_prompt_len, seed)
+        recipe.update(shard_size=shard_size, shard=index)
+        if path.is_file() and SequenceSet.read_meta(path).get("recipe") == recipe:
             log(f"shard {index + 1}/{wanted}: {path} is there")
+            paths.append(path)
             continue
-        log(f"shard {index + 1}/{wanted}: generating {path}")
+        if corpus is None:
+            corpus = _Corpus.build(target_dir, num_prompts, max_prompt_len, seed)
         rows = range(index * shard_size, min((index + 1) * shard_size, len(corpus.prompts)))
+        if not rows:  # the corpus ran dry before num_prompts
+            break
+        log(f"shard {index + 1}/{wanted}: generating {path}")
         data, meta = corpus.generate(
             rows, max_new_tokens, num_threads=num_threads, max_num_seqs=max_num_seqs, log=log
         )
         data.save(path, {"recipe": recipe, **meta})
+        paths.append(path)
     return paths
+
+
+def _recipe(
+    target_dir: Path, num_prompts: int, max_new_tokens: int, max_prompt_len: int, seed: int
+) -> dict[str, Any]:
+    """What generated data depends on: a saved set is reused only under an equal recipe."""
+    return {
+        "target": str(target_dir),
+        "num_prompts": num_prompts,
+        "max_new_tokens": max_new_tokens,
+        "max_prompt_len": max_prompt_len,
+        "seed": seed,
+    }
 
 
 @dataclass
