@@ -137,11 +137,13 @@ class BlockManager:
 
     # -- prefix caching --------------------------------------------------------------
 
-    def cache_computed_blocks(self, seq: BlockOwner) -> None:
-        """Registers the hashes of ``seq``'s blocks that are now full and computed."""
+    def cache_computed_blocks(self, seq: BlockOwner, num_tokens: int | None = None) -> None:
+        """Registers the hashes of ``seq``'s blocks that are now full and computed (in every
+        pool: ``num_tokens`` bounds them where the draft KV is behind the target's)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        computed = seq.num_computed_tokens if num_tokens is None else num_tokens
+        num_full = min(computed // self.block_size, len(seq.block_table))
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])

@@ -392,8 +392,9 @@ class LLMEngine:
             return []
         if self.spec is None:
             return handed_back + self._postprocess(batch, self.runner.execute(batch))
-        for seq in batch.preempted:
+        for seq in batch.preempted:  # recomputed from scratch, draft KV included
             seq.draft_token_ids, seq.draft_probs = None, None
+            seq.undrafted_features = []
         decode = {i for i in range(len(batch.seqs)) if self._is_spec_decode(batch, i)}
         prefill = ScheduledBatch(
             [s for i, s in enumerate(batch.seqs) if i not in decode],
@@ -442,7 +443,7 @@ class LLMEngine:
                 self._check_stop(seq, token)
                 if seq.finish_reason is not None:
                     break
-            self.block_manager.cache_computed_blocks(seq)
+            self.block_manager.cache_computed_blocks(seq, seq.num_drafted_tokens)
             outputs.append(self._output(seq))
             if seq.finish_reason is not None:
                 self._finish(seq)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from engine.kv_cache import PagedKVCache
 from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs, ReturnHiddenStates
 from engine.sampler import SamplingTensors, sample, top_logprobs
 from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
 
 
 @dataclass
@@ -126,49 +128,18 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, return_n_logits: int = 1) -> ModelInputs:
         """Builds the step's inputs; rows that sample get logits for their last
         ``return_n_logits`` tokens (speculative verification needs K+1 per row)."""
-        bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        offsets = [0]
-        context_lens: list[int] = []
-        sample_rows: list[int] = []
-        for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-            start = seq.num_computed_tokens
-            end = start + num_new
-            tokens.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            offsets.append(offsets[-1] + num_new)
-            context_lens.append(end)
-            if batch.samples(row):
-                sample_rows.append(row)
-        max_blocks = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
-
-        def t(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-        offsets_t = t(offsets)
-        layout = BatchLayout(
-            input_row_offsets=offsets_t,
-            positions=t(positions),
-            slot_mapping=t(slots),
-            context_lens=t(context_lens),
-            block_tables=t(tables),
-            block_size=bs,
-            max_query_len=max(batch.num_new_tokens),
-            max_context_len=max(context_lens),
-            is_causal_prefill=all(s.num_computed_tokens == 0 for s in batch.seqs),
-            query_lens=list(batch.num_new_tokens),
-            context_lens_host=context_lens,
-        )
+        spans = [
+            (seq, seq.num_computed_tokens, seq.num_computed_tokens + num_new)
+            for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True)
+        ]
+        layout = self.layout(spans)
+        offsets = [0, *itertools.accumulate(batch.num_new_tokens)]
+        sample_rows = [row for row in range(len(batch.seqs)) if batch.samples(row)]
         return ModelInputs(
-            tokens=t(tokens),
-            input_row_offsets=offsets_t,
+            tokens=self._tensor([t for seq, start, end in spans for t in seq.token_ids[start:end]]),
+            input_row_offsets=layout.input_row_offsets,
             layout=layout,
-            logit_indices=t(
+            logit_indices=self._tensor(
                 [
                     i
                     for r in sample_rows
@@ -179,6 +150,39 @@ class ModelRunner:
             ),
             sample_rows=sample_rows,
         )
+
+    def layout(self, spans: list[tuple[Sequence, int, int]]) -> BatchLayout:
+        """The layout of a ragged batch: row b computes positions ``start:end`` of its
+        sequence (``spans[b]``), reading and writing KV through its block table."""
+        bs = self.block_size
+        positions: list[int] = []
+        slots: list[int] = []
+        offsets = [0]
+        for seq, start, end in spans:
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            offsets.append(offsets[-1] + end - start)
+        context_lens = [end for _, _, end in spans]
+        query_lens = [end - start for _, start, end in spans]
+        width = max(len(seq.block_table) for seq, _, _ in spans)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _, _ in spans]
+        return BatchLayout(
+            input_row_offsets=self._tensor(offsets),
+            positions=self._tensor(positions),
+            slot_mapping=self._tensor(slots),
+            context_lens=self._tensor(context_lens),
+            block_tables=self._tensor(tables),
+            block_size=bs,
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            is_causal_prefill=all(start == 0 for _, start, _ in spans),
+            query_lens=query_lens,
+            context_lens_host=context_lens,
+        )
+
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     @torch.inference_mode()
     def forward(

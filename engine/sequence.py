@@ -43,10 +43,18 @@ class Sequence:
     # Speculative decoding: drafts proposed after the last token, verified next step.
     draft_token_ids: list[int] | None = None
     draft_probs: Any = None  # [K, V] tensor when drafts were sampled, else None
+    # Target features [n, F] of the last positions whose draft KV is not written yet:
+    # steps that drafted nothing left the drafter idle (oldest first).
+    undrafted_features: list[Any] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_drafted_tokens(self) -> int:
+        """Computed tokens whose draft KV is written too."""
+        return self.num_computed_tokens - sum(len(f) for f in self.undrafted_features)
 
     @property
     def num_output_tokens(self) -> int:

@@ -11,6 +11,7 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # of those, accepted
     num_steps_without_drafts: int = 0  # row-steps run with K = 0
+    num_caught_up_positions: int = 0  # draft KV written late, for steps that left it idle
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: drafts accepted at j
     verified_per_position: list[int] = field(default_factory=list)  # [j]: drafts verified at j
 

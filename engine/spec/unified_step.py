@@ -10,6 +10,11 @@ One call computes a whole decode step for a batch of B rows with K drafts each:
 6. propose  the drafter writes draft KV and drafts ``k_next`` tokens per row
 7. pack     ``emitted`` [B, K+1] (accepted drafts, then the next token, then -1)
 
+A step that proposes nothing (``k_next == 0``, adaptive speculation's plain step) may
+defer the drafter: it skips 5 and 6 and returns the target features instead, which the
+caller keeps and hands the drafter in one batched ``extend`` when drafting resumes. Such
+a step costs what a plain decode step costs.
+
 KV lengths advance by ``num_accepted + 1``; KV written for rejected positions is
 overwritten by later steps. Nothing here reads a tensor on the host, so the step can
 be captured in a CUDA graph per batch bucket; the only host values are shapes and
@@ -51,6 +56,7 @@ class SpecStepOutputs:
     next_draft_tokens: torch.Tensor  # [B, k_next] int64
     next_draft_probs: torch.Tensor | None  # [B, k_next, V] when drafts are sampled
     logits: torch.Tensor  # [B, K+1, V] fp32, for logprobs
+    features: torch.Tensor | None = None  # [B, K+1, F] when the drafter was deferred
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -85,7 +91,13 @@ class UnifiedStep:
         self.sample_drafts = sample_drafts
 
     @torch.inference_mode()
-    def __call__(self, inputs: SpecStepInputs, k_next: int) -> SpecStepOutputs:
+    def __call__(
+        self, inputs: SpecStepInputs, k_next: int, *, defer_drafter: bool = False
+    ) -> SpecStepOutputs:
+        """One step; ``defer_drafter`` (only with ``k_next == 0``) leaves the drafter idle
+        and returns the target features of every verified position."""
+        if defer_drafter and k_next != 0:
+            raise ValueError(f"defer_drafter: needs k_next == 0, got {k_next}")
         b, k = inputs.draft_tokens.shape
         s = k + 1
         device = inputs.tokens.device
@@ -127,16 +139,29 @@ class UnifiedStep:
                 logits, inputs.draft_tokens, inputs.sampling, first_positions, inputs.draft_probs
             )
 
-        # 5. shift: feature j (position n+j) pairs with the token at n+j+1: draft j+1 while
-        # accepted, then the next token; entries past num_accepted are never read.
+        # Accepted drafts, then the next token: what the row emits, and (shifted by one)
+        # the token after each verified position; entries past num_accepted are never read.
         padded = torch.cat([inputs.draft_tokens, next_tokens[:, None]], dim=1)  # [B, K+1]
         is_accepted = steps[None, :] < num_accepted[:, None]
-        shifted = torch.where(is_accepted, padded, next_tokens[:, None])
         emitted = torch.where(
             is_accepted,
             padded,
             torch.where(steps[None, :] == num_accepted[:, None], next_tokens[:, None], -1),
         )
+        if defer_drafter:
+            return SpecStepOutputs(
+                num_accepted=num_accepted,
+                next_tokens=next_tokens,
+                emitted=emitted,
+                next_draft_tokens=next_tokens.new_zeros((b, 0)),
+                next_draft_probs=None,
+                logits=logits,
+                features=self.drafter.features(out).view(b, s, -1),
+            )
+
+        # 5. shift: feature j (position n+j) pairs with the token at n+j+1: draft j+1 while
+        # accepted, then the next token.
+        shifted = torch.where(is_accepted, padded, next_tokens[:, None])
 
         # 6. propose
         state = self.drafter.extend(

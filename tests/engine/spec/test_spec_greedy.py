@@ -3,6 +3,7 @@ every drafter and K, and the edge cases of accepting many drafts at once."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.spec.adaptive import AdaptiveK
 from engine.spec.config import SpeculativeConfig
 from tests.comparator import compare_greedy
 from tests.engine.tiny_drafts import build_random_draft
@@ -201,3 +203,78 @@ def test_adaptive_k_is_lossless_and_measures_every_bucket(target, tmp_path):
     assert all(sorted(adaptive.costs[b]) == [0, 1, 2, 3] for b in adaptive.buckets)
     out = run(engine, requests)
     assert {r: o.token_ids for r, o in out.items()} == {r: o.token_ids for r, o in base.items()}
+
+
+class ScriptedK(AdaptiveK):
+    """K per step from a fixed cycle: a stand-in for the cost model in a test of the runner."""
+
+    def __init__(self, ks: list[int]) -> None:
+        super().__init__(sorted(set(ks)), {1: dict.fromkeys(ks, 1.0)})
+        self.ks = itertools.cycle(ks)
+
+    def choose(self, batch_size: int) -> int:
+        return next(self.ks)
+
+    def observe_cost(self, batch_size: int, k: int, seconds: float) -> None:
+        pass
+
+
+def draft_kv_of(engine: LLMEngine, request_id: str, num_positions: int) -> list[torch.Tensor]:
+    """The draft pool's K and V of a running request's first ``num_positions`` positions."""
+    seq = engine._seqs[request_id]
+    bs = engine.runner.block_size
+    positions = torch.arange(num_positions)
+    blocks = torch.tensor(seq.block_table, dtype=torch.int64)[positions // bs]
+    offsets = positions % bs
+    assert engine.spec is not None
+    return [pool[blocks, offsets] for layer in engine.spec.draft_kv.layers for pool in layer]
+
+
+def test_steps_without_drafts_leave_the_drafter_idle_until_drafting_resumes(target, tmp_path):
+    """A step at K = 0 skips the drafter and keeps the target features; when drafting
+    resumes, one batched extend writes the draft KV those steps skipped. Lockstep against
+    an engine that runs the drafter every step: the same drafts every step, the same draft
+    KV wherever it is written, the same output; prefix-cached blocks never hold a position
+    whose draft KV is still missing."""
+    model_dir, hf_model = target
+    draft = build_random_draft(model_dir, tmp_path / "eagle3", "eagle3")
+    requests = {str(i): (p, greedy(26 + i)) for i, p in enumerate(PROMPTS)}
+    base = run(engine_for(model_dir), requests)
+    schedule = [0, 0, 3, 0, 0, 0, 1, 2, 0, 3, 3, 0, 0]
+    deferring, eager = (
+        engine_for(model_dir, SpeculativeConfig(str(draft), num_draft_tokens=3), max_num_seqs=4)
+        for _ in range(2)
+    )
+    assert deferring.spec is not None and eager.spec is not None
+    deferring.spec.adaptive, eager.spec.adaptive = ScriptedK(schedule), ScriptedK(schedule)
+    eager.spec.defer_drafter = False
+    for engine in (deferring, eager):
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(rid, prompt, params)
+    done: dict[str, RequestOutput] = {}
+    max_lag = 0
+    while deferring.has_unfinished_requests():
+        outs = deferring.step()
+        assert [(o.request_id, o.token_ids) for o in outs] == [
+            (o.request_id, o.token_ids) for o in eager.step()
+        ]
+        done.update((o.request_id, o) for o in outs if o.finished)
+        for rid, seq in deferring._seqs.items():
+            theirs = eager._seqs[rid]
+            assert seq.draft_token_ids == theirs.draft_token_ids
+            assert theirs.num_drafted_tokens == theirs.num_computed_tokens
+            max_lag = max(max_lag, seq.num_computed_tokens - seq.num_drafted_tokens)
+            assert len(seq.block_hashes) * deferring.runner.block_size <= seq.num_drafted_tokens
+            for ours_kv, theirs_kv in zip(
+                draft_kv_of(deferring, rid, seq.num_drafted_tokens),
+                draft_kv_of(eager, rid, seq.num_drafted_tokens),
+                strict=True,
+            ):
+                torch.testing.assert_close(ours_kv, theirs_kv, rtol=1e-5, atol=1e-5)
+    assert not eager.has_unfinished_requests()
+    assert max_lag >= 3  # rows went several steps without draft KV
+    assert deferring.spec.stats.num_caught_up_positions > 0
+    assert eager.spec.stats.num_caught_up_positions == 0
+    ours = [done[r].token_ids for r in requests]
+    refs = [base[r].token_ids for r in requests]
+    assert ours == refs or compare_greedy(hf_model, PROMPTS, ours, refs).num_ties <= 1

@@ -98,6 +98,14 @@ def test_whole_step_runs_on_meta(kind, sample_drafts):
     assert out.next_draft_tokens.shape == (b, k)
     assert out.logits.shape == (b, k + 1, 128)
     assert (out.next_draft_probs is not None) == sample_drafts
+    assert out.features is None
+    # A step that drafts nothing may leave the drafter idle and hand back its features.
+    idle = step(inputs, k_next=0, defer_drafter=True)
+    assert idle.emitted.shape == (b, k + 1) and idle.next_draft_tokens.shape == (b, 0)
+    assert idle.features is not None and idle.features.shape[:2] == (b, k + 1)
+    assert idle.features.device == META
+    with pytest.raises(ValueError, match="defer_drafter: needs k_next == 0, got 3"):
+        step(inputs, k_next=k, defer_drafter=True)
 
 
 def test_meta_catches_a_host_sync():
