@@ -8,7 +8,9 @@ tau is the mean accepted length (tokens emitted per verifying step); ``tau_no_lo
 leaves out outputs that end in a loop (a period of 8 tokens or less over the last 32),
 which the Q4_1 SmolLM2 falls into easily and which any drafter predicts trivially.
 At batch 8 and 32 adaptive speculation (K chosen per step from measured costs and
-acceptance) runs against plain decoding. The last line is one JSON object (batch 1, chat).
+acceptance) runs against plain decoding: both engines warm up on one full batch, then run
+``--repeats`` times in alternation, and the run of median speed is reported. The last
+line is one JSON object (batch 1, chat).
 
     python bench/spec_decode.py            # 16 prompts per set at batch 1, 32 at batch 8/32
     python bench/spec_decode.py --quick    # 4 prompts per set at batch 1, 8 at batch 8
@@ -85,7 +87,8 @@ def run_tandem_batch(
     llm: LLM, prompts: list[list[int]], params: SamplingParams, batch: int
 ) -> dict[str, Any]:
     spec = llm.engine.spec
-    before = (spec.stats.num_drafts, spec.stats.num_accepted_tokens) if spec else (0, 0)
+    stats = spec.stats if spec else SpecDecodeStats()
+    before = (stats.num_drafts, stats.num_accepted_tokens, stats.num_steps_without_drafts)
     elapsed, tokens = 0.0, 0
     for i in range(0, len(prompts), batch):
         start = time.perf_counter()
@@ -94,10 +97,17 @@ def run_tandem_batch(
         tokens += sum(len(o.token_ids) for o in outs)
     result: dict[str, Any] = {"tok_s": tokens / elapsed}
     if spec:
-        result["tau"] = _tau(
-            [(spec.stats.num_drafts - before[0], spec.stats.num_accepted_tokens - before[1])]
-        )
+        drafts = stats.num_drafts - before[0]
+        result["tau"] = _tau([(drafts, stats.num_accepted_tokens - before[1])])
+        plain = stats.num_steps_without_drafts - before[2]
+        result["k0_fraction"] = plain / max(1, plain + drafts)  # row-steps that drafted nothing
     return result
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median speed, with every run's tok/s beside it."""
+    ordered = sorted(runs, key=lambda r: r["tok_s"])
+    return {**ordered[len(ordered) // 2], "tok_s_runs": [r["tok_s"] for r in runs]}
 
 
 def run_hf(
@@ -144,6 +154,12 @@ def main() -> None:
     )
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--skip-batched", action="store_true", help="batch 1 only")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per engine at batch 8 and 32, alternating; the median is reported",
+    )
     parser.add_argument(
         "--skip-batch1",
         action="store_true",
@@ -201,14 +217,19 @@ def main() -> None:
     if not args.skip_batched:
         for batch in (8, 32):
             prompts = (sets["chat"] * 2)[: max(nb, batch)]
-            row = {}
-            for name, cfg in [("nospec", None), ("eagle3_adaptive", spec("eagle3", True))]:
-                llm = LLM(str(model_dir), speculative=cfg, max_num_seqs=batch, **common)
-                llm.generate(
-                    prompts[:batch], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False
-                )  # warm-up
-                row[name] = run_tandem_batch(llm, prompts, params, batch)
-                del llm
+            engines = {
+                name: LLM(str(model_dir), speculative=cfg, max_num_seqs=batch, **common)
+                for name, cfg in [("nospec", None), ("eagle3_adaptive", spec("eagle3", True))]
+            }
+            # Warm-up: one full batch compiles every shape and settles the adaptive costs.
+            for llm in engines.values():
+                llm.generate(prompts[:batch], params, use_tqdm=False)
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+            for _ in tqdm(range(args.repeats), desc=f"batch {batch}"):
+                for name, llm in engines.items():  # alternating: a slow spell hits both
+                    runs[name].append(run_tandem_batch(llm, prompts, params, batch))
+            row = {name: median_run(r) for name, r in runs.items()}
+            del engines
             row["hf"] = run_hf(hf, tokenizer, prompts, args.new_tokens, batch)
             row["adaptive_over_nospec"] = row["eagle3_adaptive"]["tok_s"] / row["nospec"]["tok_s"]
             results["batched"][str(batch)] = row

@@ -18,6 +18,9 @@ from engine.sampler import SamplingTensors, sample, top_logprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
+# Graphs one engine's compiled decode forward may hold (dynamo's default is 8).
+DECODE_RECOMPILE_LIMIT = 32
+
 
 @dataclass
 class ModelInputs:
@@ -110,9 +113,17 @@ class ModelRunner:
             # 46-49 tok/s without them (cpp_wrapper on top: 48-50, for a longer compile).
             # No guards on the modules' attributes either: the model is fixed once loaded,
             # and checking them cost about 2.5 ms of a 25 ms step (SmolLM2 bf16, batch 1).
-            self.decode_model = torch.compile(  # type: ignore[assignment]
+            # Graphs are this engine's own (dynamo otherwise keys them on the code of
+            # ``forward``, shared by every model in the process) and up to
+            # DECODE_RECOMPILE_LIMIT of them: speculative verification adds graphs per
+            # tapped layers and per 1 or several tokens and rows. Past the limit dynamo
+            # runs the forward eagerly without a word; with dynamo's default of 8 shared by
+            # every engine, the speculative engines of a benchmark process ran eagerly.
+            self.decode_model = torch.compile(  # type: ignore[call-overload]
                 model,
                 dynamic=True,
+                isolate_recompiles=True,
+                recompile_limit=DECODE_RECOMPILE_LIMIT,
                 options={
                     "size_asserts": False,
                     "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,

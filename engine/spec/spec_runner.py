@@ -228,6 +228,7 @@ class SpecRunner:
 
     # -- adaptive K --------------------------------------------------------------------
 
+    @torch.inference_mode()  # as the steps run: a compiled step's graphs are the same
     def enable_adaptive(
         self, max_batch: int, scratch_blocks: list[int]
     ) -> dict[int, dict[int, float]]:

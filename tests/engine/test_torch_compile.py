@@ -85,3 +85,23 @@ def test_logits_of_a_compiled_step_match_eager(target):
         ).logits
         compiled_logits = runner.forward(inputs).logits
     torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_each_engine_compiles_its_own_graphs(target, tmp_path):
+    """Dynamo keys graphs on the code of ``forward``, which every model in the process
+    shares, and past its limit runs the forward eagerly without a word. After the engines
+    above, a speculative engine with adaptive K (a graph per tapped layers, per one or
+    several rows and tokens, its start-up steps included) still compiles every graph it
+    needs, and stays lossless."""
+    model_dir, hf_model = target
+    requests = {str(i): (p, greedy(16)) for i, p in enumerate(PROMPTS)}
+    base = run(engine_for(model_dir), requests)
+    draft = build_random_draft(model_dir, tmp_path / "eagle3", "eagle3")
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=2, adaptive=True)
+    counters.clear()
+    engine = engine_for(model_dir, spec, torch_compile=True, max_num_seqs=4)
+    out = run(engine, requests)
+    assert_same_greedy(hf_model, out, base, requests)
+    assert counters["stats"]["unique_graphs"] >= 3
+    assert not [reason for reason in counters["unimplemented"] if "recompile limit" in reason]
+    assert counters["frames"]["total"] == counters["frames"]["ok"]
