@@ -13,6 +13,15 @@ follow the steps actually run (``observe_cost``): verifying K+1 tokens per row c
 against long contexts and large batches than the start-up steps showed. Measured on a
 2-core CPU at batch 32 with the start-up costs alone, adaptive EAGLE-3 ran at 0.72x plain
 decoding: the 32-token contexts made K=1 look almost free.
+
+While K stays below the deepest choice, the estimates of the deeper drafts' acceptance
+would go stale, so now and then a probe step drafts ``max_k`` tokens. Probes are paid
+from a budget: every step below ``max_k`` earns ``probe_budget`` of its estimated cost,
+and a probe spends what it costs beyond the chosen K (``charge`` adds costs outside the
+step model, such as the drafter catching up after plain steps). At batch 1, where a
+deep step costs little more, that is a probe every few dozen steps; at batch 32, where
+it costs three plain steps and a catch-up, one every few hundred. Probing every 64 steps
+regardless cost 9% of the throughput at batch 32 (SmolLM2, 2-core CPU).
 """
 
 from __future__ import annotations
@@ -29,17 +38,17 @@ class AdaptiveK:
         *,
         prior_acceptance: float = 0.5,
         decay: float = 0.98,  # weight of the past in the acceptance estimates, per step
-        probe_every: int = 64,  # steps at a reduced K between refreshes of the estimates
+        probe_budget: float = 0.02,  # share of the step time that probes may spend
         cost_weight: float = 0.2,  # weight of one observed step in its cost estimate
     ) -> None:
         self.choices = sorted(set(choices) | {0})
         self.max_k = self.choices[-1]
         self.costs = {bucket: dict(by_k) for bucket, by_k in costs.items()}
         self.buckets = sorted(costs)
-        self.decay, self.probe_every, self.cost_weight = decay, probe_every, cost_weight
+        self.decay, self.probe_budget, self.cost_weight = decay, probe_budget, cost_weight
         self._accepted = [prior_acceptance] * self.max_k  # decayed counts, per position
         self._verified = [1.0] * self.max_k
-        self._since_probe = 0
+        self._probe_credit = 0.0  # seconds
 
     def alphas(self) -> list[float]:
         return [
@@ -63,12 +72,17 @@ class AdaptiveK:
         best = max(
             (k for k in self.choices if k in cost), key=lambda k: self.expected_tokens(k) / cost[k]
         )
-        if best < self.max_k:
-            self._since_probe += 1
-            if self._since_probe >= self.probe_every:  # refresh what deeper drafts achieve
-                self._since_probe = 0
+        if best < self.max_k and self.max_k in cost:
+            self._probe_credit += self.probe_budget * cost[best]
+            extra = cost[self.max_k] - cost[best]
+            if self._probe_credit >= extra:  # refresh what deeper drafts achieve
+                self._probe_credit -= extra
                 return self.max_k
         return best
+
+    def charge(self, seconds: float) -> None:
+        """Time spent for speculation outside the modelled steps: probes wait for it."""
+        self._probe_credit -= seconds
 
     def observe_cost(self, batch_size: int, k: int, seconds: float) -> None:
         """One step of ``batch_size`` rows at depth ``k`` took ``seconds``: its bucket's

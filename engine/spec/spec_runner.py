@@ -135,8 +135,12 @@ class SpecRunner:
         k = min(len(s.draft_token_ids or []) for s in seqs)
         k_next = self.k if self.adaptive is None else self.adaptive.choose(len(seqs))
         defer = k_next == 0 and self.defer_drafter
-        if not defer:
-            self._catch_up([s for s in seqs if s.undrafted_features])
+        behind = [s for s in seqs if s.undrafted_features]
+        if behind and not defer:
+            self._catch_up(behind)
+            if self.adaptive is not None:  # a cost of having left the drafter idle
+                self.adaptive.charge(time.perf_counter() - started)
+            started = time.perf_counter()
         inputs = self._step_inputs(seqs, k, k_next)
         out = self.step(inputs, k_next, defer_drafter=defer)
         num_accepted = out.num_accepted.tolist()
@@ -161,8 +165,6 @@ class SpecRunner:
     def _catch_up(self, seqs: list[Sequence]) -> None:
         """Writes the draft KV that steps without drafts left out, in one ragged extend over
         each row's undrafted positions (up to its pending token, which the step verifies)."""
-        if not seqs:
-            return
         spans = [(seq, seq.num_drafted_tokens, seq.num_computed_tokens) for seq in seqs]
         layout = self.runner.layout(spans)
         # Feature i pairs with the token after it, up to the pending token at ``end``.

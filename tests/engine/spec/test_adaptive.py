@@ -26,7 +26,7 @@ def test_expected_tokens_follow_the_acceptance_per_position() -> None:
 def test_observed_step_costs_turn_speculation_off_where_it_does_not_pay() -> None:
     """Batch 32 at long contexts: K=1 really costs 1.9 plain steps for 1.5 tokens, so K
     goes to 0 there once observed; batch 8, where it costs 1.1, keeps speculating."""
-    adaptive = AdaptiveK([0, 1], {8: {0: 1.0, 1: 1.05}, 32: {0: 4.0, 1: 4.2}}, probe_every=10**6)
+    adaptive = AdaptiveK([0, 1], {8: {0: 1.0, 1: 1.05}, 32: {0: 4.0, 1: 4.2}}, probe_budget=0)
     assert adaptive.choose(32) == 1 and adaptive.choose(8) == 1  # the start-up view
     for _ in range(30):
         adaptive.observe(1, [1, 0] * 16)  # half the drafts accepted: 1.5 tokens per step
@@ -50,9 +50,20 @@ def test_a_step_cost_is_scaled_to_its_bucket_and_unknown_depths_are_ignored() ->
     assert adaptive.costs[8] == startup_costs()[8]
 
 
-def test_probes_refresh_the_deepest_acceptance_now_and_then() -> None:
-    adaptive = AdaptiveK([0, 1, 2], startup_costs(), probe_every=4)
+def test_probes_refresh_the_deepest_acceptance_within_their_budget() -> None:
+    """A probe spends what a K=2 step costs beyond a plain one; every plain step earns an
+    eighth of its cost. Batch 8: 0.5 extra per probe, 0.125 earned per step: every 4th
+    step. Batch 32: 2.0 extra, 0.5 per step: every 4th step too. Time charged from outside
+    (the drafter catching up) delays the next probe by as many steps as it cost."""
+    costs = {8: {0: 1.0, 1: 1.25, 2: 1.5}, 32: {0: 4.0, 1: 5.0, 2: 6.0}}
+    adaptive = AdaptiveK([0, 1, 2], costs, probe_budget=0.125)
     for _ in range(50):
         adaptive.observe(2, [0] * 8)  # nothing accepted: K=0 is best
-    chosen = [adaptive.choose(8) for _ in range(8)]
-    assert chosen == [0, 0, 0, 2, 0, 0, 0, 2]
+    assert [adaptive.choose(8) for _ in range(8)] == [0, 0, 0, 2] * 2
+    assert [adaptive.choose(32) for _ in range(4)] == [0, 0, 0, 2]
+    adaptive.charge(1.0)  # two plain steps' worth of credit at batch 32
+    assert [adaptive.choose(32) for _ in range(6)] == [0] * 5 + [2]
+    unprobed = AdaptiveK([0, 1, 2], costs, probe_budget=0)
+    for _ in range(50):
+        unprobed.observe(2, [0] * 8)
+    assert {unprobed.choose(8) for _ in range(100)} == {0}
