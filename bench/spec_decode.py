@@ -78,9 +78,10 @@ def run_tandem_bs1(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     return result
 
 
-def _tau(parts: list[tuple[int, int]]) -> float:
+def _tau(parts: list[tuple[int, int]]) -> float | None:
+    """Mean accepted length, or None (JSON null) where no step drafted anything."""
     drafts = sum(d for d, _ in parts)
-    return 1.0 + sum(a for _, a in parts) / drafts if drafts else float("nan")
+    return 1.0 + sum(a for _, a in parts) / drafts if drafts else None
 
 
 def run_tandem_batch(
