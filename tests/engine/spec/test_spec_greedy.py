@@ -230,23 +230,30 @@ def draft_kv_of(engine: LLMEngine, request_id: str, num_positions: int) -> list[
     return [pool[blocks, offsets] for layer in engine.spec.draft_kv.layers for pool in layer]
 
 
-def test_steps_without_drafts_leave_the_drafter_idle_until_drafting_resumes(target, tmp_path):
+@pytest.mark.parametrize(
+    ("max_undrafted", "schedule"),
+    [(256, [0, 0, 3, 0, 0, 0, 1, 2, 0, 3, 3, 0, 0]), (3, [3, 1] + [0] * 10)],
+)
+def test_steps_without_drafts_leave_the_drafter_idle_until_drafting_resumes(
+    target, tmp_path, max_undrafted, schedule
+):
     """A step at K = 0 skips the drafter and keeps the target features; when drafting
     resumes, one batched extend writes the draft KV those steps skipped. Lockstep against
     an engine that runs the drafter every step: the same drafts every step, the same draft
     KV wherever it is written, the same output; prefix-cached blocks never hold a position
-    whose draft KV is still missing."""
+    whose draft KV is still missing. A row that kept ``max_undrafted`` positions catches up
+    even while no drafts are asked for."""
     model_dir, hf_model = target
     draft = build_random_draft(model_dir, tmp_path / "eagle3", "eagle3")
     requests = {str(i): (p, greedy(26 + i)) for i, p in enumerate(PROMPTS)}
     base = run(engine_for(model_dir), requests)
-    schedule = [0, 0, 3, 0, 0, 0, 1, 2, 0, 3, 3, 0, 0]
     deferring, eager = (
         engine_for(model_dir, SpeculativeConfig(str(draft), num_draft_tokens=3), max_num_seqs=4)
         for _ in range(2)
     )
     assert deferring.spec is not None and eager.spec is not None
     deferring.spec.adaptive, eager.spec.adaptive = ScriptedK(schedule), ScriptedK(schedule)
+    deferring.spec.max_undrafted = max_undrafted
     eager.spec.defer_drafter = False
     for engine in (deferring, eager):
         for rid, (prompt, params) in requests.items():
@@ -273,6 +280,8 @@ def test_steps_without_drafts_leave_the_drafter_idle_until_drafting_resumes(targ
                 torch.testing.assert_close(ours_kv, theirs_kv, rtol=1e-5, atol=1e-5)
     assert not eager.has_unfinished_requests()
     assert max_lag >= 3  # rows went several steps without draft KV
+    if max_undrafted == 3:  # 10 steps at K=0 in a row, but caught up at 3 positions:
+        assert max_lag <= 2 + 1  # a K=0 step adds one (after K=1, at most two)
     assert deferring.spec.stats.num_caught_up_positions > 0
     assert eager.spec.stats.num_caught_up_positions == 0
     ours = [done[r].token_ids for r in requests]
