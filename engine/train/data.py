@@ -326,11 +326,11 @@ def prepare_shards(
     corpus: _Corpus | None = None  # built once a shard must be made: a resumed set needs none
     wanted = -(-num_prompts // shard_size)
     wanted = wanted if num_shards is None else min(num_shards, wanted)
+    base = _recipe(target_dir, num_prompts, max_new_tokens, max_prompt_len, seed)
     paths = []
     for index in range(wanted):
         path = out_dir / f"shard{index:03d}.safetensors"
-        recipe = _recipe(target_dir, num_prompts, max_new_tokens, max_prompt_len, seed)
-        recipe.update(shard_size=shard_size, shard=index)
+        recipe = {**base, "shard_size": shard_size, "shard": index}
         if path.is_file() and SequenceSet.read_meta(path).get("recipe") == recipe:
             log(f"shard {index + 1}/{wanted}: {path} is there")
             paths.append(path)
