@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from engine.sampler import SamplingTensors, filtered_probs, row_keys, uniform
+from engine.sampler import SamplingTensors, draw, filtered_probs, row_keys, uniform
 
 _ACCEPT_SALT = 0x2545F491  # keys the accept/reject coin apart from the token draw
 DRAFT_SALT = 0x61C88647  # keys a sampled draft apart from the target's draw
@@ -36,13 +36,6 @@ def per_position(t: SamplingTensors, positions: torch.Tensor) -> SamplingTensors
         seeds=rep(t.seeds),
         positions=positions.reshape(-1),
     )
-
-
-def race(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Draws index i with probability weights_i / sum(weights) per row (exponential race,
-    argmax w_i / E_i with E_i ~ Exp(1) keyed on ``keys``): [N, V] -> [N]."""
-    exp = -torch.log(uniform(keys, weights.shape[-1]))
-    return (weights / exp).argmax(dim=-1)
 
 
 def first_rejection(accepted: torch.Tensor) -> torch.Tensor:
@@ -73,10 +66,11 @@ def accept(
     if draft_probs is None:
         # Argmax drafts: q is one-hot at the draft x, so min(1, p(x)/q(x)) = p(x), and the
         # residual norm(max(0, p - q)) is p without x. Draw s ~ p with the position's keyed
-        # race and accept iff s == x: P(accept) = p(x), and after a rejection s is a draw
+        # uniform and accept iff s == x: P(accept) = p(x), and after a rejection s is a draw
         # from p restricted to tokens != x, i.e. from the residual. If every draft is
-        # accepted the draw at position K is the bonus token, a draw from p.
-        drawn = race(probs.reshape(b * s, v), keys).view(b, s)
+        # accepted the draw at position K is the bonus token, a draw from p. Each emitted
+        # token is the very draw that sampling without speculation makes at its position.
+        drawn = draw(probs.reshape(b * s, v), keys).view(b, s)
         sampled_accepted = draft_tokens == drawn[:, :k]
         sampled_next = drawn
     else:
@@ -92,7 +86,7 @@ def accept(
         has_mass = residual.sum(dim=-1, keepdim=True) > 0
         residual = torch.where(has_mass, residual, probs[:, :k])
         weights = torch.cat([residual, probs[:, k:]], dim=1)  # [B, K+1, V]
-        sampled_next = race(weights.reshape(b * s, v), keys).view(b, s)
+        sampled_next = draw(weights.reshape(b * s, v), keys).view(b, s)
 
     is_sampled = sampling.temperature[:, None] > 0  # [B, 1]
     accepted = torch.where(is_sampled, sampled_accepted, greedy_accepted)
@@ -119,5 +113,5 @@ def accept_synthetic(
     if sampling.all_greedy:
         return num, greedy
     rows = dataclasses.replace(sampling, positions=first_positions + num)
-    drawn = race(filtered_probs(at, rows), row_keys(sampling.seeds, rows.positions))
+    drawn = draw(filtered_probs(at, rows), row_keys(sampling.seeds, rows.positions))
     return num, torch.where(sampling.temperature > 0, drawn, greedy)

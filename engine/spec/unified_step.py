@@ -31,8 +31,8 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.kv_cache import PagedKVCache
-from engine.sampler import SamplingTensors, filtered_probs, row_keys
-from engine.spec.acceptance import DRAFT_SALT, accept, accept_synthetic, race
+from engine.sampler import SamplingTensors, draw, filtered_probs, row_keys
+from engine.spec.acceptance import DRAFT_SALT, accept, accept_synthetic
 from engine.spec.drafters import Drafter, ProposeArgs
 
 
@@ -212,7 +212,7 @@ class UnifiedStep:
             # Draft j is the token at position p + 2 + j (p: last committed, p+1: bonus).
             rows = dataclasses.replace(sampling, positions=args.last_positions + 2 + j)
             q = filtered_probs(logits, rows)  # [B, V]
-            drawn = race(q, row_keys(rows.seeds, rows.positions) ^ DRAFT_SALT)
+            drawn = draw(q, row_keys(rows.seeds, rows.positions) ^ DRAFT_SALT)
             is_sampled = sampling.temperature > 0
             # Greedy rows draft the argmax: their q is one-hot there.
             one_hot = torch.zeros_like(q).scatter_(1, greedy[:, None], 1.0)

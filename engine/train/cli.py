@@ -28,7 +28,7 @@ def register_train_draft(subparsers: Subparsers) -> None:
         "states of the training sequences once (cached in fp16 in OUT/data), train a draft of "
         "the given kind on them, report held-out acceptance after each epoch, and save the "
         "draft in HF layout (fp16) with manifest.json in OUT. --resume continues from "
-        "OUT/checkpoint.",
+        "OUT/checkpoint; --init-from fine-tunes an existing draft.",
     )
     _add_target(parser)
     parser.add_argument("--kind", required=True, choices=["eagle", "eagle3", "dflash"])
@@ -81,6 +81,14 @@ def register_train_draft(subparsers: Subparsers) -> None:
         help="anchor positions per sequence and step (0: all; default all, DFlash 16)",
     )
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    parser.add_argument(
+        "--init-from",
+        metavar="DRAFT_DIR",
+        default=None,
+        help="fine-tune a trained draft of the same kind (e.g. on new data) instead of "
+        "starting from a fresh one; its shape and vocabulary map are kept, so "
+        "--intermediate-size and --draft-vocab-size do not apply",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument(
         "--device",
@@ -116,6 +124,7 @@ def _train_draft(args: argparse.Namespace) -> int:
             max_sequences=args.max_sequences,
             feature_cache=args.feature_cache,
             resume=args.resume,
+            init_from=args.init_from,
             threads=args.threads,
             device=args.device,
             seed=args.seed,
@@ -153,6 +162,15 @@ def register_draft_data(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--max-num-seqs", type=int, default=64, help="continuations generated at once"
     )
+    parser.add_argument(
+        "--self-instruct",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add N chat messages that the target writes itself when shown its chat template "
+        "up to a user turn (sampled; kept in OUT/self_instruct.jsonl): prompts like those "
+        "people send a chat model, which the corpus lacks",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=1, help="corpus order")
     parser.set_defaults(func=_draft_data)
@@ -173,6 +191,7 @@ def _draft_data(args: argparse.Namespace) -> int:
             seed=args.seed,
             num_threads=args.threads,
             max_num_seqs=args.max_num_seqs,
+            self_instruct=args.self_instruct,
         )
         print(f"{len(paths)} shard(s) in {args.out}")
         return 0

@@ -68,8 +68,8 @@ class Prompt:
 
     @property
     def flavour(self) -> str:
-        """Either "code" or "chat"."""
-        return _SOURCES[self.source].flavour
+        """Either "code" or "chat" (messages the target wrote itself are chat)."""
+        return _SOURCES[self.source].flavour if self.source in _SOURCES else "chat"
 
 
 @dataclass(frozen=True)
@@ -163,8 +163,7 @@ def build_corpus(
     Returns fewer than `num_prompts` only when the sources run dry.
     """
     roots = roots or SourceRoots.default()
-    blocklist = _Blocklist([*load_heldout("chat"), *load_heldout("code"), *exclude])
-    accept = _acceptor(blocklist)
+    accept = heldout_acceptor(exclude)
     code, chat = (_flavour_stream(flavour, roots, seed) for flavour in ("code", "chat"))
     num_code = (num_prompts + 1) // 2
     prompts = _take(code, num_code, accept) + _take(chat, num_prompts - num_code, accept)
@@ -173,8 +172,10 @@ def build_corpus(
     return prompts
 
 
-def _acceptor(blocklist: _Blocklist) -> Callable[[Prompt], bool]:
-    """A filter that keeps new, small, non-held-out prompts and remembers what it kept."""
+def heldout_acceptor(exclude: Iterable[str] = ()) -> Callable[[Prompt], bool]:
+    """A filter that keeps new, small prompts disjoint from the held-out sets and from
+    ``exclude``, and remembers what it kept."""
+    blocklist = _Blocklist([*load_heldout("chat"), *load_heldout("code"), *exclude])
     seen: set[str] = set()
 
     def accept(prompt: Prompt) -> bool:

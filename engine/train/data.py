@@ -208,14 +208,44 @@ def generate_continuations(
     Runs the engine without a tokenizer, so that any target directory works. Returns the
     continuations (ending with EOS when the target stopped) and timing statistics.
     """
-    from engine.config import Llama3Config, read_hf_config
-    from engine.kv_cache import KVCacheParams
-    from engine.llm_engine import EngineConfig, LLMEngine
     from engine.sampling_params import SamplingParams
 
+    greedy = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+    outputs, stats = generate(
+        target_dir,
+        prompts,
+        [greedy] * len(prompts),
+        num_threads=num_threads,
+        max_num_seqs=max_num_seqs,
+        dtype=dtype,
+        log=log,
+    )
+    return [out.token_ids for out in outputs], stats
+
+
+def generate(
+    target_dir: str | Path,
+    prompts: Sequence[list[int]],
+    params: Sequence[Any],  # engine.sampling_params.SamplingParams, one per prompt
+    *,
+    num_threads: int | None = None,
+    max_num_seqs: int = 64,
+    dtype: str = "bfloat16",
+    desc: str = "generate",
+    log: Log = print,
+) -> tuple[list[Any], dict[str, float]]:
+    """Every prompt's finished ``RequestOutput`` (in order) under its own sampling
+    parameters, from one engine over the target, with a progress bar; and timing statistics
+    (``tokens`` counts the generated ones)."""
+    from engine.config import Llama3Config, read_hf_config
+    from engine.kv_cache import KVCacheParams
+    from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+
+    if len(params) != len(prompts):
+        raise ValueError(f"params: one per prompt, got {len(params)} for {len(prompts)}")
     config = Llama3Config.from_hf(read_hf_config(target_dir))
     block_size = 16
-    longest = max(len(p) for p in prompts) + max_new_tokens
+    longest = max(len(p) + q.max_tokens for p, q in zip(prompts, params, strict=True))
     per_seq = -(-longest // block_size) + 2
     kv_bytes = KVCacheParams.from_config(config, block_size).bytes_per_block * per_seq
     engine = LLMEngine(
@@ -230,21 +260,20 @@ def generate_continuations(
             num_threads=num_threads,
         )
     )
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), list(prompt), params)
-    outputs: dict[str, list[int]] = {}
+    for i, (prompt, request_params) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), list(prompt), request_params)
+    outputs: dict[str, RequestOutput] = {}
     start, num_tokens = time.perf_counter(), 0
-    with tqdm(total=len(prompts), desc="generate", unit="seq") as bar:
+    with tqdm(total=len(prompts), desc=desc, unit="seq") as bar:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 num_tokens += 1
                 if out.finished:
-                    outputs[out.request_id] = out.token_ids
+                    outputs[out.request_id] = out
                     bar.update(1)
             bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.1f}")
     seconds = time.perf_counter() - start
-    log(f"generated {num_tokens} tokens in {seconds:.0f} s ({num_tokens / seconds:.1f} tok/s)")
+    log(f"{desc}: {num_tokens} tokens in {seconds:.0f} s ({num_tokens / seconds:.1f} tok/s)")
     stats = {"seconds": seconds, "tokens": float(num_tokens), "tok_s": num_tokens / seconds}
     return [outputs[str(i)] for i in range(len(prompts))], stats
 
@@ -312,11 +341,14 @@ def prepare_shards(
     seed: int,
     num_threads: int | None,
     max_num_seqs: int = 64,
+    self_instruct: int = 0,
     log: Log = print,
 ) -> list[Path]:
     """Self-distillation data in shards of ``shard_size`` sequences (``shardNNN.safetensors``
-    in ``out_dir``), for sets larger than one sitting: the corpus's ``num_prompts`` prompts,
-    in its order, cut into shards; the first ``num_shards`` (None: all) are made. A shard
+    in ``out_dir``), for sets larger than one sitting: the corpus's ``num_prompts`` prompts
+    and ``self_instruct`` messages the target writes itself (``engine.train.self_instruct``,
+    kept in ``out_dir/self_instruct.jsonl``), shuffled together, cut into shards; the first
+    ``num_shards`` (None: all) are made. A shard
     already there with the same recipe is kept, so a stopped run resumes where it was and a
     later run with a larger ``num_shards`` adds to the set; the corpus is built only when a
     shard must be made. Returns the paths of the shards there now (fewer than asked when
@@ -324,9 +356,13 @@ def prepare_shards(
     if shard_size <= 0:
         raise ValueError(f"shard_size: must be positive, got {shard_size}")
     corpus: _Corpus | None = None  # built once a shard must be made: a resumed set needs none
-    wanted = -(-num_prompts // shard_size)
+    if self_instruct < 0:
+        raise ValueError(f"self_instruct: must be >= 0, got {self_instruct}")
+    wanted = -(-(num_prompts + self_instruct) // shard_size)
     wanted = wanted if num_shards is None else min(num_shards, wanted)
     base = _recipe(target_dir, num_prompts, max_new_tokens, max_prompt_len, seed)
+    if self_instruct:  # absent when 0: sets made before self-instruct keep their recipe
+        base["self_instruct"] = self_instruct
     paths = []
     for index in range(wanted):
         path = out_dir / f"shard{index:03d}.safetensors"
@@ -336,7 +372,17 @@ def prepare_shards(
             paths.append(path)
             continue
         if corpus is None:
-            corpus = _Corpus.build(target_dir, num_prompts, max_prompt_len, seed)
+            corpus = _Corpus.build(
+                target_dir,
+                num_prompts,
+                max_prompt_len,
+                seed,
+                self_instruct=self_instruct,
+                self_instruct_cache=out_dir / "self_instruct.jsonl",
+                num_threads=num_threads,
+                max_num_seqs=max_num_seqs,
+                log=log,
+            )
         rows = range(index * shard_size, min((index + 1) * shard_size, len(corpus.prompts)))
         if not rows:  # the corpus ran dry before num_prompts
             break
@@ -372,13 +418,40 @@ class _Corpus:
     prompt_ids: list[list[int]]
 
     @classmethod
-    def build(cls, target_dir: Path, num_prompts: int, max_prompt_len: int, seed: int) -> _Corpus:
+    def build(
+        cls,
+        target_dir: Path,
+        num_prompts: int,
+        max_prompt_len: int,
+        seed: int,
+        *,
+        self_instruct: int = 0,
+        self_instruct_cache: Path | None = None,
+        num_threads: int | None = None,
+        max_num_seqs: int = 64,
+        log: Log = print,
+    ) -> _Corpus:
+        """The corpus's prompts, plus ``self_instruct`` messages by the target (disjoint
+        from them and from the held-out sets), shuffled together when there are both."""
         from transformers import AutoTokenizer
 
         from engine.train.corpus import build_corpus
+        from engine.train.self_instruct import SelfInstructRecipe, self_instruct_prompts
 
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         prompts = build_corpus(num_prompts, seed=seed)
+        if self_instruct:
+            prompts += self_instruct_prompts(
+                target_dir,
+                tokenizer,
+                SelfInstructRecipe(count=self_instruct, seed=seed),
+                exclude=[p.text for p in prompts],
+                cache=self_instruct_cache,
+                num_threads=num_threads,
+                max_num_seqs=max_num_seqs,
+                log=log,
+            )
+            random.Random(seed).shuffle(prompts)
         if not prompts:
             raise ValueError("corpus: no training prompts found on this machine")
         ids = chat_prompt_ids(tokenizer, [p.text for p in prompts], max_prompt_len)

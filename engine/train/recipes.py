@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.models.llama3 import Llama3DecoderLayer, Llama3Model
+from engine.spec.drafters import new_drafter
 from engine.spec.drafters.base import Drafter
 from engine.spec.drafters.dflash import DflashDrafter
 from engine.spec.drafters.eagle import EagleDrafter
@@ -39,6 +40,12 @@ class Recipe:
     objective: Callable[[Drafter, int, int], Objective]
     default_num_drafts: int
     default_max_anchors: int
+    # Fine-tuning (--init-from): the trained draft made to fit the new training data, as
+    # (drafter, hf config); None keeps it as it is.
+    refit: (
+        Callable[[Any, dict[str, Any], Llama3Model, SequenceSet, DraftOptions], tuple[Any, dict]]
+        | None
+    ) = None
 
 
 def draft_hf_config(
@@ -138,6 +145,33 @@ def _eagle3_init(drafter: Eagle3Drafter, target: Llama3Model, data: SequenceSet)
         drafter.d2t.copy_(ids - torch.arange(ids.numel()))  # target id = draft id + d2t
 
 
+def _eagle3_refit(
+    given: Eagle3Drafter,
+    hf: dict[str, Any],
+    target: Llama3Model,
+    data: SequenceSet,
+    opts: DraftOptions,
+) -> tuple[Eagle3Drafter, dict[str, Any]]:
+    """The draft vocabulary chosen again from the new data (``opts.draft_vocab_size``):
+    a token the old one lacks can never be drafted. Tokens in both keep their trained
+    lm_head rows, new ones start from the target's; every other weight is kept."""
+    hf = {**hf, "draft_vocab_size": min(opts.draft_vocab_size, hf["vocab_size"])}
+    device = given.d2t.device
+    drafter = cast(Eagle3Drafter, new_drafter("eagle3", hf, target, device))
+    copy_matching(drafter, given)  # all but a resized lm_head; rows are placed below
+    ids = draft_vocab(data, target.config.vocab_size, hf["draft_vocab_size"]).to(device)
+    old_ids = torch.arange(given.d2t.numel(), device=device) + given.d2t
+    old_row = torch.full((target.config.vocab_size,), -1, dtype=torch.int64, device=device)
+    old_row[old_ids] = torch.arange(old_ids.numel(), device=device)
+    rows = old_row[ids]
+    with torch.no_grad():
+        kept = given.lm_head.weight[rows.clamp(min=0)]
+        fresh = target.lm_head.weight[ids].to(kept.dtype)
+        drafter.lm_head.weight.copy_(torch.where(rows[:, None] >= 0, kept, fresh))
+        drafter.d2t.copy_(ids - torch.arange(ids.numel(), device=device))
+    return drafter, hf
+
+
 # -- DFlash --------------------------------------------------------------------------------
 
 
@@ -183,6 +217,7 @@ RECIPES: dict[str, Recipe] = {
         objective=chain_objective,
         default_num_drafts=4,
         default_max_anchors=0,
+        refit=_eagle3_refit,
     ),
     "dflash": Recipe(
         kind="dflash",

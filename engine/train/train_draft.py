@@ -74,6 +74,7 @@ class TrainConfig:
     eval_k: int = 5
     eval_anchors_per_seq: int = 8
     resume: bool = False
+    init_from: str | None = None  # a draft directory to start from instead of a fresh draft
     threads: int | None = None
     device: str = "cpu"  # where the target and the draft run ("cuda" on a GPU machine)
     seed: int = 0
@@ -117,6 +118,8 @@ class TrainConfig:
             raise ValueError(f"device: {self.device!r}, but this machine has no CUDA device")
         if self.num_draft_steps is not None and self.num_draft_steps < 1:
             raise ValueError(f"num_draft_steps: must be >= 1, got {self.num_draft_steps}")
+        if self.resume and self.init_from:
+            raise ValueError("init_from: --resume continues OUT/checkpoint; give one, not both")
         if self.max_sequences is not None and self.max_sequences < 1:
             raise ValueError(f"max_sequences: must be >= 1, got {self.max_sequences}")
 
@@ -178,6 +181,10 @@ def train_draft(
         f"{train.num_tokens} tokens ({train.num_continuation_tokens} generated)"
     )
     trainer = DraftTrainer(config, train, log)
+    if config.init_from and trainer.first_epoch == 0:
+        acceptance, _ = trainer.evaluate(val)
+        trainer.initial_tau = acceptance.tau
+        log(f"before fine-tuning: held-out tau(K={config.eval_k}) {acceptance.tau:.3f}")
     for epoch in range(trainer.first_epoch, config.epochs):
         record = trainer.run_epoch(epoch)
         acceptance, seconds = trainer.evaluate(val)
@@ -212,6 +219,21 @@ class DraftTrainer:
             self.hf = read_hf_config(self.ckpt_dir)
             self.drafter = load_drafter(self.ckpt_dir, self.target, self.device)
             log(f"resuming after epoch {state.meta['epoch']} from {self.ckpt_dir}")
+        elif config.init_from:
+            # Fine-tuning: the draft's shape and weights come from there, fitted to the new
+            # data where its kind needs that (EAGLE-3: the draft vocabulary).
+            self.hf = read_hf_config(config.init_from)
+            self.drafter = load_drafter(config.init_from, self.target, self.device)
+            if self.drafter.kind != config.kind:
+                raise ValueError(
+                    f"init_from: {config.init_from} holds a {self.drafter.kind} draft, "
+                    f"not {config.kind}"
+                )
+            if recipe.refit is not None:
+                self.drafter, self.hf = recipe.refit(
+                    self.drafter, self.hf, self.target, train, opts
+                )
+            log(f"starting from the draft in {config.init_from}")
         else:
             self.hf = draft_hf_config(recipe, read_hf_config(config.target), opts, train)
             self.drafter = new_drafter(config.kind, self.hf, self.target, self.device, config.seed)
@@ -222,6 +244,7 @@ class DraftTrainer:
             self.params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95)
         )
         self.history: list[dict[str, Any]] = []
+        self.initial_tau: float | None = None  # --init-from: held-out tau before training
         self.first_epoch = 0
         if state is not None:
             self.optimizer.load_state_dict(state.optimizer_state(self.optimizer))
@@ -354,6 +377,7 @@ def finish(
             "num_train_generated_tokens": train.num_continuation_tokens,
         },
         "feature_cache": trainer.cache_info,
+        "init_from": _init_summary(config.init_from, trainer.initial_tau),
         "epochs": len(history),
         "final_loss": last.get("loss"),
         "heldout_tau": last.get("heldout", {}).get("tau"),
@@ -362,3 +386,22 @@ def finish(
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"draft saved to {out} (fp16), manifest.json written")
     return manifest
+
+
+def _init_summary(init_from: str | None, heldout_tau: float | None) -> dict[str, Any] | None:
+    """What a fine-tuned draft started from: that draft's own recipe, and its tau on this
+    run's held-out sequences before fine-tuning (after the recipe's refit, if any: an
+    EAGLE-3 draft's new vocabulary rows are the target's until trained)."""
+    if not init_from:
+        return None
+    summary: dict[str, Any] = {"path": init_from, "heldout_tau_before": heldout_tau}
+    path = Path(init_from) / "manifest.json"
+    if path.is_file():
+        prior = json.loads(path.read_text())
+        summary.update(
+            command=prior.get("command"),
+            num_train_sequences=prior.get("data", {}).get("num_train_sequences"),
+            heldout_tau=prior.get("heldout_tau"),
+            init_from=prior.get("init_from"),
+        )
+    return summary

@@ -5,14 +5,16 @@ train-draft's ``--data``."""
 from __future__ import annotations
 
 import argparse
+import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from engine.train.cli import register_draft_data
 from engine.train.corpus import build_corpus
-from engine.train.data import SequenceSet, load_sequence_files
+from engine.train.data import SequenceSet, chat_prompt_ids, load_sequence_files
 from tests.engine.tiny_models import build_tiny_llama
 from tests.services.tiny_tokenizer import save_char_tokenizer
 
@@ -81,3 +83,32 @@ def test_bad_arguments_say_what_is_wrong(
     assert "shard_size: must be positive, got 0" in capsys.readouterr().err
     assert draft_data("--target", str(tmp_path / "nowhere"), "--out", str(tmp_path)) == 2
     assert "tandem draft-data: error:" in capsys.readouterr().err
+
+
+def test_self_instruct_messages_join_the_shards_and_are_sampled_once(
+    target: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "shards"
+    args = dict(num_prompts=4, self_instruct=6)
+    assert draft_data(*options(target, out, num_shards=1, **args)) == 0
+    cache = out / "self_instruct.jsonl"
+    header, *rows = cache.read_text().splitlines()
+    assert json.loads(header)["recipe"]["count"] == 6
+    messages = [json.loads(row)["prompt"] for row in rows]
+    assert 1 <= len(messages) <= 6
+    stamp = cache.stat().st_mtime_ns
+    assert draft_data(*options(target, out, **args)) == 0  # the other shards
+    assert cache.stat().st_mtime_ns == stamp  # built from the same messages, not sampled again
+
+    data, meta = load_sequence_files([out])
+    assert len(data) == 4 + len(messages)
+    assert all(f["meta"]["recipe"]["self_instruct"] == 6 for f in meta["files"])
+    per_source: Counter[str] = Counter()
+    for f in meta["files"]:
+        per_source.update(f["meta"]["prompts_per_source"])
+    expected = Counter(p.source for p in build_corpus(4, seed=1))
+    assert per_source == expected + Counter({"self_instruct": len(messages)})
+    prompts = {tuple(s[:n]) for s, n in zip(data.sequences, data.prompt_lens, strict=True)}
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    for ids in chat_prompt_ids(tokenizer, messages, 40):
+        assert tuple(ids) in prompts

@@ -10,6 +10,7 @@ import torch
 
 from engine.sampler import (
     SamplingTensors,
+    draw,
     filtered_probs,
     hash32,
     row_keys,
@@ -270,7 +271,7 @@ def _key_whose_uniform_is_top(col: int) -> int:
 
 def test_uniform_is_strictly_below_one_at_the_top_24_bit_value() -> None:
     # (2**24 - 1) + 0.5 is not representable in fp32 and rounds up to 2**24, so the
-    # largest hash gives u == 1.0, -log(u) == 0 and a division by zero in the race.
+    # largest hash gave u == 1.0, a point at the total mass and a draw past the last token.
     key = _key_whose_uniform_is_top(0)
     h = hash32(hash32(torch.tensor([key])) ^ 0x5BD1E995)
     assert (h >> 8).item() == 2**24 - 1
@@ -279,14 +280,36 @@ def test_uniform_is_strictly_below_one_at_the_top_24_bit_value() -> None:
 
 
 def test_filtered_out_token_is_never_drawn_even_at_the_top_uniform() -> None:
-    # Find a seed whose key at position 5 puts the top uniform on column 3, which top-k 1
-    # filters out: probs 0 / exp 0 is NaN, and argmax picks the NaN.
-    key = _key_whose_uniform_is_top(3)
+    # A seed whose key at position 5 gives the top uniform: past every kept token's mass.
+    key = _key_whose_uniform_is_top(0)
     seed = inv_hash32(inv_hash32(inv_hash32(key) ^ 5))  # row_keys(seed, 5) == key, high bits 0
     assert row_keys(torch.tensor([seed]), torch.tensor([5])).item() == key
     logits = torch.tensor([[5.0, 1.0, 0.0, -1.0, 0.5]])
     t = tensors([SamplingParams(temperature=1.0, top_k=1)], seeds=[seed], positions=[5])
     assert sample(logits, t).item() == 0
+
+
+def _key_whose_uniform_is_bottom() -> int:
+    """A row key whose first uniform is the smallest one, h >> 9 == 0."""
+    return inv_hash32(inv_hash32(0) ^ 0x5BD1E995)
+
+
+def test_draws_at_the_extreme_uniforms_skip_zero_weights() -> None:
+    top, bottom = _key_whose_uniform_is_top(0), _key_whose_uniform_is_bottom()
+    assert uniform(torch.tensor([bottom]), 1).item() == 0.5 / 2**23
+    weights = torch.tensor([[0.0, 0.0, 1.0, 2.0, 0.0, 3.0, 0.0, 0.0]] * 2)
+    assert draw(weights, torch.tensor([bottom, top])).tolist() == [2, 5]
+    # Weight below fp32's resolution of the total: the cumulative weight tops out early,
+    # and the draw is still a token with weight, never the zero tail.
+    tiny_tail = torch.tensor([[0.0, 1.0, 1e-9, 0.0, 0.0]] * 2)
+    assert draw(tiny_tail, torch.tensor([bottom, top])).tolist() == [1, 1]
+    # Any total works (the residual of rejection sampling is not normalised); at a
+    # subnormal total the top uniform times the total rounds up to the total itself.
+    assert draw(weights * 1e-30, torch.tensor([bottom, top])).tolist() == [2, 5]
+    subnormal = torch.tensor([[0.0, 1e-40, 0.0]])
+    point = uniform(torch.tensor([top]), 1) * subnormal.sum()
+    assert point.item() == subnormal.sum().item()
+    assert draw(subnormal, torch.tensor([top])).tolist() == [1]
 
 
 def test_unfiltered_row_keeps_its_whole_distribution_in_a_filtered_batch() -> None:

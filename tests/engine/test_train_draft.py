@@ -6,6 +6,7 @@ stopped."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, cast
@@ -28,7 +29,7 @@ from engine.train.evaluate import propose_at
 from engine.train.feature_cache import load_or_compute
 from engine.train.features import TargetFeatures
 from engine.train.objectives import Batch, Objective, sample_anchors
-from engine.train.recipes import RECIPES, DraftOptions, draft_hf_config
+from engine.train.recipes import RECIPES, DraftOptions, draft_hf_config, draft_vocab
 from engine.train.train_draft import TrainConfig, train_draft
 from tests.engine.tiny_models import build_tiny_llama
 
@@ -351,3 +352,69 @@ def test_device_is_checked_before_anything_runs(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="this machine has no CUDA device"):
             config(tmp_path, tmp_path / "out", "eagle3", device="cuda")
     assert config(tmp_path, tmp_path / "out", "eagle3", device="cpu").device == "cpu"
+
+
+def test_init_from_fine_tunes_a_trained_draft(
+    tiny: tuple[Path, SequenceSet], tmp_path: Path
+) -> None:
+    target, data = tiny
+    base = train_draft(
+        config(target, tmp_path / "base", "eagle3", epochs=3), data, log=lambda _: None
+    )
+    lines: list[str] = []
+    tuned = train_draft(
+        config(target, tmp_path / "tuned", "eagle3", epochs=1, init_from=str(tmp_path / "base")),
+        data,
+        log=lines.append,
+    )
+    assert f"starting from the draft in {tmp_path / 'base'}" in lines
+    before = tuned["init_from"]["heldout_tau_before"]
+    assert any(line == f"before fine-tuning: held-out tau(K=5) {before:.3f}" for line in lines)
+    assert tuned["init_from"]["command"] == base["command"]
+    assert tuned["init_from"]["heldout_tau"] == base["heldout_tau"]
+    # It goes on from where the base draft ended (a fresh draft's first epoch is base's).
+    assert tuned["history"][0]["loss"] < base["history"][-1]["loss"] < base["history"][0]["loss"]
+    a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("base", "tuned"))
+    assert a.keys() == b.keys() and torch.equal(a["d2t"], b["d2t"])  # same data, same vocab
+    assert all(not torch.equal(a[name], b[name]) for name in a if name not in ("d2t", "t2d"))
+
+    with pytest.raises(ValueError, match="holds a eagle3 draft, not eagle"):
+        train_draft(config(target, tmp_path / "x", "eagle", init_from=str(tmp_path / "base")), data)
+    with pytest.raises(ValueError, match="init_from: --resume continues"):
+        config(target, tmp_path / "x", "eagle3", init_from="base", resume=True)
+
+
+def test_refit_chooses_the_draft_vocabulary_again_and_keeps_learned_rows(
+    tiny: tuple[Path, SequenceSet], tmp_path: Path
+) -> None:
+    target_dir, data = tiny
+    target = cast(Llama3Model, load_model(target_dir, dtype="float32")[0])
+    opts = DraftOptions(64, 1, 4, 3, 48, 0)
+    hf = draft_hf_config(RECIPES["eagle3"], load_hf(target_dir), opts, data)
+    old = new_drafter("eagle3", hf, target, torch.device("cpu"), seed=1)
+    RECIPES["eagle3"].init_from_target(old, target, data)
+    with torch.no_grad():
+        old.lm_head.weight.normal_()  # "trained" rows, unlike the target's
+        old.fc.weight.normal_()
+    # New data with other frequent tokens: sequences of the tiny set, shifted in vocabulary.
+    shifted = SequenceSet([[(t + 50) % VOCAB for t in s] for s in data.sequences], data.prompt_lens)
+    refit = RECIPES["eagle3"].refit
+    assert refit is not None
+    new, new_hf = refit(old, hf, target, shifted, dataclasses.replace(opts, draft_vocab_size=40))
+    assert new_hf["draft_vocab_size"] == 40 and hf["draft_vocab_size"] == 48
+    ids = draft_vocab(shifted, VOCAB, 40)
+    assert torch.equal(torch.arange(40) + new.d2t, ids)
+    old_ids = (torch.arange(48) + old.d2t).tolist()
+    both = [i for i in ids.tolist() if i in old_ids]
+    assert 0 < len(both) < 40  # some tokens kept, some new
+    for row, token in enumerate(ids.tolist()):
+        expected = (
+            old.lm_head.weight[old_ids.index(token)]
+            if token in old_ids
+            else target.lm_head.weight[token]
+        )
+        assert torch.equal(new.lm_head.weight[row], expected), token
+    assert torch.equal(new.fc.weight, old.fc.weight)
+    assert torch.equal(
+        new.midlayer.self_attn.qkv_proj.weight, old.midlayer.self_attn.qkv_proj.weight
+    )

@@ -301,12 +301,17 @@ async def blocks_in_use(cluster: Cluster) -> tuple[int, int]:
 async def wait_until_freed(
     cluster: Cluster, ledger: Ledger, request_id: str, within_s: float
 ) -> float:
+    """Seconds until the request's blocks are free on P and D, it holds none in the ledger
+    and its record has ended. The router ends the record after P and D acknowledge the
+    abort, so the blocks come free a moment before the record changes."""
     start = time.monotonic()
     while True:
         held = [h for h in ledger.holdings() if h.request_id == request_id]
-        if await blocks_in_use(cluster) == (0, 0) and not held:
+        record = ledger.get_request(request_id)
+        ended = record is not None and record.state.is_terminal
+        if await blocks_in_use(cluster) == (0, 0) and not held and ended:
             return time.monotonic() - start
-        assert time.monotonic() - start < within_s, (await blocks_in_use(cluster), held)
+        assert time.monotonic() - start < within_s, (await blocks_in_use(cluster), held, record)
         await asyncio.sleep(0.02)
 
 
