@@ -15,6 +15,7 @@ from engine.sampler import (
     hash32,
     row_keys,
     sample,
+    threshold,
     top_logprobs,
     uniform,
 )
@@ -107,6 +108,42 @@ def test_filters_are_per_row() -> None:
     probs = filtered_probs(logits, tensors(params))
     assert (probs > 0).sum(dim=-1).tolist() == [2, 8, 3]  # e^-0.5, e^-1 >= 0.3 > e^-2
     torch.testing.assert_close(probs[1], torch.softmax(logits[1], dim=-1))
+
+
+def test_top_k_keeps_tokens_tied_with_the_last_one() -> None:
+    # A threshold, not a rank: which of two equal tokens a sort puts first is arbitrary.
+    logits = [2.0, 1.0, 1.0, 0.0, 1.0]
+    assert keep_mask(logits, top_k=2) == [True, True, True, False, True]
+    assert keep_mask(logits, top_k=1) == [True, False, False, False, False]
+    assert keep_mask(logits, top_k=5) == [True] * 5
+
+
+def brute_threshold(values: list[float], weights: list[int], target: int) -> float:
+    """The largest value whose tokens at or above it weigh at least ``target``."""
+    return max(
+        v
+        for v in values
+        if sum(w for u, w in zip(values, weights, strict=True) if u >= v) >= target
+    )
+
+
+def test_threshold_is_the_exact_weighted_order_statistic() -> None:
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab = 64, 300
+    # Values across the whole non-negative fp32 range, many of them tied: zeros,
+    # subnormals, tiny and large exponents, and equal values within a row.
+    scale = torch.tensor([0.0, 1e-42, 1e-30, 1e-8, 1e-3, 1.0, 1e30])
+    mantissa = torch.randint(1, 5, (rows, vocab), generator=gen).float()
+    values = mantissa * scale[torch.randint(0, len(scale), (rows, vocab), generator=gen)]
+    weights = torch.randint(0, 1000, (rows, vocab), generator=gen)
+    weights[::4] = 1  # counts: top-k
+    totals = weights.sum(-1)
+    target = (torch.rand(rows, generator=gen, dtype=torch.float64) * totals).long() + 1
+    target[1], target[2] = 1, totals[2]  # the largest value; the least value of all
+    got = threshold(values.view(torch.int32), weights, target).view(torch.float32)
+    for r in range(rows):
+        expected = brute_threshold(values[r].tolist(), weights[r].tolist(), int(target[r]))
+        assert got[r].item() == expected, r
 
 
 # -- seeded draws -----------------------------------------------------------------------
