@@ -74,6 +74,7 @@ def test_top_p_keeps_smallest_prefix_reaching_the_mass() -> None:
     assert keep_mask(logits, top_p=0.75) == [True, True, True, False]
     assert keep_mask(logits, top_p=0.95) == [True, True, True, True]
     assert keep_mask(logits, top_p=0.01) == [True, False, False, False]  # never empty
+    assert keep_mask(logits, top_p=1e-30) == [True, False, False, False]  # mass rounds to 0
     probs = filtered_probs(torch.tensor([logits]), tensors([SamplingParams(top_p=0.75)]))
     torch.testing.assert_close(probs[0], torch.tensor([4 / 9, 3 / 9, 2 / 9, 0.0]))
 
