@@ -164,12 +164,13 @@ class LLMEngine:
         self.spec: SpecRunner | None = None
         if config.speculative is not None and drafter is not None:
             self.spec = SpecRunner(config.speculative, self.runner, drafter, num_blocks)
-            if config.speculative.adaptive:
-                self.spec.enable_adaptive(config.max_num_seqs, list(range(num_blocks)))
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         if config.torch_compile:
             self._warm_up()
+        # After the warm-up: the costs of compiled steps, not of compiling them.
+        if self.spec is not None and config.speculative and config.speculative.adaptive:
+            self.spec.enable_adaptive(config.max_num_seqs, list(range(num_blocks)))
 
     def _warm_up(self) -> None:
         """Compiles the decode graphs now, then forgets the warm-up's counters: greedy

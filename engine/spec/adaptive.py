@@ -41,12 +41,14 @@ class AdaptiveK:
         decay: float = 0.98,  # weight of the past in the acceptance estimates, per step
         probe_budget: float = 0.02,  # share of the step time that probes may spend
         cost_weight: float = 0.2,  # weight of one observed step in its cost estimate
+        max_cost_rise: float = 2.0,  # an observed cost counts as at most this x the estimate
     ) -> None:
         self.choices = sorted(set(choices) | {0})
         self.max_k = self.choices[-1]
         self.costs = {bucket: dict(by_k) for bucket, by_k in costs.items()}
         self.buckets = sorted(costs)
         self.decay, self.probe_budget, self.cost_weight = decay, probe_budget, cost_weight
+        self.max_cost_rise = max_cost_rise
         self._accepted = [prior_acceptance] * self.max_k  # decayed counts, per position
         self._verified = [1.0] * self.max_k
         self._probe_credit = 0.0  # seconds
@@ -94,7 +96,11 @@ class AdaptiveK:
         bucket = self.bucket(batch_size)
         cost = self.costs[bucket]
         if k in cost:
-            seen = seconds * bucket / batch_size
+            # At most twice the estimate: a step that compiled a graph (seconds, not
+            # milliseconds) or lost the CPU says nothing of what steps cost, and a K
+            # whose estimate it inflated would never be chosen, so never timed again.
+            # A real rise (longer contexts) still lifts the estimate 20% a step.
+            seen = min(seconds * bucket / batch_size, self.max_cost_rise * cost[k])
             cost[k] += self.cost_weight * (seen - cost[k])
 
     def observe(self, k: int, num_accepted: Sequence[int]) -> None:

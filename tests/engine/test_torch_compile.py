@@ -7,10 +7,15 @@ module-scoped pair of engines serves every test here.
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import engine.spec.spec_runner as spec_runner
+from engine.spec.adaptive import measure_costs
 from engine.spec.config import SpeculativeConfig
 from tests.comparator import compare_greedy
 from tests.engine.spec.test_spec_greedy import PROMPTS, engine_for, greedy, run
@@ -87,7 +92,7 @@ def test_logits_of_a_compiled_step_match_eager(target):
     torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-5, atol=1e-5)
 
 
-def test_each_engine_compiles_its_own_graphs(target, tmp_path):
+def test_each_engine_compiles_its_own_graphs(target, tmp_path, monkeypatch):
     """Dynamo keys graphs on the code of ``forward``, which every model in the process
     shares, and past its limit runs the forward eagerly without a word. After the engines
     above, a speculative engine with adaptive K (a graph per tapped layers, per one or
@@ -98,8 +103,20 @@ def test_each_engine_compiles_its_own_graphs(target, tmp_path):
     base = run(engine_for(model_dir), requests)
     draft = build_random_draft(model_dir, tmp_path / "eagle3", "eagle3")
     spec = SpeculativeConfig(str(draft), num_draft_tokens=2, adaptive=True)
+    measured: list[dict[int, dict[int, float]]] = []
+
+    def spy(*args: Any, **kwargs: Any) -> dict[int, dict[int, float]]:
+        measured.append(copy.deepcopy(measure_costs(*args, **kwargs)))
+        return measured[-1]
+
+    monkeypatch.setattr(spec_runner, "measure_costs", spy)
     counters.clear()
     engine = engine_for(model_dir, spec, torch_compile=True, max_num_seqs=4)
+    # The engine starts with the costs measured on compiled steps: the warm-up's steps,
+    # which compile the graphs (seconds each), are not fed to the estimates. (They were:
+    # SmolLM2 then started with K=0 and K=2 at 5.5 and 6.6 s per step, never chosen.)
+    assert engine.spec is not None and engine.spec.adaptive is not None
+    assert measured and engine.spec.adaptive.costs == measured[-1]
     out = run(engine, requests)
     assert_same_greedy(hf_model, out, base, requests)
     assert counters["stats"]["unique_graphs"] >= 3

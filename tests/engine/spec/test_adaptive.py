@@ -39,6 +39,21 @@ def test_observed_step_costs_turn_speculation_off_where_it_does_not_pay() -> Non
     assert adaptive.choose(32) == 0
 
 
+def test_a_stalled_step_moves_its_cost_estimate_by_a_bounded_amount() -> None:
+    """A step that compiled a graph took seconds; the estimate rises 20% (twice the
+    estimate, at weight 0.2), not to a second, and that K stays the best choice."""
+    adaptive = AdaptiveK([0, 1], {1: {0: 0.010, 1: 0.011}}, probe_budget=0)
+    for _ in range(50):
+        adaptive.observe(1, [1])
+    assert adaptive.choose(1) == 1
+    adaptive.observe_cost(1, 1, 30.0)
+    assert adaptive.costs[1][1] == pytest.approx(0.011 * 1.2)
+    assert adaptive.choose(1) == 1
+    for _ in range(20):  # a real rise is followed: towards 0.03 within 20 steps
+        adaptive.observe_cost(1, 1, 0.03)
+    assert adaptive.costs[1][1] == pytest.approx(0.03, rel=0.01)
+
+
 def test_a_step_cost_is_scaled_to_its_bucket_and_unknown_depths_are_ignored() -> None:
     adaptive = AdaptiveK([0, 1, 2], startup_costs(), cost_weight=1.0)
     adaptive.observe_cost(20, 0, 3.0)  # 20 rows fall in bucket 32: 3.0 x 32 / 20
