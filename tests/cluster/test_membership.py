@@ -20,13 +20,15 @@ from cluster.redis_server import RedisServer, free_port
 async def test_registers_again_with_a_new_epoch_when_redis_forgets_it(ledger: Ledger) -> None:
     lost: list[str] = []
     again: list[int] = []
-    membership = _decode_membership(ledger, lost, lease_ms=200, on_registered_again=again.append)
+    # A lease of 600 ms renewed every 50 ms: a CI run lost a 200 ms one (a stall of over
+    # 150 ms between renewals on the loaded machine).
+    membership = _decode_membership(ledger, lost, lease_ms=600, on_registered_again=again.append)
     first = membership.register()
     ledger.create_request("r1", owner="router", epoch=1)
     membership.claim("r1", [1, 2], has_draft=False)
     membership.start()
     try:
-        await asyncio.sleep(0.3)  # past the lease: renewals kept it
+        await asyncio.sleep(0.7)  # past the lease: renewals kept it
         assert lost == [] and again == [] and membership.is_holding("r1")
 
         for key in ledger.client.scan_iter(match=f"{ledger.ns}:*"):  # an empty restart
