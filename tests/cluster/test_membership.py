@@ -20,15 +20,18 @@ from cluster.redis_server import RedisServer, free_port
 async def test_registers_again_with_a_new_epoch_when_redis_forgets_it(ledger: Ledger) -> None:
     lost: list[str] = []
     again: list[int] = []
-    # A lease of 600 ms renewed every 50 ms: a CI run lost a 200 ms one (a stall of over
-    # 150 ms between renewals on the loaded machine).
-    membership = _decode_membership(ledger, lost, lease_ms=600, on_registered_again=again.append)
+    # Heartbeats every 200 ms (registration TTL 600 ms), lease 1.2 s. With 50 ms beats
+    # (TTL 150 ms) two full-suite CI runs lost the registration within the first 0.4 s:
+    # a heartbeat over 100 ms late (not reproduced alone or with the cluster tests).
+    membership = _decode_membership(
+        ledger, lost, heartbeat_ms=200, lease_ms=1200, on_registered_again=again.append
+    )
     first = membership.register()
     ledger.create_request("r1", owner="router", epoch=1)
     membership.claim("r1", [1, 2], has_draft=False)
     membership.start()
     try:
-        await asyncio.sleep(0.7)  # past the lease: renewals kept it
+        await asyncio.sleep(1.3)  # past the lease: renewals kept it
         assert lost == [] and again == [] and membership.is_holding("r1")
 
         for key in ledger.client.scan_iter(match=f"{ledger.ns}:*"):  # an empty restart
@@ -46,9 +49,14 @@ async def test_registers_again_with_a_new_epoch_when_redis_forgets_it(ledger: Le
 
 
 def _decode_membership(
-    ledger: Ledger, lost: list[str], *, lease_ms: int = 500, **callbacks: Any
+    ledger: Ledger,
+    lost: list[str],
+    *,
+    heartbeat_ms: int = 50,
+    lease_ms: int = 500,
+    **callbacks: Any,
 ) -> Membership:
-    """A decode worker "d0" heartbeating every 50 ms, serving model "m"; ``callbacks``:
+    """A decode worker "d0" heartbeating every 50 ms (default), serving model "m"; ``callbacks``:
     ``rebuild_from``, ``on_registered_again``."""
     return Membership(
         ledger,
@@ -56,7 +64,7 @@ def _decode_membership(
         role=WorkerRole.DECODE,
         address="127.0.0.1:1",
         capacity=8,
-        timing=Timing(heartbeat_ms=50, lease_ms=lease_ms),
+        timing=Timing(heartbeat_ms=heartbeat_ms, lease_ms=lease_ms),
         load=lambda: (0.0, {"model": "m"}),
         on_lease_lost=lost.append,
         **callbacks,
