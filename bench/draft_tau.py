@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.spec_decode import chat_ids, is_looping
+from bench.spec_decode import _tau, chat_ids, is_looping
 from engine.llm import LLM
 from engine.model_store import prepare
 from engine.sampling_params import SamplingParams
@@ -42,7 +42,7 @@ def score(llm: LLM, prompts: list[list[int]], params: SamplingParams, batch: int
         looping += sum(is_looping(o.token_ids) for o in outs)
     drafts = stats.num_drafts - before[0]
     accepted = stats.num_accepted_tokens - before[1]
-    return {"tau": 1.0 + accepted / max(1, drafts), "num_steps": drafts, "looping": looping}
+    return {"tau": _tau([(drafts, accepted)]), "num_steps": drafts, "looping": looping}
 
 
 def main() -> None:

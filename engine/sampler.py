@@ -174,13 +174,14 @@ def _filtered(scaled: torch.Tensor, t: SamplingTensors, rows: slice) -> torch.Te
         if t.uses_top_k:
             in_top_k = torch.where(bits >= floor[:, None], mass, 0).sum(-1)
             kept_mass = torch.where(top_k > 0, in_top_k, kept_mass)
-        nucleus = threshold(bits, mass, (top_p.double() * kept_mass).long())
+        # At least one unit of mass: a top_p so small that its target rounds to 0 would
+        # put the threshold above every token. Each threshold is then at most the top
+        # token's probability, so the most likely token is always kept.
+        target = (top_p.double() * kept_mass).long().clamp(min=1)
+        nucleus = threshold(bits, mass, target)
         floor = torch.where(top_p < 1.0, torch.maximum(floor, nucleus), floor)
-    top = probs.amax(-1)
     if t.uses_min_p:
-        floor = torch.maximum(floor, (t.min_p[rows] * top).view(torch.int32))
-    # Never above the most likely token (a top_p so small that its mass rounds to 0).
-    floor = torch.minimum(floor, top.view(torch.int32))
+        floor = torch.maximum(floor, (t.min_p[rows] * probs.amax(-1)).view(torch.int32))
     # The softmax again, not a division by the kept mass: a row that keeps everything gets
     # exactly the unfiltered distribution, whatever the other rows in its batch ask for.
     return torch.softmax(scaled.masked_fill(bits < floor[:, None], float("-inf")), dim=-1)

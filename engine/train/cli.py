@@ -86,8 +86,9 @@ def register_train_draft(subparsers: Subparsers) -> None:
         metavar="DRAFT_DIR",
         default=None,
         help="fine-tune a trained draft of the same kind (e.g. on new data) instead of "
-        "starting from a fresh one; its shape and vocabulary map are kept, so "
-        "--intermediate-size and --draft-vocab-size do not apply",
+        "starting from a fresh one; its shape is kept, so --intermediate-size does not "
+        "apply; an EAGLE-3 draft's vocabulary is chosen again from the new data at "
+        "--draft-vocab-size (tokens it had keep their trained rows)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument(

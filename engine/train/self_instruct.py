@@ -33,8 +33,8 @@ class SelfInstructRecipe:
 
     count: int
     seed: int
-    temperature: float = 0.8  # no top-p or top-k: those sort the vocabulary every step
-    top_p: float = 1.0
+    temperature: float = 0.8
+    top_p: float = 1.0  # the whole distribution: varied messages
     max_tokens: int = 96  # a message the target has not ended by then is dropped
     max_attempts_per_prompt: int = 3
 
