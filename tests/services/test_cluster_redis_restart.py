@@ -41,7 +41,7 @@ from tests.services.cluster_helpers import (
     worker_stats,
 )
 
-MAX_TOKENS = 300  # long enough that every stream is mid-way until the checks are done
+MAX_TOKENS = 1500  # about 4 s of decoding here: mid-way through the checks, which wait on 300 ms heartbeats
 PROMPTS = [[(3 * i + 7 * j) % 61 + 3 for j in range(6 + 4 * i)] for i in range(3)]
 LATER_PROMPTS = [[9, 4, 33, 20, 5], [17, 60, 3, 3, 41, 8, 25, 12, 7]]
 TOKENS_BEFORE_KILL = 8
