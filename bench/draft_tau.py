@@ -55,6 +55,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="target and draft dtype (bfloat16 as served)"
+    )
     args = parser.parse_args()
     for draft in args.drafts:
         if not (draft / "config.json").is_file():
@@ -71,7 +74,7 @@ def main() -> None:
     for draft in tqdm(args.drafts, desc="drafts"):
         llm = LLM(
             str(model_dir),
-            dtype="bfloat16",
+            dtype=args.dtype,
             kv_cache_memory=512 << 20,
             max_num_seqs=args.batch,
             num_threads=args.threads,

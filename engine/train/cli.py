@@ -172,6 +172,14 @@ def register_draft_data(subparsers: Subparsers) -> None:
         "up to a user turn (sampled; kept in OUT/self_instruct.jsonl): prompts like those "
         "people send a chat model, which the corpus lacks",
     )
+    parser.add_argument(
+        "--self-instruct-openers",
+        action="store_true",
+        help="begin each self-instruct message with the next of a fixed list of openers "
+        "('Write', 'Explain', 'How do I', ...; engine.train.self_instruct.DEFAULT_OPENERS), "
+        "the target writing the rest: many kinds of request, where unsteered a small "
+        "target writes a few kinds again and again",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=1, help="corpus order")
     parser.set_defaults(func=_draft_data)
@@ -180,6 +188,7 @@ def register_draft_data(subparsers: Subparsers) -> None:
 def _draft_data(args: argparse.Namespace) -> int:
     def make(target: Path) -> int:
         from engine.train.data import prepare_shards
+        from engine.train.self_instruct import DEFAULT_OPENERS
 
         paths = prepare_shards(
             target,
@@ -193,6 +202,7 @@ def _draft_data(args: argparse.Namespace) -> int:
             num_threads=args.threads,
             max_num_seqs=args.max_num_seqs,
             self_instruct=args.self_instruct,
+            self_instruct_openers=DEFAULT_OPENERS if args.self_instruct_openers else (),
         )
         print(f"{len(paths)} shard(s) in {args.out}")
         return 0

@@ -342,12 +342,14 @@ def prepare_shards(
     num_threads: int | None,
     max_num_seqs: int = 64,
     self_instruct: int = 0,
+    self_instruct_openers: Sequence[str] = (),
     log: Log = print,
 ) -> list[Path]:
     """Self-distillation data in shards of ``shard_size`` sequences (``shardNNN.safetensors``
     in ``out_dir``), for sets larger than one sitting: the corpus's ``num_prompts`` prompts
     and ``self_instruct`` messages the target writes itself (``engine.train.self_instruct``,
-    kept in ``out_dir/self_instruct.jsonl``), shuffled together, cut into shards; the first
+    kept in ``out_dir/self_instruct.jsonl``; each begun with the next of
+    ``self_instruct_openers`` when given), shuffled together, cut into shards; the first
     ``num_shards`` (None: all) are made. A shard
     already there with the same recipe is kept, so a stopped run resumes where it was and a
     later run with a larger ``num_shards`` adds to the set; the corpus is built only when a
@@ -363,6 +365,10 @@ def prepare_shards(
     base = _recipe(target_dir, num_prompts, max_new_tokens, max_prompt_len, seed)
     if self_instruct:  # absent when 0: sets made before self-instruct keep their recipe
         base["self_instruct"] = self_instruct
+    if self_instruct_openers and not self_instruct:
+        raise ValueError("self_instruct_openers: given, but no self_instruct messages asked for")
+    if self_instruct_openers:
+        base["self_instruct_openers"] = list(self_instruct_openers)
     paths = []
     for index in range(wanted):
         path = out_dir / f"shard{index:03d}.safetensors"
@@ -378,6 +384,7 @@ def prepare_shards(
                 max_prompt_len,
                 seed,
                 self_instruct=self_instruct,
+                self_instruct_openers=tuple(self_instruct_openers),
                 self_instruct_cache=out_dir / "self_instruct.jsonl",
                 num_threads=num_threads,
                 max_num_seqs=max_num_seqs,
@@ -426,6 +433,7 @@ class _Corpus:
         seed: int,
         *,
         self_instruct: int = 0,
+        self_instruct_openers: tuple[str, ...] = (),
         self_instruct_cache: Path | None = None,
         num_threads: int | None = None,
         max_num_seqs: int = 64,
@@ -444,7 +452,7 @@ class _Corpus:
             prompts += self_instruct_prompts(
                 target_dir,
                 tokenizer,
-                SelfInstructRecipe(count=self_instruct, seed=seed),
+                SelfInstructRecipe(count=self_instruct, seed=seed, openers=self_instruct_openers),
                 exclude=[p.text for p in prompts],
                 cache=self_instruct_cache,
                 num_threads=num_threads,

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from engine.train.cli import register_draft_data
 from engine.train.corpus import build_corpus
 from engine.train.data import SequenceSet, chat_prompt_ids, load_sequence_files
+from engine.train.self_instruct import DEFAULT_OPENERS
 from tests.engine.tiny_models import build_tiny_llama
 from tests.services.tiny_tokenizer import save_char_tokenizer
 
@@ -112,3 +113,23 @@ def test_self_instruct_messages_join_the_shards_and_are_sampled_once(
     tokenizer = AutoTokenizer.from_pretrained(target)
     for ids in chat_prompt_ids(tokenizer, messages, 40):
         assert tuple(ids) in prompts
+
+
+def test_self_instruct_openers_begin_the_messages_in_turn(
+    target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "shards"
+    args = ["--self-instruct", "12", "--self-instruct-openers"]
+    assert draft_data(*options(target, out, num_prompts=0, num_shards=1), *args) == 0
+    header, *rows = (out / "self_instruct.jsonl").read_text().splitlines()
+    assert json.loads(header)["recipe"]["openers"] == list(DEFAULT_OPENERS)
+    messages = [json.loads(row)["prompt"] for row in rows]
+    assert messages and all(m.startswith(DEFAULT_OPENERS) for m in messages)
+    assert len({next(o for o in DEFAULT_OPENERS if m.startswith(o)) for m in messages}) > 1
+    _, meta = SequenceSet.load(out / "shard000.safetensors")
+    assert meta["recipe"]["self_instruct_openers"] == list(DEFAULT_OPENERS)
+
+    # Openers steer self-instruct messages: without any asked for, they are refused.
+    none = options(target, tmp_path / "none", num_prompts=4)
+    assert draft_data(*none, "--self-instruct-openers") == 2
+    assert "self_instruct_openers: given, but no self_instruct" in capsys.readouterr().err

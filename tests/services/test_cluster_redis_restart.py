@@ -41,7 +41,9 @@ from tests.services.cluster_helpers import (
     worker_stats,
 )
 
-MAX_TOKENS = 1500  # about 4 s of decoding here: mid-way through the checks, which wait on 300 ms heartbeats
+# About 4 s of decoding here: every stream is mid-way through the checks, which wait on
+# 300 ms heartbeats (300 tokens ended before them in a CI run).
+MAX_TOKENS = 1500
 PROMPTS = [[(3 * i + 7 * j) % 61 + 3 for j in range(6 + 4 * i)] for i in range(3)]
 LATER_PROMPTS = [[9, 4, 33, 20, 5], [17, 60, 3, 3, 41, 8, 25, 12, 7]]
 TOKENS_BEFORE_KILL = 8
