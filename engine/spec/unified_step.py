@@ -33,7 +33,7 @@ from engine.attention.base import AttentionBackend, BatchLayout
 from engine.kv_cache import PagedKVCache
 from engine.sampler import SamplingTensors, draw, filtered_probs, row_keys
 from engine.spec.acceptance import DRAFT_SALT, accept, accept_synthetic
-from engine.spec.drafters import Drafter, ProposeArgs
+from engine.spec.drafters import Drafter, DraftLogits, ProposeArgs
 
 
 @dataclass
@@ -205,13 +205,13 @@ class UnifiedStep:
         sample = self.sample_drafts and not sampling.all_greedy
         probs: list[torch.Tensor] = []
 
-        def select(logits: torch.Tensor, j: int) -> torch.Tensor:
-            greedy = logits.argmax(dim=-1)
+        def select(scores: DraftLogits, j: int) -> torch.Tensor:
+            greedy = scores.argmax()
             if not sample:
                 return greedy
             # Draft j is the token at position p + 2 + j (p: last committed, p+1: bonus).
             rows = dataclasses.replace(sampling, positions=args.last_positions + 2 + j)
-            q = filtered_probs(logits, rows)  # [B, V]
+            q = filtered_probs(scores.full(), rows)  # [B, V]
             drawn = draw(q, row_keys(rows.seeds, rows.positions) ^ DRAFT_SALT)
             is_sampled = sampling.temperature > 0
             # Greedy rows draft the argmax: their q is one-hot there.

@@ -97,7 +97,7 @@ def heldout_acceptance(
     for start in range(0, len(anchors), chunk):
         rows = anchors[start : start + chunk]
         drafts = propose_at(
-            drafter, data.sequences, features, rows, num_drafts, lambda x, j: x.argmax(dim=-1)
+            drafter, data.sequences, features, rows, num_drafts, lambda x, j: x.argmax()
         )
         truth = torch.tensor([data.sequences[i][p + 2 : p + 2 + num_drafts] for i, p in rows])
         matches.append((drafts.cpu() == truth).long().cumprod(dim=1))  # [R, K]: accepted prefix

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.spec.drafters.base import Drafter, KVLayers, ProposeArgs
+from engine.spec.drafters.base import Drafter, DraftLogits, KVLayers, ProposeArgs
 from engine.train.attention import TrainAttentionBackend, context_layout
 
 
@@ -38,7 +38,7 @@ class LossOutput:
     step_losses: list[float]  # cross-entropy per draft position
     step_accuracy: list[float]  # teacher-forced top-1 accuracy per draft position
     num_rows: int  # anchors that carried a loss
-    logits: list[torch.Tensor]  # per draft position: [R, V] teacher-forced logits (R = B * A)
+    logits: list[DraftLogits]  # per draft position: teacher-forced scores of R = B * A rows
 
 
 def sample_anchors(
@@ -61,18 +61,18 @@ def sample_anchors(
 
 
 def masked_ce(
-    logits: torch.Tensor, labels: torch.Tensor, is_valid: torch.Tensor
+    scores: DraftLogits, labels: torch.Tensor, is_valid: torch.Tensor
 ) -> tuple[torch.Tensor, float]:
-    """Mean cross-entropy over valid rows whose label the drafter can emit (a reduced vocab
-    gives others -inf), and top-1 accuracy over all valid rows."""
+    """Mean cross-entropy over valid rows whose label the drafter can emit (a reduced draft
+    vocabulary lacks some), over the tokens it scores; top-1 accuracy over all valid rows."""
+    index = scores.index_of(labels)
     with torch.no_grad():
-        label_logit = logits.gather(1, labels[:, None]).squeeze(1)
-        correct = (logits.argmax(dim=-1) == labels) & is_valid
+        correct = (scores.argmax() == labels) & is_valid
         accuracy = correct.sum().item() / max(int(is_valid.sum()), 1)
-        keep = is_valid & torch.isfinite(label_logit)
+        keep = is_valid & (index >= 0)
     if not bool(keep.any()):
-        return logits.sum() * 0.0, accuracy
-    return F.cross_entropy(logits[keep], labels[keep]), accuracy
+        return scores.values.sum() * 0.0, accuracy
+    return F.cross_entropy(scores.values[keep], index[keep]), accuracy
 
 
 class Objective:
@@ -111,9 +111,9 @@ class Objective:
         label_pos = p[:, None] + 2 + torch.arange(k, device=device)  # [R, k]
         is_valid = is_real.reshape(-1)[:, None] & (label_pos < batch.lengths[rows][:, None])
         labels = batch.tokens[rows[:, None], label_pos.clamp(max=n - 1)]  # [R, k]
-        logits: list[torch.Tensor] = []
+        logits: list[DraftLogits] = []
 
-        def select(step_logits: torch.Tensor, j: int) -> torch.Tensor:
+        def select(step_logits: DraftLogits, j: int) -> torch.Tensor:
             logits.append(step_logits)
             return labels[:, j]  # teacher forcing: the token an accepted chain would see
 

@@ -10,7 +10,13 @@ import torch
 
 from engine.config import read_hf_config
 from engine.models.llama3 import Llama3Model
-from engine.spec.drafters.base import DraftConfigError, Drafter, ProposeArgs, SelectFn
+from engine.spec.drafters.base import (
+    DraftConfigError,
+    Drafter,
+    DraftLogits,
+    ProposeArgs,
+    SelectFn,
+)
 from engine.spec.drafters.dflash import load_dflash
 from engine.spec.drafters.eagle import load_eagle
 from engine.spec.drafters.eagle3 import load_eagle3
@@ -19,6 +25,7 @@ from engine.spec.drafters.loading import init_random, save_draft
 __all__ = [
     "DRAFTERS",
     "DraftConfigError",
+    "DraftLogits",
     "Drafter",
     "ProposeArgs",
     "SelectFn",

@@ -18,9 +18,49 @@ from engine.attention.base import AttentionBackend, BatchLayout
 from engine.config import Llama3Config
 from engine.models.llama3 import ModelOutputs, ReturnHiddenStates
 
-# (logits [B, V] over the target vocabulary, draft index j) -> draft tokens [B]
-SelectFn = Callable[[torch.Tensor, int], torch.Tensor]
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class DraftLogits:
+    """One draft position's scores for B rows, fp32 [B, Vd]. A drafter with its own reduced
+    vocabulary (EAGLE-3) scores only its Vd tokens, entry i standing for target token
+    ``token_ids[i]``; the others score the whole target vocabulary (``token_ids`` None).
+    Greedy drafting takes the argmax where the scores are: spreading [B, Vd] over the
+    target vocabulary costs more than the draft's lm_head from batch 8 up on a CPU."""
+
+    values: torch.Tensor  # [B, Vd] fp32
+    token_ids: torch.Tensor | None = None  # [Vd] int64 target ids, ascending
+    vocab_size: int | None = None  # the target's, with token_ids
+
+    def __post_init__(self) -> None:
+        if (self.token_ids is None) != (self.vocab_size is None):
+            raise ValueError("DraftLogits: token_ids and vocab_size go together")
+
+    def argmax(self) -> torch.Tensor:
+        """[B] target ids of the best-scored tokens."""
+        best = self.values.argmax(dim=-1)
+        return best if self.token_ids is None else self.token_ids[best]
+
+    def full(self) -> torch.Tensor:
+        """[B, V] over the target vocabulary, -inf for tokens the draft cannot emit."""
+        if self.token_ids is None or self.vocab_size is None:
+            return self.values
+        out = self.values.new_full((self.values.shape[0], self.vocab_size), float("-inf"))
+        return out.scatter(1, self.token_ids.expand_as(self.values), self.values)
+
+    def index_of(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Where each target id is scored in ``values`` (same shape, int64), -1 where the
+        draft cannot emit it."""
+        if self.token_ids is None or self.vocab_size is None:
+            return target_ids
+        lookup = target_ids.new_full((self.vocab_size,), -1)
+        lookup[self.token_ids] = torch.arange(self.token_ids.numel(), device=target_ids.device)
+        return lookup[target_ids]
+
+
+# (draft position j's logits, j) -> draft tokens [B]
+SelectFn = Callable[[DraftLogits, int], torch.Tensor]
 
 
 class DraftConfigError(ValueError):
@@ -92,7 +132,7 @@ def propose_chain(
     args: ProposeArgs,
     k: int,
     select: SelectFn,
-    logits: Callable[[torch.Tensor], torch.Tensor],  # [B, H] -> [B, V] target-vocabulary logits
+    logits: Callable[[torch.Tensor], DraftLogits],  # [B, H] state -> its next token's scores
     step: Callable[[torch.Tensor, torch.Tensor, BatchLayout, Any], torch.Tensor],
     backend: AttentionBackend,
 ) -> torch.Tensor:

@@ -32,6 +32,7 @@ from engine.models.llama3 import (
 from engine.registry import decoder_layer_rules
 from engine.spec.drafters.base import (
     DraftConfigError,
+    DraftLogits,
     KVLayers,
     ProposeArgs,
     SelectFn,
@@ -191,7 +192,7 @@ class DflashDrafter(nn.Module):
             x = layer(x, rope, kv_layer, backend, metadata)
         x = x.view(b, bs, -1)[:, 1 : k + 1]  # [B, k, H]: positions 1.. predict the drafts
         logits = self._target[1](self.norm(x)).float()  # [B, k, V]
-        return torch.stack([select(logits[:, j], j) for j in range(k)], dim=1)
+        return torch.stack([select(DraftLogits(logits[:, j]), j) for j in range(k)], dim=1)
 
 
 def load_dflash(

@@ -28,6 +28,7 @@ from engine.models.llama3 import (
 from engine.registry import decoder_layer_rules
 from engine.spec.drafters.base import (
     DraftConfigError,
+    DraftLogits,
     KVLayers,
     ProposeArgs,
     SelectFn,
@@ -104,7 +105,7 @@ class EagleDrafter(nn.Module):
             args,
             k,
             select,
-            logits=lambda g: self._target[1](g).float(),
+            logits=lambda g: DraftLogits(self._target[1](g).float()),
             step=lambda tokens, g, layout, md: self._forward(tokens, g, layout, md, kv, backend),
             backend=backend,
         )

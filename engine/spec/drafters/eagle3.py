@@ -31,6 +31,7 @@ from engine.models.llama3 import (
 from engine.registry import decoder_layer_rules
 from engine.spec.drafters.base import (
     DraftConfigError,
+    DraftLogits,
     KVLayers,
     ProposeArgs,
     SelectFn,
@@ -111,12 +112,11 @@ class Eagle3Drafter(nn.Module):
         t2d = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.d2t.device)
         return {"d2t": self.d2t.clone(), "t2d": t2d.index_fill(0, ids, True)}
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Target-vocabulary logits [B, V]; tokens outside the draft vocabulary get -inf."""
+    def logits(self, hidden: torch.Tensor) -> DraftLogits:
+        """Scores over the draft vocabulary, which ``d2t`` maps to target ids."""
         draft = self.lm_head(self.norm(hidden)).float()  # [B, Vd]
         ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t  # target ids
-        full = draft.new_full((draft.shape[0], self.vocab_size), float("-inf"))
-        return full.scatter(1, ids.expand_as(draft), draft)
+        return DraftLogits(draft, ids, self.vocab_size)
 
     def _forward(
         self,
