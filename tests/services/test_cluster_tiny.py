@@ -23,7 +23,7 @@ import grpc
 import pytest
 import redis
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from cluster.launcher import Cluster
 from cluster.ledger import Ledger, Pool, RequestState
@@ -33,12 +33,12 @@ from engine.spec.config import SpeculativeConfig
 from router.client import build_request
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import generation_pb2_grpc as gen_grpc
-from tests.comparator import compare_greedy
 from tests.engine.tiny_drafts import build_random_draft
 from tests.engine.tiny_models import build_tiny_llama
 from tests.services.cluster_helpers import (
     TINY_WORKER_ARGS,
     assert_audit_clean,
+    assert_greedy_equal,
     check_stream,
     generate_all,
     non_final_requests,
@@ -155,14 +155,6 @@ def reference(
 def shm_rings(cluster: Cluster) -> list[Path]:
     """The shared-memory rings the prefill worker keeps for reuse after its pushes."""
     return list(Path("/dev/shm").glob(f"tandem-kv-{cluster.prefill[0].process.pid}-*"))
-
-
-def assert_greedy_equal(
-    target: Path, token_prompts: list[list[int]], ours: list[list[int]], refs: list[list[int]]
-) -> None:
-    hf = LlamaForCausalLM.from_pretrained(str(target), dtype="float32").eval()
-    result = compare_greedy(hf, token_prompts, ours, refs)
-    assert result.num_ties <= 1, result
 
 
 async def test_greedy_with_eagle3_draft_equals_engine(
