@@ -6,10 +6,9 @@ back, every component sees a new ledger generation (none, or the snapshot's with
 clocks in it behind what they had read) and registers again with a new epoch; the decode
 worker records again the requests it is decoding (DECODING, its own at its new epoch, the
 blocks its allocator holds for them, replacing what a snapshot brought back), so their
-streams go on with no migration and no second prefill, and complete equal (up to a tie,
-`tests.comparator`) to the
-in-process engine; the ledger agrees with the allocators mid-decode; new requests are
-served; the new ledger ends clean."""
+streams go on with no migration and no second prefill, and complete equal to the
+in-process engine (up to a tie, `tests.comparator`); the ledger agrees with the
+allocators mid-decode; new requests are served; the new ledger ends clean."""
 
 from __future__ import annotations
 
