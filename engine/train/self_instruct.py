@@ -171,10 +171,11 @@ def self_instruct_prompts(
 
 
 def _as_json(recipe: SelfInstructRecipe) -> dict[str, Any]:
-    """The recipe as its JSON header reads back (lists for tuples); without openers, as
+    """The recipe as its JSON header reads back (a list of openers); without openers, as
     sets saved before openers existed wrote it."""
     fields = asdict(recipe)
-    fields["openers"] = list(recipe.openers)
-    if not recipe.openers:
+    if recipe.openers:
+        fields["openers"] = list(recipe.openers)
+    else:
         del fields["openers"]
     return fields
