@@ -80,6 +80,15 @@ def register_train_draft(subparsers: Subparsers) -> None:
         default=None,
         help="anchor positions per sequence and step (0: all; default all, DFlash 16)",
     )
+    parser.add_argument(
+        "--soft-labels",
+        type=int,
+        default=0,
+        metavar="K",
+        help="train on the target's distribution over each next token, cut to its K most "
+        "likely tokens (computed with the features, cached beside them), instead of on its "
+        "greedy token (0, the default)",
+    )
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     parser.add_argument(
         "--init-from",
@@ -122,6 +131,7 @@ def _train_draft(args: argparse.Namespace) -> int:
             num_draft_steps=args.num_draft_steps,
             draft_vocab_size=args.draft_vocab_size,
             anchors_per_seq=args.anchors_per_seq,
+            soft_labels=args.soft_labels,
             max_sequences=args.max_sequences,
             feature_cache=args.feature_cache,
             resume=args.resume,

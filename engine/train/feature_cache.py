@@ -5,7 +5,9 @@ output never changes between epochs, so one pass before training computes it for
 training sequence, keeps it in RAM and saves it as ``OUT/data/features-<kind>-<key>.safetensors``
 for ``--resume`` and reruns. ``key`` is a hash of everything the features depend on: the
 target's weights (path, size and mtime of each safetensors file), the drafter kind's
-layout (which hidden states) and the training sequences themselves.
+layout (which hidden states), the number of soft labels kept per token and the training
+sequences themselves. Soft labels (the target's top-k next tokens) come from the same
+forward and are stored beside the features: k fp16 probabilities and int32 ids a token.
 
 A matching file is read whole into RAM rather than memory-mapped: [num_tokens, F] fp16 is
 2 GB for 600k tokens of EAGLE-3 features on SmolLM2 (F = 1728), and every epoch reads all
@@ -28,7 +30,7 @@ from tqdm import tqdm
 
 from engine.models.llama3 import ReturnHiddenStates
 from engine.train.data import SequenceSet
-from engine.train.features import TargetFeatures, pad_rows
+from engine.train.features import SoftLabels, TargetFeatures, pad_rows
 
 Log = Callable[[str], None]
 
@@ -36,15 +38,28 @@ FORMAT = 1  # bump when the way features are computed changes: older files then 
 
 
 class CachedFeatures:
-    """Per training sequence, the target's features: one [num_tokens, F] fp16 tensor."""
+    """Per training sequence, the target's features (one [num_tokens, F] fp16 tensor) and,
+    when kept, its top-k next tokens ([num_tokens, k] fp16 probabilities, int32 ids)."""
 
-    def __init__(self, features: torch.Tensor, lengths: Sequence[int]) -> None:
-        self.features = features
+    def __init__(
+        self,
+        store: dict[str, torch.Tensor],  # "features", and "top_probs" with "top_ids"
+        lengths: Sequence[int],
+    ) -> None:
+        self.store = store
         self.offsets = [0, *itertools.accumulate(lengths)]
 
-    def padded(self, indices: Sequence[int]) -> torch.Tensor:
-        """[B, L, F] fp32 for the sequences at ``indices``, zero past each one's end."""
-        return pad_rows([self.features[self.offsets[i] : self.offsets[i + 1]] for i in indices])
+    def _rows(self, name: str, indices: Sequence[int]) -> torch.Tensor:
+        data = self.store[name]
+        return pad_rows([data[self.offsets[i] : self.offsets[i + 1]] for i in indices])
+
+    def padded(self, indices: Sequence[int]) -> tuple[torch.Tensor, SoftLabels | None]:
+        """[B, L, F] fp32 for the sequences at ``indices``, zero past each one's end; and
+        their soft labels when the cache keeps them."""
+        soft = None
+        if "top_probs" in self.store:
+            soft = SoftLabels(self._rows("top_probs", indices), self._rows("top_ids", indices))
+        return self._rows("features", indices), soft
 
 
 def fingerprint(
@@ -81,6 +96,7 @@ def load_or_compute(
     from safetensors.torch import load_file, save_file
 
     meta = fingerprint(target_dir, kind, features.drafter.target_hidden, train)
+    meta["soft_top_k"] = features.top_k
     text = json.dumps(meta, sort_keys=True)
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     path = data_dir / f"features-{kind}-{key}.safetensors"
@@ -90,7 +106,7 @@ def load_or_compute(
         with safe_open(str(path), framework="pt") as f:
             is_match = (f.metadata() or {}).get("fingerprint") == text
         if is_match:
-            cache = CachedFeatures(load_file(path)["features"], lengths)
+            cache = CachedFeatures(load_file(path), lengths)
             seconds = time.perf_counter() - start
             log(f"target features of {len(train)} sequences read from {path} in {seconds:.0f} s")
             return cache, {"file": str(path), "is_reused": True, "seconds": round(seconds, 1)}
@@ -100,12 +116,15 @@ def load_or_compute(
         stale.unlink()
     data_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    save_file({"features": store}, str(tmp), metadata={"fingerprint": text})
+    save_file(store, str(tmp), metadata={"fingerprint": text})
     tmp.replace(path)
     seconds = time.perf_counter() - start
+    num_tokens, width = store["features"].shape
+    size = sum(t.numel() * t.element_size() for t in store.values())
     log(
-        f"target features of {len(train)} sequences ({store.shape[0]} x {store.shape[1]} fp16, "
-        f"{store.numel() * 2 / 2**30:.2f} GiB) computed in {seconds:.0f} s, saved to {path}"
+        f"target features of {len(train)} sequences ({num_tokens} x {width} fp16"
+        f"{f', top {features.top_k} next tokens' if features.top_k else ''}, "
+        f"{size / 2**30:.2f} GiB) computed in {seconds:.0f} s, saved to {path}"
     )
     return CachedFeatures(store, lengths), {
         "file": str(path),
@@ -114,26 +133,35 @@ def load_or_compute(
     }
 
 
-def compute(features: TargetFeatures, train: SequenceSet, batch_size: int) -> torch.Tensor:
+def compute(
+    features: TargetFeatures, train: SequenceSet, batch_size: int
+) -> dict[str, torch.Tensor]:
     """One pass of the target over ``train``, in batches of neighbours in length (the torch
-    backend pads a batch's rows to its longest): [num_tokens, F] fp16 in ``train``'s order."""
+    backend pads a batch's rows to its longest), in ``train``'s order: "features"
+    [num_tokens, F] fp16, and with ``features.top_k`` "top_probs" [num_tokens, k] fp16 and
+    "top_ids" [num_tokens, k] int32."""
     offsets = [0, *itertools.accumulate(len(s) for s in train.sequences)]
     order = sorted(range(len(train)), key=lambda i: len(train.sequences[i]))
-    store: torch.Tensor | None = None
+    store: dict[str, torch.Tensor] = {}
     with tqdm(total=len(train), desc="target features", unit="seq") as bar:
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
-            rows = features.ragged([train.sequences[i] for i in chunk])  # [len_i, F] fp32
-            if store is None:
-                store = torch.empty((offsets[-1], rows[0].shape[1]), dtype=torch.float16)
-            for i, row in zip(chunk, rows, strict=True):
-                half = row.half()
-                if not bool(torch.isfinite(half).all()):
-                    raise ValueError(
-                        "feature cache: the target's hidden states overflow fp16; "
-                        "train with --no-feature-cache"
-                    )
-                store[offsets[i] : offsets[i + 1]] = half
+            rows = features.rows([train.sequences[i] for i in chunk])
+            columns = {"features": (rows.features, torch.float16)}
+            if rows.top_probs is not None and rows.top_ids is not None:
+                columns.update(
+                    top_probs=(rows.top_probs, torch.float16), top_ids=(rows.top_ids, torch.int32)
+                )
+            for name, (values, dtype) in columns.items():
+                if name not in store:
+                    store[name] = torch.empty((offsets[-1], values[0].shape[1]), dtype=dtype)
+                for i, row in zip(chunk, values, strict=True):
+                    stored = row.to(dtype)
+                    if name == "features" and not bool(torch.isfinite(stored).all()):
+                        raise ValueError(
+                            "feature cache: the target's hidden states overflow fp16; "
+                            "train with --no-feature-cache"
+                        )
+                    store[name][offsets[i] : offsets[i + 1]] = stored
             bar.update(len(chunk))
-    assert store is not None
     return store

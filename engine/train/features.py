@@ -2,12 +2,15 @@
 
 One ragged forward per batch, one row per sequence from position 0, through the serving
 model, paged KV cache and torch backend; features come from the drafter's own
-``features`` so that training and serving read the same hidden states.
+``features`` so that training and serving read the same hidden states. With ``top_k``,
+the same forward also gives each position's next-token distribution, cut to its ``top_k``
+most likely tokens: the soft labels a draft can be distilled on (``SoftLabels``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -52,11 +55,37 @@ def prefill_layout(
     )
 
 
-class TargetFeatures:
-    """Runs ``target`` (no grad) and returns ``drafter.features`` in fp32."""
+@dataclass
+class SoftLabels:
+    """The target's next-token distribution at each position of a batch, cut to its top k:
+    position i's entries score token i + 1. Zero probabilities past each row's end."""
 
-    def __init__(self, target: Llama3Model, drafter: Drafter, device: torch.device) -> None:
-        self.target, self.drafter, self.device = target, drafter, device
+    probs: torch.Tensor  # [B, L, k] fp32, the target's softmax (not renormalised)
+    token_ids: torch.Tensor  # [B, L, k] int64 target ids, most likely first
+
+    def at(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(probs, token_ids) at [rows, positions] (broadcast together)."""
+        return self.probs[rows, positions], self.token_ids[rows, positions]
+
+
+@dataclass
+class TargetRows:
+    """Per sequence: the drafter's features [len_i, F] fp32 and, with ``top_k``, the
+    target's top-k probabilities [len_i, k] fp32 and token ids [len_i, k] int64."""
+
+    features: list[torch.Tensor]
+    top_probs: list[torch.Tensor] | None = None
+    top_ids: list[torch.Tensor] | None = None
+
+
+class TargetFeatures:
+    """Runs ``target`` (no grad) and returns ``drafter.features`` in fp32; with ``top_k``
+    > 0, also the target's ``top_k`` most likely next tokens at every position."""
+
+    def __init__(
+        self, target: Llama3Model, drafter: Drafter, device: torch.device, top_k: int = 0
+    ) -> None:
+        self.target, self.drafter, self.device, self.top_k = target, drafter, device, top_k
         self.backend = TorchAttentionBackend()
         self._kv: PagedKVCache | None = None
 
@@ -67,9 +96,13 @@ class TargetFeatures:
             self._kv = PagedKVCache(params, num_blocks, self.device)
         return self._kv
 
-    @torch.no_grad()
     def ragged(self, sequences: Sequence[list[int]]) -> list[torch.Tensor]:
         """Per sequence: [len_i, F] fp32."""
+        return self.rows(sequences).features
+
+    @torch.no_grad()
+    def rows(self, sequences: Sequence[list[int]]) -> TargetRows:
+        """Features, and with ``top_k`` the target's top-k next tokens, per sequence."""
         lengths = [len(s) for s in sequences]
         layout = prefill_layout(lengths, self.device)
         kv = self._cache(sum(-(-n // BLOCK_SIZE) for n in lengths))
@@ -80,21 +113,33 @@ class TargetFeatures:
             kv.layers,
             self.backend,
             self.backend.build_metadata(layout),
-            layout.input_row_offsets[1:2] - 1,  # one logit row, unused
+            # Every position's logits for soft labels, else one row (unused).
+            layout.positions.new_tensor(range(len(tokens)))
+            if self.top_k
+            else layout.input_row_offsets[1:2] - 1,
             self.drafter.target_hidden,
         )
-        return list(self.drafter.features(out).float().split(lengths))
+        features = list(self.drafter.features(out).float().split(lengths))
+        if not self.top_k:
+            return TargetRows(features)
+        probs, ids = out.logits.softmax(dim=-1).topk(self.top_k, dim=-1)
+        return TargetRows(features, list(probs.split(lengths)), list(ids.split(lengths)))
 
-    def padded(self, sequences: Sequence[list[int]]) -> torch.Tensor:
-        """[B, L, F] fp32, zero past each sequence's end."""
-        return pad_rows(self.ragged(sequences))
+    def padded(self, sequences: Sequence[list[int]]) -> tuple[torch.Tensor, SoftLabels | None]:
+        """[B, L, F] fp32, zero past each sequence's end; and the soft labels with ``top_k``."""
+        rows = self.rows(sequences)
+        soft = None
+        if rows.top_probs is not None and rows.top_ids is not None:
+            soft = SoftLabels(pad_rows(rows.top_probs), pad_rows(rows.top_ids).long())
+        return pad_rows(rows.features), soft
 
 
 def pad_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-sequence [len_i, F] features (fp32 or cached fp16) as [B, L, F] fp32, zero past
-    each sequence's end."""
+    """Per-sequence [len_i, F] rows as [B, L, F], zero past each sequence's end: fp32 for
+    floating rows (features, cached in fp16, or probabilities), int64 for token ids."""
     width = max(r.shape[0] for r in rows)
-    out = torch.zeros((len(rows), width, rows[0].shape[-1]), device=rows[0].device)
+    dtype = torch.float32 if rows[0].is_floating_point() else torch.int64
+    out = torch.zeros((len(rows), width, rows[0].shape[-1]), dtype=dtype, device=rows[0].device)
     for i, r in enumerate(rows):
         out[i, : r.shape[0]] = r
     return out

@@ -10,6 +10,12 @@ own next tokens (training-time test) and keeps the logits for the loss:
   t[p+2+j]; step losses weigh 0.8**j. EAGLE adds a feature loss on step 0.
 - block (DFlash): the block [t[p+1], MASK...] at p+1.. sees the context <= p and the whole
   block; position j+1 is scored against t[p+2+j] with weight exp(-j/4).
+
+"Scored against t[p+2+j]" is cross-entropy with the target's greedy token, or, with soft
+labels (``Batch.soft``), with the target's own distribution over that token's position cut
+to its top k: what EAGLE-3 distils. The greedy token is one sample of that distribution's
+mode; the distribution also says how sure the target was and what came second, which a
+draft trained on a few thousand sequences learns from too.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch.nn.functional as F
 
 from engine.spec.drafters.base import Drafter, DraftLogits, KVLayers, ProposeArgs
 from engine.train.attention import TrainAttentionBackend, context_layout
+from engine.train.features import SoftLabels
 
 
 @dataclass
@@ -30,6 +37,7 @@ class Batch:
     tokens: torch.Tensor  # [B, L] int64, right-padded with 0
     lengths: torch.Tensor  # [B] int64
     prompt_lens: torch.Tensor  # [B] int64: continuation starts here
+    soft: SoftLabels | None = None  # the target's top-k next tokens: train on those
 
 
 @dataclass
@@ -61,18 +69,37 @@ def sample_anchors(
 
 
 def masked_ce(
-    scores: DraftLogits, labels: torch.Tensor, is_valid: torch.Tensor
+    scores: DraftLogits,
+    labels: torch.Tensor,
+    is_valid: torch.Tensor,
+    soft: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Mean cross-entropy over valid rows whose label the drafter can emit (a reduced draft
-    vocabulary lacks some), over the tokens it scores; top-1 accuracy over all valid rows."""
-    index = scores.index_of(labels)
+    vocabulary lacks some), over the tokens it scores; top-1 accuracy (against ``labels``)
+    over all valid rows.
+
+    ``soft``: ([R, k] probabilities, [R, k] target ids), the target's top k. The loss is
+    then the cross-entropy with that distribution, kept to the tokens the drafter can emit
+    and renormalised there; rows with none of them carry no loss."""
     with torch.no_grad():
         correct = (scores.argmax() == labels) & is_valid
         accuracy = correct.sum().item() / max(int(is_valid.sum()), 1)
+    if soft is None:
+        index = scores.index_of(labels)
         keep = is_valid & (index >= 0)
+        if not bool(keep.any()):
+            return scores.values.sum() * 0.0, accuracy
+        return F.cross_entropy(scores.values[keep], index[keep]), accuracy
+    probs, token_ids = soft
+    index = scores.index_of(token_ids)  # [R, k]
+    weights = probs * ((index >= 0) & is_valid[:, None])
+    mass = weights.sum(dim=-1)  # [R]
+    keep = mass > 0
     if not bool(keep.any()):
         return scores.values.sum() * 0.0, accuracy
-    return F.cross_entropy(scores.values[keep], index[keep]), accuracy
+    log_q = scores.values[keep].log_softmax(dim=-1).gather(1, index[keep].clamp(min=0))
+    p = weights[keep] / mass[keep, None]
+    return -(p * log_q).sum(dim=-1).mean(), accuracy
 
 
 class Objective:
@@ -111,6 +138,10 @@ class Objective:
         label_pos = p[:, None] + 2 + torch.arange(k, device=device)  # [R, k]
         is_valid = is_real.reshape(-1)[:, None] & (label_pos < batch.lengths[rows][:, None])
         labels = batch.tokens[rows[:, None], label_pos.clamp(max=n - 1)]  # [R, k]
+        # The target's distribution over t[p+2+j] sits at position p+1+j.
+        soft = None
+        if batch.soft is not None:
+            soft = batch.soft.at(rows[:, None], (label_pos - 1).clamp(max=n - 1))
         logits: list[DraftLogits] = []
 
         def select(step_logits: DraftLogits, j: int) -> torch.Tensor:
@@ -137,7 +168,8 @@ class Objective:
         loss = flat_features.new_zeros(())
         step_losses, step_accuracy = [], []
         for j, step_logits in enumerate(logits):
-            ce, accuracy = masked_ce(step_logits, labels[:, j], is_valid[:, j])
+            step_soft = (soft[0][:, j], soft[1][:, j]) if soft else None
+            ce, accuracy = masked_ce(step_logits, labels[:, j], is_valid[:, j], step_soft)
             loss = loss + self.weights[j] * ce
             step_losses.append(ce.item())
             step_accuracy.append(accuracy)

@@ -37,7 +37,7 @@ from engine.train.checkpoint import load_checkpoint, save_checkpoint
 from engine.train.data import SequenceSet, length_batches, pad, prepare_sequences
 from engine.train.evaluate import Acceptance, heldout_acceptance
 from engine.train.feature_cache import load_or_compute
-from engine.train.features import TargetFeatures
+from engine.train.features import SoftLabels, TargetFeatures
 from engine.train.objectives import Batch, describe
 from engine.train.recipes import RECIPES, DraftOptions, draft_hf_config
 
@@ -68,6 +68,7 @@ class TrainConfig:
     num_draft_steps: int | None = None  # chain steps trained; None: the kind's default
     draft_vocab_size: int = 16384  # EAGLE-3
     anchors_per_seq: int | None = None  # None: the kind's default; 0: all
+    soft_labels: int = 0  # > 0: distil the target's top-k next tokens, not its greedy one
     max_sequences: int | None = None  # train and evaluate on the first N only (quick runs)
     feature_cache: bool = True  # the target's features once, in fp16, not per batch
     val_fraction: float = 0.05
@@ -96,6 +97,8 @@ class TrainConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"val_fraction: must be in [0, 1), got {self.val_fraction}")
+        if self.soft_labels < 0:
+            raise ValueError(f"soft_labels: must be >= 0, got {self.soft_labels}")
         if self.anchors_per_seq is not None and self.anchors_per_seq < 0:
             raise ValueError(f"anchors_per_seq: must be >= 0, got {self.anchors_per_seq}")
         if self.max_new_tokens < 2:
@@ -250,9 +253,10 @@ class DraftTrainer:
             self.optimizer.load_state_dict(state.optimizer_state(self.optimizer))
             self.history, self.first_epoch = state.meta["history"], state.meta["epoch"]
         self.objective = recipe.objective(self.drafter, opts.num_drafts, opts.max_anchors)
-        self.features = TargetFeatures(self.target, self.drafter, self.device)
-        # Features of a batch of training sequences (by index): [B, L, F] fp32.
-        self.batch_features: Callable[[Sequence[int]], torch.Tensor]
+        self.features = TargetFeatures(self.target, self.drafter, self.device, config.soft_labels)
+        # Features of a batch of training sequences (by index), [B, L, F] fp32, and with
+        # --soft-labels the target's top-k next tokens.
+        self.batch_features: Callable[[Sequence[int]], tuple[torch.Tensor, SoftLabels | None]]
         self.cache_info: dict[str, Any] | None = None  # for the manifest
         if config.feature_cache:
             cache, self.cache_info = load_or_compute(
@@ -289,7 +293,10 @@ class DraftTrainer:
             step = epoch * self.num_batches + i
             seqs = [train.sequences[j] for j in indices]
             start = time.perf_counter()
-            feats = self.batch_features(indices).to(self.device)  # [B, L, F]
+            feats, soft = self.batch_features(indices)  # [B, L, F]
+            feats = feats.to(self.device)
+            if soft is not None:
+                soft = SoftLabels(soft.probs.to(self.device), soft.token_ids.to(self.device))
             mid = time.perf_counter()
             batch = Batch(
                 tokens=pad(seqs, self.device),
@@ -297,6 +304,7 @@ class DraftTrainer:
                 prompt_lens=torch.tensor(
                     [train.prompt_lens[j] for j in indices], device=self.device
                 ),
+                soft=soft,
             )
             generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
             result = self.objective(batch, feats, self.backend, self.kv, generator)

@@ -55,3 +55,42 @@ def test_the_loss_over_the_draft_vocabulary_is_the_loss_over_the_spread_scores()
     torch.testing.assert_close(ce, F.cross_entropy(full[keep], labels[keep]))
     correct = (full.argmax(dim=-1) == labels) & is_valid
     assert accuracy == int(correct.sum()) / int(is_valid.sum())
+
+
+def test_the_soft_label_loss_is_the_cross_entropy_with_the_renormalised_target_top_k() -> None:
+    scores = reduced()
+    assert scores.token_ids is not None
+    inside = scores.token_ids.tolist()
+    outside = sorted(set(range(VOCAB)) - set(inside))
+    # Row 0: all three inside; row 1: one outside (dropped, the rest renormalised);
+    # row 2: all outside (no loss); row 3: not valid; rows 4, 5: inside.
+    token_ids = torch.tensor(
+        [
+            [inside[3], inside[0], inside[5]],
+            [inside[1], outside[0], inside[2]],
+            [outside[1], outside[2], outside[3]],
+            [inside[4], inside[6], inside[7]],
+            [inside[8], inside[9], inside[10]],
+            [inside[11], inside[2], inside[0]],
+        ]
+    )
+    probs = torch.tensor(
+        [[0.5, 0.3, 0.1], [0.4, 0.4, 0.1], [0.9, 0.05, 0.01]] + [[0.6, 0.2, 0.1]] * 3
+    )
+    labels = token_ids[:, 0]
+    is_valid = torch.tensor([True, True, True, False, True, True])
+    ce, accuracy = masked_ce(scores, labels, is_valid, (probs, token_ids))
+
+    log_q = scores.full().log_softmax(dim=-1)
+    expected = []
+    for r in (0, 1, 4, 5):
+        keep = torch.isfinite(log_q[r, token_ids[r]])
+        p = probs[r] * keep
+        expected.append(-(p / p.sum() * log_q[r, token_ids[r]].where(keep, 0.0)).sum())
+    torch.testing.assert_close(ce, torch.stack(expected).mean())
+    assert accuracy == masked_ce(scores, labels, is_valid)[1]  # against the greedy label
+
+    one_hot = (torch.tensor([[1.0, 0.0, 0.0]]).expand(6, 3), token_ids)
+    keep = is_valid & (scores.index_of(labels) >= 0)
+    hard, _ = masked_ce(scores, labels, keep)
+    torch.testing.assert_close(masked_ce(scores, labels, keep, one_hot)[0], hard)
