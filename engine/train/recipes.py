@@ -84,12 +84,16 @@ def stacked_identity(hidden: int, copies: int, scale: float) -> torch.Tensor:
     return torch.cat([torch.eye(hidden)] * copies, dim=1) * scale
 
 
-def draft_vocab(data: SequenceSet, vocab_size: int, size: int) -> torch.Tensor:
-    """The ``size`` target ids most frequent in the continuations (then in the prompts),
-    ascending: [size] int64."""
+def draft_vocab(
+    data: SequenceSet, vocab_size: int, size: int, preferred: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The ``size`` target ids most frequent in the continuations (then in the prompts;
+    then ``preferred`` ids), ascending: [size] int64."""
     cont = data.token_counts(vocab_size, continuations_only=True)
     total = data.token_counts(vocab_size)
-    score = cont * (int(total.sum()) + 1) + total
+    score = (cont * (int(total.sum()) + 1) + total) * 2
+    if preferred is not None:
+        score[preferred.cpu()] += 1
     return torch.argsort(-score, stable=True)[:size].sort().values
 
 
@@ -153,21 +157,25 @@ def _eagle3_refit(
     opts: DraftOptions,
 ) -> tuple[Eagle3Drafter, dict[str, Any]]:
     """The draft vocabulary chosen again from the new data (``opts.draft_vocab_size``):
-    a token the old one lacks can never be drafted. Tokens in both keep their trained
-    lm_head rows, new ones start from the target's; every other weight is kept."""
+    a token the old one lacks can never be drafted. Where counts tie (the rare tail, where
+    most ties are), tokens of the old vocabulary stay; they keep their trained lm_head
+    rows, every other weight is kept too. New tokens start from zero rows, scoring 0 until
+    trained: the target's own rows, on the draft's hidden states, outscored the trained
+    ones often enough to take the committed draft from tau 2.07 to 1.49 on its hold-out
+    (30% of the vocabulary changed between two samples of the same data, all in the tail)."""
     hf = {**hf, "draft_vocab_size": min(opts.draft_vocab_size, hf["vocab_size"])}
     device = given.d2t.device
     drafter = cast(Eagle3Drafter, new_drafter("eagle3", hf, target, device))
     copy_matching(drafter, given)  # all but a resized lm_head; rows are placed below
-    ids = draft_vocab(data, target.config.vocab_size, hf["draft_vocab_size"]).to(device)
     old_ids = torch.arange(given.d2t.numel(), device=device) + given.d2t
-    old_row = torch.full((target.config.vocab_size,), -1, dtype=torch.int64, device=device)
+    vocab_size = target.config.vocab_size
+    ids = draft_vocab(data, vocab_size, hf["draft_vocab_size"], old_ids).to(device)
+    old_row = torch.full((vocab_size,), -1, dtype=torch.int64, device=device)
     old_row[old_ids] = torch.arange(old_ids.numel(), device=device)
     rows = old_row[ids]
     with torch.no_grad():
         kept = given.lm_head.weight[rows.clamp(min=0)]
-        fresh = target.lm_head.weight[ids].to(kept.dtype)
-        drafter.lm_head.weight.copy_(torch.where(rows[:, None] >= 0, kept, fresh))
+        drafter.lm_head.weight.copy_(kept * (rows[:, None] >= 0))
         drafter.d2t.copy_(ids - torch.arange(ids.numel(), device=device))
     return drafter, hf
 

@@ -489,6 +489,14 @@ def test_init_from_fine_tunes_a_trained_draft(
         config(target, tmp_path / "x", "eagle3", init_from="base", resume=True)
 
 
+def test_the_draft_vocabulary_is_the_most_frequent_tokens_then_the_preferred() -> None:
+    data = SequenceSet([[3, 5, 6, 7, 7], [4, 3, 3]], [1, 2])  # continuations: 5, 6, 7, 7, 3
+    assert draft_vocab(data, 10, 2).tolist() == [3, 7]  # 3, 5, 6 tie in continuations
+    assert draft_vocab(data, 10, 3).tolist() == [3, 5, 7]  # 3 is also in prompts
+    assert draft_vocab(data, 10, 3, torch.tensor([6, 9])).tolist() == [3, 6, 7]
+    assert draft_vocab(data, 10, 6, torch.tensor([6, 9])).tolist() == [3, 4, 5, 6, 7, 9]
+
+
 def test_refit_chooses_the_draft_vocabulary_again_and_keeps_learned_rows(
     tiny: tuple[Path, SequenceSet], tmp_path: Path
 ) -> None:
@@ -507,16 +515,17 @@ def test_refit_chooses_the_draft_vocabulary_again_and_keeps_learned_rows(
     assert refit is not None
     new, new_hf = refit(old, hf, target, shifted, dataclasses.replace(opts, draft_vocab_size=40))
     assert new_hf["draft_vocab_size"] == 40 and hf["draft_vocab_size"] == 48
-    ids = draft_vocab(shifted, VOCAB, 40)
+    ids = draft_vocab(shifted, VOCAB, 40, torch.arange(48) + old.d2t)
     assert torch.equal(torch.arange(40) + new.d2t, ids)
     old_ids = (torch.arange(48) + old.d2t).tolist()
     both = [i for i in ids.tolist() if i in old_ids]
     assert 0 < len(both) < 40  # some tokens kept, some new
+    assert len(both) > sum(i in old_ids for i in draft_vocab(shifted, VOCAB, 40).tolist())
     for row, token in enumerate(ids.tolist()):
         expected = (
             old.lm_head.weight[old_ids.index(token)]
             if token in old_ids
-            else target.lm_head.weight[token]
+            else torch.zeros(target.config.hidden_size)  # scores 0 until trained
         )
         assert torch.equal(new.lm_head.weight[row], expected), token
     assert torch.equal(new.fc.weight, old.fc.weight)
