@@ -63,7 +63,7 @@ class SoftLabels:
     probs: torch.Tensor  # [B, L, k] fp32, the target's softmax (not renormalised)
     token_ids: torch.Tensor  # [B, L, k] int64 target ids, most likely first
 
-    def at(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def at(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(probs, token_ids) at [rows, positions] (broadcast together)."""
         return self.probs[rows, positions], self.token_ids[rows, positions]
 

@@ -13,9 +13,9 @@ own next tokens (training-time test) and keeps the logits for the loss:
 
 "Scored against t[p+2+j]" is cross-entropy with the target's greedy token, or, with soft
 labels (``Batch.soft``), with the target's own distribution over that token's position cut
-to its top k: what EAGLE-3 distils. The greedy token is one sample of that distribution's
-mode; the distribution also says how sure the target was and what came second, which a
-draft trained on a few thousand sequences learns from too.
+to its top k: what EAGLE-3 distils. The greedy token is that distribution's mode; the
+distribution also says how sure the target was and what came second, which a draft
+trained on a few thousand sequences learns from too (measured: drafts/README.md).
 """
 
 from __future__ import annotations
