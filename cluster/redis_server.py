@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import random
 import shutil
 import socket
 import subprocess
@@ -94,23 +95,32 @@ class ServerTls:
     client_key_file: Path | None = None
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections and bind(0)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(*, with_cluster_bus: bool = False) -> int:
-    """A loopback TCP port that was free a moment ago; ``with_cluster_bus``: so was
-    port + 10000 (Redis Cluster's bus port), which caps the port at 55535."""
+    """A loopback TCP port that was free a moment ago, drawn below the kernel's ephemeral
+    range: a port from bind(0) can be taken by any outgoing connection (a gRPC or Redis
+    client) before the server meant to own it binds it, which once failed a cluster test
+    with "Failed to bind". ``with_cluster_bus``: port + 10000 (Redis Cluster's bus port)
+    was free too."""
+    low = min(_ephemeral_low(), 65535 - CLUSTER_BUS_PORT_OFFSET)
     while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-            if not with_cluster_bus:
-                return port
-            if port > 65535 - CLUSTER_BUS_PORT_OFFSET:
-                continue
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as bus:
-                try:
-                    bus.bind(("127.0.0.1", port + CLUSTER_BUS_PORT_OFFSET))
-                except OSError:
-                    continue
-            return port
+        port = random.randrange(max(1024, low - 16384), low)
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", port))
+                if with_cluster_bus:
+                    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as bus:
+                        bus.bind(("127.0.0.1", port + CLUSTER_BUS_PORT_OFFSET))
+        except OSError:
+            continue
+        return port
 
 
 class RedisServer:
