@@ -130,7 +130,7 @@ class TargetFeatures:
         rows = self.rows(sequences)
         soft = None
         if rows.top_probs is not None and rows.top_ids is not None:
-            soft = SoftLabels(pad_rows(rows.top_probs), pad_rows(rows.top_ids).long())
+            soft = SoftLabels(pad_rows(rows.top_probs), pad_rows(rows.top_ids))  # int64
         return pad_rows(rows.features), soft
 
 
