@@ -104,8 +104,9 @@ class Linear(nn.Linear):
     once per row, so a product of M rows costs about M matrix-vector products. Two remedies:
 
     - bf16 weights, when ``kernels.cpu.bf16_gemm`` is built: every product runs on it,
-      from a copy of the weight packed in 16-column panels. It converts each weight element
-      once per call, so 6 rows cost about what 2 do, and 1 row half of aten's time.
+      from a copy of the weight packed in 16-column panels. It reads each weight element
+      once per call, so 6 rows cost about what 2 do (AVX2) or 1 does (AVX512-BF16), and 1
+      row half of aten's time.
     - otherwise, from ``packed_min_rows`` rows on, the product runs on an fp32 copy of the
       weight in oneDNN's blocked layout, about 1.8x aten's sgemm for few rows (what a bf16
       GEMM accumulates in anyway, rounded back to bf16). It costs twice a bf16 weight's

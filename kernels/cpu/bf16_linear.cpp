@@ -1,14 +1,22 @@
-// bf16 GEMM for CPUs without native bf16 dot products (AVX2 + FMA).
+// bf16 GEMM for decode and verify steps: out[M, N] = x[M, K] @ W[N, K]^T + bias.
 //
-// out[M, N] = x[M, K] @ W[N, K]^T + bias. aten's bf16 GEMM on such CPUs converts the
-// weight to fp32 once per row, so the few rows of a decode or verify step cost about M
-// matrix-vector products. Here every weight element is read from memory and converted
-// once per call, whatever M is. The weight is pre-packed in panels of 16 output columns
-// ([N/16][K][16] bf16, `pack`); a panel is multiplied with up to kMaxRows rows held in
-// registers (2 * rows accumulators of 8 floats). With more rows the panel is first
-// converted to an fp32 buffer that stays in L1/L2 while every 6-row tile of x passes over
-// it, which makes large M (prefill) run like an fp32 GEMM. Accumulation is fp32; the
-// result is rounded once to the output dtype, as aten's bf16 GEMM does.
+// aten's bf16 GEMM on CPUs without native bf16 dot products converts the weight to fp32
+// once per row, so the few rows of a decode or verify step cost about M matrix-vector
+// products. Here every weight element is read from memory once per call, whatever M is,
+// from a copy packed in panels of 16 output columns (`pack`), in one of two layouts:
+//
+// - AVX2 + FMA ([N/16][K][16] bf16): a panel is multiplied with up to kMaxRows rows held
+//   in registers (2 * rows accumulators of 8 floats), each weight converted to fp32 on
+//   the way. With more rows the panel is first converted to an fp32 buffer that stays in
+//   L1/L2 while every 6-row tile of x passes over it, which makes large M (prefill) run
+//   like an fp32 GEMM.
+// - AVX512-BF16 ([N/16][K/2][16 x 2] bf16, pairs of consecutive k per column): one
+//   `vdpbf16ps` multiplies 16 columns by two k each, 4x the multiply-adds of an AVX2 FMA
+//   and no conversion, so a few rows cost about what one does. An fp32 x is split exactly
+//   into three bf16 parts (hi + mid + lo), each multiplied in turn.
+//
+// Accumulation is fp32 (products of bf16 numbers are exact in fp32); the result is
+// rounded once to the output dtype, as aten's bf16 GEMM does.
 
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -17,7 +25,9 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <array>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -132,11 +142,112 @@ inline void store_tile(float* tile_out, int rows, int64_t m0, int64_t n0, int64_
   }
 }
 
+// -- AVX512-BF16 ---------------------------------------------------------------------
+
+// Whether this CPU has `vdpbf16ps` (the build targets AVX2; these functions alone are
+// compiled for AVX-512, and run only where the CPU has it).
+bool cpu_has_bf16_dot() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+constexpr int64_t kDotMaxRows = 12;  // rows per register tile: 12 accumulators of 16 floats
+
+// ROWS rows of x in PARTS bf16 parts (u32 pairs of consecutive k; part p of row r at
+// x + p * part_stride + r * K2) times one dot-layout panel ([K2][16] u32), into
+// acc_out [ROWS][16]. With few rows, pairs accumulate in SPLIT sets apart to hide the
+// latency of `vdpbf16ps`. SPLIT depends on ROWS alone: a bf16 x gives the same sums whether
+// passed as bf16 or as fp32 (whose mid and lo parts are then zero).
+template <int ROWS, int PARTS>
+__attribute__((target("avx512f,avx512bf16"))) void dot_tile(const uint32_t* x,
+                                                           int64_t part_stride, int64_t K2,
+                                                           const uint32_t* panel,
+                                                           float* acc_out) {
+  constexpr int SPLIT = ROWS >= 4 ? 1 : (ROWS >= 2 ? 2 : 4);
+  __m512 acc[SPLIT][ROWS];
+#pragma GCC unroll 16
+  for (int s = 0; s < SPLIT; ++s) {
+#pragma GCC unroll 12
+    for (int r = 0; r < ROWS; ++r) acc[s][r] = _mm512_setzero_ps();
+  }
+  int64_t kk = 0;
+  for (; kk + SPLIT <= K2; kk += SPLIT) {
+#pragma GCC unroll 4
+    for (int s = 0; s < SPLIT; ++s) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + (kk + s) * kPanel);
+#pragma GCC unroll 12
+      for (int r = 0; r < ROWS; ++r) {
+#pragma GCC unroll 3
+        for (int part = 0; part < PARTS; ++part) {
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(
+              static_cast<int>(x[part * part_stride + r * K2 + kk + s]));
+          acc[s][r] = _mm512_dpbf16_ps(acc[s][r], xv, w);
+        }
+      }
+    }
+  }
+  for (; kk < K2; ++kk) {  // K2 not a multiple of SPLIT
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + kk * kPanel);
+#pragma GCC unroll 12
+    for (int r = 0; r < ROWS; ++r) {
+#pragma GCC unroll 3
+      for (int part = 0; part < PARTS; ++part) {
+        const __m512bh xv =
+            (__m512bh)_mm512_set1_epi32(static_cast<int>(x[part * part_stride + r * K2 + kk]));
+        acc[0][r] = _mm512_dpbf16_ps(acc[0][r], xv, w);
+      }
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < ROWS; ++r) {
+    __m512 sum = acc[0][r];
+#pragma GCC unroll 4
+    for (int s = 1; s < SPLIT; ++s) sum = _mm512_add_ps(sum, acc[s][r]);
+    _mm512_storeu_ps(acc_out + r * kPanel, sum);
+  }
+}
+
+using DotTileFn = void (*)(const uint32_t*, int64_t, int64_t, const uint32_t*, float*);
+
+template <int PARTS, size_t... R>
+constexpr std::array<DotTileFn, kDotMaxRows + 1> dot_tiles(std::index_sequence<R...>) {
+  return {nullptr, &dot_tile<static_cast<int>(R) + 1, PARTS>...};
+}
+// [rows] -> the tile for 1 part (bf16 x) and for 3 parts (fp32 x)
+constexpr auto kDotTiles1 = dot_tiles<1>(std::make_index_sequence<kDotMaxRows>{});
+constexpr auto kDotTiles3 = dot_tiles<3>(std::make_index_sequence<kDotMaxRows>{});
+
+// fp32 x [M, K] -> three bf16 parts [3][M][K] with x = hi + mid + lo exactly: each part
+// keeps the top 8 significant bits of what the parts before it left (truncation, so every
+// remainder is exact in fp32).
+std::vector<uint16_t> split_fp32(const float* x, int64_t n) {
+  std::vector<uint16_t> parts(3 * n);
+  for (int64_t i = 0; i < n; ++i) {
+    float rest = x[i];
+    for (int part = 0; part < 3; ++part) {
+      uint32_t bits;
+      std::memcpy(&bits, &rest, sizeof(bits));
+      const uint32_t top = bits & 0xffff0000u;
+      float head;
+      std::memcpy(&head, &top, sizeof(head));
+      parts[part * n + i] = static_cast<uint16_t>(top >> 16);
+      rest -= head;
+    }
+  }
+  return parts;
+}
+
 }  // namespace
 
-// [N, K] bf16 -> [ceil(N/16), K, 16] bf16, zero-padded past N; within a panel row the
-// columns are interleaved 0, 8, 1, 9, ..., 7, 15 (see load_panel_row).
-at::Tensor pack(const at::Tensor& weight) {
+// Whether this CPU runs the AVX512-BF16 layout (`pack(weight, dot=true)`).
+bool bf16_dot_supported() { return cpu_has_bf16_dot(); }
+
+// [N, K] bf16 -> panels of 16 output columns, zero-padded past N:
+// - dot=false: [ceil(N/16), K, 16]; within a panel row the columns are interleaved
+//   0, 8, 1, 9, ..., 7, 15 (see load_panel_row);
+// - dot=true (AVX512-BF16, K even): [ceil(N/16), K/2, 32], each panel row holding columns
+//   0..15 as pairs (k, k+1) for `vdpbf16ps`.
+at::Tensor pack(const at::Tensor& weight, bool dot) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
               "pack: expected a 2-D bfloat16 weight, got ", weight.sizes(), " ",
               weight.scalar_type());
@@ -144,41 +255,21 @@ at::Tensor pack(const at::Tensor& weight) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   at::Tensor padded = at::zeros({panels * kPanel, K}, weight.options());
   padded.narrow(0, 0, N).copy_(weight);
+  if (dot) {
+    TORCH_CHECK(K % 2 == 0, "pack: the AVX512-BF16 layout needs an even K, got K=", K);
+    // [panels, 16, K/2, 2] -> [panels, K/2, 16, 2]
+    return padded.view({panels, kPanel, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view(
+        {panels, K / 2, 2 * kPanel});
+  }
   // [panels, 2, 8, K] -> [panels, K, 8, 2]: column c = half * 8 + j lands at j * 2 + half
   return padded.view({panels, 2, kPanel / 2, K}).permute({0, 3, 2, 1}).contiguous().view(
       {panels, K, kPanel});
 }
 
-// x [..., K] (bf16 or fp32), packed [P, K, 16] bf16, bias [N] or none -> [..., N] in x's dtype.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                  int64_t N) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel &&
-                  packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
-              "linear: packed weight must come from pack()");
-  const int64_t K = packed.size(1);
-  TORCH_CHECK(x.size(-1) == K, "linear: x has ", x.size(-1), " features, the weight ", K);
-  TORCH_CHECK(N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel,
-              "linear: N=", N, " does not match the packed weight");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "linear: x must be bfloat16 or float32");
-  const int64_t M = x.numel() / K;
-  at::Tensor x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
-  at::Tensor bias32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " values, N=", N);
-    bias32 = bias->reshape({N}).to(at::kFloat).contiguous();
-  }
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end() - 1);
-  out_shape.push_back(N);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
+namespace {
 
-  const float* xp = x32.data_ptr<float>();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
-  char* op = static_cast<char*>(out.data_ptr());
-  const int64_t panels = packed.size(0);
-
+void run_avx2(const float* xp, int64_t M, int64_t K, int64_t N, const uint16_t* wp,
+              int64_t panels, const float* bp, bool out_bf16, char* op) {
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     alignas(32) float tile_out[kMaxRows * kPanel];
     std::vector<float> wide;  // the current panel in fp32, when more rows than one tile
@@ -204,12 +295,84 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
       }
     }
   });
+}
+
+// x as u32 pairs: [parts][M][K/2]. The panel stays in L1/L2 while the row tiles pass.
+void run_dot(const uint32_t* xp, int parts, int64_t M, int64_t K2, int64_t N,
+             const uint32_t* wp, int64_t panels, const float* bp, bool out_bf16, char* op) {
+  const auto& tiles = parts == 1 ? kDotTiles1 : kDotTiles3;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float tile_out[kDotMaxRows * kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      const uint32_t* panel = wp + p * K2 * kPanel;
+      const float* pb = bp ? bp + p * kPanel : nullptr;
+      const int64_t n0 = p * kPanel;
+      const int64_t cols = std::min(kPanel, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += kDotMaxRows) {
+        const int rows = static_cast<int>(std::min(kDotMaxRows, M - m0));
+        tiles[rows](xp + m0 * K2, M * K2, K2, panel, tile_out);
+        store_tile(tile_out, rows, m0, n0, cols, N, pb, out_bf16, op);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [..., K] (bf16 or fp32), packed from `pack`, bias [N] or none -> [..., N] in x's dtype.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                  int64_t N) {
+  TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kPanel || packed.size(2) == 2 * kPanel) &&
+                  packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+              "linear: packed weight must come from pack()");
+  const bool dot = packed.size(2) == 2 * kPanel;
+  TORCH_CHECK(!dot || cpu_has_bf16_dot(),
+              "linear: the weight is packed for AVX512-BF16, which this CPU lacks; pack it "
+              "with dot=False");
+  const int64_t K = dot ? 2 * packed.size(1) : packed.size(1);
+  TORCH_CHECK(x.size(-1) == K, "linear: x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel,
+              "linear: N=", N, " does not match the packed weight");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "linear: x must be bfloat16 or float32");
+  const int64_t M = x.numel() / K;
+  at::Tensor bias32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " values, N=", N);
+    bias32 = bias->reshape({N}).to(at::kFloat).contiguous();
+  }
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end() - 1);
+  out_shape.push_back(N);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
+  const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  char* op = static_cast<char*>(out.data_ptr());
+  const int64_t panels = packed.size(0);
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+
+  if (dot) {
+    const uint32_t* w32 = reinterpret_cast<const uint32_t*>(wp);
+    if (out_bf16) {
+      at::Tensor x16 = x.reshape({M, K}).contiguous();
+      run_dot(reinterpret_cast<const uint32_t*>(x16.data_ptr<at::BFloat16>()), 1, M, K / 2, N,
+              w32, panels, bp, out_bf16, op);
+    } else {
+      at::Tensor x32 = x.reshape({M, K}).contiguous();
+      std::vector<uint16_t> parts = split_fp32(x32.data_ptr<float>(), M * K);
+      run_dot(reinterpret_cast<const uint32_t*>(parts.data()), 3, M, K / 2, N, w32, panels, bp,
+              out_bf16, op);
+    }
+  } else {
+    at::Tensor x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
+    run_avx2(x32.data_ptr<float>(), M, K, N, wp, panels, bp, out_bf16, op);
+  }
   return out.view(out_shape);
 }
 
 TORCH_LIBRARY(tandem_cpu, m) {
-  m.def("pack_bf16(Tensor weight) -> Tensor");
+  m.def("pack_bf16(Tensor weight, bool dot=False) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("bf16_dot_supported() -> bool", &bf16_dot_supported);
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

@@ -80,8 +80,10 @@ def _register_fakes() -> None:
     """Shapes for torch.compile and the meta device: the ops are opaque to the compiler."""
 
     @torch.library.register_fake("tandem_cpu::pack_bf16")
-    def _(weight: torch.Tensor) -> torch.Tensor:
+    def _(weight: torch.Tensor, dot: bool = False) -> torch.Tensor:
         panels = (weight.shape[0] + PANEL - 1) // PANEL
+        if dot:  # pairs of k per column: [panels, K/2, 2 * PANEL]
+            return weight.new_empty((panels, weight.shape[1] // 2, 2 * PANEL))
         return weight.new_empty((panels, weight.shape[1], PANEL))
 
     @torch.library.register_fake("tandem_cpu::bf16_linear")
