@@ -1,4 +1,4 @@
-"""bf16 products on AVX2 CPUs: ``bf16_linear.cpp``, built on first use.
+"""bf16 products on AVX2 and AVX512-BF16 CPUs: ``bf16_linear.cpp``, built on first use.
 
 aten's bf16 GEMM for few rows converts the weight to fp32 once per row, so a 6-row verify
 step costs about six 1-row steps. The kernel here reads each weight element once per
@@ -55,6 +55,11 @@ def pack(weight: torch.Tensor, dot: bool | None = None) -> torch.Tensor:
     (AVX2), or with ``dot`` [ceil(N/16), K/2, 32] (AVX512-BF16 pairs of k; K even). ``dot``
     None takes the faster layout this CPU runs. Rows from a multiple of ``PANEL`` on are a
     slice of panels: ``pack(w)[r // PANEL:]`` is ``pack(w[r:])``."""
+    if not available():
+        raise RuntimeError(
+            "bf16_gemm.pack: the CPU kernels are not built here (see the warning logged by "
+            "kernels.cpu.extension); keep the plain weight"
+        )
     if dot is None:
         dot = dot_supported() and weight.shape[-1] % 2 == 0
     packed: torch.Tensor = torch.ops.tandem_cpu.pack_bf16(weight.detach().contiguous(), dot)
