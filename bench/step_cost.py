@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,38 +27,22 @@ from tqdm import tqdm
 
 from engine.llm import LLM
 from engine.model_store import prepare
-from engine.sampler import SamplingTensors
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
-from engine.spec.unified_step import SpecStepInputs
 from kernels.cpu import bf16_gemm
 
 DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2" / "eagle3"
 
 
 def stepper(llm: LLM, batch: int, context: int, max_k: int) -> Callable[[int], float]:
-    """Times one unified step of ``batch`` rows at ``context`` verifying k drafts."""
+    """Times one unified step of ``batch`` greedy rows at ``context`` verifying k drafts
+    (k = 0: a plain step, the drafter deferred as adaptive speculation runs it)."""
     spec = llm.engine.spec
     assert spec is not None
     per_row = -(-(context + 2 * max_k + 4) // spec.runner.block_size)
-    params = [SamplingParams(max_tokens=1, temperature=0.0)] * batch
-    sampling = SamplingTensors.build(params, [0] * batch, [context] * batch, spec.runner.device)
     tables = torch.arange(batch * per_row, dtype=torch.int64).view(batch, per_row)
-
-    def step(k: int) -> float:
-        inputs = SpecStepInputs(
-            tokens=torch.zeros(batch, dtype=torch.int64),
-            draft_tokens=torch.zeros(batch, k, dtype=torch.int64),
-            kv_lens=torch.full((batch,), context, dtype=torch.int64),
-            block_tables=tables,
-            sampling=sampling,
-            max_context_len=spec._context_bound(context, k, max_k),
-        )
-        start = time.perf_counter()
-        spec.step(inputs, k, defer_drafter=k == 0)
-        return time.perf_counter() - start
-
-    return step
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    return lambda k: spec.time_scratch_step(tables, k, context, params, defer_drafter=k == 0)
 
 
 def main() -> None:

@@ -251,21 +251,36 @@ class SpecRunner:
         choices = list(range(self.k + 1))
 
         def run_step(b: int, k: int) -> float:
-            params = [SamplingParams(max_tokens=1)] * b
-            sampling = SamplingTensors.build(params, [0] * b, [context] * b, self.runner.device)
             tables = torch.tensor(scratch_blocks[: b * per_row], dtype=torch.int64).view(b, per_row)
-            inputs = SpecStepInputs(
-                tokens=torch.zeros(b, dtype=torch.int64),
-                draft_tokens=torch.zeros(b, k, dtype=torch.int64),
-                kv_lens=torch.full((b,), context, dtype=torch.int64),
-                block_tables=tables.to(self.runner.device),
-                sampling=sampling,
-                max_context_len=self._context_bound(context, k, self.k),
-            )
-            start = time.perf_counter()
-            self.step(inputs, k)
-            return time.perf_counter() - start
+            return self.time_scratch_step(tables, k, context, SamplingParams(max_tokens=1))
 
         costs = measure_costs(run_step, buckets, choices)
         self.adaptive = AdaptiveK(choices, costs)
         return costs
+
+    @torch.inference_mode()
+    def time_scratch_step(
+        self,
+        tables: torch.Tensor,  # [B, M] scratch blocks, enough for context + 2K + 3 slots
+        k: int,
+        context: int,
+        params: SamplingParams,
+        *,
+        defer_drafter: bool = False,
+    ) -> float:
+        """Seconds of one unified step of B rows at KV length ``context`` that verifies k
+        (zero) drafts and proposes k (``defer_drafter``, with k = 0: a plain step); what
+        the KV holds does not change its cost."""
+        b = tables.shape[0]
+        device = self.runner.device
+        inputs = SpecStepInputs(
+            tokens=torch.zeros(b, dtype=torch.int64, device=device),
+            draft_tokens=torch.zeros(b, k, dtype=torch.int64, device=device),
+            kv_lens=torch.full((b,), context, dtype=torch.int64, device=device),
+            block_tables=tables.to(device),
+            sampling=SamplingTensors.build([params] * b, [0] * b, [context] * b, device),
+            max_context_len=self._context_bound(context, k, self.k),
+        )
+        start = time.perf_counter()
+        self.step(inputs, k, defer_drafter=defer_drafter)
+        return time.perf_counter() - start
