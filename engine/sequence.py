@@ -44,8 +44,10 @@ class Sequence:
     draft_token_ids: list[int] | None = None
     draft_probs: Any = None  # [K, V] tensor when drafts were sampled, else None
     # Target features [n, F] of the last positions whose draft KV is not written yet:
-    # steps that drafted nothing left the drafter idle (oldest first).
+    # steps that drafted nothing left the drafter idle (oldest first). Changed through
+    # ``defer_drafting`` and ``clear_undrafted``, which keep their count.
     undrafted_features: list[Any] = field(default_factory=list)
+    num_undrafted_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +56,17 @@ class Sequence:
     @property
     def num_drafted_tokens(self) -> int:
         """Computed tokens whose draft KV is written too."""
-        return self.num_computed_tokens - sum(len(f) for f in self.undrafted_features)
+        return self.num_computed_tokens - self.num_undrafted_tokens
+
+    def defer_drafting(self, features: Any) -> None:
+        """The drafter skipped the positions of ``features`` [n, F]; a catch-up writes them."""
+        self.undrafted_features.append(features)
+        self.num_undrafted_tokens += len(features)
+
+    def clear_undrafted(self) -> None:
+        """The draft KV is written up to the computed tokens (or is rebuilt from scratch)."""
+        self.undrafted_features = []
+        self.num_undrafted_tokens = 0
 
     @property
     def num_output_tokens(self) -> int:

@@ -141,8 +141,7 @@ class SpecRunner:
         behind = [
             s
             for s in seqs
-            if s.undrafted_features
-            and (not defer or s.num_computed_tokens - s.num_drafted_tokens >= self.max_undrafted)
+            if s.undrafted_features and (not defer or s.num_undrafted_tokens >= self.max_undrafted)
         ]
         if behind:
             self._catch_up(behind)
@@ -165,7 +164,7 @@ class SpecRunner:
             seq.draft_token_ids = drafts[i]
             seq.draft_probs = None if out.next_draft_probs is None else out.next_draft_probs[i]
             if out.features is not None:  # positions n..n+accepted, now committed
-                seq.undrafted_features.append(out.features[i, : num_accepted[i] + 1].clone())
+                seq.defer_drafting(out.features[i, : num_accepted[i] + 1].clone())
             tokens = emitted[i][: num_accepted[i] + 1]
             results.append(DecodeResult(tokens, None if logprobs is None else logprobs[i]))
         return results
@@ -187,7 +186,7 @@ class SpecRunner:
             backend,
         )
         for seq in seqs:
-            seq.undrafted_features = []
+            seq.clear_undrafted()
         self.stats.num_caught_up_positions += len(tokens)
 
     def _step_inputs(self, seqs: list[Sequence], k: int, k_next: int) -> SpecStepInputs:

@@ -271,6 +271,7 @@ def test_steps_without_drafts_leave_the_drafter_idle_until_drafting_resumes(
             assert seq.draft_token_ids == theirs.draft_token_ids
             assert theirs.num_drafted_tokens == theirs.num_computed_tokens
             max_lag = max(max_lag, seq.num_computed_tokens - seq.num_drafted_tokens)
+            assert seq.num_undrafted_tokens == sum(len(f) for f in seq.undrafted_features)
             assert len(seq.block_hashes) * deferring.runner.block_size <= seq.num_drafted_tokens
             for ours_kv, theirs_kv in zip(
                 draft_kv_of(deferring, rid, seq.num_drafted_tokens),
