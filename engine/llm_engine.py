@@ -171,7 +171,9 @@ class LLMEngine:
             self._warm_up()
         # After the warm-up: the costs of compiled steps, not of compiling them.
         if self.spec is not None and config.speculative and config.speculative.adaptive:
-            self.spec.enable_adaptive(config.max_num_seqs, list(range(num_blocks)))
+            self.spec.enable_adaptive(
+                config.max_num_seqs, list(range(num_blocks)), self.max_model_len
+            )
         # Loading and compiling leave about a million long-lived objects (modules, graphs,
         # guards, symbolic shapes) that every full collection scans: one took 1.2 s in the
         # middle of a decode step (SmolLM2 compiled, batch 8, 10% of a benchmark run). They

@@ -8,11 +8,20 @@ the expected tokens per row-step are ``tau(K) = 1 + sum_{j<=K} prod_{i<=j} alpha
 the controller picks the K that maximises ``tau(K) / cost[B][K]``, K = 0 (plain decoding)
 included, so speculation never makes a batch slower than not speculating.
 
-The costs start from a measurement at start-up (short contexts, scratch blocks) and then
-follow the steps actually run (``observe_cost``): verifying K+1 tokens per row costs more
-against long contexts and large batches than the start-up steps showed. Measured on a
-2-core CPU at batch 32 with the start-up costs alone, adaptive EAGLE-3 ran at 0.72x plain
-decoding: the 32-token contexts made K=1 look almost free.
+A step's cost is a line in the rows' mean KV length (``StepCost``): the matrix products
+do not grow with it, attention does, and it grows K+1 times faster for K+1 queries per
+row. Start-up measures each line at a short and a long context on scratch blocks. Costs
+measured at 32-token contexts alone made K=1 look almost free at batch 32 (1.4 plain
+steps against 1.7 at 256 tokens, SmolLM2 on a 2-core CPU): adaptive EAGLE-3 chose it and
+ran at 0.72x plain decoding.
+
+The steps actually run scale a bucket's lines alike (``observe_cost``): what a step shows
+is mostly how fast the machine runs just then (on a shared 2-core CPU, +-20% from one
+minute to the next), which holds for every K. So the choice of K rests on the start-up
+lines, and the scale prices probes against time charged from outside. With a scale per
+K, K=0 looked 30% dearer after a slow spell of plain steps, K=1 was chosen at batch 32 for
+a predicted 9% gain and lost 5%; and a K chosen steadily is the only one timed, so no
+step could show that another had become the better choice.
 
 While K stays below the deepest choice, the estimates of the deeper drafts' acceptance
 would go stale, so now and then a probe step drafts ``max_k`` tokens. Probes are paid
@@ -29,13 +38,32 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one step against the rows' mean KV length: ``base + per_token * context``."""
+
+    base: float
+    per_token: float = 0.0
+
+    def at(self, context: float) -> float:
+        return self.base + self.per_token * context
+
+    @classmethod
+    def fit(cls, short: tuple[int, float], long: tuple[int, float]) -> StepCost:
+        """The line through two (context, seconds) measurements, never falling with context."""
+        (c0, t0), (c1, t1) = short, long
+        per_token = max(0.0, (t1 - t0) / (c1 - c0)) if c1 != c0 else 0.0
+        return cls(t0 - per_token * c0, per_token)
 
 
 class AdaptiveK:
     def __init__(
         self,
         choices: Sequence[int],  # allowed K values, 0 included
-        costs: dict[int, dict[int, float]],  # batch bucket -> K -> seconds per step
+        costs: dict[int, dict[int, StepCost]],  # batch bucket -> K -> seconds per step
         *,
         prior_acceptance: float = 0.5,
         decay: float = 0.98,  # weight of the past in the acceptance estimates, per step
@@ -46,6 +74,7 @@ class AdaptiveK:
         self.choices = sorted(set(choices) | {0})
         self.max_k = self.choices[-1]
         self.costs = {bucket: dict(by_k) for bucket, by_k in costs.items()}
+        self.scales = dict.fromkeys(costs, 1.0)  # steps run against the start-up lines
         self.buckets = sorted(costs)
         self.decay, self.probe_budget, self.cost_weight = decay, probe_budget, cost_weight
         self.max_cost_rise = max_cost_rise
@@ -70,11 +99,16 @@ class AdaptiveK:
             min(bisect.bisect_left(self.buckets, batch_size), len(self.buckets) - 1)
         ]
 
-    def choose(self, batch_size: int) -> int:
-        cost = self.costs[self.bucket(batch_size)]
-        best = max(
-            (k for k in self.choices if k in cost), key=lambda k: self.expected_tokens(k) / cost[k]
-        )
+    def cost(self, batch_size: int, k: int, context: float = 0.0) -> float:
+        """Estimated seconds of a step of ``batch_size``'s bucket at depth ``k``."""
+        bucket = self.bucket(batch_size)
+        return self.scales[bucket] * self.costs[bucket][k].at(context)
+
+    def choose(self, batch_size: int, context: float = 0.0) -> int:
+        """K for a step of ``batch_size`` rows whose mean KV length is ``context``."""
+        bucket = self.bucket(batch_size)
+        cost = {k: self.cost(bucket, k, context) for k in self.choices if k in self.costs[bucket]}
+        best = max(cost, key=lambda k: self.expected_tokens(k) / cost[k])
         if best < self.max_k and self.max_k in cost:
             self._probe_credit += self.probe_budget * cost[best]
             extra = cost[self.max_k] - cost[best]
@@ -87,21 +121,21 @@ class AdaptiveK:
         """Time spent for speculation outside the modelled steps: probes wait for it."""
         self._probe_credit -= seconds
 
-    def observe_cost(self, batch_size: int, k: int, seconds: float) -> None:
-        """One step of ``batch_size`` rows at depth ``k`` took ``seconds``: its bucket's
-        cost at ``k`` moves towards it (scaled to the bucket's size, since rows cost about
-        alike within a bucket)."""
+    def observe_cost(self, batch_size: int, k: int, seconds: float, context: float = 0.0) -> None:
+        """One step of ``batch_size`` rows at depth ``k`` and mean KV length ``context`` took
+        ``seconds``: its bucket's scale moves towards what that shows (scaled to the
+        bucket's size, since rows cost about alike within a bucket)."""
         if batch_size <= 0:
             return
         bucket = self.bucket(batch_size)
-        cost = self.costs[bucket]
-        if k in cost:
-            # At most twice the estimate: a step that compiled a graph (seconds, not
-            # milliseconds) or lost the CPU says nothing of what steps cost, and a K
-            # whose estimate it inflated would never be chosen, so never timed again.
-            # A real rise (longer contexts) still lifts the estimate 20% a step.
-            seen = min(seconds * bucket / batch_size, self.max_cost_rise * cost[k])
-            cost[k] += self.cost_weight * (seen - cost[k])
+        if k not in self.costs[bucket]:
+            return
+        estimate = self.cost(bucket, k, context)
+        # At most twice the estimate: a step that compiled a graph (seconds, not
+        # milliseconds) or lost the CPU says little of what steps cost. A real rise still
+        # lifts the estimate 20% a step.
+        seen = min(seconds * bucket / batch_size, self.max_cost_rise * estimate)
+        self.scales[bucket] *= 1 + self.cost_weight * (seen / estimate - 1)
 
     def observe(self, k: int, num_accepted: Sequence[int]) -> None:
         """Conditional acceptance per position from one step of ``k`` drafts per row."""
@@ -115,16 +149,28 @@ class AdaptiveK:
 
 
 def measure_costs(
-    run_step: Callable[[int, int], float],  # (batch, k) -> seconds of one step
+    run_step: Callable[[int, int, int], float],  # (batch, k, context) -> seconds of one step
     buckets: Sequence[int],
     choices: Sequence[int],
-    repeats: int = 2,
-) -> dict[int, dict[int, float]]:
-    """Best-of-``repeats`` step time for every bucket and K (after one warm-up run)."""
-    costs: dict[int, dict[int, float]] = {}
+    contexts: tuple[int, int],  # a short and a long KV length
+    repeats: int = 3,
+) -> dict[int, dict[int, StepCost]]:
+    """Per bucket and K, the line through the fastest of ``repeats`` step times at both
+    contexts. The Ks take turns, after one warm-up step each: a slow spell of the machine
+    slows every K's step alike, where timing one K after another could make a single K
+    look dear and change the choice for good."""
+    ks = sorted(set(choices) | {0})
+    costs: dict[int, dict[int, StepCost]] = {}
     for b in buckets:
-        costs[b] = {}
-        for k in sorted(set(choices) | {0}):
-            run_step(b, k)
-            costs[b][k] = min(run_step(b, k) for _ in range(repeats))
+        points: dict[int, list[tuple[int, float]]] = {k: [] for k in ks}
+        for context in contexts:
+            times: dict[int, list[float]] = {k: [] for k in ks}
+            for k in ks:
+                run_step(b, k, context)
+            for _ in range(repeats):
+                for k in ks:
+                    times[k].append(run_step(b, k, context))
+            for k in ks:
+                points[k].append((context, min(times[k])))
+        costs[b] = {k: StepCost.fit(points[k][0], points[k][1]) for k in ks}
     return costs

@@ -3,6 +3,7 @@ unified step for decode rows, with counters and (optionally) adaptive K."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -15,11 +16,13 @@ from engine.sampler import SamplingTensors, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
-from engine.spec.adaptive import AdaptiveK, measure_costs
+from engine.spec.adaptive import AdaptiveK, StepCost, measure_costs
 from engine.spec.config import SpeculativeConfig
 from engine.spec.drafters import Drafter, ProposeArgs, load_drafter
 from engine.spec.stats import SpecDecodeStats
 from engine.spec.unified_step import SpecStepInputs, UnifiedStep
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -114,7 +117,9 @@ class SpecRunner:
             s.num_computed_tokens + batch.num_new_tokens[r] - 1
             for r, s in zip(result.rows, seqs, strict=True)
         ]
-        k = self.k if self.adaptive is None else self.adaptive.choose(len(seqs))
+        k = self.k
+        if self.adaptive is not None:
+            k = self.adaptive.choose(len(seqs), sum(last_positions) / len(last_positions))
         args = ProposeArgs(
             last_index=offsets[rows + 1] - 1,
             last_positions=torch.tensor(last_positions, dtype=torch.int64, device=device),
@@ -136,7 +141,8 @@ class SpecRunner:
         """One unified step over rows whose target KV covers all but their pending token."""
         started = time.perf_counter()
         k = min(len(s.draft_token_ids or []) for s in seqs)
-        k_next = self.k if self.adaptive is None else self.adaptive.choose(len(seqs))
+        context = sum(s.num_computed_tokens for s in seqs) / len(seqs)
+        k_next = self.k if self.adaptive is None else self.adaptive.choose(len(seqs), context)
         defer = k_next == 0 and self.defer_drafter
         behind = [
             s
@@ -157,7 +163,7 @@ class SpecRunner:
         if self.adaptive is not None:
             self.adaptive.observe(k, num_accepted)
             if k == k_next:  # a step at one depth, as the costs are measured
-                self.adaptive.observe_cost(len(seqs), k, time.perf_counter() - started)
+                self.adaptive.observe_cost(len(seqs), k, time.perf_counter() - started, context)
         logprobs = self._logprobs(seqs, out.logits, out.emitted)
         results = []
         for i, seq in enumerate(seqs):
@@ -239,21 +245,40 @@ class SpecRunner:
 
     @torch.inference_mode()  # as the steps run: a compiled step's graphs are the same
     def enable_adaptive(
-        self, max_batch: int, scratch_blocks: list[int]
-    ) -> dict[int, dict[int, float]]:
-        """Measures step costs per batch bucket and K on scratch blocks (free at start-up)."""
+        self, max_batch: int, scratch_blocks: list[int], max_context: int
+    ) -> dict[int, dict[int, StepCost]]:
+        """Measures a step cost line per batch bucket and K on scratch blocks (free at
+        start-up) at a short and a long context. Rows share the blocks where there are too
+        few for each its own: what the KV holds does not change what a step costs."""
         bs = self.runner.block_size
-        context = 32
-        per_row = -(-(context + num_lookahead_slots(self.k, self.drafter) + self.k + 2) // bs)
-        buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64) if b <= max_batch]
-        buckets = [b for b in buckets if b * per_row <= len(scratch_blocks)] or [1]
+        slots = num_lookahead_slots(self.k, self.drafter) + self.k + 2
+        long = max(1, min(512, max_context - slots))
+        contexts = (min(32, long), long)
+        per_row = -(-(contexts[1] + slots) // bs)
+        buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64) if b <= max_batch] or [1]
         choices = list(range(self.k + 1))
+        blocks = torch.tensor(scratch_blocks, dtype=torch.int64)
 
-        def run_step(b: int, k: int) -> float:
-            tables = torch.tensor(scratch_blocks[: b * per_row], dtype=torch.int64).view(b, per_row)
-            return self.time_scratch_step(tables, k, context, SamplingParams(max_tokens=1))
+        def run_step(b: int, k: int, context: int) -> float:
+            tables = blocks[torch.arange(b * per_row) % len(blocks)].view(b, per_row)
+            return self.time_scratch_step(
+                tables,
+                k,
+                context,
+                SamplingParams(max_tokens=1),
+                defer_drafter=k == 0 and self.defer_drafter,  # as decode runs K=0
+            )
 
-        costs = measure_costs(run_step, buckets, choices)
+        started = time.perf_counter()
+        costs = measure_costs(run_step, buckets, choices, contexts)
+        logger.info(
+            "adaptive speculation: step costs of batch buckets %s, K up to %d, at contexts %s, "
+            "measured in %.1f s",
+            buckets,
+            self.k,
+            contexts,
+            time.perf_counter() - started,
+        )
         self.adaptive = AdaptiveK(choices, costs)
         return costs
 

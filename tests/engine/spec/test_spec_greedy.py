@@ -11,7 +11,7 @@ import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.spec.adaptive import AdaptiveK
+from engine.spec.adaptive import AdaptiveK, StepCost
 from engine.spec.config import SpeculativeConfig
 from tests.comparator import compare_greedy
 from tests.engine.tiny_drafts import build_random_draft
@@ -209,13 +209,13 @@ class ScriptedK(AdaptiveK):
     """K per step from a fixed cycle: a stand-in for the cost model in a test of the runner."""
 
     def __init__(self, ks: list[int]) -> None:
-        super().__init__(sorted(set(ks)), {1: dict.fromkeys(ks, 1.0)})
+        super().__init__(sorted(set(ks)), {1: dict.fromkeys(ks, StepCost(1.0))})
         self.ks = itertools.cycle(ks)
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int, context: float = 0.0) -> int:
         return next(self.ks)
 
-    def observe_cost(self, batch_size: int, k: int, seconds: float) -> None:
+    def observe_cost(self, batch_size: int, k: int, seconds: float, context: float = 0.0) -> None:
         pass
 
 
