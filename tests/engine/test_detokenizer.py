@@ -3,6 +3,8 @@ characters split over byte tokens, stop strings spanning tokens, held-back prefi
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -125,3 +127,61 @@ def test_multibyte_stop_string_is_not_leaked(tokenizer: PreTrainedTokenizerFast)
     assert detok.stopped_on == "<é>"
     assert detok.text == "ab", deltas
     assert deltas == ["a", "b", "", "", "", ""]
+
+
+class CountingTokenizer:
+    """Records how many ids each decode call was given."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+        self.tokenizer, self.lengths = tokenizer, []
+
+    def decode(self, ids: list[int], **kwargs: object) -> str:
+        self.lengths.append(len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def test_each_step_decodes_a_window_not_the_whole_output(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """276 tokens one at a time, emoji split over byte tokens among them: the text is the
+    whole output's, and no decode call sees more than the last few tokens."""
+    ids = encode(tokenizer, "the lazy dog 😀 é " * 25)
+    counting = CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting)
+    feed(detok, ids)
+    assert len(ids) == 276 and detok.text == tokenizer.decode(ids)
+    assert max(counting.lengths) <= 5  # 4 bytes of an emoji and the token before them
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_tokens_give_the_whole_decode(tokenizer: PreTrainedTokenizerFast, seed) -> None:
+    """Byte tokens at random (invalid UTF-8 included) and special tokens, in random chunks:
+    the emitted text is exactly what decoding all of them at once gives."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(300)]
+    detok = IncrementalDetokenizer(tokenizer)
+    i = 0
+    while i < len(ids):
+        n = rng.randint(1, 4)
+        detok.add(ids[i : i + n], final=i + n >= len(ids))
+        i += n
+    assert detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+PIECES = {0: "a", 1: " ", 2: ".", 3: "b"}
+
+
+class CleanUpTokenizer:
+    """``PIECES`` joined, then " ." made "." (as clean_up_tokenization_spaces does): a later
+    token rewrites text an earlier window already held."""
+
+    def decode(self, ids: list[int], **kwargs: object) -> str:
+        return "".join(PIECES[i] for i in ids).replace(" .", ".")
+
+
+def test_a_window_decoded_otherwise_in_context_falls_back_to_the_whole_output() -> None:
+    detok = IncrementalDetokenizer(CleanUpTokenizer())
+    assert [detok.add([t]) for t in (0, 1, 2, 3)] == ["a", " ", "", ""]
+    assert detok.settled == "a.b"  # what decoding all four at once gives
+    assert detok.add([1, 3], final=True) == ""  # text shown stays as shown
+    assert detok.settled == "a.b b"
