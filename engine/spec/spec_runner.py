@@ -165,12 +165,17 @@ class SpecRunner:
             if k == k_next:  # a step at one depth, as the costs are measured
                 self.adaptive.observe_cost(len(seqs), k, time.perf_counter() - started, context)
         logprobs = self._logprobs(seqs, out.logits, out.emitted)
+        committed = None  # per row, the features of positions n..n+accepted
+        if out.features is not None:  # one packed copy, not a copy per row
+            steps = torch.arange(out.features.shape[1], device=out.features.device)
+            kept = out.features[steps[None, :] <= out.num_accepted[:, None]]
+            committed = kept.split([a + 1 for a in num_accepted])
         results = []
         for i, seq in enumerate(seqs):
             seq.draft_token_ids = drafts[i]
             seq.draft_probs = None if out.next_draft_probs is None else out.next_draft_probs[i]
-            if out.features is not None:  # positions n..n+accepted, now committed
-                seq.defer_drafting(out.features[i, : num_accepted[i] + 1].clone())
+            if committed is not None:
+                seq.defer_drafting(committed[i])
             tokens = emitted[i][: num_accepted[i] + 1]
             results.append(DecodeResult(tokens, None if logprobs is None else logprobs[i]))
         return results
