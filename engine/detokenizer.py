@@ -14,7 +14,8 @@ class IncrementalDetokenizer:
     sequence's first token specially (a leading space) treats both alike. The window moves
     on once its text ends in whole characters; until then the new text is held as
     ``pending``. Decoding the whole output at every token instead costs time that grows
-    with the output: about 1 ms of a 52 ms step at batch 32 with 128-token outputs.
+    with the output: 32 rows of SmolLM2 text took 0.57 ms a step over their first 128
+    tokens and 7.4 ms a step at tokens 896-1024; the window takes 0.2 ms at either.
     """
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:

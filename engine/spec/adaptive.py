@@ -20,8 +20,9 @@ is mostly how fast the machine runs just then (on a shared 2-core CPU, +-20% fro
 minute to the next), which holds for every K. So the choice of K rests on the start-up
 lines, and the scale prices probes against time charged from outside. With a scale per
 K, K=0 looked 30% dearer after a slow spell of plain steps, K=1 was chosen at batch 32 for
-a predicted 9% gain and lost 5%; and a K chosen steadily is the only one timed, so no
-step could show that another had become the better choice.
+a predicted 9% gain, and two runs went at 0.86x and 0.93x plain decoding; and a K
+chosen steadily is the only one timed, so no step could show that another had become the
+better choice.
 
 While K stays below the deepest choice, the estimates of the deeper drafts' acceptance
 would go stale, so now and then a probe step drafts ``max_k`` tokens. Probes are paid

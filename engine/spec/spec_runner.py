@@ -141,8 +141,10 @@ class SpecRunner:
         """One unified step over rows whose target KV covers all but their pending token."""
         started = time.perf_counter()
         k = min(len(s.draft_token_ids or []) for s in seqs)
-        context = sum(s.num_computed_tokens for s in seqs) / len(seqs)
-        k_next = self.k if self.adaptive is None else self.adaptive.choose(len(seqs), context)
+        k_next, context = self.k, 0.0  # context: the rows' mean KV length
+        if self.adaptive is not None:
+            context = sum(s.num_computed_tokens for s in seqs) / len(seqs)
+            k_next = self.adaptive.choose(len(seqs), context)
         defer = k_next == 0 and self.defer_drafter
         behind = [
             s
