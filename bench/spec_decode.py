@@ -10,7 +10,8 @@ which the Q4_1 SmolLM2 falls into easily and which any drafter predicts triviall
 Adaptive speculation (K chosen per step from measured costs and acceptance, down to 0)
 runs beside fixed-K EAGLE-3 at batch 1, and against plain decoding at batch 8 and 32:
 there both engines warm up on one full batch, then run ``--repeats`` times in
-alternation, and the run of median speed is reported. The last line is one JSON object
+alternation, and the run of median speed is reported. At batch 8 each drafter also runs
+once at its fixed K, after a warm-up batch. The last line is one JSON object
 (batch 1, chat).
 
     python bench/spec_decode.py            # 16 prompts per set at batch 1, 32 at batch 8/32
@@ -234,6 +235,12 @@ def main() -> None:
                     runs[name].append(run_tandem_batch(llm, prompts, params, batch))
             row = {name: median_run(r) for name, r in runs.items()}
             del engines
+            if batch == 8:  # each drafter at a fixed K too, one run after a warm-up batch
+                for kind in args.kinds:
+                    llm = LLM(str(model_dir), speculative=spec(kind), max_num_seqs=batch, **common)
+                    llm.generate(prompts[:batch], params, use_tqdm=False)
+                    row[kind] = run_tandem_batch(llm, prompts, params, batch)
+                    del llm
             row["hf"] = run_hf(hf, tokenizer, prompts, args.new_tokens, batch)
             row["adaptive_over_nospec"] = row["eagle3_adaptive"]["tok_s"] / row["nospec"]["tok_s"]
             results["batched"][str(batch)] = row
