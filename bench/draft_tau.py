@@ -8,13 +8,23 @@ and after training on new data. The outputs are the target's own greedy tokens w
 the draft, so every draft is scored on the same text. ``looping`` counts outputs that end
 in a loop (a period of 8 tokens or less over the last 32); any drafter predicts those.
 
+``--reference`` also reads the target's probability of each token it chose (its top-1
+probability: the outputs are greedy) and reports the tau that a draft would reach if it
+agreed with the target with exactly that probability at every token, as a draft sampling
+from the target's own distribution does. It says how sure the target is of its own
+choices, which bounds what a small draft can learn in practice: where the target's top
+two tokens are close, its argmax turns on details a draft with a few percent of its
+compute does not see.
+
     python bench/draft_tau.py drafts/smollm2/eagle3 /path/to/new/eagle3 --k 5
+    python bench/draft_tau.py drafts/smollm2/eagle3 --k 5 --reference
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,17 +42,51 @@ from engine.spec.config import SpeculativeConfig
 from engine.train.corpus import load_heldout
 
 
-def score(llm: LLM, prompts: list[list[int]], params: SamplingParams, batch: int) -> dict[str, Any]:
-    """tau over ``prompts`` and the number of looping outputs."""
+def reference_tau(confidences: list[list[float]], k: int) -> float:
+    """Expected tau of a draft that agrees with the target's token i with probability
+    ``confidences[row][i]``, independently, over steps as decoding runs them: the first
+    token comes from prefill, then each step from token a drafts a..a+k-1, emits the
+    accepted run and one more token, and the next step starts after them."""
+    tokens, steps = 0, 0.0
+    for q in confidences:
+        n = len(q)
+        expected = [0.0] * (n + k + 2)  # expected[a]: steps still to come from token a
+        for a in range(n - 1, 0, -1):
+            run, total = 1.0, 0.0  # run: P(drafts a..a+j-1 all accepted)
+            for j in range(k + 1):
+                stop = 1.0 if j == k or a + j >= n else 1.0 - q[a + j]
+                total += run * stop * expected[a + j + 1]
+                if j == k or a + j >= n:
+                    break
+                run *= q[a + j]
+            expected[a] = 1.0 + total
+        tokens += n - 1
+        steps += expected[1] if n > 1 else 0.0
+    return tokens / steps if steps else float("nan")
+
+
+def score(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, batch: int, k: int
+) -> dict[str, Any]:
+    """tau over ``prompts``, the number of looping outputs, and with logprobs asked for,
+    the target's confidence in its outputs and ``reference_tau`` of it."""
     stats = llm.engine.spec.stats  # type: ignore[union-attr]
     before = (stats.num_drafts, stats.num_accepted_tokens)
     looping = 0
+    confidences: list[list[float]] = []
     for i in range(0, len(prompts), batch):
         outs = llm.generate(prompts[i : i + batch], params, use_tqdm=False)
         looping += sum(is_looping(o.token_ids) for o in outs)
+        confidences += [[math.exp(t.logprob) for t in o.logprobs] for o in outs if o.logprobs]
     drafts = stats.num_drafts - before[0]
     accepted = stats.num_accepted_tokens - before[1]
-    return {"tau": _tau([(drafts, accepted)]), "num_steps": drafts, "looping": looping}
+    result = {"tau": _tau([(drafts, accepted)]), "num_steps": drafts, "looping": looping}
+    if confidences:
+        top1 = [p for q in confidences for p in q]
+        result["target_top1_mean"] = sum(top1) / len(top1)
+        result["target_top1_below_half"] = sum(p < 0.5 for p in top1) / len(top1)
+        result["reference_tau"] = reference_tau(confidences, k)
+    return result
 
 
 def main() -> None:
@@ -58,6 +102,12 @@ def main() -> None:
     parser.add_argument(
         "--dtype", default="bfloat16", help="target and draft dtype (bfloat16 as served)"
     )
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="also the tau of a draft that agrees with the target as often as the target "
+        "is sure of its own tokens (its top-1 probability, read as logprobs)",
+    )
     args = parser.parse_args()
     for draft in args.drafts:
         if not (draft / "config.json").is_file():
@@ -69,7 +119,12 @@ def main() -> None:
         name: [chat_ids(tokenizer, p) for p in load_heldout(name)[: args.limit]]
         for name in ("chat", "code")
     }
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=args.new_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=0 if args.reference else None,
+    )
     results: dict[str, Any] = {}
     for draft in tqdm(args.drafts, desc="drafts"):
         llm = LLM(
@@ -80,7 +135,9 @@ def main() -> None:
             num_threads=args.threads,
             speculative=SpeculativeConfig(str(draft), num_draft_tokens=args.k),
         )
-        results[str(draft)] = {name: score(llm, p, params, args.batch) for name, p in sets.items()}
+        results[str(draft)] = {
+            name: score(llm, p, params, args.batch, args.k) for name, p in sets.items()
+        }
         row = results[str(draft)]
         print(
             f"{draft}: tau chat {row['chat']['tau']:.3f}, code {row['code']['tau']:.3f} "
@@ -88,6 +145,18 @@ def main() -> None:
             f"{row['code']['looping']} of {len(sets['chat'])} and {len(sets['code'])})",
             flush=True,
         )
+        if args.reference:
+            print(
+                "  the target's confidence in its outputs: mean top-1 probability "
+                + ", ".join(
+                    f"{name} {row[name]['target_top1_mean']:.3f} (below 0.5 at "
+                    f"{row[name]['target_top1_below_half']:.0%} of tokens)"
+                    for name in sets
+                )
+                + "; a draft agreeing that often: tau "
+                + ", ".join(f"{name} {row[name]['reference_tau']:.3f}" for name in sets),
+                flush=True,
+            )
     print(json.dumps({"k": args.k, "new_tokens": args.new_tokens, "drafts": results}))
 
 
