@@ -76,6 +76,10 @@ class SpecRunner:
         # drafter's extend stubbed out at K=0: about 5% at batch 8, 1% at batch 32).
         self.defer_drafter = True
         self.max_undrafted = 256
+        # When the last decode step ended, if nothing but the engine's own bookkeeping ran
+        # since (a prefill resets it): the gap to the next decode step is overhead every K
+        # pays, which adaptive K adds to its step costs.
+        self._decode_ended: float | None = None
 
     # -- prefill -----------------------------------------------------------------------
 
@@ -83,6 +87,7 @@ class SpecRunner:
     def prefill(self, batch: ScheduledBatch) -> StepOutput:
         """Target prefill with the drafter's features, draft KV for the same positions, and
         K drafts for rows that sampled their first token."""
+        self._decode_ended = None
         result = self._prefill(batch)
         if result.kv_step is not None:  # the drafter is done: every draft layer is written
             for layer in range(len(self.draft_kv.layers)):
@@ -144,6 +149,8 @@ class SpecRunner:
         k_next, context = self.k, 0.0  # context: the rows' mean KV length
         if self.adaptive is not None:
             context = sum(s.num_computed_tokens for s in seqs) / len(seqs)
+            if self._decode_ended is not None:
+                self.adaptive.observe_overhead(len(seqs), started - self._decode_ended, context)
             k_next = self.adaptive.choose(len(seqs), context)
         defer = k_next == 0 and self.defer_drafter
         behind = [
@@ -180,6 +187,7 @@ class SpecRunner:
                 seq.defer_drafting(committed[i])
             tokens = emitted[i][: num_accepted[i] + 1]
             results.append(DecodeResult(tokens, None if logprobs is None else logprobs[i]))
+        self._decode_ended = time.perf_counter()
         return results
 
     def _catch_up(self, seqs: list[Sequence]) -> None:

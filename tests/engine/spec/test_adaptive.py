@@ -110,3 +110,21 @@ def test_probes_refresh_the_deepest_acceptance_within_their_budget() -> None:
     for _ in range(50):
         unprobed.observe(2, [0] * 8)
     assert {unprobed.choose(8) for _ in range(100)} == {0}
+
+
+def test_the_engine_time_every_step_pays_makes_deep_drafts_pay_sooner() -> None:
+    """Batch 1: K=3 steps cost 1.7 plain steps and yield 1.6 tokens. Alone, a loss; with
+    the engine's own time per step (half a plain step, every K alike) 1.6 / 2.2 beats
+    1 / 1.5. A pause of the process counts at most a plain step."""
+    costs = flat({1: {0: 1.0, 3: 1.7}})
+    adaptive = AdaptiveK([0, 3], costs, prior_acceptance=0.5, probe_budget=0)
+    for _ in range(200):  # 3 drafts, the first accepted in 3 rows of 5, then never
+        adaptive.observe(3, [1, 1, 1, 0, 0])
+    assert adaptive.expected_tokens(3) == pytest.approx(1.6, abs=0.01)
+    assert adaptive.choose(1) == 0
+    adaptive.cost_weight = 1.0
+    adaptive.observe_overhead(1, 0.5)
+    assert adaptive.overhead == pytest.approx(0.5)
+    assert adaptive.choose(1) == 3
+    adaptive.observe_overhead(1, 30.0)
+    assert adaptive.overhead == pytest.approx(1.0)
