@@ -28,7 +28,8 @@ Every step also pays the engine's own time outside the step: scheduling, the row
 tokens, stop checks, detokenizing, the outputs. It is the same for every K, so it adds to
 each K's cost before the ratio is taken (``observe_overhead``: the time between one decode
 step's end and the next one's start). Left out, it made deep drafts look dearer than they
-are: at batch 1 a K=3 step cost 1.77 plain steps in the step model, but 1.4 end to end.
+are: at batch 1 a K=3 step cost 1.77 plain steps in session 13's step timings, but 1.4
+end to end in session 15's benchmark.
 
 While K stays below the deepest choice, the estimates of the deeper drafts' acceptance
 would go stale, so now and then a probe step drafts ``max_k`` tokens. Probes are paid
