@@ -12,9 +12,9 @@ in a loop (a period of 8 tokens or less over the last 32); any drafter predicts 
 probability: the outputs are greedy) and reports the tau that a draft would reach if it
 agreed with the target with exactly that probability at every token, as a draft sampling
 from the target's own distribution does. It says how sure the target is of its own
-choices, which bounds what a small draft can learn in practice: where the target's top
-two tokens are close, its argmax turns on details a draft with a few percent of its
-compute does not see.
+choices: a yardstick, not a bound (an argmax draft may beat it), for what a small draft
+can be expected to learn. Where the target's top two tokens are close, its argmax turns
+on details that a draft with a few percent of its compute does not see.
 
     python bench/draft_tau.py drafts/smollm2/eagle3 /path/to/new/eagle3 --k 5
     python bench/draft_tau.py drafts/smollm2/eagle3 --k 5 --reference
@@ -53,10 +53,11 @@ def reference_tau(confidences: list[list[float]], k: int) -> float:
         expected = [0.0] * (n + k + 2)  # expected[a]: steps still to come from token a
         for a in range(n - 1, 0, -1):
             run, total = 1.0, 0.0  # run: P(drafts a..a+j-1 all accepted)
-            for j in range(k + 1):
-                stop = 1.0 if j == k or a + j >= n else 1.0 - q[a + j]
+            for j in range(k + 1):  # j drafts accepted, then draft j rejected or none left
+                is_last = j == k or a + j >= n
+                stop = 1.0 if is_last else 1.0 - q[a + j]
                 total += run * stop * expected[a + j + 1]
-                if j == k or a + j >= n:
+                if is_last:
                     break
                 run *= q[a + j]
             expected[a] = 1.0 + total
