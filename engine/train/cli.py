@@ -145,7 +145,8 @@ def _train_draft(args: argparse.Namespace) -> int:
         manifest = train_draft(config, data, data_meta)
         print(
             f"{args.kind} draft in {args.out}: {manifest['epochs']} epoch(s), final loss "
-            f"{manifest['final_loss']:.4f}, held-out tau {manifest['heldout_tau']:.3f}"
+            f"{manifest['final_loss']:.4f}, held-out tau {manifest['heldout_tau']:.3f} "
+            f"(decoding: {manifest['heldout_decoding_tau']:.3f})"
         )
         return 0
 

@@ -8,8 +8,9 @@
    without the cache they are computed again for every batch of every epoch.
 3. per batch: the draft's own ``extend`` and ``propose`` on the dense training backend
    (``objectives``).
-4. per epoch: held-out acceptance through the serving path (``evaluate``) and a resumable
-   checkpoint in ``OUT/checkpoint`` (fp32 draft, optimizer tensors in safetensors).
+4. per epoch: held-out acceptance through the serving path (``evaluate``), at uniform
+   anchors and as greedy decoding would see it, and a resumable checkpoint in
+   ``OUT/checkpoint`` (fp32 draft, optimizer tensors in safetensors).
 5. the end: the draft in fp16 in ``OUT`` (loadable by ``load_drafter``) and ``manifest.json``.
 """
 
@@ -35,7 +36,7 @@ from engine.spec.drafters import load_drafter, new_drafter, save_drafter
 from engine.train.attention import TrainAttentionBackend
 from engine.train.checkpoint import load_checkpoint, save_checkpoint
 from engine.train.data import SequenceSet, length_batches, pad, prepare_sequences
-from engine.train.evaluate import Acceptance, heldout_acceptance
+from engine.train.evaluate import Acceptance, decoding_acceptance, heldout_acceptance
 from engine.train.feature_cache import load_or_compute
 from engine.train.features import SoftLabels, TargetFeatures
 from engine.train.objectives import Batch, describe
@@ -186,8 +187,11 @@ def train_draft(
     trainer = DraftTrainer(config, train, log)
     if config.init_from and trainer.first_epoch == 0:
         acceptance, _ = trainer.evaluate(val)
-        trainer.initial_tau = acceptance.tau
-        log(f"before fine-tuning: held-out tau(K={config.eval_k}) {acceptance.tau:.3f}")
+        trainer.initial = acceptance
+        log(
+            f"before fine-tuning: held-out tau(K={config.eval_k}) {acceptance.tau:.3f} "
+            f"(decoding: {acceptance.decoding_tau:.3f})"
+        )
     for epoch in range(trainer.first_epoch, config.epochs):
         record = trainer.run_epoch(epoch)
         acceptance, seconds = trainer.evaluate(val)
@@ -195,7 +199,8 @@ def train_draft(
         trainer.history.append(record)
         log(
             f"epoch {epoch + 1}: loss {record['loss']:.4f}, held-out tau(K={config.eval_k}) "
-            f"{acceptance.tau:.3f} (full K: {acceptance.tau_full:.3f}, "
+            f"{acceptance.tau:.3f} (decoding: {acceptance.decoding_tau:.3f}, full K: "
+            f"{acceptance.tau_full:.3f}, "
             f"{acceptance.num_anchors} anchors), {record['train_tokens_per_s']:.0f} tok/s "
             f"(features {record['features_s']:.0f} s, draft {record['draft_s']:.0f} s)"
         )
@@ -247,7 +252,7 @@ class DraftTrainer:
             self.params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95)
         )
         self.history: list[dict[str, Any]] = []
-        self.initial_tau: float | None = None  # --init-from: held-out tau before training
+        self.initial: Acceptance | None = None  # --init-from: held-out tau before training
         self.first_epoch = 0
         if state is not None:
             self.optimizer.load_state_dict(state.optimizer_state(self.optimizer))
@@ -331,7 +336,8 @@ class DraftTrainer:
         }
 
     def evaluate(self, val: SequenceSet) -> tuple[Acceptance, float]:
-        """Held-out acceptance (the target's features of ``val`` are computed once)."""
+        """Held-out acceptance at uniform anchors and decoded (the target's features of
+        ``val`` are computed once)."""
         start = time.perf_counter()
         size = self.config.batch_size
         if self._val_features is None:
@@ -347,6 +353,9 @@ class DraftTrainer:
                 self.config.eval_anchors_per_seq,
                 self.config.seed,
             )
+            decoded = decoding_acceptance(self.drafter, val, self._val_features, self.config.eval_k)
+            acceptance.decoding_tau = decoded.mean_accepted_length
+            acceptance.decoding_steps = decoded.num_drafts
         finally:
             self.module.train()
         return acceptance, time.perf_counter() - start
@@ -385,10 +394,11 @@ def finish(
             "num_train_generated_tokens": train.num_continuation_tokens,
         },
         "feature_cache": trainer.cache_info,
-        "init_from": _init_summary(config.init_from, trainer.initial_tau),
+        "init_from": _init_summary(config.init_from, trainer.initial),
         "epochs": len(history),
         "final_loss": last.get("loss"),
         "heldout_tau": last.get("heldout", {}).get("tau"),
+        "heldout_decoding_tau": last.get("heldout", {}).get("decoding_tau"),
         "history": history,
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -396,13 +406,17 @@ def finish(
     return manifest
 
 
-def _init_summary(init_from: str | None, heldout_tau: float | None) -> dict[str, Any] | None:
+def _init_summary(init_from: str | None, before: Acceptance | None) -> dict[str, Any] | None:
     """What a fine-tuned draft started from: that draft's own recipe, and its tau on this
     run's held-out sequences before fine-tuning (after the recipe's refit, if any: an
     EAGLE-3 draft's new vocabulary rows are the target's until trained)."""
     if not init_from:
         return None
-    summary: dict[str, Any] = {"path": init_from, "heldout_tau_before": heldout_tau}
+    summary: dict[str, Any] = {
+        "path": init_from,
+        "heldout_tau_before": before and before.tau,
+        "heldout_decoding_tau_before": before and before.decoding_tau,
+    }
     path = Path(init_from) / "manifest.json"
     if path.is_file():
         prior = json.loads(path.read_text())

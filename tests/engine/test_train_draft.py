@@ -22,10 +22,11 @@ from engine.registry import load_model
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from engine.spec.drafters import DraftLogits, load_drafter, new_drafter
+from engine.spec.stats import SpecDecodeStats
 from engine.train.attention import TrainAttentionBackend
 from engine.train.cli import register_train_draft
 from engine.train.data import SequenceSet, generate_continuations, load_sequence_files, pad
-from engine.train.evaluate import propose_at
+from engine.train.evaluate import decoding_acceptance, propose_at
 from engine.train.feature_cache import load_or_compute
 from engine.train.features import TargetFeatures
 from engine.train.objectives import Batch, Objective, sample_anchors
@@ -35,6 +36,7 @@ from tests.engine.tiny_models import build_tiny_llama
 
 VOCAB = 128
 NEW_TOKENS = 40
+K = 4  # drafts per step when serving (DFlash: its block of 4, so 3)
 
 
 def build_target(out: Path, shape: str) -> Path:
@@ -78,18 +80,19 @@ def config(target: Path, out: Path, kind: str, **overrides: object) -> TrainConf
     return TrainConfig(**values)  # type: ignore[arg-type]
 
 
-def run_engine(target: Path, prompt: list[int], draft: Path | None) -> tuple[list[int], float]:
-    spec = None if draft is None else SpeculativeConfig(draft_model=str(draft), num_draft_tokens=4)
+def run_engine(
+    target: Path, prompt: list[int], draft: Path | None, max_tokens: int = NEW_TOKENS
+) -> tuple[list[int], SpecDecodeStats]:
+    spec = None if draft is None else SpeculativeConfig(draft_model=str(draft), num_draft_tokens=K)
     engine = LLMEngine(
         EngineConfig(model=str(target), dtype="float32", kv_cache_memory=8 << 20, speculative=spec)
     )
-    engine.add_request("r", prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
+    engine.add_request("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     tokens: list[int] = []
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens = out.token_ids
-    tau = engine.spec.stats.mean_accepted_length if engine.spec is not None else 1.0
-    return tokens, tau
+    return tokens, engine.spec.stats if engine.spec is not None else SpecDecodeStats()
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash"])
@@ -111,9 +114,19 @@ def test_training_lowers_loss_and_the_draft_serves(
     train, _ = data.split(0.1, seed=0)  # as the trainer splits
     longest_loop = max(train.sequences, key=lambda s: len(set(s[8:])))
     plain, _ = run_engine(target, longest_loop[:8], None)
-    spec, tau = run_engine(target, longest_loop[:8], out)
+    spec, stats = run_engine(target, longest_loop[:8], out)
     assert spec == plain == longest_loop[8:]
-    assert tau > 1.5, tau
+    assert stats.mean_accepted_length > 1.5, stats.as_dict()
+
+    # The trainer's decoding walk over the same text counts what the engine counted, as
+    # long as every step's drafts fall inside the known continuation.
+    budget = NEW_TOKENS - K - 1
+    _, served = run_engine(target, longest_loop[:8], out, budget)
+    drafter = load_drafter(out, model, torch.device("cpu"))
+    features = TargetFeatures(model, drafter, torch.device("cpu")).ragged([longest_loop])
+    walked = decoding_acceptance(drafter, SequenceSet([longest_loop], [8]), features, K, budget)
+    assert walked.as_dict() == served.as_dict()
+    assert walked.num_drafts < budget  # speculation took fewer steps than tokens
 
 
 @pytest.mark.parametrize("shape", ["mha_plain", "gqa3_llama3rope_tied_bias_hd40"])
@@ -309,8 +322,9 @@ def test_training_on_soft_labels_lowers_their_loss_and_the_draft_serves(
     train, _ = data.split(0.1, seed=0)  # as the trainer splits
     longest_loop = max(train.sequences, key=lambda s: len(set(s[8:])))
     plain, _ = run_engine(target, longest_loop[:8], None)
-    spec, tau = run_engine(target, longest_loop[:8], out)
+    spec, stats = run_engine(target, longest_loop[:8], out)
     assert spec == plain == longest_loop[8:]
+    tau = stats.mean_accepted_length
     assert tau > 2.0, tau  # 3.4 (EAGLE-3) and 2.3 (DFlash); shifted labels: 1.4
     with pytest.raises(ValueError, match="soft_labels: must be >= 0, got -1"):
         config(target, tmp_path / "x", kind, soft_labels=-1)
@@ -474,7 +488,9 @@ def test_init_from_fine_tunes_a_trained_draft(
     )
     assert f"starting from the draft in {tmp_path / 'base'}" in lines
     before = tuned["init_from"]["heldout_tau_before"]
-    assert any(line == f"before fine-tuning: held-out tau(K=5) {before:.3f}" for line in lines)
+    decoded = tuned["init_from"]["heldout_decoding_tau_before"]
+    expected = f"before fine-tuning: held-out tau(K=5) {before:.3f} (decoding: {decoded:.3f})"
+    assert expected in lines
     assert tuned["init_from"]["command"] == base["command"]
     assert tuned["init_from"]["heldout_tau"] == base["heldout_tau"]
     # It goes on from where the base draft ended (a fresh draft's first epoch is base's).
