@@ -78,6 +78,20 @@ def propose_at(
     return drafter.propose(state, args, k, select, kv.layers, backend)
 
 
+def accepted_prefix(
+    drafter: Drafter,
+    sequences: Sequence[list[int]],
+    features: Sequence[torch.Tensor],
+    anchors: Sequence[Anchor],
+    num_drafts: int,
+) -> torch.Tensor:
+    """[R, num_drafts]: 1 where greedy draft j after each anchor and every draft before it
+    equal the target's own tokens t[p+2+j], else 0."""
+    drafts = propose_at(drafter, sequences, features, anchors, num_drafts, lambda x, j: x.argmax())
+    truth = torch.tensor([sequences[i][p + 2 : p + 2 + num_drafts] for i, p in anchors])
+    return (drafts.cpu() == truth).long().cumprod(dim=1)
+
+
 def eval_anchors(data: SequenceSet, span: int, per_seq: int, seed: int) -> list[Anchor]:
     """Up to ``per_seq`` positions p per sequence with p+1 the first continuation token or
     later, and the ``span`` tokens after p+1 all known."""
@@ -104,15 +118,12 @@ def heldout_acceptance(
     anchors = eval_anchors(data, max(k, num_drafts), per_seq, seed)
     if not anchors:
         return Acceptance(1.0, 1.0, [], 0)
-    matches = []
-    for start in range(0, len(anchors), chunk):
-        rows = anchors[start : start + chunk]
-        drafts = propose_at(
-            drafter, data.sequences, features, rows, num_drafts, lambda x, j: x.argmax()
-        )
-        truth = torch.tensor([data.sequences[i][p + 2 : p + 2 + num_drafts] for i, p in rows])
-        matches.append((drafts.cpu() == truth).long().cumprod(dim=1))  # [R, K]: accepted prefix
-    match = torch.cat(matches).float()
+    match = torch.cat(
+        [
+            accepted_prefix(drafter, data.sequences, features, anchors[i : i + chunk], num_drafts)
+            for i in range(0, len(anchors), chunk)
+        ]
+    ).float()
     return Acceptance(
         tau=1.0 + match[:, :k].sum(1).mean().item(),
         tau_full=1.0 + match.sum(1).mean().item(),
@@ -150,13 +161,8 @@ def decoding_acceptance(
         for start in range(0, len(rows), chunk):
             part = rows[start : start + chunk]
             anchors = [(i, p) for i, p, _ in part]
-            drafts = propose_at(
-                drafter, data.sequences, features, anchors, num_drafts, lambda x, j: x.argmax()
-            )
-            truth = torch.tensor(
-                [data.sequences[i][p + 2 : p + 2 + num_drafts] for i, p in anchors]
-            )
-            accepted = (drafts.cpu() == truth).long().cumprod(dim=1).sum(1).tolist()
+            match = accepted_prefix(drafter, data.sequences, features, anchors, num_drafts)
+            accepted = match.sum(1).tolist()
             stats.record(num_drafts, accepted)
             stepped += [
                 (i, p + a + 1, e + a + 1) for (i, p, e), a in zip(part, accepted, strict=True)
