@@ -51,20 +51,26 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds of one step against the rows' mean KV length: ``base + per_token * context``."""
+    """Seconds of one step against the rows' mean KV length: ``base + per_token * context``,
+    flat below ``min_context`` (the shortest context measured)."""
 
     base: float
     per_token: float = 0.0
+    min_context: float = 0.0
 
     def at(self, context: float) -> float:
-        return self.base + self.per_token * context
+        return self.base + self.per_token * max(context, self.min_context)
 
     @classmethod
     def fit(cls, short: tuple[int, float], long: tuple[int, float]) -> StepCost:
-        """The line through two (context, seconds) measurements, never falling with context."""
+        """The line through two (context, seconds) measurements, never falling with context
+        and not extended below the short one: where a slow spell of the machine inflated the
+        long measurement, the line crosses zero at a short context, and a step there would
+        cost nothing or less (on a busy 2-core CPU, -6 ms: the engine's time per step went
+        negative, and every K's cost with it)."""
         (c0, t0), (c1, t1) = short, long
         per_token = max(0.0, (t1 - t0) / (c1 - c0)) if c1 != c0 else 0.0
-        return cls(t0 - per_token * c0, per_token)
+        return cls(t0 - per_token * c0, per_token, min(c0, c1))
 
 
 class AdaptiveK:

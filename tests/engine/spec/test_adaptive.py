@@ -50,7 +50,21 @@ def test_a_step_cost_is_a_line_in_the_context_fitted_through_two_measurements() 
     line = StepCost.fit((32, 0.050), (512, 0.098))
     assert line.per_token == pytest.approx(0.0001)
     assert line.at(32) == pytest.approx(0.050) and line.at(2048) == pytest.approx(0.2516)
-    assert StepCost.fit((32, 0.050), (512, 0.049)) == StepCost(0.050)  # noise: never falling
+    assert StepCost.fit((32, 0.050), (512, 0.049)).at(1024) == 0.050  # noise: never falling
+    # A slow spell during the long measurement: the line would cross zero at 16 tokens, but
+    # below the short context the cost stays what was measured there.
+    stalled = StepCost.fit((32, 0.005), (256, 0.075))
+    assert stalled.at(0) == stalled.at(16) == stalled.at(32) == pytest.approx(0.005)
+    assert stalled.at(256) == pytest.approx(0.075)
+
+
+def test_costs_below_the_measured_contexts_keep_the_engine_time_positive() -> None:
+    line = StepCost.fit((32, 0.005), (256, 0.075))
+    adaptive = AdaptiveK([0, 1], {1: {0: line, 1: line}})
+    adaptive.observe_overhead(1, 0.004, context=8.0)
+    assert adaptive.overhead == pytest.approx(0.2 * 0.004)
+    adaptive.observe_cost(1, 0, 0.005, context=8.0)  # as estimated: the scale stays
+    assert adaptive.scales[1] == pytest.approx(1.0)
 
 
 def test_long_contexts_turn_speculation_off_that_short_ones_make_pay() -> None:
