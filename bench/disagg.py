@@ -41,10 +41,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cluster.launcher import Cluster, ClusterSpec  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from router.client import agenerate  # noqa: E402
+from serving.launcher import Cluster, ClusterSpec  # noqa: E402
+from tandem_client.client import agenerate  # noqa: E402
 
 KV_CACHE_MEMORY = 512 << 20
 

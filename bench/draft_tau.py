@@ -39,7 +39,7 @@ from engine.llm import LLM
 from engine.model_store import prepare
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
-from engine.train.corpus import load_heldout
+from training.corpus import load_heldout
 
 
 def reference_tau(confidences: list[list[float]], k: int) -> float:

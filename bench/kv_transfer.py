@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster.kv_transfer import (
+from kv_transfer import (
     GrpcKvSender,
     Handshake,
     KvLayout,
@@ -57,8 +57,8 @@ from cluster.kv_transfer import (
     add_kv_transfer_servicer,
     server_options,
 )
-from cluster.kv_transfer.base import merge_runs
-from cluster.kv_transfer.checksum import checksum_kind, kind_name
+from kv_transfer.base import merge_runs
+from kv_transfer.checksum import checksum_kind, kind_name
 
 MiB = 1 << 20
 SINK = "tandem.bench.Sink"

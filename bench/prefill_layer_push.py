@@ -44,8 +44,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster.engine_loop import EngineLoop
-from cluster.kv_transfer import (
+from engine.kv_cache import KVCacheParams, PagedKVCache
+from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from engine.model_store import resolve_model
+from engine.sampling_params import SamplingParams
+from kv_transfer import (
     Handshake,
     KvLayout,
     KvReceiver,
@@ -58,12 +61,9 @@ from cluster.kv_transfer import (
     make_sender,
     server_options,
 )
-from cluster.kv_transfer.base import KvPool
-from engine.kv_cache import KVCacheParams, PagedKVCache
-from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
-from engine.model_store import resolve_model
-from engine.sampling_params import SamplingParams
+from kv_transfer.base import KvPool
 from prefill_worker.kv_push import LayerPush, LayerRelay
+from serving.engine_loop import EngineLoop
 
 MODES = ("compute", "after", "layered")
 NAME = "bench"

@@ -37,7 +37,7 @@ from engine.model_store import prepare
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from engine.spec.stats import SpecDecodeStats
-from engine.train.corpus import load_heldout
+from training.corpus import load_heldout
 
 DRAFTS = Path(__file__).resolve().parents[1] / "drafts" / "smollm2"
 KINDS = ("eagle", "eagle3", "dflash")

@@ -14,8 +14,8 @@ log = logging.getLogger("decode_worker")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from cluster.engine_setup import add_engine_arguments
-    from cluster.rpc import add_kv_transport_argument, add_service_arguments
+    from serving.engine_setup import add_engine_arguments
+    from serving.rpc import add_kv_transport_argument, add_service_arguments
 
     add_engine_arguments(parser)
     add_service_arguments(parser, default_port=DEFAULT_PORT)
@@ -44,27 +44,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.rpc import run_service
+    from serving.rpc import run_service
 
     return run_service("decode", serve, args)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from cluster import engine_setup
-    from cluster.kv_transfer import KvReceiver, ShmAttacher, add_kv_transfer_servicer
-    from cluster.kv_transfer import server_options as kv_server_options
-    from cluster.ledger import Ledger, WorkerRole
-    from cluster.membership import Membership, Timing
-    from cluster.metrics import DecodeMetrics
-    from cluster.redis_connect import RedisSettings, connect
-    from cluster.rpc import (
+    from decode_worker.service import DecodeWorkerService
+    from kv_transfer import KvReceiver, ShmAttacher, add_kv_transfer_servicer
+    from kv_transfer import server_options as kv_server_options
+    from ledger.ledger import Ledger, WorkerRole
+    from ledger.membership import Membership, Timing
+    from ledger.redis_connect import RedisSettings, connect
+    from serving import engine_setup
+    from serving.metrics import DecodeMetrics
+    from serving.rpc import (
         advertised_address,
         default_worker_id,
         new_server,
         set_serving,
         wait_for_shutdown,
     )
-    from decode_worker.service import DecodeWorkerService
     from tandem.v1 import worker_pb2_grpc
 
     spec = engine_setup.ModelSpec.from_args(args)

@@ -7,7 +7,7 @@ ledger after each step, off the engine thread) -> gone. Whatever ends it (finish
 the router cancelling the stream, a failed push) frees its blocks in the engine, the
 receiver and the ledger. When the ledger's Redis restarts empty or is restored from a
 snapshot, the requests decoding here are recorded again from this worker's memory
-(``held_requests``, cluster.membership) and their streams go on.
+(``held_requests``, ledger.membership) and their streams go on.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from typing import Any
 
 import redis
 
-from cluster.engine_loop import BlockTableWatch, EngineLoop, block_tables
-from cluster.engine_setup import draft_figures
-from cluster.kv_transfer import KvLayout, KvReceiver, KvReservation, TransferState, host_id
-from cluster.ledger import LedgerConflict, RequestState
-from cluster.membership import HeldRequest, Membership
-from cluster.metrics import DecodeFigures, DecodeMetrics
-from cluster.rpc import NotFound, PreconditionFailed, Unavailable
-from cluster.sampling import params_from_proto, token_logprob_to_proto
 from engine.llm_engine import LLMEngine, RequestOutput
+from kv_transfer import KvLayout, KvReceiver, KvReservation, TransferState, host_id
+from ledger.ledger import LedgerConflict, RequestState
+from ledger.membership import HeldRequest, Membership
+from serving.engine_loop import BlockTableWatch, EngineLoop, block_tables
+from serving.engine_setup import draft_figures
+from serving.metrics import DecodeFigures, DecodeMetrics
+from serving.rpc import NotFound, PreconditionFailed, Unavailable
+from serving.sampling import params_from_proto, token_logprob_to_proto
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import worker_pb2 as pb
 from tandem.v1 import worker_pb2_grpc as pb_grpc

@@ -1,8 +1,8 @@
-"""`tandem models` and `tandem generate`: the engine's subcommands of the `tandem` CLI.
+"""`tandem models` and the in-process engine of `tandem generate`.
 
-Registered through the ``tandem.commands`` entry points. Registration only builds
-parsers; torch and the engine are imported inside the handlers, so `tandem --help`
-stays fast.
+Found through the ``tandem.commands`` and ``tandem.generate.in_process`` entry points.
+Registration only builds parsers; torch and the engine are imported inside the handlers,
+so `tandem --help` stays fast.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from engine.model_store import MODELS, ModelNotFoundError, default_cache_dir
@@ -46,49 +47,11 @@ def register_models(subparsers: Subparsers) -> None:
     list_.set_defaults(func=_models_list)
 
 
-def register_generate(subparsers: Subparsers) -> None:
-    """Add `tandem generate`: offline generation in this process."""
-    parser = subparsers.add_parser(
-        "generate",
-        help="generate text in-process, or through a running cluster's router",
-        description="Run the engine in this process on one or more prompts and print the "
-        "answers, then the token count and throughput. With --router, send the prompts to "
-        "a running cluster (`tandem serve`) instead and print each answer as it streams.",
-    )
-    parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text")
-    parser.add_argument(
-        "--model", help="a prepared model name (e.g. smollm2) or a HF model dir (in-process)"
-    )
-    parser.add_argument(
-        "--router",
-        metavar="HOST:PORT",
-        help="generate through this router instead of in-process (--model, --dtype, --threads "
-        "and the speculative options are then the cluster's business)",
-    )
-    parser.add_argument(
-        "--wait",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="with --router: wait up to this long for the router to be SERVING",
-    )
+def add_in_process_generate(parser: Any) -> Callable[[argparse.Namespace], int]:
+    """The engine's options of `tandem generate` (without --router) and the function that
+    runs it; the client's `generate` command finds this through an entry point."""
+    parser.add_argument("--model", help="a prepared model name (e.g. smollm2) or a HF model dir")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 means off")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument(
-        "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
-    )
-    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
-    parser.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="wrap each prompt in the tokenizer's chat template (default: when it has one)",
-    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument(
         "--torch-compile",
@@ -96,17 +59,16 @@ def register_generate(subparsers: Subparsers) -> None:
         help="decode steps through torch.compile: faster at small batches, after a minute "
         "or two of compiling (worth it for long generations)",
     )
-    spec = parser.add_argument_group("speculative decoding")
-    spec.add_argument(
+    parser.add_argument(
         "--draft", metavar="DIR", help="an EAGLE, EAGLE-3 or DFlash draft directory for the model"
     )
-    spec.add_argument(
+    parser.add_argument(
         "--num-draft-tokens", type=int, default=5, help="K, drafts per step (DFlash: its block)"
     )
-    spec.add_argument(
+    parser.add_argument(
         "--adaptive", action="store_true", help="choose K per step from measured costs"
     )
-    parser.set_defaults(func=_generate)
+    return _generate
 
 
 def _print_help(parser: argparse.ArgumentParser) -> int:
@@ -144,10 +106,6 @@ def _models_list(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from engine.model_store import resolve_model
 
-    if args.router:
-        from router.client import generate_cli
-
-        return generate_cli(args)
     if not args.model:
         print("tandem generate: error: give --model (in-process) or --router", file=sys.stderr)
         return 2

@@ -14,8 +14,8 @@ log = logging.getLogger("prefill_worker")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from cluster.engine_setup import add_engine_arguments
-    from cluster.rpc import add_kv_transport_argument, add_service_arguments
+    from serving.engine_setup import add_engine_arguments
+    from serving.rpc import add_kv_transport_argument, add_service_arguments
 
     add_engine_arguments(parser)
     add_service_arguments(parser, default_port=DEFAULT_PORT)
@@ -44,25 +44,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.rpc import run_service
+    from serving.rpc import run_service
 
     return run_service("prefill", serve, args)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from cluster import engine_setup
-    from cluster.ledger import Ledger, WorkerRole
-    from cluster.membership import Membership, Timing
-    from cluster.metrics import PrefillMetrics
-    from cluster.redis_connect import RedisSettings, connect
-    from cluster.rpc import (
+    from ledger.ledger import Ledger, WorkerRole
+    from ledger.membership import Membership, Timing
+    from ledger.redis_connect import RedisSettings, connect
+    from prefill_worker.service import PrefillWorkerService
+    from serving import engine_setup
+    from serving.metrics import PrefillMetrics
+    from serving.rpc import (
         advertised_address,
         default_worker_id,
         new_server,
         set_serving,
         wait_for_shutdown,
     )
-    from prefill_worker.service import PrefillWorkerService
     from tandem.v1 import worker_pb2_grpc
 
     spec = engine_setup.ModelSpec.from_args(args)

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from cluster.kv_transfer import Handshake, KvPool, KvSender
-from cluster.kv_transfer.base import PagedPools
-from cluster.rpc import PreconditionFailed
 from engine.model_runner import RowKv, StepKv
+from kv_transfer import Handshake, KvPool, KvSender
+from kv_transfer.base import PagedPools
+from serving.rpc import PreconditionFailed
 
 
 @dataclass(frozen=True)

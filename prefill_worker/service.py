@@ -18,16 +18,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.engine_loop import EngineLoop
-from cluster.engine_setup import draft_figures
-from cluster.kv_transfer import Handshake, KvLayout, ShmRingPool, TransferOptions, make_sender
-from cluster.ledger import LedgerConflict, RequestState
-from cluster.membership import Membership
-from cluster.metrics import PrefillMetrics
-from cluster.rpc import ChannelPool, Overloaded, PreconditionFailed, Unavailable
-from cluster.sampling import params_from_proto, token_logprob_to_proto
 from engine.llm_engine import LLMEngine, PrefilledRequest, RequestOutput
+from kv_transfer import Handshake, KvLayout, ShmRingPool, TransferOptions, make_sender
+from ledger.ledger import LedgerConflict, RequestState
+from ledger.membership import Membership
 from prefill_worker.kv_push import LayerPush, LayerRelay
+from serving.engine_loop import EngineLoop
+from serving.engine_setup import draft_figures
+from serving.metrics import PrefillMetrics
+from serving.rpc import ChannelPool, Overloaded, PreconditionFailed, Unavailable
+from serving.sampling import params_from_proto, token_logprob_to_proto
 from tandem.v1 import worker_pb2 as pb
 from tandem.v1 import worker_pb2_grpc as pb_grpc
 

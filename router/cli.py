@@ -15,7 +15,7 @@ log = logging.getLogger("router")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from cluster.rpc import add_service_arguments
+    from serving.rpc import add_service_arguments
 
     group = parser.add_argument_group("model")
     group.add_argument("--model", required=True, help="HF model directory (or a prepared name)")
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.rpc import run_service
+    from serving.rpc import run_service
 
     if args.threads:
         os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
@@ -61,22 +61,22 @@ def run(args: argparse.Namespace) -> int:
 async def serve(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from cluster.engine_setup import load_tokenizer
-    from cluster.ledger import Ledger, WorkerRole
-    from cluster.membership import Membership, Timing
-    from cluster.metrics import RouterMetrics
-    from cluster.redis_connect import RedisSettings, connect
-    from cluster.rpc import (
+    from engine.model_store import resolve_model
+    from ledger.ledger import Ledger, WorkerRole
+    from ledger.membership import Membership, Timing
+    from ledger.redis_connect import RedisSettings, connect
+    from router.routing import WorkerPicker
+    from router.service import GenerationService
+    from router.validation import ModelInfo, RequestValidator
+    from serving.engine_setup import load_tokenizer
+    from serving.metrics import RouterMetrics
+    from serving.rpc import (
         advertised_address,
         default_worker_id,
         new_server,
         set_serving,
         wait_for_shutdown,
     )
-    from engine.model_store import resolve_model
-    from router.routing import WorkerPicker
-    from router.service import GenerationService
-    from router.validation import ModelInfo, RequestValidator
     from tandem.v1 import generation_pb2_grpc
 
     model_dir = Path(resolve_model(args.model))

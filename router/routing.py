@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import xxhash
 
-from cluster.ledger import Ledger, WorkerInfo, WorkerRole
-from cluster.rpc import Unavailable
+from ledger.ledger import Ledger, WorkerInfo, WorkerRole
+from serving.rpc import Unavailable
 
 IN_FLIGHT_WEIGHT = 0.01  # score per request this router has in flight on a worker
 PREFIX_BLOCK_TOKENS = 16  # granularity of the prefix index

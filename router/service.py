@@ -17,12 +17,12 @@ from typing import Any
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 import redis
 
-from cluster.ledger import Ledger, LedgerConflict, RequestState, WorkerInfo, WorkerRole
-from cluster.membership import Membership
-from cluster.metrics import RouterMetrics
-from cluster.rpc import ChannelPool, Overloaded, Unavailable, kv_push_status
+from ledger.ledger import Ledger, LedgerConflict, RequestState, WorkerInfo, WorkerRole
+from ledger.membership import Membership
 from router.routing import WorkerPicker, prefix_hashes
 from router.validation import RequestValidator, ValidRequest
+from serving.metrics import RouterMetrics
+from serving.rpc import ChannelPool, Overloaded, Unavailable, kv_push_status
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import generation_pb2_grpc as gen_grpc
 from tandem.v1 import worker_pb2 as pb

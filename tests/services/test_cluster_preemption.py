@@ -17,11 +17,11 @@ import pytest
 import redis
 import torch
 
-from cluster.launcher import Cluster
-from cluster.ledger import Ledger
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
+from ledger.ledger import Ledger
+from serving.launcher import Cluster
 from tests.engine.tiny_drafts import build_random_draft
 from tests.engine.tiny_models import build_tiny_llama
 from tests.services.cluster_helpers import (

@@ -22,9 +22,9 @@ import pytest
 import redis
 import torch
 
-from cluster.launcher import Cluster
-from cluster.ledger import Holding, Ledger, Pool, RequestRecord, RequestState
-from cluster.redis_server import RedisServer, free_port
+from ledger.ledger import Holding, Ledger, Pool, RequestRecord, RequestState
+from ledger.redis_server import RedisServer, free_port
+from serving.launcher import Cluster
 from tests.services.cluster_helpers import (
     Streams,
     assert_greedy_equal,

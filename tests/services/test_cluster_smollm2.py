@@ -17,11 +17,11 @@ import redis
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from cluster.launcher import Cluster, ClusterSpec, Component
-from cluster.ledger import Ledger
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
+from ledger.ledger import Ledger
+from serving.launcher import Cluster, ClusterSpec, Component
 from tests.comparator import compare_greedy
 from tests.engine.test_smollm2_equality import QUESTIONS, chat_ids
 from tests.services.cluster_helpers import (

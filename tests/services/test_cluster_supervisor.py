@@ -20,9 +20,9 @@ import pytest
 import redis
 import torch
 
-from cluster.launcher import Cluster, Component
-from cluster.ledger import Ledger, WorkerRole
-from cluster.supervisor import RestartPolicy, Supervisor
+from ledger.ledger import Ledger, WorkerRole
+from serving.launcher import Cluster, Component
+from serving.supervisor import RestartPolicy, Supervisor
 from tests.services.cluster_helpers import (
     build_tiny_target,
     check_stream,

@@ -25,14 +25,14 @@ import redis
 import torch
 from transformers import AutoTokenizer
 
-from cluster.launcher import Cluster
-from cluster.ledger import Ledger, Pool, RequestState
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
-from router.client import build_request
+from ledger.ledger import Ledger, Pool, RequestState
+from serving.launcher import Cluster
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import generation_pb2_grpc as gen_grpc
+from tandem_client.client import build_request
 from tests.engine.tiny_drafts import build_random_draft
 from tests.engine.tiny_models import build_tiny_llama
 from tests.services.cluster_helpers import (

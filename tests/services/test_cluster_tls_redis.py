@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.launcher import Cluster
-from cluster.ledger import Ledger
-from cluster.redis_connect import RedisSettings
-from cluster.redis_server import RedisServer, RedisServerError, ServerTls, tls_redis_server_binary
-from tests.cluster.redis_tls import Certs, issue_certs, ledger_acl, run_tandem
+from ledger.ledger import Ledger
+from ledger.redis_connect import RedisSettings
+from ledger.redis_server import RedisServer, RedisServerError, ServerTls, tls_redis_server_binary
+from serving.launcher import Cluster
+from tests.ledger.redis_tls import Certs, issue_certs, ledger_acl, run_tandem
 from tests.services.cluster_helpers import (
     build_tiny_target,
     engine_greedy,

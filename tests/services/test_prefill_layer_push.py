@@ -18,7 +18,11 @@ import grpc
 import pytest
 import torch
 
-from cluster.kv_transfer import (
+from engine.llm_engine import EngineConfig, LLMEngine, PrefilledRequest
+from engine.model_runner import StepKv
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from kv_transfer import (
     GrpcKvSender,
     Handshake,
     KvLayout,
@@ -33,16 +37,12 @@ from cluster.kv_transfer import (
     add_kv_transfer_servicer,
     server_options,
 )
-from cluster.kv_transfer.chunking import ChunkingKvSender
-from engine.llm_engine import EngineConfig, LLMEngine, PrefilledRequest
-from engine.model_runner import StepKv
-from engine.sampling_params import SamplingParams
-from engine.spec.config import SpeculativeConfig
+from kv_transfer.chunking import ChunkingKvSender
 from prefill_worker.kv_push import LayerPush, LayerRelay
 from tandem.v1 import kv_transfer_pb2 as pb
-from tests.cluster.kv_pools import DST_IDS, DST_SEED, SRC_IDS, SRC_SEED, layout_for, make_pools
 from tests.engine.tiny_drafts import build_random_draft
 from tests.engine.tiny_models import build_tiny_llama
+from tests.kv_transfer.kv_pools import DST_IDS, DST_SEED, SRC_IDS, SRC_SEED, layout_for, make_pools
 
 BLOCK_SIZE = 4
 PROMPT = [(7 * i + 3) % 61 + 2 for i in range(21)]  # 21 tokens: 5 full blocks and 1 token

@@ -12,12 +12,12 @@ import grpc
 import pytest
 import redis
 
-from cluster.engine_loop import EngineLoop
-from cluster.kv_transfer.base import KvTransferError
-from cluster.ledger import LedgerConflict
-from cluster.rpc import Overloaded, Unavailable, kv_push_status, new_server, status_of
 from engine.kv_cache import KVCacheCapacityError
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from kv_transfer.base import KvTransferError
+from ledger.ledger import LedgerConflict
+from serving.engine_loop import EngineLoop
+from serving.rpc import Overloaded, Unavailable, kv_push_status, new_server, status_of
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import generation_pb2_grpc as gen_grpc
 from tandem.v1 import kv_transfer_pb2 as kv_pb

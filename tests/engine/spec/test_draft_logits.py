@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.spec.drafters import DraftLogits
-from engine.train.objectives import masked_ce
+from training.objectives import masked_ce
 
 VOCAB = 40
 

@@ -1,0 +1,339 @@
+"""A sender that packs layers into checksummed chunks; the gRPC and shm senders build on it.
+
+One chunk holds whole layers of one pool for the same block runs (small layers are grouped
+up to ``chunk_bytes``) or part of one layer's runs (a large layer is split at block bounds).
+Blocks are checksummed as they are packed (copying.pack), while they are in cache.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar
+
+import torch
+
+from kv_transfer.base import (
+    POOL_TO_WIRE,
+    Handshake,
+    KvLayout,
+    KvPool,
+    KvSender,
+    KvTransferError,
+    RunPair,
+    TransferState,
+    dtype_name,
+    merge_runs,
+    split_runs,
+)
+from kv_transfer.checksum import (
+    RunningChecksum,
+    checksum_function,
+    checksum_kind,
+    running_checksum,
+)
+from kv_transfer.copying import byte_view, copy_then_hash, pack
+from tandem.v1 import kv_transfer_pb2 as pb
+
+T = TypeVar("T")
+
+# Test hook: sees each chunk's data after its checksum was taken, before it leaves.
+Tamper = Callable[[int, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    chunk_bytes: int = 4 << 20  # KV bytes per chunk (at least one block per chunk)
+    window: int = 4  # chunks prepared ahead of the transport (queued writes / shm slots)
+    checksum: str = "auto"  # "auto" (fastest installed), "crc32", "crc32c", "xxh3_64"
+    timeout_s: float = 120.0  # deadline of one push
+    max_message_bytes: int = 64 << 20  # the receiver's limit; bounds the extra tensors
+    # Copies and checksums in a worker thread (they release the GIL): overlaps them with
+    # the transport where cores are spare; slower on an oversubscribed host (measured).
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes <= 0 or self.window <= 0 or self.timeout_s <= 0:
+            raise ValueError(f"chunk_bytes, window, timeout_s: must be positive, got {self}")
+        if self.max_message_bytes < self.chunk_bytes + (64 << 10):
+            raise ValueError("max_message_bytes: must exceed chunk_bytes by 64 KiB at least")
+        checksum_kind(self.checksum)  # refuses an unknown or missing algorithm
+
+
+@dataclass
+class ChunkSpec:
+    """Where a chunk's data goes: layers [layer_start, layer_end) of ``pool``, ``runs``."""
+
+    pool: KvPool
+    layer_start: int
+    layer_end: int
+    runs: list[RunPair]
+
+    def header(self, sequence_number: int, dtype: torch.dtype, checksum: int) -> pb.KvChunk:
+        return pb.KvChunk(
+            sequence_number=sequence_number,
+            layer_start=self.layer_start,
+            layer_end=self.layer_end,
+            pool=POOL_TO_WIRE[self.pool],
+            runs=[
+                pb.BlockRun(first_block_id=r.dst_start, num_blocks=r.num_blocks) for r in self.runs
+            ],
+            dtype=dtype_name(dtype),
+            checksum=checksum,
+        )
+
+
+@dataclass
+class _Pending:
+    spec: ChunkSpec
+    buffer: torch.Tensor  # uint8, room for max_layers layers
+    layer_bytes: int
+    max_layers: int
+    running: RunningChecksum  # of the layers packed so far
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of ``tensor`` (copied to a contiguous CPU tensor only when needed)."""
+    flat = tensor.detach().contiguous().cpu().reshape(-1)
+    return flat.view(torch.uint8).numpy().data
+
+
+def encode_named_tensor(name: str, tensor: torch.Tensor, checksum: int) -> pb.NamedTensor:
+    data = tensor_bytes(tensor)
+    fn = checksum_function(checksum)
+    assert fn is not None
+    return pb.NamedTensor(
+        name=name,
+        dtype=dtype_name(tensor.dtype),
+        shape=list(tensor.shape),
+        data=bytes(data),
+        checksum=fn(data),
+    )
+
+
+class ChunkingKvSender(KvSender):
+    """Packs layers into chunk buffers from ``_acquire`` and hands them to ``_send_chunk``."""
+
+    def __init__(self, options: TransferOptions, tamper: Tamper | None = None) -> None:
+        super().__init__()
+        self.options = options
+        self.checksum_kind = checksum_kind(options.checksum)
+        self._tamper = tamper
+        self._layout: KvLayout | None = None
+        self._pending: _Pending | None = None
+        self._start = 0.0
+
+    @abc.abstractmethod
+    async def _open(self, handshake: Handshake) -> None: ...
+
+    @abc.abstractmethod
+    async def _acquire(self, num_bytes: int) -> torch.Tensor:
+        """A uint8 buffer of ``num_bytes`` for the next chunk."""
+
+    @abc.abstractmethod
+    async def _send_chunk(self, header: pb.KvChunk, data: torch.Tensor) -> None:
+        """Sends ``data`` (a buffer from ``_acquire``) with its header (checksum set)."""
+
+    @abc.abstractmethod
+    async def _close(self, last: pb.KvChunk) -> pb.KvPushReply:
+        """Sends the last message and returns the receiver's reply."""
+
+    @abc.abstractmethod
+    def _on_failed(self) -> None:
+        """Ends the transport's side of a failed or aborted transfer."""
+
+    async def begin(self, handshake: Handshake) -> None:
+        if self.state is not TransferState.RESERVED:
+            raise RuntimeError(f"begin: the transfer is {self.state.value}")
+        self._layout = handshake.layout
+        self._start = time.perf_counter()
+        self.state = TransferState.TRANSFERRING
+        await self._guard(self._open(handshake))
+
+    async def send_layer(
+        self,
+        pool: KvPool,
+        layer: int,
+        src_cache_layer: tuple[torch.Tensor, torch.Tensor],
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+    ) -> None:
+        layout = self._active_layout()
+        runs = self._check_layer(layout, pool, layer, src_cache_layer, src_block_ids, dst_block_ids)
+        if not runs:
+            return
+        block_bytes = layout.block_bytes(pool)
+        layer_bytes = block_bytes * sum(r.num_blocks for r in runs)
+        pending = self._pending
+        if pending and not (
+            pending.spec.pool is pool
+            and pending.spec.runs == runs
+            and pending.spec.layer_end == layer
+            and pending.spec.layer_end - pending.spec.layer_start < pending.max_layers
+        ):
+            await self._flush()
+        if layer_bytes > self.options.chunk_bytes:  # split this layer at block bounds
+            for group in split_runs(runs, max(1, self.options.chunk_bytes // block_bytes)):
+                spec = ChunkSpec(pool, layer, layer + 1, group)
+                buffer = await self._guard(self._acquire(block_bytes * _num_blocks(group)))
+                running = running_checksum(self.checksum_kind)
+                await self._offload(self._pack, buffer, 0, src_cache_layer, group, running)
+                await self._emit(spec, buffer, running)
+            return
+        if self._pending is None:
+            shape = layout.pool_shape(pool)
+            assert shape is not None
+            max_layers = min(self.options.chunk_bytes // layer_bytes, shape.num_layers - layer)
+            buffer = await self._guard(self._acquire(max_layers * layer_bytes))
+            self._pending = _Pending(
+                ChunkSpec(pool, layer, layer, runs),
+                buffer,
+                layer_bytes,
+                max_layers,
+                running_checksum(self.checksum_kind),
+            )
+        pending = self._pending
+        assert pending is not None
+        count = pending.spec.layer_end - pending.spec.layer_start
+        offset = count * pending.layer_bytes
+        await self._offload(
+            self._pack, pending.buffer, offset, src_cache_layer, runs, pending.running
+        )
+        pending.spec.layer_end += 1
+        if count + 1 == pending.max_layers:
+            await self._flush()
+
+    async def finish(self, extra_tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        self._active_layout()
+        await self._flush()
+        extras = [
+            encode_named_tensor(name, t, self.checksum_kind)
+            for name, t in (extra_tensors or {}).items()
+        ]
+        last = pb.KvChunk(sequence_number=self.num_chunks_sent, is_last=True, extra_tensors=extras)
+        if last.ByteSize() + 64 > self.options.max_message_bytes:
+            await self.abort("extra tensors too large")
+            raise ValueError(
+                f"extra_tensors: {last.ByteSize()} bytes exceed max_message_bytes "
+                f"{self.options.max_message_bytes}"
+            )
+        reply = await self._guard(self._close(last))
+        self.seconds = time.perf_counter() - self._start
+        if reply.status != pb.KV_PUSH_STATUS_OK:
+            self._fail(reply.status, reply.message or "refused without a message")
+        self.state = TransferState.DONE
+
+    async def abort(self, reason: str) -> None:
+        if self.state is TransferState.TRANSFERRING:
+            self.state, self.message = TransferState.FAILED, f"aborted: {reason}"
+            self.seconds = time.perf_counter() - self._start
+            self._on_failed()
+
+    def _active_layout(self) -> KvLayout:
+        if self.state is TransferState.FAILED:
+            raise KvTransferError(pb.KV_PUSH_STATUS_INCOMPLETE, self.message)
+        if self.state is not TransferState.TRANSFERRING or self._layout is None:
+            raise RuntimeError(f"the transfer is {self.state.value}, not transferring")
+        return self._layout
+
+    def _check_layer(
+        self,
+        layout: KvLayout,
+        pool: KvPool,
+        layer: int,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+    ) -> list[RunPair]:
+        shape = layout.pool_shape(pool)
+        if shape is None:
+            raise ValueError(f"pool: {pool} is not in the handshake's layout")
+        if not 0 <= layer < shape.num_layers:
+            raise ValueError(f"layer: {layer} outside 0..{shape.num_layers - 1} of {pool}")
+        expected = (layout.block_size, shape.num_kv_heads, shape.head_dim)
+        for t in kv:
+            if t.dtype != layout.dtype or tuple(t.shape[1:]) != expected:
+                raise ValueError(
+                    f"src_cache_layer: {t.dtype} {tuple(t.shape)} does not match the layout "
+                    f"({layout.dtype}, [num_blocks, {', '.join(map(str, expected))}])"
+                )
+        num_blocks = kv[0].shape[0]
+        if src_block_ids and not 0 <= min(src_block_ids) <= max(src_block_ids) < num_blocks:
+            raise ValueError(f"src_block_ids: outside 0..{num_blocks - 1}")
+        return merge_runs(src_block_ids, dst_block_ids)
+
+    async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Copies and checksums: in a worker thread with ``options.offload``, else inline.
+        A cancelled caller waits for the thread: it may be reading pool blocks that are
+        freed as soon as the push has stopped."""
+        if not self.options.offload:
+            return fn(*args)
+        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            await asyncio.wait({work})
+            raise
+
+    @staticmethod
+    def _pack(
+        buffer: torch.Tensor,
+        offset: int,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        runs: list[RunPair],
+        running: RunningChecksum,
+    ) -> None:
+        """Copies each run's K then V blocks into ``buffer`` from byte ``offset``, adding
+        them to ``running`` (so ``offset`` must be where the last pack ended)."""
+        dst = byte_view(buffer)
+        assert dst is not None, "chunk buffers are contiguous CPU bytes"
+        block_bytes = kv[0][0].numel() * kv[0].element_size()  # K (or V) of one block
+        pool_bytes = [byte_view(t) for t in kv]  # whole pools: no view per run
+        for run in runs:
+            num_bytes = run.num_blocks * block_bytes
+            start = run.src_start * block_bytes
+            for pool_tensor, src in zip(kv, pool_bytes, strict=True):
+                piece = dst[offset : offset + num_bytes]
+                if src is not None:
+                    copy_then_hash(piece, src[start : start + num_bytes], running)
+                else:
+                    blocks = pool_tensor[run.src_start : run.src_start + run.num_blocks]
+                    pack(piece, blocks, running)
+                offset += num_bytes
+
+    async def _flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            num_layers = pending.spec.layer_end - pending.spec.layer_start
+            data = pending.buffer[: num_layers * pending.layer_bytes]
+            await self._emit(pending.spec, data, pending.running)
+
+    async def _emit(self, spec: ChunkSpec, data: torch.Tensor, running: RunningChecksum) -> None:
+        """Sends a packed chunk; the test hook may tamper with it after its checksum."""
+        layout = self._active_layout()
+        header = spec.header(self.num_chunks_sent, layout.dtype, running.intdigest())
+        if self._tamper is not None:
+            self._tamper(header.sequence_number, data)
+        await self._guard(self._send_chunk(header, data))
+        self.num_chunks_sent += 1
+        self.num_bytes_sent += data.numel()
+
+    async def _guard(self, work: Awaitable[T]) -> T:
+        """Runs transport work; a transport failure fails the transfer."""
+        try:
+            return await work
+        except KvTransferError as e:
+            self._fail(e.status, e.message)
+
+    def _fail(self, status: int, message: str) -> NoReturn:
+        self.state, self.message = TransferState.FAILED, message
+        self.seconds = time.perf_counter() - self._start
+        self._on_failed()
+        raise KvTransferError(status, message)
+
+
+def _num_blocks(runs: list[RunPair]) -> int:
+    return sum(r.num_blocks for r in runs)

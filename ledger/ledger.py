@@ -1,0 +1,693 @@
+"""The Redis ledger: request state, KV block ownership under leases, worker registry.
+
+Redis holds soft state with TTLs; workers hold the truth of their memory (see
+ledger.audit). Every state change is one Lua script (ledger.scripts) over the
+keys of one request or one worker, so the ledger runs on one Redis or on Redis Cluster.
+
+Keys, under a namespace ``ns`` (default "td"):
+
+    {ns}:{req:ID}                         hash: state, owner, epoch, version, times, fields
+    {ns}:{req:ID}:holders                 hash: worker id -> epoch of the instance holding blocks
+    {ns}:{req:ID}:blocks:WORKER:POOL      set of block ids held by WORKER in POOL (claimed, then
+                                          resized as the owner's allocator grows its table)
+    {ns}:{req:ID}:lease:WORKER            string (epoch) with the lease TTL
+    {ns}:holdings                         zset "ID/WORKER" -> lease expiry hint (ms), for the reaper
+    {ns}:epoch                            counter of registration epochs (fencing tokens)
+    {ns}:generation                       hash: id, started_ms, tick:WORKER (this lifetime of the
+                                          data, and each component's clock)
+    {ns}:workers                          set of worker ids (index of the records below)
+    {ns}:worker:WORKER                    hash: role, address, capacity, load, epoch (heartbeat TTL)
+    {ns}:prefix:HASH                      zset worker -> expiry ms: who caches this KV block
+
+Fencing: a request record holds its owner's epoch; a transition must present it. Epochs
+come from one counter, so an epoch names one registration of one worker: a worker that
+restarted, or a request that moved on, refuses the stale holder.
+
+Restarts: every component remembers the generation it joined and the tick of its own
+clock in the ledger as it last advanced it (``join_generation``, at every heartbeat). A
+different generation, or none, means Redis restarted empty or was flushed; the same one
+with a clock not past the tick it last read means the data went back in time (Redis was
+restored from a snapshot), and a new generation begins, which the others see at their
+next heartbeat. Either way decode workers record again what they are decoding
+(``restore_decoding``; ledger.membership).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import redis
+import redis.cluster
+from redis.commands.core import Script
+
+from ledger import scripts as lua
+from ledger.audit import AllocatorReport, Discrepancy, find_discrepancies
+
+RedisClient = redis.Redis | redis.cluster.RedisCluster
+
+DEFAULT_REQUEST_TTL_MS = 6 * 3600 * 1000  # live requests: refreshed at every transition
+DEFAULT_FINISHED_TTL_MS = 10 * 60 * 1000  # FINISHED / FAILED / CANCELLED records
+MAX_BLOCK_ID = 2**32 - 1
+_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_RECORD_FIELDS = frozenset(
+    {"state", "owner", "epoch", "version", "created_ms", "updated_ms", "error"}
+)
+_WORKER_FIELDS = frozenset(
+    {"role", "address", "capacity", "load", "epoch", "registered_ms", "heartbeat_ms"}
+)
+
+
+PREFIX_KEY_TTL_MS = 3_600_000  # a prefix-index key outlives its entries by up to this
+
+
+class LedgerConflict(Exception):
+    """A refused change: wrong state, stale epoch, expired lease; says expected vs found."""
+
+
+class RequestState(StrEnum):
+    QUEUED = "QUEUED"
+    PREFILLING = "PREFILLING"
+    TRANSFERRING = "TRANSFERRING"
+    DECODING = "DECODING"
+    FINISHED = "FINISHED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({RequestState.FINISHED, RequestState.FAILED, RequestState.CANCELLED})
+_ABANDON = frozenset({RequestState.CANCELLED, RequestState.FAILED})
+ALLOWED_TRANSITIONS: Mapping[RequestState, frozenset[RequestState]] = {
+    RequestState.QUEUED: _ABANDON | {RequestState.PREFILLING},
+    # QUEUED (from PREFILLING, TRANSFERRING and DECODING): a preempted request handed
+    # back, or the router taking back a request whose prefill failed or whose decode
+    # worker it lost; either is re-prefilled elsewhere and resumed.
+    RequestState.PREFILLING: _ABANDON | {RequestState.TRANSFERRING, RequestState.QUEUED},
+    RequestState.TRANSFERRING: _ABANDON | {RequestState.DECODING, RequestState.QUEUED},
+    RequestState.DECODING: _ABANDON | {RequestState.FINISHED, RequestState.QUEUED},
+    RequestState.FINISHED: frozenset(),
+    RequestState.FAILED: frozenset(),
+    RequestState.CANCELLED: frozenset(),
+}
+
+
+class Pool(StrEnum):
+    TARGET = "target"
+    DRAFT = "draft"
+
+
+class WorkerRole(StrEnum):
+    ROUTER = "router"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    request_id: str
+    state: RequestState
+    owner: str  # worker id of the current owner (router, prefill or decode worker)
+    epoch: int  # the owner's epoch: the fencing token a transition must present
+    version: int  # number of transitions so far
+    created_ms: int  # Redis server clock
+    updated_ms: int
+    error: str  # set by a transition to FAILED (or any transition given one)
+    fields: Mapping[str, str]  # caller fields given at creation (model, num_prompt_tokens...)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    role: WorkerRole
+    address: str  # host:port of its gRPC services
+    capacity: int  # KV blocks in its pools
+    load: float  # in [0, 1], from the last heartbeat
+    epoch: int
+    registered_ms: int
+    heartbeat_ms: int
+    stats: Mapping[str, str]  # further figures from heartbeats (num_running, ...)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One lifetime of the ledger's data, as a component last read it."""
+
+    id: str  # random; a new one when the data was lost (restarted empty, restored)
+    started_ms: int  # Redis server clock: a record last changed before is from before it
+    tick: int  # this component's clock in the ledger, which only its own reads advance
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Blocks one worker instance holds for one request."""
+
+    request_id: str
+    worker_id: str
+    epoch: int
+    blocks: Mapping[Pool, frozenset[int]]
+    lease_ttl_ms: int  # remaining; -2: expired (reclaimable)
+    request_state: RequestState | None  # None: the record is gone (expired)
+
+    @property
+    def is_request_live(self) -> bool:
+        return self.request_state is not None and not self.request_state.is_terminal
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    """Blocks taken back from a worker whose lease on a request expired."""
+
+    request_id: str
+    worker_id: str
+    epoch: int
+    blocks: Mapping[Pool, frozenset[int]]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _pairs(flat: Sequence[Any]) -> dict[str, str]:
+    return {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+def _check_id(kind: str, value: str) -> None:
+    # Braces would break the {req:ID} hash tag; "/" separates ids in the holdings index.
+    if not isinstance(value, str) or not _ID_PATTERN.fullmatch(value):
+        raise ValueError(f"{kind}: 1..128 characters of [A-Za-z0-9._:-], got {value!r}")
+
+
+def _check_block_ids(block_ids: Iterable[int]) -> list[str]:
+    ids = list(block_ids)
+    for b in ids:
+        if not isinstance(b, int) or not 0 <= b <= MAX_BLOCK_ID:
+            raise ValueError(f"block_ids: integers in [0, 2**32), got {b!r}")
+    return [str(b) for b in ids]
+
+
+class Ledger:
+    """Typed access to the ledger; ``client`` is a redis-py Redis or RedisCluster client."""
+
+    def __init__(
+        self,
+        client: RedisClient,
+        *,
+        namespace: str = "td",
+        request_ttl_ms: int = DEFAULT_REQUEST_TTL_MS,
+        finished_ttl_ms: int = DEFAULT_FINISHED_TTL_MS,
+    ) -> None:
+        if not namespace or "{" in namespace or "}" in namespace:
+            raise ValueError(f"namespace: non-empty, without braces, got {namespace!r}")
+        self.client = client
+        self.ns = namespace
+        self.request_ttl_ms = request_ttl_ms
+        self.finished_ttl_ms = finished_ttl_ms
+        self._scripts: dict[str, Script] = {}
+
+    # ---- keys
+
+    def _record_key(self, request_id: str) -> str:
+        return f"{self.ns}:{{req:{request_id}}}"
+
+    def _request_keys(self, request_id: str, worker_id: str) -> tuple[str, str, str, str, str]:
+        """record, holders, lease, target set, draft set of one (request, worker)."""
+        record = self._record_key(request_id)
+        blocks = f"{record}:blocks:{worker_id}"
+        return (
+            record,
+            f"{record}:holders",
+            f"{record}:lease:{worker_id}",
+            f"{blocks}:{Pool.TARGET}",
+            f"{blocks}:{Pool.DRAFT}",
+        )
+
+    def _worker_key(self, worker_id: str) -> str:
+        return f"{self.ns}:worker:{worker_id}"
+
+    @property
+    def _holdings_key(self) -> str:
+        return f"{self.ns}:holdings"
+
+    @property
+    def _generation_key(self) -> str:
+        return f"{self.ns}:generation"
+
+    # ---- scripts
+
+    def _run(self, source: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Runs a script (EVALSHA, loaded on first use); a refusal raises LedgerConflict."""
+        script = self._scripts.get(source)
+        if script is None:
+            script = self._scripts[source] = self.client.register_script(source)
+        try:
+            return script(keys=list(keys), args=list(args))
+        except redis.ResponseError as e:
+            message = str(e)
+            if lua.CONFLICT_TAG in message:
+                raise LedgerConflict(message.split(lua.CONFLICT_TAG, 1)[1].strip()) from None
+            raise
+
+    # ---- requests
+
+    def create_request(
+        self,
+        request_id: str,
+        *,
+        owner: str,
+        epoch: int,
+        fields: Mapping[str, str | int | float] | None = None,
+    ) -> RequestRecord:
+        """Records a new request in QUEUED, owned by ``owner`` (the router) at ``epoch``."""
+        _check_id("request_id", request_id)
+        _check_id("owner", owner)
+        extra: list[str] = []
+        for name, value in (fields or {}).items():
+            if name in _RECORD_FIELDS:
+                raise ValueError(f"fields: {name!r} is reserved ({sorted(_RECORD_FIELDS)})")
+            extra += [name, str(value)]
+        flat = self._run(
+            lua.CREATE_REQUEST,
+            [self._record_key(request_id)],
+            [request_id, owner, epoch, self.request_ttl_ms, *extra],
+        )
+        return self._record(request_id, _pairs(flat))
+
+    def get_request(self, request_id: str) -> RequestRecord | None:
+        _check_id("request_id", request_id)
+        flat = self.client.hgetall(self._record_key(request_id))
+        if not flat:
+            return None
+        return self._record(request_id, {_text(k): _text(v) for k, v in flat.items()})
+
+    def transition(
+        self,
+        request_id: str,
+        to: RequestState,
+        *,
+        expected: RequestState,
+        epoch: int,
+        new_owner: str | None = None,
+        new_epoch: int | None = None,
+        error: str | None = None,
+    ) -> RequestRecord:
+        """Moves a request from ``expected`` to ``to`` if it is there and ``epoch`` is its
+        owner's; ``new_owner``/``new_epoch`` hand it over (e.g. router -> prefill worker)."""
+        _check_id("request_id", request_id)
+        expected, to = RequestState(expected), RequestState(to)
+        if to not in ALLOWED_TRANSITIONS[expected]:
+            allowed = ", ".join(sorted(ALLOWED_TRANSITIONS[expected])) or "none (terminal)"
+            raise LedgerConflict(
+                f"request {request_id}: illegal transition {expected} -> {to}; "
+                f"from {expected} allowed: {allowed}"
+            )
+        if (new_owner is None) != (new_epoch is None):
+            raise ValueError("new_owner and new_epoch: give both or neither")
+        if new_owner is not None:
+            _check_id("new_owner", new_owner)
+        ttl = self.finished_ttl_ms if to.is_terminal else self.request_ttl_ms
+        args = [request_id, expected, to, epoch, new_owner or "", new_epoch or 0, ttl, error or ""]
+        flat = self._run(lua.TRANSITION, [self._record_key(request_id)], args)
+        return self._record(request_id, _pairs(flat))
+
+    def restore_decoding(
+        self,
+        request_id: str,
+        worker_id: str,
+        *,
+        epoch: int,
+        block_ids: Iterable[int],
+        has_draft: bool,
+        lease_ms: int,
+        fields: Mapping[str, str | int | float] | None = None,
+        stale_before_ms: int = 0,
+    ) -> RequestRecord:
+        """Records again, after the ledger lost its data, a request that decode worker
+        ``worker_id`` is decoding: DECODING, owned by it at ``epoch`` (its new one),
+        holding ``block_ids`` (target, and draft if ``has_draft``) under a lease, with
+        ``fields`` (model, num_prompt_tokens...) and the server time in ``restored_ms``.
+        A record last changed before ``stale_before_ms`` (the generation's start: a Redis
+        restored from a snapshot brings back old records) and not ended is replaced;
+        LedgerConflict for any other: recorded meanwhile, not this worker's to overwrite.
+        One script over the request's keys (it runs on Redis Cluster)."""
+        _check_id("request_id", request_id)
+        _check_id("worker_id", worker_id)
+        ids = _check_block_ids(block_ids)
+        extra: list[str] = []
+        for name, value in (fields or {}).items():
+            if name in _RECORD_FIELDS or name == "restored_ms":
+                raise ValueError(f"fields: {name!r} is reserved ({sorted(_RECORD_FIELDS)})")
+            extra += [name, str(value)]
+        record, holders, lease, target, draft = self._request_keys(request_id, worker_id)
+        if ids:  # index first, as claim_blocks does: the reaper must be able to find it
+            member = f"{request_id}/{worker_id}"
+            self.client.zadd(self._holdings_key, {member: self._expiry_hint(lease_ms)})
+        args = [request_id, worker_id, epoch, self.request_ttl_ms, lease_ms, int(has_draft)]
+        flat = self._run(
+            lua.RESTORE_DECODING,
+            [record, holders, lease, target, draft],
+            [*args, stale_before_ms, len(extra), *extra, *ids],
+        )
+        return self._record(request_id, _pairs(flat))
+
+    @staticmethod
+    def _record(request_id: str, raw: dict[str, str]) -> RequestRecord:
+        return RequestRecord(
+            request_id=request_id,
+            state=RequestState(raw["state"]),
+            owner=raw["owner"],
+            epoch=int(raw["epoch"]),
+            version=int(raw["version"]),
+            created_ms=int(raw["created_ms"]),
+            updated_ms=int(raw["updated_ms"]),
+            error=raw.get("error", ""),
+            fields={k: v for k, v in raw.items() if k not in _RECORD_FIELDS},
+        )
+
+    # ---- blocks and leases
+
+    def claim_blocks(
+        self,
+        request_id: str,
+        worker_id: str,
+        *,
+        epoch: int,
+        pool: Pool,
+        block_ids: Iterable[int],
+        lease_ms: int,
+    ) -> int:
+        """Records that ``worker_id`` (at ``epoch``) holds ``block_ids`` of ``pool`` for a
+        live request, adding to what it already holds, and (re)starts its lease.
+        Returns the number of blocks it now holds in that pool."""
+        _check_id("request_id", request_id)
+        _check_id("worker_id", worker_id)
+        ids = _check_block_ids(block_ids)
+        record, holders, lease, target, draft = self._request_keys(request_id, worker_id)
+        pool_set = target if Pool(pool) is Pool.TARGET else draft
+        # Index first (NX: a failed claim must not postpone the reaper), then the truth, then
+        # the hint: a crash in between leaves an index entry the reaper drops, never a
+        # holding the reaper cannot find.
+        member = f"{request_id}/{worker_id}"
+        self.client.zadd(self._holdings_key, {member: self._expiry_hint(lease_ms)}, nx=True)
+        keys = [record, holders, pool_set, lease, target, draft]
+        held = self._run(lua.CLAIM_BLOCKS, keys, [request_id, worker_id, epoch, lease_ms, *ids])
+        self._index(request_id, worker_id, lease_ms)
+        return int(held)
+
+    def resize_blocks(
+        self,
+        request_id: str,
+        worker_id: str,
+        *,
+        epoch: int,
+        num_held: int,
+        added: Iterable[int],
+        removed: Iterable[int],
+        has_draft: bool,
+        expected: RequestState = RequestState.DECODING,
+    ) -> int:
+        """Records that the allocator of ``worker_id``, the request's owner at ``epoch``,
+        grew or shrank its table: ``added`` and ``removed`` block ids, in the target pool
+        and, if ``has_draft``, the draft pool. LedgerConflict unless the request is in
+        ``expected`` and owned by the worker at ``epoch``, its lease is alive and the ledger
+        holds ``num_held`` target blocks for it (what the worker recorded last). Returns
+        the number of target blocks now held; none ends the holding, as a release."""
+        _check_id("request_id", request_id)
+        _check_id("worker_id", worker_id)
+        added_ids, removed_ids = _check_block_ids(added), _check_block_ids(removed)
+        record, holders, lease, target, draft = self._request_keys(request_id, worker_id)
+        args = [request_id, worker_id, epoch, RequestState(expected), num_held, int(has_draft)]
+        held = self._run(
+            lua.RESIZE_BLOCKS,
+            [record, holders, lease, target, draft],
+            [*args, len(added_ids), *added_ids, *removed_ids],
+        )
+        return int(held)
+
+    def release_blocks(
+        self,
+        request_id: str,
+        worker_id: str,
+        *,
+        epoch: int,
+        pool: Pool | None = None,
+        block_ids: Iterable[int] | None = None,
+    ) -> int:
+        """Forgets blocks of a worker for a request: ``block_ids`` of ``pool``, or all of
+        ``pool``, or all (pool None). Returns how many were released. Idempotent."""
+        _check_id("request_id", request_id)
+        _check_id("worker_id", worker_id)
+        ids = None if block_ids is None else _check_block_ids(block_ids)
+        if ids == []:
+            return 0
+        if ids is not None and pool is None:
+            raise ValueError("block_ids: give the pool they belong to")
+        _, holders, lease, target, draft = self._request_keys(request_id, worker_id)
+        pool_arg = "" if pool is None else str(Pool(pool))
+        released, _remaining = self._run(
+            lua.RELEASE_BLOCKS,
+            [holders, lease, target, draft],
+            [request_id, worker_id, epoch, pool_arg, *(ids or [])],
+        )
+        # The holdings index entry stays: only the reaper drops entries (race-free, see
+        # UNINDEX_IF_SCORE), once their expiry hint has passed.
+        return int(released)
+
+    def renew_lease(self, request_id: str, worker_id: str, *, epoch: int, lease_ms: int) -> None:
+        """Extends a worker's lease on a request's blocks; LedgerConflict once it expired
+        (the worker must then abort the request: its blocks may be reclaimed)."""
+        _check_id("request_id", request_id)
+        _check_id("worker_id", worker_id)
+        _, holders, lease, _, _ = self._request_keys(request_id, worker_id)
+        self._run(lua.RENEW_LEASE, [holders, lease], [request_id, worker_id, epoch, lease_ms])
+        self._index(request_id, worker_id, lease_ms)
+
+    def _index(self, request_id: str, worker_id: str, lease_ms: int) -> None:
+        """Sets the reaper's expiry hint of a lease just (re)started for ``lease_ms``."""
+        member = f"{request_id}/{worker_id}"
+        self.client.zadd(self._holdings_key, {member: self._expiry_hint(lease_ms)})
+
+    @staticmethod
+    def _expiry_hint(lease_ms: int) -> int:
+        # Client clock: only a hint; the reaper checks the lease key itself.
+        return int(time.time() * 1000) + lease_ms
+
+    def reap_expired(self, limit: int = 1000) -> list[Reclaimed]:
+        """Reclaims the blocks of expired leases (at most ``limit`` index entries looked at).
+        Request states are left alone: the caller decides (migrate, fail)."""
+        now = int(time.time() * 1000)
+        due: Any = self.client.zrangebyscore(
+            self._holdings_key, "-inf", now, start=0, num=limit, withscores=True
+        )
+        reclaimed: list[Reclaimed] = []
+        for raw_member, score in due:
+            member = _text(raw_member)
+            request_id, worker_id = member.split("/", 1)
+            _, holders, lease, target, draft = self._request_keys(request_id, worker_id)
+            result = self._run(lua.REAP, [holders, lease, target, draft], [worker_id])
+            outcome = _text(result[0])
+            if outcome == "alive":
+                expiry = now + int(result[1])
+                self.client.zadd(self._holdings_key, {member: expiry})
+                continue
+            self._run(lua.UNINDEX_IF_SCORE, [self._holdings_key], [member, int(score)])
+            if outcome == "reclaimed":
+                blocks = {
+                    Pool.TARGET: frozenset(int(b) for b in result[2]),
+                    Pool.DRAFT: frozenset(int(b) for b in result[3]),
+                }
+                reclaimed.append(Reclaimed(request_id, worker_id, int(result[1]), blocks))
+        return reclaimed
+
+    def holdings(self, worker_id: str | None = None) -> list[Holding]:
+        """Every (request, worker) holding in the index, or only ``worker_id``'s."""
+        holdings = []
+        for raw_member in self.client.zrange(self._holdings_key, 0, -1):
+            request_id, holder = _text(raw_member).split("/", 1)
+            if worker_id is not None and holder != worker_id:
+                continue
+            record, holders, lease, target, draft = self._request_keys(request_id, holder)
+            epoch, pttl, target_ids, draft_ids, state = self._run(
+                lua.READ_HOLDING, [holders, lease, target, draft, record], [holder]
+            )
+            if epoch is None:
+                continue  # released, index entry not yet dropped
+            holdings.append(
+                Holding(
+                    request_id=request_id,
+                    worker_id=holder,
+                    epoch=int(epoch),
+                    blocks={
+                        Pool.TARGET: frozenset(int(b) for b in target_ids),
+                        Pool.DRAFT: frozenset(int(b) for b in draft_ids),
+                    },
+                    lease_ttl_ms=int(pttl),
+                    request_state=None if state is None else RequestState(_text(state)),
+                )
+            )
+        return holdings
+
+    # ---- workers
+
+    def join_generation(self, worker_id: str, seen: Generation | None = None) -> Generation:
+        """The ledger's generation, with ``worker_id``'s clock advanced by one. A new one
+        begins when Redis has none (new, restarted empty or flushed), or when it has
+        ``seen`` (what this worker read last) but the worker's clock is not past it: the
+        data went back in time (restored from a snapshot). A component that finds another
+        id than the one it joined knows the ledger lost data since, which a refused
+        heartbeat alone cannot tell from a stall past the registration's TTL."""
+        _check_id("worker_id", worker_id)
+        args = [secrets.token_hex(8), worker_id]
+        args += [seen.id, str(seen.tick)] if seen else ["", "0"]
+        generation_id, started_ms, tick = self._run(
+            lua.JOIN_GENERATION, [self._generation_key], args
+        )
+        return Generation(_text(generation_id), int(started_ms), int(tick))
+
+    def register_worker(
+        self,
+        worker_id: str,
+        *,
+        role: WorkerRole,
+        address: str,
+        capacity: int,
+        ttl_ms: int,
+    ) -> int:
+        """Registers (or re-registers) a worker with a fresh epoch, its fencing token."""
+        _check_id("worker_id", worker_id)
+        epoch = int(self._run(lua.NEXT_EPOCH, [f"{self.ns}:epoch"], []))
+        fields = ["role", str(WorkerRole(role)), "address", address, "capacity", capacity]
+        fields += ["load", 0.0]
+        self._run(
+            lua.REGISTER_WORKER, [self._worker_key(worker_id)], [worker_id, epoch, ttl_ms, *fields]
+        )
+        self.client.sadd(f"{self.ns}:workers", worker_id)
+        return epoch
+
+    def heartbeat(
+        self,
+        worker_id: str,
+        *,
+        epoch: int,
+        ttl_ms: int,
+        load: float,
+        stats: Mapping[str, str | int | float] | None = None,
+    ) -> None:
+        """Keeps a registration alive; LedgerConflict if it expired or the epoch is stale
+        (the worker must register again and drop what it held under the old epoch)."""
+        _check_id("worker_id", worker_id)
+        fields: list[str | float] = ["load", float(load)]
+        for name, value in (stats or {}).items():
+            if name in _WORKER_FIELDS:
+                raise ValueError(f"stats: {name!r} is reserved ({sorted(_WORKER_FIELDS)})")
+            fields += [name, str(value)]
+        self._run(lua.HEARTBEAT, [self._worker_key(worker_id)], [worker_id, epoch, ttl_ms, *fields])
+        self.client.sadd(f"{self.ns}:workers", worker_id)  # repairs a racing prune
+
+    def deregister_worker(self, worker_id: str, *, epoch: int) -> bool:
+        """Removes a registration (graceful shutdown); False if it had already expired."""
+        _check_id("worker_id", worker_id)
+        removed = self._run(
+            lua.DEREGISTER_WORKER, [self._worker_key(worker_id)], [worker_id, epoch]
+        )
+        self.client.srem(f"{self.ns}:workers", worker_id)
+        return bool(removed)
+
+    def list_workers(self, role: WorkerRole | None = None) -> list[WorkerInfo]:
+        """Live registrations (heartbeat TTL not expired), sorted by id."""
+        workers = []
+        for worker_id in sorted(_text(w) for w in self.client.smembers(f"{self.ns}:workers")):
+            raw = {
+                _text(k): _text(v)
+                for k, v in self.client.hgetall(self._worker_key(worker_id)).items()
+            }
+            if not raw:
+                self.client.srem(f"{self.ns}:workers", worker_id)  # expired: prune the index
+                continue
+            info = WorkerInfo(
+                worker_id=worker_id,
+                role=WorkerRole(raw["role"]),
+                address=raw["address"],
+                capacity=int(raw["capacity"]),
+                load=float(raw["load"]),
+                epoch=int(raw["epoch"]),
+                registered_ms=int(raw["registered_ms"]),
+                heartbeat_ms=int(raw["heartbeat_ms"]),
+                stats={k: v for k, v in raw.items() if k not in _WORKER_FIELDS},
+            )
+            if role is None or info.role is WorkerRole(role):
+                workers.append(info)
+        return workers
+
+    # ---- prefix index (hints for KV-aware routing)
+
+    def publish_prefix(
+        self, worker_ids: Iterable[str], block_hashes: Iterable[str], *, ttl_ms: int
+    ) -> None:
+        """Advertises that each of ``worker_ids`` caches the KV blocks with these content
+        hashes (one pipelined round trip; each block's key may live on another node)."""
+        workers = list(worker_ids)
+        for worker_id in workers:
+            _check_id("worker_id", worker_id)
+        keys = [self._prefix_key(h) for h in block_hashes]
+        if not keys:
+            return
+        # Plain commands, not a script: cluster pipelines refuse EVALSHA. Entries expire by
+        # score (this host's clock: a routing hint tolerates skew); the key itself lives at
+        # least PREFIX_KEY_TTL_MS (garbage collection only: without PEXPIRE GT, which 6.2
+        # lacks, a short-lived entry must not cut the others' key short).
+        now = int(time.time() * 1000)
+        key_ttl = max(ttl_ms, PREFIX_KEY_TTL_MS)
+        with self.client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.zremrangebyscore(key, "-inf", now)
+                pipe.zadd(key, dict.fromkeys(workers, now + ttl_ms))
+                pipe.pexpire(key, key_ttl)
+            pipe.execute()
+
+    def withdraw_prefix(self, worker_id: str, block_hashes: Iterable[str]) -> None:
+        """Withdraws advertised blocks (evicted from the worker's prefix cache)."""
+        for block_hash in block_hashes:
+            self.client.zrem(self._prefix_key(block_hash), worker_id)
+
+    def match_prefix(self, block_hashes: Sequence[str]) -> dict[str, int]:
+        """For each worker, how many leading blocks of this chain of hashes it caches
+        (one pipelined round trip)."""
+        keys = [self._prefix_key(h) for h in block_hashes]
+        if not keys:
+            return {}
+        now = int(time.time() * 1000)
+        with self.client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.zrangebyscore(key, f"({now}", "+inf")
+            found = pipe.execute()
+        matched: dict[str, int] = {}
+        candidates: set[str] | None = None
+        for i, workers in enumerate(found):
+            names = {_text(w) for w in workers}
+            candidates = names if candidates is None else candidates & names
+            if not candidates:
+                break
+            for worker_id in candidates:
+                matched[worker_id] = i + 1
+        return matched
+
+    def _prefix_key(self, block_hash: str) -> str:
+        _check_id("block_hash", block_hash)
+        return f"{self.ns}:prefix:{block_hash}"
+
+    # ---- audit
+
+    def audit(self, reports: Mapping[str, AllocatorReport | AbstractSet[int]]) -> list[Discrepancy]:
+        """Compares the ledger's holdings with workers' allocator reports (ledger.audit)."""
+        registered = {w.worker_id for w in self.list_workers()}
+        return find_discrepancies(self.holdings(), reports, registered)

@@ -1,0 +1,1 @@
+"""The component runtime that the router and both workers share."""

@@ -1,0 +1,296 @@
+"""`tandem serve`: the whole cluster on this machine with one command; `tandem ledger audit`:
+check the ledger against the workers' allocators."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ledger.redis_connect import add_redis_arguments
+
+if TYPE_CHECKING:
+    from ledger.audit import AllocatorReport
+    from ledger.ledger import WorkerInfo
+
+
+def register_serve(subparsers: Any) -> None:
+    """Add `tandem serve`."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="run a whole cluster here (redis, prefill and decode workers, router)",
+        description="Start an embedded redis-server (unless --redis-url), N prefill and M "
+        "decode worker processes and the router, sharing this machine's cores. Prints the "
+        "router's address once everything is SERVING; Ctrl-C or SIGTERM drains and stops. "
+        "A worker that dies is restarted (with growing pauses, within a budget); when the "
+        "router, the embedded Redis or a worker past its budget dies, everything stops.",
+    )
+    parser.add_argument("--model", required=True, help="HF model directory or a prepared name")
+    parser.add_argument("--draft", metavar="DIR", help="EAGLE / EAGLE-3 / DFlash draft directory")
+    parser.add_argument("--num-draft-tokens", type=int, default=5, help="K, drafts per step")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill worker processes")
+    parser.add_argument("--decode", type=int, default=1, help="decode worker processes")
+    add_redis_arguments(
+        parser,
+        required=False,
+        url_help="an existing Redis (default: start one): redis://HOST:PORT/DB, rediss://... "
+        "for TLS, or unix://PATH; the password goes to the workers in their environment, "
+        "never on their command lines",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address every process listens on")
+    parser.add_argument("--port", type=int, default=50050, help="the router's port")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--threads", type=int, help="torch threads per process (default: shared)")
+    parser.add_argument("--kv-cache-memory", type=int, help="KV cache bytes per worker")
+    parser.add_argument("--block-size", type=int, help="tokens per KV block")
+    parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    parser.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="decode workers run decode steps through torch.compile (faster at small "
+        "batches; start-up takes a minute or two longer)",
+    )
+    parser.add_argument("--log-dir", help="write each process's log there (default: stderr)")
+    parser.add_argument("--grace-s", type=float, default=30.0, help="drain time on shutdown")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of one dead worker allowed within --restart-window-s; one more death "
+        "stops the cluster (0: the first death stops it; default 5)",
+    )
+    parser.add_argument(
+        "--restart-window-s",
+        type=float,
+        default=60.0,
+        help="the window --max-restarts counts in (default 60)",
+    )
+    parser.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engine.model_store import ModelNotFoundError, resolve_model
+    from ledger.redis_connect import RedisConnectError, RedisSettings
+    from serving.launcher import Cluster, ClusterError, ClusterSpec
+    from serving.supervisor import RestartPolicy, Supervisor
+
+    try:
+        policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)
+    except ValueError as e:
+        print(f"tandem serve: error: --max-restarts, --restart-window-s: {e}", file=sys.stderr)
+        return 2
+    try:
+        model = str(resolve_model(args.model))
+        redis_settings = RedisSettings.from_args(args) if args.redis_url else None
+        stray = args.redis_username or args.redis_password_file or args.redis_ca_file
+        if not args.redis_url and (stray or args.redis_cert_file):
+            raise RedisConnectError("--redis-* options: need --redis-url (not the embedded Redis)")
+    except (ModelNotFoundError, RedisConnectError) as e:
+        print(f"tandem serve: error: {e}", file=sys.stderr)
+        return 2
+    worker_args = ["--dtype", args.dtype]
+    for option, value in (
+        ("--kv-cache-memory", args.kv_cache_memory),
+        ("--block-size", args.block_size),
+        ("--max-model-len", args.max_model_len),
+    ):
+        if value is not None:
+            worker_args += [option, str(value)]
+    router_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    spec = ClusterSpec(
+        model=model,
+        draft=args.draft,
+        num_draft_tokens=args.num_draft_tokens,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        redis=redis_settings,
+        host=args.host,
+        port=args.port,
+        threads=args.threads,
+        worker_args=tuple(worker_args),
+        decode_args=("--torch-compile",) if args.torch_compile else (),
+        router_args=tuple(router_args),
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        grace_s=args.grace_s,
+    )
+    cluster = Cluster(spec)
+    try:
+        cluster.start()  # Ctrl-C meanwhile: KeyboardInterrupt, and start() stops what it began
+    except ClusterError as e:
+        print(f"tandem serve: error: {e}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(cluster.router_address, flush=True)
+    print(
+        f"tandem serve: router at {cluster.router_address}, {spec.num_prefill} prefill + "
+        f"{spec.num_decode} decode workers, redis {cluster.redis_url}; Ctrl-C stops",
+        file=sys.stderr,
+    )
+    for component in cluster.components:
+        print(f"tandem serve: {component.name} metrics {component.metrics_url}", file=sys.stderr)
+    try:
+        rc = Supervisor(cluster, policy).run(stop)
+    finally:
+        print("tandem serve: draining and stopping", file=sys.stderr)
+        cluster.stop()
+    return rc
+
+
+AUDIT_LOOK_INTERVAL_S = 0.2  # far longer than a worker takes to record a change
+
+
+def register_ledger(subparsers: Any) -> None:
+    """Add `tandem ledger audit`."""
+    parser = subparsers.add_parser("ledger", help="inspect the cluster's Redis ledger")
+    commands = parser.add_subparsers(dest="ledger_command", required=True)
+    audit = commands.add_parser(
+        "audit",
+        help="compare the ledger's block holdings with every worker's allocator",
+        description="Ask every registered worker for the block ids its allocator holds "
+        "(Stats RPC) and compare them with the ledger's holdings. Exit 0 when they agree, "
+        "1 on any discrepancy or unreachable worker. Repairs nothing. A live cluster is "
+        "looked at again before a discrepancy counts (see --looks).",
+    )
+    add_redis_arguments(audit, required=True)
+    audit.add_argument("--namespace", default="td", help="ledger key namespace")
+    audit.add_argument("--timeout-s", type=float, default=5.0, help="deadline of each Stats RPC")
+    audit.add_argument(
+        "--looks",
+        type=int,
+        default=3,
+        help=f"a discrepancy counts once found in this many looks, {AUDIT_LOOK_INTERVAL_S} s "
+        "apart (a block granted or freed while the audit looked is not one); a clean look "
+        "ends the audit",
+    )
+    audit.add_argument("--json", action="store_true", help="print one JSON object")
+    audit.set_defaults(func=_ledger_audit)
+
+
+def _ledger_audit(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    import time
+
+    import redis
+
+    from ledger.audit import AllocatorReport, Discrepancy, seen_in_every_look
+    from ledger.ledger import Ledger, WorkerRole
+    from ledger.redis_connect import RedisConnectError, RedisSettings, connect, explain
+
+    if args.looks < 1:
+        print(f"tandem ledger audit: error: --looks: at least 1, got {args.looks}", file=sys.stderr)
+        return 1
+    try:
+        settings = RedisSettings.from_args(args)
+        client = connect(settings, decode_responses=True)
+    except RedisConnectError as e:
+        print(f"tandem ledger audit: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        ledger = Ledger(client, namespace=args.namespace)
+        looks: list[list[Discrepancy]] = []
+        while True:
+            workers = [w for w in ledger.list_workers() if w.role is not WorkerRole.ROUTER]
+            reports, unreachable = asyncio.run(_allocator_reports(workers, args.timeout_s))
+            looks.append(ledger.audit(reports))
+            discrepancies = seen_in_every_look(looks)
+            if not discrepancies or len(looks) == args.looks:
+                break
+            time.sleep(AUDIT_LOOK_INTERVAL_S)
+    except redis.RedisError as e:
+        print(f"tandem ledger audit: error: {explain(e, settings)}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "num_workers": len(workers),
+                    "num_looks": len(looks),
+                    "unreachable": unreachable,
+                    "discrepancies": [
+                        {
+                            "kind": str(d.kind),
+                            "worker_id": d.worker_id,
+                            "block_ids": list(d.block_ids),
+                            "request_ids": list(d.request_ids),
+                            "detail": d.detail,
+                        }
+                        for d in discrepancies
+                    ],
+                },
+                indent=2,
+            )
+        )
+    else:
+        if discrepancies:
+            rows = [("KIND", "WORKER", "BLOCKS", "REQUESTS", "DETAIL")]
+            rows += [
+                (str(d.kind), d.worker_id, _ranges(d.block_ids), ",".join(d.request_ids), d.detail)
+                for d in discrepancies
+            ]
+            widths = [max(len(row[i]) for row in rows) for i in range(4)]
+            for row in rows:
+                cells = (cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True))
+                print("  ".join((*cells, row[4])))
+        for worker_id, error in unreachable.items():
+            print(f"unreachable: {worker_id}: {error}")
+        audited = sum(isinstance(r, AllocatorReport) for r in reports.values())
+        print(f"{len(discrepancies)} discrepancies, {audited} of {len(workers)} workers audited")
+    return 0 if not discrepancies and not unreachable else 1
+
+
+async def _allocator_reports(
+    workers: Sequence[WorkerInfo], timeout_s: float
+) -> tuple[dict[str, AllocatorReport], dict[str, str]]:
+    """Each worker's owned block ids through its Stats RPC; failures by worker id."""
+    import asyncio
+
+    import grpc  # type: ignore[import-untyped]
+
+    from ledger.audit import AllocatorReport
+    from ledger.ledger import WorkerRole
+    from tandem.v1 import worker_pb2 as pb
+    from tandem.v1 import worker_pb2_grpc as pb_grpc
+
+    async def one(info: WorkerInfo) -> AllocatorReport:
+        async with grpc.aio.insecure_channel(info.address) as channel:
+            stub: Any
+            if info.role is WorkerRole.PREFILL:
+                stub = pb_grpc.PrefillWorkerStub(channel)
+            else:
+                stub = pb_grpc.DecodeWorkerStub(channel)
+            request = pb.StatsRequest(include_block_ids=True)
+            reply = await stub.Stats(request, timeout=timeout_s)
+            return AllocatorReport(owned=frozenset(reply.owned_block_ids))
+
+    results = await asyncio.gather(*(one(w) for w in workers), return_exceptions=True)
+    reports: dict[str, AllocatorReport] = {}
+    unreachable: dict[str, str] = {}
+    for info, result in zip(workers, results, strict=True):
+        if isinstance(result, AllocatorReport):
+            reports[info.worker_id] = result
+        elif isinstance(result, grpc.aio.AioRpcError):
+            unreachable[info.worker_id] = f"{result.code().name}: {result.details()}"
+        else:
+            unreachable[info.worker_id] = repr(result)
+    return reports, unreachable
+
+
+def _ranges(block_ids: Sequence[int]) -> str:
+    """``1-3,7`` for sorted ids [1, 2, 3, 7]."""
+    runs: list[list[int]] = []
+    for b in block_ids:
+        if runs and b == runs[-1][1] + 1:
+            runs[-1][1] = b
+        else:
+            runs.append([b, b])
+    return ",".join(str(a) if a == z else f"{a}-{z}" for a, z in runs)

@@ -1,0 +1,224 @@
+"""One thread owns a worker's LLMEngine: calls arrive through a bounded queue, ``step()``
+runs while any request runs, and results go back to the asyncio loop.
+
+The engine has no threads and no locks, so nothing but this thread touches it. KV pools
+are the exception by design: transports read or write blocks that a request holds and
+the engine leaves alone until the request moves on (PREFILLED or RESERVED), or, on a
+prefill worker, blocks whose layers the engine has finished writing (kv_push.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from engine.llm_engine import LLMEngine, RequestOutput
+from serving.rpc import Overloaded
+from tandem.v1.worker_pb2 import StatsReply
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Payload = TypeVar("Payload")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Figures for Stats and heartbeats, taken by the engine thread after every iteration."""
+
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    max_num_seqs: int = 1
+    # Speculative decoding counters since start (engine.spec.stats); None without a draft.
+    num_drafts: int | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def load(self) -> float:
+        """The larger of block usage and batch-slot usage, in [0, 1]."""
+        blocks = self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+        return min(1.0, max(blocks, (self.num_running + self.num_waiting) / self.max_num_seqs))
+
+
+def engine_stats(engine: LLMEngine) -> EngineStats:
+    bm = engine.block_manager
+    spec = engine.spec.stats if engine.spec is not None else None
+    return EngineStats(
+        num_blocks=bm.num_blocks,
+        num_free_blocks=bm.num_free_blocks,
+        num_running=len(engine.scheduler.running),
+        num_waiting=len(engine.scheduler.waiting),
+        max_num_seqs=engine.scheduler.config.max_num_seqs,
+        num_drafts=spec.num_drafts if spec is not None else None,
+        num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
+        num_accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
+    )
+
+
+def owned_block_ids(engine: LLMEngine) -> tuple[list[int], list[int]]:
+    """Block ids held by requests, and free ones holding a cached prefix (for audits)."""
+    blocks = engine.block_manager.blocks
+    owned = [b.block_id for b in blocks if b.ref_count > 0]
+    cached = [b.block_id for b in blocks if b.ref_count == 0 and b.hash is not None]
+    return owned, cached
+
+
+def block_tables(engine: LLMEngine, request_ids: Collection[str]) -> dict[str, list[int]]:
+    """The block tables of those of ``request_ids`` in the engine's batch (running or
+    waiting); a request reserved but not started, or already ended, is not there."""
+    wanted = set(request_ids)
+    scheduler = engine.scheduler
+    return {
+        seq.request_id: list(seq.block_table)
+        for seq in (*scheduler.running, *scheduler.waiting)
+        if seq.request_id in wanted
+    }
+
+
+class BlockTableWatch:
+    """The block tables of running requests that changed since the last look: how a decode
+    worker learns, once per step, which of its requests grew (engine thread only)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, list[int]] = {}
+
+    def changed(self, engine: LLMEngine) -> dict[str, list[int]]:
+        """Request id -> a copy of its table, for those that differ from the last look
+        (a request seen for the first time included)."""
+        changed: dict[str, list[int]] = {}
+        tables: dict[str, list[int]] = {}
+        for seq in engine.scheduler.running:
+            table = self._tables.get(seq.request_id)
+            if table != seq.block_table:
+                table = changed[seq.request_id] = list(seq.block_table)
+            tables[seq.request_id] = table
+        self._tables = tables  # ended requests drop out
+        return changed
+
+
+@dataclass
+class _Call:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    future: asyncio.Future[Any]
+
+
+class EngineLoop(Generic[Payload]):
+    """Runs ``engine`` in a thread of its own.
+
+    ``on_step(engine, outputs)`` runs in the engine thread after each step (it may call
+    the engine) and its result is handed to ``deliver`` on the asyncio loop; a step that
+    raises hands the exception to ``on_error`` there instead.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        on_step: Callable[[LLMEngine, list[RequestOutput]], Payload],
+        deliver: Callable[[Payload], None],
+        on_error: Callable[[BaseException], None],
+        max_queued_calls: int = 256,
+        name: str = "engine",
+    ) -> None:
+        self.engine = engine
+        self.stats = engine_stats(engine)
+        self._loop = loop
+        self._on_step, self._deliver, self._on_error = on_step, deliver, on_error
+        self._max_queued_calls = max_queued_calls
+        self._calls: deque[_Call] = deque()
+        self._num_bounded = 0
+        self._cv = threading.Condition()
+        self._is_stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._is_stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def submit(self, fn: Callable[..., T], *args: Any, bounded: bool = True) -> asyncio.Future[T]:
+        """Queues ``fn(*args)`` for the engine thread. ``bounded`` calls (new work) are
+        refused with Overloaded when ``max_queued_calls`` of them wait or when stopping;
+        cleanup calls (abort, release) are never refused (the thread runs what is queued
+        before it exits)."""
+        future: asyncio.Future[T] = self._loop.create_future()
+        with self._cv:
+            if bounded and self._is_stopping:
+                raise Overloaded("engine: shutting down")
+            if bounded:
+                if self._num_bounded >= self._max_queued_calls:
+                    raise Overloaded(
+                        f"engine queue: {self._max_queued_calls} calls waiting; retry later"
+                    )
+                self._num_bounded += 1
+            self._calls.append(_Call(fn, args, future))
+            self._cv.notify()
+        return future
+
+    async def call(self, fn: Callable[..., T], *args: Any, bounded: bool = True) -> T:
+        return await self.submit(fn, *args, bounded=bounded)
+
+    async def report_block_ids(self, reply: StatsReply) -> None:
+        """Fills a Stats reply's block ids held by requests and count of cached ones."""
+        owned, cached = await self.call(owned_block_ids, self.engine, bounded=False)
+        reply.owned_block_ids.extend(owned)
+        reply.num_kv_blocks_cached = len(cached)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not self._calls and not self._is_stopping and not self._is_busy():
+                    self._cv.wait()
+                calls = list(self._calls)
+                self._calls.clear()
+                self._num_bounded = 0
+                if self._is_stopping and not calls:
+                    return
+            for call in calls:
+                try:
+                    result = call.fn(*call.args)
+                except BaseException as e:  # handed to the caller
+                    self._loop.call_soon_threadsafe(_reject, call.future, e)
+                else:
+                    self._loop.call_soon_threadsafe(_resolve, call.future, result)
+            if self._is_busy():
+                try:
+                    payload = self._on_step(engine, engine.step())
+                except Exception as e:
+                    log.exception("engine step failed")
+                    self._loop.call_soon_threadsafe(self._on_error, e)
+                else:
+                    self._loop.call_soon_threadsafe(self._deliver, payload)
+            self.stats = engine_stats(engine)
+
+    def _is_busy(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+
+def _resolve(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _reject(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,147 @@
+"""What prefill and decode workers share about their engine: command-line options, building
+the engine (and tokenizer), the draft's DraftConfig with its fingerprint, the KV layout.
+
+Two workers can hand KV to each other only if their layouts match, draft fingerprint
+included: the fingerprint hashes the drafter's settings and its weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tandem.v1 import worker_pb2
+
+if TYPE_CHECKING:  # torch: imported by the functions that need it, not by the router
+    from engine.llm_engine import LLMEngine
+    from kv_transfer import KvLayout
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `tandem prefill`, `tandem decode` and `tandem serve` that shape the engine."""
+    group = parser.add_argument_group("model and engine")
+    group.add_argument("--model", required=True, help="HF model directory (or a prepared name)")
+    group.add_argument("--served-model-name", help="name clients use (default: the directory's)")
+    group.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    group.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--max-num-seqs", type=int, default=64, help="rows per engine step")
+    group.add_argument("--kv-cache-memory", type=int, help="KV cache bytes (default: 10%% free)")
+    group.add_argument("--threads", type=int, help="torch CPU threads of this process")
+    group.add_argument("--draft", metavar="DIR", help="EAGLE / EAGLE-3 / DFlash draft directory")
+    group.add_argument("--num-draft-tokens", type=int, default=5, help="K, drafts per step")
+    group.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="decode steps through torch.compile (CPU: about 1.8x the tokens per second at "
+        "batch 1); compiling takes a minute or two at start-up, before the worker serves",
+    )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The served model as every component names it."""
+
+    model_dir: Path
+    served_name: str
+    draft_dir: Path | None
+    num_draft_tokens: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ModelSpec:
+        from engine.model_store import resolve_model
+
+        model_dir = Path(resolve_model(args.model))
+        draft_dir = Path(args.draft) if args.draft else None
+        return cls(
+            model_dir=model_dir,
+            served_name=args.served_model_name or model_dir.name,
+            draft_dir=draft_dir,
+            num_draft_tokens=args.num_draft_tokens,
+        )
+
+
+def has_tokenizer(model_dir: Path) -> bool:
+    return any((model_dir / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(model_dir: Path) -> Any | None:
+    """The model's tokenizer, or None for a directory without one (token ids only)."""
+    if not has_tokenizer(model_dir):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def build_engine(
+    spec: ModelSpec, args: argparse.Namespace, *, preemption: str = "recompute"
+) -> LLMEngine:
+    """``preemption="hand_back"`` on decode workers: a request preempted for lack of blocks
+    goes back to the router, which re-prefills it on a prefill worker."""
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.spec.config import SpeculativeConfig
+
+    speculative = None
+    if spec.draft_dir is not None:
+        speculative = SpeculativeConfig(str(spec.draft_dir), num_draft_tokens=spec.num_draft_tokens)
+    config = EngineConfig(
+        model=str(spec.model_dir),
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_memory=args.kv_cache_memory,
+        num_threads=args.threads,
+        speculative=speculative,
+        preemption=preemption,
+        torch_compile=args.torch_compile,
+    )
+    return LLMEngine(config, tokenizer=load_tokenizer(spec.model_dir))
+
+
+def draft_config(engine: LLMEngine, spec: ModelSpec) -> worker_pb2.DraftConfig | None:
+    """The engine's drafter as the wire describes it, with its fingerprint; None without."""
+    if engine.spec is None or spec.draft_dir is None:
+        return None
+    drafter: Any = engine.spec.drafter
+    message = worker_pb2.DraftConfig(
+        kind=drafter.kind,
+        draft_model=spec.draft_dir.name,
+        num_draft_tokens=engine.spec.k,
+        block_size=getattr(drafter, "block_size", 0) if drafter.kind == "dflash" else 0,
+        mask_token_id=int(getattr(drafter, "mask_token_id", 0) or 0),
+        target_layer_ids=[int(i) for i in getattr(drafter, "layer_ids", None) or []],
+    )
+    digest = hashlib.sha256(message.SerializeToString(deterministic=True))
+    for path in [*sorted(spec.draft_dir.glob("*.safetensors")), spec.draft_dir / "config.json"]:
+        digest.update(path.name.encode())
+        with path.open("rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+    message.fingerprint = digest.hexdigest()[:32]
+    return message
+
+
+def kv_layout(engine: LLMEngine, served_name: str, fingerprint: str) -> KvLayout:
+    """The layout of this engine's KV pools (what a push must match)."""
+    from kv_transfer import KvLayout
+
+    pools = engine.kv_pools
+    return KvLayout.of_pools(served_name, pools["target"], pools.get("draft"), fingerprint)
+
+
+def draft_figures(draft: worker_pb2.DraftConfig | None) -> dict[str, str | int | float]:
+    """The draft as heartbeat figures: the router pairs workers with equal fingerprints."""
+    if draft is None:
+        return {"draft_fingerprint": "", "draft_kind": "", "draft_model": ""}
+    return {
+        "draft_fingerprint": draft.fingerprint,
+        "draft_kind": draft.kind,
+        "draft_model": draft.draft_model,
+    }

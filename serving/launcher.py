@@ -1,0 +1,303 @@
+"""The all-in-one cluster: an embedded redis-server (unless given a URL), N prefill and M
+decode workers and the router, each a fresh interpreter (`python -m ...`, never a fork),
+sharing the cores. `tandem serve` and the service tests start clusters through here.
+
+Stopping drains in request order: the router first (no new requests, in-flight ones
+finish), then the workers, each with SIGTERM (health NOT_SERVING, finish, stop), SIGKILL
+only past the grace period. A worker that dies can be started again with the same
+command line (``Cluster.restart``); serving.supervisor decides when.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
+
+from ledger.redis_connect import PASSWORD_ENV, RedisConnectError, RedisSettings, connect
+from ledger.redis_server import RedisServer, free_port
+
+STARTUP_TIMEOUT_S = 180.0
+COMPILE_STARTUP_S = 300.0  # more, per decode worker on a shared core, with --torch-compile
+
+
+class ClusterError(RuntimeError):
+    """A component did not start or died; the message carries the tail of its log."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model: str
+    draft: str | None = None
+    num_draft_tokens: int = 5
+    num_prefill: int = 1
+    num_decode: int = 1
+    redis: RedisSettings | None = None  # None: start an embedded redis-server
+    host: str = "127.0.0.1"
+    port: int = 50050  # the router's; 0: a free one
+    threads: int | None = None  # torch threads per process; None: the cores divided
+    worker_args: tuple[str, ...] = ()  # extra options of both worker kinds (--dtype, ...)
+    decode_args: tuple[str, ...] = ()  # extra options of decode workers only
+    router_args: tuple[str, ...] = ()
+    service_args: tuple[str, ...] = ()  # options every process takes (--heartbeat-ms, ...)
+    log_dir: Path | None = None  # None: children write to this process's stderr
+    grace_s: float = 30.0
+    is_metrics_served: bool = True  # each component serves /metrics on a free port
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError(
+                f"num_prefill, num_decode: at least one of each, got {self.num_prefill} and "
+                f"{self.num_decode}"
+            )
+
+    @property
+    def num_processes(self) -> int:
+        return self.num_prefill + self.num_decode + 1
+
+    def threads_per_process(self) -> int:
+        if self.threads is not None:
+            return self.threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return max(1, (cores or 1) // self.num_processes)
+
+
+@dataclass
+class Component:
+    name: str  # "router", "prefill-0", "decode-1"
+    address: str
+    process: subprocess.Popen[bytes]  # the running (or last) instance
+    log_path: Path | None
+    log_file: IO[bytes] | None = field(default=None, repr=False)
+    metrics_port: int = 0  # its Prometheus /metrics; 0: not served
+    command: tuple[str, ...] = ()  # what started it: a restart runs the same again
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)  # may carry a password
+    is_worker: bool = False  # a prefill or decode worker (the router is not restarted)
+    num_restarts: int = 0
+
+    @property
+    def metrics_url(self) -> str:
+        host = self.address.rsplit(":", 1)[0]
+        return f"http://{host}:{self.metrics_port}/metrics" if self.metrics_port else ""
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(log on the launcher's stderr)"
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+
+class Cluster:
+    """Starts a cluster on entry (returns once every component's health is SERVING) and
+    stops it on exit."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.redis: RedisServer | None = None
+        self.redis_settings = spec.redis  # the embedded server's once started
+        self.router: Component | None = None
+        self.prefill: list[Component] = []
+        self.decode: list[Component] = []
+
+    @property
+    def components(self) -> list[Component]:
+        return [*self.prefill, *self.decode, *([self.router] if self.router else [])]
+
+    @property
+    def redis_url(self) -> str:
+        """The ledger's Redis (without credentials); "" before start."""
+        return self.redis_settings.url if self.redis_settings else ""
+
+    @property
+    def router_address(self) -> str:
+        assert self.router is not None
+        return self.router.address
+
+    def start(self, timeout_s: float | None = None) -> Cluster:
+        spec = self.spec
+        if timeout_s is None:
+            timeout_s = STARTUP_TIMEOUT_S
+            if "--torch-compile" in spec.decode_args:
+                timeout_s += COMPILE_STARTUP_S * spec.num_decode
+        try:
+            if self.redis_settings is None:
+                self.redis = RedisServer().start()
+                self.redis_settings = self.redis.settings
+            else:  # a wrong password or CA fails here, once, not in every child
+                try:
+                    connect(self.redis_settings).close()
+                except RedisConnectError as e:
+                    raise ClusterError(str(e)) from None
+            if spec.log_dir is not None:
+                spec.log_dir.mkdir(parents=True, exist_ok=True)
+            engine = ["--model", spec.model, *spec.worker_args]
+            if spec.draft:
+                engine += ["--draft", spec.draft, "--num-draft-tokens", str(spec.num_draft_tokens)]
+            for i in range(spec.num_prefill):
+                self.prefill.append(self._spawn(f"prefill-{i}", "prefill_worker", engine, True))
+            for i in range(spec.num_decode):
+                args = [*engine, *spec.decode_args]
+                self.decode.append(self._spawn(f"decode-{i}", "decode_worker", args, True))
+            router = ["--model", spec.model, *spec.router_args]
+            if spec.draft:
+                router += ["--draft", spec.draft]
+            self.router = self._spawn("router", "router", router, False, port=spec.port)
+            self._wait_serving(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(
+        self,
+        name: str,
+        module: str,
+        args: Sequence[str],
+        is_worker: bool,
+        port: int = 0,
+    ) -> Component:
+        spec = self.spec
+        assert self.redis_settings is not None
+        port = port or free_port()
+        metrics_port = free_port() if spec.is_metrics_served else 0
+        threads = spec.threads_per_process()
+        command = [
+            sys.executable,
+            "-m",
+            module,
+            *args,
+            "--host", spec.host,
+            "--port", str(port),
+            *self.redis_settings.to_args(),
+            "--id", name,
+            "--threads", str(threads),
+            "--grace-s", str(spec.grace_s),
+            "--metrics-port", str(metrics_port),
+            "--parent-pid", str(os.getpid()),
+            *spec.service_args,
+        ]  # fmt: skip
+        env = dict(os.environ)
+        env.pop(PASSWORD_ENV, None)  # the password, if any, comes from the settings alone
+        env.update(self.redis_settings.to_env())  # not argv: ps shows every command line
+        env.update(OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=str(threads))
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        log_path = spec.log_dir / f"{name}.log" if spec.log_dir is not None else None
+        log_file = log_path.open("wb") if log_path is not None else None
+        address = f"{spec.host}:{port}"
+        process = _launch(command, env, log_file)
+        return Component(
+            name,
+            address,
+            process,
+            log_path,
+            log_file,
+            metrics_port,
+            command=tuple(command),
+            env=env,
+            is_worker=is_worker,
+        )
+
+    def restart(self, component: Component) -> None:
+        """Starts a dead worker again: a fresh interpreter with the same command line (same
+        port, same id), its log appended to. It registers in the ledger with a new epoch."""
+        if component.process.poll() is None:
+            raise ClusterError(f"{component.name}: still running (pid {component.process.pid})")
+        if component.log_file is not None:
+            component.log_file.close()
+            assert component.log_path is not None
+            component.log_file = component.log_path.open("ab")
+        component.process = _launch(list(component.command), component.env, component.log_file)
+        component.num_restarts += 1
+
+    def _wait_serving(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.components)
+        while pending:
+            for component in list(pending):
+                self._check_alive(component)
+                if self.is_serving(component, timeout_s=1.0):
+                    pending.remove(component)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise ClusterError(f"not SERVING within {timeout_s} s: {names}")
+            if pending:
+                time.sleep(0.2)
+
+    def is_serving(self, component: Component, timeout_s: float = 0.5) -> bool:
+        """Whether ``component`` answers its gRPC health check with SERVING."""
+        with grpc.insecure_channel(component.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            except grpc.RpcError:
+                return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def _check_alive(self, component: Component) -> None:
+        code = component.process.poll()
+        if code is not None:
+            raise ClusterError(f"{component.name} exited with {code}:\n{component.log_tail()}")
+
+    def dead_components(self) -> list[Component]:
+        return [c for c in self.components if c.process.poll() is not None]
+
+    def stop(self) -> None:
+        """Drains and stops the router, then the workers; then Redis."""
+        if self.router is not None:
+            self._terminate([self.router])
+        self._terminate([*self.prefill, *self.decode])
+        self.router, self.prefill, self.decode = None, [], []
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+            self.redis_settings = self.spec.redis
+
+    def _terminate(self, components: list[Component]) -> None:
+        for c in components:
+            if c.process.poll() is None:
+                c.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.spec.grace_s + 5.0
+        for c in components:
+            try:
+                c.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.process.kill()
+                c.process.wait()
+            if c.log_file is not None:
+                c.log_file.close()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _launch(
+    command: Sequence[str], env: Mapping[str, str], log_file: IO[bytes] | None
+) -> subprocess.Popen[bytes]:
+    """One child process, in a session of its own: Ctrl-C reaches the launcher only, which
+    stops children in order."""
+    return subprocess.Popen(
+        list(command),
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=log_file if log_file is not None else None,
+        stderr=subprocess.STDOUT if log_file is not None else None,
+        start_new_session=True,
+    )

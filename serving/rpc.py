@@ -1,0 +1,336 @@
+"""What every Tandem gRPC server shares: exceptions to status codes in one interceptor,
+grpc.health.v1, bounded messages and keepalive, and a graceful drain on SIGTERM.
+
+Servicers stay thin and raise plain exceptions; ``ErrorInterceptor`` turns them into
+status codes: ValueError -> INVALID_ARGUMENT, a full cache or queue -> RESOURCE_EXHAUSTED,
+LedgerConflict -> ABORTED, the ledger's Redis unreachable -> UNAVAILABLE, a downstream RPC
+error -> its own code, anything else -> INTERNAL with a short message (the traceback goes
+to the log). No request crashes a server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from typing import Any
+
+import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
+
+from ledger.redis_connect import add_redis_arguments
+from tandem_client.wire import KV_PUSH_STATUS_KEY
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+MAX_STATUS_MESSAGE = 400  # characters of an exception message sent back
+
+
+class Overloaded(Exception):
+    """A bounded queue is full: RESOURCE_EXHAUSTED (the client retries later or elsewhere)."""
+
+
+class PreconditionFailed(Exception):
+    """A request that does not fit this server's state (epoch, draft): FAILED_PRECONDITION."""
+
+
+class Unavailable(Exception):
+    """Draining, or no worker to route to: UNAVAILABLE."""
+
+
+class NotFound(Exception):
+    """An unknown request or model: NOT_FOUND."""
+
+
+# (module, class name, status), the first match wins: subclasses before their bases.
+# Classes are looked up in sys.modules: an exception of a module that was never imported
+# cannot have been raised, so the router need not import torch to map engine errors.
+_STATUS_BY_TYPE: Sequence[tuple[str, str, grpc.StatusCode]] = (
+    ("engine.kv_cache", "KVCacheCapacityError", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (__name__, "Overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (__name__, "PreconditionFailed", grpc.StatusCode.FAILED_PRECONDITION),
+    (__name__, "Unavailable", grpc.StatusCode.UNAVAILABLE),
+    (__name__, "NotFound", grpc.StatusCode.NOT_FOUND),
+    ("ledger.ledger", "LedgerConflict", grpc.StatusCode.ABORTED),
+    ("kv_transfer.base", "KvTransferError", grpc.StatusCode.UNAVAILABLE),
+    ("builtins", "TimeoutError", grpc.StatusCode.DEADLINE_EXCEEDED),
+    ("builtins", "ValueError", grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a client gets for ``exc``."""
+    if isinstance(exc, grpc.aio.AioRpcError):  # a downstream call: pass its status on
+        return exc.code(), exc.details() or exc.code().name
+    if _is_redis_unreachable(exc):
+        return grpc.StatusCode.UNAVAILABLE, _short(
+            f"the ledger's Redis is unreachable ({exc}); retry once it is back"
+        )
+    for module_name, class_name, code in _STATUS_BY_TYPE:
+        module = sys.modules.get(module_name)
+        cls = getattr(module, class_name, None) if module is not None else None
+        if cls is not None and isinstance(exc, cls):
+            return code, _short(str(exc) or class_name)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
+
+
+def trailing_metadata_of(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """What travels with ``exc``'s status besides the message: a downstream call's own
+    trailing metadata (passed on, as its status is), or what the exception carries
+    (``KvTransferError.trailing_metadata``)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return tuple((k, v) for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str))
+    return tuple(getattr(exc, "trailing_metadata", ()))
+
+
+def kv_push_status(error: grpc.aio.AioRpcError) -> str | None:
+    """The KvPushStatus name when ``error`` is a KV push that the receiver refused
+    (``KV_PUSH_STATUS_STALE_EPOCH``, ...), else None."""
+    for key, value in error.trailing_metadata() or ():
+        if key == KV_PUSH_STATUS_KEY:
+            return str(value)
+    return None
+
+
+def _is_redis_unreachable(exc: BaseException) -> bool:
+    """A redis-py connection error or timeout (looked up in sys.modules, as in status_of)."""
+    module = sys.modules.get("redis.exceptions")
+    if module is None:
+        return False
+    return isinstance(exc, module.ConnectionError | module.TimeoutError)
+
+
+def _short(message: str) -> str:
+    return message if len(message) <= MAX_STATUS_MESSAGE else message[:MAX_STATUS_MESSAGE] + "..."
+
+
+async def _abort(context: Any, exc: Exception, method: str) -> None:
+    if isinstance(exc, grpc.aio.AbortError):  # context.abort was called: already a status
+        raise exc
+    code, message = status_of(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("%s failed", method, exc_info=exc)
+    else:
+        log.debug("%s: %s %s", method, code.name, message)
+    await context.abort(code, message, trailing_metadata=trailing_metadata_of(exc))
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Any]:
+    async def wrapper(request: Any, context: Any) -> Any:
+        try:
+            return await behavior(request, context)
+        except Exception as e:
+            await _abort(context, e, method)
+
+    return wrapper
+
+
+def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., Any]:
+    async def wrapper(request: Any, context: Any) -> AsyncIterator[Any]:
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except Exception as e:
+            await _abort(context, e, method)
+
+    return wrapper
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps the exceptions of every handler to status codes (see status_of)."""
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        kinds = (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler, _wrap_unary),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler, _wrap_unary),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler, _wrap_stream),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler, _wrap_stream),
+        )
+        for attribute, make, wrap in kinds:
+            behavior = getattr(handler, attribute)
+            if behavior is not None:
+                return make(
+                    wrap(behavior, method),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
+        return handler
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Bounded messages and keepalive for a Tandem server."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def channel_options(max_message_bytes: int = 64 << 20) -> list[tuple[str, Any]]:
+    """Bounded messages, keepalive, and reconnection at most 1 s apart: a worker restarted
+    at the same address is reached within a second of listening (gRPC's default backoff
+    grows to 2 minutes)."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+
+class ChannelPool:
+    """One grpc.aio channel per peer address, opened on first use, closed together."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=channel_options())
+            self._channels[address] = channel
+        return channel
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+def new_server(
+    max_message_bytes: int, reflected_services: Sequence[str] = ()
+) -> tuple[grpc.aio.Server, Any]:
+    """A grpc.aio server with the error interceptor and a health servicer (returned);
+    with ``reflected_services``, also gRPC server reflection for them (and health), so
+    that grpcurl and grpcui can list and call them without the .proto files."""
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor()], options=server_options(max_message_bytes)
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if reflected_services:
+        from grpc_reflection.v1alpha import reflection  # type: ignore[import-untyped]
+
+        names = (*reflected_services, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+    return server, health_servicer
+
+
+async def set_serving(health_servicer: Any, service_names: Sequence[str]) -> None:
+    for name in ("", *service_names):
+        await health_servicer.set(name, SERVING)
+
+
+async def wait_for_shutdown(parent_pid: int | None = None) -> str:
+    """Returns on SIGTERM or SIGINT (the signal's name), or when ``parent_pid`` is gone
+    (the launcher died: its children must not outlive it)."""
+    loop = asyncio.get_running_loop()
+    stop: asyncio.Future[str] = loop.create_future()
+
+    def on_signal(name: str) -> None:
+        if not stop.done():
+            stop.set_result(name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    try:
+        while not stop.done():
+            if parent_pid is not None and os.getppid() != parent_pid:
+                return "parent exited"
+            await asyncio.wait([stop], timeout=0.5)
+        return stop.result()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def setup_logging(component: str, level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s {component} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def add_service_arguments(parser: argparse.ArgumentParser, *, default_port: int) -> None:
+    """Options every Tandem service process takes: where it listens and its ledger."""
+    group = parser.add_argument_group("service")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=default_port, help="port (0: any free one)")
+    group.add_argument(
+        "--advertise-host", help="host others reach this service at (default: --host)"
+    )
+    add_redis_arguments(group, required=True)
+    group.add_argument("--namespace", default="td", help="ledger key namespace")
+    group.add_argument("--id", dest="worker_id", help="registry id (default: role-host-port)")
+    group.add_argument("--heartbeat-ms", type=int, default=2000, help="heartbeat period")
+    group.add_argument("--lease-ms", type=int, default=10_000, help="lease on held KV blocks")
+    group.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")
+    group.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)"
+    )
+    group.add_argument(
+        "--reflection",
+        action="store_true",
+        help="serve gRPC server reflection (for grpcurl / grpcui; off by default)",
+    )
+    group.add_argument("--log-level", default="INFO")
+    group.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # exit with the launcher
+
+
+def add_kv_transport_argument(parser: argparse.ArgumentParser) -> None:
+    """``--kv-transport``, which both worker kinds take (the sender and the receiver)."""
+    parser.add_argument(
+        "--kv-transport",
+        choices=["auto", "grpc"],
+        default="auto",
+        help="auto: KV between workers on one host goes through shared memory; grpc: always "
+        "the gRPC stream",
+    )
+
+
+def run_service(
+    role: str,
+    serve: Callable[[argparse.Namespace], Coroutine[Any, Any, None]],
+    args: argparse.Namespace,
+) -> int:
+    """A service process's body: logging, then ``serve(args)`` until shutdown. A Redis that
+    cannot be reached or refuses the credentials ends it with one logged line and exit 1."""
+    from ledger.redis_connect import RedisConnectError
+
+    setup_logging(role, args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except RedisConnectError as e:
+        logging.getLogger(role).error("%s", e)
+        return 1
+    return 0
+
+
+def advertised_address(args: argparse.Namespace, port: int) -> str:
+    host = args.advertise_host or args.host
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
+def default_worker_id(role: str, address: str) -> str:
+    """``role-host-port`` in the ledger's id alphabet."""
+    return re.sub(r"[^A-Za-z0-9._:-]", "-", f"{role}-{address}".replace(":", "-"))[:128]
