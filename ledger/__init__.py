@@ -1,1 +1,2 @@
-"""What the services share: the Redis ledger, its audit, and a private redis-server."""
+"""The Redis ledger: request state, block ownership under leases, the worker registry and
+membership, the audit against workers' allocators, and a private redis-server. No torch."""

@@ -18,10 +18,8 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ledger.ledger import Holding
+from ledger.records import Holding
 
 
 class DiscrepancyKind(StrEnum):

@@ -34,13 +34,10 @@ next heartbeat. Either way decode workers record again what they are decoding
 
 from __future__ import annotations
 
-import re
 import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import redis
@@ -49,150 +46,29 @@ from redis.commands.core import Script
 
 from ledger import scripts as lua
 from ledger.audit import AllocatorReport, Discrepancy, find_discrepancies
+from ledger.records import (
+    ALLOWED_TRANSITIONS,
+    DEFAULT_FINISHED_TTL_MS,
+    DEFAULT_REQUEST_TTL_MS,
+    PREFIX_KEY_TTL_MS,
+    RECORD_FIELDS,
+    WORKER_FIELDS,
+    Generation,
+    Holding,
+    LedgerConflict,
+    Pool,
+    Reclaimed,
+    RequestRecord,
+    RequestState,
+    WorkerInfo,
+    WorkerRole,
+    check_block_ids,
+    check_id,
+    pairs_of,
+    text_of,
+)
 
 RedisClient = redis.Redis | redis.cluster.RedisCluster
-
-DEFAULT_REQUEST_TTL_MS = 6 * 3600 * 1000  # live requests: refreshed at every transition
-DEFAULT_FINISHED_TTL_MS = 10 * 60 * 1000  # FINISHED / FAILED / CANCELLED records
-MAX_BLOCK_ID = 2**32 - 1
-_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_RECORD_FIELDS = frozenset(
-    {"state", "owner", "epoch", "version", "created_ms", "updated_ms", "error"}
-)
-_WORKER_FIELDS = frozenset(
-    {"role", "address", "capacity", "load", "epoch", "registered_ms", "heartbeat_ms"}
-)
-
-
-PREFIX_KEY_TTL_MS = 3_600_000  # a prefix-index key outlives its entries by up to this
-
-
-class LedgerConflict(Exception):
-    """A refused change: wrong state, stale epoch, expired lease; says expected vs found."""
-
-
-class RequestState(StrEnum):
-    QUEUED = "QUEUED"
-    PREFILLING = "PREFILLING"
-    TRANSFERRING = "TRANSFERRING"
-    DECODING = "DECODING"
-    FINISHED = "FINISHED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in TERMINAL_STATES
-
-
-TERMINAL_STATES = frozenset({RequestState.FINISHED, RequestState.FAILED, RequestState.CANCELLED})
-_ABANDON = frozenset({RequestState.CANCELLED, RequestState.FAILED})
-ALLOWED_TRANSITIONS: Mapping[RequestState, frozenset[RequestState]] = {
-    RequestState.QUEUED: _ABANDON | {RequestState.PREFILLING},
-    # QUEUED (from PREFILLING, TRANSFERRING and DECODING): a preempted request handed
-    # back, or the router taking back a request whose prefill failed or whose decode
-    # worker it lost; either is re-prefilled elsewhere and resumed.
-    RequestState.PREFILLING: _ABANDON | {RequestState.TRANSFERRING, RequestState.QUEUED},
-    RequestState.TRANSFERRING: _ABANDON | {RequestState.DECODING, RequestState.QUEUED},
-    RequestState.DECODING: _ABANDON | {RequestState.FINISHED, RequestState.QUEUED},
-    RequestState.FINISHED: frozenset(),
-    RequestState.FAILED: frozenset(),
-    RequestState.CANCELLED: frozenset(),
-}
-
-
-class Pool(StrEnum):
-    TARGET = "target"
-    DRAFT = "draft"
-
-
-class WorkerRole(StrEnum):
-    ROUTER = "router"
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    request_id: str
-    state: RequestState
-    owner: str  # worker id of the current owner (router, prefill or decode worker)
-    epoch: int  # the owner's epoch: the fencing token a transition must present
-    version: int  # number of transitions so far
-    created_ms: int  # Redis server clock
-    updated_ms: int
-    error: str  # set by a transition to FAILED (or any transition given one)
-    fields: Mapping[str, str]  # caller fields given at creation (model, num_prompt_tokens...)
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    worker_id: str
-    role: WorkerRole
-    address: str  # host:port of its gRPC services
-    capacity: int  # KV blocks in its pools
-    load: float  # in [0, 1], from the last heartbeat
-    epoch: int
-    registered_ms: int
-    heartbeat_ms: int
-    stats: Mapping[str, str]  # further figures from heartbeats (num_running, ...)
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One lifetime of the ledger's data, as a component last read it."""
-
-    id: str  # random; a new one when the data was lost (restarted empty, restored)
-    started_ms: int  # Redis server clock: a record last changed before is from before it
-    tick: int  # this component's clock in the ledger, which only its own reads advance
-
-
-@dataclass(frozen=True)
-class Holding:
-    """Blocks one worker instance holds for one request."""
-
-    request_id: str
-    worker_id: str
-    epoch: int
-    blocks: Mapping[Pool, frozenset[int]]
-    lease_ttl_ms: int  # remaining; -2: expired (reclaimable)
-    request_state: RequestState | None  # None: the record is gone (expired)
-
-    @property
-    def is_request_live(self) -> bool:
-        return self.request_state is not None and not self.request_state.is_terminal
-
-
-@dataclass(frozen=True)
-class Reclaimed:
-    """Blocks taken back from a worker whose lease on a request expired."""
-
-    request_id: str
-    worker_id: str
-    epoch: int
-    blocks: Mapping[Pool, frozenset[int]]
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _pairs(flat: Sequence[Any]) -> dict[str, str]:
-    return {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
-
-
-def _check_id(kind: str, value: str) -> None:
-    # Braces would break the {req:ID} hash tag; "/" separates ids in the holdings index.
-    if not isinstance(value, str) or not _ID_PATTERN.fullmatch(value):
-        raise ValueError(f"{kind}: 1..128 characters of [A-Za-z0-9._:-], got {value!r}")
-
-
-def _check_block_ids(block_ids: Iterable[int]) -> list[str]:
-    ids = list(block_ids)
-    for b in ids:
-        if not isinstance(b, int) or not 0 <= b <= MAX_BLOCK_ID:
-            raise ValueError(f"block_ids: integers in [0, 2**32), got {b!r}")
-    return [str(b) for b in ids]
 
 
 class Ledger:
@@ -268,26 +144,26 @@ class Ledger:
         fields: Mapping[str, str | int | float] | None = None,
     ) -> RequestRecord:
         """Records a new request in QUEUED, owned by ``owner`` (the router) at ``epoch``."""
-        _check_id("request_id", request_id)
-        _check_id("owner", owner)
+        check_id("request_id", request_id)
+        check_id("owner", owner)
         extra: list[str] = []
         for name, value in (fields or {}).items():
-            if name in _RECORD_FIELDS:
-                raise ValueError(f"fields: {name!r} is reserved ({sorted(_RECORD_FIELDS)})")
+            if name in RECORD_FIELDS:
+                raise ValueError(f"fields: {name!r} is reserved ({sorted(RECORD_FIELDS)})")
             extra += [name, str(value)]
         flat = self._run(
             lua.CREATE_REQUEST,
             [self._record_key(request_id)],
             [request_id, owner, epoch, self.request_ttl_ms, *extra],
         )
-        return self._record(request_id, _pairs(flat))
+        return self._record(request_id, pairs_of(flat))
 
     def get_request(self, request_id: str) -> RequestRecord | None:
-        _check_id("request_id", request_id)
+        check_id("request_id", request_id)
         flat = self.client.hgetall(self._record_key(request_id))
         if not flat:
             return None
-        return self._record(request_id, {_text(k): _text(v) for k, v in flat.items()})
+        return self._record(request_id, {text_of(k): text_of(v) for k, v in flat.items()})
 
     def transition(
         self,
@@ -302,7 +178,7 @@ class Ledger:
     ) -> RequestRecord:
         """Moves a request from ``expected`` to ``to`` if it is there and ``epoch`` is its
         owner's; ``new_owner``/``new_epoch`` hand it over (e.g. router -> prefill worker)."""
-        _check_id("request_id", request_id)
+        check_id("request_id", request_id)
         expected, to = RequestState(expected), RequestState(to)
         if to not in ALLOWED_TRANSITIONS[expected]:
             allowed = ", ".join(sorted(ALLOWED_TRANSITIONS[expected])) or "none (terminal)"
@@ -313,11 +189,11 @@ class Ledger:
         if (new_owner is None) != (new_epoch is None):
             raise ValueError("new_owner and new_epoch: give both or neither")
         if new_owner is not None:
-            _check_id("new_owner", new_owner)
+            check_id("new_owner", new_owner)
         ttl = self.finished_ttl_ms if to.is_terminal else self.request_ttl_ms
         args = [request_id, expected, to, epoch, new_owner or "", new_epoch or 0, ttl, error or ""]
         flat = self._run(lua.TRANSITION, [self._record_key(request_id)], args)
-        return self._record(request_id, _pairs(flat))
+        return self._record(request_id, pairs_of(flat))
 
     def restore_decoding(
         self,
@@ -339,13 +215,13 @@ class Ledger:
         restored from a snapshot brings back old records) and not ended is replaced;
         LedgerConflict for any other: recorded meanwhile, not this worker's to overwrite.
         One script over the request's keys (it runs on Redis Cluster)."""
-        _check_id("request_id", request_id)
-        _check_id("worker_id", worker_id)
-        ids = _check_block_ids(block_ids)
+        check_id("request_id", request_id)
+        check_id("worker_id", worker_id)
+        ids = check_block_ids(block_ids)
         extra: list[str] = []
         for name, value in (fields or {}).items():
-            if name in _RECORD_FIELDS or name == "restored_ms":
-                raise ValueError(f"fields: {name!r} is reserved ({sorted(_RECORD_FIELDS)})")
+            if name in RECORD_FIELDS or name == "restored_ms":
+                raise ValueError(f"fields: {name!r} is reserved ({sorted(RECORD_FIELDS)})")
             extra += [name, str(value)]
         record, holders, lease, target, draft = self._request_keys(request_id, worker_id)
         if ids:  # index first, as claim_blocks does: the reaper must be able to find it
@@ -357,7 +233,7 @@ class Ledger:
             [record, holders, lease, target, draft],
             [*args, stale_before_ms, len(extra), *extra, *ids],
         )
-        return self._record(request_id, _pairs(flat))
+        return self._record(request_id, pairs_of(flat))
 
     @staticmethod
     def _record(request_id: str, raw: dict[str, str]) -> RequestRecord:
@@ -370,7 +246,7 @@ class Ledger:
             created_ms=int(raw["created_ms"]),
             updated_ms=int(raw["updated_ms"]),
             error=raw.get("error", ""),
-            fields={k: v for k, v in raw.items() if k not in _RECORD_FIELDS},
+            fields={k: v for k, v in raw.items() if k not in RECORD_FIELDS},
         )
 
     # ---- blocks and leases
@@ -388,9 +264,9 @@ class Ledger:
         """Records that ``worker_id`` (at ``epoch``) holds ``block_ids`` of ``pool`` for a
         live request, adding to what it already holds, and (re)starts its lease.
         Returns the number of blocks it now holds in that pool."""
-        _check_id("request_id", request_id)
-        _check_id("worker_id", worker_id)
-        ids = _check_block_ids(block_ids)
+        check_id("request_id", request_id)
+        check_id("worker_id", worker_id)
+        ids = check_block_ids(block_ids)
         record, holders, lease, target, draft = self._request_keys(request_id, worker_id)
         pool_set = target if Pool(pool) is Pool.TARGET else draft
         # Index first (NX: a failed claim must not postpone the reaper), then the truth, then
@@ -421,9 +297,9 @@ class Ledger:
         ``expected`` and owned by the worker at ``epoch``, its lease is alive and the ledger
         holds ``num_held`` target blocks for it (what the worker recorded last). Returns
         the number of target blocks now held; none ends the holding, as a release."""
-        _check_id("request_id", request_id)
-        _check_id("worker_id", worker_id)
-        added_ids, removed_ids = _check_block_ids(added), _check_block_ids(removed)
+        check_id("request_id", request_id)
+        check_id("worker_id", worker_id)
+        added_ids, removed_ids = check_block_ids(added), check_block_ids(removed)
         record, holders, lease, target, draft = self._request_keys(request_id, worker_id)
         args = [request_id, worker_id, epoch, RequestState(expected), num_held, int(has_draft)]
         held = self._run(
@@ -444,9 +320,9 @@ class Ledger:
     ) -> int:
         """Forgets blocks of a worker for a request: ``block_ids`` of ``pool``, or all of
         ``pool``, or all (pool None). Returns how many were released. Idempotent."""
-        _check_id("request_id", request_id)
-        _check_id("worker_id", worker_id)
-        ids = None if block_ids is None else _check_block_ids(block_ids)
+        check_id("request_id", request_id)
+        check_id("worker_id", worker_id)
+        ids = None if block_ids is None else check_block_ids(block_ids)
         if ids == []:
             return 0
         if ids is not None and pool is None:
@@ -465,8 +341,8 @@ class Ledger:
     def renew_lease(self, request_id: str, worker_id: str, *, epoch: int, lease_ms: int) -> None:
         """Extends a worker's lease on a request's blocks; LedgerConflict once it expired
         (the worker must then abort the request: its blocks may be reclaimed)."""
-        _check_id("request_id", request_id)
-        _check_id("worker_id", worker_id)
+        check_id("request_id", request_id)
+        check_id("worker_id", worker_id)
         _, holders, lease, _, _ = self._request_keys(request_id, worker_id)
         self._run(lua.RENEW_LEASE, [holders, lease], [request_id, worker_id, epoch, lease_ms])
         self._index(request_id, worker_id, lease_ms)
@@ -490,11 +366,11 @@ class Ledger:
         )
         reclaimed: list[Reclaimed] = []
         for raw_member, score in due:
-            member = _text(raw_member)
+            member = text_of(raw_member)
             request_id, worker_id = member.split("/", 1)
             _, holders, lease, target, draft = self._request_keys(request_id, worker_id)
             result = self._run(lua.REAP, [holders, lease, target, draft], [worker_id])
-            outcome = _text(result[0])
+            outcome = text_of(result[0])
             if outcome == "alive":
                 expiry = now + int(result[1])
                 self.client.zadd(self._holdings_key, {member: expiry})
@@ -512,7 +388,7 @@ class Ledger:
         """Every (request, worker) holding in the index, or only ``worker_id``'s."""
         holdings = []
         for raw_member in self.client.zrange(self._holdings_key, 0, -1):
-            request_id, holder = _text(raw_member).split("/", 1)
+            request_id, holder = text_of(raw_member).split("/", 1)
             if worker_id is not None and holder != worker_id:
                 continue
             record, holders, lease, target, draft = self._request_keys(request_id, holder)
@@ -531,7 +407,7 @@ class Ledger:
                         Pool.DRAFT: frozenset(int(b) for b in draft_ids),
                     },
                     lease_ttl_ms=int(pttl),
-                    request_state=None if state is None else RequestState(_text(state)),
+                    request_state=None if state is None else RequestState(text_of(state)),
                 )
             )
         return holdings
@@ -545,13 +421,13 @@ class Ledger:
         data went back in time (restored from a snapshot). A component that finds another
         id than the one it joined knows the ledger lost data since, which a refused
         heartbeat alone cannot tell from a stall past the registration's TTL."""
-        _check_id("worker_id", worker_id)
+        check_id("worker_id", worker_id)
         args = [secrets.token_hex(8), worker_id]
         args += [seen.id, str(seen.tick)] if seen else ["", "0"]
         generation_id, started_ms, tick = self._run(
             lua.JOIN_GENERATION, [self._generation_key], args
         )
-        return Generation(_text(generation_id), int(started_ms), int(tick))
+        return Generation(text_of(generation_id), int(started_ms), int(tick))
 
     def register_worker(
         self,
@@ -563,7 +439,7 @@ class Ledger:
         ttl_ms: int,
     ) -> int:
         """Registers (or re-registers) a worker with a fresh epoch, its fencing token."""
-        _check_id("worker_id", worker_id)
+        check_id("worker_id", worker_id)
         epoch = int(self._run(lua.NEXT_EPOCH, [f"{self.ns}:epoch"], []))
         fields = ["role", str(WorkerRole(role)), "address", address, "capacity", capacity]
         fields += ["load", 0.0]
@@ -584,18 +460,18 @@ class Ledger:
     ) -> None:
         """Keeps a registration alive; LedgerConflict if it expired or the epoch is stale
         (the worker must register again and drop what it held under the old epoch)."""
-        _check_id("worker_id", worker_id)
+        check_id("worker_id", worker_id)
         fields: list[str | float] = ["load", float(load)]
         for name, value in (stats or {}).items():
-            if name in _WORKER_FIELDS:
-                raise ValueError(f"stats: {name!r} is reserved ({sorted(_WORKER_FIELDS)})")
+            if name in WORKER_FIELDS:
+                raise ValueError(f"stats: {name!r} is reserved ({sorted(WORKER_FIELDS)})")
             fields += [name, str(value)]
         self._run(lua.HEARTBEAT, [self._worker_key(worker_id)], [worker_id, epoch, ttl_ms, *fields])
         self.client.sadd(f"{self.ns}:workers", worker_id)  # repairs a racing prune
 
     def deregister_worker(self, worker_id: str, *, epoch: int) -> bool:
         """Removes a registration (graceful shutdown); False if it had already expired."""
-        _check_id("worker_id", worker_id)
+        check_id("worker_id", worker_id)
         removed = self._run(
             lua.DEREGISTER_WORKER, [self._worker_key(worker_id)], [worker_id, epoch]
         )
@@ -605,9 +481,9 @@ class Ledger:
     def list_workers(self, role: WorkerRole | None = None) -> list[WorkerInfo]:
         """Live registrations (heartbeat TTL not expired), sorted by id."""
         workers = []
-        for worker_id in sorted(_text(w) for w in self.client.smembers(f"{self.ns}:workers")):
+        for worker_id in sorted(text_of(w) for w in self.client.smembers(f"{self.ns}:workers")):
             raw = {
-                _text(k): _text(v)
+                text_of(k): text_of(v)
                 for k, v in self.client.hgetall(self._worker_key(worker_id)).items()
             }
             if not raw:
@@ -622,7 +498,7 @@ class Ledger:
                 epoch=int(raw["epoch"]),
                 registered_ms=int(raw["registered_ms"]),
                 heartbeat_ms=int(raw["heartbeat_ms"]),
-                stats={k: v for k, v in raw.items() if k not in _WORKER_FIELDS},
+                stats={k: v for k, v in raw.items() if k not in WORKER_FIELDS},
             )
             if role is None or info.role is WorkerRole(role):
                 workers.append(info)
@@ -637,7 +513,7 @@ class Ledger:
         hashes (one pipelined round trip; each block's key may live on another node)."""
         workers = list(worker_ids)
         for worker_id in workers:
-            _check_id("worker_id", worker_id)
+            check_id("worker_id", worker_id)
         keys = [self._prefix_key(h) for h in block_hashes]
         if not keys:
             return
@@ -673,7 +549,7 @@ class Ledger:
         matched: dict[str, int] = {}
         candidates: set[str] | None = None
         for i, workers in enumerate(found):
-            names = {_text(w) for w in workers}
+            names = {text_of(w) for w in workers}
             candidates = names if candidates is None else candidates & names
             if not candidates:
                 break
@@ -682,7 +558,7 @@ class Ledger:
         return matched
 
     def _prefix_key(self, block_hash: str) -> str:
-        _check_id("block_hash", block_hash)
+        check_id("block_hash", block_hash)
         return f"{self.ns}:prefix:{block_hash}"
 
     # ---- audit
