@@ -10,14 +10,16 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
+
+from training.corpus import Prompt, build_corpus, corpus_sources
+from training.generation import generate_continuations
+from training.self_instruct import SelfInstructRecipe, self_instruct_prompts
 
 Log = Callable[[str], None]
 
@@ -193,91 +195,6 @@ def special_token_ids(tokenizer: Any) -> tuple[int, ...]:
     return (*sorted(spare), *sorted(roles))
 
 
-def generate_continuations(
-    target_dir: str | Path,
-    prompts: Sequence[list[int]],
-    max_new_tokens: int,
-    *,
-    num_threads: int | None = None,
-    max_num_seqs: int = 64,
-    dtype: str = "bfloat16",
-    log: Log = print,
-) -> tuple[list[list[int]], dict[str, float]]:
-    """The target's greedy continuation of every prompt, as served (bf16), in large batches.
-
-    Runs the engine without a tokenizer, so that any target directory works. Returns the
-    continuations (ending with EOS when the target stopped) and timing statistics.
-    """
-    from engine.sampling_params import SamplingParams
-
-    greedy = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-    outputs, stats = generate(
-        target_dir,
-        prompts,
-        [greedy] * len(prompts),
-        num_threads=num_threads,
-        max_num_seqs=max_num_seqs,
-        dtype=dtype,
-        log=log,
-    )
-    return [out.token_ids for out in outputs], stats
-
-
-def generate(
-    target_dir: str | Path,
-    prompts: Sequence[list[int]],
-    params: Sequence[Any],  # engine.sampling_params.SamplingParams, one per prompt
-    *,
-    num_threads: int | None = None,
-    max_num_seqs: int = 64,
-    dtype: str = "bfloat16",
-    desc: str = "generate",
-    log: Log = print,
-) -> tuple[list[Any], dict[str, float]]:
-    """Every prompt's finished ``RequestOutput`` (in order) under its own sampling
-    parameters, from one engine over the target, with a progress bar; and timing statistics
-    (``tokens`` counts the generated ones)."""
-    from engine.config import Llama3Config, read_hf_config
-    from engine.kv_cache import KVCacheParams
-    from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
-
-    if len(params) != len(prompts):
-        raise ValueError(f"params: one per prompt, got {len(params)} for {len(prompts)}")
-    config = Llama3Config.from_hf(read_hf_config(target_dir))
-    block_size = 16
-    longest = max(len(p) + q.max_tokens for p, q in zip(prompts, params, strict=True))
-    per_seq = -(-longest // block_size) + 2
-    kv_bytes = KVCacheParams.from_config(config, block_size).bytes_per_block * per_seq
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(target_dir),
-            dtype=dtype,
-            max_model_len=max(longest + 8, 64),
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=2048,
-            kv_cache_memory=kv_bytes * (max_num_seqs + 1),
-            num_threads=num_threads,
-        )
-    )
-    for i, (prompt, request_params) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(str(i), list(prompt), request_params)
-    outputs: dict[str, RequestOutput] = {}
-    start, num_tokens = time.perf_counter(), 0
-    with tqdm(total=len(prompts), desc=desc, unit="seq") as bar:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                num_tokens += 1
-                if out.finished:
-                    outputs[out.request_id] = out
-                    bar.update(1)
-            bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.1f}")
-    seconds = time.perf_counter() - start
-    log(f"{desc}: {num_tokens} tokens in {seconds:.0f} s ({num_tokens / seconds:.1f} tok/s)")
-    stats = {"seconds": seconds, "tokens": float(num_tokens), "tok_s": num_tokens / seconds}
-    return [outputs[str(i)] for i in range(len(prompts))], stats
-
-
 def length_batches(lengths: Sequence[int], batch_size: int, rng: random.Random) -> list[list[int]]:
     """Shuffled batches of indices; neighbours in length share a batch (less padding)."""
     order = list(range(len(lengths)))
@@ -421,7 +338,7 @@ class _Corpus:
 
     target_dir: Path
     tokenizer: Any
-    prompts: list[Any]  # training.corpus.Prompt
+    prompts: list[Prompt]
     prompt_ids: list[list[int]]
 
     @classmethod
@@ -442,9 +359,6 @@ class _Corpus:
         """The corpus's prompts, plus ``self_instruct`` messages by the target (disjoint
         from them and from the held-out sets), shuffled together when there are both."""
         from transformers import AutoTokenizer
-
-        from training.corpus import build_corpus
-        from training.self_instruct import SelfInstructRecipe, self_instruct_prompts
 
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         prompts = build_corpus(num_prompts, seed=seed)
@@ -475,8 +389,6 @@ class _Corpus:
         log: Log = print,
     ) -> tuple[SequenceSet, dict[str, Any]]:
         """The target's continuations of the prompts ``rows``, and what to record of them."""
-        from training.corpus import corpus_sources
-
         prompt_ids = [self.prompt_ids[i] for i in rows]
         continuations, stats = generate_continuations(
             self.target_dir,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from training.corpus import Prompt, heldout_acceptor
+from training.generation import generate
 
 SOURCE = "self_instruct"
 # Generic beginnings of a request, one per kind of task people ask a chat model for.
@@ -119,7 +120,6 @@ def self_instruct_prompts(
             log(f"self-instruct: reusing {len(rows)} messages from {cache}")
             return [Prompt(SOURCE, json.loads(row)["prompt"]) for row in rows]
     from engine.sampling_params import SamplingParams
-    from training.data import generate
 
     prefix = user_turn_prefix(tokenizer)
     openers = [tokenizer.encode(o, add_special_tokens=False) for o in recipe.openers] or [[]]

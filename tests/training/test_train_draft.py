@@ -26,10 +26,11 @@ from engine.spec.stats import SpecDecodeStats
 from tests.engine.tiny_models import build_tiny_llama
 from training.attention import TrainAttentionBackend
 from training.cli import register_train_draft
-from training.data import SequenceSet, generate_continuations, load_sequence_files, pad
+from training.data import SequenceSet, load_sequence_files, pad
 from training.evaluate import decoding_acceptance, propose_at
 from training.feature_cache import load_or_compute
 from training.features import TargetFeatures
+from training.generation import generate_continuations
 from training.objectives import Batch, Objective, sample_anchors
 from training.recipes import RECIPES, DraftOptions, draft_hf_config, draft_vocab
 from training.train_draft import TrainConfig, train_draft
