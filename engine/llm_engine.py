@@ -18,6 +18,7 @@ from engine.attention import get_backend
 from engine.block_manager import BlockManager
 from engine.config import Llama3Config
 from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheCapacityError, KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.model_runner import LayerListener, ModelRunner, RowLogprobs, StepOutput
 from engine.models.layers import release_packed_weights, use_packed_gemm
@@ -25,7 +26,6 @@ from engine.registry import load_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
-from engine.spec.config import SpeculativeConfig
 from engine.spec.spec_runner import (
     SpecRunner,
     load_speculator,
@@ -39,44 +39,6 @@ from kernels.cpu import extension as cpu_kernels
 class RequestError(ValueError):
     """A request the engine refuses; the message names what is wrong."""
 
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str  # HF model directory
-    dtype: str = "bfloat16"
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    kv_cache_memory: int | None = None  # bytes; default: kv_cache_memory_fraction of free memory
-    kv_cache_memory_fraction: float = 0.1
-    enable_prefix_caching: bool = True
-    device: str = "cpu"
-    attention_backend: str = "torch"
-    num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
-    # CPU: bf16 products run on the bf16 kernel (kernels/cpu) where it builds; other
-    # products with at least this many rows on prepacked fp32 weights. None: neither.
-    # Measured on an AVX2 EPYC: plain weights win for 1 row, packed fp32 from 2 rows on.
-    cpu_packed_gemm_min_rows: int | None = 2
-    speculative: SpeculativeConfig | None = None  # draft model and how to speculate
-    # When blocks run out mid-decode, the newest request is preempted: "recompute" keeps it
-    # waiting here to be prefilled again; "hand_back" (decode workers) ends it with
-    # finish_reason "preempted" so that the router re-prefills it elsewhere and resumes it.
-    preemption: str = "recompute"
-    # Decode steps (and speculative verification) through torch.compile: on CPU about 1.8x
-    # the tokens per second at batch 1 (bench/RESULTS.md). Compiling takes one to three
-    # minutes on two cores, paid at start-up by a short warm-up generation, so no request
-    # waits for it.
-    torch_compile: bool = False
-
-    def __post_init__(self) -> None:
-        if self.preemption not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption: {self.preemption!r} is not one of {', '.join(PREEMPTION_MODES)}"
-            )
-
-
-PREEMPTION_MODES = ("recompute", "hand_back")
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,44 @@
+"""How an engine is set up: the model, its dtype, the KV cache and the scheduler's limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.spec.config import SpeculativeConfig
+
+PREEMPTION_MODES = ("recompute", "hand_back")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # HF model directory
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    kv_cache_memory: int | None = None  # bytes; default: kv_cache_memory_fraction of free memory
+    kv_cache_memory_fraction: float = 0.1
+    enable_prefix_caching: bool = True
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    # CPU: bf16 products run on the bf16 kernel (kernels/cpu) where it builds; other
+    # products with at least this many rows on prepacked fp32 weights (a single row is
+    # faster on plain weights). None: neither.
+    cpu_packed_gemm_min_rows: int | None = 2
+    speculative: SpeculativeConfig | None = None  # draft model and how to speculate
+    # When blocks run out mid-decode, the newest request is preempted: "recompute" keeps it
+    # waiting here to be prefilled again; "hand_back" (decode workers) ends it with
+    # finish_reason "preempted" so that the router re-prefills it elsewhere and resumes it.
+    preemption: str = "recompute"
+    # Decode steps (and speculative verification) through torch.compile: faster at small
+    # batches (bench/RESULTS.md). Compiling is paid at start-up by a short warm-up
+    # generation, so no request waits for it.
+    torch_compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption: {self.preemption!r} is not one of {', '.join(PREEMPTION_MODES)}"
+            )
