@@ -17,19 +17,15 @@ Keys, under a namespace ``ns`` (default "td"):
                                           data, and each component's clock)
     {ns}:workers                          set of worker ids (index of the records below)
     {ns}:worker:WORKER                    hash: role, address, capacity, load, epoch (heartbeat TTL)
-    {ns}:prefix:HASH                      zset worker -> expiry ms: who caches this KV block
+    {ns}:prefix:HASH                      the prefix index (ledger.prefix_index)
 
 Fencing: a request record holds its owner's epoch; a transition must present it. Epochs
 come from one counter, so an epoch names one registration of one worker: a worker that
 restarted, or a request that moved on, refuses the stale holder.
 
-Restarts: every component remembers the generation it joined and the tick of its own
-clock in the ledger as it last advanced it (``join_generation``, at every heartbeat). A
-different generation, or none, means Redis restarted empty or was flushed; the same one
-with a clock not past the tick it last read means the data went back in time (Redis was
-restored from a snapshot), and a new generation begins, which the others see at their
-next heartbeat. Either way decode workers record again what they are decoding
-(``restore_decoding``; ledger.membership).
+Restarts: a component that finds another generation than the one it joined, or its own
+clock in the ledger gone back, knows the ledger lost data (``join_generation``); decode
+workers then record again what they are decoding (``restore_decoding``; ledger.membership).
 """
 
 from __future__ import annotations
@@ -41,16 +37,15 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 import redis
-import redis.cluster
 from redis.commands.core import Script
 
 from ledger import scripts as lua
 from ledger.audit import AllocatorReport, Discrepancy, find_discrepancies
+from ledger.prefix_index import PrefixIndex
 from ledger.records import (
     ALLOWED_TRANSITIONS,
     DEFAULT_FINISHED_TTL_MS,
     DEFAULT_REQUEST_TTL_MS,
-    PREFIX_KEY_TTL_MS,
     RECORD_FIELDS,
     WORKER_FIELDS,
     Generation,
@@ -58,6 +53,7 @@ from ledger.records import (
     LedgerConflict,
     Pool,
     Reclaimed,
+    RedisClient,
     RequestRecord,
     RequestState,
     WorkerInfo,
@@ -67,8 +63,6 @@ from ledger.records import (
     pairs_of,
     text_of,
 )
-
-RedisClient = redis.Redis | redis.cluster.RedisCluster
 
 
 class Ledger:
@@ -89,6 +83,7 @@ class Ledger:
         self.request_ttl_ms = request_ttl_ms
         self.finished_ttl_ms = finished_ttl_ms
         self._scripts: dict[str, Script] = {}
+        self.prefixes = PrefixIndex(client, namespace)
 
     # ---- keys
 
@@ -156,14 +151,16 @@ class Ledger:
             [self._record_key(request_id)],
             [request_id, owner, epoch, self.request_ttl_ms, *extra],
         )
-        return self._record(request_id, pairs_of(flat))
+        return RequestRecord.from_redis(request_id, pairs_of(flat))
 
     def get_request(self, request_id: str) -> RequestRecord | None:
         check_id("request_id", request_id)
         flat = self.client.hgetall(self._record_key(request_id))
         if not flat:
             return None
-        return self._record(request_id, {text_of(k): text_of(v) for k, v in flat.items()})
+        return RequestRecord.from_redis(
+            request_id, {text_of(k): text_of(v) for k, v in flat.items()}
+        )
 
     def transition(
         self,
@@ -193,7 +190,7 @@ class Ledger:
         ttl = self.finished_ttl_ms if to.is_terminal else self.request_ttl_ms
         args = [request_id, expected, to, epoch, new_owner or "", new_epoch or 0, ttl, error or ""]
         flat = self._run(lua.TRANSITION, [self._record_key(request_id)], args)
-        return self._record(request_id, pairs_of(flat))
+        return RequestRecord.from_redis(request_id, pairs_of(flat))
 
     def restore_decoding(
         self,
@@ -233,21 +230,7 @@ class Ledger:
             [record, holders, lease, target, draft],
             [*args, stale_before_ms, len(extra), *extra, *ids],
         )
-        return self._record(request_id, pairs_of(flat))
-
-    @staticmethod
-    def _record(request_id: str, raw: dict[str, str]) -> RequestRecord:
-        return RequestRecord(
-            request_id=request_id,
-            state=RequestState(raw["state"]),
-            owner=raw["owner"],
-            epoch=int(raw["epoch"]),
-            version=int(raw["version"]),
-            created_ms=int(raw["created_ms"]),
-            updated_ms=int(raw["updated_ms"]),
-            error=raw.get("error", ""),
-            fields={k: v for k, v in raw.items() if k not in RECORD_FIELDS},
-        )
+        return RequestRecord.from_redis(request_id, pairs_of(flat))
 
     # ---- blocks and leases
 
@@ -503,63 +486,6 @@ class Ledger:
             if role is None or info.role is WorkerRole(role):
                 workers.append(info)
         return workers
-
-    # ---- prefix index (hints for KV-aware routing)
-
-    def publish_prefix(
-        self, worker_ids: Iterable[str], block_hashes: Iterable[str], *, ttl_ms: int
-    ) -> None:
-        """Advertises that each of ``worker_ids`` caches the KV blocks with these content
-        hashes (one pipelined round trip; each block's key may live on another node)."""
-        workers = list(worker_ids)
-        for worker_id in workers:
-            check_id("worker_id", worker_id)
-        keys = [self._prefix_key(h) for h in block_hashes]
-        if not keys:
-            return
-        # Plain commands, not a script: cluster pipelines refuse EVALSHA. Entries expire by
-        # score (this host's clock: a routing hint tolerates skew); the key itself lives at
-        # least PREFIX_KEY_TTL_MS (garbage collection only: without PEXPIRE GT, which 6.2
-        # lacks, a short-lived entry must not cut the others' key short).
-        now = int(time.time() * 1000)
-        key_ttl = max(ttl_ms, PREFIX_KEY_TTL_MS)
-        with self.client.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.zremrangebyscore(key, "-inf", now)
-                pipe.zadd(key, dict.fromkeys(workers, now + ttl_ms))
-                pipe.pexpire(key, key_ttl)
-            pipe.execute()
-
-    def withdraw_prefix(self, worker_id: str, block_hashes: Iterable[str]) -> None:
-        """Withdraws advertised blocks (evicted from the worker's prefix cache)."""
-        for block_hash in block_hashes:
-            self.client.zrem(self._prefix_key(block_hash), worker_id)
-
-    def match_prefix(self, block_hashes: Sequence[str]) -> dict[str, int]:
-        """For each worker, how many leading blocks of this chain of hashes it caches
-        (one pipelined round trip)."""
-        keys = [self._prefix_key(h) for h in block_hashes]
-        if not keys:
-            return {}
-        now = int(time.time() * 1000)
-        with self.client.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.zrangebyscore(key, f"({now}", "+inf")
-            found = pipe.execute()
-        matched: dict[str, int] = {}
-        candidates: set[str] | None = None
-        for i, workers in enumerate(found):
-            names = {text_of(w) for w in workers}
-            candidates = names if candidates is None else candidates & names
-            if not candidates:
-                break
-            for worker_id in candidates:
-                matched[worker_id] = i + 1
-        return matched
-
-    def _prefix_key(self, block_hash: str) -> str:
-        check_id("block_hash", block_hash)
-        return f"{self.ns}:prefix:{block_hash}"
 
     # ---- audit
 

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import redis
+import redis.cluster
+
+RedisClient = redis.Redis | redis.cluster.RedisCluster
+
 DEFAULT_REQUEST_TTL_MS = 6 * 3600 * 1000  # live requests: refreshed at every transition
 DEFAULT_FINISHED_TTL_MS = 10 * 60 * 1000  # FINISHED / FAILED / CANCELLED records
 MAX_BLOCK_ID = 2**32 - 1
@@ -80,6 +85,21 @@ class RequestRecord:
     updated_ms: int
     error: str  # set by a transition to FAILED (or any transition given one)
     fields: Mapping[str, str]  # caller fields given at creation (model, num_prompt_tokens...)
+
+    @classmethod
+    def from_redis(cls, request_id: str, raw: Mapping[str, str]) -> RequestRecord:
+        """The record from its Redis hash."""
+        return cls(
+            request_id=request_id,
+            state=RequestState(raw["state"]),
+            owner=raw["owner"],
+            epoch=int(raw["epoch"]),
+            version=int(raw["version"]),
+            created_ms=int(raw["created_ms"]),
+            updated_ms=int(raw["updated_ms"]),
+            error=raw.get("error", ""),
+            fields={k: v for k, v in raw.items() if k not in RECORD_FIELDS},
+        )
 
 
 @dataclass(frozen=True)

@@ -115,12 +115,12 @@ class WorkerPicker:
         probes = [(1 << k) - 1 for k in range(len(hashes).bit_length())]
         if probes[-1] != len(hashes) - 1:
             probes.append(len(hashes) - 1)
-        found = self.ledger.match_prefix([hashes[i] for i in probes])
+        found = self.ledger.prefixes.match([hashes[i] for i in probes])
         return {worker: probes[n - 1] + 1 for worker, n in found.items()}
 
     def remember(self, workers: Sequence[WorkerInfo], hashes: Sequence[str]) -> None:
         """Records that ``workers`` were sent the prompt with these prefix hashes."""
-        self.ledger.publish_prefix([w.worker_id for w in workers], hashes, ttl_ms=PREFIX_TTL_MS)
+        self.ledger.prefixes.publish([w.worker_id for w in workers], hashes, ttl_ms=PREFIX_TTL_MS)
 
     def _best(
         self, workers: list[WorkerInfo], role: WorkerRole, matched: dict[str, int]

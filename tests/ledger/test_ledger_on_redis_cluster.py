@@ -94,7 +94,7 @@ def test_ledger_on_redis_cluster(redis_cluster: LocalRedisCluster) -> None:
     ledger.heartbeat("decode-0", epoch=decode, ttl_ms=60_000, load=0.5)
     assert [w.worker_id for w in ledger.list_workers(WorkerRole.DECODE)] == ["decode-0"]
     assert ledger.deregister_worker("router-0", epoch=router)
-    ledger.publish_prefix(["decode-0"], ["a1", "a2"], ttl_ms=60_000)
-    assert ledger.match_prefix(["a1", "a2", "a3"]) == {"decode-0": 2}
+    ledger.prefixes.publish(["decode-0"], ["a1", "a2"], ttl_ms=60_000)
+    assert ledger.prefixes.match(["a1", "a2", "a3"]) == {"decode-0": 2}
     assert ledger.audit({"decode-0": set()}) == []
     client.close()

@@ -211,19 +211,19 @@ def test_restore_decoding_after_a_restart(ledger: Ledger) -> None:
 
 
 def test_prefix_index(ledger: Ledger) -> None:
-    ledger.publish_prefix(["decode-0"], ["h1", "h2", "h3"], ttl_ms=60_000)
-    ledger.publish_prefix(["decode-1"], ["h1", "h2"], ttl_ms=60_000)
-    ledger.publish_prefix(["decode-2"], ["h1"], ttl_ms=300)
-    assert ledger.match_prefix(["h1", "h2", "h3", "h4"]) == {
+    ledger.prefixes.publish(["decode-0"], ["h1", "h2", "h3"], ttl_ms=60_000)
+    ledger.prefixes.publish(["decode-1"], ["h1", "h2"], ttl_ms=60_000)
+    ledger.prefixes.publish(["decode-2"], ["h1"], ttl_ms=300)
+    assert ledger.prefixes.match(["h1", "h2", "h3", "h4"]) == {
         "decode-0": 3,
         "decode-1": 2,
         "decode-2": 1,
     }
-    assert ledger.match_prefix(["h2"]) == {"decode-0": 1, "decode-1": 1}
-    assert ledger.match_prefix(["h9", "h1"]) == {}
-    ledger.withdraw_prefix("decode-0", ["h2"])
+    assert ledger.prefixes.match(["h2"]) == {"decode-0": 1, "decode-1": 1}
+    assert ledger.prefixes.match(["h9", "h1"]) == {}
+    ledger.prefixes.withdraw("decode-0", ["h2"])
     time.sleep(0.35)
-    assert ledger.match_prefix(["h1", "h2", "h3"]) == {"decode-0": 1, "decode-1": 2}
+    assert ledger.prefixes.match(["h1", "h2", "h3"]) == {"decode-0": 1, "decode-1": 2}
 
 
 def test_concurrent_transitions_from_two_clients(redis_server: RedisServer) -> None:
