@@ -72,8 +72,8 @@ def prompt_windows(model_dir: str, length: int, count: int) -> list[list[int]]:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     stream: list[int] = []
-    for name in ("heldout_chat.jsonl", "heldout_code.jsonl"):
-        for line in (ROOT / "bench" / "data" / name).read_text().splitlines():
+    for name in ("chat.jsonl", "code.jsonl"):
+        for line in (ROOT / "training" / "heldout" / name).read_text().splitlines():
             stream += tokenizer.encode(json.loads(line)["prompt"], add_special_tokens=False)
     while len(stream) < length * count:
         stream += stream

@@ -2,7 +2,7 @@
 with EAGLE, EAGLE-3 and DFlash drafts, transformers' ``generate`` and (batch 1 only, the
 only batch it supports) transformers' prompt-lookup decoding, side by side in one run.
 
-Prompts are the committed held-out sets (``bench/data/heldout_{chat,code}.jsonl``), never
+Prompts are the committed held-out sets (``training/heldout/{chat,code}.jsonl``), never
 used for training. Every row produces exactly ``--new-tokens`` tokens (EOS ignored).
 tau is the mean accepted length (tokens emitted per verifying step); ``tau_no_loops``
 leaves out outputs that end in a loop (a period of 8 tokens or less over the last 32),

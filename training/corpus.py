@@ -18,12 +18,14 @@ import textwrap
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 from random import Random
 
 MAX_PROMPT_CHARS = 800  # ~200 tokens
 SHINGLE_WORDS = 12
-HELDOUT_DIR = Path(__file__).resolve().parents[2] / "bench" / "data"
+# Package data, so that an installed wheel finds them too.
+HELDOUT_DIR = files("training") / "heldout"
 HELDOUT_NAMES = ("chat", "code")
 
 _MAX_ITEMS_PER_FILE = 3  # spreads code prompts over many files
@@ -142,7 +144,7 @@ def load_heldout(name: str) -> list[str]:
     """The held-out evaluation prompts of one set ("chat" or "code")."""
     if name not in HELDOUT_NAMES:
         raise ValueError(f"unknown held-out set {name!r}; expected one of {HELDOUT_NAMES}")
-    lines = (HELDOUT_DIR / f"heldout_{name}.jsonl").read_text(encoding="utf-8").splitlines()
+    lines = (HELDOUT_DIR / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()
     return [json.loads(line)["prompt"] for line in lines if line.strip()]
 
 

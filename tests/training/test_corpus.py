@@ -51,7 +51,7 @@ def test_size_dedup_and_flavours(corpus: list[Prompt]) -> None:
 
 @pytest.mark.parametrize("name", HELDOUT_NAMES)
 def test_heldout_sets(name: str) -> None:
-    lines = (HELDOUT_DIR / f"heldout_{name}.jsonl").read_text(encoding="utf-8").splitlines()
+    lines = (HELDOUT_DIR / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()
     records = [json.loads(line) for line in lines]
     prompts = load_heldout(name)
     assert len(records) == len(prompts) >= 64
