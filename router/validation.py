@@ -7,13 +7,12 @@ import json
 import re
 import secrets
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from engine.sampling_params import MAX_STOP_SEQUENCES, SamplingParams
-from serving.sampling import params_from_proto
+from router.tokenizer import RouterTokenizer
 from tandem.v1 import generation_pb2 as gen
+from tandem_client import wire
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_CHAT_MESSAGES = 1024
@@ -46,13 +45,52 @@ class ModelInfo:
 class ValidRequest:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams  # seed always set: prefill and decode sample the same stream
-    sampling: gen.SamplingParams  # the same, as sent to the workers
+    sampling: gen.SamplingParams  # as sent to the workers; seed always set: P and D sample alike
+    max_tokens: int  # the request's, or the wire's default when unset
+
+
+def check_sampling(message: gen.SamplingParams) -> None:
+    """Refuses what the engine's SamplingParams refuses, with its messages, in its order
+    (the stop count first: a long list is refused before it is walked)."""
+    if len(message.stop) > wire.MAX_STOP_SEQUENCES:
+        raise ValidationError(
+            f"stop: at most {wire.MAX_STOP_SEQUENCES} stop strings, got {len(message.stop)}"
+        )
+    if message.HasField("max_tokens") and message.max_tokens < wire.MIN_MAX_TOKENS:
+        raise ValidationError(
+            f"max_tokens: must be an integer >= {wire.MIN_MAX_TOKENS}, got {message.max_tokens!r}"
+        )
+    if message.HasField("temperature") and not 0.0 <= message.temperature <= wire.MAX_TEMPERATURE:
+        raise ValidationError(
+            f"temperature: must be in [0, {wire.MAX_TEMPERATURE:g}], got {message.temperature}"
+        )
+    if message.top_k < 0:
+        raise ValidationError(f"top_k: must be an integer >= 0 (0 disables), got {message.top_k!r}")
+    if message.HasField("top_p") and not 0.0 < message.top_p <= 1.0:
+        raise ValidationError(f"top_p: must be in (0, 1], got {message.top_p}")
+    if not 0.0 <= message.min_p <= 1.0:
+        raise ValidationError(f"min_p: must be in [0, 1], got {message.min_p}")
+    if message.HasField("seed") and not 0 <= message.seed < wire.MAX_SEED:
+        raise ValidationError(f"seed: must be an integer in [0, 2**63), got {message.seed!r}")
+    if any(not s for s in message.stop):
+        raise ValidationError("stop: every stop string must be a non-empty string")
+    if any(t < 0 for t in message.stop_token_ids):
+        raise ValidationError(
+            f"stop_token_ids: must be token ids >= 0, got {tuple(message.stop_token_ids)}"
+        )
+    if message.HasField("logprobs") and not 0 <= message.logprobs <= wire.MAX_LOGPROBS:
+        raise ValidationError(
+            f"logprobs: must be in [0, {wire.MAX_LOGPROBS}], got {message.logprobs}"
+        )
 
 
 class RequestValidator:
     def __init__(
-        self, model: ModelInfo, tokenizer: Any | None, *, max_request_bytes: int = 1 << 20
+        self,
+        model: ModelInfo,
+        tokenizer: RouterTokenizer | None,
+        *,
+        max_request_bytes: int = 1 << 20,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -75,32 +113,32 @@ class RequestValidator:
             raise ValidationError(
                 f"model: unknown model {request.model[:200]!r}; served: [{self.model.name!r}]"
             )
-        if len(request.sampling.stop) > MAX_STOP_SEQUENCES:
-            raise ValidationError(
-                f"stop: at most {MAX_STOP_SEQUENCES} stop strings, got {len(request.sampling.stop)}"
-            )
-        params = params_from_proto(request.sampling)  # SamplingParamsError names the field
-        if params.stop and self.tokenizer is None:
+        check_sampling(request.sampling)
+        if request.sampling.stop and self.tokenizer is None:
             raise ValidationError("stop: stop strings need a tokenizer; use stop_token_ids")
         vocab = self.model.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
+        bad = [t for t in request.sampling.stop_token_ids if t >= vocab]
         if bad:
             raise ValidationError(
                 f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})"
             )
         prompt = self._prompt(request, prompt_field)
-        total = len(prompt) + params.max_tokens
+        max_tokens = (
+            request.sampling.max_tokens
+            if request.sampling.HasField("max_tokens")
+            else wire.DEFAULT_MAX_TOKENS
+        )
+        total = len(prompt) + max_tokens
         if total > self.model.max_model_len:
             raise ValidationError(
-                f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = "
                 f"{total} exceeds the context length {self.model.max_model_len}"
             )
-        if params.seed is None:
-            params = replace(params, seed=secrets.randbits(63))
         sampling = gen.SamplingParams()
         sampling.CopyFrom(request.sampling)
-        sampling.seed = params.seed  # type: ignore[assignment]
-        return ValidRequest(request_id, prompt, params, sampling)
+        if not sampling.HasField("seed"):
+            sampling.seed = secrets.randbits(63)
+        return ValidRequest(request_id, prompt, sampling, max_tokens)
 
     def _prompt(self, request: gen.GenerateRequest, field: str | None) -> list[int]:
         if field is None:

@@ -1,7 +1,8 @@
-"""tandem.v1.SamplingParams <-> engine SamplingParams, the same on router and workers.
+"""tandem.v1.SamplingParams <-> engine SamplingParams, on the worker side only.
 
 Unset optional fields take the engine's defaults; validation is the engine's own
-(SamplingParamsError, a ValueError whose message starts with the field name).
+(SamplingParamsError, a ValueError whose message starts with the field name). The router
+checks the same limits without the engine (router/validation.py, tandem_client.wire).
 """
 
 from __future__ import annotations

@@ -10,3 +10,13 @@ from __future__ import annotations
 # so a caller two hops up (the router, behind the prefill worker) tells "D refused P's
 # push" from "P broke" without reading the message.
 KV_PUSH_STATUS_KEY = "tandem-kv-push-status"
+
+# Request limits of tandem.v1.SamplingParams, checked by the router before any worker sees
+# a request. The engine's SamplingParams enforces the same ranges on the worker side;
+# tests/router/test_sampling_limits.py keeps the two equal.
+DEFAULT_MAX_TOKENS = 16  # max_tokens when unset
+MIN_MAX_TOKENS = 1
+MAX_TEMPERATURE = 100.0  # temperature in [0, MAX_TEMPERATURE]; 0 is greedy
+MAX_SEED = 2**63  # seed in [0, MAX_SEED): a signed 64-bit integer on every side
+MAX_STOP_SEQUENCES = 16
+MAX_LOGPROBS = 20  # logprobs in [0, MAX_LOGPROBS]

@@ -1,0 +1,94 @@
+"""The router's wire limits and the engine's SamplingParams agree: for edge values of every
+field, the router refuses exactly what the engine refuses, with the engine's message."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine import sampling_params as engine_limits
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from router.validation import ValidationError, check_sampling
+from serving.sampling import params_from_proto
+from tandem.v1 import generation_pb2 as gen
+from tandem_client import wire
+
+U32 = 2**32 - 1
+F32_ABOVE_ONE = 1.0000001  # the float32 just above 1
+EDGES: dict[str, list[object]] = {
+    "max_tokens": [0, 1, 2, U32],
+    "temperature": [-1.0, -1e-7, -0.0, 0.0, 1e-45, 1.0, 100.0, 100.00001, 101.0, math.inf],
+    "top_k": [0, 1, U32],
+    "top_p": [-1.0, -0.0, 0.0, 1e-45, 0.5, 1.0, F32_ABOVE_ONE, math.inf],
+    "min_p": [-1.0, -1e-45, -0.0, 0.0, 1.0, F32_ABOVE_ONE, -math.inf],
+    "seed": [0, 1, 2**63 - 1, 2**63, 2**64 - 1],
+    "stop": [
+        [],
+        [""],
+        ["a"],
+        ["a", ""],
+        [f"s{i}" for i in range(wire.MAX_STOP_SEQUENCES)],
+        [f"s{i}" for i in range(wire.MAX_STOP_SEQUENCES + 1)],
+    ],
+    "stop_token_ids": [[], [0], [U32]],
+    "logprobs": [0, 1, wire.MAX_LOGPROBS, wire.MAX_LOGPROBS + 1, U32],
+}
+CASES = [(f, v) for f, values in EDGES.items() for v in values]
+NANS = ["temperature", "top_p", "min_p"]
+
+
+def refusals(message: gen.SamplingParams) -> tuple[str | None, str | None]:
+    """(the router's message, the engine's message); None where one accepts."""
+    try:
+        check_sampling(message)
+        router = None
+    except ValidationError as e:
+        router = str(e)
+    try:
+        params_from_proto(message)
+        engine = None
+    except SamplingParamsError as e:
+        engine = str(e)
+    return router, engine
+
+
+@pytest.mark.parametrize(("field", "value"), CASES, ids=[f"{f}={v!r}"[:40] for f, v in CASES])
+def test_the_router_refuses_what_the_engine_refuses(field: str, value: object) -> None:
+    message = gen.SamplingParams(**{field: value})
+    router, engine = refusals(message)
+    assert router == engine
+
+
+@pytest.mark.parametrize("field", NANS)
+def test_nan_is_refused_on_both_sides(field: str) -> None:
+    router, engine = refusals(gen.SamplingParams(**{field: math.nan}))
+    assert engine is not None and engine.startswith(f"{field}: ")
+    assert router == engine
+
+
+def test_unset_fields_are_accepted_and_defaults_agree() -> None:
+    assert refusals(gen.SamplingParams()) == (None, None)
+    assert SamplingParams().max_tokens == wire.DEFAULT_MAX_TOKENS
+    assert wire.MAX_STOP_SEQUENCES == engine_limits.MAX_STOP_SEQUENCES
+    assert wire.MAX_LOGPROBS == engine_limits.MAX_LOGPROBS
+
+
+def test_every_field_of_the_message_has_edges() -> None:
+    checked = {"ignore_eos"}  # a bool: nothing to refuse
+    fields = {f.name for f in gen.SamplingParams.DESCRIPTOR.fields}
+    assert fields == set(EDGES) | checked
+
+
+def test_the_stop_count_is_refused_before_the_rest() -> None:
+    message = gen.SamplingParams(max_tokens=0, stop=["a"] * (wire.MAX_STOP_SEQUENCES + 1))
+    with pytest.raises(ValidationError, match=r"^stop: at most 16 stop strings, got 17$"):
+        check_sampling(message)
+
+
+def test_the_edges_cross_every_limit() -> None:
+    """Each field's table holds accepted and refused values (uint32 fields cannot go below 0)."""
+    unrefusable = {"top_k", "stop_token_ids"}
+    for field, values in EDGES.items():
+        outcomes = {refusals(gen.SamplingParams(**{field: v}))[1] is None for v in values}
+        assert outcomes == ({True} if field in unrefusable else {True, False}), field
