@@ -1,0 +1,42 @@
+"""`--model NAME_OR_DIR` to a model directory, as engine.model_store resolves it, without the
+engine: the router only reads config.json and the tokenizer of a prepared directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+MANIFEST = "tandem_model.json"  # written last by `tandem models prepare`: the directory is whole
+# The names `tandem models prepare` knows (engine.model_store.MODELS; a test keeps them equal).
+PREPARABLE_MODELS = ("smollm2",)
+
+
+class ModelNotFoundError(LookupError):
+    """A model name or directory that cannot be resolved; the message says what to run."""
+
+
+def default_cache_dir() -> Path:
+    """Where prepared models live: ``$TANDEM_CACHE/models``, else ``~/.cache/tandem/models``."""
+    root = os.environ.get("TANDEM_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "tandem"
+    return base / "models"
+
+
+def resolve_model_dir(name_or_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """A model directory (one holding config.json) or the directory of a prepared model."""
+    path = Path(name_or_dir).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        raise ModelNotFoundError(f"{path} is a directory but holds no config.json")
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    name = str(name_or_dir)
+    prepared = root / name
+    if Path(name).name == name and not name.startswith(".") and (prepared / MANIFEST).is_file():
+        return prepared
+    hint = name if name in PREPARABLE_MODELS else "smollm2"
+    raise ModelNotFoundError(
+        f"model {name!r} is neither a directory with config.json nor a model "
+        f"prepared in {root}. Run `tandem models prepare {hint}` and pass --model {hint}, "
+        f"or pass a HF model directory. Preparable models: {', '.join(PREPARABLE_MODELS)}."
+    )

@@ -1,0 +1,54 @@
+"""The router resolves --model as engine.model_store does, without importing the engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import model_store
+from router.models import PREPARABLE_MODELS, ModelNotFoundError, resolve_model_dir
+
+
+def test_a_prepared_name_resolves_to_the_engines_directory(smollm2_dir: Path) -> None:
+    assert resolve_model_dir("smollm2") == model_store.resolve_model("smollm2") == smollm2_dir
+
+
+def test_a_directory_resolves_to_itself(tmp_path: Path, smollm2_dir: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    for given in (tmp_path, str(tmp_path), str(smollm2_dir)):
+        assert resolve_model_dir(given) == model_store.resolve_model(given)
+
+
+def test_a_prepared_model_in_a_given_cache(tmp_path: Path) -> None:
+    prepared = tmp_path / "mine"
+    prepared.mkdir()
+    (prepared / model_store.MANIFEST).write_text("{}")
+    (tmp_path / ".mine.tmp-1").mkdir()  # a conversion under way is not a model
+    (tmp_path / ".mine.tmp-1" / model_store.MANIFEST).write_text("{}")
+    assert resolve_model_dir("mine", tmp_path) == model_store.resolve_model("mine", tmp_path)
+    for missing in (".mine.tmp-1", "half-prepared"):
+        with pytest.raises(ModelNotFoundError):
+            resolve_model_dir(missing, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["no-such-model", "smollm2"])
+def test_a_missing_model_says_what_the_engine_says(tmp_path: Path, name: str) -> None:
+    with pytest.raises(model_store.ModelNotFoundError) as engine:
+        model_store.resolve_model(name, cache_dir=tmp_path)
+    with pytest.raises(ModelNotFoundError) as router:
+        resolve_model_dir(name, cache_dir=tmp_path)
+    assert str(router.value) == str(engine.value)
+
+
+def test_a_directory_without_config_says_what_the_engine_says(tmp_path: Path) -> None:
+    with pytest.raises(model_store.ModelNotFoundError) as engine:
+        model_store.resolve_model(tmp_path)
+    with pytest.raises(ModelNotFoundError) as router:
+        resolve_model_dir(tmp_path)
+    assert str(router.value) == str(engine.value)
+
+
+def test_the_preparable_names_are_the_engines() -> None:
+    assert tuple(model_store.MODELS) == PREPARABLE_MODELS
+    assert model_store.MANIFEST == "tandem_model.json"
