@@ -7,22 +7,22 @@ request ends leaves it terminal in the ledger and its blocks freed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 import redis
 
-from ledger.ledger import Ledger, LedgerConflict, RequestState, WorkerInfo, WorkerRole
+from ledger.ledger import Ledger, LedgerConflict, RequestState, WorkerRole
 from ledger.membership import Membership
+from router.migration import ABORT_TIMEOUT_S, Migration
+from router.route import Route, count_in_flight, how_it_ended, record_in_ledger
 from router.routing import WorkerPicker, prefix_hashes
-from router.validation import RequestValidator, ValidRequest
+from router.validation import RequestValidator
 from serving.metrics import RouterMetrics
-from serving.rpc import ChannelPool, Overloaded, Unavailable, kv_push_status
+from serving.rpc import ChannelPool, Overloaded, Unavailable
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import generation_pb2_grpc as gen_grpc
 from tandem.v1 import worker_pb2 as pb
@@ -30,56 +30,12 @@ from tandem.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-ABORT_TIMEOUT_S = 2.0
 RESERVE_TIMEOUT_S = 10.0
 # A picked prefill worker's channel must be ready within this: one restarted at the same
 # address is reached at the channel's next reconnection (at most 1 s apart, rpc.py).
 PREFILL_CONNECT_S = 3.0
-DEADLINE_SLACK_S = 0.05  # errors this close to the deadline are the deadline's doing
 MAX_ATTEMPTS = 8  # one request's prefills: the first, then resumptions (preempted, D lost)
-# How long a request that lost its decode worker waits for a live one (the only one may be
-# restarting: `tandem serve` restarts a dead worker within seconds); new requests wait the
-# picker's wait_s.
-RESUME_WAIT_S = 30.0
 RESERVE_BACKOFF_S = (0.02, 0.5)  # first and longest wait between refused reservations
-
-
-@dataclass
-class _Route:
-    """One request's path through the cluster."""
-
-    request: ValidRequest
-    prefill: WorkerInfo
-    decode: WorkerInfo
-    deadline: float  # time.monotonic()
-    sent: list[int] = field(default_factory=list)  # completion ids streamed to the client
-    # This router's epoch in the ledger record while the router owns it, and the one a
-    # decode worker hands a preempted request back at; kept when the router registers
-    # again after a Redis restart (a record the decode worker rebuilt carries it on).
-    owner_epoch: int = 0
-
-    @property
-    def token_ids(self) -> list[int]:
-        """What P prefills and D holds: the prompt, then any output already sent (a request
-        resumed after a preemption)."""
-        return self.request.prompt_token_ids + self.sent
-
-    def remaining(self) -> float:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("deadline: exceeded before the request finished")
-        return left
-
-
-def _how_it_ended(error: BaseException, route: _Route) -> tuple[RequestState, str]:
-    """CANCELLED past the deadline or on cancellation, else FAILED, with the reason."""
-    if time.monotonic() >= route.deadline - DEADLINE_SLACK_S:
-        return RequestState.CANCELLED, "deadline"
-    if isinstance(error, asyncio.CancelledError | GeneratorExit):  # the client went away
-        return RequestState.CANCELLED, "cancelled"
-    if isinstance(error, grpc.aio.AioRpcError):
-        return RequestState.FAILED, f"{error.code().name}: {error.details()}"
-    return RequestState.FAILED, f"{type(error).__name__}: {error}"
 
 
 class _StreamTiming:
@@ -133,6 +89,13 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.num_in_flight = 0
         self._channels = ChannelPool()
         self._cleanups: set[asyncio.Task[None]] = set()
+        self.migration = Migration(
+            membership=membership,
+            picker=picker,
+            channels=self._channels,
+            metrics=self.metrics,
+            model_name=validator.model.name,
+        )
 
     # ---- RPCs
 
@@ -148,21 +111,21 @@ class GenerationService(gen_grpc.GenerationServicer):
             timeout = self.default_timeout_s if remaining is None else remaining
             hashes = prefix_hashes(valid.prompt_token_ids)
             prefill, decode = await self.picker.pick_waiting(arrived + timeout, hashes)
-            route = _Route(valid, prefill, decode, arrived + timeout)
+            route = Route(valid, prefill, decode, arrived + timeout)
             rid = valid.request_id
-            self._create_in_ledger(route)
+            record_in_ledger(self.membership, route, self.validator.model.name)
         except BaseException:
             self.metrics.requests.labels(self.metrics.role, "rejected").inc()
             raise
         self.num_in_flight += 1
-        self._count_in_flight(route, +1)
+        count_in_flight(self.picker, route, +1)
         is_finished = False
         end_state, reason = RequestState.FAILED, ""
         timing = _StreamTiming(self.metrics, arrived)
         try:
             for attempt in range(MAX_ATTEMPTS):
                 if attempt:  # D handed it back: resume it, prompt + tokens sent so far
-                    await self._repick(route)
+                    await self.migration.repick(route)
                 reserve = await self._reserve(route)
                 try:
                     self.picker.remember((route.prefill, route.decode), hashes)
@@ -181,7 +144,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                     )
                     if not is_retried or attempt + 1 == MAX_ATTEMPTS:
                         raise
-                    await self._take_back_from_prefill(route, e)
+                    await self.migration.take_back_from_prefill(route, e)
                     continue
                 if not attempt:
                     timing.queued(prefill_called + prefilled.timing.queue_s)
@@ -196,7 +159,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                 except grpc.aio.AioRpcError as e:
                     if e.code() != grpc.StatusCode.UNAVAILABLE or attempt + 1 == MAX_ATTEMPTS:
                         raise
-                    await self._take_back(route, e)  # D is gone: resume it elsewhere
+                    await self.migration.take_back(route, e)  # D is gone: resume it elsewhere
                     continue
                 if is_finished:
                     return
@@ -211,7 +174,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                 "or its decode worker lost); retry later"
             )
         except BaseException as e:
-            end_state, reason = _how_it_ended(e, route)
+            end_state, reason = how_it_ended(e, route)
             if end_state is RequestState.FAILED and self._is_forgotten(rid):
                 raise Unavailable(
                     f"request {rid}: the ledger lost its record while it ran (its Redis "
@@ -220,7 +183,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             raise
         finally:
             self.num_in_flight -= 1
-            self._count_in_flight(route, -1)
+            count_in_flight(self.picker, route, -1)
             if not is_finished:
                 # A task of its own: this one may be cancelled again while it cleans up.
                 self._spawn(self._abandon(route, end_state, reason))
@@ -240,23 +203,7 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     # ---- the three hops
 
-    def _create_in_ledger(self, route: _Route) -> None:
-        """Records the request, QUEUED and owned by this router (at its current epoch)."""
-        valid = route.request
-        route.owner_epoch = self.membership.epoch
-        self.ledger.create_request(
-            valid.request_id,
-            owner=self.membership.worker_id,
-            epoch=route.owner_epoch,
-            fields={
-                "model": self.validator.model.name,
-                "num_prompt_tokens": len(valid.prompt_token_ids),
-                "prefill_worker": route.prefill.worker_id,
-                "decode_worker": route.decode.worker_id,
-            },
-        )
-
-    async def _reserve(self, route: _Route) -> pb.ReserveReply:
+    async def _reserve(self, route: Route) -> pb.ReserveReply:
         """D holds blocks for the prompt; then the request is handed to P in the ledger.
 
         A decode worker without room (RESOURCE_EXHAUSTED) or unreachable (UNAVAILABLE) is
@@ -298,9 +245,9 @@ class GenerationService(gen_grpc.GenerationServicer):
                 self.picker.forget_stale()
                 others = self.picker.decoders_for(route.prefill)
             if others:
-                self._count_in_flight(route, -1)
+                count_in_flight(self.picker, route, -1)
                 route.decode = self.picker.least_loaded(others)
-                self._count_in_flight(route, +1)
+                count_in_flight(self.picker, route, +1)
         self.ledger.transition(
             valid.request_id,
             RequestState.PREFILLING,
@@ -311,7 +258,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         )
         return reply
 
-    async def _prefill(self, route: _Route, reserve: pb.ReserveReply) -> pb.PrefillReply:
+    async def _prefill(self, route: Route, reserve: pb.ReserveReply) -> pb.PrefillReply:
         """P computes the prompt and pushes its KV into D's blocks (P hands it to D)."""
         valid = route.request
         channel = self._channels.get(route.prefill.address)
@@ -343,7 +290,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         return reply
 
     async def _decode(
-        self, route: _Route, reserve: pb.ReserveReply, prefilled: pb.PrefillReply
+        self, route: Route, reserve: pb.ReserveReply, prefilled: pb.PrefillReply
     ) -> AsyncIterator[gen.GenerateChunk]:
         """D's chunks, checked to be contiguous, up to and including the last one."""
         request = pb.DecodeRequest(
@@ -405,147 +352,18 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     # ---- internals
 
-    def _decoder(self, route: _Route) -> pb_grpc.DecodeWorkerStub:
+    def _decoder(self, route: Route) -> pb_grpc.DecodeWorkerStub:
         return pb_grpc.DecodeWorkerStub(self._channels.get(route.decode.address))
 
-    def _prefiller(self, route: _Route) -> pb_grpc.PrefillWorkerStub:
+    def _prefiller(self, route: Route) -> pb_grpc.PrefillWorkerStub:
         return pb_grpc.PrefillWorkerStub(self._channels.get(route.prefill.address))
-
-    def _count_in_flight(self, route: _Route, delta: int) -> None:
-        for worker in (route.prefill, route.decode):
-            self.picker.in_flight[worker.worker_id] += delta
-
-    async def _repick(self, route: _Route) -> None:
-        """New P and D for a request its decode worker handed back (the ledger has it
-        QUEUED and owned by this router again); waits up to RESUME_WAIT_S for them."""
-        self._count_in_flight(route, -1)
-        self.picker.forget_stale()
-        hashes = prefix_hashes(route.token_ids)
-        route.prefill, route.decode = await self.picker.pick_waiting(
-            route.deadline, hashes, wait_s=RESUME_WAIT_S
-        )
-        self._count_in_flight(route, +1)
-
-    async def _take_back(self, route: _Route, error: grpc.aio.AioRpcError) -> None:
-        """The decode stream broke (D died or is unreachable): D is passed over from now
-        on, and the request, owned by D in the ledger, becomes QUEUED and this router's
-        again, for the attempt loop to resume it on a new P and D (prompt + tokens sent,
-        as after a preemption). D's fencing epoch is superseded, so a D that is in fact
-        alive can no longer move the request; its blocks go back by its Abort (sent here)
-        or, when it is dead, by the reaper once its lease expires. A request the ledger
-        forgot (its Redis restarted empty, and D did not record it again, e.g. because D
-        died meanwhile) is recorded anew. The Abort is awaited: D may be alive under a new
-        epoch and be picked at once, and a late Abort would end the resumed request there."""
-        rid, lost = route.request.request_id, route.decode
-        log.warning(
-            "%s: lost decode worker %s after %d tokens (%s: %s); migrating",
-            rid,
-            lost.worker_id,
-            len(route.sent),
-            error.code().name,
-            error.details(),
-        )
-        self.picker.mark_unreachable(lost)
-        abort = pb.AbortRequest(request_id=rid, reason="migrated: the router lost its stream")
-        await self._abort_quietly(lost, abort)  # a dead process refuses it at once
-        self._requeue(route, error)
-
-    async def _take_back_from_prefill(
-        self, route: _Route, error: grpc.aio.AioRpcError | Unavailable
-    ) -> None:
-        """Prefill failed before the first token: P died or refused the request under an
-        epoch it has left, or D let the reservation go (D lost its lease on the blocks in
-        a stall, or D died). P and D are told to drop it, and the request becomes QUEUED
-        and this router's again, to be prefilled anew on the P and D picked next."""
-        rid = route.request.request_id
-        if isinstance(error, grpc.aio.AioRpcError):
-            code, details = error.code().name, error.details() or ""
-            push_refused = kv_push_status(error) is not None
-        else:
-            code, details, push_refused = "UNAVAILABLE", str(error), False
-        log.warning(
-            "%s: prefill on %s for %s failed (%s: %s); prefilling it again",
-            rid,
-            route.prefill.worker_id,
-            route.decode.worker_id,
-            code,
-            details,
-        )
-        self.picker.forget_stale()  # P or D may be known under an epoch it has left
-        if not push_refused:  # P itself failed, not D refusing P's push
-            self.picker.mark_unreachable(route.prefill)
-        abort = pb.AbortRequest(request_id=rid, reason="prefill failed: prefilling it again")
-        await asyncio.gather(
-            self._abort_quietly(route.prefill, abort), self._abort_quietly(route.decode, abort)
-        )
-        self._requeue(route, error)
-
-    def _requeue(self, route: _Route, error: grpc.aio.AioRpcError | Unavailable) -> None:
-        """The request, wherever P or D left it, becomes QUEUED and this router's again,
-        for the attempt loop to prefill it anew (prompt + tokens sent). A request the
-        ledger forgot (its Redis restarted empty, and D did not record it again) is
-        recorded anew; one that ended meanwhile is not resumed (``error`` is raised)."""
-        rid = route.request.request_id
-        record = self.ledger.get_request(rid)
-        if record is None:
-            log.warning("%s: not in the ledger any more (Redis restarted?); recorded again", rid)
-            self._create_in_ledger(route)
-        elif record.state is RequestState.QUEUED and record.owner == self.membership.worker_id:
-            route.owner_epoch = record.epoch  # handed back to this router already
-        elif record.state in (
-            RequestState.PREFILLING,
-            RequestState.TRANSFERRING,
-            RequestState.DECODING,
-        ):
-            self._take_over(route, record.state, record.epoch, error)
-        else:
-            raise error  # ended, or not P's or D's: nothing to resume
-        self.metrics.migrations.labels(self.metrics.role).inc()
-
-    def _take_over(
-        self,
-        route: _Route,
-        state: RequestState,
-        epoch: int,
-        error: grpc.aio.AioRpcError | Unavailable,
-    ) -> None:
-        """``state`` (its holder's, P or D, at ``epoch``) -> QUEUED, owned by this router again."""
-        rid = route.request.request_id
-        try:
-            self.ledger.transition(
-                rid,
-                RequestState.QUEUED,
-                expected=state,
-                epoch=epoch,
-                new_owner=self.membership.worker_id,
-                new_epoch=self.membership.epoch,
-            )
-            route.owner_epoch = self.membership.epoch
-        except LedgerConflict:  # D moved it meanwhile: fine if it handed it back to us
-            record = self.ledger.get_request(rid)
-            if record is None or record.owner != self.membership.worker_id:
-                raise error from None
-            if record.state is not RequestState.QUEUED:
-                raise error from None
-            route.owner_epoch = record.epoch
-
-    async def _abort_quietly(self, worker: WorkerInfo, abort: pb.AbortRequest) -> None:
-        """Aborts on a prefill or decode worker that may well be dead."""
-        channel = self._channels.get(worker.address)
-        stub = (
-            pb_grpc.PrefillWorkerStub(channel)
-            if worker.role is WorkerRole.PREFILL
-            else pb_grpc.DecodeWorkerStub(channel)
-        )
-        with contextlib.suppress(grpc.aio.AioRpcError):  # dead, as expected
-            await stub.Abort(abort, timeout=ABORT_TIMEOUT_S)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 
-    async def _abandon(self, route: _Route, state: RequestState, reason: str) -> None:
+    async def _abandon(self, route: Route, state: RequestState, reason: str) -> None:
         """Aborts the request on P and D (idempotent there) and ends it in the ledger."""
         rid = route.request.request_id
         log.info("%s %s: %s", rid, state.value.lower(), reason)

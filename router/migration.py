@@ -1,0 +1,173 @@
+"""Taking a request back from the prefill or decode worker that failed it: the workers drop
+it, and the ledger has it QUEUED and this router's again, for the service's attempt loop to
+resume it on a new P and D (prompt + tokens already sent, as after a preemption)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
+
+from ledger.ledger import LedgerConflict, RequestState, WorkerInfo, WorkerRole
+from ledger.membership import Membership
+from router.route import Route, count_in_flight, record_in_ledger
+from router.routing import WorkerPicker, prefix_hashes
+from serving.metrics import RouterMetrics
+from serving.rpc import ChannelPool, Unavailable, kv_push_status
+from tandem.v1 import worker_pb2 as pb
+from tandem.v1 import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 2.0
+# How long a request that lost its decode worker waits for a live one (the only one may be
+# restarting: `tandem serve` restarts a dead worker within seconds); new requests wait the
+# picker's wait_s.
+RESUME_WAIT_S = 30.0
+
+
+class Migration:
+    """The router's side of a migration; the service calls it between attempts."""
+
+    def __init__(
+        self,
+        *,
+        membership: Membership,
+        picker: WorkerPicker,
+        channels: ChannelPool,
+        metrics: RouterMetrics,
+        model_name: str,
+    ) -> None:
+        self.membership = membership
+        self.ledger = membership.ledger
+        self.picker = picker
+        self.channels = channels
+        self.metrics = metrics
+        self.model_name = model_name
+
+    async def repick(self, route: Route) -> None:
+        """New P and D for a request its decode worker handed back (the ledger has it
+        QUEUED and owned by this router again); waits up to RESUME_WAIT_S for them."""
+        count_in_flight(self.picker, route, -1)
+        self.picker.forget_stale()
+        hashes = prefix_hashes(route.token_ids)
+        route.prefill, route.decode = await self.picker.pick_waiting(
+            route.deadline, hashes, wait_s=RESUME_WAIT_S
+        )
+        count_in_flight(self.picker, route, +1)
+
+    async def take_back(self, route: Route, error: grpc.aio.AioRpcError) -> None:
+        """The decode stream broke (D died or is unreachable): D is passed over from now
+        on, and the request, owned by D in the ledger, becomes QUEUED and this router's
+        again, for the attempt loop to resume it on a new P and D (prompt + tokens sent,
+        as after a preemption). D's fencing epoch is superseded, so a D that is in fact
+        alive can no longer move the request; its blocks go back by its Abort (sent here)
+        or, when it is dead, by the reaper once its lease expires. A request the ledger
+        forgot (its Redis restarted empty, and D did not record it again, e.g. because D
+        died meanwhile) is recorded anew. The Abort is awaited: D may be alive under a new
+        epoch and be picked at once, and a late Abort would end the resumed request there."""
+        rid, lost = route.request.request_id, route.decode
+        log.warning(
+            "%s: lost decode worker %s after %d tokens (%s: %s); migrating",
+            rid,
+            lost.worker_id,
+            len(route.sent),
+            error.code().name,
+            error.details(),
+        )
+        self.picker.mark_unreachable(lost)
+        abort = pb.AbortRequest(request_id=rid, reason="migrated: the router lost its stream")
+        await self.abort_quietly(lost, abort)  # a dead process refuses it at once
+        self._requeue(route, error)
+
+    async def take_back_from_prefill(
+        self, route: Route, error: grpc.aio.AioRpcError | Unavailable
+    ) -> None:
+        """Prefill failed before the first token: P died or refused the request under an
+        epoch it has left, or D let the reservation go (D lost its lease on the blocks in
+        a stall, or D died). P and D are told to drop it, and the request becomes QUEUED
+        and this router's again, to be prefilled anew on the P and D picked next."""
+        rid = route.request.request_id
+        if isinstance(error, grpc.aio.AioRpcError):
+            code, details = error.code().name, error.details() or ""
+            push_refused = kv_push_status(error) is not None
+        else:
+            code, details, push_refused = "UNAVAILABLE", str(error), False
+        log.warning(
+            "%s: prefill on %s for %s failed (%s: %s); prefilling it again",
+            rid,
+            route.prefill.worker_id,
+            route.decode.worker_id,
+            code,
+            details,
+        )
+        self.picker.forget_stale()  # P or D may be known under an epoch it has left
+        if not push_refused:  # P itself failed, not D refusing P's push
+            self.picker.mark_unreachable(route.prefill)
+        abort = pb.AbortRequest(request_id=rid, reason="prefill failed: prefilling it again")
+        await asyncio.gather(
+            self.abort_quietly(route.prefill, abort), self.abort_quietly(route.decode, abort)
+        )
+        self._requeue(route, error)
+
+    def _requeue(self, route: Route, error: grpc.aio.AioRpcError | Unavailable) -> None:
+        """The request, wherever P or D left it, becomes QUEUED and this router's again,
+        for the attempt loop to prefill it anew (prompt + tokens sent). A request the
+        ledger forgot (its Redis restarted empty, and D did not record it again) is
+        recorded anew; one that ended meanwhile is not resumed (``error`` is raised)."""
+        rid = route.request.request_id
+        record = self.ledger.get_request(rid)
+        if record is None:
+            log.warning("%s: not in the ledger any more (Redis restarted?); recorded again", rid)
+            record_in_ledger(self.membership, route, self.model_name)
+        elif record.state is RequestState.QUEUED and record.owner == self.membership.worker_id:
+            route.owner_epoch = record.epoch  # handed back to this router already
+        elif record.state in (
+            RequestState.PREFILLING,
+            RequestState.TRANSFERRING,
+            RequestState.DECODING,
+        ):
+            self._take_over(route, record.state, record.epoch, error)
+        else:
+            raise error  # ended, or not P's or D's: nothing to resume
+        self.metrics.migrations.labels(self.metrics.role).inc()
+
+    def _take_over(
+        self,
+        route: Route,
+        state: RequestState,
+        epoch: int,
+        error: grpc.aio.AioRpcError | Unavailable,
+    ) -> None:
+        """``state`` (its holder's, P or D, at ``epoch``) -> QUEUED, owned by this router again."""
+        rid = route.request.request_id
+        try:
+            self.ledger.transition(
+                rid,
+                RequestState.QUEUED,
+                expected=state,
+                epoch=epoch,
+                new_owner=self.membership.worker_id,
+                new_epoch=self.membership.epoch,
+            )
+            route.owner_epoch = self.membership.epoch
+        except LedgerConflict:  # D moved it meanwhile: fine if it handed it back to us
+            record = self.ledger.get_request(rid)
+            if record is None or record.owner != self.membership.worker_id:
+                raise error from None
+            if record.state is not RequestState.QUEUED:
+                raise error from None
+            route.owner_epoch = record.epoch
+
+    async def abort_quietly(self, worker: WorkerInfo, abort: pb.AbortRequest) -> None:
+        """Aborts on a prefill or decode worker that may well be dead."""
+        channel = self.channels.get(worker.address)
+        stub = (
+            pb_grpc.PrefillWorkerStub(channel)
+            if worker.role is WorkerRole.PREFILL
+            else pb_grpc.DecodeWorkerStub(channel)
+        )
+        with contextlib.suppress(grpc.aio.AioRpcError):  # dead, as expected
+            await stub.Abort(abort, timeout=ABORT_TIMEOUT_S)

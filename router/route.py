@@ -1,0 +1,78 @@
+"""One request's path through the cluster (its P and D, deadline and tokens sent), as the
+router's service and its migration share it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
+
+from ledger.ledger import RequestState, WorkerInfo
+from ledger.membership import Membership
+from router.routing import WorkerPicker
+from router.validation import ValidRequest
+
+DEADLINE_SLACK_S = 0.05  # errors this close to the deadline are the deadline's doing
+
+
+@dataclass
+class Route:
+    """One request's path through the cluster."""
+
+    request: ValidRequest
+    prefill: WorkerInfo
+    decode: WorkerInfo
+    deadline: float  # time.monotonic()
+    sent: list[int] = field(default_factory=list)  # completion ids streamed to the client
+    # This router's epoch in the ledger record while the router owns it, and the one a
+    # decode worker hands a preempted request back at; kept when the router registers
+    # again after a Redis restart (a record the decode worker rebuilt carries it on).
+    owner_epoch: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """What P prefills and D holds: the prompt, then any output already sent (a request
+        resumed after a preemption)."""
+        return self.request.prompt_token_ids + self.sent
+
+    def remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline: exceeded before the request finished")
+        return left
+
+
+def how_it_ended(error: BaseException, route: Route) -> tuple[RequestState, str]:
+    """CANCELLED past the deadline or on cancellation, else FAILED, with the reason."""
+    if time.monotonic() >= route.deadline - DEADLINE_SLACK_S:
+        return RequestState.CANCELLED, "deadline"
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):  # the client went away
+        return RequestState.CANCELLED, "cancelled"
+    if isinstance(error, grpc.aio.AioRpcError):
+        return RequestState.FAILED, f"{error.code().name}: {error.details()}"
+    return RequestState.FAILED, f"{type(error).__name__}: {error}"
+
+
+def count_in_flight(picker: WorkerPicker, route: Route, delta: int) -> None:
+    """The picker's count of requests on the route's P and D (it prefers idle workers)."""
+    for worker in (route.prefill, route.decode):
+        picker.in_flight[worker.worker_id] += delta
+
+
+def record_in_ledger(membership: Membership, route: Route, model_name: str) -> None:
+    """Records the request, QUEUED and owned by this router (at its current epoch)."""
+    valid = route.request
+    route.owner_epoch = membership.epoch
+    membership.ledger.create_request(
+        valid.request_id,
+        owner=membership.worker_id,
+        epoch=route.owner_epoch,
+        fields={
+            "model": model_name,
+            "num_prompt_tokens": len(valid.prompt_token_ids),
+            "prefill_worker": route.prefill.worker_id,
+            "decode_worker": route.decode.worker_id,
+        },
+    )
