@@ -3,14 +3,39 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from decode_worker.service import DecodeWorkerService
+    from serving.component import Role, Runtime
 
 DEFAULT_PORT = 50061
 SERVICE_NAMES = ("tandem.v1.DecodeWorker", "tandem.v1.KvTransfer")
-log = logging.getLogger("decode_worker")
+
+
+def role() -> Role:
+    """The decode worker's part in serving.component (imported late: `tandem --help`)."""
+    from ledger.ledger import WorkerRole
+    from serving.component import Role
+    from serving.metrics import DecodeMetrics
+
+    return Role(
+        name="decode",
+        title="decode worker",
+        logger="decode_worker",
+        worker_role=WorkerRole.DECODE,
+        service_names=SERVICE_NAMES,
+        make_metrics=DecodeMetrics,
+        max_message_bytes=_max_message_bytes,
+    )
+
+
+def _max_message_bytes(args: argparse.Namespace) -> int:
+    """A KV push's messages: as large as the KV transfer server takes."""
+    from kv_transfer import server_options
+
+    return int(dict(server_options())["grpc.max_receive_message_length"])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,65 +69,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from serving.rpc import run_service
+    from serving.component import run_component
 
-    return run_service("decode", serve, args)
+    return run_component(role(), args, make_service)
 
 
-async def serve(args: argparse.Namespace) -> None:
+def make_service(runtime: Runtime) -> DecodeWorkerService:
+    """The engine (which hands preempted requests back), registered with its KV
+    capacity, the KV receiver at the registration's epoch, and the service."""
     from decode_worker.service import DecodeWorkerService
-    from kv_transfer import KvReceiver, ShmAttacher, add_kv_transfer_servicer
-    from kv_transfer import server_options as kv_server_options
-    from ledger.ledger import Ledger, WorkerRole
-    from ledger.membership import Membership, Timing
-    from ledger.redis_connect import RedisSettings, connect
+    from kv_transfer import KvReceiver, ShmAttacher
     from serving import engine_setup
-    from serving.metrics import DecodeMetrics
-    from serving.rpc import (
-        advertised_address,
-        default_worker_id,
-        new_server,
-        set_serving,
-        wait_for_shutdown,
-    )
-    from tandem.v1 import worker_pb2_grpc
 
+    args = runtime.args
     spec = engine_setup.ModelSpec.from_args(args)
     engine = engine_setup.build_engine(spec, args, preemption="hand_back")
     draft = engine_setup.draft_config(engine, spec)
     layout = engine_setup.kv_layout(engine, spec.served_name, draft.fingerprint if draft else "")
-
-    max_message_bytes = dict(kv_server_options())["grpc.max_receive_message_length"]
-    server, health = new_server(max_message_bytes, SERVICE_NAMES if args.reflection else ())
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    address = advertised_address(args, port)
-    metrics = DecodeMetrics()
-    metrics.serve(args.host, args.metrics_port)
-    metrics.watch_loop()
-    client = metrics.instrument_redis(connect(RedisSettings.from_args(args)))
-    ledger = Ledger(client, namespace=args.namespace)
-
-    holder: dict[str, DecodeWorkerService] = {}
-
-    def registered_again(new_epoch: int) -> None:  # Redis lost data (restart, restore), a stall
-        receiver.epoch = new_epoch  # pushes into reservations from now on carry it
-
-    membership = Membership(
-        ledger,
-        args.worker_id or default_worker_id("decode", address),
-        role=WorkerRole.DECODE,
-        address=address,
-        capacity=engine.block_manager.num_blocks,
-        timing=Timing(args.heartbeat_ms, args.lease_ms),
-        load=lambda: holder["service"].load() if holder else (0.0, {}),
-        on_lease_lost=lambda rid: holder["service"].on_lease_lost(rid),
-        on_registered_again=registered_again,
-        rebuild_from=lambda: holder["service"].held_requests(),
-    )
-    epoch = membership.register()
+    membership = runtime.join(capacity=engine.block_manager.num_blocks)
     use_shm = args.kv_transport == "auto"
-    receiver = KvReceiver(epoch=epoch, attach_segment=ShmAttacher() if use_shm else None)
-    service = holder["service"] = DecodeWorkerService(
+    receiver = KvReceiver(epoch=membership.epoch, attach_segment=ShmAttacher() if use_shm else None)
+    return DecodeWorkerService(
         engine,
         served_name=spec.served_name,
         layout=layout,
@@ -111,23 +98,5 @@ async def serve(args: argparse.Namespace) -> None:
         membership=membership,
         reserve_timeout_s=args.reserve_timeout_s,
         accepts_shm=use_shm,
-        metrics=metrics,
+        metrics=runtime.metrics,
     )
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(service, server)
-    add_kv_transfer_servicer(server, receiver)
-    service.engine_loop.start()
-    await server.start()
-    membership.start()
-    expiry = asyncio.create_task(service.expire_reservations())
-    await set_serving(health, SERVICE_NAMES)
-    log.info("decode worker %s serving %s at %s", membership.worker_id, spec.served_name, address)
-    reason = await wait_for_shutdown(args.parent_pid)
-    log.info("draining (%s)", reason)
-    await health.enter_graceful_shutdown()
-    await service.drain(args.grace_s)
-    await server.stop(1.0)
-    expiry.cancel()
-    await membership.stop()
-    service.engine_loop.stop()
-    metrics.close()
-    log.info("stopped")

@@ -3,29 +3,27 @@ server), Decode as the engine loop produces tokens, Abort, Stats.
 
 A request goes RESERVED (blocks held, KV on its way) -> DECODING (in the running batch,
 its stream fed by the engine thread; the blocks its table grows by are recorded in the
-ledger after each step, off the engine thread) -> gone. Whatever ends it (finish, abort,
-the router cancelling the stream, a failed push) frees its blocks in the engine, the
-receiver and the ledger. When the ledger's Redis restarts empty or is restored from a
-snapshot, the requests decoding here are recorded again from this worker's memory
-(``held_requests``, ledger.membership) and their streams go on.
+ledger after each step, off the engine thread) -> gone. Each request has one handle
+(decode_worker.request); whatever ends it (finish, preemption, abort, the router
+cancelling the stream, a lost lease, a failed push) calls its ``close``. When the
+ledger's Redis restarts empty or is restored from a snapshot, the requests decoding here
+are recorded again from this worker's memory (``held_requests``, ledger.membership) and
+their streams go on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import redis
-
+from decode_worker.request import Aborted, CloseReason, Holders, OutputSlot, RequestHandle
 from engine.llm_engine import LLMEngine, RequestOutput
-from kv_transfer import KvLayout, KvReceiver, KvReservation, TransferState, host_id
-from ledger.ledger import LedgerConflict, RequestState
+from kv_transfer import KvLayout, KvReceiver, TransferState, add_kv_transfer_servicer, host_id
 from ledger.membership import HeldRequest, Membership
 from serving.engine_loop import BlockTableWatch, EngineLoop, block_tables
 from serving.engine_setup import draft_figures
@@ -45,39 +43,7 @@ FINISH_REASONS: dict[str, gen.FinishReason.ValueType] = {
 }
 
 
-class _Aborted(Exception):
-    """The request was aborted (Abort RPC, lease lost, engine failure) while streaming."""
-
-
 PREEMPTED = "preempted"  # RequestOutput.finish_reason of a request handed back (hand_back)
-
-
-class OutputSlot:
-    """The newest output of one request. Outputs are cumulative (all tokens so far), so
-    keeping only the newest loses nothing and bounds what a slow reader can pile up."""
-
-    def __init__(self) -> None:
-        self.output: RequestOutput | None = None
-        self.error: BaseException | None = None
-        self._event = asyncio.Event()
-
-    def update(self, output: RequestOutput) -> None:
-        current = self.output
-        if current is None or output.finished or len(output.token_ids) > len(current.token_ids):
-            self.output = output
-            self._event.set()
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self._event.set()
-
-    async def next(self) -> RequestOutput:
-        await self._event.wait()
-        self._event.clear()
-        if self.error is not None:
-            raise self.error
-        assert self.output is not None
-        return self.output
 
 
 @dataclass(frozen=True)
@@ -86,20 +52,6 @@ class _Step:
 
     outputs: list[RequestOutput]
     tables: dict[str, list[int]]  # request id -> its block table, where the step changed it
-
-
-@dataclass
-class _Request:
-    request_id: str
-    block_ids: list[int]  # its block table: as reserved, then as the engine grew it
-    num_prompt_tokens: int  # the client's prompt (without output resumed from a preemption)
-    logprobs: int | None
-    num_resumed: int  # output tokens an earlier attempt already streamed (a preemption)
-    router_id: str  # who gets the request back on a preemption
-    router_epoch: int
-    num_text_resumed: int = 0  # characters of the resumed output already streamed
-    reserved_at: float = field(default_factory=time.monotonic)
-    slot: OutputSlot | None = None  # set once Decode started
 
 
 class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
@@ -131,7 +83,6 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         self.host_id = host_id() if accepts_shm else ""  # "": senders use gRPC
         self.block_size = engine.config.block_size
         self._pools = engine.kv_pools
-        self._requests: dict[str, _Request] = {}
         self.is_draining = False
         watch = BlockTableWatch()
         self.engine_loop: EngineLoop[_Step] = EngineLoop(
@@ -142,6 +93,8 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             on_error=self._on_engine_error,
             name="decode-engine",
         )
+        self.holders = Holders(engine, self.engine_loop, receiver, layout, membership)
+        self._requests = self.holders.handles  # request id -> its handle, until closed
         self.metrics = metrics or DecodeMetrics()
         self.metrics.read_figures_from(self._figures)
 
@@ -171,9 +124,9 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             )
         params = params_from_proto(request.sampling)
         num_resumed = request.num_output_tokens_sent
-        req = self._requests[rid] = _Request(
+        handle = RequestHandle(
+            self.holders,
             rid,
-            [],
             len(prompt) - num_resumed,
             params.logprobs,
             num_resumed,
@@ -186,15 +139,13 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             table, num_cached = self.engine.reserve(rid, prompt, params, num_resumed)
             return table, num_cached, len(self.engine.output_text(rid)) if num_resumed else 0
 
-        try:  # cancelled after the engine reserved: _forget's abort follows it in the queue
-            table, num_cached, req.num_text_resumed = await self.engine_loop.call(reserve)
-            req.block_ids = table
+        try:  # cancelled after the engine reserved: close's abort follows it in the queue
+            table, num_cached, handle.num_text_resumed = await self.engine_loop.call(reserve)
             num_cached_blocks = num_cached // self.block_size
-            reservation = KvReservation(rid, table[num_cached_blocks:], self._pools, self.layout)
-            self.receiver.reserve(reservation)
-            self.membership.claim(rid, table, has_draft=self.layout.draft is not None)
-        except BaseException:
-            self._forget(rid)
+            handle.hold(table, num_cached_blocks, self._pools)
+        except BaseException as e:
+            is_cancelled = isinstance(e, asyncio.CancelledError)
+            handle.close(CloseReason.CANCELLED if is_cancelled else CloseReason.FAILED, str(e))
             raise
         return pb.ReserveReply(
             block_ids=table,
@@ -209,25 +160,23 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         self, request: pb.DecodeRequest, context: Any
     ) -> AsyncIterator[gen.GenerateChunk]:
         rid = request.request_id
-        req = self._requests.get(rid)
-        if req is None:
+        handle = self._requests.get(rid)
+        if handle is None:
             raise NotFound(f"request_id: {rid!r} is not reserved here (aborted or expired?)")
         if request.epoch != self.membership.epoch:
             raise PreconditionFailed(
                 f"epoch: {request.epoch}, this worker is at epoch {self.membership.epoch}"
             )
-        if req.slot is not None:
+        if handle.slot is not None:
             raise ValueError(f"request_id: {rid!r} is already decoding")
-        slot = req.slot = OutputSlot()
-        is_finished = False
-        status = "aborted"
+        slot = handle.slot = OutputSlot()
         try:
-            stream = _ChunkStream(req, request)
+            stream = _ChunkStream(handle, request)
+            timeout = None
             if not request.is_finished_on_prefill:
                 remaining = context.time_remaining()
                 timeout = self.decode_timeout_s if remaining is None else remaining
-                await self.receiver.wait_done(rid, timeout)
-            self.receiver.release(rid)
+            await handle.wait_for_kv(timeout)
             first = await self.engine_loop.call(
                 self.engine.start_decoding, rid, request.first_token_id, list(request.draft_tokens)
             )
@@ -237,42 +186,40 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             while True:
                 output = await slot.next()
                 if output.finish_reason == PREEMPTED:
-                    status = PREEMPTED
                     chunk = stream.chunk(dataclasses.replace(output, finished=False))
                     if chunk.token_ids or chunk.text:
                         yield chunk
-                    self._hand_back(req)  # before the router hears of it and re-queues it
+                    handle.close(CloseReason.PREEMPTED)  # before the router re-queues it
                     yield stream.preempted()
                     return
                 chunk = stream.chunk(output)
                 if output.finished:
-                    is_finished = True
-                    status = "finished"
-                    self._end(rid, RequestState.FINISHED)
+                    handle.close(CloseReason.FINISHED)
                     yield chunk
                     return
                 if chunk.token_ids or chunk.text:
                     yield chunk
-        except _Aborted:
+        except Aborted:
             yield stream.aborted()
+        except Exception as e:
+            handle.close(CloseReason.FAILED, str(e))
+            raise
         finally:
-            self.metrics.requests.labels(self.metrics.role, status).inc()
-            if not is_finished:
-                self._forget(rid)
+            handle.close(CloseReason.CANCELLED)  # the router ended the stream
+            reason = handle.closed_by or CloseReason.CANCELLED
+            self.metrics.requests.labels(self.metrics.role, reason.metric_status).inc()
 
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortReply:
-        req = self._requests.get(request.request_id)
-        if req is None:
+        handle = self._requests.get(request.request_id)
+        if handle is None:
             return pb.AbortReply(was_known=False)
         log.info("abort %s: %s", request.request_id, request.reason or "no reason given")
-        if req.slot is not None:  # the stream ends with an ABORT chunk
-            req.slot.fail(_Aborted(request.reason))
-        self._forget(request.request_id)
-        return pb.AbortReply(was_known=True, num_blocks_freed=len(req.block_ids))
+        handle.close(CloseReason.ABORTED, request.reason)  # a running stream ends with ABORT
+        return pb.AbortReply(was_known=True, num_blocks_freed=len(handle.block_ids))
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsReply:
         stats = self.engine_loop.stats
-        num_reserved = sum(1 for r in self._requests.values() if r.slot is None)
+        num_reserved = sum(1 for h in self._requests.values() if h.slot is None)
         reply = pb.StatsReply(
             role=pb.WORKER_ROLE_DECODE,
             worker_id=self.membership.worker_id,
@@ -299,7 +246,20 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             await self.engine_loop.report_block_ids(reply)
         return reply
 
-    # ---- lifecycle
+    # ---- lifecycle (serving.component.Service)
+
+    def add_to(self, server: Any) -> None:
+        pb_grpc.add_DecodeWorkerServicer_to_server(self, server)
+        add_kv_transfer_servicer(server, self.receiver)
+
+    def start(self) -> None:
+        self.engine_loop.start()
+
+    async def housekeeping(self) -> None:
+        await self.expire_reservations()
+
+    async def close(self) -> None:
+        self.engine_loop.stop()
 
     def load(self) -> tuple[float, dict[str, str | int | float]]:
         """Load and figures for heartbeats."""
@@ -321,27 +281,21 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         the fields the router recorded. Reservations whose Decode has not begun are left
         out and dropped: their records were at the prefill worker's stage, not this
         worker's to vouch for."""
-        decoding = [rid for rid, req in self._requests.items() if req.slot is not None]
+        decoding = [rid for rid, handle in self._requests.items() if handle.slot is not None]
         tables = await self.engine_loop.call(block_tables, self.engine, decoding, bounded=False)
         held = []
         for rid in decoding:
-            req = self._requests.get(rid)
-            if req is None or req.slot is None:
+            handle = self._requests.get(rid)
+            if handle is None or handle.slot is None:
                 continue  # ended while the engine was asked
-            held.append(
-                HeldRequest(
-                    rid,
-                    # Not in the batch yet (KV just arrived): its reserved blocks.
-                    tables.get(rid, req.block_ids),
-                    {
-                        "model": self.served_name,
-                        "num_prompt_tokens": req.num_prompt_tokens,
-                        "decode_worker": self.membership.worker_id,
-                        "router": req.router_id,
-                        "router_epoch": req.router_epoch,
-                    },
-                )
-            )
+            fields: dict[str, str | int] = {
+                "model": self.served_name,
+                "num_prompt_tokens": handle.num_prompt_tokens,
+                "decode_worker": self.membership.worker_id,
+                "router": handle.router_id,
+                "router_epoch": handle.router_epoch,
+            }
+            held.append(handle.held(tables.get(rid), fields))  # None: not in the batch yet
         return held
 
     def on_lease_lost(self, request_id: str) -> None:
@@ -349,15 +303,14 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         lease, or the ledger lost data and the record could not be made again): the
         request is dropped here, and its stream ends UNAVAILABLE, which the router answers
         by resuming it elsewhere."""
-        req = self._requests.get(request_id)
-        if req is not None and req.slot is not None:
-            req.slot.fail(
-                Unavailable(
-                    f"decode worker {self.membership.worker_id}: lost its lease on the "
-                    "request's KV blocks in the ledger (a stall, or Redis restarted)"
-                )
-            )
-        self._forget(request_id)
+        handle = self._requests.get(request_id)
+        if handle is not None:
+            handle.close(CloseReason.LEASE_LOST)
+
+    def on_registered_again(self, epoch: int) -> None:
+        """Redis lost data (restart, restore) or a stall: KV pushes into reservations
+        carry the new epoch from now on."""
+        self.receiver.epoch = epoch
 
     async def expire_reservations(self) -> None:
         """Frees reservations whose Decode never came (the router went away). One whose KV
@@ -366,12 +319,12 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         while True:
             await asyncio.sleep(min(1.0, self.reserve_timeout_s / 4))
             now = time.monotonic()
-            for req in list(self._requests.values()):
-                if self.receiver.state(req.request_id) is TransferState.TRANSFERRING:
-                    req.reserved_at = now  # the lapse counts from the push's end
-                elif req.slot is None and now - req.reserved_at > self.reserve_timeout_s:
-                    log.warning("reservation of %s lapsed", req.request_id)
-                    self._forget(req.request_id)
+            for handle in list(self._requests.values()):
+                if self.receiver.state(handle.request_id) is TransferState.TRANSFERRING:
+                    handle.reserved_at = now  # the lapse counts from the push's end
+                elif handle.slot is None and now - handle.reserved_at > self.reserve_timeout_s:
+                    log.warning("reservation of %s lapsed", handle.request_id)
+                    handle.close(CloseReason.LAPSED)
 
     async def drain(self, timeout_s: float) -> None:
         """Refuses new reservations, waits for running requests to finish."""
@@ -396,68 +349,23 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
 
     def _deliver(self, step: _Step) -> None:
         for output in step.outputs:
-            req = self._requests.get(output.request_id)
-            if req is not None and req.slot is not None:
-                req.slot.update(output)
+            handle = self._requests.get(output.request_id)
+            if handle is not None and handle.slot is not None:
+                handle.slot.update(output)
         for rid, table in step.tables.items():  # the ledger follows, after this step
-            req = self._requests.get(rid)
-            if req is not None:
-                req.block_ids = table
-                self.membership.resize(rid, table)
+            handle = self._requests.get(rid)
+            if handle is not None:
+                handle.resize(table)
 
     def _on_engine_error(self, error: BaseException) -> None:
-        for req in list(self._requests.values()):
-            if req.slot is not None:
-                req.slot.fail(RuntimeError(f"engine step failed: {error}"))
-            self._forget(req.request_id)
-
-    def _forget(self, request_id: str) -> None:
-        """Frees a request everywhere; idempotent."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            return
-        self.engine_loop.submit(self.engine.abort_request, request_id, bounded=False)
-        self.receiver.release(request_id)
-        self.membership.release(request_id)
-
-    def _hand_back(self, req: _Request) -> None:
-        """A preempted request (its blocks already freed by the engine) goes back to the
-        router that sent it: DECODING -> QUEUED, owned by the router again."""
-        self._forget(req.request_id)
-        log.info("preempted %s: handed back to %s", req.request_id, req.router_id)
-        if not req.router_id:
-            return
-        with contextlib.suppress(LedgerConflict):  # cancelled meanwhile: the router decided
-            self.membership.ledger.transition(
-                req.request_id,
-                RequestState.QUEUED,
-                expected=RequestState.DECODING,
-                epoch=self.membership.epoch,
-                new_owner=req.router_id,
-                new_epoch=req.router_epoch,
-            )
-
-    def _end(self, request_id: str, state: RequestState) -> None:
-        """A finished request: blocks already freed by the engine; ledger updated. The
-        client gets its last chunk even when Redis cannot be reached (the record, if it
-        survives, expires)."""
-        self._requests.pop(request_id, None)
-        self.receiver.release(request_id)
-        self.membership.release(request_id)
-        try:
-            self.membership.ledger.transition(
-                request_id, state, expected=RequestState.DECODING, epoch=self.membership.epoch
-            )
-        except LedgerConflict:  # cancelled meanwhile: the router decided
-            pass
-        except redis.RedisError as e:
-            log.warning("%s %s, not recorded in the ledger: redis: %s", request_id, state, e)
+        for handle in list(self._requests.values()):
+            handle.close(CloseReason.FAILED, f"engine step failed: {error}")
 
 
 class _ChunkStream:
     """Turns one request's cumulative outputs into consecutive chunks."""
 
-    def __init__(self, req: _Request, request: pb.DecodeRequest) -> None:
+    def __init__(self, req: RequestHandle, request: pb.DecodeRequest) -> None:
         self.req = req
         # Chunks continue where an earlier attempt's stream stopped, text included.
         self.num_sent = req.num_resumed  # tokens already in chunks (by any attempt)

@@ -11,13 +11,17 @@ Each heartbeat first checks the ledger's generation (ledger.ledger.join_generati
 - another one, or none: Redis restarted empty (or was flushed), or was restored from a
   snapshot (the clock this component, or another, keeps there was behind what it had
   read last: a new generation began). The component registers again with a new epoch and
-  records again what it holds (``rebuild_from``: a decode worker's decoding requests,
+  records again what it holds (``Component.held_requests``: a decode worker's decoding requests,
   each in one script, owned by it at the new epoch, replacing what a snapshot brought
   back), so their streams go on; whatever it held that is not recorded again is dropped
-  (``on_lease_lost``).
+  (``Component.on_lease_lost``).
 - the same one, but the registration is gone: this process stalled past its TTL. It
   registers again and drops all it held: its leases may have been reclaimed and its
   requests taken over, so the old epoch must not move them.
+
+Membership talks to the service it registers through the ``Component`` protocol (its
+load, and what to do when the ledger loses track of what it holds); the service is
+``attach``ed once built, since it needs the membership (and its epoch) to be built.
 
 A Redis that cannot be reached is logged once when it goes and once when it is back; the
 process keeps serving meanwhile.
@@ -27,8 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import redis
 
@@ -73,8 +78,40 @@ class HeldRequest:
     fields: Mapping[str, str | int] = field(default_factory=dict)
 
 
-async def _holds_nothing() -> Sequence[HeldRequest]:
-    return ()
+class Component(Protocol):
+    """What membership asks of the service it registers."""
+
+    def load(self) -> tuple[float, Mapping[str, str | int | float]]:
+        """Load in [0, 1] and figures ("model", ...), carried by every heartbeat."""
+        ...
+
+    def on_lease_lost(self, request_id: str) -> None:
+        """The ledger no longer has this component holding ``request_id``: drop it here."""
+        ...
+
+    def on_registered_again(self, epoch: int) -> None:
+        """Registered again under ``epoch`` (Redis lost data, or this process stalled)."""
+        ...
+
+    async def held_requests(self) -> Sequence[HeldRequest]:
+        """After the ledger lost data: the requests to record again at the new epoch."""
+        ...
+
+
+class _Unattached:
+    """Stands in for the service until it is attached: no load, nothing held."""
+
+    def load(self) -> tuple[float, Mapping[str, str | int | float]]:
+        return 0.0, {}
+
+    def on_lease_lost(self, request_id: str) -> None:
+        pass
+
+    def on_registered_again(self, epoch: int) -> None:
+        pass
+
+    async def held_requests(self) -> Sequence[HeldRequest]:
+        return ()
 
 
 @dataclass
@@ -86,7 +123,8 @@ class _Held:
 
 
 class Membership:
-    """Registers ``worker_id`` on ``start``, heartbeats and renews leases until ``stop``."""
+    """Registers ``worker_id``, heartbeats (from ``start``) and renews leases until ``stop``,
+    telling its ``Component`` what the ledger lost."""
 
     def __init__(
         self,
@@ -97,19 +135,13 @@ class Membership:
         address: str,
         capacity: int,
         timing: Timing,
-        load: Callable[[], tuple[float, Mapping[str, str | int | float]]],
-        on_lease_lost: Callable[[str], None] = lambda request_id: None,
-        on_registered_again: Callable[[int], None] = lambda epoch: None,
-        rebuild_from: Callable[[], Awaitable[Sequence[HeldRequest]]] = _holds_nothing,
+        component: Component | None = None,
     ) -> None:
         self.ledger = ledger
         self.worker_id = worker_id
         self.role, self.address, self.capacity = role, address, capacity
         self.timing = timing
-        self._load = load
-        self._on_lease_lost = on_lease_lost
-        self._on_registered_again = on_registered_again  # gets the new epoch
-        self._rebuild_from = rebuild_from  # asked once registered again after a restart
+        self.component: Component = component or _Unattached()
         self.epoch = 0
         self.generation = Generation("", 0, 0)  # the ledger's, as this component read it
         self._is_redis_down = False
@@ -118,6 +150,10 @@ class Membership:
         self._tables: dict[str, Sequence[int]] = {}
         self._is_sync_due = False
         self._task: asyncio.Task[None] | None = None
+
+    def attach(self, component: Component) -> None:
+        """Heartbeats carry ``component``'s load from now on; it hears what the ledger lost."""
+        self.component = component
 
     def register(self) -> int:
         """Joins the ledger's generation, registers with a fresh epoch and heartbeats once;
@@ -241,7 +277,7 @@ class Membership:
         return False
 
     def _send_heartbeat(self, ttl_ms: int | None = None) -> None:
-        load, stats = self._load()
+        load, stats = self.component.load()
         self.ledger.heartbeat(
             self.worker_id,
             epoch=self.epoch,
@@ -252,13 +288,13 @@ class Membership:
 
     async def _rebuild(self) -> None:
         """The ledger lost data (restarted empty, or restored): registers again, then
-        records again, at the new epoch, the requests ``rebuild_from`` names among those
+        records again, at the new epoch, the requests the component names among those
         held; the others are dropped. Requests claimed after registering (under the new
         epoch) are kept."""
         old_epoch, old_generation = self.epoch, self.generation
         self.register()  # a RedisError leaves everything as it was, for the next heartbeat
         held, self._held = self._held, {}
-        self._on_registered_again(self.epoch)
+        self.component.on_registered_again(self.epoch)
         try:
             for request in await self._held_now():
                 self._restore(request, held.get(request.request_id))
@@ -276,12 +312,12 @@ class Membership:
                 len(lost),
             )
             for request_id in lost:
-                self._on_lease_lost(request_id)
+                self.component.on_lease_lost(request_id)
 
     async def _held_now(self) -> Sequence[HeldRequest]:
-        """``rebuild_from``'s answer; none when it fails (the heartbeat must go on)."""
+        """The component's ``held_requests``; none when it fails (the heartbeat goes on)."""
         try:
-            return await self._rebuild_from()
+            return await self.component.held_requests()
         except Exception:
             log.exception("after a Redis restart: cannot list the requests held")
             return ()
@@ -323,9 +359,9 @@ class Membership:
             old_epoch,
             len(lost),
         )
-        self._on_registered_again(self.epoch)
+        self.component.on_registered_again(self.epoch)
         for request_id in lost:
-            self._on_lease_lost(request_id)
+            self.component.on_lease_lost(request_id)
 
     def _renew_leases(self) -> bool:
         """Renews every lease; False, renewing no more, when a refusal turns out to mean
@@ -377,7 +413,7 @@ class Membership:
                         return
                     log.warning("blocks of %s not recorded, dropping it: %s", request_id, e)
                     self.release(request_id)  # what the ledger still has this worker hold
-                    self._on_lease_lost(request_id)
+                    self.component.on_lease_lost(request_id)
                     continue
                 held.block_ids = block_ids
             del self._tables[request_id]
@@ -386,4 +422,4 @@ class Membership:
         """The ledger no longer has this worker holding the request (its lease expired)."""
         self._held.pop(request_id, None)
         self._tables.pop(request_id, None)
-        self._on_lease_lost(request_id)
+        self.component.on_lease_lost(request_id)

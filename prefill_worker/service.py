@@ -21,7 +21,7 @@ from typing import Any
 from engine.llm_engine import LLMEngine, PrefilledRequest, RequestOutput
 from kv_transfer import Handshake, KvLayout, ShmRingPool, TransferOptions, make_sender
 from ledger.ledger import LedgerConflict, RequestState
-from ledger.membership import Membership
+from ledger.membership import HeldRequest, Membership
 from prefill_worker.kv_push import LayerPush, LayerRelay
 from serving.engine_loop import EngineLoop
 from serving.engine_setup import draft_figures
@@ -194,9 +194,19 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             await self.engine_loop.report_block_ids(reply)
         return reply
 
-    # ---- lifecycle
+    # ---- lifecycle (serving.component.Service)
+
+    def add_to(self, server: Any) -> None:
+        pb_grpc.add_PrefillWorkerServicer_to_server(self, server)
+
+    def start(self) -> None:
+        self.engine_loop.start()
+
+    async def housekeeping(self) -> None:
+        """Nothing to do between requests: each Prefill cleans up after itself."""
 
     def load(self) -> tuple[float, dict[str, str | int | float]]:
+        """Load and figures for heartbeats."""
         stats = self.engine_loop.stats
         load = max(stats.load, len(self._tasks) / self.max_queued)
         figures: dict[str, str | int | float] = {
@@ -208,13 +218,27 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         }
         return min(1.0, load), figures
 
+    def on_lease_lost(self, request_id: str) -> None:
+        """Nothing to drop at once: the hand-over to the decode worker at the end of the
+        request's Prefill is refused by the ledger, which fails that Prefill."""
+
+    def on_registered_again(self, epoch: int) -> None:
+        """Prefills under way end as above; new ones run under the new epoch."""
+
+    async def held_requests(self) -> list[HeldRequest]:
+        """None to record again: the router prefills again what was in flight."""
+        return []
+
     async def drain(self, timeout_s: float) -> None:
+        """Refuses new prefills, waits for those in flight."""
         self.is_draining = True
         deadline = time.monotonic() + timeout_s
         while self._tasks and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:
+        """Stops the engine thread, closes the channels to decode workers and the rings."""
+        self.engine_loop.stop()
         await self._channels.close()
         if self.rings is not None:
             self.rings.close()

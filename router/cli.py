@@ -3,15 +3,35 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ledger.membership import HeldRequest
+    from router.service import GenerationService
+    from serving.component import Role, Runtime
 
 DEFAULT_PORT = 50050
 SERVICE_NAMES = ("tandem.v1.Generation",)
-log = logging.getLogger("router")
+
+
+def role() -> Role:
+    """The router's part in serving.component (imported late: `tandem --help` stays light)."""
+    from ledger.ledger import WorkerRole
+    from serving.component import Role
+    from serving.metrics import RouterMetrics
+
+    return Role(
+        name="router",
+        title="router",
+        logger="router",
+        worker_role=WorkerRole.ROUTER,
+        service_names=SERVICE_NAMES,
+        make_metrics=RouterMetrics,
+        max_message_bytes=lambda args: 4 * args.max_request_bytes,
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,82 +71,73 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from serving.rpc import run_service
+    from serving.component import run_component
 
     if args.threads:
         os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
-    return run_service("router", serve, args)
+    return run_component(role(), args, make_service)
 
 
-async def serve(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
+def make_service(runtime: Runtime) -> RouterComponent:
+    """The Generation service over the model's tokenizer and the ledger's workers."""
     from engine.model_store import resolve_model
-    from ledger.ledger import Ledger, WorkerRole
-    from ledger.membership import Membership, Timing
-    from ledger.redis_connect import RedisSettings, connect
     from router.routing import WorkerPicker
     from router.service import GenerationService
     from router.validation import ModelInfo, RequestValidator
     from serving.engine_setup import load_tokenizer
-    from serving.metrics import RouterMetrics
-    from serving.rpc import (
-        advertised_address,
-        default_worker_id,
-        new_server,
-        set_serving,
-        wait_for_shutdown,
-    )
-    from tandem.v1 import generation_pb2_grpc
 
+    args = runtime.args
     model_dir = Path(resolve_model(args.model))
+    tokenizer = load_tokenizer(model_dir)
     name = args.served_model_name or model_dir.name
     model = ModelInfo.from_dir(model_dir, name, args.max_model_len)
-    validator = RequestValidator(
-        model, load_tokenizer(model_dir), max_request_bytes=args.max_request_bytes
-    )
-    server, health = new_server(
-        4 * args.max_request_bytes, SERVICE_NAMES if args.reflection else ()
-    )
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    address = advertised_address(args, port)
-    metrics = RouterMetrics()
-    metrics.serve(args.host, args.metrics_port)
-    metrics.watch_loop()
-    client = metrics.instrument_redis(connect(RedisSettings.from_args(args)))
-    ledger = Ledger(client, namespace=args.namespace)
-    holder: dict[str, GenerationService] = {}
-    membership = Membership(
-        ledger,
-        args.worker_id or default_worker_id("router", address),
-        role=WorkerRole.ROUTER,
-        address=address,
-        capacity=0,
-        timing=Timing(args.heartbeat_ms, args.lease_ms),
-        load=lambda: holder["service"].load() if holder else (0.0, {}),
-    )
-    service = holder["service"] = GenerationService(
+    validator = RequestValidator(model, tokenizer, max_request_bytes=args.max_request_bytes)
+    membership = runtime.join(capacity=0)
+    service = GenerationService(
         validator=validator,
-        picker=WorkerPicker(ledger, name),
+        picker=WorkerPicker(runtime.ledger, name),
         membership=membership,
         draft_dir_name=Path(args.draft).name if args.draft else "",
         default_timeout_s=args.request_timeout_s,
-        metrics=metrics,
+        metrics=runtime.metrics,
     )
-    membership.register()
-    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
-    await server.start()
-    membership.start()
-    reaper = asyncio.create_task(service.reap_expired_leases(args.lease_ms / 1000))
-    await set_serving(health, SERVICE_NAMES)
-    log.info("router %s serving %s at %s", membership.worker_id, name, address)
-    reason = await wait_for_shutdown(args.parent_pid)
-    log.info("draining (%s)", reason)
-    await health.enter_graceful_shutdown()
-    await service.drain(args.grace_s)
-    await server.stop(1.0)
-    reaper.cancel()
-    await membership.stop()
-    await service.close()
-    metrics.close()
-    log.info("stopped")
+    return RouterComponent(service, name, lease_s=args.lease_ms / 1000)
+
+
+class RouterComponent:
+    """The router as serving.component runs it: it holds no KV blocks, so the ledger
+    losing data only re-registers it; its housekeeping reaps expired worker leases."""
+
+    def __init__(self, service: GenerationService, served_name: str, *, lease_s: float) -> None:
+        self.service = service
+        self.served_name = served_name
+        self.lease_s = lease_s
+
+    def load(self) -> tuple[float, dict[str, str | int | float]]:
+        return self.service.load()
+
+    def on_lease_lost(self, request_id: str) -> None:
+        pass
+
+    def on_registered_again(self, epoch: int) -> None:
+        pass
+
+    async def held_requests(self) -> Sequence[HeldRequest]:
+        return ()
+
+    def add_to(self, server: Any) -> None:
+        from tandem.v1 import generation_pb2_grpc
+
+        generation_pb2_grpc.add_GenerationServicer_to_server(self.service, server)
+
+    def start(self) -> None:
+        pass
+
+    async def housekeeping(self) -> None:
+        await self.service.reap_expired_leases(self.lease_s)
+
+    async def drain(self, timeout_s: float) -> None:
+        await self.service.drain(timeout_s)
+
+    async def close(self) -> None:
+        await self.service.close()

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ledger import scripts as lua
 from ledger.ledger import Ledger, Pool, RequestState, WorkerRole
@@ -54,10 +54,12 @@ def _decode_membership(
     *,
     heartbeat_ms: int = 50,
     lease_ms: int = 500,
-    **callbacks: Any,
+    rebuild_from: Callable[[], Awaitable[Sequence[HeldRequest]]] | None = None,
+    on_registered_again: Callable[[int], None] | None = None,
 ) -> Membership:
-    """A decode worker "d0" heartbeating every 50 ms (default), serving model "m"; ``callbacks``:
-    ``rebuild_from``, ``on_registered_again``."""
+    """A decode worker "d0" heartbeating every 50 ms (default), serving model "m"; its
+    component records the leases lost in ``lost``."""
+    component = _Component(lost, rebuild_from, on_registered_again)
     return Membership(
         ledger,
         "d0",
@@ -65,10 +67,30 @@ def _decode_membership(
         address="127.0.0.1:1",
         capacity=8,
         timing=Timing(heartbeat_ms=heartbeat_ms, lease_ms=lease_ms),
-        load=lambda: (0.0, {"model": "m"}),
-        on_lease_lost=lost.append,
-        **callbacks,
+        component=component,
     )
+
+
+@dataclass
+class _Component:
+    """The component membership talks to (ledger.membership.Component), as the test says."""
+
+    lost: list[str]
+    rebuild_from: Callable[[], Awaitable[Sequence[HeldRequest]]] | None
+    registered_again: Callable[[int], None] | None
+
+    def load(self) -> tuple[float, Mapping[str, str | int | float]]:
+        return 0.0, {"model": "m"}
+
+    def on_lease_lost(self, request_id: str) -> None:
+        self.lost.append(request_id)
+
+    def on_registered_again(self, epoch: int) -> None:
+        if self.registered_again is not None:
+            self.registered_again(epoch)
+
+    async def held_requests(self) -> Sequence[HeldRequest]:
+        return await self.rebuild_from() if self.rebuild_from is not None else ()
 
 
 async def _wait_for(condition: Callable[[], bool], timeout_s: float = 2.0) -> None:

@@ -1,0 +1,205 @@
+"""One request on a decode worker: a ``RequestHandle`` holds its state here and references
+everything else it holds (its sequence in the engine, its reservation in the KV receiver,
+its block claims and record in the ledger); ``close(reason)`` releases all of it, once,
+whichever way the request ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from engine.llm_engine import LLMEngine, RequestOutput
+from kv_transfer import KvLayout, KvReceiver, KvReservation
+from ledger.ledger import LedgerConflict, RequestState
+from ledger.membership import HeldRequest, Membership
+from serving.engine_loop import EngineLoop
+from serving.rpc import Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class Aborted(Exception):
+    """Ends a stream with an ABORT chunk (the Abort RPC) rather than an error status."""
+
+
+class CloseReason(enum.Enum):
+    """How a request ended here; each says what ``RequestHandle.close`` does besides
+    freeing the request's blocks in the engine, the receiver and the ledger."""
+
+    FINISHED = "finished"  # last token sampled (the engine freed it): record FINISHED
+    PREEMPTED = "preempted"  # the engine handed it back: record QUEUED, owned by its router
+    CANCELLED = "cancelled"  # the router ended the Decode stream (client gone, migrating)
+    ABORTED = "aborted"  # the Abort RPC (router cancelling or migrating it): ABORT chunk
+    LEASE_LOST = "lease_lost"  # the ledger lost it (a stall, Redis lost data): UNAVAILABLE
+    LAPSED = "lapsed"  # reserved, but its Decode never came
+    FAILED = "failed"  # reserving, receiving or the engine failed: the stream errs
+
+    @property
+    def metric_status(self) -> str:
+        """The ``status`` label of the requests counter (finished, preempted, aborted)."""
+        is_own = self in (CloseReason.FINISHED, CloseReason.PREEMPTED)
+        return self.value if is_own else "aborted"
+
+
+class OutputSlot:
+    """The newest output of one request. Outputs are cumulative (all tokens so far), so
+    keeping only the newest loses nothing and bounds what a slow reader can pile up."""
+
+    def __init__(self) -> None:
+        self.output: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self._event = asyncio.Event()
+
+    def update(self, output: RequestOutput) -> None:
+        current = self.output
+        if current is None or output.finished or len(output.token_ids) > len(current.token_ids):
+            self.output = output
+            self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._event.set()
+
+    async def next(self) -> RequestOutput:
+        await self._event.wait()
+        self._event.clear()
+        if self.error is not None:
+            raise self.error
+        assert self.output is not None
+        return self.output
+
+
+@dataclass(frozen=True)
+class Holders:
+    """Where a decode worker's requests are held besides their handles (one per worker)."""
+
+    engine: LLMEngine  # sequences and detokenizers; touched on the engine thread only
+    engine_loop: EngineLoop[Any]
+    receiver: KvReceiver  # reservations the prefill workers push KV into
+    layout: KvLayout
+    membership: Membership  # block claims and leases; its ledger holds the records
+    handles: dict[str, RequestHandle] = field(default_factory=dict)  # the live requests
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """A request reserved or decoding on this worker, from Reserve to its ``close``."""
+
+    holders: Holders = field(repr=False)
+    request_id: str
+    num_prompt_tokens: int  # the client's prompt (without output resumed from a preemption)
+    logprobs: int | None
+    num_resumed: int  # output tokens an earlier attempt already streamed (a preemption)
+    router_id: str  # who gets the request back on a preemption
+    router_epoch: int
+    block_ids: list[int] = field(default_factory=list)  # as reserved, then as grown
+    num_text_resumed: int = 0  # characters of the resumed output already streamed
+    reserved_at: float = field(default_factory=time.monotonic)
+    slot: OutputSlot | None = None  # set once Decode started
+    closed_by: CloseReason | None = None
+
+    def __post_init__(self) -> None:
+        self.holders.handles[self.request_id] = self
+
+    def hold(self, table: list[int], num_cached_blocks: int, pools: Any) -> None:
+        """The engine reserved ``table``: the receiver expects KV in its uncached blocks,
+        the ledger records the blocks as this worker's (both pools share the ids)."""
+        h = self.holders
+        self.block_ids = table
+        reservation = KvReservation(self.request_id, table[num_cached_blocks:], pools, h.layout)
+        h.receiver.reserve(reservation)
+        h.membership.claim(self.request_id, table, has_draft=h.layout.draft is not None)
+
+    async def wait_for_kv(self, timeout_s: float | None) -> None:
+        """Waits until the pushed KV is in the blocks (``None``: nothing is pushed), then
+        lets the receiver forget the reservation."""
+        if timeout_s is not None:
+            await self.holders.receiver.wait_done(self.request_id, timeout_s)
+        self.holders.receiver.release(self.request_id)
+
+    def resize(self, table: list[int]) -> None:
+        """The engine grew (or shrank) the request's table: the ledger follows, later."""
+        self.block_ids = table
+        self.holders.membership.resize(self.request_id, table)
+
+    def held(self, table: list[int] | None, fields: Mapping[str, str | int]) -> HeldRequest:
+        """How the ledger should record this request again after it lost data."""
+        return HeldRequest(self.request_id, self.block_ids if table is None else table, fields)
+
+    def close(self, reason: CloseReason, detail: str = "") -> None:
+        """Ends the request here: fails its stream where ``reason`` says so, frees its
+        blocks in the engine, the receiver and the ledger, and records how it ended.
+        Only the first call acts. A Redis error handing back a preempted request is
+        raised (the stream fails; the router resumes the request as a lost stream)."""
+        if self.closed_by is not None:
+            return
+        self.closed_by = reason
+        h, rid = self.holders, self.request_id
+        if h.handles.get(rid) is self:
+            del h.handles[rid]
+        error = _stream_error(reason, detail, h.membership.worker_id)
+        if self.slot is not None and error is not None:
+            self.slot.fail(error)
+        if reason is not CloseReason.FINISHED:  # a finished request the engine freed itself
+            h.engine_loop.submit(h.engine.abort_request, rid, bounded=False)
+        h.receiver.release(rid)
+        h.membership.release(rid)
+        if reason is CloseReason.FINISHED:
+            self._record_finished()
+        elif reason is CloseReason.PREEMPTED:
+            self._hand_back()
+
+    def _record_finished(self) -> None:
+        """DECODING -> FINISHED. The client gets its last chunk even when Redis cannot be
+        reached (the record, if it survives, expires)."""
+        ledger, state = self.holders.membership.ledger, RequestState.FINISHED
+        try:
+            ledger.transition(
+                self.request_id,
+                state,
+                expected=RequestState.DECODING,
+                epoch=self.holders.membership.epoch,
+            )
+        except LedgerConflict:  # cancelled meanwhile: the router decided
+            pass
+        except redis.RedisError as e:
+            log.warning("%s %s, not recorded in the ledger: redis: %s", self.request_id, state, e)
+
+    def _hand_back(self) -> None:
+        """DECODING -> QUEUED, owned by the router that sent it, which resumes it."""
+        log.info("preempted %s: handed back to %s", self.request_id, self.router_id)
+        if not self.router_id:
+            return
+        membership = self.holders.membership
+        with contextlib.suppress(LedgerConflict):  # cancelled meanwhile: the router decided
+            membership.ledger.transition(
+                self.request_id,
+                RequestState.QUEUED,
+                expected=RequestState.DECODING,
+                epoch=membership.epoch,
+                new_owner=self.router_id,
+                new_epoch=self.router_epoch,
+            )
+
+
+def _stream_error(reason: CloseReason, detail: str, worker_id: str) -> BaseException | None:
+    """What a running Decode stream raises when the request is closed under it, if any."""
+    if reason is CloseReason.ABORTED:
+        return Aborted(detail)
+    if reason is CloseReason.LEASE_LOST:
+        return Unavailable(
+            f"decode worker {worker_id}: lost its lease on the request's KV blocks in the "
+            "ledger (a stall, or Redis restarted)"
+        )
+    if reason is CloseReason.FAILED:
+        return RuntimeError(detail)
+    return None
