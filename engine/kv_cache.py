@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -96,3 +97,13 @@ class PagedKVCache:
             )
             for _ in range(params.num_layers)
         ]
+
+    def place(self, storage: Callable[[torch.Size, torch.dtype], torch.Tensor]) -> None:
+        """Moves every pool into a tensor from ``storage`` (e.g. shared memory another
+        process maps), contents kept; each tensor keeps its identity, so holders of
+        ``layers`` see the move."""
+        for kv in self.layers:
+            for t in kv:
+                moved = storage(t.shape, t.dtype)
+                moved.copy_(t)
+                t.set_(moved)  # type: ignore[call-overload]

@@ -1,4 +1,5 @@
-"""KV cache transfer from prefill to decode workers: loopback, gRPC and shared memory."""
+"""KV cache transfer from prefill to decode workers: one chunker composed with a channel per
+transport (loopback, gRPC, same-host shared memory)."""
 
 from kv_transfer.base import (
     Handshake,
@@ -9,25 +10,25 @@ from kv_transfer.base import (
     PoolShape,
     TransferState,
 )
-from kv_transfer.chunking import TransferOptions
+from kv_transfer.chunking import Channel, ChunkedKvSender, Destination, TransferOptions
 from kv_transfer.grpc_transport import (
-    GrpcKvSender,
+    GrpcChannel,
     KvTransferServicer,
     add_kv_transfer_servicer,
+    grpc_sender,
     server_options,
 )
-from kv_transfer.loopback import LoopbackTransport
+from kv_transfer.loopback import LoopbackChannel, LoopbackTransport
 from kv_transfer.receiver import KvReceiver, KvReservation
-from kv_transfer.shm_transport import (
-    ShmAttacher,
-    ShmKvSender,
-    ShmRingPool,
-    host_id,
-    make_sender,
-)
+from kv_transfer.shared_pools import SharedKvPools
+from kv_transfer.shm_channel import ShmChannel, make_sender, shm_sender
+from kv_transfer.shm_transport import ShmAttacher, ShmRingPool, host_id
 
 __all__ = [
-    "GrpcKvSender",
+    "Channel",
+    "ChunkedKvSender",
+    "Destination",
+    "GrpcChannel",
     "Handshake",
     "KvLayout",
     "KvPool",
@@ -36,15 +37,19 @@ __all__ = [
     "KvSender",
     "KvTransferError",
     "KvTransferServicer",
+    "LoopbackChannel",
     "LoopbackTransport",
     "PoolShape",
+    "SharedKvPools",
     "ShmAttacher",
-    "ShmKvSender",
+    "ShmChannel",
     "ShmRingPool",
     "TransferOptions",
     "TransferState",
     "add_kv_transfer_servicer",
+    "grpc_sender",
     "host_id",
     "make_sender",
     "server_options",
+    "shm_sender",
 ]

@@ -1,18 +1,20 @@
-"""A sender that packs layers into checksummed chunks; the gRPC and shm senders build on it.
+"""The one sender: a chunker (chunks, frames, checksums) composed with a channel per transport.
 
 One chunk holds whole layers of one pool for the same block runs (small layers are grouped
 up to ``chunk_bytes``) or part of one layer's runs (a large layer is split at block bounds).
-Blocks are checksummed as they are packed (copying.pack), while they are in cache.
+Blocks are checksummed as they are copied, while they are in cache (copying.py). A channel
+either hands out buffers the chunk is packed into (gRPC messages, shared-memory ring slots)
+or, where the receiver's pools are writable here, a ``Destination``: each block is then
+copied once, straight into its reserved destination block, and only the header travels.
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import torch
 
@@ -89,10 +91,42 @@ class ChunkSpec:
 @dataclass
 class _Pending:
     spec: ChunkSpec
-    buffer: torch.Tensor  # uint8, room for max_layers layers
+    buffer: torch.Tensor | None  # uint8, room for max_layers layers; None: placed
     layer_bytes: int
     max_layers: int
     running: RunningChecksum  # of the layers packed so far
+
+
+class Destination(Protocol):
+    """The receiver's pools, writable from here (same process, or a mapped shared segment)."""
+
+    def layer(self, pool: KvPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a destination layer, each ``[num_blocks, block_size, heads, dim]``."""
+
+    async def check(self, pool: KvPool, layer: int, runs: Sequence[RunPair]) -> None:
+        """Raises KvTransferError unless the reservation is live and holds every
+        destination block of ``runs``: a sender writes nothing else."""
+
+
+class Channel(Protocol):
+    """How one push's chunks reach the receiver; ``ChunkedKvSender`` drives it."""
+
+    groups_layers: bool  # False: each layer leaves at once as its own chunk(s)
+
+    async def open(self, handshake: pb.KvHandshake, layout: KvLayout) -> Destination | None:
+        """Sends the handshake; a Destination when chunks are to be written in place."""
+
+    async def acquire(self, num_bytes: int) -> torch.Tensor:
+        """A uint8 buffer of ``num_bytes`` for the next packed chunk."""
+
+    async def send(self, header: pb.KvChunk, data: torch.Tensor | None) -> None:
+        """Sends a chunk: ``data`` from ``acquire``, or None for one written in place."""
+
+    async def close(self, last: pb.KvChunk) -> pb.KvPushReply:
+        """Sends the last message and returns the receiver's reply."""
+
+    def on_failed(self, status: int, message: str) -> None:
+        """Ends the transport's side of a failed or aborted transfer."""
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -114,36 +148,26 @@ def encode_named_tensor(name: str, tensor: torch.Tensor, checksum: int) -> pb.Na
     )
 
 
-class ChunkingKvSender(KvSender):
-    """Packs layers into chunk buffers from ``_acquire`` and hands them to ``_send_chunk``."""
+class ChunkedKvSender(KvSender):
+    """A ``KvSender`` over any channel: packs (or places) layers into checksummed chunks."""
 
-    def __init__(self, options: TransferOptions, tamper: Tamper | None = None) -> None:
+    def __init__(
+        self, channel: Channel, options: TransferOptions | None = None, tamper: Tamper | None = None
+    ) -> None:
         super().__init__()
-        self.options = options
-        self.checksum_kind = checksum_kind(options.checksum)
+        self.channel = channel
+        self.options = options or TransferOptions()
+        self.checksum_kind = checksum_kind(self.options.checksum)
         self._tamper = tamper
         self._layout: KvLayout | None = None
+        self._destination: Destination | None = None
         self._pending: _Pending | None = None
         self._start = 0.0
 
-    @abc.abstractmethod
-    async def _open(self, handshake: Handshake) -> None: ...
-
-    @abc.abstractmethod
-    async def _acquire(self, num_bytes: int) -> torch.Tensor:
-        """A uint8 buffer of ``num_bytes`` for the next chunk."""
-
-    @abc.abstractmethod
-    async def _send_chunk(self, header: pb.KvChunk, data: torch.Tensor) -> None:
-        """Sends ``data`` (a buffer from ``_acquire``) with its header (checksum set)."""
-
-    @abc.abstractmethod
-    async def _close(self, last: pb.KvChunk) -> pb.KvPushReply:
-        """Sends the last message and returns the receiver's reply."""
-
-    @abc.abstractmethod
-    def _on_failed(self) -> None:
-        """Ends the transport's side of a failed or aborted transfer."""
+    @property
+    def is_placed(self) -> bool:
+        """Whether blocks go straight into the receiver's pools (one copy, no buffer)."""
+        return self._destination is not None
 
     async def begin(self, handshake: Handshake) -> None:
         if self.state is not TransferState.RESERVED:
@@ -151,7 +175,10 @@ class ChunkingKvSender(KvSender):
         self._layout = handshake.layout
         self._start = time.perf_counter()
         self.state = TransferState.TRANSFERRING
-        await self._guard(self._open(handshake))
+        wire = handshake.layout.to_handshake(
+            handshake.request_id, handshake.decode_epoch, self.checksum_kind
+        )
+        self._destination = await self._guard(self.channel.open(wire, handshake.layout))
 
     async def send_layer(
         self,
@@ -165,6 +192,8 @@ class ChunkingKvSender(KvSender):
         runs = self._check_layer(layout, pool, layer, src_cache_layer, src_block_ids, dst_block_ids)
         if not runs:
             return
+        if self._destination is not None:
+            await self._guard(self._destination.check(pool, layer, runs))
         block_bytes = layout.block_bytes(pool)
         layer_bytes = block_bytes * sum(r.num_blocks for r in runs)
         pending = self._pending
@@ -178,16 +207,19 @@ class ChunkingKvSender(KvSender):
         if layer_bytes > self.options.chunk_bytes:  # split this layer at block bounds
             for group in split_runs(runs, max(1, self.options.chunk_bytes // block_bytes)):
                 spec = ChunkSpec(pool, layer, layer + 1, group)
-                buffer = await self._guard(self._acquire(block_bytes * _num_blocks(group)))
                 running = running_checksum(self.checksum_kind)
-                await self._offload(self._pack, buffer, 0, src_cache_layer, group, running)
-                await self._emit(spec, buffer, running)
+                data = await self._copy(spec, None, 0, src_cache_layer, group, running)
+                await self._emit(spec, data, running)
             return
         if self._pending is None:
             shape = layout.pool_shape(pool)
             assert shape is not None
             max_layers = min(self.options.chunk_bytes // layer_bytes, shape.num_layers - layer)
-            buffer = await self._guard(self._acquire(max_layers * layer_bytes))
+            if not self.channel.groups_layers:
+                max_layers = 1
+            buffer = None
+            if self._destination is None:
+                buffer = await self._guard(self.channel.acquire(max_layers * layer_bytes))
             self._pending = _Pending(
                 ChunkSpec(pool, layer, layer, runs),
                 buffer,
@@ -199,8 +231,8 @@ class ChunkingKvSender(KvSender):
         assert pending is not None
         count = pending.spec.layer_end - pending.spec.layer_start
         offset = count * pending.layer_bytes
-        await self._offload(
-            self._pack, pending.buffer, offset, src_cache_layer, runs, pending.running
+        await self._copy(
+            pending.spec, pending.buffer, offset, src_cache_layer, runs, pending.running, layer
         )
         pending.spec.layer_end += 1
         if count + 1 == pending.max_layers:
@@ -220,7 +252,7 @@ class ChunkingKvSender(KvSender):
                 f"extra_tensors: {last.ByteSize()} bytes exceed max_message_bytes "
                 f"{self.options.max_message_bytes}"
             )
-        reply = await self._guard(self._close(last))
+        reply = await self._guard(self.channel.close(last))
         self.seconds = time.perf_counter() - self._start
         if reply.status != pb.KV_PUSH_STATUS_OK:
             self._fail(reply.status, reply.message or "refused without a message")
@@ -230,7 +262,7 @@ class ChunkingKvSender(KvSender):
         if self.state is TransferState.TRANSFERRING:
             self.state, self.message = TransferState.FAILED, f"aborted: {reason}"
             self.seconds = time.perf_counter() - self._start
-            self._on_failed()
+            self.channel.on_failed(pb.KV_PUSH_STATUS_INCOMPLETE, f"sender aborted: {reason}")
 
     def _active_layout(self) -> KvLayout:
         if self.state is TransferState.FAILED:
@@ -264,6 +296,32 @@ class ChunkingKvSender(KvSender):
         if src_block_ids and not 0 <= min(src_block_ids) <= max(src_block_ids) < num_blocks:
             raise ValueError(f"src_block_ids: outside 0..{num_blocks - 1}")
         return merge_runs(src_block_ids, dst_block_ids)
+
+    async def _copy(
+        self,
+        spec: ChunkSpec,
+        buffer: torch.Tensor | None,
+        offset: int,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        runs: list[RunPair],
+        running: RunningChecksum,
+        layer: int | None = None,
+    ) -> torch.Tensor | None:
+        """Packs ``runs`` into ``buffer`` from ``offset`` (acquired here when None and not
+        placed), or places them in the destination; returns the buffer."""
+        if self._destination is not None:
+            dst = self._destination.layer(spec.pool, spec.layer_start if layer is None else layer)
+            await self._offload(self._place, dst, kv, runs, running)
+            return None
+        if buffer is None:
+            num_bytes = self._layout_block_bytes(spec.pool) * _num_blocks(runs)
+            buffer = await self._guard(self.channel.acquire(num_bytes))
+        await self._offload(self._pack, buffer, offset, kv, runs, running)
+        return buffer
+
+    def _layout_block_bytes(self, pool: KvPool) -> int:
+        assert self._layout is not None
+        return self._layout.block_bytes(pool)
 
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Copies and checksums: in a worker thread with ``options.offload``, else inline.
@@ -304,22 +362,60 @@ class ChunkingKvSender(KvSender):
                     pack(piece, blocks, running)
                 offset += num_bytes
 
+    @staticmethod
+    def _place(
+        dst_kv: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        runs: list[RunPair],
+        running: RunningChecksum,
+    ) -> None:
+        """Copies each run's K then V blocks straight into their destination blocks, adding
+        them to ``running`` in the order ``_pack`` lays them out (same checksum)."""
+        block_bytes = kv[0][0].numel() * kv[0].element_size()
+        src_bytes = [byte_view(t) for t in kv]
+        dst_bytes = [byte_view(t) for t in dst_kv]
+        for run in runs:
+            num_bytes = run.num_blocks * block_bytes
+            start, dst_start = run.src_start * block_bytes, run.dst_start * block_bytes
+            for pool_tensor, src, dst in zip(kv, src_bytes, dst_bytes, strict=True):
+                assert dst is not None, "a destination is contiguous CPU memory"
+                piece = dst[dst_start : dst_start + num_bytes]
+                if src is not None:
+                    copy_then_hash(piece, src[start : start + num_bytes], running)
+                else:
+                    blocks = pool_tensor[run.src_start : run.src_start + run.num_blocks]
+                    pack(piece, blocks, running)
+
     async def _flush(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             num_layers = pending.spec.layer_end - pending.spec.layer_start
-            data = pending.buffer[: num_layers * pending.layer_bytes]
+            data = None
+            if pending.buffer is not None:
+                data = pending.buffer[: num_layers * pending.layer_bytes]
             await self._emit(pending.spec, data, pending.running)
 
-    async def _emit(self, spec: ChunkSpec, data: torch.Tensor, running: RunningChecksum) -> None:
-        """Sends a packed chunk; the test hook may tamper with it after its checksum."""
+    async def _emit(
+        self, spec: ChunkSpec, data: torch.Tensor | None, running: RunningChecksum
+    ) -> None:
+        """Sends a packed or placed chunk; the test hook may tamper with its bytes (a
+        placed chunk: its first run's K in the destination) after its checksum."""
         layout = self._active_layout()
         header = spec.header(self.num_chunks_sent, layout.dtype, running.intdigest())
         if self._tamper is not None:
-            self._tamper(header.sequence_number, data)
-        await self._guard(self._send_chunk(header, data))
+            self._tamper(header.sequence_number, data if data is not None else self._placed(spec))
+        await self._guard(self.channel.send(header, data))
         self.num_chunks_sent += 1
-        self.num_bytes_sent += data.numel()
+        num_blocks = _num_blocks(spec.runs) * (spec.layer_end - spec.layer_start)
+        self.num_bytes_sent += (
+            data.numel() if data is not None else num_blocks * layout.block_bytes(spec.pool)
+        )
+
+    def _placed(self, spec: ChunkSpec) -> torch.Tensor:
+        assert self._destination is not None
+        run = spec.runs[0]
+        k = self._destination.layer(spec.pool, spec.layer_start)[0]
+        return k[run.dst_start : run.dst_start + run.num_blocks].reshape(-1).view(torch.uint8)
 
     async def _guard(self, work: Awaitable[T]) -> T:
         """Runs transport work; a transport failure fails the transfer."""
@@ -331,7 +427,7 @@ class ChunkingKvSender(KvSender):
     def _fail(self, status: int, message: str) -> NoReturn:
         self.state, self.message = TransferState.FAILED, message
         self.seconds = time.perf_counter() - self._start
-        self._on_failed()
+        self.channel.on_failed(status, message)
         raise KvTransferError(status, message)
 
 

@@ -1,98 +1,89 @@
-"""Same-process transport: direct pool-to-pool copies through the receiver's checks.
-
-For tests of code that sends or receives KV (prefill and decode workers, migration)
-without a network; no serialization and no checksums.
-"""
+"""Same-process channel: blocks go straight into the receiver's reserved pools, through the
+receiver's checks (checksums included), with no network; for tests of code that sends or
+receives KV (prefill and decode workers, migration)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import torch
 
-from kv_transfer.base import (
-    Handshake,
-    KvPool,
-    KvSender,
-    KvTransferError,
-    TransferState,
-    merge_runs,
-)
+from kv_transfer.base import KvLayout, KvPool, RunPair
+from kv_transfer.chunking import ChunkedKvSender, Destination, TransferOptions
+from kv_transfer.copying import byte_view
 from kv_transfer.receiver import KvReceiver, ReceiveSession
 from tandem.v1 import kv_transfer_pb2 as pb
 
-T = TypeVar("T")
+_EMPTY = memoryview(b"")
 
 
 class LoopbackTransport:
     """Makes senders that write straight into ``receiver``'s reserved pools."""
 
-    def __init__(self, receiver: KvReceiver) -> None:
+    def __init__(self, receiver: KvReceiver, options: TransferOptions | None = None) -> None:
         self.receiver = receiver
+        self.options = options or TransferOptions()
 
-    def sender(self) -> LoopbackKvSender:
-        return LoopbackKvSender(self.receiver)
+    def sender(self) -> ChunkedKvSender:
+        return ChunkedKvSender(LoopbackChannel(self.receiver), self.options)
 
 
-class LoopbackKvSender(KvSender):
+class LoopbackChannel:
+    """Each layer is a chunk of its own, checked by the receiver as soon as it is sent, so a
+    refusal surfaces in the ``send_layer`` that caused it. CPU pools are written in place;
+    others through a staging buffer the receiver copies from."""
+
+    groups_layers = False
+
     def __init__(self, receiver: KvReceiver) -> None:
-        super().__init__()
         self._receiver = receiver
         self._session: ReceiveSession | None = None
-        self._start = 0.0
+        self._pools: dict[KvPool, Sequence[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    async def begin(self, handshake: Handshake) -> None:
-        if self.state is not TransferState.RESERVED:
-            raise RuntimeError(f"begin: the transfer is {self.state.value}")
-        self._start = time.perf_counter()
-        self.state = TransferState.TRANSFERRING
-        wire = handshake.layout.to_handshake(
-            handshake.request_id, handshake.decode_epoch, pb.CHECKSUM_KIND_CRC32
+    async def open(self, handshake: pb.KvHandshake, layout: KvLayout) -> Destination | None:
+        session = self._session = self._receiver.open(handshake)
+        pools = session.pools
+        self._pools = {pool: pools[pool].layers for pool in KvPool if pool in pools}
+        is_cpu = all(
+            byte_view(t) is not None for layers in self._pools.values() for kv in layers for t in kv
         )
-        self._session = self._run(lambda: self._receiver.open(wire))
+        if not is_cpu:
+            return None
+        session.is_placed = True
+        return _Local(self._pools, session)
 
-    async def send_layer(
+    async def acquire(self, num_bytes: int) -> torch.Tensor:
+        return torch.empty(num_bytes, dtype=torch.uint8)
+
+    async def send(self, header: pb.KvChunk, data: torch.Tensor | None) -> None:
+        assert self._session is not None
+        payload = _EMPTY if data is None else memoryview(data.numpy().data)
+        self._session.on_chunk(header, payload)
+
+    async def close(self, last: pb.KvChunk) -> pb.KvPushReply:
+        assert self._session is not None
+        self._session.on_chunk(last, _EMPTY)
+        return self._session.reply(pb.KV_PUSH_STATUS_OK, "")
+
+    def on_failed(self, status: int, message: str) -> None:
+        if self._session is not None:
+            self._session.fail(status, message)
+
+
+class _Local:
+    """The receiver's own pools as a Destination: its checks run before each write."""
+
+    def __init__(
         self,
-        pool: KvPool,
-        layer: int,
-        src_cache_layer: tuple[torch.Tensor, torch.Tensor],
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
+        pools: dict[KvPool, Sequence[tuple[torch.Tensor, torch.Tensor]]],
+        session: ReceiveSession,
     ) -> None:
-        session = self._active()
-        runs = merge_runs(src_block_ids, dst_block_ids)
-        if runs:
-            self.num_bytes_sent += self._run(
-                lambda: session.write_direct(pool, layer, src_cache_layer, runs)
-            )
-            self.num_chunks_sent += 1
+        self._pools = pools
+        self._session = session
 
-    async def finish(self, extra_tensors: Mapping[str, torch.Tensor] | None = None) -> None:
-        session = self._active()
-        extra = {name: t.detach().clone() for name, t in (extra_tensors or {}).items()}
-        self._run(lambda: session.complete(extra))
-        self.seconds = time.perf_counter() - self._start
-        self.state = TransferState.DONE
+    def layer(self, pool: KvPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._pools[pool][layer]
 
-    async def abort(self, reason: str) -> None:
-        if self.state is TransferState.TRANSFERRING:
-            if self._session is not None:
-                self._session.fail(pb.KV_PUSH_STATUS_INCOMPLETE, f"sender aborted: {reason}")
-            self.state, self.message = TransferState.FAILED, f"aborted: {reason}"
-
-    def _active(self) -> ReceiveSession:
-        if self.state is not TransferState.TRANSFERRING or self._session is None:
-            raise RuntimeError(f"the transfer is {self.state.value}, not transferring")
-        return self._session
-
-    def _run(self, step: Callable[[], T]) -> T:
-        try:
-            return step()
-        except KvTransferError as e:
-            if self._session is not None:
-                self._session.fail(e.status, e.message)
-            self.state, self.message = TransferState.FAILED, e.message
-            self.seconds = time.perf_counter() - self._start
-            raise
+    async def check(self, pool: KvPool, layer: int, runs: Sequence[RunPair]) -> None:
+        dst_runs = [(r.dst_start, r.num_blocks) for r in runs]
+        self._session.check_runs(pool, layer, layer + 1, dst_runs)

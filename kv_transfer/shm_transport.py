@@ -26,7 +26,9 @@ unlinked otherwise; the receiver opens them by a validated name (O_NOFOLLOW, fil
 checked), one push per ring at a time.
 
 Selection: both ends compute ``host_id()``; when the decode worker's equals the prefill
-worker's, ``make_sender`` picks shared memory, else plain gRPC.
+worker's, ``make_sender`` picks shared memory (shm_channel.py), else plain gRPC. When the
+receiver's pools themselves are shared (shared_pools.py) it answers the handshake with
+them and the sender writes each block in place instead of through this ring.
 No CUDA IPC path yet: GPU pools go through host memory here.
 """
 
@@ -48,13 +50,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 import torch
 from google.protobuf.message import DecodeError
 
-from kv_transfer.base import Handshake, KvLayout, KvPool, KvTransferError
-from kv_transfer.chunking import Tamper, TransferOptions
-from kv_transfer.grpc_transport import GrpcKvSender
+from kv_transfer.base import KvLayout, KvPool
+from kv_transfer.chunking import TransferOptions
 from tandem.v1 import kv_transfer_pb2 as pb
 
 SHM_DIR = Path("/dev/shm")
@@ -329,6 +329,8 @@ class ShmRingPool:
         self._idle: list[ShmRing] = []
         self._names: set[str] = set()  # every ring not unlinked yet
         self._finalizer = weakref.finalize(self, _unlink_all, self._names)
+        # Receivers' pool segments this process mapped, by name (see shm_channel).
+        self.mapped_pools: OrderedDict[str, Any] = OrderedDict()
 
     @classmethod
     def for_options(cls, options: TransferOptions) -> ShmRingPool:
@@ -444,111 +446,3 @@ class ShmAttacher:
         reader = RingReader(ring, functools.partial(self._in_use.discard, segment.name))
         self._in_use.add(segment.name)
         return reader
-
-
-class ShmKvSender(GrpcKvSender):
-    """The gRPC sender with every chunk but the last in a ring slot instead of a message."""
-
-    def __init__(
-        self,
-        channel: grpc.aio.Channel,
-        rings: ShmRingPool,
-        options: TransferOptions | None = None,
-        *,
-        tamper: Tamper | None = None,
-    ) -> None:
-        super().__init__(channel, options, tamper=tamper)
-        if self.options.chunk_bytes > rings.slot_bytes:
-            raise ValueError(f"chunk_bytes: {self.options.chunk_bytes} exceed the ring's slots")
-        self._rings = rings
-        self._ring: ShmRing | None = None
-        self._num_acquired = 0  # slots handed out (= chunks packed or being packed)
-        self._num_consumed = 0  # wake-up bytes read from the receiver
-        self._ended: asyncio.Future[None] | None = None  # done when the call ends
-
-    def _handshake(self, handshake: Handshake) -> pb.KvHandshake:
-        hs = super()._handshake(handshake)
-        assert self._ring is not None
-        hs.shm.CopyFrom(self._ring.segment())
-        return hs
-
-    async def _open(self, handshake: Handshake) -> None:
-        offset = data_offset_for(handshake.layout, self.options.chunk_bytes)
-        self._ring = self._rings.acquire(offset)
-        await super()._open(handshake)
-        # The handshake leaves now, not once the window is full: the receiver maps the
-        # ring while the first chunk is packed.
-        await self._queue.join()
-        loop = asyncio.get_running_loop()
-        ended = self._ended = loop.create_future()
-
-        def on_done(_: object) -> None:  # grpc may call it from another thread
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(_resolve, ended)
-
-        self._call.add_done_callback(on_done)
-
-    async def _acquire(self, num_bytes: int) -> torch.Tensor:
-        ring = self._ring
-        assert ring is not None
-        if num_bytes > ring.data_bytes:
-            raise ValueError(f"chunk_bytes: one block ({num_bytes} bytes) exceeds a ring slot")
-        index = self._num_acquired
-        await self._wait_consumed(ring, index - ring.num_slots + 1)
-        self._num_acquired += 1
-        return ring.data(index, num_bytes)
-
-    async def _send_chunk(self, header: pb.KvChunk, data: torch.Tensor) -> None:
-        ring = self._ring
-        assert ring is not None
-        if self._write_error is not None or self._call.done():
-            raise await self._failure()  # refused: the reply says why
-        # data is the slot _acquire gave out last: chunks are packed one at a time, in order
-        assert header.sequence_number == self._num_acquired - 1
-        ring.publish(header, data.numel())
-
-    async def _close(self, last: pb.KvChunk) -> pb.KvPushReply:
-        reply = await super()._close(last)
-        self._release(is_reusable=reply.status == pb.KV_PUSH_STATUS_OK)
-        return reply
-
-    def _on_failed(self) -> None:
-        super()._on_failed()
-        self._release(is_reusable=False)
-
-    def _release(self, *, is_reusable: bool) -> None:
-        ring, self._ring = self._ring, None
-        if ring is not None:
-            self._rings.release(ring, is_reusable=is_reusable)
-
-    async def _wait_consumed(self, ring: ShmRing, num_chunks: int) -> None:
-        """Until the receiver consumed ``num_chunks`` chunks: sleeps on the free FIFO (or
-        the call's end: a refusal) for at most ``timeout_s`` at a time."""
-        assert self._ended is not None
-        while self._num_consumed < num_chunks:
-            self._num_consumed += _count(ring.free_fd)
-            if self._num_consumed >= num_chunks:
-                return
-            if self._write_error is not None or self._call.done():
-                raise await self._failure()
-            try:
-                async with asyncio.timeout(self.options.timeout_s):
-                    await _until_readable(ring.free_fd, self._ended)
-            except TimeoutError:
-                raise KvTransferError(
-                    pb.KV_PUSH_STATUS_INCOMPLETE, "shm: the receiver stopped consuming chunks"
-                ) from None
-
-
-def make_sender(
-    channel: grpc.aio.Channel,
-    *,
-    peer_host_id: str | None,
-    rings: ShmRingPool | None,
-    options: TransferOptions | None = None,
-) -> GrpcKvSender:
-    """Shared memory when the receiver reports this host's id (and rings are given),
-    else plain gRPC."""
-    if rings is not None and peer_host_id == host_id() and shm_available():
-        return ShmKvSender(channel, rings, options)
-    return GrpcKvSender(channel, options)

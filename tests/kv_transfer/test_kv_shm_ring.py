@@ -9,6 +9,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -21,14 +22,15 @@ from kv_transfer import (
     KvReservation,
     KvTransferError,
     ShmAttacher,
-    ShmKvSender,
     ShmRingPool,
     TransferOptions,
     TransferState,
+    shm_sender,
 )
 from kv_transfer.checksum import checksum_function, running_checksum
 from kv_transfer.copying import PIECE_BYTES, copy_then_hash, hash_then_copy
 from kv_transfer.grpc_transport import SERVICE
+from kv_transfer.shared_pools import PLACEMENT_KEY
 from kv_transfer.shm_transport import HEADER_BYTES, SLOT_HEADER, ShmRing
 from tandem.v1 import kv_transfer_pb2 as pb
 from tests.kv_transfer.kv_pools import (
@@ -81,7 +83,7 @@ async def test_many_chunks_through_a_one_slot_ring_arrive_in_order(
     layout = layout_for(torch.float32)
     dst = receiving.reserve("r1", layout)
     src = make_pools(layout, SRC_SEED)
-    sender = ShmKvSender(receiving.channel, rings, ONE_BLOCK_CHUNKS)
+    sender = shm_sender(receiving.channel, rings, ONE_BLOCK_CHUNKS)
     start = time.monotonic()
     await push_all(sender, "r1", layout, src)
     await receiving.receiver.wait_done("r1", timeout=5)
@@ -99,7 +101,7 @@ async def test_rings_are_pooled_after_success_and_unlinked_after_failure(
     for request_id in ("r1", "r2"):
         receiving.reserve(request_id, layout)
         await push_all(
-            ShmKvSender(receiving.channel, rings, ONE_BLOCK_CHUNKS), request_id, layout, src
+            shm_sender(receiving.channel, rings, ONE_BLOCK_CHUNKS), request_id, layout, src
         )
     first, second = receiving.ring_names
     assert first == second, "the second push reused the first one's ring"
@@ -110,13 +112,13 @@ async def test_rings_are_pooled_after_success_and_unlinked_after_failure(
             data[5] ^= 0x01
 
     receiving.reserve("r3", layout)
-    sender = ShmKvSender(receiving.channel, rings, ONE_BLOCK_CHUNKS, tamper=flip_a_byte)
+    sender = shm_sender(receiving.channel, rings, ONE_BLOCK_CHUNKS, tamper=flip_a_byte)
     with pytest.raises(KvTransferError, match="CHECKSUM_MISMATCH: chunk 2: checksum"):
         await push_all(sender, "r3", layout, src)
     assert receiving.ring_names[-1] == first
     assert ring_files(first) == [], "a ring that saw a failure is not reused"
     receiving.reserve("r4", layout)
-    await push_all(ShmKvSender(receiving.channel, rings, ONE_BLOCK_CHUNKS), "r4", layout, src)
+    await push_all(shm_sender(receiving.channel, rings, ONE_BLOCK_CHUNKS), "r4", layout, src)
     assert receiving.ring_names[-1] != first
     rings.close()
     assert ring_files(receiving.ring_names[-1]) == []
@@ -125,10 +127,11 @@ async def test_rings_are_pooled_after_success_and_unlinked_after_failure(
 async def test_a_receiver_that_stops_consuming_times_the_sender_out() -> None:
     ring_names: list[str] = []
 
-    async def stalled_push(request_iterator: AsyncIterator[bytes], context: object) -> bytes:
-        """Takes the handshake, then never consumes a chunk."""
+    async def stalled_push(request_iterator: AsyncIterator[bytes], context: Any) -> bytes:
+        """Takes the handshake, answers "use the ring", then never consumes a chunk."""
         first = await anext(aiter(request_iterator))
         ring_names.append(pb.KvPushMessage.FromString(first).handshake.shm.name)
+        await context.send_initial_metadata([(PLACEMENT_KEY, "ring")])
         async for _ in request_iterator:
             pass
         return pb.KvPushReply(status=pb.KV_PUSH_STATUS_OK).SerializeToString()
@@ -143,7 +146,7 @@ async def test_a_receiver_that_stops_consuming_times_the_sender_out() -> None:
     layout = layout_for(torch.float32)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            sender = ShmKvSender(channel, rings, options)
+            sender = shm_sender(channel, rings, options)
             start = time.monotonic()
             with pytest.raises(KvTransferError) as stalled:
                 await push_all(sender, "r1", layout, make_pools(layout, SRC_SEED))
@@ -161,7 +164,7 @@ async def test_release_stops_a_running_shm_push(receiving: Receiving, rings: Shm
     layout = layout_for(torch.float32)
     receiving.reserve("r1", layout)
     src = make_pools(layout, SRC_SEED)
-    sender = ShmKvSender(receiving.channel, rings, ONE_BLOCK_CHUNKS)
+    sender = shm_sender(receiving.channel, rings, ONE_BLOCK_CHUNKS)
     await sender.begin(Handshake("r1", layout))
     await sender.send_layer(KvPool.TARGET, 0, src[KvPool.TARGET].layers[0], SRC_IDS, DST_IDS)
     receiving.receiver.release("r1")

@@ -17,7 +17,6 @@ import torch
 
 from engine.kv_cache import PagedKVCache
 from kv_transfer import (
-    GrpcKvSender,
     Handshake,
     KvLayout,
     KvPool,
@@ -25,12 +24,14 @@ from kv_transfer import (
     KvReservation,
     KvTransferError,
     LoopbackTransport,
-    ShmKvSender,
+    ShmChannel,
     ShmRingPool,
     TransferOptions,
     TransferState,
+    grpc_sender,
     host_id,
     make_sender,
+    shm_sender,
 )
 from kv_transfer.base import RunPair, merge_runs, split_runs
 from kv_transfer.checksum import checksum_kind
@@ -171,7 +172,7 @@ async def test_push_copies_blocks_bit_for_bit(
         rings=rings,
         options=options,
     )
-    assert isinstance(sender, ShmKvSender) == (transport == "shm")
+    assert isinstance(sender.channel, ShmChannel) == (transport == "shm")
     await push_all(sender, "r1", layout, src)
     extra = await receiving.receiver.wait_done("r1", timeout=5)
     rings.close()
@@ -189,8 +190,8 @@ async def test_shm_and_grpc_give_the_same_pools(receiving: Receiving, rings: Shm
     src = make_pools(layout, SRC_SEED)
     results = {}
     for request_id, sender in [
-        ("via-grpc", GrpcKvSender(receiving.channel, TransferOptions())),
-        ("via-shm", ShmKvSender(receiving.channel, rings, SMALL_CHUNKS)),
+        ("via-grpc", grpc_sender(receiving.channel, TransferOptions())),
+        ("via-shm", shm_sender(receiving.channel, rings, SMALL_CHUNKS)),
     ]:
         results[request_id] = receiving.reserve(request_id, layout)
         await push_all(sender, request_id, layout, src)
@@ -218,9 +219,10 @@ async def test_corrupted_chunk_is_refused(
         if sequence_number == 1:
             data[17] ^= 0x40
 
-    cls = ShmKvSender if transport == "shm" else GrpcKvSender
-    args = (rings,) if transport == "shm" else ()
-    sender = cls(receiving.channel, *args, SMALL_CHUNKS, tamper=flip_a_byte)
+    if transport == "shm":
+        sender = shm_sender(receiving.channel, rings, SMALL_CHUNKS, tamper=flip_a_byte)
+    else:
+        sender = grpc_sender(receiving.channel, SMALL_CHUNKS, tamper=flip_a_byte)
     with pytest.raises(KvTransferError) as refused:
         await push_all(sender, "r1", layout, make_pools(layout, SRC_SEED))
     assert refused.value.status == pb.KV_PUSH_STATUS_CHECKSUM_MISMATCH
@@ -234,7 +236,7 @@ async def test_corrupted_chunk_is_refused(
 async def test_fingerprint_mismatch_is_refused_at_handshake(receiving: Receiving) -> None:
     dst = receiving.reserve("r1", layout_for(torch.float32, draft_fingerprint="eagle3-abc"))
     theirs = layout_for(torch.float32, draft_fingerprint="eagle3-OLD")
-    sender = GrpcKvSender(receiving.channel, SMALL_CHUNKS)
+    sender = grpc_sender(receiving.channel, SMALL_CHUNKS)
     with pytest.raises(KvTransferError) as refused:
         await push_all(sender, "r1", theirs, make_pools(theirs, SRC_SEED))
     assert refused.value.status == pb.KV_PUSH_STATUS_INCOMPATIBLE
@@ -248,7 +250,7 @@ async def test_fingerprint_mismatch_is_refused_at_handshake(receiving: Receiving
 async def test_block_outside_the_reservation_is_refused(receiving: Receiving) -> None:
     layout = layout_for(torch.float32)
     receiving.reserve("r1", layout)
-    sender = GrpcKvSender(receiving.channel, SMALL_CHUNKS)
+    sender = grpc_sender(receiving.channel, SMALL_CHUNKS)
     with pytest.raises(KvTransferError, match="block 15 is outside the reservation"):
         await push_all(sender, "r1", layout, make_pools(layout, SRC_SEED), [1, 2], [DST_IDS[0], 15])
     assert receiving.receiver.state("r1") is TransferState.FAILED
@@ -257,11 +259,11 @@ async def test_block_outside_the_reservation_is_refused(receiving: Receiving) ->
 async def test_unknown_request_and_stale_epoch_are_refused(receiving: Receiving) -> None:
     layout = layout_for(torch.float32)
     with pytest.raises(KvTransferError, match="UNKNOWN_REQUEST"):
-        await push_all(GrpcKvSender(receiving.channel), "nobody", layout, make_pools(layout, 1))
+        await push_all(grpc_sender(receiving.channel), "nobody", layout, make_pools(layout, 1))
     receiving.receiver.epoch = 7
     receiving.reserve("r1", layout)
     with pytest.raises(KvTransferError, match="STALE_EPOCH: decode_epoch: sender has 0"):
-        await push_all(GrpcKvSender(receiving.channel), "r1", layout, make_pools(layout, 1))
+        await push_all(grpc_sender(receiving.channel), "r1", layout, make_pools(layout, 1))
     assert receiving.receiver.state("r1") is TransferState.RESERVED  # a stale push fails nothing
 
 
@@ -277,7 +279,7 @@ async def test_abort_fails_the_request(receiving: Receiving) -> None:
     layout = layout_for(torch.float32)
     receiving.reserve("r1", layout)
     src = make_pools(layout, SRC_SEED)
-    sender = GrpcKvSender(receiving.channel, SMALL_CHUNKS)
+    sender = grpc_sender(receiving.channel, SMALL_CHUNKS)
     await sender.begin(Handshake("r1", layout))
     await sender.send_layer(KvPool.TARGET, 0, src[KvPool.TARGET].layers[0], SRC_IDS, DST_IDS)
     await _until_transferring(receiving.receiver, "r1")  # else the receiver never heard of it
@@ -291,7 +293,7 @@ async def test_release_stops_a_running_push(receiving: Receiving) -> None:
     layout = layout_for(torch.float32)
     receiving.reserve("r1", layout)
     src = make_pools(layout, SRC_SEED)
-    sender = GrpcKvSender(receiving.channel, SMALL_CHUNKS)
+    sender = grpc_sender(receiving.channel, SMALL_CHUNKS)
     await sender.begin(Handshake("r1", layout))
     await sender.send_layer(KvPool.TARGET, 0, src[KvPool.TARGET].layers[0], SRC_IDS, DST_IDS)
     await _until_transferring(receiving.receiver, "r1")
@@ -428,7 +430,7 @@ async def test_two_processes_over_grpc_and_shm() -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{hello['port']}") as channel:
             for request_id, peer in [("via-grpc", "another-host"), ("via-shm", hello["host_id"])]:
                 sender = make_sender(channel, peer_host_id=peer, rings=rings, options=SMALL_CHUNKS)
-                assert isinstance(sender, ShmKvSender) == (request_id == "via-shm")
+                assert isinstance(sender.channel, ShmChannel) == (request_id == "via-shm")
                 await push_all(sender, request_id, layout, src)
         rings.close()
         results = [json.loads(await asyncio.wait_for(proc.stdout.readline(), 30)) for _ in "ab"]

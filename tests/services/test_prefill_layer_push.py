@@ -23,7 +23,6 @@ from engine.model_runner import StepKv
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from kv_transfer import (
-    GrpcKvSender,
     Handshake,
     KvLayout,
     KvPool,
@@ -35,9 +34,10 @@ from kv_transfer import (
     TransferOptions,
     TransferState,
     add_kv_transfer_servicer,
+    grpc_sender,
     server_options,
 )
-from kv_transfer.chunking import ChunkingKvSender
+from kv_transfer.chunking import ChunkedKvSender, Destination
 from prefill_worker.kv_push import LayerPush, LayerRelay
 from tandem.v1 import kv_transfer_pb2 as pb
 from tests.engine.tiny_drafts import build_random_draft
@@ -316,7 +316,7 @@ async def test_grpc_chunks_and_prefix_caches(dirs: tuple[Path, Path]) -> None:
         }
         for rid, (prompt, decode) in prompts.items():
             pushed = await prefill_pushing(
-                prefill, decode, rid, prompt, receiver, lambda: GrpcKvSender(channel, options)
+                prefill, decode, rid, prompt, receiver, lambda: grpc_sender(channel, options)
             )
             assert receiver.state(rid) is TransferState.DONE
             check_each_block_once(pushed, prefill.kv_pools)
@@ -397,31 +397,37 @@ async def test_the_receiver_still_refuses_a_block_sent_twice() -> None:
     assert receiver.state("r") is TransferState.FAILED
 
 
-class _SlowPack(ChunkingKvSender):
-    """A chunking sender whose block copies take 0.3 s (in a thread, with offload)."""
+class _NullChannel:
+    """A channel that drops every chunk."""
 
-    def __init__(self) -> None:
-        super().__init__(TransferOptions(offload=True))
-        self.num_packed = 0
+    groups_layers = True
 
-    async def _open(self, handshake: Handshake) -> None:
-        pass
+    async def open(self, handshake: pb.KvHandshake, layout: KvLayout) -> Destination | None:
+        return None
 
-    async def _acquire(self, num_bytes: int) -> torch.Tensor:
+    async def acquire(self, num_bytes: int) -> torch.Tensor:
         return torch.empty(num_bytes, dtype=torch.uint8)
 
-    async def _send_chunk(self, header: pb.KvChunk, data: torch.Tensor) -> None:
+    async def send(self, header: pb.KvChunk, data: torch.Tensor | None) -> None:
         pass
 
-    async def _close(self, last: pb.KvChunk) -> pb.KvPushReply:
+    async def close(self, last: pb.KvChunk) -> pb.KvPushReply:
         return pb.KvPushReply(status=pb.KV_PUSH_STATUS_OK)
 
-    def _on_failed(self) -> None:
+    def on_failed(self, status: int, message: str) -> None:
         pass
+
+
+class _SlowPack(ChunkedKvSender):
+    """A chunked sender whose block copies take 0.3 s (in a thread, with offload)."""
+
+    def __init__(self) -> None:
+        super().__init__(_NullChannel(), TransferOptions(offload=True))
+        self.num_packed = 0
 
     def _pack(self, *args: Any) -> None:  # type: ignore[override]
         time.sleep(0.3)
-        ChunkingKvSender._pack(*args)
+        ChunkedKvSender._pack(*args)
         self.num_packed += 1
 
 

@@ -1,0 +1,234 @@
+"""A decode worker's KV pools in one shared-memory segment that same-host senders map.
+
+The receiver creates the segment (a 0600 /dev/shm file, O_EXCL / O_NOFOLLOW) and the
+engine's pools are moved into it (``PagedKVCache.place``). A same-host sender maps it by
+the name the receiver announces for a push, with the push's reserved block runs, and copies
+each block once, straight into its destination block; the receiver then checks every
+chunk's checksum over the destination before it admits the request. Tensors lie in the
+segment in a fixed order (target then draft pool, each layer's K then V, page aligned), so
+both ends derive every offset from the layout and the number of blocks alone.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import stat
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+from kv_transfer.base import KvLayout, KvPool, KvTransferError, RunPair
+from kv_transfer.shm_transport import _NAME, SHM_DIR, host_id
+from tandem.v1 import kv_transfer_pb2 as pb
+
+# Initial metadata of a Push whose handshake names shared memory (see receiver.receive).
+PLACEMENT_KEY = "tandem-kv-placement"  # "pools": write in place; "ring": use your ring
+POOLS_KEY = "tandem-kv-pools-bin"  # ShmSegment: name, size, host_id, num_slots = blocks
+BLOCKS_KEY = "tandem-kv-blocks-bin"  # KvChunk whose runs are the reserved blocks
+_PAGE = mmap.PAGESIZE
+
+Storage = Callable[[torch.Size, torch.dtype], torch.Tensor]
+
+
+class Placeable(Protocol):
+    """engine.kv_cache.PagedKVCache: pools that can move into storage given by the caller."""
+
+    @property
+    def layers(self) -> Sequence[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def place(self, storage: Storage) -> None: ...
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _tensors(
+    layout: KvLayout, num_blocks: int
+) -> Iterator[tuple[KvPool, int, int, tuple[int, ...]]]:
+    """(pool, layer, byte offset, shape) of every K and V tensor, in segment order."""
+    offset = 0
+    for pool in KvPool:
+        shape = layout.pool_shape(pool)
+        if shape is None:
+            continue
+        dims = (num_blocks, layout.block_size, shape.num_kv_heads, shape.head_dim)
+        num_bytes = num_blocks * layout.block_bytes(pool) // 2
+        for layer in range(shape.num_layers):
+            for _ in "kv":
+                yield pool, layer, offset, dims
+                offset += _round_up(num_bytes, _PAGE)
+
+
+def segment_bytes(layout: KvLayout, num_blocks: int) -> int:
+    *_, (_, _, offset, dims) = _tensors(layout, num_blocks)
+    num_bytes = torch.Size(dims).numel() * layout.dtype.itemsize
+    return offset + _round_up(num_bytes, _PAGE)
+
+
+class SharedKvPools:
+    """Every pool of ``layout`` with ``num_blocks`` blocks, in one mapped segment."""
+
+    def __init__(
+        self, name: str, mm: mmap.mmap, inode: int, layout: KvLayout, num_blocks: int
+    ) -> None:
+        self.name, self.size, self.inode = name, len(mm), inode
+        self.layout, self.num_blocks = layout, num_blocks
+        self._mm = mm
+        data = torch.frombuffer(mm, dtype=torch.uint8)  # [size]
+        self._layers: dict[KvPool, list[list[torch.Tensor]]] = {}
+        for pool, layer, offset, dims in _tensors(layout, num_blocks):
+            num_bytes = torch.Size(dims).numel() * layout.dtype.itemsize
+            t = data[offset : offset + num_bytes].view(layout.dtype).view(dims)
+            layers = self._layers.setdefault(pool, [])
+            if len(layers) == layer:
+                layers.append([])
+            layers[layer].append(t)
+        self._finalizer: weakref.finalize | None = None
+
+    @classmethod
+    def create(cls, layout: KvLayout, num_blocks: int) -> SharedKvPools:
+        """A new zeroed (pre-touched) segment; unlinked by ``close``, at exit, or when
+        collected."""
+        size = segment_bytes(layout, num_blocks)
+        name = f"tandem-kv-pools-{os.getpid()}-{secrets.token_hex(6)}"
+        path = SHM_DIR / name
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+            inode = os.fstat(fd).st_ino
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        pools = cls(name, mm, inode, layout, num_blocks)
+        pools._finalizer = weakref.finalize(pools, path.unlink, missing_ok=True)
+        torch.frombuffer(mm, dtype=torch.uint8).zero_()
+        return pools
+
+    @classmethod
+    def adopt(cls, layout: KvLayout, pools: Mapping[str, Placeable]) -> SharedKvPools | None:
+        """Moves existing CPU pools (e.g. ``LLMEngine.kv_pools``) into a new segment,
+        contents kept; None for pools elsewhere (a GPU), which stay where they are."""
+        if any(p.layers[0][0].device.type != "cpu" for p in pools.values()):
+            return None
+        num_blocks = next(iter(pools.values())).layers[0][0].shape[0]
+        shared = cls.create(layout, num_blocks)
+        for name, cache in pools.items():
+            cache.place(shared.storage(KvPool(name)))
+        return shared
+
+    @classmethod
+    def attach(cls, segment: pb.ShmSegment, layout: KvLayout) -> SharedKvPools:
+        """Maps a receiver's segment (sender side); raises ValueError if it does not fit
+        ``layout``."""
+        if not _NAME.fullmatch(segment.name):
+            raise ValueError(f"name {segment.name!r} is not a tandem-kv segment name")
+        if segment.host_id != host_id():
+            raise ValueError(f"host_id: receiver {segment.host_id!r}, this host {host_id()!r}")
+        if segment.num_slots < 1 or segment.size != segment_bytes(layout, segment.num_slots):
+            raise ValueError(f"size: {segment.size} bytes do not hold {segment.num_slots} blocks")
+        fd = os.open(SHM_DIR / segment.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != segment.size:
+                raise ValueError(f"{segment.name}: {st.st_size} bytes, announced {segment.size}")
+            mm = mmap.mmap(fd, segment.size)
+        finally:
+            os.close(fd)
+        return cls(segment.name, mm, st.st_ino, layout, segment.num_slots)
+
+    def segment(self) -> pb.ShmSegment:
+        return pb.ShmSegment(
+            name=self.name, size=self.size, host_id=host_id(), num_slots=self.num_blocks
+        )
+
+    def layer(self, pool: KvPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self._layers[pool][layer]
+        return k, v
+
+    def storage(self, pool: KvPool) -> Storage:
+        """Hands out ``pool``'s tensors in order: K then V of each layer."""
+        tensors = iter([t for kv in self._layers[pool] for t in kv])
+
+        def take(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+            t = next(tensors)
+            if t.shape != shape or t.dtype != dtype:
+                raise ValueError(
+                    f"{pool} pool: {dtype} {tuple(shape)}, segment has {t.dtype} {tuple(t.shape)}"
+                )
+            return t
+
+        return take
+
+    def holds(self, pool: KvPool, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether ``layers`` are this segment's tensors of ``pool`` (what a sender writes)."""
+        mine = self._layers.get(pool)
+        if mine is None or len(mine) != len(layers):
+            return False
+        return all(
+            t.data_ptr() == m.data_ptr() and t.shape == m.shape
+            for kv, mkv in zip(layers, mine, strict=True)
+            for t, m in zip(kv, mkv, strict=True)
+        )
+
+    def is_linked(self) -> bool:
+        try:
+            return os.stat(SHM_DIR / self.name).st_ino == self.inode
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        """Unlinks the segment (receiver side); the mapping lives while tensors use it."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+class PoolDestination:
+    """A mapped receiver segment as a sender's ``Destination``: writes only the blocks the
+    receiver announced as reserved for this push, and only while the push is live."""
+
+    def __init__(
+        self,
+        pools: SharedKvPools,
+        reserved: Sequence[RunPair],
+        is_live: Callable[[], bool],
+        failure: Callable[[], object],
+    ) -> None:
+        self.pools = pools
+        self._reserved = {r.dst_start + i for r in reserved for i in range(r.num_blocks)}
+        self._is_live = is_live
+        self._failure = failure
+
+    def layer(self, pool: KvPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pools.layer(pool, layer)
+
+    async def check(self, pool: KvPool, layer: int, runs: Sequence[RunPair]) -> None:
+        if not self._is_live():
+            raise await self._failure()  # type: ignore[misc]
+        for run in runs:
+            for block in range(run.dst_start, run.dst_start + run.num_blocks):
+                if block not in self._reserved:
+                    raise KvTransferError(
+                        pb.KV_PUSH_STATUS_INVALID_CHUNK,
+                        f"runs: block {block} is outside the reservation",
+                    )
+
+
+def reserved_runs(block_ids: Sequence[int]) -> list[RunPair]:
+    """The reservation as runs of consecutive ids (what BLOCKS_KEY carries)."""
+    runs: list[RunPair] = []
+    for block in block_ids:
+        if runs and runs[-1].dst_start + runs[-1].num_blocks == block:
+            last = runs[-1]
+            runs[-1] = RunPair(last.src_start, last.dst_start, last.num_blocks + 1)
+        else:
+            runs.append(RunPair(block, block, 1))
+    return runs

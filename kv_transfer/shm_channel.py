@@ -1,0 +1,183 @@
+"""The same-host channel: each block written once into the receiver's shared pools, or, when
+the receiver's pools are not shared, chunks through a shared-memory ring.
+
+The handshake names a ring either way (shm_transport.py); the receiver's initial metadata
+says which to use (shared_pools.py): "pools", with its pool segment and the push's reserved
+block runs, or "ring". The stream carries the rest of the push: chunk headers of placed
+chunks (runs, layers, checksum, no data), the last message, and the reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
+import torch
+
+from kv_transfer.base import KvLayout, KvTransferError, RunPair
+from kv_transfer.chunking import ChunkedKvSender, Destination, Tamper, TransferOptions
+from kv_transfer.grpc_transport import PushStream, grpc_sender
+from kv_transfer.shared_pools import (
+    BLOCKS_KEY,
+    PLACEMENT_KEY,
+    POOLS_KEY,
+    PoolDestination,
+    SharedKvPools,
+)
+from kv_transfer.shm_transport import (
+    ShmRing,
+    ShmRingPool,
+    _count,
+    _resolve,
+    _until_readable,
+    data_offset_for,
+    host_id,
+    shm_available,
+)
+from kv_transfer.wire import encode_chunk_message
+from tandem.v1 import kv_transfer_pb2 as pb
+
+MAX_MAPPED_POOLS = 8  # receivers' pool segments kept mapped by one sender process
+
+
+class ShmChannel:
+    """Same host: places blocks in the receiver's shared pools when it offers them, else
+    fills ring slots (every chunk but the last), the receiver copying them out."""
+
+    def __init__(
+        self, channel: grpc.aio.Channel, rings: ShmRingPool, options: TransferOptions
+    ) -> None:
+        if options.chunk_bytes > rings.slot_bytes:
+            raise ValueError(f"chunk_bytes: {options.chunk_bytes} exceed the ring's slots")
+        self.options = options
+        self.stream = PushStream(channel, options)
+        self.groups_layers = True
+        self.is_placed = False
+        self._rings = rings
+        self._ring: ShmRing | None = None
+        self._num_acquired = 0  # slots handed out (= chunks packed or being packed)
+        self._num_consumed = 0  # wake-up bytes read from the receiver
+        self._ended: asyncio.Future[None] | None = None  # done when the call ends
+
+    async def open(self, handshake: pb.KvHandshake, layout: KvLayout) -> Destination | None:
+        ring = self._ring = self._rings.acquire(data_offset_for(layout, self.options.chunk_bytes))
+        handshake.shm.CopyFrom(ring.segment())
+        self.stream.start()
+        await self.stream.put(pb.KvPushMessage(handshake=handshake).SerializeToString())
+        await self.stream.flush()  # the handshake leaves now: the receiver maps meanwhile
+        call = self.stream.call
+        loop = asyncio.get_running_loop()
+        ended = self._ended = loop.create_future()
+
+        def on_done(_: object) -> None:  # grpc may call it from another thread
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_resolve, ended)
+
+        call.add_done_callback(on_done)
+        metadata = dict(await call.initial_metadata() or ())
+        if self.stream.is_broken:
+            raise await self.stream.failure()
+        if metadata.get(PLACEMENT_KEY) != "pools":
+            return None
+        try:
+            pools = _mapped(self._rings, pb.ShmSegment.FromString(metadata[POOLS_KEY]), layout)
+            reserved = pb.KvChunk.FromString(metadata[BLOCKS_KEY]).runs
+        except (ValueError, OSError, KeyError) as e:
+            raise KvTransferError(pb.KV_PUSH_STATUS_INCOMPATIBLE, f"shm pools: {e}") from e
+        self.is_placed = True
+        self._release(is_reusable=True)  # not needed: the blocks go in place
+        runs = [RunPair(r.first_block_id, r.first_block_id, r.num_blocks) for r in reserved]
+        return PoolDestination(pools, runs, lambda: not self.stream.is_broken, self.stream.failure)
+
+    async def acquire(self, num_bytes: int) -> torch.Tensor:
+        ring = self._ring
+        assert ring is not None
+        if num_bytes > ring.data_bytes:
+            raise ValueError(f"chunk_bytes: one block ({num_bytes} bytes) exceeds a ring slot")
+        index = self._num_acquired
+        await self._wait_consumed(ring, index - ring.num_slots + 1)
+        self._num_acquired += 1
+        return ring.data(index, num_bytes)
+
+    async def send(self, header: pb.KvChunk, data: torch.Tensor | None) -> None:
+        if self.stream.is_broken:
+            raise await self.stream.failure()  # refused: the reply says why
+        if data is None:  # placed: the header alone travels, in the stream
+            await self.stream.put(encode_chunk_message(header, memoryview(b"")))
+            return
+        ring = self._ring
+        assert ring is not None
+        # data is the slot acquire gave out last: chunks are packed one at a time, in order
+        assert header.sequence_number == self._num_acquired - 1
+        ring.publish(header, data.numel())
+
+    async def close(self, last: pb.KvChunk) -> pb.KvPushReply:
+        reply = await self.stream.finish(last)
+        self._release(is_reusable=reply.status == pb.KV_PUSH_STATUS_OK)
+        return reply
+
+    def on_failed(self, status: int, message: str) -> None:
+        self.stream.cancel()
+        self._release(is_reusable=False)
+
+    def _release(self, *, is_reusable: bool) -> None:
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            self._rings.release(ring, is_reusable=is_reusable)
+
+    async def _wait_consumed(self, ring: ShmRing, num_chunks: int) -> None:
+        """Until the receiver consumed ``num_chunks`` chunks: sleeps on the free FIFO (or
+        the call's end: a refusal) for at most ``timeout_s`` at a time."""
+        assert self._ended is not None
+        while self._num_consumed < num_chunks:
+            self._num_consumed += _count(ring.free_fd)
+            if self._num_consumed >= num_chunks:
+                return
+            if self.stream.is_broken:
+                raise await self.stream.failure()
+            try:
+                async with asyncio.timeout(self.options.timeout_s):
+                    await _until_readable(ring.free_fd, self._ended)
+            except TimeoutError:
+                raise KvTransferError(
+                    pb.KV_PUSH_STATUS_INCOMPLETE, "shm: the receiver stopped consuming chunks"
+                ) from None
+
+
+def _mapped(rings: ShmRingPool, segment: pb.ShmSegment, layout: KvLayout) -> SharedKvPools:
+    """The receiver's pool segment, mapped once per sender process (a few kept; one whose
+    file was unlinked or replaced is mapped again)."""
+    cache = rings.mapped_pools
+    pools = cache.get(segment.name)
+    if pools is None or not pools.is_linked() or pools.size != segment.size:
+        pools = cache[segment.name] = SharedKvPools.attach(segment, layout)
+    cache.move_to_end(segment.name)
+    while len(cache) > MAX_MAPPED_POOLS:
+        cache.popitem(last=False)
+    return pools
+
+
+def shm_sender(
+    channel: grpc.aio.Channel,
+    rings: ShmRingPool,
+    options: TransferOptions | None = None,
+    *,
+    tamper: Tamper | None = None,
+) -> ChunkedKvSender:
+    """A same-host sender: blocks in place in the receiver's shared pools, else the ring."""
+    options = options or TransferOptions()
+    return ChunkedKvSender(ShmChannel(channel, rings, options), options, tamper)
+
+
+def make_sender(
+    channel: grpc.aio.Channel,
+    *,
+    peer_host_id: str | None,
+    rings: ShmRingPool | None,
+    options: TransferOptions | None = None,
+) -> ChunkedKvSender:
+    """Shared memory when the receiver reports this host's id (and rings are given),
+    else plain gRPC."""
+    if rings is not None and peer_host_id == host_id() and shm_available():
+        return shm_sender(channel, rings, options)
+    return grpc_sender(channel, options)
