@@ -109,14 +109,14 @@ def draft_config(engine: LLMEngine, spec: ModelSpec) -> worker_pb2.DraftConfig |
     """The engine's drafter as the wire describes it, with its fingerprint; None without."""
     if engine.spec is None or spec.draft_dir is None:
         return None
-    drafter: Any = engine.spec.drafter
+    signature = engine.spec.drafter.signature()
     message = worker_pb2.DraftConfig(
-        kind=drafter.kind,
+        kind=signature.kind,
         draft_model=spec.draft_dir.name,
         num_draft_tokens=engine.spec.k,
-        block_size=getattr(drafter, "block_size", 0) if drafter.kind == "dflash" else 0,
-        mask_token_id=int(getattr(drafter, "mask_token_id", 0) or 0),
-        target_layer_ids=[int(i) for i in getattr(drafter, "layer_ids", None) or []],
+        block_size=signature.block_size,
+        mask_token_id=signature.mask_token_id,
+        target_layer_ids=[int(i) for i in signature.target_layer_ids],
     )
     digest = hashlib.sha256(message.SerializeToString(deterministic=True))
     for path in [*sorted(spec.draft_dir.glob("*.safetensors")), spec.draft_dir / "config.json"]:

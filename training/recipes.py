@@ -40,6 +40,8 @@ class Recipe:
     objective: Callable[[Drafter, int, int], Objective]
     default_num_drafts: int
     default_max_anchors: int
+    default_num_layers: int  # draft decoder layers when not given
+    max_num_layers: int | None  # the drafter kind's own limit (``Drafter.max_num_layers``)
     # Fine-tuning (--init-from): the trained draft made to fit the new training data, as
     # (drafter, hf config); None keeps it as it is.
     refit: (
@@ -217,6 +219,8 @@ RECIPES: dict[str, Recipe] = {
         objective=EagleObjective,
         default_num_drafts=2,
         default_max_anchors=0,
+        default_num_layers=1,
+        max_num_layers=EagleDrafter.max_num_layers,
     ),
     "eagle3": Recipe(
         kind="eagle3",
@@ -226,6 +230,8 @@ RECIPES: dict[str, Recipe] = {
         objective=chain_objective,
         default_num_drafts=4,
         default_max_anchors=0,
+        default_num_layers=1,
+        max_num_layers=Eagle3Drafter.max_num_layers,
         refit=_eagle3_refit,
     ),
     "dflash": Recipe(
@@ -236,5 +242,7 @@ RECIPES: dict[str, Recipe] = {
         objective=block_objective,
         default_num_drafts=0,  # the block decides
         default_max_anchors=16,
+        default_num_layers=2,
+        max_num_layers=DflashDrafter.max_num_layers,
     ),
 }

@@ -64,7 +64,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     intermediate_size: int = 1536
-    num_layers: int | None = None  # None: 1 for EAGLE kinds, 2 for DFlash
+    num_layers: int | None = None  # None: the kind's default (EAGLE kinds 1, DFlash 2)
     block_size: int = 8  # DFlash
     num_draft_steps: int | None = None  # chain steps trained; None: the kind's default
     draft_vocab_size: int = 16384  # EAGLE-3
@@ -112,8 +112,10 @@ class TrainConfig:
             raise ValueError(f"lr: must be > 0, got {self.lr}")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError(f"num_layers: must be >= 1, got {self.num_layers}")
-        if self.num_layers not in (None, 1) and self.kind != "dflash":
-            raise ValueError(f"num_layers: an {self.kind} draft has one layer")
+        most = RECIPES[self.kind].max_num_layers
+        if self.num_layers is not None and most is not None and self.num_layers > most:
+            layers = "one layer" if most == 1 else f"at most {most} layers"
+            raise ValueError(f"num_layers: an {self.kind} draft has {layers}")
         try:
             device = torch.device(self.device)
         except RuntimeError as e:
@@ -131,7 +133,7 @@ class TrainConfig:
         recipe = RECIPES[self.kind]
         return DraftOptions(
             intermediate_size=self.intermediate_size,
-            num_layers=self.num_layers or (2 if self.kind == "dflash" else 1),
+            num_layers=self.num_layers or recipe.default_num_layers,
             block_size=self.block_size,
             num_drafts=self.num_draft_steps or recipe.default_num_drafts,
             draft_vocab_size=self.draft_vocab_size,

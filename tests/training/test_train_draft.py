@@ -191,3 +191,12 @@ def test_device_is_checked_before_anything_runs(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="this machine has no CUDA device"):
             config(tmp_path, tmp_path / "out", "eagle3", device="cuda")
     assert config(tmp_path, tmp_path / "out", "eagle3", device="cpu").device == "cpu"
+
+
+def test_num_layers_follow_the_drafter_kind(tmp_path: Path) -> None:
+    for kind in ("eagle", "eagle3"):
+        with pytest.raises(ValueError, match=f"num_layers: an {kind} draft has one layer"):
+            config(tmp_path, tmp_path / "out", kind, num_layers=2)
+        assert config(tmp_path, tmp_path / "out", kind, num_layers=None).options().num_layers == 1
+    assert config(tmp_path, tmp_path / "out", "dflash", num_layers=None).options().num_layers == 2
+    assert config(tmp_path, tmp_path / "out", "dflash", num_layers=3).options().num_layers == 3

@@ -14,6 +14,7 @@ from engine.spec.drafters.base import (
     DraftConfigError,
     Drafter,
     DraftLogits,
+    DraftSignature,
     ProposeArgs,
     SelectFn,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "DRAFTERS",
     "DraftConfigError",
     "DraftLogits",
+    "DraftSignature",
     "Drafter",
     "ProposeArgs",
     "SelectFn",

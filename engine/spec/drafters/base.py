@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -82,11 +82,27 @@ class ProposeArgs:
     max_context_len: int  # host bound on last_positions + k + 2 for every row
 
 
+@dataclass(frozen=True)
+class DraftSignature:
+    """What two workers sharing one drafter's KV and drafts must agree on: its kind, and
+    the shape fields of that kind (zero or empty where a kind has none)."""
+
+    kind: str
+    block_size: int = 0  # DFlash: tokens drafted in parallel per block
+    mask_token_id: int = 0  # DFlash: the token filling a block's unknown positions
+    target_layer_ids: tuple[int, ...] = ()  # EAGLE-3, DFlash: target layers it reads
+
+
 class Drafter(Protocol):
     kind: str
+    max_num_layers: ClassVar[int | None]  # decoder layers its kind allows; None: any number
     config: Llama3Config  # the draft model's own shapes (its KV cache follows them)
     target_hidden: ReturnHiddenStates  # what the target forward must return for ``features``
     fixed_num_draft_tokens: int | None  # DFlash: block_size - 1; chain drafters: None
+
+    def signature(self) -> DraftSignature:
+        """Its kind and shape fields, as a peer checks them before sharing drafts."""
+        ...
 
     def features(self, out: ModelOutputs) -> torch.Tensor:
         """The target features the drafter conditions on, per token: [T, F]."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from engine.registry import decoder_layer_rules
 from engine.spec.drafters.base import (
     DraftConfigError,
     DraftLogits,
+    DraftSignature,
     KVLayers,
     ProposeArgs,
     SelectFn,
@@ -109,6 +110,7 @@ class DflashDraftHFConfig:
 
 class DflashDrafter(nn.Module):
     kind = "dflash"
+    max_num_layers: ClassVar[int | None] = None
 
     def __init__(
         self,
@@ -140,6 +142,9 @@ class DflashDrafter(nn.Module):
             config.dtype,
         )
         self._target = (target.embed_tokens, target.lm_head)  # borrowed, not registered
+
+    def signature(self) -> DraftSignature:
+        return DraftSignature(self.kind, self.block_size, self.mask_token_id, tuple(self.layer_ids))
 
     def features(self, out: ModelOutputs) -> torch.Tensor:
         return torch.cat([out.hidden_states[i] for i in self.layer_ids], dim=-1)  # [T, n*H]

@@ -10,7 +10,7 @@ without ``input_layernorm``; ``embed_tokens.weight``, when present, is the targe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from engine.registry import decoder_layer_rules
 from engine.spec.drafters.base import (
     DraftConfigError,
     DraftLogits,
+    DraftSignature,
     KVLayers,
     ProposeArgs,
     SelectFn,
@@ -40,6 +41,7 @@ from engine.weights import CheckpointReader, Source, TensorRule
 
 class EagleDrafter(nn.Module):
     kind = "eagle"
+    max_num_layers: ClassVar[int | None] = 1
     fixed_num_draft_tokens: int | None = None
 
     def __init__(
@@ -61,6 +63,9 @@ class EagleDrafter(nn.Module):
             config.dtype,
         )
         self._target = (target.embed_tokens, target.lm_head)  # borrowed, not registered
+
+    def signature(self) -> DraftSignature:
+        return DraftSignature(self.kind)
 
     def features(self, out: ModelOutputs) -> torch.Tensor:
         assert out.final_hidden_state is not None

@@ -13,7 +13,7 @@ back as ``h``, without ``fc``. Public layout: ``fc.weight``, ``midlayer.*``, ``n
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from engine.registry import decoder_layer_rules
 from engine.spec.drafters.base import (
     DraftConfigError,
     DraftLogits,
+    DraftSignature,
     KVLayers,
     ProposeArgs,
     SelectFn,
@@ -73,6 +74,7 @@ class Eagle3MidLayer(nn.Module):
 
 class Eagle3Drafter(nn.Module):
     kind = "eagle3"
+    max_num_layers: ClassVar[int | None] = 1
     fixed_num_draft_tokens: int | None = None
 
     def __init__(
@@ -102,6 +104,9 @@ class Eagle3Drafter(nn.Module):
         )
         self.vocab_size = target.config.vocab_size
         self._embed = (target.embed_tokens,)  # borrowed, not registered
+
+    def signature(self) -> DraftSignature:
+        return DraftSignature(self.kind, target_layer_ids=tuple(self.layer_ids))
 
     def features(self, out: ModelOutputs) -> torch.Tensor:
         return torch.cat([out.hidden_states[i] for i in self.layer_ids], dim=-1)  # [T, 3H]
