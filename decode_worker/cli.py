@@ -78,7 +78,7 @@ def make_service(runtime: Runtime) -> DecodeWorkerService:
     """The engine (which hands preempted requests back), registered with its KV
     capacity, the KV receiver at the registration's epoch, and the service."""
     from decode_worker.service import DecodeWorkerService
-    from kv_transfer import KvReceiver, ShmAttacher
+    from kv_transfer import KvReceiver, SharedKvPools, ShmAttacher
     from serving import engine_setup
 
     args = runtime.args
@@ -88,7 +88,9 @@ def make_service(runtime: Runtime) -> DecodeWorkerService:
     layout = engine_setup.kv_layout(engine, spec.served_name, draft.fingerprint if draft else "")
     membership = runtime.join(capacity=engine.block_manager.num_blocks)
     use_shm = args.kv_transport == "auto"
-    receiver = KvReceiver(epoch=membership.epoch, attach_segment=ShmAttacher() if use_shm else None)
+    shared = SharedKvPools.adopt(layout, engine.kv_pools) if use_shm else None  # written in place
+    attach = ShmAttacher() if use_shm else None
+    receiver = KvReceiver(epoch=membership.epoch, attach_segment=attach, shared_pools=shared)
     return DecodeWorkerService(
         engine,
         served_name=spec.served_name,

@@ -16,7 +16,7 @@ import os
 import secrets
 import stat
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -200,7 +200,7 @@ class PoolDestination:
         pools: SharedKvPools,
         reserved: Sequence[RunPair],
         is_live: Callable[[], bool],
-        failure: Callable[[], object],
+        failure: Callable[[], Awaitable[KvTransferError]],
     ) -> None:
         self.pools = pools
         self._reserved = {r.dst_start + i for r in reserved for i in range(r.num_blocks)}
@@ -212,7 +212,7 @@ class PoolDestination:
 
     async def check(self, pool: KvPool, layer: int, runs: Sequence[RunPair]) -> None:
         if not self._is_live():
-            raise await self._failure()  # type: ignore[misc]
+            raise await self._failure()
         for run in runs:
             for block in range(run.dst_start, run.dst_start + run.num_blocks):
                 if block not in self._reserved:
