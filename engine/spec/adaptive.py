@@ -10,36 +10,33 @@ included, so speculation never makes a batch slower than not speculating.
 
 A step's cost is a line in the rows' mean KV length (``StepCost``): the matrix products
 do not grow with it, attention does, and it grows K+1 times faster for K+1 queries per
-row. Start-up measures each line at a short and a long context on scratch blocks. Costs
-measured at 32-token contexts alone made K=1 look almost free at batch 32 (1.4 plain
-steps against 1.7 at 256 tokens, SmolLM2 on a 2-core CPU): adaptive EAGLE-3 chose it and
-ran at 0.72x plain decoding.
+row. Start-up measures each line at a short and a long context on scratch blocks: costs
+measured at a short context alone make shallow drafts look almost free at large batch.
 
 The steps actually run scale a bucket's lines alike (``observe_cost``): what a step shows
-is mostly how fast the machine runs just then (on a shared 2-core CPU, +-20% from one
-minute to the next), which holds for every K. So the choice of K rests on the start-up
-lines, and the scale prices probes against time charged from outside. With a scale per
-K, K=0 looked 30% dearer after a slow spell of plain steps, K=1 was chosen at batch 32 for
-a predicted 9% gain, and two runs went at 0.86x and 0.93x plain decoding; and a K
+is mostly how fast the machine runs just then, which holds for every K. So the choice of
+K rests on the start-up lines, and the scale prices probes against time charged from
+outside. A scale per K would let a slow spell make one K look dear for good, and a K
 chosen steadily is the only one timed, so no step could show that another had become the
 better choice.
 
 Every step also pays the engine's own time outside the step: scheduling, the rows'
 tokens, stop checks, detokenizing, the outputs. It is the same for every K, so it adds to
 each K's cost before the ratio is taken (``observe_overhead``: the time between one decode
-step's end and the next one's start). Left out, it made deep drafts look dearer than they
-are: at batch 1 a K=3 step cost 1.77 plain steps in session 13's step timings, but 1.4
-end to end in session 15's benchmark (tau 1.64 at 76.8 tok/s against 65.9 plain).
+step's end and the next one's start). Left out, it makes deep drafts look dearer than
+they are end to end.
 
 While K stays below the deepest choice, the estimates of the deeper drafts' acceptance
 would go stale, so now and then a probe step drafts ``max_k`` tokens. Probes are paid
 from a budget: every step below ``max_k`` earns ``probe_budget`` of its estimated cost,
 and a probe spends what it costs beyond the chosen K (``charge`` adds costs outside the
-step model, such as the drafter catching up after plain steps). At batch 1, where a
-deep step costs little more, that is a probe every few dozen steps; at batch 32, where
-it costs three plain steps and a catch-up, one every few hundred. With a probe every 64
-steps regardless, adaptive EAGLE-3 ran at 0.78x plain decoding at batch 32 (SmolLM2,
-2-core CPU, compiled); with the budget, at 1.06x.
+step model, such as the drafter catching up after plain steps). Where a deep step costs
+little more (batch 1), that is a probe every few dozen steps; where it costs several
+plain steps and a catch-up (batch 32), one every few hundred. Probes at a fixed interval
+would cost a large batch more than speculation gains it.
+
+The measurements behind these choices are in ``bench/RESULTS.md`` ("Adaptive K and draft
+training: measurements moved out of docstrings").
 """
 
 from __future__ import annotations
@@ -66,8 +63,8 @@ class StepCost:
         """The line through two (context, seconds) measurements, never falling with context
         and not extended below the short one: where a slow spell of the machine inflated the
         long measurement, the line crosses zero at a short context, and a step there would
-        cost nothing or less (on a busy 2-core CPU, -6 ms: the engine's time per step went
-        negative, and every K's cost with it)."""
+        cost nothing or less (the engine's time per step, and every K's cost with it, would
+        go negative)."""
         (c0, t0), (c1, t1) = short, long
         per_token = max(0.0, (t1 - t0) / (c1 - c0)) if c1 != c0 else 0.0
         return cls(t0 - per_token * c0, per_token, min(c0, c1))

@@ -72,8 +72,7 @@ class SpecRunner:
         # A step that drafts nothing leaves the drafter idle and keeps the target features;
         # the drafter catches up in one batched extend when drafting resumes, or when a row
         # has kept ``max_undrafted`` positions (the features' memory stays bounded). False
-        # runs it every step (what deferring saves, measured eager on SmolLM2 with the
-        # drafter's extend stubbed out at K=0: about 5% at batch 8, 1% at batch 32).
+        # runs it every step (what deferring saves: bench/RESULTS.md).
         self.defer_drafter = True
         self.max_undrafted = 256
         # When the last decode step ended, if nothing but the engine's own bookkeeping ran

@@ -26,9 +26,8 @@ class DraftLogits:
     """One draft position's scores for B rows, fp32 [B, Vd]. A drafter with its own reduced
     vocabulary (EAGLE-3) scores only its Vd tokens, entry i standing for target token
     ``token_ids[i]``; the others score the whole target vocabulary (``token_ids`` None).
-    Greedy drafting and the training loss work where the scores are; only sampled drafting
-    spreads them over the target vocabulary (``full``). In training that halved the time
-    per batch; in serving it did not show beside the target's verify step."""
+    Greedy drafting and the training loss work where the scores are, sparing the spread
+    over the target vocabulary (``full``) that only sampled drafting needs."""
 
     values: torch.Tensor  # [B, Vd] fp32
     token_ids: torch.Tensor | None = None  # [Vd] int64 target ids, ascending
