@@ -5,13 +5,17 @@ grpc.aio server with the KvTransfer servicer and a raw TCP socket. The sender pu
 same KV (``--total-mib`` of a Llama-3-8B-shaped bf16 cache: 32 layers, 8 KV heads,
 head_dim 128, block_size 16; 4 runs of consecutive blocks) four ways, interleaved:
 
-- ``grpc``: GrpcKvSender, checksummed chunks, begin .. receiver wrote every block
+- ``grpc``: ``grpc_sender``, checksummed chunks, begin .. receiver wrote every block
   (also printed, not a ratio's term: ``grpc_plain``, the same bytes as premade
   ``--chunk-mib`` messages to a servicer that drops them: gRPC's own ceiling here);
 - ``raw_socket``: the same bytes as one ``sendall`` from a pre-touched buffer into
   ``recv_into`` a pre-touched buffer, until the receiver acknowledges;
-- ``shm``: ShmKvSender (chunks and their headers in a /dev/shm ring, FIFO wake-ups;
-  gRPC for the handshake, the last message and the reply), checksums included;
+- ``shm``: ``shm_sender`` into the receiver's pools, which live in a shared segment
+  (``SharedKvPools``): each block copied once into its reserved destination block and
+  checksummed, the chunk headers over gRPC, the receiver checksumming the blocks in place
+  before it replies;
+- ``shm_ring`` (printed, not a ratio's term): the same into pools that are not shared,
+  through the /dev/shm ring (chunks in slots, FIFO wake-ups), the receiver copying out;
 - ``memcpy``: one ``tensor.copy_`` of the same bytes into a pre-touched tensor.
 
 Each figure is the best of ``--repeats`` after one warm-up; each process uses one torch
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import socket
@@ -43,19 +48,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kv_transfer import (
-    GrpcKvSender,
+    ChunkedKvSender,
     Handshake,
     KvLayout,
     KvPool,
     KvReceiver,
     KvReservation,
     PoolShape,
+    SharedKvPools,
     ShmAttacher,
-    ShmKvSender,
     ShmRingPool,
     TransferOptions,
     add_kv_transfer_servicer,
+    grpc_sender,
     server_options,
+    shm_sender,
 )
 from kv_transfer.base import merge_runs
 from kv_transfer.checksum import checksum_kind, kind_name
@@ -69,11 +76,13 @@ NUM_RUNS = 4
 class Pools:
     """A target pool with ``num_blocks`` blocks per layer (duck-types PagedKVCache)."""
 
-    def __init__(self, num_blocks: int, fill: bool) -> None:
+    def __init__(self, num_blocks: int, fill: bool, shared: SharedKvPools | None = None) -> None:
         shape = (num_blocks, LAYOUT.block_size, LAYOUT.target.num_kv_heads, LAYOUT.target.head_dim)
         self.layers = []
-        for _ in range(LAYOUT.target.num_layers):
+        for layer in range(LAYOUT.target.num_layers):
             kv = (torch.zeros(shape, dtype=LAYOUT.dtype), torch.zeros(shape, dtype=LAYOUT.dtype))
+            if shared is not None:
+                kv = shared.layer(KvPool.TARGET, layer)
             if fill:
                 for t in kv:
                     t.view(torch.int16).random_(-(2**14), 2**14)
@@ -115,11 +124,13 @@ async def _sink(request_iterator: AsyncIterator[bytes], context: object) -> byte
 async def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     _, dst_ids, num_blocks = block_ids(args.total_mib * MiB)
-    pools = Pools(num_blocks, fill=False)
-    receiver = KvReceiver(attach_segment=ShmAttacher())
+    shared = SharedKvPools.create(LAYOUT, num_blocks)
+    pools = Pools(num_blocks, fill=False, shared=shared)  # what same-host senders write
+    ring_pools = Pools(num_blocks, fill=False)  # private: same-host senders use the ring
+    receiver = KvReceiver(attach_segment=ShmAttacher(), shared_pools=shared)
     for i in range(args.num_requests):
-        reservation = KvReservation(f"r{i}", dst_ids, {KvPool.TARGET: pools}, LAYOUT)
-        receiver.reserve(reservation)
+        into = ring_pools if i % 3 == 2 else pools  # every third request: "shm_ring"
+        receiver.reserve(KvReservation(f"r{i}", dst_ids, {KvPool.TARGET: into}, LAYOUT))
     server = grpc.aio.server(options=server_options(80 * MiB))
     add_kv_transfer_servicer(server, receiver)
     sink = {"Push": grpc.stream_unary_rpc_method_handler(_sink)}
@@ -132,6 +143,7 @@ async def serve(args: argparse.Namespace) -> None:
     print(json.dumps({"port": port, "raw_port": listener.getsockname()[1]}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     await server.stop(0)
+    shared.close()
 
 
 # ---------------------------------------------------------------- sender process
@@ -158,13 +170,15 @@ class Bench:
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{hello['port']}")
         self.sock = socket.create_connection(("127.0.0.1", hello["raw_port"]))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.next_request = 0
+        # Request ids 0, 1 mod 3 are reserved in the shared pools, 2 mod 3 in private ones.
+        self.shared_ids = (i for i in itertools.count() if i % 3 != 2)
+        self.ring_ids = (i for i in itertools.count() if i % 3 == 2)
 
-    async def push(self, make: Callable[[], GrpcKvSender]) -> float:
+    async def push(self, make: Callable[[], ChunkedKvSender], into_ring: bool = False) -> float:
         sender = make()
+        request_id = next(self.ring_ids if into_ring else self.shared_ids)
         start = time.perf_counter()
-        await sender.begin(Handshake(f"r{self.next_request}", LAYOUT))
-        self.next_request += 1
+        await sender.begin(Handshake(f"r{request_id}", LAYOUT))
         for layer, kv in enumerate(self.pools.layers):
             await sender.send_layer(KvPool.TARGET, layer, kv, self.src_ids, self.dst_ids)
         await sender.finish()
@@ -211,7 +225,7 @@ async def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     total = args.total_mib * MiB
     grid = [(c, w) for c in (1, 4, 16) for w in (2, 4, 8)] if args.sweep else []
-    num_requests = 2 * (args.repeats + 1) * max(1, len(grid))
+    num_requests = 3 * (args.repeats + 1) * max(1, len(grid))
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     command = [sys.executable, __file__, "--serve", "--total-mib", str(args.total_mib)]
     receiver = subprocess.Popen(
@@ -235,11 +249,9 @@ async def main(args: argparse.Namespace) -> None:
                 best = await best_of(
                     args.repeats,
                     {
-                        "grpc": lambda o=options: bench.push(
-                            lambda: GrpcKvSender(bench.channel, o)
-                        ),
+                        "grpc": lambda o=options: bench.push(lambda: grpc_sender(bench.channel, o)),
                         "shm": lambda o=options, r=rings: bench.push(
-                            lambda: ShmKvSender(bench.channel, r, o)
+                            lambda: shm_sender(bench.channel, r, o)
                         ),
                     },
                 )
@@ -252,10 +264,13 @@ async def main(args: argparse.Namespace) -> None:
         best = await best_of(
             args.repeats,
             {
-                "grpc": lambda: bench.push(lambda: GrpcKvSender(bench.channel, options)),
+                "grpc": lambda: bench.push(lambda: grpc_sender(bench.channel, options)),
                 "grpc_plain": bench.grpc_plain,
                 "raw_socket": bench.raw_socket,
-                "shm": lambda: bench.push(lambda: ShmKvSender(bench.channel, rings, options)),
+                "shm": lambda: bench.push(lambda: shm_sender(bench.channel, rings, options)),
+                "shm_ring": lambda: bench.push(
+                    lambda: shm_sender(bench.channel, rings, options), into_ring=True
+                ),
                 "memcpy": bench.memcpy,
             },
         )
@@ -268,6 +283,7 @@ async def main(args: argparse.Namespace) -> None:
             "memcpy_gbps": best["memcpy"],
             "shm_ratio": best["shm"] / best["memcpy"],
             "grpc_plain_gbps": best["grpc_plain"],
+            "shm_ring_gbps": best["shm_ring"],
         }
         print(json.dumps({k: round(v, 3) for k, v in result.items()}))
     finally:
