@@ -75,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def make_service(runtime: Runtime) -> DecodeWorkerService:
-    """The engine (which hands preempted requests back), registered with its KV
-    capacity, the KV receiver at the registration's epoch, and the service."""
+    """The engine (which hands preempted requests back), the KV receiver and the
+    service."""
     from decode_worker.service import DecodeWorkerService
     from kv_transfer import KvReceiver, SharedKvPools, ShmAttacher
     from serving import engine_setup
@@ -86,11 +86,12 @@ def make_service(runtime: Runtime) -> DecodeWorkerService:
     engine = engine_setup.build_engine(spec, args, preemption="hand_back")
     draft = engine_setup.draft_config(engine, spec)
     layout = engine_setup.kv_layout(engine, spec.served_name, draft.fingerprint if draft else "")
-    membership = runtime.join(capacity=engine.block_manager.num_blocks)
+    membership = runtime.new_membership(capacity=engine.block_manager.num_blocks)
     use_shm = args.kv_transport == "auto"
     shared = SharedKvPools.adopt(layout, engine.kv_pools) if use_shm else None  # written in place
     attach = ShmAttacher() if use_shm else None
-    receiver = KvReceiver(epoch=membership.epoch, attach_segment=attach, shared_pools=shared)
+    # Its epoch is the registration's, set on registering (DecodeWorkerService.on_registered).
+    receiver = KvReceiver(attach_segment=attach, shared_pools=shared)
     return DecodeWorkerService(
         engine,
         served_name=spec.served_name,

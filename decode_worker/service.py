@@ -307,9 +307,9 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         if handle is not None:
             handle.close(CloseReason.LEASE_LOST)
 
-    def on_registered_again(self, epoch: int) -> None:
-        """Redis lost data (restart, restore) or a stall: KV pushes into reservations
-        carry the new epoch from now on."""
+    def on_registered(self, epoch: int) -> None:
+        """Registered (at start, or again after Redis lost data or a stall): KV pushes
+        into reservations must carry this epoch from now on."""
         self.receiver.epoch = epoch
 
     async def expire_reservations(self) -> None:

@@ -21,7 +21,7 @@ Each heartbeat first checks the ledger's generation (ledger.ledger.join_generati
 
 Membership talks to the service it registers through the ``Component`` protocol (its
 load, and what to do when the ledger loses track of what it holds); the service is
-``attach``ed once built, since it needs the membership (and its epoch) to be built.
+``attach``ed once built (it needs the membership to be built), before ``register``.
 
 A Redis that cannot be reached is logged once when it goes and once when it is back; the
 process keeps serving meanwhile.
@@ -42,10 +42,10 @@ from ledger.ledger import Generation, Ledger, LedgerConflict, Pool, WorkerRole
 log = logging.getLogger(__name__)
 
 
-# A registration outlives the start-up work between ``register`` and ``start`` (building
-# the service, starting the engine thread, binding the port: over a second on a loaded
-# machine), so that no router picks the worker under an epoch it is about to leave (a
-# registration expired before the first heartbeat comes back under a new epoch).
+# A registration outlives the start-up work between ``register`` and ``start`` (starting
+# the engine thread, binding the port: over a second on a loaded machine), so that no
+# router picks the worker under an epoch it is about to leave (a registration expired
+# before the first heartbeat comes back under a new epoch).
 STARTUP_TTL_MS = 10_000
 
 
@@ -89,8 +89,8 @@ class Component(Protocol):
         """The ledger no longer has this component holding ``request_id``: drop it here."""
         ...
 
-    def on_registered_again(self, epoch: int) -> None:
-        """Registered again under ``epoch`` (Redis lost data, or this process stalled)."""
+    def on_registered(self, epoch: int) -> None:
+        """Registered under ``epoch``: first, or again (Redis lost data, or a stall)."""
         ...
 
     async def held_requests(self) -> Sequence[HeldRequest]:
@@ -107,7 +107,7 @@ class _Unattached:
     def on_lease_lost(self, request_id: str) -> None:
         pass
 
-    def on_registered_again(self, epoch: int) -> None:
+    def on_registered(self, epoch: int) -> None:
         pass
 
     async def held_requests(self) -> Sequence[HeldRequest]:
@@ -157,8 +157,8 @@ class Membership:
 
     def register(self) -> int:
         """Joins the ledger's generation, registers with a fresh epoch and heartbeats once;
-        returns the epoch. The registration lasts STARTUP_TTL_MS, until ``start``'s
-        heartbeats keep it to ``registration_ttl_ms``."""
+        returns the epoch, which the component hears too. The registration lasts
+        STARTUP_TTL_MS, until ``start``'s heartbeats keep it to ``registration_ttl_ms``."""
         generation = self.ledger.join_generation(self.worker_id)
         ttl_ms = max(self.timing.registration_ttl_ms, STARTUP_TTL_MS)
         self.epoch = self.ledger.register_worker(
@@ -169,7 +169,8 @@ class Membership:
             ttl_ms=ttl_ms,
         )
         self._send_heartbeat(ttl_ms)
-        self.generation = generation  # last: a failure above is retried as a restart
+        self.generation = generation  # a failure above is retried as a restart
+        self.component.on_registered(self.epoch)
         return self.epoch
 
     def start(self) -> None:
@@ -294,7 +295,6 @@ class Membership:
         old_epoch, old_generation = self.epoch, self.generation
         self.register()  # a RedisError leaves everything as it was, for the next heartbeat
         held, self._held = self._held, {}
-        self.component.on_registered_again(self.epoch)
         try:
             for request in await self._held_now():
                 self._restore(request, held.get(request.request_id))
@@ -359,7 +359,6 @@ class Membership:
             old_epoch,
             len(lost),
         )
-        self.component.on_registered_again(self.epoch)
         for request_id in lost:
             self.component.on_lease_lost(request_id)
 

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def make_service(runtime: Runtime) -> PrefillWorkerService:
-    """The engine (prefill only), registered with its KV capacity, and its service."""
+    """The engine (prefill only) and its service."""
     from prefill_worker.service import PrefillWorkerService
     from serving import engine_setup
 
@@ -83,7 +83,7 @@ def make_service(runtime: Runtime) -> PrefillWorkerService:
         served_name=spec.served_name,
         layout=layout,
         draft=draft,
-        membership=runtime.join(capacity=engine.block_manager.num_blocks),
+        membership=runtime.new_membership(capacity=engine.block_manager.num_blocks),
         max_queued=args.max_queued,
         use_shm=args.kv_transport == "auto",
         metrics=runtime.metrics,

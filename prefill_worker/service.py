@@ -222,8 +222,8 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         """Nothing to drop at once: the hand-over to the decode worker at the end of the
         request's Prefill is refused by the ledger, which fails that Prefill."""
 
-    def on_registered_again(self, epoch: int) -> None:
-        """Prefills under way end as above; new ones run under the new epoch."""
+    def on_registered(self, epoch: int) -> None:
+        """Registered again, prefills under way end as above; new ones use ``epoch``."""
 
     async def held_requests(self) -> list[HeldRequest]:
         """None to record again: the router prefills again what was in flight."""

@@ -92,7 +92,7 @@ def make_service(runtime: Runtime) -> RouterComponent:
     name = args.served_model_name or model_dir.name
     model = ModelInfo.from_dir(model_dir, name, args.max_model_len)
     validator = RequestValidator(model, tokenizer, max_request_bytes=args.max_request_bytes)
-    membership = runtime.join(capacity=0)
+    membership = runtime.new_membership(capacity=0)
     service = GenerationService(
         validator=validator,
         picker=WorkerPicker(runtime.ledger, name),
@@ -119,7 +119,7 @@ class RouterComponent:
     def on_lease_lost(self, request_id: str) -> None:
         pass
 
-    def on_registered_again(self, epoch: int) -> None:
+    def on_registered(self, epoch: int) -> None:
         pass
 
     async def held_requests(self) -> Sequence[HeldRequest]:

@@ -79,9 +79,10 @@ class Runtime:
     ledger: Ledger
     membership: Membership | None = None
 
-    def join(self, capacity: int) -> Membership:
-        """Registers this process in the ledger (a fresh epoch, the fencing token) with
-        ``capacity`` KV blocks; heartbeats begin once the service is built and serving."""
+    def new_membership(self, capacity: int) -> Membership:
+        """This process's membership, with ``capacity`` KV blocks. The bootstrap registers
+        it (a fresh epoch, the fencing token) once the service is built, so that the
+        registration need not outlive the engine's and the service's construction."""
         args = self.args
         self.membership = Membership(
             self.ledger,
@@ -91,7 +92,6 @@ class Runtime:
             capacity=capacity,
             timing=Timing(args.heartbeat_ms, args.lease_ms),
         )
-        self.membership.register()
         return self.membership
 
 
@@ -121,8 +121,9 @@ async def _serve(role: Role, args: argparse.Namespace, make_service: MakeService
     service = make_service(runtime)
     membership = runtime.membership
     if membership is None:
-        raise RuntimeError(f"{role.name}: make_service did not join the ledger")
+        raise RuntimeError(f"{role.name}: make_service made no membership")
     membership.attach(service)
+    membership.register()
     service.add_to(server)
     service.start()
     await server.start()
