@@ -115,10 +115,10 @@ async def _serve(role: Role, args: argparse.Namespace, make_service: MakeService
     address = advertised_address(args, port)
     metrics = role.make_metrics()
     metrics.serve(args.host, args.metrics_port)
-    metrics.watch_loop()
     client = metrics.instrument_redis(connect(RedisSettings.from_args(args)))
     runtime = Runtime(role, args, address, metrics, Ledger(client, namespace=args.namespace))
     service = make_service(runtime)
+    metrics.watch_loop()  # from here: building the engine above holds the loop by design
     membership = runtime.membership
     if membership is None:
         raise RuntimeError(f"{role.name}: make_service made no membership")
