@@ -80,14 +80,14 @@ def run(args: argparse.Namespace) -> int:
 
 def make_service(runtime: Runtime) -> RouterComponent:
     """The Generation service over the model's tokenizer and the ledger's workers."""
-    from engine.model_store import resolve_model
+    from router.models import resolve_model_dir
     from router.routing import WorkerPicker
     from router.service import GenerationService
+    from router.tokenizer import load_tokenizer
     from router.validation import ModelInfo, RequestValidator
-    from serving.engine_setup import load_tokenizer
 
     args = runtime.args
-    model_dir = Path(resolve_model(args.model))
+    model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     name = args.served_model_name or model_dir.name
     model = ModelInfo.from_dir(model_dir, name, args.max_model_len)
