@@ -186,7 +186,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             count_in_flight(self.picker, route, -1)
             if not is_finished:
                 # A task of its own: this one may be cancelled again while it cleans up.
-                self._spawn(self._abandon(route, end_state, reason))
+                self._spawn(self._end(route, end_state, reason))
             timing.ended("finished" if is_finished else end_state.value.lower())
 
     async def ListModels(
@@ -363,7 +363,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 
-    async def _abandon(self, route: Route, state: RequestState, reason: str) -> None:
+    async def _end(self, route: Route, state: RequestState, reason: str) -> None:
         """Aborts the request on P and D (idempotent there) and ends it in the ledger."""
         rid = route.request.request_id
         log.info("%s %s: %s", rid, state.value.lower(), reason)
