@@ -6,11 +6,18 @@ handshake names one, or headers of blocks written in place into shared pools; a
 ``ReceiveSession`` for in-process channels), and the worker awaits ``wait_done``. Anything
 wrong (checksum, layout, block outside the reservation, sequence gap or repeat, missing KV)
 fails the request with a message (session.py).
+
+A same-host sender writing in place may be partway through a chunk when its push is
+refused or released, so its blocks are reused only once it has provably stopped: the
+receiver fences them, reads the stream until the sender half-closes (it checks the fence
+before each chunk), and only then lets ``release``'s future finish. A call that ends
+otherwise (cancelled, broken, timed out) keeps them a grace period longer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -19,12 +26,14 @@ from collections.abc import (
     Callable,
     Sequence,
 )
+from typing import Any
 
 import torch
 
 from kv_transfer.base import KvTransferError, TransferState
 from kv_transfer.session import (
     ChunkSource,
+    InPlaceWriter,
     KvReservation,
     ReceiveSession,
     SegmentAttacher,
@@ -55,12 +64,19 @@ class KvReceiver:
         epoch: int | None = None,
         attach_segment: SegmentAttacher | None = None,
         shared_pools: SharedKvPools | None = None,
+        write_grace_s: float = 1.0,
+        fence_timeout_s: float = 30.0,
     ) -> None:
         self.epoch = epoch  # None: decode_epoch is not checked
         self._attach_segment = attach_segment  # None: shared-memory pushes are refused
         # Where the reserved pools live, for same-host senders to write in place (None: no
         # such pushes; they go through their ring).
         self.shared_pools = shared_pools
+        # After an in-place push's call ended without its half-close: how long a copy in
+        # flight may still take to land.
+        self.write_grace_s = write_grace_s
+        # How long a fenced in-place sender may take to half-close before its call is ended.
+        self.fence_timeout_s = fence_timeout_s
         self._records: dict[str, _Record] = {}
 
     def reserve(self, reservation: KvReservation) -> None:
@@ -85,13 +101,20 @@ class KvReceiver:
             raise KvTransferError(record.status, record.message)
         return record.extra
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str) -> asyncio.Future[None] | None:
         """Forgets the request (done, failed or aborted); a push still running is refused
-        before its next write, so its blocks can be given to another request."""
+        before its next write. None: its blocks may go to another request now. Else they
+        must wait for the future: a same-host sender may still be writing them in place."""
         record = self._records.pop(request_id, None)
-        if record is not None:
-            record.is_released = True
-            record.end(TransferState.FAILED, pb.KV_PUSH_STATUS_UNKNOWN_REQUEST, "released")
+        if record is None:
+            return None
+        record.is_released = True
+        record.end(TransferState.FAILED, pb.KV_PUSH_STATUS_UNKNOWN_REQUEST, "released")
+        writer = record.writer
+        if writer is None or writer.stopped.done() or record.state is TransferState.DONE:
+            return None  # done: every block was written before the last message
+        writer.fence()
+        return writer.stopped
 
     def open(self, handshake: pb.KvHandshake) -> ReceiveSession:
         """Starts a push; raises KvTransferError (failing the request where it has one)."""
@@ -129,9 +152,9 @@ class KvReceiver:
         write into the shared pools, or use the ring."""
         session: ReceiveSession | None = None
         ring_stream: AsyncGenerator[bytes, None] | None = None
-        iterator = aiter(raw_messages)
+        iterator = _Messages(raw_messages)
         try:
-            first = await anext(iterator, None)
+            first = await iterator.next()
             if first is None:
                 raise KvTransferError(pb.KV_PUSH_STATUS_INCOMPLETE, "no handshake")
             message, _ = _split(first)
@@ -169,16 +192,33 @@ class KvReceiver:
             if session is None:
                 return pb.KvPushReply(status=e.status, message=e.message)  # type: ignore[arg-type]
             session.fail(e.status, e.message)
+            if session.writer is not None:
+                await self._until_half_closed(iterator, session.writer)
             return session.reply(e.status, e.message)
         except BaseException:
             if session is not None:
                 session.fail(pb.KV_PUSH_STATUS_INCOMPLETE, "the push was cancelled or broke")
             raise
         finally:
+            iterator.close()
             if ring_stream is not None:
                 await ring_stream.aclose()
             if session is not None and session.source is not None:
                 session.source.close()
+            if session is not None and session.writer is not None:
+                if iterator.is_ended:  # half-closed: every write came before
+                    session.writer.has_stopped()
+                else:
+                    session.writer.stops_after(self.write_grace_s)
+
+    async def _until_half_closed(self, messages: _Messages, writer: InPlaceWriter) -> None:
+        """Fences a refused in-place push's blocks and reads its stream to the end: the
+        sender stops at its next chunk and half-closes (for at most ``fence_timeout_s``)."""
+        writer.fence()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.fence_timeout_s):
+                while await messages.next() is not None:
+                    pass
 
 
 async def _with_ring_chunks(
@@ -245,23 +285,58 @@ def _placement(session: ReceiveSession) -> list[tuple[str, str | bytes]]:
 
 
 async def _until_released(
-    messages: AsyncIterator[bytes], session: ReceiveSession
+    messages: _Messages, session: ReceiveSession
 ) -> AsyncGenerator[bytes, None]:
     """The stream's messages, ended early (refusing the push) once the reservation is
-    released: a sender writing in place checks that the call is live before each chunk."""
+    released; the read under way is kept for whoever reads the stream to its end."""
     ended = asyncio.ensure_future(session.ended())
     try:
         while True:
-            read = asyncio.ensure_future(anext(messages, None))
-            try:
-                await asyncio.wait({read, ended}, return_when=asyncio.FIRST_COMPLETED)
-                if not read.done() and not session.is_finished:
-                    session.check_live()  # raises: released or failed
-                raw = await read
-            finally:
-                read.cancel()
+            read = messages.read()
+            waits: set[asyncio.Future[Any]] = {read, ended}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if not read.done() and not session.is_finished:
+                session.check_live()  # raises: released or failed
+            raw = await messages.next()
             if raw is None:
                 return
             yield raw
     finally:
         ended.cancel()
+
+
+class _Messages:
+    """A Push stream's messages, one read at a time; ``is_ended`` once the sender
+    half-closed. A read left pending by a caller that stopped waiting is the next one's."""
+
+    def __init__(self, raw_messages: AsyncIterable[bytes]) -> None:
+        self._iterator = aiter(raw_messages)
+        self._read: asyncio.Future[bytes | None] | None = None
+        self.is_ended = False
+
+    def read(self) -> asyncio.Future[bytes | None]:
+        """The next message (None: the end), as a future."""
+        if self._read is None:
+            self._read = asyncio.ensure_future(anext(self._iterator, None))
+        return self._read
+
+    async def next(self) -> bytes | None:
+        if self.is_ended:
+            return None
+        raw = await self.read()
+        self._read = None
+        self.is_ended = raw is None
+        return raw
+
+    def __aiter__(self) -> _Messages:
+        return self
+
+    async def __anext__(self) -> bytes:
+        raw = await self.next()
+        if raw is None:
+            raise StopAsyncIteration
+        return raw
+
+    def close(self) -> None:
+        if self._read is not None:
+            self._read.cancel()

@@ -102,6 +102,36 @@ class KvReservation:
                 raise ValueError(f"block_ids: outside 0..{num_blocks - 1} of the {pool} pool")
 
 
+class InPlaceWriter:
+    """A same-host sender that may be writing a reservation's blocks in place (shared
+    pools): they must not go to another request before ``stopped`` is done, once it has
+    provably stopped writing (it half-closed, or a grace period after its call ended)."""
+
+    def __init__(self, pools: SharedKvPools, block_ids: Sequence[int]) -> None:
+        self._pools, self._block_ids = pools, block_ids
+        self.stopped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._is_fenced = False
+
+    def fence(self) -> None:
+        """Marks the blocks: the sender's check before its next chunk stops it."""
+        if not self._is_fenced and not self.stopped.done():
+            self._pools.fence(self._block_ids)
+            self._is_fenced = True
+
+    def has_stopped(self) -> None:
+        """Nothing writes the blocks any more: they may be reused (idempotent)."""
+        if not self.stopped.done():
+            if self._is_fenced:
+                self._pools.fence(self._block_ids, is_fenced=False)
+            self.stopped.set_result(None)
+
+    def stops_after(self, grace_s: float) -> None:
+        """The call ended without the sender's half-close (cancelled, timed out, ended by
+        the receiver): a copy in flight may still land, for at most ``grace_s``."""
+        self.fence()
+        asyncio.get_running_loop().call_later(grace_s, self.has_stopped)
+
+
 @dataclass(eq=False)
 class _Record:
     reservation: KvReservation
@@ -111,6 +141,7 @@ class _Record:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     is_released: bool = False
+    writer: InPlaceWriter | None = None  # set once a same-host sender is told to write in place
 
     def end(self, state: TransferState, status: int, message: str = "") -> None:
         if self.state in (TransferState.RESERVED, TransferState.TRANSFERRING):
@@ -155,6 +186,10 @@ class ReceiveSession:
     def pools(self) -> Mapping[str, PagedPools]:
         return self._record.reservation.pools
 
+    @property
+    def writer(self) -> InPlaceWriter | None:
+        return self._record.writer
+
     async def ended(self) -> None:
         """Until the request is done, failed or released."""
         await self._record.done.wait()
@@ -178,6 +213,7 @@ class ReceiveSession:
         if hs.HasField("shm"):
             if shared is not None and self._in_shared(shared, hs.shm.host_id):
                 self.placement, self.is_placed = shared, True
+                self._record.writer = InPlaceWriter(shared, self.block_ids)
                 return
             if attach is None:
                 self._refuse_incompatible("shm: shared memory is not enabled on this receiver")

@@ -5,8 +5,11 @@ engine's pools are moved into it (``PagedKVCache.place``). A same-host sender ma
 the name the receiver announces for a push, with the push's reserved block runs, and copies
 each block once, straight into its destination block; the receiver then checks every
 chunk's checksum over the destination before it admits the request. Tensors lie in the
-segment in a fixed order (target then draft pool, each layer's K then V, page aligned), so
-both ends derive every offset from the layout and the number of blocks alone.
+segment in a fixed order (target then draft pool, each layer's K then V, page aligned),
+then one fence byte per block, so both ends derive every offset from the layout and the
+number of blocks alone. The receiver fences the blocks of a push it refused or released:
+the sender, which checks them before each chunk, then half-closes the call, and the
+receiver reuses the blocks only after that (receiver.py).
 """
 
 from __future__ import annotations
@@ -64,10 +67,15 @@ def _tensors(
                 offset += _round_up(num_bytes, _PAGE)
 
 
-def segment_bytes(layout: KvLayout, num_blocks: int) -> int:
+def _fences_offset(layout: KvLayout, num_blocks: int) -> int:
+    """Where the fence bytes start: after the last tensor."""
     *_, (_, _, offset, dims) = _tensors(layout, num_blocks)
     num_bytes = torch.Size(dims).numel() * layout.dtype.itemsize
     return offset + _round_up(num_bytes, _PAGE)
+
+
+def segment_bytes(layout: KvLayout, num_blocks: int) -> int:
+    return _fences_offset(layout, num_blocks) + _round_up(num_blocks, _PAGE)
 
 
 class SharedKvPools:
@@ -88,6 +96,8 @@ class SharedKvPools:
             if len(layers) == layer:
                 layers.append([])
             layers[layer].append(t)
+        offset = _fences_offset(layout, num_blocks)
+        self._fences = data[offset : offset + num_blocks]  # [num_blocks], 1: fenced
         self._finalizer: weakref.finalize | None = None
 
     @classmethod
@@ -179,6 +189,15 @@ class SharedKvPools:
             for t, m in zip(kv, mkv, strict=True)
         )
 
+    def fence(self, block_ids: Sequence[int], *, is_fenced: bool = True) -> None:
+        """Marks blocks whose push was refused or released (False: clears the marks), so
+        that the sender writing them stops before its next chunk."""
+        self._fences[torch.as_tensor(list(block_ids), dtype=torch.int64)] = int(is_fenced)
+
+    def is_fenced(self, first_block_id: int, num_blocks: int) -> bool:
+        """Whether any of the run's blocks is fenced."""
+        return bool(self._fences[first_block_id : first_block_id + num_blocks].any())
+
     def is_linked(self) -> bool:
         try:
             return os.stat(SHM_DIR / self.name).st_ino == self.inode
@@ -193,7 +212,8 @@ class SharedKvPools:
 
 class PoolDestination:
     """A mapped receiver segment as a sender's ``Destination``: writes only the blocks the
-    receiver announced as reserved for this push, and only while the push is live."""
+    receiver announced as reserved for this push, only while the push is live, and not
+    once the receiver fenced them (then ``stop`` ends the call from this side)."""
 
     def __init__(
         self,
@@ -201,11 +221,13 @@ class PoolDestination:
         reserved: Sequence[RunPair],
         is_live: Callable[[], bool],
         failure: Callable[[], Awaitable[KvTransferError]],
+        stop: Callable[[], Awaitable[KvTransferError]],
     ) -> None:
         self.pools = pools
         self._reserved = {r.dst_start + i for r in reserved for i in range(r.num_blocks)}
         self._is_live = is_live
         self._failure = failure
+        self._stop = stop
 
     def layer(self, pool: KvPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pools.layer(pool, layer)
@@ -220,6 +242,8 @@ class PoolDestination:
                         pb.KV_PUSH_STATUS_INVALID_CHUNK,
                         f"runs: block {block} is outside the reservation",
                     )
+        if any(self.pools.is_fenced(run.dst_start, run.num_blocks) for run in runs):
+            raise await self._stop()  # the receiver waits for this end to reuse the blocks
 
 
 def reserved_runs(block_ids: Sequence[int]) -> list[RunPair]:

@@ -4,7 +4,9 @@ the receiver's pools are not shared, chunks through a shared-memory ring.
 The handshake names a ring either way (shm_transport.py); the receiver's initial metadata
 says which to use (shared_pools.py): "pools", with its pool segment and the push's reserved
 block runs, or "ring". The stream carries the rest of the push: chunk headers of placed
-chunks (runs, layers, checksum, no data), the last message, and the reply.
+chunks (runs, layers, checksum, no data), the last message, and the reply. A placed push
+that stops early (refused, fenced by the receiver, aborted) ends with a half-close, not a
+cancellation: the receiver then knows that nothing more is written into its blocks.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class ShmChannel:
         self._num_acquired = 0  # slots handed out (= chunks packed or being packed)
         self._num_consumed = 0  # wake-up bytes read from the receiver
         self._ended: asyncio.Future[None] | None = None  # done when the call ends
+        self._closing: asyncio.Task[None] | None = None  # a failed placed push's half-close
 
     async def open(self, handshake: pb.KvHandshake, layout: KvLayout) -> Destination | None:
         ring = self._ring = self._rings.acquire(data_offset_for(layout, self.options.chunk_bytes))
@@ -87,7 +90,9 @@ class ShmChannel:
         self.is_placed = True
         self._release(is_reusable=True)  # not needed: the blocks go in place
         runs = [RunPair(r.first_block_id, r.first_block_id, r.num_blocks) for r in reserved]
-        return PoolDestination(pools, runs, lambda: not self.stream.is_broken, self.stream.failure)
+        return PoolDestination(
+            pools, runs, lambda: not self.stream.is_broken, self.stream.failure, self._stop
+        )
 
     async def acquire(self, num_bytes: int) -> torch.Tensor:
         ring = self._ring
@@ -117,8 +122,38 @@ class ShmChannel:
         return reply
 
     def on_failed(self, status: int, message: str) -> None:
-        self.stream.cancel()
+        """A placed push half-closes (in the background): ChunkedKvSender calls this from
+        the pushing task, between copies, so nothing is written after; others cancel."""
         self._release(is_reusable=False)
+        if self.is_placed and not self.stream.is_broken and self._closing is None:
+            self._closing = asyncio.ensure_future(self._half_close())
+        elif self._closing is None:
+            self.stream.cancel()
+
+    async def _stop(self) -> KvTransferError:
+        """The receiver fenced the blocks (it refused or released the push): half-closes,
+        which it waits for before reusing them, and returns why from its reply."""
+        await self._half_close()
+        if self.stream.call.cancelled():  # no reply within timeout_s: cancelled here
+            return KvTransferError(
+                pb.KV_PUSH_STATUS_INCOMPLETE, "shm pools: fenced by the receiver, no reply"
+            )
+        return await self.stream.failure()
+
+    async def _half_close(self) -> None:
+        """Sends what is queued, then half-closes; waits for the call's end (the receiver
+        replies once it sees the half-close), then drops the writer task."""
+        stream = self.stream
+        try:
+            if not stream.is_broken:
+                await stream.flush()
+                await stream.call.done_writing()
+            async with asyncio.timeout(self.options.timeout_s):
+                await stream.call
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
+            pass  # the call ended otherwise: its failure says how
+        finally:
+            stream.cancel()
 
     def _release(self, *, is_reusable: bool) -> None:
         ring, self._ring = self._ring, None

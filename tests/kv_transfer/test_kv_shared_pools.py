@@ -1,17 +1,25 @@
 """Same-host pushes into shared pools: each block written once, straight into its reserved
 destination block; the reservation bounds what a sender writes, and a checksum over the
-destination is checked before the request is admitted."""
+destination is checked before the request is admitted. Blocks released or refused while a
+sender may be writing them wait until it provably stopped (its half-close, or a grace
+period after its call ended), whether it lives in this process or another."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import torch
 
 from kv_transfer import (
+    ChunkedKvSender,
     Handshake,
     KvPool,
     KvReceiver,
@@ -43,12 +51,13 @@ from tests.kv_transfer.kv_pools import (
 
 SMALL_CHUNKS = TransferOptions(chunk_bytes=1024, window=2, timeout_s=10)
 LAYOUT = layout_for(torch.float32)
+REPO = Path(__file__).resolve().parents[2]
 
 
 class SharedReceiving:
     """A receiver whose pools live in a shared segment, behind a grpc.aio server."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, write_grace_s: float = 1.0, fence_timeout_s: float = 30.0) -> None:
         self.pools = make_pools(LAYOUT, DST_SEED)
         self.shared = SharedKvPools.adopt(LAYOUT, {p.value: c for p, c in self.pools.items()})
         assert self.shared is not None
@@ -59,11 +68,16 @@ class SharedReceiving:
             self.ring_names.append(segment.name)
             return attacher(segment)
 
-        self.receiver = KvReceiver(attach_segment=attach, shared_pools=self.shared)
+        self.receiver = KvReceiver(
+            attach_segment=attach,
+            shared_pools=self.shared,
+            write_grace_s=write_grace_s,
+            fence_timeout_s=fence_timeout_s,
+        )
         self.server = grpc.aio.server(options=server_options())
         add_kv_transfer_servicer(self.server, self.receiver)
-        port = self.server.add_insecure_port("127.0.0.1:0")
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
         self.rings = ShmRingPool.for_options(SMALL_CHUNKS)
 
     def reserve(self, request_id: str, block_ids: tuple[int, ...] = DST_IDS) -> None:
@@ -71,8 +85,9 @@ class SharedReceiving:
 
 
 @pytest.fixture
-async def shared() -> AsyncIterator[SharedReceiving]:
-    r = SharedReceiving()
+async def shared(request: pytest.FixtureRequest) -> AsyncIterator[SharedReceiving]:
+    """Parametrize indirectly with SharedReceiving's keyword arguments."""
+    r = SharedReceiving(**getattr(request, "param", {}))
     await r.server.start()
     yield r
     await r.channel.close()
@@ -131,6 +146,7 @@ async def test_a_sender_cannot_write_outside_its_reservation(shared: SharedRecei
     assert torch.equal(bits(shared.pools[KvPool.TARGET].layers[0][0][outside]), before)
     with pytest.raises(KvTransferError, match="INCOMPLETE"):
         await shared.receiver.wait_done("r1", timeout=5)
+    assert shared.receiver.release("r1") is None  # it stopped with a half-close
 
 
 async def test_a_corrupted_block_is_refused_and_the_request_not_admitted(
@@ -151,22 +167,8 @@ async def test_a_corrupted_block_is_refused_and_the_request_not_admitted(
     assert "chunk 1: checksum" in shared.receiver.failure("r1")
     with pytest.raises(KvTransferError, match="CHECKSUM_MISMATCH"):
         await shared.receiver.wait_done("r1", timeout=1)
-
-
-async def test_release_stops_a_push_into_shared_pools(shared: SharedReceiving) -> None:
-    shared.reserve("r1")
-    src = make_pools(LAYOUT, SRC_SEED)
-    sender = shm_sender(shared.channel, shared.rings, SMALL_CHUNKS)
-    await sender.begin(Handshake("r1", LAYOUT))
-    await sender.send_layer(KvPool.TARGET, 0, src[KvPool.TARGET].layers[0], SRC_IDS, DST_IDS)
-    shared.receiver.release("r1")
-    await asyncio.sleep(0.2)  # the receiver ends the call; the sender sees it before writing
-    layer = src[KvPool.TARGET].layers[1]
-    before = bits(shared.pools[KvPool.TARGET].layers[1][0]).clone()
-    with pytest.raises(KvTransferError, match="UNKNOWN_REQUEST: the reservation was released"):
-        await sender.send_layer(KvPool.TARGET, 1, layer, SRC_IDS, DST_IDS)
-    assert torch.equal(bits(shared.pools[KvPool.TARGET].layers[1][0]), before)
-    assert sender.state is TransferState.FAILED
+    # the sender learnt it from the reply to its half-close: nothing writes the blocks now
+    assert shared.receiver.release("r1") is None
 
 
 async def test_pools_not_in_the_segment_go_through_the_ring(shared: SharedReceiving) -> None:
@@ -179,3 +181,156 @@ async def test_pools_not_in_the_segment_go_through_the_ring(shared: SharedReceiv
     assert not sender.is_placed
     assert len(shared.ring_names) == 1
     assert mismatches(private, src, make_pools(LAYOUT, DST_SEED)) == []
+
+
+async def _midway(shared: SharedReceiving) -> tuple[ChunkedKvSender, dict[KvPool, Any]]:
+    """A same-host push into r1, paused after target layer 0 was written in place."""
+    shared.reserve("r1")
+    src = make_pools(LAYOUT, SRC_SEED)
+    sender = shm_sender(shared.channel, shared.rings, SMALL_CHUNKS)
+    await sender.begin(Handshake("r1", LAYOUT))
+    await sender.send_layer(KvPool.TARGET, 0, src[KvPool.TARGET].layers[0], SRC_IDS, DST_IDS)
+    assert sender.is_placed
+    return sender, src
+
+
+def _fenced(shared: SharedReceiving) -> list[int]:
+    return [b for b in DST_IDS if shared.shared.is_fenced(b, 1)]
+
+
+@pytest.mark.parametrize("shared", [{"write_grace_s": 60.0}], indirect=True)
+async def test_blocks_released_mid_push_wait_for_the_sender_to_stop(
+    shared: SharedReceiving,
+) -> None:
+    sender, src = await _midway(shared)
+    stopping = shared.receiver.release("r1")
+    assert stopping is not None and _fenced(shared) == list(DST_IDS)
+    await asyncio.sleep(0.3)  # the sender is paused between chunks: it has not stopped
+    assert not stopping.done()
+    k1 = shared.pools[KvPool.TARGET].layers[1][0]
+    before = bits(k1).clone()
+    with pytest.raises(KvTransferError, match="UNKNOWN_REQUEST: the reservation was released"):
+        await sender.send_layer(KvPool.TARGET, 1, src[KvPool.TARGET].layers[1], SRC_IDS, DST_IDS)
+    assert torch.equal(bits(k1), before)  # the fence stopped it before it wrote
+    assert sender.state is TransferState.FAILED
+    await asyncio.wait_for(stopping, 5)  # its half-close, well before the 60 s grace
+    assert _fenced(shared) == []
+    assert shared.receiver.release("r1") is None
+
+
+async def test_releases_with_no_push_writing_in_place_free_at_once(
+    shared: SharedReceiving,
+) -> None:
+    shared.reserve("idle")
+    assert shared.receiver.release("idle") is None
+    private = make_pools(LAYOUT, DST_SEED)  # not in the segment: the push goes by the ring
+    shared.receiver.reserve(KvReservation("ring", DST_IDS, private, LAYOUT))
+    src = make_pools(LAYOUT, SRC_SEED)
+    sender = shm_sender(shared.channel, shared.rings, SMALL_CHUNKS)
+    await sender.begin(Handshake("ring", LAYOUT))
+    await sender.send_layer(KvPool.TARGET, 0, src[KvPool.TARGET].layers[0], SRC_IDS, DST_IDS)
+    assert not sender.is_placed
+    assert shared.receiver.release("ring") is None  # the receiver writes ring chunks itself
+    shared.reserve("done")
+    await push_all(shm_sender(shared.channel, shared.rings, SMALL_CHUNKS), "done", LAYOUT, src)
+    await shared.receiver.wait_done("done", timeout=5)
+    assert shared.receiver.release("done") is None  # written, all of it, before is_last
+    assert _fenced(shared) == []
+
+
+@pytest.mark.parametrize("shared", [{"write_grace_s": 1.0}], indirect=True)
+async def test_a_call_ended_without_a_half_close_keeps_the_blocks_a_grace_period(
+    shared: SharedReceiving,
+) -> None:
+    sender, _ = await _midway(shared)
+    sender.channel.stream.cancel()  # type: ignore[attr-defined]  # as a deadline would
+    with pytest.raises(KvTransferError, match="cancelled or broke"):
+        await shared.receiver.wait_done("r1", timeout=5)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    stopping = shared.receiver.release("r1")
+    assert stopping is not None  # a copy under way may still land
+    await asyncio.wait_for(stopping, 5)
+    assert loop.time() - start > 0.5
+    assert _fenced(shared) == []
+
+
+@pytest.mark.parametrize("shared", [{"fence_timeout_s": 0.3, "write_grace_s": 0.3}], indirect=True)
+async def test_a_fenced_sender_that_never_stops_is_cut_off(shared: SharedReceiving) -> None:
+    sender, src = await _midway(shared)
+    stopping = shared.receiver.release("r1")
+    assert stopping is not None
+    await asyncio.wait_for(stopping, 5)  # the call ended after 0.3 s, then the grace
+    k1 = shared.pools[KvPool.TARGET].layers[1][0]
+    before = bits(k1).clone()
+    with pytest.raises(KvTransferError, match="the reservation was released"):
+        await sender.send_layer(KvPool.TARGET, 1, src[KvPool.TARGET].layers[1], SRC_IDS, DST_IDS)
+    assert torch.equal(bits(k1), before)  # it saw the call's end before writing
+
+
+SENDER_PROCESS = """
+import asyncio, sys
+import grpc, torch
+from kv_transfer import Handshake, KvPool, KvTransferError, ShmRingPool, TransferOptions, shm_sender
+from tests.kv_transfer.kv_pools import DST_IDS, SRC_IDS, SRC_SEED, layout_for, make_pools
+
+async def main():
+    torch.set_num_threads(1)
+    layout = layout_for(torch.float32)
+    layers = make_pools(layout, SRC_SEED)[KvPool.TARGET].layers
+    options = TransferOptions(chunk_bytes=1024, window=2, timeout_s=60)
+    rings = ShmRingPool.for_options(options)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{sys.argv[1]}") as channel:
+        sender = shm_sender(channel, rings, options)
+        await sender.begin(Handshake("r1", layout))
+        await sender.send_layer(KvPool.TARGET, 0, layers[0], SRC_IDS, DST_IDS)
+        print("placed" if sender.is_placed else "ring", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)  # paused mid-push until told to go on
+        try:
+            await sender.send_layer(KvPool.TARGET, 1, layers[1], SRC_IDS, DST_IDS)
+            print("sent", flush=True)
+        except KvTransferError as e:
+            print(e, flush=True)
+    rings.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize(
+    ("end", "shared"),
+    [("resumed", {"write_grace_s": 60.0}), ("killed", {"write_grace_s": 0.5})],
+    indirect=["shared"],
+)
+async def test_a_sender_process_paused_mid_push(shared: SharedReceiving, end: str) -> None:
+    """Resumed, it meets the fence and half-closes: the blocks are free at once. Killed
+    (SIGKILL), its connection breaks: they are free after the grace period."""
+    shared.reserve("r1")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", SENDER_PROCESS, str(shared.port),
+        cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert await asyncio.wait_for(proc.stdout.readline(), 30) == b"placed\n"
+        stopping = shared.receiver.release("r1")
+        assert stopping is not None
+        await asyncio.sleep(0.5)  # alive and paused: the blocks stay its
+        assert not stopping.done()
+        if end == "killed":
+            proc.kill()
+            await proc.wait()
+        else:
+            proc.stdin.write(b"go\n")
+            await proc.stdin.drain()
+            said = await asyncio.wait_for(proc.stdout.readline(), 30)
+            assert said.endswith(b"UNKNOWN_REQUEST: the reservation was released\n"), said
+        await asyncio.wait_for(stopping, 10)
+        assert _fenced(shared) == []
+        if end == "resumed":
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
