@@ -1,7 +1,9 @@
 """One request on a decode worker: a ``RequestHandle`` holds its state here and references
 everything else it holds (its sequence in the engine, its reservation in the KV receiver,
 its block claims and record in the ledger); ``close(reason)`` releases all of it, once,
-whichever way the request ends.
+whichever way the request ends. Blocks that a same-host prefill worker may still be writing
+in place stay the request's (quarantined: held in the engine and the ledger) until the KV
+receiver says that it stopped; only then go they back to the allocator.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from kv_transfer import KvLayout, KvReceiver, KvReservation
 from ledger.ledger import LedgerConflict, RequestState
 from ledger.membership import HeldRequest, Membership
 from serving.engine_loop import EngineLoop
-from serving.rpc import Unavailable
+from serving.rpc import Overloaded, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,19 @@ class Holders:
     layout: KvLayout
     membership: Membership  # block claims and leases; its ledger holds the records
     handles: dict[str, RequestHandle] = field(default_factory=dict)  # the live requests
+    # Closed requests whose blocks wait for a same-host push into them to stop.
+    quarantined: dict[str, RequestHandle] = field(default_factory=dict)
+
+    def check_new(self, request_id: str) -> None:
+        """Raises unless ``request_id`` may be reserved here now: ValueError while it is
+        live, Overloaded (retry later or elsewhere) while its last blocks are quarantined."""
+        if request_id in self.handles:
+            raise ValueError(f"request_id: {request_id!r} is already reserved here")
+        if request_id in self.quarantined:
+            raise Overloaded(
+                f"request_id: {request_id!r}: a push into its earlier blocks here is still "
+                "stopping; retry later or on another worker"
+            )
 
 
 @dataclass(eq=False)
@@ -106,6 +121,7 @@ class RequestHandle:
     reserved_at: float = field(default_factory=time.monotonic)
     slot: OutputSlot | None = None  # set once Decode started
     closed_by: CloseReason | None = None
+    _kv_stopping: asyncio.Future[None] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.holders.handles[self.request_id] = self
@@ -120,11 +136,14 @@ class RequestHandle:
         h.membership.claim(self.request_id, table, has_draft=h.layout.draft is not None)
 
     async def wait_for_kv(self, timeout_s: float | None) -> None:
-        """Waits until the pushed KV is in the blocks (``None``: nothing is pushed), then
-        lets the receiver forget the reservation."""
+        """Waits until the pushed KV is in the blocks (``None``: nothing is pushed, but a
+        push that was opened must have stopped writing them), then lets the receiver
+        forget the reservation."""
         if timeout_s is not None:
             await self.holders.receiver.wait_done(self.request_id, timeout_s)
-        self.holders.receiver.release(self.request_id)
+        stopping = self._release_kv()
+        if stopping is not None:
+            await asyncio.shield(stopping)
 
     def resize(self, table: list[int]) -> None:
         """The engine grew (or shrank) the request's table: the ledger follows, later."""
@@ -149,14 +168,37 @@ class RequestHandle:
         error = _stream_error(reason, detail, h.membership.worker_id)
         if self.slot is not None and error is not None:
             self.slot.fail(error)
-        if reason is not CloseReason.FINISHED:  # a finished request the engine freed itself
-            h.engine_loop.submit(h.engine.abort_request, rid, bounded=False)
-        h.receiver.release(rid)
-        h.membership.release(rid)
+        stopping = self._release_kv()
+        if stopping is None:
+            self._free(reason)
+        else:
+            log.info("%s %s: its blocks wait for the push into them to stop", rid, reason.value)
+            h.quarantined[rid] = self
+            stopping.add_done_callback(lambda _: self._free(reason))
         if reason is CloseReason.FINISHED:
             self._record_finished()
         elif reason is CloseReason.PREEMPTED:
             self._hand_back()
+
+    def _release_kv(self) -> asyncio.Future[None] | None:
+        """Lets the receiver forget the reservation; a future (kept for ``close``) while a
+        same-host push may still be writing the blocks."""
+        stopping = self.holders.receiver.release(self.request_id)
+        if stopping is not None:
+            self._kv_stopping = stopping
+        if self._kv_stopping is None or self._kv_stopping.done():
+            return None
+        return self._kv_stopping
+
+    def _free(self, reason: CloseReason) -> None:
+        """Gives the request's blocks back to the allocator and forgets them in the ledger,
+        together, so that the ledger's holdings follow the allocator."""
+        h, rid = self.holders, self.request_id
+        if h.quarantined.get(rid) is self:
+            del h.quarantined[rid]
+        if reason is not CloseReason.FINISHED:  # a finished request the engine freed itself
+            h.engine_loop.submit(h.engine.abort_request, rid, bounded=False)
+        h.membership.release(rid)
 
     def _record_finished(self) -> None:
         """DECODING -> FINISHED. The client gets its last chunk even when Redis cannot be

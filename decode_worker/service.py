@@ -115,8 +115,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
                 f"draft_fingerprint: {request.draft_fingerprint!r}, this worker runs "
                 f"{self.fingerprint!r}"
             )
-        if rid in self._requests:
-            raise ValueError(f"request_id: {rid!r} is already reserved here")
+        self.holders.check_new(rid)
         prompt = list(request.prompt_token_ids)
         if len(prompt) != request.num_prompt_tokens:
             raise ValueError(

@@ -56,9 +56,10 @@ def holders(ledger: Ledger) -> Holders:
     return Holders(_Engine(), loop, receiver, LAYOUT, membership)  # type: ignore[arg-type]
 
 
-def _decoding(holders: Holders, request_id: str = "r1") -> RequestHandle:
+def _decoding(holders: Holders, request_id: str = "r1", pools: Any = None) -> RequestHandle:
     """A request router-0 handed to d0 (DECODING, owned by d0), reserved here: blocks 1-3
-    claimed, KV expected in 2-3 (1 cached), its Decode stream running."""
+    claimed, KV expected in 2-3 (1 cached) of ``pools`` (default: fresh CPU pools), its
+    Decode stream running."""
     ledger, epoch = holders.membership.ledger, holders.membership.epoch
     ledger.create_request(request_id, owner="router-0", epoch=1)
     states = [RequestState.QUEUED, RequestState.PREFILLING, RequestState.TRANSFERRING]
@@ -72,8 +73,10 @@ def _decoding(holders: Holders, request_id: str = "r1") -> RequestHandle:
             new_epoch=epoch,
         )
     handle = RequestHandle(holders, request_id, 5, None, 0, "router-0", 1)
-    params = KVCacheParams(2, 2, 8, 4, torch.float32)
-    handle.hold([1, 2, 3], 1, {KvPool.TARGET: PagedKVCache(params, 8, torch.device("cpu"))})
+    if pools is None:
+        params = KVCacheParams(2, 2, 8, 4, torch.float32)
+        pools = {KvPool.TARGET: PagedKVCache(params, 8, torch.device("cpu"))}
+    handle.hold([1, 2, 3], 1, pools)
     handle.slot = OutputSlot()
     return handle
 
