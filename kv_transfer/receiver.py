@@ -37,7 +37,7 @@ from kv_transfer.session import (
     KvReservation,
     ReceiveSession,
     SegmentAttacher,
-    _Record,
+    TransferRecord,
 )
 from kv_transfer.shared_pools import (
     BLOCKS_KEY,
@@ -77,12 +77,12 @@ class KvReceiver:
         self.write_grace_s = write_grace_s
         # How long a fenced in-place sender may take to half-close before its call is ended.
         self.fence_timeout_s = fence_timeout_s
-        self._records: dict[str, _Record] = {}
+        self._records: dict[str, TransferRecord] = {}
 
     def reserve(self, reservation: KvReservation) -> None:
         if reservation.request_id in self._records:
             raise ValueError(f"request_id: {reservation.request_id!r} is already reserved")
-        self._records[reservation.request_id] = _Record(reservation)
+        self._records[reservation.request_id] = TransferRecord(reservation)
 
     def state(self, request_id: str) -> TransferState | None:
         record = self._records.get(request_id)

@@ -133,7 +133,9 @@ class InPlaceWriter:
 
 
 @dataclass(eq=False)
-class _Record:
+class TransferRecord:
+    """One reservation's transfer as the receiver tracks it: state, outcome, extra tensors."""
+
     reservation: KvReservation
     state: TransferState = TransferState.RESERVED
     message: str = ""
@@ -152,7 +154,7 @@ class _Record:
 class ReceiveSession:
     """One push into one reservation: every check, then the writes."""
 
-    def __init__(self, record: _Record) -> None:
+    def __init__(self, record: TransferRecord) -> None:
         self._record = record
         self._layout = record.reservation.layout
         self._checksum: ChecksumFn = zlib.crc32  # set by check_handshake

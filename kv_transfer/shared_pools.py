@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from kv_transfer.base import KvLayout, KvPool, KvTransferError, RunPair
-from kv_transfer.shm_transport import _NAME, SHM_DIR, host_id
+from kv_transfer.shm_transport import SEGMENT_NAME, SHM_DIR, host_id
 from tandem.v1 import kv_transfer_pb2 as pb
 
 # Initial metadata of a Push whose handshake names shared memory (see receiver.receive).
@@ -139,7 +139,7 @@ class SharedKvPools:
     def attach(cls, segment: pb.ShmSegment, layout: KvLayout) -> SharedKvPools:
         """Maps a receiver's segment (sender side); raises ValueError if it does not fit
         ``layout``."""
-        if not _NAME.fullmatch(segment.name):
+        if not SEGMENT_NAME.fullmatch(segment.name):
             raise ValueError(f"name {segment.name!r} is not a tandem-kv segment name")
         if segment.host_id != host_id():
             raise ValueError(f"host_id: receiver {segment.host_id!r}, this host {host_id()!r}")

@@ -29,12 +29,12 @@ from kv_transfer.shared_pools import (
 from kv_transfer.shm_transport import (
     ShmRing,
     ShmRingPool,
-    _count,
-    _resolve,
-    _until_readable,
+    count_wakeups,
     data_offset_for,
     host_id,
+    resolve,
     shm_available,
+    until_readable,
 )
 from kv_transfer.wire import encode_chunk_message
 from tandem.v1 import kv_transfer_pb2 as pb
@@ -74,7 +74,7 @@ class ShmChannel:
 
         def on_done(_: object) -> None:  # grpc may call it from another thread
             if not loop.is_closed():
-                loop.call_soon_threadsafe(_resolve, ended)
+                loop.call_soon_threadsafe(resolve, ended)
 
         call.add_done_callback(on_done)
         metadata = dict(await call.initial_metadata() or ())
@@ -165,14 +165,14 @@ class ShmChannel:
         the call's end: a refusal) for at most ``timeout_s`` at a time."""
         assert self._ended is not None
         while self._num_consumed < num_chunks:
-            self._num_consumed += _count(ring.free_fd)
+            self._num_consumed += count_wakeups(ring.free_fd)
             if self._num_consumed >= num_chunks:
                 return
             if self.stream.is_broken:
                 raise await self.stream.failure()
             try:
                 async with asyncio.timeout(self.options.timeout_s):
-                    await _until_readable(ring.free_fd, self._ended)
+                    await until_readable(ring.free_fd, self._ended)
             except TimeoutError:
                 raise KvTransferError(
                     pb.KV_PUSH_STATUS_INCOMPLETE, "shm: the receiver stopped consuming chunks"

@@ -58,7 +58,7 @@ from kv_transfer.chunking import TransferOptions
 from tandem.v1 import kv_transfer_pb2 as pb
 
 SHM_DIR = Path("/dev/shm")
-_NAME = re.compile(r"tandem-kv-[A-Za-z0-9_-]{1,64}")
+SEGMENT_NAME = re.compile(r"tandem-kv-[A-Za-z0-9_-]{1,64}")
 _PAGE = mmap.PAGESIZE
 HEADER_BYTES = 4096  # reserved (zero), then the slots: see ShmSegment in the proto
 # Each slot starts with: sequence_number, data length, KvChunk header length (then 4 zeros).
@@ -123,7 +123,7 @@ def _signal(fd: int, count: int = 1) -> None:
     os.write(fd, bytes(count))
 
 
-def _count(fd: int) -> int:
+def count_wakeups(fd: int) -> int:
     """Reads the wake-up bytes there are now (never more than MAX_SLOTS); how many."""
     try:
         return len(os.read(fd, MAX_SLOTS))
@@ -131,19 +131,20 @@ def _count(fd: int) -> int:
         return 0
 
 
-def _resolve(future: asyncio.Future[None]) -> None:
+def resolve(future: asyncio.Future[None]) -> None:
+    """Sets ``future``'s result unless it is done already (a waker may fire twice)."""
     if not future.done():
         future.set_result(None)
 
 
-async def _until_readable(fd: int, *wakers: asyncio.Future[Any]) -> None:
+async def until_readable(fd: int, *wakers: asyncio.Future[Any]) -> None:
     """Until ``fd`` is readable or a waker is done. The selector is level-triggered, so a
     byte written before this call still wakes it: no wake-up is lost."""
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
 
     def wake(*_: object) -> None:
-        _resolve(waiter)
+        resolve(waiter)
 
     loop.add_reader(fd, wake)
     for future in wakers:
@@ -205,7 +206,7 @@ class ShmRing:
 
     @classmethod
     def attach(cls, segment: pb.ShmSegment) -> ShmRing:
-        if not _NAME.fullmatch(segment.name):
+        if not SEGMENT_NAME.fullmatch(segment.name):
             raise ValueError(f"name {segment.name!r} is not a tandem-kv segment name")
         if not 1 <= segment.num_slots <= MAX_SLOTS:
             raise ValueError(f"num_slots: {segment.num_slots} outside 1..{MAX_SLOTS}")
@@ -294,7 +295,7 @@ class ShmRing:
 
     def drain(self) -> None:
         """Forgets the wake-up bytes of an earlier push (sender, before reusing it)."""
-        while _count(self.ready_fd) or _count(self.free_fd):
+        while count_wakeups(self.ready_fd) or count_wakeups(self.free_fd):
             pass
 
     def close(self) -> None:
@@ -388,7 +389,7 @@ class RingReader:
 
     def next_chunk(self) -> tuple[pb.KvChunk, memoryview] | None:
         if self._num_taken == self._num_published:
-            self._num_published += _count(self._ready_fd)
+            self._num_published += count_wakeups(self._ready_fd)
             if self._num_taken == self._num_published:
                 self._signal_consumed()  # before waiting: the sender may be waiting too
                 return None
@@ -409,7 +410,7 @@ class RingReader:
             self._num_unsignalled = 0
 
     async def wait(self, until: asyncio.Future[Any]) -> None:
-        await _until_readable(self._ready_fd, until)
+        await until_readable(self._ready_fd, until)
 
     def close(self) -> None:
         if self._ready_fd >= 0:
