@@ -291,10 +291,6 @@ class ReceiveSession:
             for a, b in ranges:
                 row[a:b] = b"\x01" * (b - a)
 
-    def complete(self, extra: dict[str, torch.Tensor]) -> None:
-        self.check_live()
-        self._complete(extra)
-
     def fail(self, status: int, message: str) -> None:
         self._record.end(TransferState.FAILED, status, message)
 
