@@ -1,4 +1,5 @@
-"""tandem.v1.SamplingParams <-> engine SamplingParams, on the worker side only.
+"""tandem.v1.SamplingParams -> engine SamplingParams, and engine logprobs -> the wire, on
+the worker side only.
 
 Unset optional fields take the engine's defaults; validation is the engine's own
 (SamplingParamsError, a ValueError whose message starts with the field name). The router
@@ -28,24 +29,6 @@ def params_from_proto(message: gen.SamplingParams) -> SamplingParams:
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
     )
-
-
-def params_to_proto(params: SamplingParams) -> gen.SamplingParams:
-    message = gen.SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        min_p=params.min_p,
-        stop=list(params.stop),
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-    )
-    if params.seed is not None:
-        message.seed = params.seed
-    if params.logprobs is not None:
-        message.logprobs = params.logprobs
-    return message
 
 
 def token_logprob_to_proto(lp: TokenLogprobs) -> gen.TokenLogprob:
