@@ -3,7 +3,7 @@ everything else it holds (its sequence in the engine, its reservation in the KV 
 its block claims and record in the ledger); ``close(reason)`` releases all of it, once,
 whichever way the request ends. Blocks that a same-host prefill worker may still be writing
 in place stay the request's (quarantined: held in the engine and the ledger) until the KV
-receiver says that it stopped; only then go they back to the allocator.
+receiver says that it stopped; only then do they go back to the allocator.
 """
 
 from __future__ import annotations
