@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.v1 import worker_pb2
 
-if TYPE_CHECKING:  # torch: imported by the functions that need it, not by the router
+if TYPE_CHECKING:  # torch: imported by the functions that need it, so `--help` stays light
     from engine.llm_engine import LLMEngine
     from kv_transfer import KvLayout
 
