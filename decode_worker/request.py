@@ -178,7 +178,7 @@ class RequestHandle:
         if reason is CloseReason.FINISHED:
             self._record_finished()
         elif reason is CloseReason.PREEMPTED:
-            self._hand_back()
+            self._record_handed_back()
 
     def _release_kv(self) -> asyncio.Future[None] | None:
         """Lets the receiver forget the reservation; a future (kept for ``close``) while a
@@ -216,7 +216,7 @@ class RequestHandle:
         except redis.RedisError as e:
             log.warning("%s %s, not recorded in the ledger: redis: %s", self.request_id, state, e)
 
-    def _hand_back(self) -> None:
+    def _record_handed_back(self) -> None:
         """DECODING -> QUEUED, owned by the router that sent it, which resumes it."""
         log.info("preempted %s: handed back to %s", self.request_id, self.router_id)
         if not self.router_id:

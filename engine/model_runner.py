@@ -109,10 +109,9 @@ class ModelRunner:
         self.decode_model: nn.Module = model
         if compile_decode:
             # size_asserts off: inductor's wrapper otherwise checks the size and stride of
-            # about 280 buffers on every call; SmolLM2 bf16 at batch 1 went from 41-44 to
-            # 46-49 tok/s without them (cpp_wrapper on top: 48-50, for a longer compile).
+            # about 280 buffers on every call, a tenth of a batch-1 step (bench/RESULTS.md).
             # No guards on the modules' attributes either: the model is fixed once loaded,
-            # and checking them cost about 2.5 ms of a 25 ms step (SmolLM2 bf16, batch 1).
+            # and checking them costs a tenth of a batch-1 step too.
             # Graphs are this engine's own (dynamo otherwise keys them on the code of
             # ``forward``, shared by every model in the process) and up to
             # DECODE_RECOMPILE_LIMIT of them: speculative verification adds graphs per

@@ -238,9 +238,8 @@ class TorchAttentionBackend:
             kp = k_flat[metadata.kv_slots].transpose(1, 2)  # [B, Hkv, C, D]
             vp = v_flat[metadata.kv_slots].transpose(1, 2)
             if qp.device.type == "cpu" and qp.dtype != torch.float32:
-                # CPU SDPA with a mask is slower in bf16 than in fp32 even with the casts: a
-                # 64-row SmolLM2 decode step, idle machine, 1 thread, ran 1.5x faster (8 steps
-                # 7.4 s -> 5.0 s); it accumulates in fp32 either way.
+                # CPU SDPA with a mask is slower in bf16 than in fp32, casts included
+                # (bench/RESULTS.md); it accumulates in fp32 either way.
                 out = F.scaled_dot_product_attention(
                     qp.float(), kp.float(), vp.float(), attn_mask=metadata.mask, enable_gqa=True
                 ).to(qp.dtype)
