@@ -262,15 +262,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         """P computes the prompt and pushes its KV into D's blocks (P hands it to D)."""
         valid = route.request
         channel = self._channels.get(route.prefill.address)
-        try:
-            await asyncio.wait_for(
-                channel.channel_ready(), min(PREFILL_CONNECT_S, max(route.remaining(), 0.0))
-            )
-        except TimeoutError:
-            raise Unavailable(
-                f"prefill worker {route.prefill.worker_id} at {route.prefill.address}: "
-                f"not reachable within {PREFILL_CONNECT_S:g} s"
-            ) from None
+        await self._connect(channel, route)
         reply: pb.PrefillReply = await pb_grpc.PrefillWorkerStub(channel).Prefill(
             pb.PrefillRequest(
                 request_id=valid.request_id,
@@ -288,6 +280,28 @@ class GenerationService(gen_grpc.GenerationServicer):
             timeout=route.remaining(),
         )
         return reply
+
+    async def _connect(self, channel: grpc.aio.Channel, route: Route) -> None:
+        """Waits for P's channel to be ready. Only P failing to connect within
+        PREFILL_CONNECT_S is evidence against P (Unavailable: the caller passes P over);
+        the request's own deadline running out first is a TimeoutError (DEADLINE_EXCEEDED)."""
+        if channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY:
+            return
+        wait_s = min(PREFILL_CONNECT_S, route.remaining())
+        if wait_s <= 0:
+            raise TimeoutError(f"request {route.request.request_id}: its deadline passed")
+        try:
+            await asyncio.wait_for(channel.channel_ready(), wait_s)
+        except TimeoutError:
+            if wait_s < PREFILL_CONNECT_S:
+                raise TimeoutError(
+                    f"request {route.request.request_id}: its deadline passed while connecting "
+                    f"to prefill worker {route.prefill.worker_id}"
+                ) from None
+            raise Unavailable(
+                f"prefill worker {route.prefill.worker_id} at {route.prefill.address}: "
+                f"not reachable within {PREFILL_CONNECT_S:g} s"
+            ) from None
 
     async def _decode(
         self, route: Route, reserve: pb.ReserveReply, prefilled: pb.PrefillReply

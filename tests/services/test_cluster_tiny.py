@@ -339,6 +339,27 @@ async def test_deadline_cancels_and_frees(cluster: Cluster, ledger: Ledger) -> N
     assert record is not None and record.state is RequestState.CANCELLED
 
 
+async def test_tiny_deadlines_leave_the_workers_in_service(cluster: Cluster) -> None:
+    """A deadline that runs out on the router says nothing about the workers: it answers
+    DEADLINE_EXCEEDED and never passes a worker over, so the next request is served."""
+    prompt = [7] * 8
+    codes = set()
+    async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+        stub = gen_grpc.GenerationStub(channel)
+        for deadline_ms in range(1, 41):
+            request = build_request(prompt, max_tokens=2, temperature=0.0, ignore_eos=True)
+            try:
+                async for _ in stub.Generate(request, timeout=deadline_ms / 1000):
+                    pass
+            except grpc.aio.AioRpcError as e:
+                codes.add(e.code())
+    assert codes <= {grpc.StatusCode.DEADLINE_EXCEEDED}, codes
+    start = time.monotonic()
+    chunks = await run(cluster.router_address, prompt, max_tokens=4, temperature=0.0)
+    assert len(tokens(chunks)) == 4
+    assert time.monotonic() - start < 10  # no worker waited out as unreachable
+
+
 async def test_text_chat_and_stop_strings(cluster: Cluster, model_dirs: tuple[Path, Path]) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dirs[0]))
     greedy: dict[str, object] = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
