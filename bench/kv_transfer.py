@@ -15,7 +15,7 @@ head_dim 128, block_size 16; 4 runs of consecutive blocks) four ways, interleave
   checksummed, the chunk headers over gRPC, the receiver checksumming the blocks in place
   before it replies;
 - ``shm_ring`` (printed, not a ratio's term): the same into pools that are not shared,
-  through the /dev/shm ring (chunks in slots, FIFO wake-ups), the receiver copying out;
+  through the shared-memory ring (chunks in slots, pipe wake-ups), the receiver copying out;
 - ``memcpy``: one ``tensor.copy_`` of the same bytes into a pre-touched tensor.
 
 Each figure is the best of ``--repeats`` after one warm-up; each process uses one torch

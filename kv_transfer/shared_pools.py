@@ -1,8 +1,9 @@
 """A decode worker's KV pools in one shared-memory segment that same-host senders map.
 
-The receiver creates the segment (a 0600 /dev/shm file, O_EXCL / O_NOFOLLOW) and the
-engine's pools are moved into it (``PagedKVCache.place``). A same-host sender maps it by
-the name the receiver announces for a push, with the push's reserved block runs, and copies
+The receiver creates the segment (a memfd: no name, gone when the receiver is, even one
+killed with SIGKILL) and the engine's pools are moved into it (``PagedKVCache.place``). A
+same-host sender maps it through /proc by the descriptor the receiver announces for a push
+(``SharedFile``), with the push's reserved block runs, and copies
 each block once, straight into its destination block; the receiver then checks every
 chunk's checksum over the destination before it admits the request. Tensors lie in the
 segment in a fixed order (target then draft pool, each layer's K then V, page aligned),
@@ -16,21 +17,18 @@ from __future__ import annotations
 
 import mmap
 import os
-import secrets
-import stat
-import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import torch
 
 from kv_transfer.base import KvLayout, KvPool, KvTransferError, RunPair
-from kv_transfer.shm_transport import SEGMENT_NAME, SHM_DIR, host_id
+from kv_transfer.shm_transport import SharedFile, host_id, map_shared
 from tandem.v1 import kv_transfer_pb2 as pb
 
 # Initial metadata of a Push whose handshake names shared memory (see receiver.receive).
 PLACEMENT_KEY = "tandem-kv-placement"  # "pools": write in place; "ring": use your ring
-POOLS_KEY = "tandem-kv-pools-bin"  # ShmSegment: name, size, host_id, num_slots = blocks
+POOLS_KEY = "tandem-kv-pools-bin"  # ShmSegment: file, size, host_id, num_slots = blocks
 BLOCKS_KEY = "tandem-kv-blocks-bin"  # KvChunk whose runs are the reserved blocks
 _PAGE = mmap.PAGESIZE
 
@@ -82,9 +80,9 @@ class SharedKvPools:
     """Every pool of ``layout`` with ``num_blocks`` blocks, in one mapped segment."""
 
     def __init__(
-        self, name: str, mm: mmap.mmap, inode: int, layout: KvLayout, num_blocks: int
+        self, mm: mmap.mmap, owner_pid: int, file: pb.SharedFd, layout: KvLayout, num_blocks: int
     ) -> None:
-        self.name, self.size, self.inode = name, len(mm), inode
+        self.size, self.owner_pid, self.file = len(mm), owner_pid, file
         self.layout, self.num_blocks = layout, num_blocks
         self._mm = mm
         data = torch.frombuffer(mm, dtype=torch.uint8)  # [size]
@@ -98,28 +96,14 @@ class SharedKvPools:
             layers[layer].append(t)
         offset = _fences_offset(layout, num_blocks)
         self._fences = data[offset : offset + num_blocks]  # [num_blocks], 1: fenced
-        self._finalizer: weakref.finalize | None = None
+        self._own: SharedFile | None = None  # the receiver's (create)
 
     @classmethod
     def create(cls, layout: KvLayout, num_blocks: int) -> SharedKvPools:
-        """A new zeroed (pre-touched) segment; unlinked by ``close``, at exit, or when
-        collected."""
-        size = segment_bytes(layout, num_blocks)
-        name = f"tandem-kv-pools-{os.getpid()}-{secrets.token_hex(6)}"
-        path = SHM_DIR / name
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size)
-            inode = os.fstat(fd).st_ino
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
-        pools = cls(name, mm, inode, layout, num_blocks)
-        pools._finalizer = weakref.finalize(pools, path.unlink, missing_ok=True)
+        """A new zeroed (pre-touched) segment; closed by ``close`` or when collected."""
+        file, mm = SharedFile.memory("tandem-kv-pools", segment_bytes(layout, num_blocks))
+        pools = cls(mm, os.getpid(), file.describe(), layout, num_blocks)
+        pools._own = file
         torch.frombuffer(mm, dtype=torch.uint8).zero_()
         return pools
 
@@ -139,25 +123,20 @@ class SharedKvPools:
     def attach(cls, segment: pb.ShmSegment, layout: KvLayout) -> SharedKvPools:
         """Maps a receiver's segment (sender side); raises ValueError if it does not fit
         ``layout``."""
-        if not SEGMENT_NAME.fullmatch(segment.name):
-            raise ValueError(f"name {segment.name!r} is not a tandem-kv segment name")
         if segment.host_id != host_id():
             raise ValueError(f"host_id: receiver {segment.host_id!r}, this host {host_id()!r}")
         if segment.num_slots < 1 or segment.size != segment_bytes(layout, segment.num_slots):
             raise ValueError(f"size: {segment.size} bytes do not hold {segment.num_slots} blocks")
-        fd = os.open(SHM_DIR / segment.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != segment.size:
-                raise ValueError(f"{segment.name}: {st.st_size} bytes, announced {segment.size}")
-            mm = mmap.mmap(fd, segment.size)
-        finally:
-            os.close(fd)
-        return cls(segment.name, mm, st.st_ino, layout, segment.num_slots)
+        mm = map_shared(segment.owner_pid, segment.file, segment.size)
+        return cls(mm, segment.owner_pid, segment.file, layout, segment.num_slots)
 
     def segment(self) -> pb.ShmSegment:
         return pb.ShmSegment(
-            name=self.name, size=self.size, host_id=host_id(), num_slots=self.num_blocks
+            size=self.size,
+            host_id=host_id(),
+            num_slots=self.num_blocks,
+            owner_pid=self.owner_pid,
+            file=self.file,
         )
 
     def layer(self, pool: KvPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,16 +177,15 @@ class SharedKvPools:
         """Whether any of the run's blocks is fenced."""
         return bool(self._fences[first_block_id : first_block_id + num_blocks].any())
 
-    def is_linked(self) -> bool:
-        try:
-            return os.stat(SHM_DIR / self.name).st_ino == self.inode
-        except OSError:
-            return False
+    def is_open(self) -> bool:
+        """Whether the receiver still holds this segment (sender side)."""
+        return SharedFile.is_open(self.owner_pid, self.file)
 
     def close(self) -> None:
-        """Unlinks the segment (receiver side); the mapping lives while tensors use it."""
-        if self._finalizer is not None:
-            self._finalizer()
+        """Closes the segment's file (receiver side); the memory goes with the last
+        mapping, senders' included."""
+        if self._own is not None:
+            self._own.close()
 
 
 class PoolDestination:

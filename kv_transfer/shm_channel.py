@@ -33,6 +33,7 @@ from kv_transfer.shm_transport import (
     data_offset_for,
     host_id,
     resolve,
+    segment_key,
     shm_available,
     until_readable,
 )
@@ -180,13 +181,14 @@ class ShmChannel:
 
 
 def _mapped(rings: ShmRingPool, segment: pb.ShmSegment, layout: KvLayout) -> SharedKvPools:
-    """The receiver's pool segment, mapped once per sender process (a few kept; one whose
-    file was unlinked or replaced is mapped again)."""
+    """The receiver's pool segment, mapped once per sender process (a few kept; one its
+    receiver closed is mapped again, which fails if the receiver is gone)."""
     cache = rings.mapped_pools
-    pools = cache.get(segment.name)
-    if pools is None or not pools.is_linked() or pools.size != segment.size:
-        pools = cache[segment.name] = SharedKvPools.attach(segment, layout)
-    cache.move_to_end(segment.name)
+    key = segment_key(segment)
+    pools = cache.get(key)
+    if pools is None or not pools.is_open() or pools.size != segment.size:
+        pools = cache[key] = SharedKvPools.attach(segment, layout)
+    cache.move_to_end(key)
     while len(cache) > MAX_MAPPED_POOLS:
         cache.popitem(last=False)
     return pools

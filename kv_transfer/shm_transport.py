@@ -1,14 +1,14 @@
 """Same-host fast path: chunks through a shared-memory ring, wake-ups through two FIFOs.
 
-The sender owns a ring (a /dev/shm file: a reserved page, then ``window`` slots) and two
-FIFOs beside it (``<ring>-ready``, ``<ring>-free``). Each chunk but the last goes into the
+The sender owns a ring (a shared-memory file: a reserved page, then ``window`` slots) and
+two pipes (``ready``, ``free``). Each chunk but the last goes into the
 next slot whole: a fixed slot header (sequence number, data length, header length), the
 serialized KvChunk header (runs, layers, checksum), then the data, packed from the pools
 in 256 KiB pieces, each added to the running checksum (XXH3 by default) right after it is
-copied, while in cache (copying.py). Publishing a chunk is one byte written to ``-ready``.
-The receiver's event loop watches that FIFO (``loop.add_reader``), checks the header,
+copied, while in cache (copying.py). Publishing a chunk is one byte written to ``ready``.
+The receiver's event loop watches that pipe (``loop.add_reader``), checks the header,
 adds each piece of the slot to its checksum right before copying it into its pools, and
-compares the whole chunk's. Consumed chunks are announced by bytes on ``-free`` (written
+compares the whole chunk's. Consumed chunks are announced by bytes on ``free`` (written
 in batches of half the window, and before the receiver waits), which the sender watches
 before it reuses a slot. Byte counts are the protocol, not just wake-ups: a byte is
 written only after what it announces, the kernel orders the two sides, and a byte
@@ -17,13 +17,17 @@ spins or polls: each side sleeps in its event loop until the other's byte comes,
 two processes overlap across the window (the sender packs chunk i + 1 while the receiver
 copies chunk i out).
 
-gRPC carries the rest of the push: the handshake (ShmSegment: ring name and geometry), the
-last message (is_last, extra tensors) after every chunk in the ring, and the reply, which
-is also how a refusal (checksum mismatch, malformed slot, released reservation) reaches
-the sender, whether it is packing or waiting for a slot. Rings and FIFOs are created
-0600 with O_EXCL / O_NOFOLLOW, pre-touched, pooled after a push that succeeded and
-unlinked otherwise; the receiver opens them by a validated name (O_NOFOLLOW, file types
-checked), one push per ring at a time.
+gRPC carries the rest of the push: the handshake (ShmSegment: the ring's descriptors and
+geometry), the last message (is_last, extra tensors) after every chunk in the ring, and
+the reply, which is also how a refusal (checksum mismatch, malformed slot, released
+reservation) reaches the sender, whether it is packing or waiting for a slot.
+
+No file has a name: a ring is a memfd and its wake-ups are pipes, which the receiver opens
+as /proc/<sender pid>/fd/<n> and checks by device and inode (``SharedFile``). They live
+while a process holds them, so a process killed with SIGKILL leaves nothing behind (named
+/dev/shm files did: a killed decode worker's pools stayed in memory until the host
+rebooted). Rings are pre-touched, pooled after a push that succeeded and closed otherwise;
+the receiver takes one push per ring at a time.
 
 Selection: both ends compute ``host_id()``; when the decode worker's equals the prefill
 worker's, ``make_sender`` picks shared memory (shm_channel.py), else plain gRPC. When the
@@ -35,12 +39,9 @@ No CUDA IPC path yet: GPU pools go through host memory here.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import mmap
 import os
-import re
-import secrets
 import socket
 import stat
 import struct
@@ -57,38 +58,117 @@ from kv_transfer.base import KvLayout, KvPool
 from kv_transfer.chunking import TransferOptions
 from tandem.v1 import kv_transfer_pb2 as pb
 
-SHM_DIR = Path("/dev/shm")
-SEGMENT_NAME = re.compile(r"tandem-kv-[A-Za-z0-9_-]{1,64}")
 _PAGE = mmap.PAGESIZE
 HEADER_BYTES = 4096  # reserved (zero), then the slots: see ShmSegment in the proto
 # Each slot starts with: sequence_number, data length, KvChunk header length (then 4 zeros).
 SLOT_HEADER = struct.Struct("<QQI4x")
-READY, FREE = "-ready", "-free"  # FIFO suffixes: chunks published, chunks consumed
-# Wake-up bytes in flight never exceed the slots: keep them within a FIFO's 64 KiB.
+# Wake-up bytes in flight never exceed the slots: keep them within a pipe's 64 KiB.
 MAX_SLOTS = 4096
-_FIFO_FLAGS = os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_PIPE_FLAGS = os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 @functools.cache
 def host_id() -> str:
-    """Hostname, boot id, IPC namespace and /dev/shm device: equal only for two processes
-    that can open the same shared-memory files."""
+    """Hostname, boot id, pid namespace and user: equal only for two processes that can
+    open each other's descriptors through /proc (``SharedFile.open``)."""
     parts = [socket.gethostname()]
     try:
         parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
     except OSError:
         parts.append("")
-    for path in ("/proc/self/ns/ipc", str(SHM_DIR)):
-        try:
-            st = os.stat(path)
-            parts.append(f"{st.st_dev}:{st.st_ino}")
-        except OSError:
-            parts.append("")
+    try:
+        st = os.stat("/proc/self/ns/pid")
+        parts.append(f"{st.st_dev}:{st.st_ino}")
+    except OSError:
+        parts.append("")
+    parts.append(str(os.getuid()))
     return "/".join(parts)
 
 
 def shm_available() -> bool:
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+    """Whether this process can make shared files that a peer opens through /proc."""
+    return hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
+
+
+class SharedFile:
+    """A descriptor this process holds open for a peer to open as /proc/<pid>/fd/<fd>:
+    a memfd (``memory``) or a pipe (``pipe``). Closed by ``close``, or when collected."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        st = os.fstat(fd)
+        self.device, self.inode = st.st_dev, st.st_ino
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    @classmethod
+    def memory(cls, label: str, size: int) -> tuple[SharedFile, mmap.mmap]:
+        """A new file of ``size`` zero bytes, mapped (pre-touch it before use)."""
+        fd = os.memfd_create(label, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd), mm
+
+    @classmethod
+    def pipe(cls) -> SharedFile:
+        """A pipe as one non-blocking descriptor that reads and writes (each end writes its
+        wake-up bytes into one pipe and reads the other's from the other pipe)."""
+        read_fd, write_fd = os.pipe()
+        try:
+            fd = os.open(f"/proc/self/fd/{read_fd}", _PIPE_FLAGS)
+        finally:
+            os.close(read_fd)
+            os.close(write_fd)
+        return cls(fd)
+
+    def describe(self) -> pb.SharedFd:
+        return pb.SharedFd(fd=self.fd, device=self.device, inode=self.inode)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    @staticmethod
+    def open(
+        owner_pid: int, shared: pb.SharedFd, flags: int, is_type: Callable[[int], bool]
+    ) -> int:
+        """Opens a peer's descriptor; raises ValueError unless it is still the announced
+        file (device, inode) and of the expected type (``stat.S_ISREG`` ...)."""
+        path = f"/proc/{owner_pid}/fd/{shared.fd}"
+        fd = os.open(path, flags | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (shared.device, shared.inode) or not is_type(st.st_mode):
+            os.close(fd)
+            raise ValueError(f"{path} is no longer the announced file")
+        return fd
+
+    @staticmethod
+    def is_open(owner_pid: int, shared: pb.SharedFd) -> bool:
+        """Whether the owner still holds the announced file under that descriptor."""
+        try:
+            st = os.stat(f"/proc/{owner_pid}/fd/{shared.fd}")
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == (shared.device, shared.inode)
+
+
+def map_shared(owner_pid: int, shared: pb.SharedFd, size: int) -> mmap.mmap:
+    """Maps a peer's memory file of ``size`` bytes; raises ValueError if it is not one."""
+    fd = SharedFile.open(owner_pid, shared, os.O_RDWR, stat.S_ISREG)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise ValueError(f"shared file: {actual} bytes, announced {size}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def segment_key(segment: pb.ShmSegment) -> tuple[int, int, int]:
+    """Names a peer's segment while it lives: owner pid, device, inode."""
+    return segment.owner_pid, segment.file.device, segment.file.inode
 
 
 def data_offset_for(layout: KvLayout, chunk_bytes: int) -> int:
@@ -104,18 +184,6 @@ def data_offset_for(layout: KvLayout, chunk_bytes: int) -> int:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def _paths(name: str) -> list[Path]:
-    return [SHM_DIR / name, SHM_DIR / f"{name}{READY}", SHM_DIR / f"{name}{FREE}"]
-
-
-def _open_fifo(path: Path) -> int:
-    fd = os.open(path, _FIFO_FLAGS)
-    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ValueError(f"{path.name} is not a FIFO")
-    return fd
 
 
 def _signal(fd: int, count: int = 1) -> None:
@@ -158,56 +226,47 @@ async def until_readable(fd: int, *wakers: asyncio.Future[Any]) -> None:
 
 
 class ShmRing:
-    """A mapped ring file; the sender creates (and unlinks) it with its FIFOs, the
-    receiver attaches to it."""
+    """A mapped ring; the sender creates it with its pipes (``create``), the receiver maps
+    the sender's (``attach``)."""
 
     def __init__(
-        self, name: str, mm: mmap.mmap, inode: int, slot_bytes: int, data_offset: int
+        self,
+        mm: mmap.mmap,
+        slot_bytes: int,
+        data_offset: int,
+        owner_pid: int,
+        files: tuple[pb.SharedFd, pb.SharedFd, pb.SharedFd],  # ring, ready, free
     ) -> None:
-        self.name, self.size, self.inode = name, len(mm), inode
-        self.slot_bytes, self.data_offset = slot_bytes, data_offset
+        self.size, self.slot_bytes, self.data_offset = len(mm), slot_bytes, data_offset
+        self.owner_pid = owner_pid
+        self.file, self.ready, self.free = files
+        self.name = f"ring {owner_pid}:{self.file.fd}"  # for messages
         self.num_slots = (self.size - HEADER_BYTES) // slot_bytes
         self.data_bytes = slot_bytes - data_offset  # room for one chunk's data
         self._mm = mm
         self._view = memoryview(mm)
         self.tensor = torch.frombuffer(mm, dtype=torch.uint8)  # [size]
-        self.ready_fd = self.free_fd = -1  # the sender's FIFO ends (create)
+        self._own: list[SharedFile] = []  # the sender's ring file and pipes (create)
+        self.ready_fd = self.free_fd = -1  # the sender's pipe descriptors (create)
 
     @classmethod
     def create(cls, data_bytes: int, num_slots: int, data_offset: int = _PAGE) -> ShmRing:
         """A new ring of ``num_slots`` slots with ``data_bytes`` of data each after
-        ``data_offset`` bytes of headers, and its FIFOs (all 0600)."""
+        ``data_offset`` bytes of headers, and its pipes."""
         slot_bytes = data_offset + _round_up(data_bytes, _PAGE)
-        size = HEADER_BYTES + num_slots * slot_bytes
-        name = f"tandem-kv-{os.getpid()}-{secrets.token_hex(6)}"
-        ring_path, ready_path, free_path = _paths(name)
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fds: list[int] = []
-        try:
-            fd = os.open(ring_path, flags, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                mm = mmap.mmap(fd, size)
-                inode = os.fstat(fd).st_ino
-            finally:
-                os.close(fd)
-            for path in (ready_path, free_path):
-                os.mkfifo(path, 0o600)  # fails if the name exists, a link included
-                fds.append(_open_fifo(path))
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            _unlink(name)
-            raise
-        ring = cls(name, mm, inode, slot_bytes, data_offset)
-        ring.ready_fd, ring.free_fd = fds
+        file, mm = SharedFile.memory("tandem-kv-ring", HEADER_BYTES + num_slots * slot_bytes)
+        ready, free = SharedFile.pipe(), SharedFile.pipe()  # closed when collected, if need be
+        files = (file.describe(), ready.describe(), free.describe())
+        ring = cls(mm, slot_bytes, data_offset, os.getpid(), files)
+        ring._own = [file, ready, free]
+        ring.ready_fd, ring.free_fd = ready.fd, free.fd
         ring.tensor.zero_()  # pre-touch: no page faults during transfers
         return ring
 
     @classmethod
     def attach(cls, segment: pb.ShmSegment) -> ShmRing:
-        if not SEGMENT_NAME.fullmatch(segment.name):
-            raise ValueError(f"name {segment.name!r} is not a tandem-kv segment name")
+        if not all(segment.HasField(f) for f in ("file", "ready", "free")):
+            raise ValueError("a ring needs its file and both pipes")
         if not 1 <= segment.num_slots <= MAX_SLOTS:
             raise ValueError(f"num_slots: {segment.num_slots} outside 1..{MAX_SLOTS}")
         if not SLOT_HEADER.size < segment.data_offset < segment.slot_bytes:
@@ -219,40 +278,35 @@ class ShmRing:
                 f"size: {segment.size} bytes is not {HEADER_BYTES} + {segment.num_slots} "
                 f"slots of {segment.slot_bytes}"
             )
-        fd = os.open(SHM_DIR / segment.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != segment.size:
-                raise ValueError(
-                    f"{segment.name}: {st.st_size} bytes, handshake says {segment.size}"
-                )
-            mm = mmap.mmap(fd, segment.size)
-        finally:
-            os.close(fd)
-        return cls(segment.name, mm, st.st_ino, segment.slot_bytes, segment.data_offset)
+        mm = map_shared(segment.owner_pid, segment.file, segment.size)
+        files = (segment.file, segment.ready, segment.free)
+        return cls(mm, segment.slot_bytes, segment.data_offset, segment.owner_pid, files)
 
     def segment(self) -> pb.ShmSegment:
         return pb.ShmSegment(
-            name=self.name,
             size=self.size,
             host_id=host_id(),
             slot_bytes=self.slot_bytes,
             num_slots=self.num_slots,
             data_offset=self.data_offset,
+            owner_pid=self.owner_pid,
+            file=self.file,
+            ready=self.ready,
+            free=self.free,
         )
 
     def matches(self, segment: pb.ShmSegment) -> bool:
-        return (self.size, self.slot_bytes, self.data_offset) == (
+        return (self.size, self.slot_bytes, self.data_offset, self.ready, self.free) == (
             segment.size,
             segment.slot_bytes,
             segment.data_offset,
+            segment.ready,
+            segment.free,
         )
 
-    def is_linked(self) -> bool:
-        try:
-            return os.stat(SHM_DIR / self.name).st_ino == self.inode
-        except OSError:
-            return False
+    def is_open(self) -> bool:
+        """Whether the sender still holds this ring (receiver side)."""
+        return SharedFile.is_open(self.owner_pid, self.file)
 
     def data(self, sequence_number: int, num_bytes: int) -> torch.Tensor:
         """Where chunk ``sequence_number``'s data goes: ``[num_bytes]`` uint8 in its slot."""
@@ -299,39 +353,31 @@ class ShmRing:
             pass
 
     def close(self) -> None:
-        """Unlinks the files and closes the FIFOs (sender side); the mapping goes with the
-        last reference."""
-        _unlink(self.name)
-        for fd in (self.ready_fd, self.free_fd):
-            if fd >= 0:
-                os.close(fd)
+        """Closes the ring file and pipes (sender side): the memory goes with the last
+        mapping, the receiver's included."""
+        for file in self._own:
+            file.close()
+        self._own.clear()
         self.ready_fd = self.free_fd = -1
 
     def _slot(self, sequence_number: int) -> int:
         return HEADER_BYTES + (sequence_number % self.num_slots) * self.slot_bytes
 
 
-def _unlink(name: str) -> None:
-    for path in _paths(name):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
 class ShmRingPool:
     """The sender's rings: one per transfer in flight, reused after a transfer succeeded.
-    ``slot_bytes`` is the chunk data a slot holds. Every ring it made is unlinked by
-    ``close``, or at exit, or when the pool is collected (a killed process leaves its
-    ``tandem-kv-PID-*`` files behind)."""
+    ``slot_bytes`` is the chunk data a slot holds. Every ring it made is closed by
+    ``close`` or when the pool is collected (and by the kernel when the process ends)."""
 
     def __init__(self, slot_bytes: int, num_slots: int, max_idle: int = 4) -> None:
         if not 1 <= num_slots <= MAX_SLOTS:
             raise ValueError(f"num_slots: {num_slots} outside 1..{MAX_SLOTS}")
         self.slot_bytes, self.num_slots, self.max_idle = slot_bytes, num_slots, max_idle
         self._idle: list[ShmRing] = []
-        self._names: set[str] = set()  # every ring not unlinked yet
-        self._finalizer = weakref.finalize(self, _unlink_all, self._names)
-        # Receivers' pool segments this process mapped, by name (see shm_channel).
-        self.mapped_pools: OrderedDict[str, Any] = OrderedDict()
+        self._open: set[ShmRing] = set()  # every ring not closed yet
+        self._finalizer = weakref.finalize(self, _close_all, self._open)
+        # Receivers' pool segments this process mapped, by segment_key (see shm_channel).
+        self.mapped_pools: OrderedDict[tuple[int, int, int], Any] = OrderedDict()
 
     @classmethod
     def for_options(cls, options: TransferOptions) -> ShmRingPool:
@@ -345,18 +391,18 @@ class ShmRingPool:
                 ring.drain()
                 return ring
         ring = ShmRing.create(self.slot_bytes, self.num_slots, data_offset)
-        self._names.add(ring.name)
+        self._open.add(ring)
         return ring
 
     def release(self, ring: ShmRing, *, is_reusable: bool) -> None:
-        if is_reusable and ring.name in self._names and len(self._idle) < self.max_idle:
+        if is_reusable and ring in self._open and len(self._idle) < self.max_idle:
             self._idle.append(ring)
         else:
             ring.close()
-            self._names.discard(ring.name)
+            self._open.discard(ring)
 
     def close(self) -> None:
-        """Unlinks every ring, idle or in use (in use: a receiver that has not mapped it yet
+        """Closes every ring, idle or in use (in use: a receiver that has not mapped it yet
         refuses the push)."""
         for ring in self._idle:
             ring.close()
@@ -364,10 +410,10 @@ class ShmRingPool:
         self._finalizer()
 
 
-def _unlink_all(names: set[str]) -> None:
-    for name in names:
-        _unlink(name)
-    names.clear()
+def _close_all(rings: set[ShmRing]) -> None:
+    for ring in rings:
+        ring.close()
+    rings.clear()
 
 
 class RingReader:
@@ -376,9 +422,9 @@ class RingReader:
     def __init__(self, ring: ShmRing, on_close: Callable[[], None]) -> None:
         self._ring = ring
         self._on_close = on_close
-        self._ready_fd = _open_fifo(SHM_DIR / f"{ring.name}{READY}")
+        self._ready_fd = SharedFile.open(ring.owner_pid, ring.ready, _PIPE_FLAGS, stat.S_ISFIFO)
         try:
-            self._free_fd = _open_fifo(SHM_DIR / f"{ring.name}{FREE}")
+            self._free_fd = SharedFile.open(ring.owner_pid, ring.free, _PIPE_FLAGS, stat.S_ISFIFO)
         except BaseException:
             os.close(self._ready_fd)
             raise
@@ -421,29 +467,30 @@ class RingReader:
 
 
 class ShmAttacher:
-    """``KvReceiver(attach_segment=ShmAttacher())``: checks the host, maps rings by name
-    (a few kept mapped; one whose file was unlinked is dropped), one push per ring at a
-    time."""
+    """``KvReceiver(attach_segment=ShmAttacher())``: checks the host, maps senders' rings
+    (a few kept mapped; one its sender closed is dropped), one push per ring at a time."""
 
     def __init__(self, max_cached: int = 8) -> None:
         self.max_cached = max_cached
-        self._rings: OrderedDict[str, ShmRing] = OrderedDict()
-        self._in_use: set[str] = set()
+        self._rings: OrderedDict[tuple[int, int, int], ShmRing] = OrderedDict()
+        self._in_use: set[tuple[int, int, int]] = set()
 
     def __call__(self, segment: pb.ShmSegment) -> RingReader:
         if segment.host_id != host_id():
             raise ValueError(f"host_id: sender {segment.host_id!r}, this host {host_id()!r}")
-        if segment.name in self._in_use:
-            raise ValueError(f"{segment.name} is in use by another push")
-        for name in [n for n, r in self._rings.items() if not r.is_linked()]:
-            del self._rings[name]
-        ring = self._rings.get(segment.name)
+        key = segment_key(segment)
+        if key in self._in_use:
+            raise ValueError(
+                f"ring {segment.owner_pid}:{segment.file.fd} is in use by another push"
+            )
+        for stale in [k for k, r in self._rings.items() if not r.is_open()]:
+            del self._rings[stale]
+        ring = self._rings.get(key)
         if ring is None or not ring.matches(segment):
-            ring = ShmRing.attach(segment)
-            self._rings[segment.name] = ring
-        self._rings.move_to_end(segment.name)
+            ring = self._rings[key] = ShmRing.attach(segment)
+        self._rings.move_to_end(key)
         while len(self._rings) > self.max_cached:
             self._rings.popitem(last=False)
-        reader = RingReader(ring, functools.partial(self._in_use.discard, segment.name))
-        self._in_use.add(segment.name)
+        reader = RingReader(ring, functools.partial(self._in_use.discard, key))
+        self._in_use.add(key)
         return reader

@@ -22,6 +22,7 @@ from kv_transfer import (
     server_options,
 )
 from kv_transfer.receiver import ChunkSource
+from kv_transfer.shm_transport import SharedFile
 from tandem.v1 import kv_transfer_pb2 as pb
 
 NUM_BLOCKS = 16
@@ -114,14 +115,14 @@ def mismatches(
 
 class Receiving:
     """A grpc.aio server with a KvReceiver (shared memory enabled) and a client channel;
-    ``ring_names`` lists the shared-memory rings it mapped, in order."""
+    ``rings_seen`` lists the shared-memory rings it was handed, in order."""
 
     def __init__(self) -> None:
-        self.ring_names: list[str] = []
+        self.rings_seen: list[pb.ShmSegment] = []
         attacher = ShmAttacher()
 
         def attach(segment: pb.ShmSegment) -> ChunkSource:
-            self.ring_names.append(segment.name)
+            self.rings_seen.append(segment)
             return attacher(segment)
 
         self.receiver = KvReceiver(attach_segment=attach)
@@ -134,3 +135,9 @@ class Receiving:
         pools = make_pools(layout, DST_SEED)
         self.receiver.reserve(KvReservation(request_id, DST_IDS, pools, layout))
         return pools
+
+
+def is_held(segment: pb.ShmSegment) -> bool:
+    """Whether the segment's owner still holds it open: the file and, for a ring, its pipes."""
+    files = [f for f in (segment.file, segment.ready, segment.free) if f.inode]
+    return all(SharedFile.is_open(segment.owner_pid, f) for f in files)

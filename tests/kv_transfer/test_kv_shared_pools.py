@@ -7,6 +7,7 @@ period after its call ended), whether it lives in this process or another."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -61,11 +62,11 @@ class SharedReceiving:
         self.pools = make_pools(LAYOUT, DST_SEED)
         self.shared = SharedKvPools.adopt(LAYOUT, {p.value: c for p, c in self.pools.items()})
         assert self.shared is not None
-        self.ring_names: list[str] = []
+        self.rings_seen: list[pb.ShmSegment] = []
         attacher = ShmAttacher()
 
         def attach(segment: pb.ShmSegment) -> ChunkSource:
-            self.ring_names.append(segment.name)
+            self.rings_seen.append(segment)
             return attacher(segment)
 
         self.receiver = KvReceiver(
@@ -106,8 +107,9 @@ def test_pools_move_into_the_segment_with_their_contents() -> None:
     assert mismatches(pools, pools, make_pools(LAYOUT, DST_SEED), [], []) == []
     assert shared.holds(KvPool.DRAFT, pools[KvPool.DRAFT].layers)
     assert not shared.holds(KvPool.TARGET, make_pools(LAYOUT, DST_SEED)[KvPool.TARGET].layers)
+    assert shared.is_open()
     shared.close()
-    assert not shared.is_linked()
+    assert not shared.is_open()
 
 
 @pytest.mark.parametrize("options", [SMALL_CHUNKS, TransferOptions()], ids=["split", "grouped"])
@@ -123,7 +125,7 @@ async def test_blocks_are_written_once_in_place(
     extra = await shared.receiver.wait_done("r1", timeout=5)
     assert sender.state is TransferState.DONE
     assert sender.is_placed
-    assert shared.ring_names == []  # no ring was mapped: the blocks went in place
+    assert shared.rings_seen == []  # no ring was mapped: the blocks went in place
     assert mismatches(shared.pools, src, make_pools(LAYOUT, DST_SEED)) == []
     assert torch.equal(extra["hidden_states"], extra_tensors(LAYOUT.dtype)["hidden_states"])
     assert sender.num_bytes_sent == sum(
@@ -179,7 +181,7 @@ async def test_pools_not_in_the_segment_go_through_the_ring(shared: SharedReceiv
     await push_all(sender, "r1", LAYOUT, src)
     await shared.receiver.wait_done("r1", timeout=5)
     assert not sender.is_placed
-    assert len(shared.ring_names) == 1
+    assert len(shared.rings_seen) == 1
     assert mismatches(private, src, make_pools(LAYOUT, DST_SEED)) == []
 
 
@@ -334,3 +336,55 @@ async def test_a_sender_process_paused_mid_push(shared: SharedReceiving, end: st
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+# Makes a receiver's shared pools of about 256 MiB, touches them, says what it announces.
+RECEIVER_PROCESS = """
+import sys, torch
+from kv_transfer import SharedKvPools
+from tests.kv_transfer.kv_pools import layout_for
+shared = SharedKvPools.create(layout_for(torch.float32), 131_072)
+sys.stdout.write(shared.segment().SerializeToString().hex() + "\\n")
+sys.stdout.flush()
+sys.stdin.readline()
+"""
+
+
+def _shmem_bytes() -> int:
+    """Shared memory in use on this machine (/proc/meminfo Shmem)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no Shmem line in /proc/meminfo")
+
+
+def test_a_receiver_killed_with_sigkill_leaves_no_shared_memory_behind() -> None:
+    """Its pools stay readable to a sender that mapped them, and their memory goes back to
+    the machine with the last mapping: nothing has a name that outlives the processes."""
+    before = _shmem_bytes()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RECEIVER_PROCESS],
+        cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        segment = pb.ShmSegment.FromString(bytes.fromhex(proc.stdout.readline()))
+        assert segment.owner_pid == proc.pid and segment.size > 256 << 20
+        assert _shmem_bytes() - before > segment.size // 2  # pre-touched
+        mapped = SharedKvPools.attach(segment, layout_for(torch.float32))
+        k = mapped.layer(KvPool.TARGET, 2)[0]
+        k[-1].fill_(3.0)
+        proc.kill()
+        proc.wait()
+        assert not mapped.is_open()
+        with pytest.raises(FileNotFoundError):
+            SharedKvPools.attach(segment, layout_for(torch.float32))
+        assert float(k[-1].sum()) == 3.0 * k[-1].numel()  # the mapping outlives its owner
+        assert _shmem_bytes() - before > segment.size // 2
+        del k, mapped
+        gc.collect()
+        assert _shmem_bytes() - before < segment.size // 4
+    finally:
+        proc.kill()
+        proc.wait()

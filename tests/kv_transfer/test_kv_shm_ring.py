@@ -1,4 +1,4 @@
-"""The shared-memory ring: chunk headers in the slots, FIFO wake-ups both ways, checksums
+"""The shared-memory ring: chunk headers in the slots, pipe wake-ups both ways, checksums
 taken piece by piece; corrupted slots, a stalled receiver and misuse are refused."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import os
 import time
 import zlib
 from collections.abc import AsyncIterator, Iterable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -39,6 +38,7 @@ from tests.kv_transfer.kv_pools import (
     SRC_IDS,
     SRC_SEED,
     Receiving,
+    is_held,
     layout_for,
     make_pools,
     mismatches,
@@ -48,10 +48,6 @@ from tests.kv_transfer.kv_pools import (
 # fp32 tiny layout: one block of one layer is 512 bytes, so every chunk is one block.
 ONE_BLOCK_CHUNKS = TransferOptions(chunk_bytes=512, window=1, timeout_s=10)
 NUM_ONE_BLOCK_CHUNKS = (3 + 1) * len(DST_IDS)  # target and draft layers, 9 blocks each
-
-
-def ring_files(name: str) -> list[Path]:
-    return [p for p in Path("/dev/shm").glob(f"{name}*") if p.name.startswith(name)]
 
 
 @pytest.fixture
@@ -93,7 +89,7 @@ async def test_many_chunks_through_a_one_slot_ring_arrive_in_order(
     assert mismatches(dst, src, make_pools(layout, DST_SEED)) == []
 
 
-async def test_rings_are_pooled_after_success_and_unlinked_after_failure(
+async def test_rings_are_pooled_after_success_and_closed_after_failure(
     receiving: Receiving, rings: ShmRingPool
 ) -> None:
     layout = layout_for(torch.float32)
@@ -103,9 +99,9 @@ async def test_rings_are_pooled_after_success_and_unlinked_after_failure(
         await push_all(
             shm_sender(receiving.channel, rings, ONE_BLOCK_CHUNKS), request_id, layout, src
         )
-    first, second = receiving.ring_names
+    first, second = receiving.rings_seen
     assert first == second, "the second push reused the first one's ring"
-    assert len(ring_files(first)) == 3  # the ring and its two FIFOs, kept for reuse
+    assert is_held(first)  # the ring and its two pipes, kept for reuse
 
     def flip_a_byte(sequence_number: int, data: torch.Tensor) -> None:
         if sequence_number == 2:
@@ -115,22 +111,23 @@ async def test_rings_are_pooled_after_success_and_unlinked_after_failure(
     sender = shm_sender(receiving.channel, rings, ONE_BLOCK_CHUNKS, tamper=flip_a_byte)
     with pytest.raises(KvTransferError, match="CHECKSUM_MISMATCH: chunk 2: checksum"):
         await push_all(sender, "r3", layout, src)
-    assert receiving.ring_names[-1] == first
-    assert ring_files(first) == [], "a ring that saw a failure is not reused"
+    assert receiving.rings_seen[-1] == first
+    assert not is_held(first), "a ring that saw a failure is not reused"
     receiving.reserve("r4", layout)
     await push_all(shm_sender(receiving.channel, rings, ONE_BLOCK_CHUNKS), "r4", layout, src)
-    assert receiving.ring_names[-1] != first
+    assert receiving.rings_seen[-1] != first
+    assert is_held(receiving.rings_seen[-1])
     rings.close()
-    assert ring_files(receiving.ring_names[-1]) == []
+    assert not is_held(receiving.rings_seen[-1])
 
 
 async def test_a_receiver_that_stops_consuming_times_the_sender_out() -> None:
-    ring_names: list[str] = []
+    rings_seen: list[pb.ShmSegment] = []
 
     async def stalled_push(request_iterator: AsyncIterator[bytes], context: Any) -> bytes:
         """Takes the handshake, answers "use the ring", then never consumes a chunk."""
         first = await anext(aiter(request_iterator))
-        ring_names.append(pb.KvPushMessage.FromString(first).handshake.shm.name)
+        rings_seen.append(pb.KvPushMessage.FromString(first).handshake.shm)
         await context.send_initial_metadata([(PLACEMENT_KEY, "ring")])
         async for _ in request_iterator:
             pass
@@ -154,7 +151,7 @@ async def test_a_receiver_that_stops_consuming_times_the_sender_out() -> None:
         assert time.monotonic() - start < 5
         assert sender.state is TransferState.FAILED
         assert sender.num_chunks_sent == options.window  # the ring filled, then nothing
-        assert ring_files(ring_names[0]) == []  # unlinked: a failed push's ring is not reused
+        assert not is_held(rings_seen[0])  # closed: a failed push's ring is not reused
     finally:
         rings.close()
         await server.stop(0)
@@ -346,13 +343,15 @@ async def test_a_ring_serves_one_push_at_a_time(hand: HandRing) -> None:
 @pytest.mark.parametrize(
     ("edit", "words"),
     [
-        (lambda s: setattr(s, "name", "../etc/passwd"), "is not a tandem-kv segment name"),
+        (lambda s: s.ClearField("free"), "a ring needs its file and both pipes"),
         (lambda s: setattr(s, "num_slots", 0), "num_slots: 0 outside"),
         (lambda s: setattr(s, "data_offset", s.slot_bytes), "data_offset:"),
         (lambda s: setattr(s, "size", s.size + 4096), "size:"),
-        (lambda s: setattr(s, "name", "tandem-kv-nobody"), "No such file"),
+        (lambda s: setattr(s.file, "fd", 999_999), "No such file"),
+        (lambda s: setattr(s.file, "inode", s.file.inode + 1), "no longer the announced file"),
+        (lambda s: setattr(s.file, "fd", s.ready.fd), "no longer the announced file"),
     ],
-    ids=["name", "slots", "offset", "size", "missing"],
+    ids=["pipes", "slots", "offset", "size", "closed", "replaced", "a-pipe"],
 )
 async def test_a_bad_segment_is_refused_at_the_handshake(hand: HandRing, edit, words: str) -> None:
     hs = hand.layout.to_handshake("r1", 0, pb.CHECKSUM_KIND_CRC32)

@@ -8,6 +8,7 @@ ends clean."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 import signal
@@ -152,9 +153,12 @@ def reference(
     return [done[str(i)] for i in range(len(token_prompts))], engine
 
 
-def shm_rings(cluster: Cluster) -> list[Path]:
-    """The shared-memory rings the prefill worker keeps for reuse after its pushes."""
-    return list(Path("/dev/shm").glob(f"tandem-kv-{cluster.prefill[0].process.pid}-*"))
+def shm_rings(cluster: Cluster) -> list[str]:
+    """The shared-memory rings the prefill worker keeps for reuse after its pushes (memfds
+    it holds open)."""
+    fds = Path(f"/proc/{cluster.prefill[0].process.pid}/fd")
+    links = [os.readlink(fd) for fd in fds.iterdir()]
+    return [link for link in links if link.startswith("/memfd:tandem-kv-ring")]
 
 
 async def test_greedy_with_eagle3_draft_equals_engine(

@@ -240,56 +240,109 @@ class KvHandshake(_message.Message):
 Global___KvHandshake: _TypeAlias = KvHandshake  # noqa: Y015
 
 @_typing.final
-class ShmSegment(_message.Message):
-    """A shared-memory ring that the sender creates and writes chunks into (same host only).
-
-    The file /dev/shm/<name> holds a 4096-byte header (reserved, zero), then num_slots slots
-    of slot_bytes. Chunk i (sequence_number i) lies in slot i % num_slots: a 24-byte slot
-    header (little-endian uint64 sequence_number, uint64 data length, uint32 header length,
-    4 zero bytes), then that many bytes of a serialized KvChunk without data (runs, layers,
-    pool, dtype, checksum), and the chunk data from byte data_offset of the slot.
-
-    Two FIFOs beside it carry wake-ups: the sender writes one byte to /dev/shm/<name>-ready
-    per chunk it published (after the chunk), the receiver one byte to /dev/shm/<name>-free
-    per chunk it copied out (several in one write, at the latest before it waits for more);
-    the sender reuses a slot only once the bytes read from -free cover the chunk that used
-    it. The last message (is_last, extra tensors) comes over the stream after every chunk
-    in the ring; refusals come as the Push reply.
+class SharedFd(_message.Message):
+    """An open file of the process that made it, which a peer on the same host opens as
+    /proc/<owner_pid>/fd/<fd> (the two share a pid namespace and a user: host_id says so).
+    Nothing has a name in a file system: a file lives while some process holds it open or
+    mapped, so a killed process leaves nothing behind. The peer checks device and inode
+    after opening, since a descriptor number names another file once its owner closed it.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    NAME_FIELD_NUMBER: _builtins.int
+    FD_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    INODE_FIELD_NUMBER: _builtins.int
+    fd: _builtins.int
+    """The descriptor in the owner process."""
+    device: _builtins.int
+    """st_dev and st_ino of the file."""
+    inode: _builtins.int
+    def __init__(
+        self,
+        *,
+        fd: _builtins.int = ...,
+        device: _builtins.int = ...,
+        inode: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "fd", b"fd", "inode", b"inode"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedFd: _TypeAlias = SharedFd  # noqa: Y015
+
+@_typing.final
+class ShmSegment(_message.Message):
+    """A shared-memory segment on the sender's or receiver's host (same host only): a decode
+    worker's KV pools (shared_pools.py), or a ring that the sender writes chunks into.
+
+    A ring holds a 4096-byte header (reserved, zero), then num_slots slots of slot_bytes.
+    Chunk i (sequence_number i) lies in slot i % num_slots: a 24-byte slot header
+    (little-endian uint64 sequence_number, uint64 data length, uint32 header length, 4 zero
+    bytes), then that many bytes of a serialized KvChunk without data (runs, layers, pool,
+    dtype, checksum), and the chunk data from byte data_offset of the slot.
+
+    Two pipes carry a ring's wake-ups: the sender writes one byte to `ready` per chunk it
+    published (after the chunk), the receiver one byte to `free` per chunk it copied out
+    (several in one write, at the latest before it waits for more); the sender reuses a
+    slot only once the bytes read from `free` cover the chunk that used it. The last message
+    (is_last, extra tensors) comes over the stream after every chunk in the ring; refusals
+    come as the Push reply.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
     SIZE_FIELD_NUMBER: _builtins.int
     HOST_ID_FIELD_NUMBER: _builtins.int
     SLOT_BYTES_FIELD_NUMBER: _builtins.int
     NUM_SLOTS_FIELD_NUMBER: _builtins.int
     DATA_OFFSET_FIELD_NUMBER: _builtins.int
-    name: _builtins.str
-    """File name under /dev/shm, "tandem-kv-" followed by [A-Za-z0-9_-]."""
+    OWNER_PID_FIELD_NUMBER: _builtins.int
+    FILE_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
+    FREE_FIELD_NUMBER: _builtins.int
     size: _builtins.int
-    """Size of the file in bytes: 4096 + num_slots * slot_bytes."""
+    """Size of the segment in bytes; a ring's is 4096 + num_slots * slot_bytes."""
     host_id: _builtins.str
-    """The sender's host id (hostname, boot id, IPC namespace); the receiver refuses another."""
+    """The owner's host id (hostname, boot id, pid namespace, user); the peer refuses another."""
     slot_bytes: _builtins.int
     """Bytes per slot: slot header, KvChunk header room, then data."""
     num_slots: _builtins.int
-    """Slots in the ring: chunks the sender may publish ahead of the receiver."""
+    """Slots in the ring: chunks the sender may publish ahead of the receiver. For pools:
+    the number of KV blocks.
+    """
     data_offset: _builtins.int
     """Offset of the chunk data within a slot (past the slot header and KvChunk header room)."""
+    owner_pid: _builtins.int
+    """The process holding the segment and its pipes open, as the peer's /proc shows it."""
+    @_builtins.property
+    def file(self) -> Global___SharedFd:
+        """The segment itself (a memfd)."""
+
+    @_builtins.property
+    def ready(self) -> Global___SharedFd:
+        """A ring's wake-up pipes: chunks published, chunks consumed."""
+
+    @_builtins.property
+    def free(self) -> Global___SharedFd: ...
     def __init__(
         self,
         *,
-        name: _builtins.str = ...,
         size: _builtins.int = ...,
         host_id: _builtins.str = ...,
         slot_bytes: _builtins.int = ...,
         num_slots: _builtins.int = ...,
         data_offset: _builtins.int = ...,
+        owner_pid: _builtins.int = ...,
+        file: Global___SharedFd | None = ...,
+        ready: Global___SharedFd | None = ...,
+        free: Global___SharedFd | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["file", b"file", "free", b"free", "ready", b"ready"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_offset", b"data_offset", "host_id", b"host_id", "name", b"name", "num_slots", b"num_slots", "size", b"size", "slot_bytes", b"slot_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_offset", b"data_offset", "file", b"file", "free", b"free", "host_id", b"host_id", "num_slots", b"num_slots", "owner_pid", b"owner_pid", "ready", b"ready", "size", b"size", "slot_bytes", b"slot_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

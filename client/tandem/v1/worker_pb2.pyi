@@ -135,8 +135,8 @@ class ReserveReply(_message.Message):
     block_size: _builtins.int
     """block_size of this worker's KV pools, in tokens."""
     host_id: _builtins.str
-    """This worker's host id (cluster.kv_transfer.host_id): a prefill worker with the same id
-    pushes the KV through shared memory instead of the gRPC stream.
+    """This worker's host id (kv_transfer.shm_transport.host_id): a prefill worker with the
+    same id pushes the KV through shared memory instead of the gRPC stream.
     """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
