@@ -23,6 +23,7 @@ from typing import Any
 
 from decode_worker.request import Aborted, CloseReason, Holders, OutputSlot, RequestHandle
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sequence import SpecCounts
 from kv_transfer import KvLayout, KvReceiver, TransferState, add_kv_transfer_servicer, host_id
 from ledger.membership import HeldRequest, Membership
 from serving.engine_loop import BlockTableWatch, EngineLoop, block_tables
@@ -372,6 +373,9 @@ class _ChunkStream:
         self.first_logprob = (
             request.first_token_logprob if request.HasField("first_token_logprob") else None
         )
+        # This attempt's speculative counters so far; None without a draft. A request
+        # resumed after a preemption reports its last attempt's only.
+        self.spec_counts: SpecCounts | None = None
 
     def chunk(self, output: RequestOutput) -> gen.GenerateChunk:
         tokens = output.token_ids[self.num_sent :]
@@ -385,6 +389,7 @@ class _ChunkStream:
             chunk.logprobs.extend(self._logprobs(output, self.num_sent, len(tokens)))
         self.num_sent += len(tokens)
         self.num_text_sent = len(output.text)
+        self.spec_counts = output.spec_counts
         if output.finished:
             reason = FINISH_REASONS.get(output.finish_reason or "", gen.FINISH_REASON_ABORT)
             chunk.finish_reason = reason
@@ -392,12 +397,7 @@ class _ChunkStream:
                 chunk.stop_token_id = output.stop_reason
             elif isinstance(output.stop_reason, str):
                 chunk.stop_string = output.stop_reason
-            chunk.usage.CopyFrom(
-                gen.Usage(
-                    prompt_tokens=self.req.num_prompt_tokens,
-                    completion_tokens=len(output.token_ids),
-                )
-            )
+            chunk.usage.CopyFrom(self._usage(len(output.token_ids)))
         return chunk
 
     def preempted(self) -> gen.GenerateChunk:
@@ -414,10 +414,24 @@ class _ChunkStream:
             request_id=self.req.request_id,
             index=self.num_sent,
             finish_reason=gen.FINISH_REASON_ABORT,
-            usage=gen.Usage(
-                prompt_tokens=self.req.num_prompt_tokens, completion_tokens=self.num_sent
-            ),
+            usage=self._usage(self.num_sent),
         )
+
+    def _usage(self, num_completion_tokens: int) -> gen.Usage:
+        """Token counts, with the speculative counters when a draft ran."""
+        usage = gen.Usage(
+            prompt_tokens=self.req.num_prompt_tokens, completion_tokens=num_completion_tokens
+        )
+        counts = self.spec_counts
+        if counts is not None:
+            usage.speculative.CopyFrom(
+                gen.SpeculativeUsage(
+                    num_drafts=counts.num_drafts,
+                    num_draft_tokens=counts.num_draft_tokens,
+                    num_accepted_tokens=counts.num_accepted_tokens,
+                )
+            )
+        return usage
 
     def _logprobs(self, output: RequestOutput, start: int, count: int) -> list[gen.TokenLogprob]:
         """Index r (the tokens resumed before it) was sampled by the prefill worker; index

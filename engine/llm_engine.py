@@ -25,7 +25,7 @@ from engine.models.layers import release_packed_weights, use_packed_gemm
 from engine.registry import load_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from engine.sequence import Sequence, SequenceStatus, SpecCounts, TokenLogprobs
 from engine.spec.spec_runner import (
     SpecRunner,
     load_speculator,
@@ -66,6 +66,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    spec_counts: SpecCounts | None = None  # a copy; None when the engine runs without a draft
 
 
 class LLMEngine:
@@ -480,6 +481,7 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.logprobs),
+            spec_counts=dataclasses.replace(seq.spec_counts) if self.spec is not None else None,
         )
 
 

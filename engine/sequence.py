@@ -24,6 +24,24 @@ class TokenLogprobs:
     top: dict[int, float]  # the ``logprobs`` most likely token ids -> logprob
 
 
+@dataclass
+class SpecCounts:
+    """One request's speculative decoding counters (engine.spec.stats' names): what its
+    usage reports. The engine's global SpecDecodeStats is their sum over requests."""
+
+    num_drafts: int = 0  # decode steps that verified at least one of its draft tokens
+    num_draft_tokens: int = 0  # its draft tokens verified
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    def record(self, k: int, num_accepted: int) -> None:
+        """One step that verified ``k`` of its drafts and accepted ``num_accepted``; a step
+        without drafts (k = 0) counts nothing, as in SpecDecodeStats.record."""
+        if k > 0:
+            self.num_drafts += 1
+            self.num_draft_tokens += k
+            self.num_accepted_tokens += num_accepted
+
+
 @dataclass(eq=False)  # a request is itself: identity, not field-wise equality
 class Sequence:
     request_id: str
@@ -48,6 +66,7 @@ class Sequence:
     # ``defer_drafting`` and ``clear_undrafted``, which keep their count.
     undrafted_features: list[Any] = field(default_factory=list)
     num_undrafted_tokens: int = 0
+    spec_counts: SpecCounts = field(default_factory=SpecCounts)
 
     @property
     def num_tokens(self) -> int:

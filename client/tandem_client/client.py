@@ -1,4 +1,5 @@
-"""A minimal client of tandem.v1.Generation, sync and async (no torch).
+"""Helper functions over the raw wire messages, sync and async (no torch): what the CLI
+and the cluster tests use. Applications use the SDK (tandem_client.sdk) instead.
 
 for chunk in generate("127.0.0.1:50050", "Hello", max_tokens=8, temperature=0):
     print(chunk.text, end="")
@@ -7,32 +8,16 @@ for chunk in generate("127.0.0.1:50050", "Hello", max_tokens=8, temperature=0):
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import generation_pb2_grpc as gen_grpc
+from tandem_client.request import Prompt, build_request
 
-Prompt = str | Sequence[int] | Sequence[dict[str, str]]
-
-
-def build_request(
-    prompt: Prompt, *, request_id: str = "", model: str = "", **params: Any
-) -> gen.GenerateRequest:
-    """A GenerateRequest: text, token ids, or chat messages ({"role", "content"} dicts);
-    keyword arguments are SamplingParams fields (max_tokens, temperature, stop, ...)."""
-    request = gen.GenerateRequest(
-        request_id=request_id, model=model, sampling=gen.SamplingParams(**params)
-    )
-    if isinstance(prompt, str):
-        request.text = prompt
-    elif prompt and isinstance(prompt[0], dict):
-        request.chat.messages.extend(gen.ChatMessage(**m) for m in prompt)  # type: ignore[arg-type]
-    else:
-        request.token_ids.ids.extend(int(t) for t in prompt)  # type: ignore[arg-type]
-    return request
+__all__ = ["Prompt", "agenerate", "build_request", "collect", "generate", "wait_until_serving"]
 
 
 def generate(

@@ -168,6 +168,8 @@ class SpecRunner:
         emitted = out.emitted.tolist()
         drafts = out.next_draft_tokens.tolist()  # the step has completed: time it
         self.stats.record(k, num_accepted)
+        for seq, a in zip(seqs, num_accepted, strict=True):
+            seq.spec_counts.record(k, a)
         if self.adaptive is not None:
             self.adaptive.observe(k, num_accepted)
             if k == k_next:  # a step at one depth, as the costs are measured

@@ -49,6 +49,17 @@ def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
+def assert_counts_add_up(engine: LLMEngine, outputs: dict[str, RequestOutput]) -> None:
+    """Each request's speculative counters (its usage on the wire) are its share of the
+    engine's: they sum to them exactly."""
+    assert engine.spec is not None
+    counts = [o.spec_counts for o in outputs.values()]
+    assert all(c is not None and c.num_accepted_tokens <= c.num_draft_tokens for c in counts)
+    stats = engine.spec.stats
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert sum(getattr(c, name) for c in counts) == getattr(stats, name), name
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash"])
 def test_greedy_equals_target_only_for_random_drafts(target, tmp_path, kind):
     model_dir, hf_model = target
@@ -64,6 +75,7 @@ def test_greedy_equals_target_only_for_random_drafts(target, tmp_path, kind):
         out = run(engine, requests)
         assert engine.spec is not None and engine.spec.k == k
         assert engine.spec.stats.num_draft_tokens > 0
+        assert_counts_add_up(engine, out)
         ours = [out[r].token_ids for r in requests]
         refs = [base[r].token_ids for r in requests]
         assert ours == refs or compare_greedy(hf_model, PROMPTS, ours, refs).num_ties <= 1
@@ -178,6 +190,7 @@ def test_preemption_and_prefix_reuse_stay_lossless(target, tmp_path):
     draft = build_random_draft(model_dir, tmp_path / "eagle3", "eagle3")
     requests = {str(i): ([7, 8, 9, 10, *p], greedy(40)) for i, p in enumerate(PROMPTS)}
     base = run(engine_for(model_dir), requests)
+    assert all(o.spec_counts is None for o in base.values())  # no draft, no counters
     # 26 blocks (4 slots x 4 layers (3 target, 1 draft) x K,V x 2 heads x 40 dims x fp32):
     # one row at full length needs 16, so rows preempt each other.
     block_bytes = 4 * 4 * 2 * 2 * 40 * 4
@@ -187,6 +200,7 @@ def test_preemption_and_prefix_reuse_stay_lossless(target, tmp_path):
     out = run(engine, requests)
     assert engine.scheduler.num_preemptions > 0
     assert {r: o.token_ids for r, o in out.items()} == {r: o.token_ids for r, o in base.items()}
+    assert_counts_add_up(engine, out)  # a preempted request keeps its counters
 
 
 def test_adaptive_k_is_lossless_and_measures_every_bucket(target, tmp_path):
