@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ledger.membership import HeldRequest
+    from router.http_api.server import HttpServer
     from router.service import GenerationService
     from serving.component import Role, Runtime
 
 DEFAULT_PORT = 50050
+DEFAULT_HTTP_PORT = 8000
 SERVICE_NAMES = ("tandem.v1.Generation",)
 
 
@@ -49,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-request-bytes", type=int, default=1 << 20, help="larger requests are refused"
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        f"/v1/models, /health) on --host; 0: no HTTP (default: {DEFAULT_HTTP_PORT})",
     )
 
 
@@ -101,17 +110,31 @@ def make_service(runtime: Runtime) -> RouterComponent:
         default_timeout_s=args.request_timeout_s,
         metrics=runtime.metrics,
     )
-    return RouterComponent(service, name, lease_s=args.lease_ms / 1000)
+    http = None
+    if args.http_port:
+        from router.http_api.app import make_app
+        from router.http_api.server import HttpServer
+
+        http = HttpServer(make_app(service), args.host, args.http_port)
+    return RouterComponent(service, name, lease_s=args.lease_ms / 1000, http=http)
 
 
 class RouterComponent:
     """The router as serving.component runs it: it holds no KV blocks, so the ledger
     losing data only re-registers it; its housekeeping reaps expired worker leases."""
 
-    def __init__(self, service: GenerationService, served_name: str, *, lease_s: float) -> None:
+    def __init__(
+        self,
+        service: GenerationService,
+        served_name: str,
+        *,
+        lease_s: float,
+        http: HttpServer | None = None,
+    ) -> None:
         self.service = service
         self.served_name = served_name
         self.lease_s = lease_s
+        self.http = http
 
     def load(self) -> tuple[float, dict[str, str | int | float]]:
         return self.service.load()
@@ -131,7 +154,8 @@ class RouterComponent:
         generation_pb2_grpc.add_GenerationServicer_to_server(self.service, server)
 
     def start(self) -> None:
-        pass
+        if self.http is not None:
+            self.http.start()
 
     async def housekeeping(self) -> None:
         await self.service.reap_expired_leases(self.lease_s)
@@ -140,4 +164,6 @@ class RouterComponent:
         await self.service.drain(timeout_s)
 
     async def close(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         await self.service.close()

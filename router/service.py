@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
@@ -101,7 +101,7 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     async def Generate(
         self, request: gen.GenerateRequest, context: Any
-    ) -> AsyncIterator[gen.GenerateChunk]:
+    ) -> AsyncGenerator[gen.GenerateChunk, None]:
         arrived = time.monotonic()
         try:
             if self.is_draining:

@@ -48,6 +48,10 @@ class RouterTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, special tokens included (a token's text for logprobs)."""
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=False))
+
     def apply_chat_template(
         self,
         messages: Sequence[dict[str, str]],

@@ -42,6 +42,13 @@ def register_serve(subparsers: Any) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address every process listens on")
     parser.add_argument("--port", type=int, default=50050, help="the router's port")
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="the router's OpenAI-compatible HTTP API (/v1/chat/completions, ...); 0: none "
+        "(default: 8000)",
+    )
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--threads", type=int, help="torch threads per process (default: shared)")
     parser.add_argument("--kv-cache-memory", type=int, help="KV cache bytes per worker")
@@ -111,6 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
         redis=redis_settings,
         host=args.host,
         port=args.port,
+        http_port=args.http_port,
         threads=args.threads,
         worker_args=tuple(worker_args),
         decode_args=("--torch-compile",) if args.torch_compile else (),
@@ -133,6 +141,8 @@ def _serve(args: argparse.Namespace) -> int:
         f"{spec.num_decode} decode workers, redis {cluster.redis_url}; Ctrl-C stops",
         file=sys.stderr,
     )
+    if cluster.router is not None and cluster.router.base_url:
+        print(f"tandem serve: OpenAI API at {cluster.router.base_url}", file=sys.stderr)
     for component in cluster.components:
         print(f"tandem serve: {component.name} metrics {component.metrics_url}", file=sys.stderr)
     try:

@@ -45,6 +45,7 @@ class ClusterSpec:
     redis: RedisSettings | None = None  # None: start an embedded redis-server
     host: str = "127.0.0.1"
     port: int = 50050  # the router's; 0: a free one
+    http_port: int | None = None  # the router's OpenAI HTTP API; None: a free one; 0: none
     threads: int | None = None  # torch threads per process; None: the cores divided
     worker_args: tuple[str, ...] = ()  # extra options of both worker kinds (--dtype, ...)
     decode_args: tuple[str, ...] = ()  # extra options of decode workers only
@@ -80,6 +81,7 @@ class Component:
     log_path: Path | None
     log_file: IO[bytes] | None = field(default=None, repr=False)
     metrics_port: int = 0  # its Prometheus /metrics; 0: not served
+    http_port: int = 0  # the router's OpenAI-compatible HTTP API; 0: not served
     command: tuple[str, ...] = ()  # what started it: a restart runs the same again
     env: Mapping[str, str] = field(default_factory=dict, repr=False)  # may carry a password
     is_worker: bool = False  # a prefill or decode worker (the router is not restarted)
@@ -89,6 +91,12 @@ class Component:
     def metrics_url(self) -> str:
         host = self.address.rsplit(":", 1)[0]
         return f"http://{host}:{self.metrics_port}/metrics" if self.metrics_port else ""
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI API's base URL (``.../v1``), "" without one."""
+        host = self.address.rsplit(":", 1)[0]
+        return f"http://{host}:{self.http_port}/v1" if self.http_port else ""
 
     def log_tail(self, lines: int = 30) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -151,7 +159,10 @@ class Cluster:
             router = ["--model", spec.model, *spec.router_args]
             if spec.draft:
                 router += ["--draft", spec.draft]
+            http_port = free_port() if spec.http_port is None else spec.http_port
+            router += ["--http-port", str(http_port)]
             self.router = self._spawn("router", "router", router, False, port=spec.port)
+            self.router.http_port = http_port
             self._wait_serving(timeout_s)
         except BaseException:
             self.stop()

@@ -12,6 +12,7 @@ from pathlib import Path
 SCRIPT = """
 import json, sys
 import router.service, router.validation, router.tokenizer, router.routing, router.models
+import router.http_api.app, router.http_api.server
 from router.models import resolve_model_dir
 from router.tokenizer import load_tokenizer
 from router.validation import ModelInfo, RequestValidator

@@ -1,0 +1,397 @@
+"""The OpenAI-compatible HTTP API of the router (FastAPI), beside its gRPC service.
+
+Every request runs through the same ``GenerationService.Generate`` as a gRPC call, one
+call per choice, so validation, routing, migration and usage are the gRPC API's.
+
+- ``POST /v1/completions`` and ``POST /v1/chat/completions``: whole answers, or server-sent
+  events ending in ``data: [DONE]`` (``stream``; ``stream_options.include_usage`` adds a
+  last event with usage and no choices). Chat prompts are rendered by the router's chat
+  template; a chat without ``max_tokens`` may fill the rest of the context.
+- ``GET /v1/models``: the served name (the ``model`` every request must name).
+- ``GET /health``: 200 while serving, 503 while draining.
+
+Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with 400 for
+bad input (the field named in ``param`` and at the start of the message), 404 for an
+unknown model, 429 when overloaded, 503 when no worker can take it or the router drains,
+504 when its deadline passes. A client that disconnects cancels its request: for a stream
+Starlette cancels the response, for a whole answer a watcher of the connection does, and
+the workers free its blocks as for a cancelled gRPC call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
+
+import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from router.http_api.convert import (
+    ChoiceState,
+    chat_logprobs,
+    chat_messages,
+    chat_requests,
+    completion_logprobs,
+    completion_requests,
+    usage_json,
+)
+from router.http_api.protocol import ChatCompletionRequest, CompletionRequest, HttpError
+from router.service import GenerationService
+from serving.rpc import status_of
+from tandem.v1 import generation_pb2 as gen
+
+log = logging.getLogger("router.http")
+T = TypeVar("T")
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+# The gRPC fields a router message starts with, as OpenAI names them.
+PARAM_NAMES = {"text": "prompt", "token_ids": "prompt", "chat": "messages"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class _CallContext:
+    """What ``GenerationService.Generate`` reads of a gRPC context: no deadline of the
+    client's, so the router's default applies."""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+def http_error(exc: BaseException) -> HttpError:
+    """The router's refusal (a ValidationError, Overloaded, a worker's status...) as HTTP."""
+    if isinstance(exc, HttpError):
+        return exc
+    code, message = status_of(exc)
+    status = HTTP_STATUS.get(code, 500)
+    param = None
+    if status == 400:
+        name = message.split(":", 1)[0]
+        if name.isidentifier():
+            param = PARAM_NAMES.get(name, name)
+            message = f"{param}:{message.split(':', 1)[1]}"
+    return HttpError(status, message, param=param, code=code.name.lower())
+
+
+def error_response(error: HttpError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def make_app(service: GenerationService) -> FastAPI:
+    """The HTTP API over ``service`` (the router's Generation service)."""
+    app = FastAPI(
+        title="Tandem",
+        summary="OpenAI-compatible completions and chat, served by a Tandem router",
+        docs_url=None,
+        redoc_url=None,
+    )
+    api = _Api(service)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(body_error(exc.errors()))
+
+    @app.exception_handler(HttpError)
+    async def on_http_error(_: Request, exc: HttpError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if service.is_draining:
+            return error_response(HttpError(503, "draining; use another router"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [api.model_card()]}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(
+        body: CompletionRequest, request: Request
+    ) -> JSONResponse | StreamingResponse:
+        api.check(body)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        return await api.respond(request, body, rid, completion_requests(body, rid), chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request
+    ) -> JSONResponse | StreamingResponse:
+        api.check(body)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            prompt = service.validator.validate(chat_messages(body)).prompt_token_ids
+        except Exception as e:
+            raise http_error(e) from e
+        max_len = service.validator.model.max_model_len
+        return await api.respond(
+            request, body, rid, chat_requests(body, rid, prompt, max_len), chat=True
+        )
+
+    return app
+
+
+def body_error(errors: Sequence[Any]) -> HttpError:
+    """pydantic's first complaint about a body, naming the field (``messages.0.role``)."""
+    first: dict[str, Any] = dict(errors[0]) if errors else {"loc": ("body",), "msg": "?"}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return HttpError(400, f"body: not valid JSON: {first.get('ctx', {}).get('error', '')}")
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return HttpError(400, message, param=param, code="invalid_value")
+
+
+class _Api:
+    """The routes' work: calls the service once per choice and shapes the answers."""
+
+    def __init__(self, service: GenerationService) -> None:
+        self.service = service
+        self.created = int(time.time())
+
+    @property
+    def model_name(self) -> str:
+        return self.service.validator.model.name
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tandem",
+            "max_model_len": self.service.validator.model.max_model_len,
+        }
+
+    def check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        if body.model != self.model_name:
+            raise HttpError(
+                404,
+                f"model: {body.model[:200]!r} is not served here; served: [{self.model_name!r}]",
+                param="model",
+                code="model_not_found",
+            )
+        unsupported = body.unsupported()
+        if unsupported:
+            raise HttpError(
+                400,
+                f"{unsupported[0]}: not supported yet",
+                param=unsupported[0],
+                code="unsupported_parameter",
+            )
+        if self.service.is_draining:
+            raise HttpError(503, "router: draining; retry on another router")
+
+    def token_text(self, token_id: int) -> str:
+        tokenizer = self.service.validator.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
+    async def respond(
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        rid: str,
+        calls: list[gen.GenerateRequest],
+        *,
+        chat: bool,
+    ) -> JSONResponse | StreamingResponse:
+        events = _merged([self.service.Generate(c, _CallContext()) for c in calls])
+        if body.stream:
+            try:  # the first chunk before the headers: a refusal is still an HTTP status
+                first = await anext(events)
+            except StopAsyncIteration:
+                first = None
+            except Exception as e:
+                raise http_error(e) from e
+            sse = self._sse(body, rid, len(calls), first, events, chat=chat)
+            return StreamingResponse(sse, media_type="text/event-stream", headers=SSE_HEADERS)
+        choices = [ChoiceState() for _ in calls]
+
+        async def collect() -> None:
+            async for i, chunk in events:
+                choices[i].add(chunk)
+
+        try:
+            await _unless_disconnected(request, collect())
+        except Exception as e:
+            raise http_error(e) from e
+        return JSONResponse(self._whole(body, rid, choices, chat=chat))
+
+    def _whole(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        rid: str,
+        choices: list[ChoiceState],
+        *,
+        chat: bool,
+    ) -> dict[str, Any]:
+        out = []
+        for i, c in enumerate(choices):
+            choice: dict[str, Any] = {"index": i, "finish_reason": c.finish_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+                choice["logprobs"] = (
+                    chat_logprobs(c.logprobs, self.token_text)
+                    if isinstance(body, ChatCompletionRequest) and body.logprobs
+                    else None
+                )
+            else:
+                choice["text"] = c.text
+                choice["logprobs"] = (
+                    completion_logprobs(c.logprobs, self.token_text, 0)
+                    if isinstance(body, CompletionRequest) and body.logprobs is not None
+                    else None
+                )
+            out.append(choice)
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": out,
+            "usage": usage_json(choices, body.n),
+        }
+
+    async def _sse(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        rid: str,
+        num_choices: int,
+        first: tuple[int, gen.GenerateChunk] | None,
+        events: AsyncIterator[tuple[int, gen.GenerateChunk]],
+        *,
+        chat: bool,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        base = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": self.model_name,
+        }
+        choices = [ChoiceState() for _ in range(num_choices)]
+        with_logprobs = (
+            body.logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs is not None
+        )
+
+        def event(i: int, chunk: gen.GenerateChunk) -> str:
+            state = choices[i]
+            offset = len(state.text)
+            is_first = not state.token_ids and not state.text
+            state.add(chunk)
+            choice: dict[str, Any] = {"index": i, "finish_reason": state.finish_reason}
+            if chat:
+                delta: dict[str, Any] = {"content": chunk.text}
+                if is_first:
+                    delta["role"] = "assistant"
+                choice["delta"] = delta
+                choice["logprobs"] = (
+                    chat_logprobs(chunk.logprobs, self.token_text) if with_logprobs else None
+                )
+            else:
+                choice["text"] = chunk.text
+                choice["logprobs"] = (
+                    completion_logprobs(chunk.logprobs, self.token_text, offset)
+                    if with_logprobs
+                    else None
+                )
+            return _data({**base, "choices": [choice]})
+
+        try:
+            if first is not None:
+                yield event(*first)
+            async for i, chunk in events:
+                yield event(i, chunk)
+        except Exception as e:  # after the headers: the error travels as an event
+            error = http_error(e)
+            log.info("%s: stream ended by %s", rid, error.message)
+            yield _data(error.body())
+        else:
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield _data({**base, "choices": [], "usage": usage_json(choices, body.n)})
+        yield "data: [DONE]\n\n"
+
+
+def _data(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _merged(
+    streams: list[AsyncGenerator[gen.GenerateChunk, None]],
+) -> AsyncIterator[tuple[int, gen.GenerateChunk]]:
+    """The chunks of several streams as they come, each with its stream's index; the first
+    failure ends it, and closing it cancels what still runs."""
+    if len(streams) == 1:
+        try:
+            async for chunk in streams[0]:
+                yield 0, chunk
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue[tuple[int, gen.GenerateChunk | None, BaseException | None]]
+    queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncGenerator[gen.GenerateChunk, None]) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((i, chunk, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+        else:
+            queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is not None:
+                yield i, item
+            else:
+                running -= 1
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, unless the client disconnects first: then it is cancelled."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise HttpError(499, "the client disconnected")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes (the body is read already: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,183 @@
+"""OpenAI bodies to GenerateRequests, and the router's chunks back to OpenAI's JSON.
+
+One GenerateRequest per choice: a completion body with prompts ``p`` and ``n`` choices
+makes ``len(p) * n`` of them, choice ``i * n + j`` being prompt ``i``'s ``j``-th (as
+OpenAI numbers them). With a seed, choice ``j`` samples with ``seed + j``, so that the
+choices differ and each is reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.http_api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    invalid,
+)
+from tandem.v1 import generation_pb2 as gen
+
+FINISH_REASONS = {
+    gen.FINISH_REASON_STOP: "stop",
+    gen.FINISH_REASON_LENGTH: "length",
+    gen.FINISH_REASON_ABORT: "abort",
+}
+MAX_SEED = 2**63
+
+
+def sampling(body: SamplingFields, choice: int, max_tokens: int | None) -> gen.SamplingParams:
+    """The body's sampling fields for one choice (range checks are the router's own)."""
+    top_k = body.top_k or 0
+    if top_k < -1:
+        raise invalid("top_k", f"must be an integer >= 0, or -1 (disabled), got {top_k}")
+    if any(t < 0 for t in body.stop_token_ids or ()):
+        raise invalid("stop_token_ids", "token ids must be >= 0")
+    params = gen.SamplingParams(
+        top_k=max(top_k, 0),
+        min_p=body.min_p or 0.0,
+        stop=body.stops(),
+        stop_token_ids=body.stop_token_ids or (),
+        ignore_eos=body.ignore_eos,
+    )
+    if max_tokens is not None:
+        params.max_tokens = max_tokens
+    if body.temperature is not None:
+        params.temperature = body.temperature
+    if body.top_p is not None:
+        params.top_p = body.top_p
+    if body.seed is not None:
+        if body.seed >= MAX_SEED:
+            raise invalid("seed", f"must be an integer in [0, 2**63), got {body.seed}")
+        params.seed = (body.seed + choice) % MAX_SEED
+    return params
+
+
+def completion_requests(body: CompletionRequest, request_id: str) -> list[gen.GenerateRequest]:
+    prompts: Sequence[str | list[int]]
+    if isinstance(body.prompt, str):
+        prompts = [body.prompt]
+    elif body.prompt and all(isinstance(p, int) for p in body.prompt):
+        prompts = [body.prompt]  # type: ignore[list-item]  # one prompt of token ids
+    else:
+        prompts = body.prompt  # type: ignore[assignment]  # strings, or lists of ids
+    if not prompts:
+        raise invalid("prompt", "no prompt")
+    if any(isinstance(p, list) and any(t < 0 for t in p) for p in prompts):
+        raise invalid("prompt", "token ids must be >= 0")
+    requests = []
+    for i, prompt in enumerate(prompts):
+        for j in range(body.n):
+            request = gen.GenerateRequest(
+                request_id=f"{request_id}-{i * body.n + j}",
+                sampling=sampling(body, j, body.max_tokens),
+            )
+            if isinstance(prompt, str):
+                request.text = prompt
+            else:
+                request.token_ids.ids.extend(prompt)
+            if body.logprobs is not None:
+                request.sampling.logprobs = body.logprobs
+            requests.append(request)
+    return requests
+
+
+def chat_requests(
+    body: ChatCompletionRequest, request_id: str, prompt_ids: Sequence[int], max_model_len: int
+) -> list[gen.GenerateRequest]:
+    """``prompt_ids``: the conversation as the chat template renders it, tokenized; without
+    a max_tokens, a choice may fill the rest of the context."""
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, max_model_len - len(prompt_ids))
+    requests = []
+    for j in range(body.n):
+        request = gen.GenerateRequest(
+            request_id=f"{request_id}-{j}", sampling=sampling(body, j, max_tokens)
+        )
+        request.token_ids.ids.extend(prompt_ids)
+        if body.logprobs:
+            request.sampling.logprobs = body.top_logprobs or 0
+        elif body.top_logprobs:
+            raise invalid("top_logprobs", "needs logprobs: true")
+        requests.append(request)
+    return requests
+
+
+def chat_messages(body: ChatCompletionRequest) -> gen.GenerateRequest:
+    """The conversation as the router's validator renders and tokenizes it."""
+    request = gen.GenerateRequest()
+    request.chat.messages.extend(
+        gen.ChatMessage(role=m.role, content=m.text()) for m in body.messages
+    )
+    return request
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[gen.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: gen.Usage | None = None
+
+    def add(self, chunk: gen.GenerateChunk) -> None:
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        if chunk.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
+            self.finish_reason = FINISH_REASONS.get(chunk.finish_reason, "abort")
+        if chunk.HasField("usage"):
+            self.usage = chunk.usage
+
+
+def usage_json(choices: Sequence[ChoiceState], n: int) -> dict[str, Any]:
+    """Prompt tokens once per prompt (not per choice), completion tokens of every choice."""
+    prompt = sum(c.usage.prompt_tokens for c in choices[::n] if c.usage is not None)
+    completion = sum(c.usage.completion_tokens for c in choices if c.usage is not None)
+    cached = sum(c.usage.cached_tokens for c in choices[::n] if c.usage is not None)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+TokenText = Callable[[int], str]
+
+
+def chat_logprobs(entries: Sequence[gen.TokenLogprob], token_text: TokenText) -> dict[str, Any]:
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {
+                **one(e.token_id, e.logprob),
+                "top_logprobs": [one(t.token_id, t.logprob) for t in e.top],
+            }
+            for e in entries
+        ]
+    }
+
+
+def completion_logprobs(
+    entries: Sequence[gen.TokenLogprob], token_text: TokenText, text_offset: int
+) -> dict[str, Any]:
+    tokens = [token_text(e.token_id) for e in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{token_text(t.token_id): t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }

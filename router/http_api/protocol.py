@@ -1,0 +1,166 @@
+"""The OpenAI request bodies the router accepts, as pydantic models, and their errors.
+
+Fields follow OpenAI's API reference; the extras vLLM accepts at the top level of a body
+(``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``) are
+accepted the same way (the ``openai`` client sends them with ``extra_body``). Types are
+strict: a string where a number belongs is refused, not converted. Fields other clients
+send and that change nothing here (``user``, ``metadata``, ``store``, ...) are ignored;
+fields that would change the answer and are not supported yet get a 400 naming them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 8  # choices per request (n)
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class HttpError(Exception):
+    """An error answered as OpenAI-shaped JSON: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def type(self) -> str:
+        return {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            429: "rate_limit_error",
+            503: "service_unavailable",
+            504: "timeout",
+        }.get(self.status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        error = ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code)
+        return {"error": error.model_dump()}
+
+
+def invalid(param: str, message: str) -> HttpError:
+    return HttpError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat share: sampling, stops, streaming, and the extras."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
+
+    def unsupported(self) -> list[str]:
+        """Fields set to a value that would change the answer, which is not built yet."""
+        names = []
+        if self.frequency_penalty:
+            names.append("frequency_penalty")
+        if self.presence_penalty:
+            names.append("presence_penalty")
+        if self.repetition_penalty not in (None, 1.0):
+            names.append("repetition_penalty")
+        if self.logit_bias:
+            names.append("logit_bias")
+        return names
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> list[str]:
+        names = super().unsupported()
+        if self.echo:
+            names.append("echo")
+        if self.suffix is not None:
+            names.append("suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            names.append("best_of")
+        return names
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: str = Field(min_length=1)
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+
+    def unsupported(self) -> list[str]:
+        names = super().unsupported()
+        if self.tools:
+            names.append("tools")
+        if self.tool_choice not in (None, "none"):
+            names.append("tool_choice")
+        if self.response_format is not None and self.response_format.type != "text":
+            names.append("response_format")
+        return names

@@ -1,0 +1,313 @@
+"""The router's OpenAI-compatible HTTP API on a real tiny cluster, with the official
+``openai`` package as the client (and httpx for what it would not send): greedy text as
+through gRPC and the in-process engine, chat and completions, streaming and not, stops,
+n, logprobs, usage, OpenAI-shaped errors naming the field, unbuffered SSE, and a client
+disconnect that cancels the request end to end."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+import redis
+import torch
+from tokenizers import Tokenizer
+
+from ledger.ledger import Ledger, RequestState
+from serving.launcher import Cluster
+from tests.services.cluster_helpers import (
+    assert_greedy_equal,
+    build_tiny_target,
+    engine_greedy,
+    run,
+    tiny_cluster_spec,
+    tokens,
+    wait_audit_clean,
+)
+
+pytestmark = pytest.mark.timeout(300)
+MODEL = "target"  # the served name: the model directory's
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(1)  # this process shares the cores with the cluster's
+    return build_tiny_target(tmp_path_factory.mktemp("http_api") / MODEL)
+
+
+@pytest.fixture(scope="module")
+def cluster(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    spec = tiny_cluster_spec(target, tmp_path_factory.mktemp("http_api_logs"), port=0)
+    with Cluster(spec).start() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def base_url(cluster: Cluster) -> str:
+    assert cluster.router is not None and cluster.router.base_url
+    return cluster.router.base_url
+
+
+@pytest.fixture(scope="module")
+def ledger(cluster: Cluster) -> Iterator[Ledger]:
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    yield Ledger(client)
+    client.close()
+
+
+@pytest.fixture
+async def client(base_url: str) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+async def audit_after_each_test(cluster: Cluster, ledger: Ledger) -> AsyncIterator[None]:
+    yield
+    await wait_audit_clean(cluster, ledger)
+
+
+def tokenizer(target: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(target / "tokenizer.json"))
+
+
+async def test_models_and_health(base_url: str, client: openai.AsyncOpenAI) -> None:
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    async with httpx.AsyncClient() as http:
+        health = await http.get(base_url.removesuffix("/v1") + "/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+async def test_greedy_text_equals_grpc_and_the_engine(
+    cluster: Cluster, target: Path, client: openai.AsyncOpenAI
+) -> None:
+    prompts = [[1, 20, 33, 41, 7, 9], [1, 5, 5, 60, 12]]
+    for prompt in prompts:
+        http = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        grpc_chunks = await run(
+            cluster.router_address, prompt, max_tokens=24, temperature=0.0, ignore_eos=True
+        )
+        assert http.choices[0].text == "".join(c.text for c in grpc_chunks)
+        assert http.choices[0].finish_reason == "length"
+        assert http.usage is not None
+        assert (http.usage.prompt_tokens, http.usage.completion_tokens) == (len(prompt), 24)
+        ours = tokens(grpc_chunks)
+        assert_greedy_equal(target, [prompt], [ours], engine_greedy(target, [prompt], 24))
+
+
+async def test_chat_streams_what_it_answers_whole(target: Path, client: openai.AsyncOpenAI) -> None:
+    messages = [{"role": "user", "content": "hello there"}]
+    whole = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0,  # type: ignore[arg-type]
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    events = [event async for event in stream]
+    assert events[0].choices[0].delta.role == "assistant"
+    text = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+    assert text == whole.choices[0].message.content
+    assert events[-1].choices == [] and events[-1].usage is not None
+    rendered = "<s>user: hello there</s><s>assistant: "
+    prompt_tokens = len(tokenizer(target).encode(rendered, add_special_tokens=False).ids)
+    assert events[-1].usage.prompt_tokens == prompt_tokens
+    assert whole.usage is not None and whole.usage.prompt_tokens == prompt_tokens
+    assert events[-1].usage.completion_tokens == whole.usage.completion_tokens
+    finish = [e.choices[0].finish_reason for e in events if e.choices]
+    assert finish[-1] == whole.choices[0].finish_reason and set(finish[:-1]) == {None}
+
+
+async def test_stop_strings_and_several_choices(client: openai.AsyncOpenAI) -> None:
+    prompt = "abc"
+    greedy = await client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=30, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = greedy.choices[0].text
+    stop = text[10:13]
+    stopped = await client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=[stop],
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[: text.index(stop)]
+
+    two = await client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=1.0, seed=7, n=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].text != two.choices[1].text  # seeds 7 and 8
+    again = await client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=1.0, seed=7, n=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.text for c in again.choices] == [c.text for c in two.choices]
+    assert two.usage is not None
+    assert (
+        two.usage.completion_tokens == 32 and two.usage.prompt_tokens == greedy.usage.prompt_tokens
+    )  # type: ignore[union-attr]
+
+
+async def test_logprobs_of_completions_and_chat(client: openai.AsyncOpenAI) -> None:
+    out = await client.completions.create(
+        model=MODEL, prompt="hello", max_tokens=6, temperature=0, logprobs=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None
+    assert "".join(logprobs.tokens) == out.choices[0].text and len(logprobs.tokens) == 6
+    assert logprobs.top_logprobs is not None and logprobs.token_logprobs is not None
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(logprob)
+        assert top[token] == pytest.approx(logprob)  # greedy: the likeliest token
+    assert logprobs.text_offset == list(range(6))  # one character per token
+
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == chat.usage.completion_tokens  # type: ignore[union-attr]
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b'{"model": "target", "prompt": "hi"', 400, None),  # malformed JSON
+        (b'{"model": "target", "prompt": "hi", "max_tokens": "5"}', 400, "max_tokens"),
+        (b'{"model": "target", "prompt": "hi", "max_tokens": -1}', 400, "max_tokens"),
+        (b'{"model": "nope", "prompt": "hi"}', 404, "model"),
+        (b'{"model": "target", "prompt": "hi", "temperature": 1000}', 400, "temperature"),
+        (b'{"model": "target", "prompt": "hi", "suffix": "x"}', 400, "suffix"),
+        (b'{"model": "target", "prompt": [70000]}', 400, "prompt"),
+        (b'{"model": "target", "prompt": "hi", "n": 99}', 400, "n"),
+    ],
+    ids=["json", "type", "negative", "model", "temperature", "suffix", "vocab", "n"],
+)
+async def test_bad_completions_are_refused_naming_the_field(
+    base_url: str, body: bytes, status: int, param: str | None
+) -> None:
+    async with httpx.AsyncClient() as http:
+        reply = await http.post(
+            f"{base_url}/completions", content=body, headers={"content-type": "application/json"}
+        )
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["type"] and error["message"]
+    if param is not None:
+        assert error["message"].startswith(f"{param}:"), error["message"]
+    else:
+        assert error["message"].startswith("body: not valid JSON"), error["message"]
+
+
+async def test_bad_chats_are_refused_naming_the_field(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}],
+            tools=[{"type": "function", "function": {"name": "f"}}],
+        )  # fmt: skip
+    assert refused.value.body["param"] == "tools"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model=MODEL, messages=[])
+    assert refused.value.body["param"] == "messages"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "x"}]
+        )
+
+
+async def test_events_are_sent_as_they_come(base_url: str) -> None:
+    body = {
+        "model": MODEL, "prompt": "ab", "max_tokens": 300, "temperature": 0,
+        "ignore_eos": True, "stream": True,
+    }  # fmt: skip
+    arrivals: list[float] = []
+    async with httpx.AsyncClient(timeout=60) as http:
+        start = time.monotonic()
+        async with http.stream("POST", f"{base_url}/completions", json=body) as reply:
+            assert reply.status_code == 200
+            assert reply.headers["content-type"].startswith("text/event-stream")
+            lines = []
+            async for line in reply.aiter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic() - start)
+                    lines.append(line)
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(json.loads(x[6:])["choices"][0]["text"] for x in lines[:-1])
+    assert len(text) == 300
+    assert len(arrivals) > 10
+    assert arrivals[0] < 0.5 * arrivals[-2], arrivals  # not held back until the end
+
+
+async def test_a_client_disconnect_cancels_the_request(
+    cluster: Cluster, base_url: str, ledger: Ledger
+) -> None:
+    body = {
+        "model": MODEL, "prompt": "ab", "max_tokens": 1900, "temperature": 0,
+        "ignore_eos": True, "stream": True,
+    }  # fmt: skip
+    async with (
+        httpx.AsyncClient(timeout=60) as http,
+        http.stream("POST", f"{base_url}/completions", json=body) as reply,
+    ):
+        lines = reply.aiter_lines()
+        first = await anext(line async for line in lines if line.startswith("data: "))
+    # leaving the block closed the connection mid-stream
+    request_id = json.loads(first[6:])["id"] + "-0"
+    await wait_audit_clean(cluster, ledger, within_s=1.0)
+    record = ledger.get_request(request_id)
+    assert record is not None and record.state is RequestState.CANCELLED, record
+
+
+async def test_a_whole_answer_is_cancelled_when_its_client_goes(
+    cluster: Cluster, base_url: str, ledger: Ledger
+) -> None:
+    body = {
+        "model": MODEL, "prompt": "ab", "max_tokens": 1900, "temperature": 0, "ignore_eos": True,
+    }  # fmt: skip
+    before = requests_in(ledger, RequestState.CANCELLED)
+    async with httpx.AsyncClient(timeout=0.5) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(f"{base_url}/completions", json=body)
+    await wait_audit_clean(cluster, ledger, within_s=1.0)
+    cancelled = requests_in(ledger, RequestState.CANCELLED) - before
+    assert len(cancelled) == 1 and cancelled.pop().startswith("cmpl-"), cancelled
+
+
+def requests_in(ledger: Ledger, state: RequestState) -> set[str]:
+    """The ids of the ledger's requests in ``state``."""
+    found = set()
+    for key in ledger.client.scan_iter(match=f"{ledger.ns}:{{req:*}}", count=1000):
+        match = re.fullmatch(rf"{ledger.ns}:\{{req:([^}}]+)\}}", key)
+        if match and ledger.client.hget(key, "state") == state.value:
+            found.add(match.group(1))
+    return found
+
+
+def test_the_readme_example_runs(base_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The ```python block of the README's HTTP section, against this cluster."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = re.search(r"^## OpenAI-compatible HTTP API\n(.*?)(?=^## )", readme, re.M | re.S)
+    assert section is not None
+    (block,) = re.findall(r"^```python\n(.*?)^```", section.group(1), re.M | re.S)
+    assert "http://127.0.0.1:8000/v1" in block and '"smollm2"' in block
+    code = block.replace("http://127.0.0.1:8000/v1", base_url).replace('"smollm2"', f'"{MODEL}"')
+    exec(compile(code, "README.md", "exec"), {})
+    assert len(capsys.readouterr().out) == 32  # 32 one-character tokens, EOS ignored
