@@ -132,6 +132,8 @@ class Cluster:
         return self.router.address
 
     def start(self, timeout_s: float | None = None) -> Cluster:
+        if self.components:  # a second set under the same ids would fight the first's
+            raise ClusterError("already started (`with Cluster(spec)` starts it)")
         spec = self.spec
         if timeout_s is None:
             timeout_s = STARTUP_TIMEOUT_S
