@@ -123,9 +123,49 @@ async def _abort(context: Any, exc: Exception, method: str) -> None:
     await context.abort(code, message, trailing_metadata=trailing_metadata_of(exc))
 
 
-def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Any]:
+class Malformed:
+    """A request message that did not parse (what ``_lenient`` hands the behavior)."""
+
+    def __init__(self, method: str, error: Exception) -> None:
+        self.message = (
+            f"request: not a valid message for {method} ({type(error).__name__}); send the "
+            "serialized request message of the method"
+        )
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None, method: str) -> Any:
+    """``deserializer``, except that bytes it cannot parse become a ``Malformed``, which
+    the behavior's wrapper answers INVALID_ARGUMENT (grpc would answer UNKNOWN and log a
+    traceback per request)."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as e:  # DecodeError, or a generated class's own refusal
+            return Malformed(method, e)
+
+    return parse
+
+
+def _checked(request: Any) -> Any:
+    if isinstance(request, Malformed):
+        raise ValueError(request.message)
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _checked(request)
+
+
+def _wrap_unary(
+    behavior: Callable[..., Awaitable[Any]], method: str, *, streams_requests: bool
+) -> Callable[..., Any]:
     async def wrapper(request: Any, context: Any) -> Any:
         try:
+            request = _checked_stream(request) if streams_requests else _checked(request)
             return await behavior(request, context)
         except Exception as e:
             await _abort(context, e, method)
@@ -133,9 +173,12 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callabl
     return wrapper
 
 
-def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., Any]:
+def _wrap_stream(
+    behavior: Callable[..., AsyncIterator[Any]], method: str, *, streams_requests: bool
+) -> Callable[..., Any]:
     async def wrapper(request: Any, context: Any) -> AsyncIterator[Any]:
         try:
+            request = _checked_stream(request) if streams_requests else _checked(request)
             async for item in behavior(request, context):
                 yield item
         except Exception as e:
@@ -145,7 +188,8 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], method: str) -> Ca
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps the exceptions of every handler to status codes (see status_of)."""
+    """Maps the exceptions of every handler to status codes (see status_of), and a
+    request that does not parse to INVALID_ARGUMENT."""
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
@@ -153,17 +197,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         method = details.method
         kinds = (
-            ("unary_unary", grpc.unary_unary_rpc_method_handler, _wrap_unary),
-            ("stream_unary", grpc.stream_unary_rpc_method_handler, _wrap_unary),
-            ("unary_stream", grpc.unary_stream_rpc_method_handler, _wrap_stream),
-            ("stream_stream", grpc.stream_stream_rpc_method_handler, _wrap_stream),
+            ("unary_unary", grpc.unary_unary_rpc_method_handler, _wrap_unary, False),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler, _wrap_unary, True),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler, _wrap_stream, False),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler, _wrap_stream, True),
         )
-        for attribute, make, wrap in kinds:
+        for attribute, make, wrap, streams_requests in kinds:
             behavior = getattr(handler, attribute)
             if behavior is not None:
                 return make(
-                    wrap(behavior, method),
-                    request_deserializer=handler.request_deserializer,
+                    wrap(behavior, method, streams_requests=streams_requests),
+                    request_deserializer=_lenient(handler.request_deserializer, method),
                     response_serializer=handler.response_serializer,
                 )
         return handler

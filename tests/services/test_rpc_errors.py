@@ -195,3 +195,33 @@ def test_reflection_lists_the_services_only_when_asked() -> None:
         "tandem.v1.Generation",
     ]
     assert asyncio.run(services(())) == ["UNIMPLEMENTED"]
+
+
+async def test_bytes_that_do_not_parse_are_an_invalid_argument() -> None:
+    """``1a 01 ff``: field 3 (text), one byte long, not UTF-8. grpc itself would answer
+    UNKNOWN naming the Python class, and log a traceback per request."""
+    server, _ = new_server(1 << 20)
+    gen_grpc.add_GenerationServicer_to_server(Raising(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            raw = channel.unary_stream("/tandem.v1.Generation/Generate")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in raw(b"\x1a\x01\xff", timeout=5):
+                    pass
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details() == (
+                "request: not a valid message for /tandem.v1.Generation/Generate "
+                "(DecodeError); send the serialized request message of the method"
+            )
+            unary = channel.unary_unary("/tandem.v1.Generation/ListModels")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await unary(b"\xff\xff\xff", timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            stub = gen_grpc.GenerationStub(channel)  # still serving
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ListModels(gen.ListModelsRequest(), timeout=5)
+            assert info.value.details() == str(RAISED[0][0])
+    finally:
+        await server.stop(0)
