@@ -17,7 +17,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
-    kv_cache_memory: int | None = None  # bytes; default: kv_cache_memory_fraction of free memory
+    kv_cache_memory: int | None = None  # bytes; default: kv_cache_memory_fraction of total
     kv_cache_memory_fraction: float = 0.1
     enable_prefix_caching: bool = True
     device: str = "cpu"

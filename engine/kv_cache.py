@@ -42,12 +42,13 @@ class KVCacheParams:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes free for new allocations on ``device``."""
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """Bytes (free for new allocations, total) of ``device``."""
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    return int(psutil.virtual_memory().available)
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+    memory = psutil.virtual_memory()
+    return int(memory.available), int(memory.total)
 
 
 def estimate_kv_cache_size(params: KVCacheParams, available_cache_memory: int) -> int:
@@ -62,19 +63,32 @@ def plan_num_blocks(
     memory_bytes: int | None = None,
     memory_fraction: float | None = None,
 ) -> int:
-    """Number of blocks from a byte budget, or from a fraction of the device's free memory."""
+    """Number of blocks from a byte budget, or from a fraction of the device's total memory:
+    configuration, never what happens to be free, so that a worker restarted on a busy
+    host gets the capacity it had (and the router's picture of it holds). A budget that
+    does not fit in the memory free now is refused, with what to do."""
+    free, total = device_memory(device)
     if memory_bytes is None:
         fraction = 0.1 if memory_fraction is None else memory_fraction
         if not 0 < fraction <= 1:
             raise KVCacheCapacityError(
                 f"kv_cache_memory_fraction: must be in (0, 1], got {fraction}"
             )
-        memory_bytes = int(available_memory(device) * fraction)
+        memory_bytes = int(total * fraction)
+        budget = f"kv_cache_memory_fraction {fraction:g} of {total / 1e9:.2f} GB"
+    else:
+        budget = "kv_cache_memory"
     num_blocks = estimate_kv_cache_size(params, memory_bytes) // params.bytes_per_block
     if num_blocks < 1:
         raise KVCacheCapacityError(
             f"kv cache: {memory_bytes} bytes hold no block of {params.bytes_per_block} bytes; "
             "raise kv_cache_memory or lower block_size"
+        )
+    if memory_bytes > free:
+        raise KVCacheCapacityError(
+            f"kv cache: {memory_bytes / 1e9:.2f} GB ({budget}) does not fit in the "
+            f"{free / 1e9:.2f} GB free on {device}; set a smaller kv_cache_memory "
+            "(--kv-cache-memory BYTES) or free memory"
         )
     return num_blocks
 

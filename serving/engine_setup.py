@@ -31,7 +31,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--max-num-seqs", type=int, default=64, help="rows per engine step")
-    group.add_argument("--kv-cache-memory", type=int, help="KV cache bytes (default: 10%% free)")
+    group.add_argument(
+        "--kv-cache-memory", type=int, help="KV cache bytes (default: 10%% of total memory)"
+    )
     group.add_argument("--threads", type=int, help="torch CPU threads of this process")
     group.add_argument("--draft", metavar="DIR", help="EAGLE / EAGLE-3 / DFlash draft directory")
     group.add_argument("--num-draft-tokens", type=int, default=5, help="K, drafts per step")

@@ -23,6 +23,7 @@ import torch
 from ledger.ledger import Ledger, WorkerRole
 from serving.launcher import Cluster, Component
 from serving.supervisor import RestartPolicy, Supervisor
+from tandem.v1 import worker_pb2 as pb
 from tests.services.cluster_helpers import (
     build_tiny_target,
     check_stream,
@@ -32,6 +33,7 @@ from tests.services.cluster_helpers import (
     start_streams,
     tiny_cluster_spec,
     wait_audit_clean,
+    worker_stats,
 )
 
 MAX_TOKENS = 400  # long enough that every stream is mid-way when its worker is killed
@@ -83,6 +85,7 @@ async def test_killed_decode_worker_is_restarted_and_its_streams_complete(
         try:
             decode = cluster.decode[0]
             epoch_before = registered_epoch(ledger, decode.name)
+            blocks_before = num_blocks(await worker_stats(decode))
             streams = await start_streams(
                 cluster.router_address, PROMPTS, MAX_TOKENS, min_tokens=TOKENS_BEFORE_KILL
             )
@@ -114,8 +117,14 @@ async def test_killed_decode_worker_is_restarted_and_its_streams_complete(
             # The killed instance's holdings go by the new instance's claims or the reaper.
             await wait_audit_clean(cluster, ledger, within_s=10)
             assert any(line.startswith("decode-0 is SERVING again") for line in lines)
+            # Sized by configuration, not by what the killed instance left free.
+            assert num_blocks(await worker_stats(decode)) == blocks_before
         finally:
             client.close()
+
+
+def num_blocks(stats: pb.StatsReply) -> int:
+    return stats.num_kv_blocks_used + stats.num_kv_blocks_free
 
 
 async def test_request_whose_prefill_worker_dies_mid_prefill_is_prefilled_again(
