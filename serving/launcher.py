@@ -27,6 +27,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-un
 from ledger.redis_connect import PASSWORD_ENV, RedisConnectError, RedisSettings, connect
 from ledger.redis_server import RedisServer, free_port
 
+# Cluster.stop: past the grace period, and the part of it kept for the workers' own drain.
+STOP_SLACK_S = 5.0
+WORKERS_STOP_S = 3.0
 STARTUP_TIMEOUT_S = 180.0
 COMPILE_STARTUP_S = 300.0  # more, per decode worker on a shared core, with --torch-compile
 
@@ -265,21 +268,24 @@ class Cluster:
         return [c for c in self.components if c.process.poll() is not None]
 
     def stop(self) -> None:
-        """Drains and stops the router, then the workers; then Redis."""
+        """Drains and stops the router, then the workers, then Redis, all within
+        ``grace_s`` + ``STOP_SLACK_S``: the router may drain for the grace period less the
+        workers' share, and whatever still runs at its deadline is killed."""
+        deadline = time.monotonic() + self.spec.grace_s + STOP_SLACK_S
         if self.router is not None:
-            self._terminate([self.router])
-        self._terminate([*self.prefill, *self.decode])
+            self._terminate([self.router], deadline - WORKERS_STOP_S)
+        self._terminate([*self.prefill, *self.decode], deadline)
         self.router, self.prefill, self.decode = None, [], []
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
             self.redis_settings = self.spec.redis
 
-    def _terminate(self, components: list[Component]) -> None:
+    def _terminate(self, components: list[Component], deadline: float) -> None:
+        """SIGTERM (a drain), then SIGKILL for what still runs at ``deadline``."""
         for c in components:
             if c.process.poll() is None:
                 c.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.spec.grace_s + 5.0
         for c in components:
             try:
                 c.process.wait(timeout=max(0.1, deadline - time.monotonic()))

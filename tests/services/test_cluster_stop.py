@@ -1,0 +1,34 @@
+"""Stopping a cluster is bounded: the router, then the workers, get SIGTERM and drain within
+the grace period, and whatever still runs at ``grace_s`` + ``STOP_SLACK_S`` is killed; the
+phases share one deadline instead of each taking the whole grace period."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+from serving.launcher import STOP_SLACK_S, Cluster, ClusterSpec, Component
+
+GRACE_S = 2.0
+
+
+def stubborn(name: str) -> Component:
+    """A real process that ignores SIGTERM, as a component stuck in its drain would."""
+    process = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 120 & wait"])
+    return Component(name, "127.0.0.1:1", process, log_path=None)
+
+
+def test_a_stuck_cluster_stops_within_grace_and_slack(tmp_path: Path) -> None:
+    cluster = Cluster(ClusterSpec(model=str(tmp_path), grace_s=GRACE_S))
+    cluster.router = stubborn("router")
+    cluster.prefill = [stubborn("prefill-0")]
+    cluster.decode = [stubborn("decode-0")]
+    processes = [c.process for c in cluster.components]
+    time.sleep(0.2)  # the traps are set
+    start = time.monotonic()
+    cluster.stop()
+    took = time.monotonic() - start
+    assert GRACE_S < took <= GRACE_S + STOP_SLACK_S + 0.5, took  # was 2 * (grace + 5)
+    assert all(p.returncode == -9 for p in processes)  # killed at the deadline
+    assert cluster.components == []
