@@ -119,6 +119,7 @@ class RequestHandle:
     block_ids: list[int] = field(default_factory=list)  # as reserved, then as grown
     num_text_resumed: int = 0  # characters of the resumed output already streamed
     reserved_at: float = field(default_factory=time.monotonic)
+    push_failed_at: float | None = None  # when its KV push was seen refused or aborted
     slot: OutputSlot | None = None  # set once Decode started
     closed_by: CloseReason | None = None
     _kv_stopping: asyncio.Future[None] | None = field(default=None, init=False, repr=False)

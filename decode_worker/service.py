@@ -45,6 +45,8 @@ FINISH_REASONS: dict[str, gen.FinishReason.ValueType] = {
 
 
 PREEMPTED = "preempted"  # RequestOutput.finish_reason of a request handed back (hand_back)
+EXPIRY_PERIOD_S = 0.25  # how often reservations are looked at
+FAILED_PUSH_GRACE_S = 0.5  # a reservation whose push failed: freed after this
 
 
 @dataclass(frozen=True)
@@ -313,16 +315,32 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         self.receiver.epoch = epoch
 
     async def expire_reservations(self) -> None:
-        """Frees reservations whose Decode never came (the router went away). One whose KV
-        push is open is not idle: the prefill worker holds the stream from the moment the
-        request reaches it (queued, computing, sending) and ends it if it gives up."""
+        """Frees reservations whose Decode never came (the router went away), and, within
+        a second, those whose KV push was refused or abandoned: such a reservation can
+        take no other push. One whose KV push is open is not idle: the prefill worker
+        holds the stream from the moment the request reaches it (queued, computing,
+        sending) and ends it if it gives up."""
         while True:
-            await asyncio.sleep(min(1.0, self.reserve_timeout_s / 4))
+            await asyncio.sleep(min(EXPIRY_PERIOD_S, self.reserve_timeout_s / 4))
             now = time.monotonic()
             for handle in list(self._requests.values()):
-                if self.receiver.state(handle.request_id) is TransferState.TRANSFERRING:
+                if handle.slot is not None:
+                    continue  # decoding: its Decode call owns it
+                state = self.receiver.state(handle.request_id)
+                if state is TransferState.TRANSFERRING:
                     handle.reserved_at = now  # the lapse counts from the push's end
-                elif handle.slot is None and now - handle.reserved_at > self.reserve_timeout_s:
+                elif state is TransferState.FAILED:
+                    if handle.push_failed_at is None:
+                        handle.push_failed_at = now  # a Decode call waiting hears it first
+                    elif now - handle.push_failed_at >= FAILED_PUSH_GRACE_S:
+                        reason = self.receiver.failure(handle.request_id)
+                        log.info(
+                            "reservation of %s freed: its push failed (%s)",
+                            handle.request_id,
+                            reason,
+                        )
+                        handle.close(CloseReason.LAPSED)
+                elif now - handle.reserved_at > self.reserve_timeout_s:
                     log.warning("reservation of %s lapsed", handle.request_id)
                     handle.close(CloseReason.LAPSED)
 

@@ -82,7 +82,7 @@ class KvReceiver:
     def reserve(self, reservation: KvReservation) -> None:
         if reservation.request_id in self._records:
             raise ValueError(f"request_id: {reservation.request_id!r} is already reserved")
-        self._records[reservation.request_id] = TransferRecord(reservation)
+        self._records[reservation.request_id] = TransferRecord(reservation, epoch=self.epoch)
 
     def state(self, request_id: str) -> TransferState | None:
         record = self._records.get(request_id)
@@ -125,10 +125,16 @@ class KvReceiver:
                 f"request {handshake.request_id!r} has no reservation here",
             )
         if self.epoch is not None and handshake.decode_epoch != self.epoch:
-            raise KvTransferError(
+            error = KvTransferError(
                 pb.KV_PUSH_STATUS_STALE_EPOCH,
                 f"decode_epoch: sender has {handshake.decode_epoch}, receiver is {self.epoch}",
             )
+            if record.state is TransferState.RESERVED and handshake.decode_epoch == record.epoch:
+                # Reserved, then this worker registered again: no push can carry the new
+                # epoch for it, so it is over. A push of an earlier attempt (an older epoch
+                # than the reservation's) fails nothing: the current one may still come.
+                record.end(TransferState.FAILED, error.status, error.message)
+            raise error
         if record.state is not TransferState.RESERVED:
             raise KvTransferError(
                 pb.KV_PUSH_STATUS_OUT_OF_ORDER,

@@ -144,6 +144,7 @@ class TransferRecord:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     is_released: bool = False
     writer: InPlaceWriter | None = None  # set once a same-host sender is told to write in place
+    epoch: int | None = None  # the receiver's epoch when it was reserved
 
     def end(self, state: TransferState, status: int, message: str = "") -> None:
         if self.state in (TransferState.RESERVED, TransferState.TRANSFERRING):

@@ -77,9 +77,11 @@ async def push_all(
     src: Mapping[KvPool, PagedKVCache],
     src_ids: Sequence[int] = SRC_IDS,
     dst_ids: Sequence[int] = DST_IDS,
+    *,
+    decode_epoch: int = 0,
 ) -> None:
     """begin, every layer of every pool, finish with the extra tensors."""
-    await sender.begin(Handshake(request_id, layout))
+    await sender.begin(Handshake(request_id, layout, decode_epoch))
     for pool in KvPool:
         for layer, kv in enumerate(src[pool].layers):
             await sender.send_layer(pool, layer, kv, src_ids, dst_ids)

@@ -264,7 +264,14 @@ async def test_unknown_request_and_stale_epoch_are_refused(receiving: Receiving)
     receiving.reserve("r1", layout)
     with pytest.raises(KvTransferError, match="STALE_EPOCH: decode_epoch: sender has 0"):
         await push_all(grpc_sender(receiving.channel), "r1", layout, make_pools(layout, 1))
-    assert receiving.receiver.state("r1") is TransferState.RESERVED  # a stale push fails nothing
+    # An earlier attempt's push (an older epoch than the reservation's) fails nothing.
+    assert receiving.receiver.state("r1") is TransferState.RESERVED
+    receiving.receiver.epoch = 8  # registered again: r1's own epoch, 7, is stale now
+    with pytest.raises(KvTransferError, match="STALE_EPOCH: decode_epoch: sender has 7"):
+        await push_all(
+            grpc_sender(receiving.channel), "r1", layout, make_pools(layout, 1), decode_epoch=7
+        )
+    assert receiving.receiver.state("r1") is TransferState.FAILED  # no push can fill it now
 
 
 async def _until_transferring(receiver: KvReceiver, request_id: str) -> None:

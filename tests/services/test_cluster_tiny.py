@@ -29,10 +29,13 @@ from transformers import AutoTokenizer
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
-from ledger.ledger import Ledger, Pool, RequestState
+from ledger.ledger import Ledger, Pool, RequestState, WorkerRole
 from serving.launcher import Cluster
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import generation_pb2_grpc as gen_grpc
+from tandem.v1 import kv_transfer_pb2 as kv_pb
+from tandem.v1 import worker_pb2 as pb
+from tandem.v1 import worker_pb2_grpc as pb_grpc
 from tandem_client.client import build_request
 from tests.engine.tiny_drafts import build_random_draft
 from tests.engine.tiny_models import build_tiny_llama
@@ -453,3 +456,45 @@ async def test_router_drains_on_sigterm(cluster: Cluster, ledger: Ledger) -> Non
     assert check_stream([first, *rest], 200) and rest[-1].finish_reason == gen.FINISH_REASON_LENGTH
     assert await asyncio.to_thread(cluster.router.process.wait, 10) == 0
     assert ledger.holdings() == [] and non_final_requests(ledger) == {}
+
+
+async def test_a_refused_push_frees_its_reservation_within_a_second(
+    cluster: Cluster, ledger: Ledger
+) -> None:
+    """A reservation whose push was refused can take no other push: it is freed at once,
+    not after the reservation timeout (60 s) that waits for a Decode that never comes."""
+    decode = cluster.decode[0]
+    rid = "refused-push"
+    router = next(w for w in ledger.list_workers(WorkerRole.ROUTER))
+    decode_info = next(w for w in ledger.list_workers(WorkerRole.DECODE))
+    ledger.create_request(rid, owner=router.worker_id, epoch=router.epoch)
+    async with grpc.aio.insecure_channel(decode.address) as channel:
+        reserved = await pb_grpc.DecodeWorkerStub(channel).Reserve(
+            pb.ReserveRequest(
+                request_id=rid,
+                num_prompt_tokens=3,
+                prompt_token_ids=[5, 6, 7],
+                router_id=router.worker_id,
+                router_epoch=router.epoch,
+                draft_fingerprint=decode_info.stats["draft_fingerprint"],
+            ),
+            timeout=10,
+        )
+        assert (await worker_stats(decode)).num_kv_blocks_used == len(reserved.block_ids) > 0
+        handshake = kv_pb.KvHandshake(
+            request_id=rid, model="not-this-one", decode_epoch=reserved.epoch
+        )
+
+        async def messages() -> AsyncIterator[bytes]:
+            yield kv_pb.KvPushMessage(handshake=handshake).SerializeToString()
+
+        push = channel.stream_unary("/tandem.v1.KvTransfer/Push")
+        reply = kv_pb.KvPushReply.FromString(await push(messages(), timeout=10))
+    assert reply.status == kv_pb.KV_PUSH_STATUS_INCOMPATIBLE, reply
+    refused = time.monotonic()
+    while (await worker_stats(decode)).num_kv_blocks_used:
+        assert time.monotonic() - refused < 1.0, "the refused reservation still holds blocks"
+        await asyncio.sleep(0.05)
+    ledger.transition(
+        rid, RequestState.FAILED, expected=RequestState.QUEUED, epoch=router.epoch
+    )  # the router's part: it made the record
