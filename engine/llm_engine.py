@@ -333,6 +333,11 @@ class LLMEngine:
             raise RequestError(
                 f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})"
             )
+        bad = [t for t, _ in params.bias_pairs if not t < vocab]
+        if bad:
+            raise RequestError(
+                f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
         if params.stop and self.tokenizer is None:
             raise RequestError("stop: stop strings need a tokenizer; use stop_token_ids")
         total = num_prompt_tokens + params.max_tokens

@@ -246,6 +246,8 @@ class ModelRunner:
             [s.seed for s in seqs],
             [s.num_tokens for s in seqs],
             self.device,
+            [s.token_ids for s in seqs],
+            [s.num_prompt_tokens for s in seqs],
         )
         tokens = sample(logits, tensors)
         logprobs = None

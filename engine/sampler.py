@@ -12,13 +12,18 @@ the model's own step; the draw takes 45 ms (``bench/sampling.py``).
 Top-k, top-p and min-p are thresholds on the probabilities, found without sorting the
 vocabulary (``threshold``: an exact radix select), since a sort of [64, 49152] cost as
 much as the model's step too.
+
+Logit bias and the frequency, presence and repetition penalties come first (``penalized``),
+for greedy rows too, and only for the rows that set one: a batch without them pays nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from engine.sampling_params import SamplingParams
 
@@ -56,6 +61,137 @@ def uniform(keys: torch.Tensor, num: int) -> torch.Tensor:
 
 
 @dataclass
+class PenaltyTensors:
+    """Logit bias and penalties of the P rows of a batch that set any, with the tokens they
+    count as flat (row in P, token id) lists, and per row the ids whose logits they may
+    change (``candidates``): ``penalized`` touches only those."""
+
+    rows: torch.Tensor  # [P] int64: the batch rows
+    frequency: torch.Tensor  # [P] fp32
+    presence: torch.Tensor  # [P] fp32
+    repetition: torch.Tensor  # [P] fp32, 1 = off
+    output: tuple[torch.Tensor, torch.Tensor]  # [L] row in P, [L] id: an entry per output token
+    prompt: tuple[torch.Tensor, torch.Tensor] | None  # the same for the prompts: repetition
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # [N] row in P, id, bias
+    candidates: torch.Tensor  # [P, M] int64: biased, prompt and output ids (padded with 0)
+    uses_counts: bool  # some row has a frequency or presence penalty
+    uses_repetition: bool  # some row has repetition_penalty != 1
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        token_ids: Sequence[Sequence[int]],  # per row: prompt, then output
+        num_prompt_tokens: Sequence[int],
+        device: torch.device,
+    ) -> PenaltyTensors | None:
+        """None when no row sets a penalty or bias."""
+        rows = [i for i, p in enumerate(params) if p.uses_penalties]
+        if not rows:
+            return None
+        ps = [params[i] for i in rows]
+        counts = [bool(p.frequency_penalty or p.presence_penalty) for p in ps]
+        repeats = [p.repetition_penalty != 1.0 for p in ps]
+        outputs, prompts, biased, candidates = [], [], [], []
+        for i, p, c, r in zip(rows, ps, counts, repeats, strict=True):
+            # One conversion of the row's tokens (the host work is per row, not per token).
+            known = torch.tensor(token_ids[i] if c or r else (), dtype=torch.int64)
+            start = num_prompt_tokens[i] if c or r else 0
+            outputs.append(known[start:])
+            prompts.append(known[:start] if r else known[:0])
+            biased.append(torch.tensor([t for t, _ in p.bias_pairs], dtype=torch.int64))
+            # Every id whose logit the row's rules may change; padded with 0 below (a rule
+            # applied to a token it does not concern leaves it as it is).
+            candidates.append(torch.cat([biased[-1], prompts[-1], outputs[-1]]))
+
+        def flat(lists: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            """(row in P, id) of every entry."""
+            lengths = torch.tensor([len(x) for x in lists])
+            which = torch.repeat_interleave(torch.arange(len(lists)), lengths)
+            return which.to(device), torch.cat(lists).to(device)
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        bias = None
+        if any(p.logit_bias for p in ps):
+            bias = (*flat(biased), f32([b for p in ps for _, b in p.bias_pairs]))
+        return cls(
+            rows=torch.tensor(rows, dtype=torch.int64, device=device),
+            frequency=f32([p.frequency_penalty for p in ps]),
+            presence=f32([p.presence_penalty for p in ps]),
+            repetition=f32([p.repetition_penalty for p in ps]),
+            output=flat(outputs),
+            prompt=flat(prompts) if any(repeats) else None,
+            bias=bias,
+            candidates=pad_sequence(candidates, batch_first=True).to(device),
+            uses_counts=any(counts),
+            uses_repetition=any(repeats),
+        )
+
+
+def penalized(
+    logits: torch.Tensor,  # [B, S, V]: S positions per row
+    p: PenaltyTensors | None,
+    drafts: torch.Tensor | None = None,  # [B, S-1]: the tokens at positions 1..S-1
+) -> torch.Tensor:
+    """The logits each row samples from, in vLLM's order: logit bias added; then, for a
+    token in the prompt or the output, repetition divides a positive logit by the penalty
+    and multiplies any other by it; then the OpenAI penalties subtract
+    ``frequency * count + presence * (count > 0)``, counts over the output only. Position i
+    counts ``drafts[:, :i]`` as output too, as if they had been sampled. Rows without
+    penalties are left as they are; the logits themselves are not written. [B, S, V] fp32
+
+    Only each row's candidate ids (and drafts) are gathered and written back: the work
+    beyond one copy of the logits and three [P, V] tables grows with the rows' tokens.
+    """
+    if p is None:
+        return logits
+    _, s, v = logits.shape
+    n, device = p.rows.shape[0], logits.device
+    ids = p.candidates  # [P, M]
+    if s > 1 and drafts is not None:
+        ids = torch.cat([ids, drafts.index_select(0, p.rows)], dim=1)
+    m = ids.shape[1]
+    where = (  # [P, S, M] indices into [B, S, V]
+        p.rows[:, None, None].expand(n, s, m),
+        torch.arange(s, device=device)[None, :, None].expand(n, s, m),
+        ids[:, None, :].expand(n, s, m),
+    )
+    out = logits.float().clone()
+    x = out[where]  # [P, S, M]
+
+    def table(index: tuple[torch.Tensor, ...], values: torch.Tensor, **kw: bool) -> torch.Tensor:
+        """[P, V] of ``values`` at ``index``, gathered at the ids: [P, 1, M]"""
+        dense = torch.zeros(n, v, dtype=values.dtype, device=device)
+        return dense.index_put_(index, values, **kw).gather(1, ids)[:, None, :]
+
+    if p.bias is not None:
+        which, bias_ids, values = p.bias
+        x = x + table((which, bias_ids), values)
+    if p.uses_counts or p.uses_repetition:
+        which, out_ids = p.output
+        counts = table((which, out_ids), torch.ones(out_ids.shape, device=device), accumulate=True)
+        if s > 1 and drafts is not None:
+            # Draft j sits at position j+1: position i counts the drafts j < i.
+            is_draft = ids[:, None, :] == drafts.index_select(0, p.rows)[:, :, None]  # [P, K, M]
+            before = torch.cat([torch.zeros_like(is_draft[:, :1]), is_draft], dim=1)
+            counts = counts + before.float().cumsum(dim=1)  # [P, S, M]
+        is_seen = counts > 0
+        if p.uses_repetition:
+            seen = is_seen
+            if p.prompt is not None:
+                present = torch.ones(p.prompt[1].shape, dtype=torch.bool, device=device)
+                seen = seen | table(p.prompt, present)
+            rep = p.repetition[:, None, None]
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        if p.uses_counts:
+            x = x - (p.frequency[:, None, None] * counts + p.presence[:, None, None] * is_seen)
+    out[where] = x  # a repeated id is written its one value
+    return out
+
+
+@dataclass
 class SamplingTensors:
     """Per-row sampling parameters on the logits' device; greedy rows have temperature 0."""
 
@@ -70,6 +206,8 @@ class SamplingTensors:
     uses_top_k: bool  # some row has top_k > 0
     uses_top_p: bool  # some row has top_p < 1
     uses_min_p: bool  # some row has min_p > 0
+    # Rows that set a penalty or logit bias; None when none does (or when not asked for).
+    penalties: PenaltyTensors | None = None
 
     @classmethod
     def build(
@@ -78,7 +216,15 @@ class SamplingTensors:
         seeds: list[int],
         positions: list[int],
         device: torch.device,
+        token_ids: Sequence[Sequence[int]] | None = None,
+        num_prompt_tokens: Sequence[int] | None = None,
     ) -> SamplingTensors:
+        """``token_ids`` (per row: prompt, then output) and ``num_prompt_tokens`` are what
+        penalties count; without them no penalty or bias is applied (draft proposals)."""
+        penalties = None
+        if token_ids is not None and num_prompt_tokens is not None:
+            penalties = PenaltyTensors.build(params, token_ids, num_prompt_tokens, device)
+
         def t(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
@@ -93,6 +239,7 @@ class SamplingTensors:
             uses_top_k=any(p.top_k > 0 for p in params),
             uses_top_p=any(p.top_p < 1.0 for p in params),
             uses_min_p=any(p.min_p > 0.0 for p in params),
+            penalties=penalties,
         )
 
     @property
@@ -205,7 +352,10 @@ def draw(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Next token per row: argmax for greedy rows, a seeded draw otherwise. [B] int64"""
+    """Next token per row: argmax for greedy rows, a seeded draw otherwise, both after the
+    rows' penalties and logit bias. [B] int64"""
+    if t.penalties is not None:
+        logits = penalized(logits[:, None], t.penalties)[:, 0]
     greedy = logits.argmax(dim=-1)
     if t.all_greedy:
         return greedy

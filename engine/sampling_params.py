@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
+MAX_FREQUENCY_PENALTY = 2.0  # frequency_penalty and presence_penalty in [-2, 2], as OpenAI's
+MAX_REPETITION_PENALTY = 100.0  # repetition_penalty in (0, 100]; 1 is off
+MAX_LOGIT_BIAS = 100.0  # each logit_bias value in [-100, 100], as OpenAI's
+MAX_LOGIT_BIAS_ENTRIES = 300
+
+LogitBias = tuple[tuple[int, float], ...]  # (token id, bias) pairs, ids ascending
 
 
 class SamplingParamsError(ValueError):
@@ -26,11 +33,26 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return with each token
+    # Penalties and bias change the distribution sampled from (``engine.sampler.penalized``):
+    # frequency and presence count the output's tokens, repetition the prompt's too.
+    frequency_penalty: float = 0.0  # minus this times a token's count in the output
+    presence_penalty: float = 0.0  # minus this for a token in the output at all
+    repetition_penalty: float = 1.0  # divides positive logits of seen tokens, multiplies others
+    # Added to the logits: token id -> bias; a mapping or (id, bias) pairs, kept as sorted pairs.
+    logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] = field(default=())
 
     def __post_init__(self) -> None:
         # Accept lists from callers, keep tuples (frozen, hashable).
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        try:
+            pairs = dict(bias.items() if isinstance(bias, Mapping) else bias)  # a later id wins
+        except (TypeError, ValueError):
+            raise SamplingParamsError(
+                f"logit_bias: must map token ids to biases, got {bias!r}"[:200]
+            ) from None
+        object.__setattr__(self, "logit_bias", tuple(pairs.items()))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise SamplingParamsError(
                 f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}"
@@ -61,7 +83,52 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
             )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -MAX_FREQUENCY_PENALTY <= value <= MAX_FREQUENCY_PENALTY:
+                raise SamplingParamsError(
+                    f"{name}: must be in [-{MAX_FREQUENCY_PENALTY:g}, "
+                    f"{MAX_FREQUENCY_PENALTY:g}], got {value}"
+                )
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise SamplingParamsError(
+                f"repetition_penalty: must be in (0, {MAX_REPETITION_PENALTY:g}] (1 is off), "
+                f"got {self.repetition_penalty}"
+            )
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        """Refuses a bad logit_bias, and keeps a good one as pairs sorted by token id."""
+        if len(self.bias_pairs) > MAX_LOGIT_BIAS_ENTRIES:
+            raise SamplingParamsError(
+                f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.bias_pairs)}"
+            )
+        for token, _ in self.bias_pairs:
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise SamplingParamsError(f"logit_bias: keys must be token ids >= 0, got {token!r}")
+        object.__setattr__(self, "logit_bias", tuple(sorted(self.bias_pairs)))
+        for token, bias in self.bias_pairs:
+            if not isinstance(bias, int | float) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise SamplingParamsError(
+                    f"logit_bias: the bias of token {token} must be in "
+                    f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}"
+                )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def bias_pairs(self) -> LogitBias:
+        """``logit_bias`` as (token id, bias) pairs, ids ascending."""
+        return self.logit_bias  # type: ignore[return-value]  # normalised in __post_init__
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Some penalty or bias changes the logits: the sampler needs the row's tokens."""
+        return bool(
+            self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )

@@ -82,6 +82,31 @@ def check_sampling(message: gen.SamplingParams) -> None:
         raise ValidationError(
             f"logprobs: must be in [0, {wire.MAX_LOGPROBS}], got {message.logprobs}"
         )
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(message, name)
+        if not -wire.MAX_FREQUENCY_PENALTY <= value <= wire.MAX_FREQUENCY_PENALTY:
+            raise ValidationError(
+                f"{name}: must be in [-{wire.MAX_FREQUENCY_PENALTY:g}, "
+                f"{wire.MAX_FREQUENCY_PENALTY:g}], got {value}"
+            )
+    if message.HasField("repetition_penalty") and not (
+        0.0 < message.repetition_penalty <= wire.MAX_REPETITION_PENALTY
+    ):
+        raise ValidationError(
+            f"repetition_penalty: must be in (0, {wire.MAX_REPETITION_PENALTY:g}] (1 is off), "
+            f"got {message.repetition_penalty}"
+        )
+    if len(message.logit_bias) > wire.MAX_LOGIT_BIAS_ENTRIES:
+        raise ValidationError(
+            f"logit_bias: at most {wire.MAX_LOGIT_BIAS_ENTRIES} entries, "
+            f"got {len(message.logit_bias)}"
+        )
+    for token, bias in sorted(message.logit_bias.items()):
+        if not -wire.MAX_LOGIT_BIAS <= bias <= wire.MAX_LOGIT_BIAS:
+            raise ValidationError(
+                f"logit_bias: the bias of token {token} must be in "
+                f"[-{wire.MAX_LOGIT_BIAS:g}, {wire.MAX_LOGIT_BIAS:g}], got {bias}"
+            )
 
 
 class RequestValidator:
@@ -121,6 +146,11 @@ class RequestValidator:
         if bad:
             raise ValidationError(
                 f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
+        bad = sorted(t for t in request.sampling.logit_bias if t >= vocab)
+        if bad:
+            raise ValidationError(
+                f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})"
             )
         prompt = self._prompt(request, prompt_field)
         max_tokens = (

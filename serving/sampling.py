@@ -28,6 +28,14 @@ def params_from_proto(message: gen.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
+        frequency_penalty=message.frequency_penalty,
+        presence_penalty=message.presence_penalty,
+        repetition_penalty=(
+            message.repetition_penalty
+            if message.HasField("repetition_penalty")
+            else defaults.repetition_penalty
+        ),
+        logit_bias=dict(message.logit_bias),
     )
 
 

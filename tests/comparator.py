@@ -9,9 +9,14 @@ tokens and the gap.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+# (prompt, output so far, the reference's logits) -> the logits greedy takes the argmax of
+# (a request's logit bias and penalties); None: the raw logits.
+AdjustLogits = Callable[[list[int], list[int], torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -35,6 +40,7 @@ def compare_greedy(
     ours: list[list[int]],
     refs: list[list[int]],
     tie_tolerance: float = 1e-4,
+    adjust: AdjustLogits | None = None,
 ) -> Comparison:
     """Asserts row by row that ``ours`` equals ``refs`` up to accepted ties."""
     assert len(prompts) == len(ours) == len(refs)
@@ -47,6 +53,8 @@ def compare_greedy(
         if diff is None:
             continue
         logits = reference_logits(reference_model, prompt + theirs[:diff])
+        if adjust is not None:
+            logits = adjust(prompt, theirs[:diff], logits)
         top2 = logits.topk(2).indices.tolist()
         gap = (logits[theirs[diff]] - logits[mine[diff]]).abs().item()
         if mine[diff] in top2 and gap < tie_tolerance:

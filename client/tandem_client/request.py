@@ -32,6 +32,10 @@ class SamplingKwargs(TypedDict, total=False):
     stop_token_ids: Sequence[int]  # token ids that end generation (returned)
     ignore_eos: bool
     logprobs: int  # also return this many top alternatives per token (0..20)
+    frequency_penalty: float  # [-2, 2]; minus this times a token's count in the output
+    presence_penalty: float  # [-2, 2]; minus this for a token in the output
+    repetition_penalty: float  # (0, 100]; seen tokens' logits divided (> 0) or multiplied
+    logit_bias: Mapping[int, float]  # token id -> bias in [-100, 100], at most 300
 
 
 def sampling_params(params: Mapping[str, Any]) -> gen.SamplingParams:
@@ -49,7 +53,9 @@ def sampling_params(params: Mapping[str, Any]) -> gen.SamplingParams:
         if name == "stop" and isinstance(value, str):
             value = [value]
         try:
-            if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+            if isinstance(value, Mapping):  # a map field: logit_bias
+                getattr(message, name).update(value)
+            elif isinstance(value, str | bytes) or not isinstance(value, Sequence):
                 setattr(message, name, value)
             else:
                 getattr(message, name).extend(value)

@@ -2,7 +2,10 @@
 
 Greedy rows accept while the draft equals the target's argmax. Sampled rows use lossless
 rejection sampling, so the emitted tokens are distributed exactly as target-only sampling
-under each row's temperature, top-k, top-p and min-p. Random numbers are keyed on
+under each row's logit bias, penalties, temperature, top-k, top-p and min-p. Penalties
+apply at every verified position, counting the drafts before it as output (the target
+distribution there is the one target-only sampling would have after emitting them); the
+drafts themselves are proposed without them. Random numbers are keyed on
 (request seed, token position) like ``engine.sampler``, so a seeded request samples the
 same tokens however it is batched; with argmax drafts it samples exactly what it would
 without speculation.
@@ -14,7 +17,7 @@ import dataclasses
 
 import torch
 
-from engine.sampler import SamplingTensors, draw, filtered_probs, row_keys, uniform
+from engine.sampler import SamplingTensors, draw, filtered_probs, penalized, row_keys, uniform
 
 _ACCEPT_SALT = 0x2545F491  # keys the accept/reject coin apart from the token draw
 DRAFT_SALT = 0x61C88647  # keys a sampled draft apart from the target's draw
@@ -35,6 +38,7 @@ def per_position(t: SamplingTensors, positions: torch.Tensor) -> SamplingTensors
         min_p=rep(t.min_p),
         seeds=rep(t.seeds),
         positions=positions.reshape(-1),
+        penalties=None,  # applied to the logits before the rows are repeated
     )
 
 
@@ -53,6 +57,8 @@ def accept(
     """Returns ``num_accepted`` [B] and ``next_tokens`` [B] (the bonus or recovered token)."""
     b, s, v = logits.shape
     k = s - 1
+    # Position i's distribution follows the output and drafts[:i]: [B, K+1, V]
+    logits = penalized(logits, sampling.penalties, draft_tokens)
     greedy = logits.argmax(dim=-1)  # [B, K+1]
     greedy_accepted = draft_tokens == greedy[:, :k]
     if sampling.all_greedy:
@@ -104,6 +110,7 @@ def accept_synthetic(
     """NOT LOSSLESS, for benchmarks with random weights only: accept the draft at position j
     with probability ``rates[j]`` whatever it is, then emit the target's own choice."""
     b, s, _ = logits.shape
+    logits = penalized(logits, sampling.penalties)  # drafts not counted: not lossless anyway
     positions = first_positions[:, None] + torch.arange(s, device=logits.device)
     keys = row_keys(per_position(sampling, positions).seeds, positions.reshape(-1))
     r = uniform(keys.view(b, s)[:, :-1].reshape(-1) ^ _ACCEPT_SALT, 1).view(b, s - 1)

@@ -132,7 +132,7 @@ class SpecRunner:
             block_size=self.runner.block_size,
             max_context_len=self._context_bound(max(last_positions), 0, k),
         )
-        drafts, probs = self.step.propose(state, args, self._sampling(seqs), k)
+        drafts, probs = self.step.propose(state, args, self._sampling(seqs, penalties=False), k)
         for i, (seq, row_drafts) in enumerate(zip(seqs, drafts.tolist(), strict=True)):
             seq.draft_token_ids = row_drafts
             seq.draft_probs = None if probs is None else probs[i]
@@ -238,12 +238,15 @@ class SpecRunner:
         verify reaches position + k, the drafts at most k + max(k_next, block) further."""
         return position + k + max(k_next, self.drafter.fixed_num_draft_tokens or 0) + 3
 
-    def _sampling(self, seqs: list[Sequence]) -> SamplingTensors:
+    def _sampling(self, seqs: list[Sequence], *, penalties: bool = True) -> SamplingTensors:
+        """Per-row parameters; ``penalties`` False for draft proposals, which go without."""
         return SamplingTensors.build(
             [s.params for s in seqs],
             [s.seed for s in seqs],
             [s.num_tokens for s in seqs],
             self.runner.device,
+            [s.token_ids for s in seqs] if penalties else None,
+            [s.num_prompt_tokens for s in seqs] if penalties else None,
         )
 
     def _logprobs(

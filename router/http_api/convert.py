@@ -8,6 +8,7 @@ choices differ and each is reproducible.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,8 @@ FINISH_REASONS = {
     gen.FINISH_REASON_ABORT: "abort",
 }
 MAX_SEED = 2**63
+MAX_UINT32 = 2**32 - 1
+TOKEN_ID = re.compile(r"[0-9]{1,20}")
 
 
 def sampling(body: SamplingFields, choice: int, max_tokens: int | None) -> gen.SamplingParams:
@@ -52,7 +55,28 @@ def sampling(body: SamplingFields, choice: int, max_tokens: int | None) -> gen.S
         if body.seed >= MAX_SEED:
             raise invalid("seed", f"must be an integer in [0, 2**63), got {body.seed}")
         params.seed = (body.seed + choice) % MAX_SEED
+    if body.frequency_penalty is not None:
+        params.frequency_penalty = body.frequency_penalty
+    if body.presence_penalty is not None:
+        params.presence_penalty = body.presence_penalty
+    if body.repetition_penalty is not None:
+        params.repetition_penalty = body.repetition_penalty
+    params.logit_bias.update(logit_bias(body.logit_bias or {}))
     return params
+
+
+def logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias, whose keys are token ids written as strings, keyed by ids (the
+    router checks the count, the values and the vocabulary)."""
+    ids = {}
+    for key, value in bias.items():
+        if not TOKEN_ID.fullmatch(key):
+            raise invalid("logit_bias", f"keys must be token ids (strings of digits), got {key!r}")
+        token = int(key)
+        if token > MAX_UINT32:
+            raise invalid("logit_bias", f"token id {token} is outside the vocabulary")
+        ids[token] = value
+    return ids
 
 
 def completion_requests(body: CompletionRequest, request_id: str) -> list[gen.GenerateRequest]:

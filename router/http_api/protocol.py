@@ -72,9 +72,9 @@ class SamplingFields(BaseModel):
     top_p: float | None = None
     seed: int | None = Field(None, ge=0)
     stop: str | list[str] | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string of digits) -> bias
     user: str | None = None
     # vLLM's extras
     top_k: int | None = None
@@ -85,16 +85,7 @@ class SamplingFields(BaseModel):
 
     def unsupported(self) -> list[str]:
         """Fields set to a value that would change the answer, which is not built yet."""
-        names = []
-        if self.frequency_penalty:
-            names.append("frequency_penalty")
-        if self.presence_penalty:
-            names.append("presence_penalty")
-        if self.repetition_penalty not in (None, 1.0):
-            names.append("repetition_penalty")
-        if self.logit_bias:
-            names.append("logit_bias")
-        return names
+        return []
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())

@@ -31,10 +31,20 @@ def engine(target, draft=None, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(**cfg, speculative=spec))
 
 
-def params(i: int) -> SamplingParams:
+# Both workers apply them: the prefill worker to the first token (repetition over the
+# prompt, the rest over an empty output), the decode worker to the rest.
+PENALTIES = dict(
+    frequency_penalty=0.7, presence_penalty=0.4, repetition_penalty=1.5, logit_bias={9: -50.0}
+)
+
+
+def params(i: int, penalized: bool = False) -> SamplingParams:
+    extra = PENALTIES if penalized else {}
     if i % 2:
-        return SamplingParams(max_tokens=15, temperature=0.9, seed=100 + i, ignore_eos=True)
-    return SamplingParams(max_tokens=15, temperature=0.0, ignore_eos=True)
+        return SamplingParams(
+            max_tokens=15, temperature=0.9, seed=100 + i, ignore_eos=True, **extra
+        )
+    return SamplingParams(max_tokens=15, temperature=0.0, ignore_eos=True, **extra)
 
 
 def drain(e: LLMEngine) -> dict[str, list[int]]:
@@ -46,25 +56,34 @@ def drain(e: LLMEngine) -> dict[str, list[int]]:
     return done
 
 
-@pytest.mark.parametrize("with_draft", [False, True])
-def test_prefill_here_decode_there_equals_one_engine(dirs, with_draft):
+@pytest.mark.parametrize(
+    ("with_draft", "penalized"),
+    [(False, False), (True, False), (True, True)],
+    ids=["target", "draft", "draft_penalized"],
+)
+def test_prefill_here_decode_there_equals_one_engine(dirs, with_draft, penalized):
     target, draft = dirs
     draft = draft if with_draft else None
     whole = engine(target, draft)
     for i, p in enumerate(PROMPTS):
-        whole.add_request(str(i), p, params(i))
+        whole.add_request(str(i), p, params(i, penalized))
     expected = drain(whole)
+    if penalized:  # not what the same requests give without them
+        plain = engine(target, draft)
+        for i, p in enumerate(PROMPTS):
+            plain.add_request(str(i), p, params(i))
+        assert drain(plain) != expected
 
     prefill, decode = engine(target, draft), engine(target, draft)
     for i, p in enumerate(PROMPTS):
-        prefill.add_request(str(i), p, params(i), is_prefill_only=True)
+        prefill.add_request(str(i), p, params(i, penalized), is_prefill_only=True)
     while prefill.has_unfinished_requests():
         prefill.step()
     for i, p in enumerate(PROMPTS):
         rid = str(i)
         done = prefill.take_prefilled(rid)
         assert done is not None and len(done.draft_token_ids) == (3 if with_draft else 0)
-        table, num_cached = decode.reserve(rid, p, params(i))
+        table, num_cached = decode.reserve(rid, p, params(i, penalized))
         assert num_cached == 0 and len(table) == len(done.block_table)
         for name, pool in prefill.kv_pools.items():  # what a KV transport does
             dst = decode.kv_pools[name]

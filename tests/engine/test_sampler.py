@@ -1,5 +1,6 @@
 """Sampler: greedy rows, filters on hand-made logits, seeded draws as a pure function of
-(seed, position), the drawn distribution (chi-square), top_logprobs and the hash helpers."""
+(seed, position), the drawn distribution (chi-square), top_logprobs, the hash helpers, and
+logit bias and penalties against a plain reference and transformers' processor."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from engine.sampler import (
     draw,
     filtered_probs,
     hash32,
+    penalized,
     row_keys,
     sample,
     threshold,
@@ -20,6 +22,7 @@ from engine.sampler import (
     uniform,
 )
 from engine.sampling_params import SamplingParams
+from tests.engine.penalty_reference import reference_penalized
 
 M32 = 0xFFFFFFFF
 CPU = torch.device("cpu")
@@ -362,3 +365,100 @@ def test_unfiltered_row_keeps_its_whole_distribution_in_a_filtered_batch() -> No
     dropped = int(((probs[1] == 0) & (torch.softmax(logits[1], dim=-1) > 0)).sum())
     assert dropped == 0, f"{dropped} tokens of an unfiltered row dropped"
     assert torch.equal(probs[1], filtered_probs(logits[1:], tensors([SamplingParams()]))[0])
+
+
+# -- penalties and logit bias -----------------------------------------------------------
+
+PENALTY_ROWS = [
+    SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4),
+    SamplingParams(repetition_penalty=1.8),
+    SamplingParams(logit_bias={3: -100.0, 0: 2.5, 17: 0.25}),
+    SamplingParams(),  # no penalty, in a batch with them
+    SamplingParams(
+        frequency_penalty=-1.5,
+        presence_penalty=2.0,
+        repetition_penalty=0.6,
+        logit_bias={5: 7.0, 4: -3.0},
+        temperature=0.0,
+    ),
+]
+
+
+def histories(num_rows: int, vocab: int, gen: torch.Generator) -> tuple[list[list[int]], list[int]]:
+    """Per row prompt + output token ids (repeats included) and the prompt lengths."""
+    ids = [torch.randint(0, vocab, (12 + 3 * r,), generator=gen).tolist() for r in range(num_rows)]
+    return ids, [5 + r for r in range(num_rows)]
+
+
+def test_penalized_logits_equal_a_plain_reference() -> None:
+    gen = torch.Generator().manual_seed(5)
+    vocab = 20
+    logits = torch.randn(len(PENALTY_ROWS), vocab, generator=gen) * 3
+    ids, num_prompt = histories(len(PENALTY_ROWS), vocab, gen)
+    t = SamplingTensors.build(PENALTY_ROWS, [0] * 5, [0] * 5, CPU, ids, num_prompt)
+    assert t.penalties is not None and t.penalties.rows.tolist() == [0, 1, 2, 4]
+    ours = penalized(logits[:, None], t.penalties)[:, 0]
+    for row, params in enumerate(PENALTY_ROWS):
+        prompt, output = ids[row][: num_prompt[row]], ids[row][num_prompt[row] :]
+        expected = reference_penalized(logits[row], prompt, output, params)
+        assert torch.equal(ours[row], expected), row
+    assert torch.equal(ours[3], logits[3])  # untouched, bit for bit
+
+
+def test_each_verified_position_counts_the_drafts_before_it() -> None:
+    """Position i of [B, K+1] verify logits sees output + drafts[:i] (drafts repeat tokens
+    of the output and each other)."""
+    gen = torch.Generator().manual_seed(6)
+    vocab, k = 20, 4
+    b = len(PENALTY_ROWS)
+    logits = torch.randn(b, k + 1, vocab, generator=gen) * 2
+    ids, num_prompt = histories(b, vocab, gen)
+    drafts = torch.tensor([[ids[r][-1], 2, 2, ids[r][0]] for r in range(b)])
+    t = SamplingTensors.build(PENALTY_ROWS, [0] * b, [0] * b, CPU, ids, num_prompt)
+    ours = penalized(logits, t.penalties, drafts)
+    for row, params in enumerate(PENALTY_ROWS):
+        prompt, output = ids[row][: num_prompt[row]], ids[row][num_prompt[row] :]
+        for i in range(k + 1):
+            seen = output + drafts[row, :i].tolist()
+            expected = reference_penalized(logits[row, i], prompt, seen, params)
+            assert torch.equal(ours[row, i], expected), (row, i)
+
+
+def test_repetition_penalty_equals_transformers_processor() -> None:
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 30, generator=gen) * 4
+    ids = torch.randint(0, 30, (3, 9), generator=gen)
+    for penalty in (0.5, 1.3, 2.0):
+        params = [SamplingParams(repetition_penalty=penalty)] * 3
+        t = SamplingTensors.build(params, [0] * 3, [0] * 3, CPU, ids.tolist(), [4, 0, 9])
+        hf = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.clone())
+        assert torch.equal(penalized(logits[:, None], t.penalties)[:, 0], hf), penalty
+
+
+def test_greedy_and_sampled_rows_pick_from_the_penalized_logits() -> None:
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0]] * 3)
+    rows = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logit_bias={0: -100.0}),
+        SamplingParams(temperature=0.0, frequency_penalty=2.0, presence_penalty=0.5),
+    ]
+    ids = [[1, 0], [1, 0], [1, 0, 0]]  # row 2 has output [0, 0]: 5 - (4 + 0.5) < 4
+    t = SamplingTensors.build(rows, [0] * 3, [0] * 3, CPU, ids, [1, 1, 1])
+    assert sample(logits, t).tolist() == [0, 1, 1]
+    # A sampled row whose bias leaves one token possible draws it, whatever the seed.
+    only_2 = SamplingParams(logit_bias={0: -100.0, 1: -100.0, 3: -100.0}, top_k=2)
+    t = SamplingTensors.build([only_2] * 64, list(range(64)), [9] * 64, CPU, [[1]] * 64, [1] * 64)
+    assert set(sample(torch.tensor([[5.0, 4.0, 1.0, 0.0]] * 64), t).tolist()) == {2}
+
+
+def test_rows_without_penalties_build_nothing() -> None:
+    params = [SamplingParams(temperature=0.5, top_k=3), SamplingParams(temperature=0.0)]
+    t = SamplingTensors.build(params, [0, 0], [0, 0], CPU, [[1, 2], [3]], [1, 1])
+    assert t.penalties is None
+    logits = torch.randn(2, 1, 8)
+    assert penalized(logits, None) is logits
+    # Without the rows' tokens (draft proposals), nothing is applied.
+    t = SamplingTensors.build(PENALTY_ROWS[:1], [0], [0], CPU)
+    assert t.penalties is None

@@ -33,9 +33,31 @@ EDGES: dict[str, list[object]] = {
     ],
     "stop_token_ids": [[], [0], [U32]],
     "logprobs": [0, 1, wire.MAX_LOGPROBS, wire.MAX_LOGPROBS + 1, U32],
+    "frequency_penalty": [-math.inf, -2.0000002, -2.0, -0.0, 0.0, 1.5, 2.0, 2.0000002, math.inf],
+    "presence_penalty": [-math.inf, -2.0000002, -2.0, -0.0, 0.0, 1.5, 2.0, 2.0000002, math.inf],
+    "repetition_penalty": [-1.0, -0.0, 0.0, 1e-45, 1.0, 1.3, 100.0, 100.00001, math.inf],
+    "logit_bias": [
+        {},
+        {0: 0.0},
+        {U32: -100.0},  # the vocabulary is checked with the model, not here
+        {5: 100.0, 3: -100.0},
+        {5: 100.00001},
+        {5: -101.0, 7: 0.5},
+        {5: math.inf},
+        {5: -math.inf},
+        {i: 1.0 for i in range(wire.MAX_LOGIT_BIAS_ENTRIES)},
+        {i: 1.0 for i in range(wire.MAX_LOGIT_BIAS_ENTRIES + 1)},
+    ],
 }
 CASES = [(f, v) for f, values in EDGES.items() for v in values]
-NANS = ["temperature", "top_p", "min_p"]
+NANS = [
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+]
 
 
 def refusals(message: gen.SamplingParams) -> tuple[str | None, str | None]:
@@ -67,11 +89,37 @@ def test_nan_is_refused_on_both_sides(field: str) -> None:
     assert router == engine
 
 
+def test_nan_bias_is_refused_on_both_sides() -> None:
+    router, engine = refusals(gen.SamplingParams(logit_bias={3: 0.0, 4: math.nan}))
+    assert engine == "logit_bias: the bias of token 4 must be in [-100, 100], got nan"
+    assert router == engine
+
+
+def test_penalties_and_bias_reach_the_engine() -> None:
+    message = gen.SamplingParams(
+        frequency_penalty=0.5, presence_penalty=-1.0, repetition_penalty=1.25,
+        logit_bias={9: -100.0, 2: 3.5},
+    )  # fmt: skip
+    params = params_from_proto(message)
+    assert (params.frequency_penalty, params.presence_penalty) == (0.5, -1.0)
+    assert params.repetition_penalty == 1.25
+    assert params.logit_bias == ((2, 3.5), (9, -100.0))
+    assert params_from_proto(gen.SamplingParams()).repetition_penalty == 1.0
+    assert not params_from_proto(gen.SamplingParams()).uses_penalties
+
+
 def test_unset_fields_are_accepted_and_defaults_agree() -> None:
     assert refusals(gen.SamplingParams()) == (None, None)
     assert SamplingParams().max_tokens == wire.DEFAULT_MAX_TOKENS
     assert wire.MAX_STOP_SEQUENCES == engine_limits.MAX_STOP_SEQUENCES
     assert wire.MAX_LOGPROBS == engine_limits.MAX_LOGPROBS
+    for name in (
+        "MAX_FREQUENCY_PENALTY",
+        "MAX_REPETITION_PENALTY",
+        "MAX_LOGIT_BIAS",
+        "MAX_LOGIT_BIAS_ENTRIES",
+    ):
+        assert getattr(wire, name) == getattr(engine_limits, name), name
 
 
 def test_every_field_of_the_message_has_edges() -> None:

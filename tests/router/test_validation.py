@@ -44,6 +44,15 @@ def test_a_seed_is_drawn_once_and_a_given_one_kept() -> None:
             "stop_token_ids: token id 64 is outside the vocabulary [0, 64)",
         ),
         (request([5], logprobs=21), "logprobs: must be in [0, 20], got 21"),
+        (
+            request([5], logit_bias={70: 1.0, 3: 1.0, 64: -1.0}),
+            "logit_bias: token id 64 is outside the vocabulary [0, 64)",
+        ),
+        (request([5], frequency_penalty=2.5), "frequency_penalty: must be in [-2, 2], got 2.5"),
+        (
+            request([5], repetition_penalty=0.0),
+            "repetition_penalty: must be in (0, 100] (1 is off), got 0.0",
+        ),
         (gen.GenerateRequest(text="hi"), "text: model 'tiny' has no tokenizer; send token_ids"),
     ],
 )

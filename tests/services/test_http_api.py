@@ -318,3 +318,31 @@ def test_a_started_cluster_is_not_started_again(cluster: Cluster) -> None:
     """A second set of components under the same ids would fight the first in the ledger."""
     with pytest.raises(ClusterError, match="already started"):
         cluster.start()
+
+
+async def test_logit_bias_and_frequency_penalty_change_greedy_text(
+    target: Path, client: openai.AsyncOpenAI
+) -> None:
+    """The engine's sampler applies them through HTTP: greedy repeats a character after
+    "aaaa" on the tiny model and a frequency penalty repeats none; a -100 bias on greedy's
+    first token replaces it; a logit_bias key that is not a token id is a 400 naming it."""
+
+    async def greedy(**extra: object) -> str:
+        out = await client.completions.create(
+            model=MODEL, prompt="aaaa", max_tokens=16, temperature=0,
+            extra_body={"ignore_eos": True}, **extra,  # type: ignore[arg-type]
+        )  # fmt: skip
+        return out.choices[0].text
+
+    plain = await greedy()
+    assert len(set(plain)) < len(plain) - 4, plain
+    penalized = await greedy(frequency_penalty=2.0)
+    assert len(set(penalized)) == len(penalized) and penalized != plain, penalized
+    first = tokenizer(target).token_to_id(plain[0])
+    biased = await greedy(logit_bias={str(first): -100})
+    assert biased and biased[0] != plain[0], biased
+    for bad, param in [({"logit_bias": {"a1": 5}}, "logit_bias"),
+                       ({"frequency_penalty": 2.5}, "frequency_penalty")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(model=MODEL, prompt="a", **bad)  # type: ignore[call-overload]
+        assert refused.value.body["param"] == param  # type: ignore[index]

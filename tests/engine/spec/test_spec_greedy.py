@@ -81,11 +81,11 @@ def test_greedy_equals_target_only_for_random_drafts(target, tmp_path, kind):
         assert ours == refs or compare_greedy(hf_model, PROMPTS, ours, refs).num_ties <= 1
 
 
-def markov_target(out: Path):
+def markov_target(out: Path, vocab_size: int = 64):
     """A one-layer target whose next token depends only on the current one (attention
     output zeroed, final norm weight 1), and an EAGLE draft that reproduces it exactly:
     ``fc`` keeps the token embedding and the draft layer is the target's layer."""
-    model = build_tiny_llama(out / "target", "mha_plain", num_layers=1, vocab_size=64)
+    model = build_tiny_llama(out / "target", "mha_plain", num_layers=1, vocab_size=vocab_size)
     with torch.no_grad():
         model.model.layers[0].self_attn.o_proj.weight.zero_()
         model.model.norm.weight.fill_(1.0)
@@ -303,3 +303,38 @@ def test_steps_without_drafts_leave_the_drafter_idle_until_drafting_resumes(
     ours = [done[r].token_ids for r in requests]
     refs = [base[r].token_ids for r in requests]
     assert ours == refs or compare_greedy(hf_model, PROMPTS, ours, refs).num_ties <= 1
+
+
+def test_penalties_with_speculation_equal_target_only(markov, target, tmp_path):
+    """Verification applies logit bias and penalties at every position, counting the drafts
+    before it as output: greedy rows and seeded sampled rows (argmax drafts) emit what
+    target-only decoding emits. The oracle draft proposes the unpenalized argmax, so the
+    penalties make verification reject some of its drafts."""
+    settings = {
+        "frequency": greedy(30, frequency_penalty=0.9),
+        "presence": greedy(30, presence_penalty=1.5, logit_bias={3: 2.0}),
+        "repetition": greedy(30, repetition_penalty=1.6),
+        "sampled": SamplingParams(
+            max_tokens=30, temperature=0.8, seed=5, ignore_eos=True,
+            frequency_penalty=0.6, repetition_penalty=1.2, logit_bias={7: -100.0},
+        ),
+        "plain": greedy(30),
+    }  # fmt: skip
+    requests = {f"{name}-{i}": (p, params) for name, params in settings.items()
+                for i, p in enumerate(PROMPTS[:3])}  # fmt: skip
+    markov_dir, oracle, _ = markov
+    eagle3 = build_random_draft(target[0], tmp_path / "eagle3", "eagle3")
+    for model_dir, draft in [(markov_dir, oracle), (target[0], eagle3)]:
+        base = run(engine_for(model_dir), requests)
+        engine = engine_for(model_dir, SpeculativeConfig(str(draft), num_draft_tokens=4))
+        out = run(engine, requests)
+        assert {r: o.token_ids for r, o in out.items()} == {r: o.token_ids for r, o in base.items()}
+        assert_counts_add_up(engine, out)
+        if draft == oracle:
+            stats = engine.spec.stats  # type: ignore[union-attr]
+            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+            for name in settings:
+                if name != "plain":  # the penalty changes what the oracle's target emits
+                    assert base[f"{name}-0"].token_ids != base["plain-0"].token_ids, name
+                    counts = out[f"{name}-0"].spec_counts
+                    assert counts is not None and counts.num_accepted_tokens > 0, name

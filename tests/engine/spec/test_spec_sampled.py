@@ -1,6 +1,7 @@
 """Sampled losslessness: the joint distribution of the first three generated tokens with
 speculation equals target-only sampling (chi-square against the exact distribution,
-enumerated with transformers), and a wrong rule that accepts every draft fails the test."""
+enumerated with transformers; logit bias and penalties by a plain reference), and a wrong
+rule that accepts every draft fails the test."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampler import SamplingTensors, filtered_probs
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
+from tests.engine.penalty_reference import reference_penalized
+from tests.engine.spec.test_spec_greedy import markov_target
 from tests.engine.tiny_drafts import build_random_draft
 from tests.engine.tiny_models import build_tiny_llama
 
@@ -25,6 +28,16 @@ SETTINGS = {
     "t0.7_topk6": dict(temperature=0.7, top_k=6),
     "t1.0_topp0.8": dict(temperature=1.0, top_p=0.8),
 }
+# Tokens 2 and 3 count the first (and second) as output, and verification must count the
+# drafts before each position likewise.
+PENALTIES = dict(
+    temperature=1.0,
+    top_k=12,
+    frequency_penalty=1.5,
+    presence_penalty=0.5,
+    repetition_penalty=1.4,
+    logit_bias={0: 2.0, 6: -100.0},
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +55,10 @@ def exact_joint(model: torch.nn.Module, params: SamplingParams) -> torch.Tensor:
         ids = torch.tensor([PROMPT + p for p in prefixes])
         with torch.inference_mode():
             logits = model(ids, attention_mask=torch.ones_like(ids)).logits[:, -1].float()
+        rows = zip(logits, prefixes, strict=True)
+        logits = torch.stack([reference_penalized(x, PROMPT, p, params) for x, p in rows])
         n = len(prefixes)
+        # Built without the rows' tokens: the sampler adds no penalties of its own.
         t = SamplingTensors.build([params] * n, [0] * n, [0] * n, torch.device("cpu"))
         return filtered_probs(logits, t)  # [n, V]
 
@@ -112,3 +128,32 @@ def test_joint_of_three_tokens_matches_target_only(target, setting):
         synthetic_acceptance_rates=(1.0, 1.0),
     )
     assert chi_square_p(sample_joint(engine_for(model_dir, wrong), params), exact) < 1e-6
+
+
+def repeats(joint: torch.Tensor) -> torch.Tensor:
+    """Counts or probabilities of [V, V, V] summed by which of the three tokens repeat
+    (t1 == t2, t2 == t3, t1 == t3): [8], where penalties move the most mass."""
+    t1, t2, t3 = torch.meshgrid(*[torch.arange(VOCAB)] * 3, indexing="ij")
+    pattern = 4 * (t1 == t2).long() + 2 * (t2 == t3).long() + (t1 == t3).long()
+    return torch.zeros(8, dtype=joint.dtype).scatter_add_(0, pattern.flatten(), joint.flatten())
+
+
+@pytest.fixture(scope="module")
+def markov(tmp_path_factory: pytest.TempPathFactory):
+    return markov_target(tmp_path_factory.mktemp("sampled_markov"), vocab_size=VOCAB)
+
+
+@pytest.mark.slow
+def test_joint_with_penalties_and_bias_matches_target_only(markov):
+    """The draft is the target itself, sampled without the penalties: most drafts are
+    accepted, and each verified position must count the drafts before it as output (a rule
+    that does not puts mass on repeats that top-k rules out)."""
+    target_dir, draft_dir, hf_model = markov
+    params = SamplingParams(max_tokens=3, ignore_eos=True, **PENALTIES)
+    exact = exact_joint(hf_model, params)
+    spec = SpeculativeConfig(str(draft_dir), num_draft_tokens=2, sample_drafts=True)
+    engine = engine_for(target_dir, spec)
+    counts = sample_joint(engine, params)
+    assert engine.spec is not None and 0.3 < engine.spec.stats.acceptance_rate < 1
+    assert chi_square_p(counts, exact) > 1e-3
+    assert chi_square_p(repeats(counts), repeats(exact)) > 1e-3
