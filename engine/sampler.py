@@ -229,7 +229,7 @@ class SamplingTensors:
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(
-            temperature=t([p.temperature for p in params], torch.float32),
+            temperature=t([0.0 if p.is_greedy else p.temperature for p in params], torch.float32),
             top_k=t([p.top_k for p in params], torch.int64),
             top_p=t([p.top_p for p in params], torch.float32),
             min_p=t([p.min_p for p in params], torch.float32),
@@ -348,7 +348,8 @@ def draw(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     point = uniform(keys, 1) * total  # [N, 1]
     drawn = torch.searchsorted(cdf, point, right=True)
     last = torch.searchsorted(cdf, total)  # where the cumulative weight tops out
-    return torch.minimum(drawn, last).squeeze(-1)
+    # NaN weights (a model's overflow) compare false everywhere: never an id past the end.
+    return torch.minimum(drawn, last).clamp_(max=weights.shape[-1] - 1).squeeze(-1)
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -14,6 +14,8 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 
 LogitBias = tuple[tuple[int, float], ...]  # (token id, bias) pairs, ids ascending
 
+MIN_TEMPERATURE = 1e-5  # a smaller one samples greedily (see is_greedy)
+
 
 class SamplingParamsError(ValueError):
     """A sampling parameter out of range; the message names it."""
@@ -116,7 +118,10 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one too small to divide logits by: below ``MIN_TEMPERATURE``
+        the scaled logits overflow fp32 to inf and the distribution to NaN, which once
+        sampled an id past the vocabulary and failed a whole batch."""
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def bias_pairs(self) -> LogitBias:

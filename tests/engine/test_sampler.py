@@ -462,3 +462,27 @@ def test_rows_without_penalties_build_nothing() -> None:
     # Without the rows' tokens (draft proposals), nothing is applied.
     t = SamplingTensors.build(PENALTY_ROWS[:1], [0], [0], CPU)
     assert t.penalties is None
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily() -> None:
+    """1e-40 beside greedy rows: dividing by it made the row NaN, which drew id V (one past
+    the vocabulary) and failed the whole batch in the draft's embedding."""
+    vocab = 64
+    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(3)) * 10
+    params = [SamplingParams(temperature=0.0)] * 6 + [SamplingParams(temperature=1e-40)]
+    assert params[-1].is_greedy and not SamplingParams(temperature=1e-5).is_greedy
+    t = SamplingTensors.build(params, [1] * 7, [0] * 7, torch.device("cpu"))
+    assert t.all_greedy
+    assert sample(logits, t).tolist() == logits.argmax(-1).tolist()
+    mixed = [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=1e-40)]
+    t = SamplingTensors.build(mixed, [5, 1], [0, 0], torch.device("cpu"))
+    picked = sample(logits[:2], t)
+    assert picked[1] == logits[1].argmax() and 0 <= picked[0] < vocab
+
+
+def test_nan_weights_never_draw_past_the_vocabulary() -> None:
+    weights = torch.rand(3, 32)
+    weights[1] = float("nan")
+    weights[2, 5] = float("nan")
+    drawn = draw(weights, torch.tensor([1, 2, 3]))
+    assert drawn.shape == (3,) and bool(((drawn >= 0) & (drawn < 32)).all()), drawn
