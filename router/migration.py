@@ -1,6 +1,10 @@
-"""Taking a request back from the prefill or decode worker that failed it: the workers drop
-it, and the ledger has it QUEUED and this router's again, for the service's attempt loop to
-resume it on a new P and D (prompt + tokens already sent, as after a preemption)."""
+"""Requeueing a request whose prefill or decode worker failed it: the workers drop it, and
+the ledger has it QUEUED and this router's again, for the service's attempt loop to resume
+it on a new P and D (prompt + tokens already sent, as after a preemption).
+
+One vocabulary for how a request leaves a component: on a decode worker its handle is
+closed (``RequestHandle.close(CloseReason)``); on the router it is requeued (here, for
+another attempt) or ended (``GenerationService._end``, in the ledger)."""
 
 from __future__ import annotations
 
@@ -58,7 +62,7 @@ class Migration:
         )
         count_in_flight(self.picker, route, +1)
 
-    async def take_back(self, route: Route, error: grpc.aio.AioRpcError) -> None:
+    async def requeue_after_lost_decode(self, route: Route, error: grpc.aio.AioRpcError) -> None:
         """The decode stream broke (D died or is unreachable): D is passed over from now
         on, and the request, owned by D in the ledger, becomes QUEUED and this router's
         again, for the attempt loop to resume it on a new P and D (prompt + tokens sent,
@@ -82,7 +86,7 @@ class Migration:
         await self.abort_quietly(lost, abort)  # a dead process refuses it at once
         self._requeue(route, error)
 
-    async def take_back_from_prefill(
+    async def requeue_after_failed_prefill(
         self, route: Route, error: grpc.aio.AioRpcError | Unavailable
     ) -> None:
         """Prefill failed before the first token: P died or refused the request under an
@@ -129,12 +133,12 @@ class Migration:
             RequestState.TRANSFERRING,
             RequestState.DECODING,
         ):
-            self._take_over(route, record.state, record.epoch, error)
+            self._requeue_from(route, record.state, record.epoch, error)
         else:
             raise error  # ended, or not P's or D's: nothing to resume
         self.metrics.migrations.labels(self.metrics.role).inc()
 
-    def _take_over(
+    def _requeue_from(
         self,
         route: Route,
         state: RequestState,

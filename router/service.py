@@ -144,7 +144,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                     )
                     if not is_retried or attempt + 1 == MAX_ATTEMPTS:
                         raise
-                    await self.migration.take_back_from_prefill(route, e)
+                    await self.migration.requeue_after_failed_prefill(route, e)
                     continue
                 if not attempt:
                     timing.queued(prefill_called + prefilled.timing.queue_s)
@@ -159,7 +159,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                 except grpc.aio.AioRpcError as e:
                     if e.code() != grpc.StatusCode.UNAVAILABLE or attempt + 1 == MAX_ATTEMPTS:
                         raise
-                    await self.migration.take_back(route, e)  # D is gone: resume it elsewhere
+                    await self.migration.requeue_after_lost_decode(route, e)  # resume it elsewhere
                     continue
                 if is_finished:
                     return
