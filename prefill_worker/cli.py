@@ -87,4 +87,5 @@ def make_service(runtime: Runtime) -> PrefillWorkerService:
         max_queued=args.max_queued,
         use_shm=args.kv_transport == "auto",
         metrics=runtime.metrics,
+        channels=runtime.channel_pool(),
     )

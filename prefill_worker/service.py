@@ -76,6 +76,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         transfer_options: TransferOptions | None = None,
         use_shm: bool = True,
         metrics: PrefillMetrics | None = None,
+        channels: ChannelPool | None = None,
     ) -> None:
         self.engine = engine
         self.served_name = served_name
@@ -92,7 +93,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         self._push_slots = asyncio.Semaphore(max_concurrent_pushes)
         self._waiting: dict[str, asyncio.Future[_Prefilled]] = {}
         self._tasks: dict[str, asyncio.Task[Any]] = {}
-        self._channels = ChannelPool()
+        self._channels = channels or ChannelPool()  # to decode workers (cluster secret)
         self._relay = LayerRelay(asyncio.get_running_loop(), engine.device)
         engine.set_layer_listener(self._relay)  # before the engine thread starts
         self.engine_loop: EngineLoop[list[_Prefilled]] = EngineLoop(

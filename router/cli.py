@@ -33,10 +33,12 @@ def role() -> Role:
         service_names=SERVICE_NAMES,
         make_metrics=RouterMetrics,
         max_message_bytes=lambda args: 4 * args.max_request_bytes,
+        is_public=True,
     )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from serving.auth import add_auth_token_argument
     from serving.rpc import add_service_arguments
 
     group = parser.add_argument_group("model")
@@ -59,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         f"/v1/models, /health) on --host; 0: no HTTP (default: {DEFAULT_HTTP_PORT})",
     )
+    add_auth_token_argument(parser)
 
 
 def register_router(subparsers: Any) -> None:
@@ -109,13 +112,15 @@ def make_service(runtime: Runtime) -> RouterComponent:
         draft_dir_name=Path(args.draft).name if args.draft else "",
         default_timeout_s=args.request_timeout_s,
         metrics=runtime.metrics,
+        channels=runtime.channel_pool(),
     )
     http = None
     if args.http_port:
         from router.http_api.app import make_app
         from router.http_api.server import HttpServer
 
-        http = HttpServer(make_app(service), args.host, args.http_port)
+        app = make_app(service, auth_token=runtime.auth_token)
+        http = HttpServer(app, args.host, args.http_port)
     return RouterComponent(service, name, lease_s=args.lease_ms / 1000, http=http)
 
 

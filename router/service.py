@@ -77,6 +77,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         draft_dir_name: str = "",
         default_timeout_s: float = 600.0,
         metrics: RouterMetrics | None = None,
+        channels: ChannelPool | None = None,
     ) -> None:
         self.validator = validator
         self.picker = picker
@@ -87,7 +88,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.metrics = metrics or RouterMetrics()
         self.is_draining = False
         self.num_in_flight = 0
-        self._channels = ChannelPool()
+        self._channels = channels or ChannelPool()  # to workers (with the cluster secret)
         self._cleanups: set[asyncio.Task[None]] = set()
         self.migration = Migration(
             membership=membership,

@@ -11,10 +11,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ledger.redis_connect import add_redis_arguments
+from serving.auth import add_auth_token_argument, add_cluster_secret_argument
 
 if TYPE_CHECKING:
     from ledger.audit import AllocatorReport
     from ledger.ledger import WorkerInfo
+    from serving.launcher import ClusterSpec
 
 
 def register_serve(subparsers: Any) -> None:
@@ -26,7 +28,10 @@ def register_serve(subparsers: Any) -> None:
         "decode worker processes and the router, sharing this machine's cores. Prints the "
         "router's address once everything is SERVING; Ctrl-C or SIGTERM drains and stops. "
         "A worker that dies is restarted (with growing pauses, within a budget); when the "
-        "router, the embedded Redis or a worker past its budget dies, everything stops.",
+        "router, the embedded Redis or a worker past its budget dies, everything stops. "
+        "With --auth-token-file, clients must send that token, and the processes share a "
+        "cluster secret and the embedded Redis a password (given or random, handed over in "
+        "their environment).",
     )
     parser.add_argument("--model", required=True, help="HF model directory or a prepared name")
     parser.add_argument("--draft", metavar="DIR", help="EAGLE / EAGLE-3 / DFlash draft directory")
@@ -40,8 +45,22 @@ def register_serve(subparsers: Any) -> None:
         "for TLS, or unix://PATH; the password goes to the workers in their environment, "
         "never on their command lines",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address every process listens on")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address the router listens on (gRPC and HTTP)"
+    )
     parser.add_argument("--port", type=int, default=50050, help="the router's port")
+    parser.add_argument(
+        "--worker-host",
+        default="127.0.0.1",
+        help="address the prefill and decode workers listen on (default: 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address every process's /metrics listens on (default: 127.0.0.1)",
+    )
+    add_auth_token_argument(parser)
+    add_cluster_secret_argument(parser)
     parser.add_argument(
         "--http-port",
         type=int,
@@ -83,6 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from engine.model_store import ModelNotFoundError, resolve_model
     from ledger.redis_connect import RedisConnectError, RedisSettings
+    from serving.auth import AuthConfigError, cluster_secret_from_args, read_secret_file
     from serving.launcher import Cluster, ClusterError, ClusterSpec
     from serving.supervisor import RestartPolicy, Supervisor
 
@@ -94,10 +114,16 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         model = str(resolve_model(args.model))
         redis_settings = RedisSettings.from_args(args) if args.redis_url else None
-        stray = args.redis_username or args.redis_password_file or args.redis_ca_file
-        if not args.redis_url and (stray or args.redis_cert_file):
+        stray = args.redis_username or args.redis_ca_file or args.redis_cert_file
+        if not args.redis_url and stray:
             raise RedisConnectError("--redis-* options: need --redis-url (not the embedded Redis)")
-    except (ModelNotFoundError, RedisConnectError) as e:
+        embedded_password = None  # the embedded Redis's: given, else random with auth on
+        if not args.redis_url and args.redis_password_file:
+            embedded_password = read_secret_file(args.redis_password_file, "--redis-password-file")
+        if args.auth_token_file:  # fail here, once, rather than in the router
+            read_secret_file(args.auth_token_file, "--auth-token-file")
+        cluster_secret = cluster_secret_from_args(args)
+    except (ModelNotFoundError, RedisConnectError, AuthConfigError) as e:
         print(f"tandem serve: error: {e}", file=sys.stderr)
         return 2
     worker_args = ["--dtype", args.dtype]
@@ -118,6 +144,11 @@ def _serve(args: argparse.Namespace) -> int:
         redis=redis_settings,
         host=args.host,
         port=args.port,
+        worker_host=args.worker_host,
+        metrics_host=args.metrics_host,
+        auth_token_file=Path(args.auth_token_file).resolve() if args.auth_token_file else None,
+        cluster_secret=cluster_secret,
+        redis_password=embedded_password,
         http_port=args.http_port,
         threads=args.threads,
         worker_args=tuple(worker_args),
@@ -126,6 +157,8 @@ def _serve(args: argparse.Namespace) -> int:
         log_dir=Path(args.log_dir) if args.log_dir else None,
         grace_s=args.grace_s,
     )
+    for line in exposure_warnings(spec):
+        print(line, file=sys.stderr, flush=True)
     cluster = Cluster(spec)
     try:
         cluster.start()  # Ctrl-C meanwhile: KeyboardInterrupt, and start() stops what it began
@@ -153,6 +186,30 @@ def _serve(args: argparse.Namespace) -> int:
     return rc
 
 
+def exposure_warnings(spec: ClusterSpec) -> list[str]:
+    """A line for the router and one for the workers where they listen beyond loopback
+    without authentication (the options that would add it)."""
+    from serving.auth import exposure_warning
+
+    found = [
+        exposure_warning(
+            "the router",
+            spec.host,
+            spec.port or "*",
+            is_authenticated=spec.auth_token_file is not None,
+            options="--auth-token-file PATH",
+        ),
+        exposure_warning(
+            "the workers",
+            spec.worker_host,
+            "*",
+            is_authenticated=spec.is_auth_on,
+            options="--auth-token-file PATH (or --cluster-secret-file PATH)",
+        ),
+    ]
+    return [line for line in found if line is not None]
+
+
 AUDIT_LOOK_INTERVAL_S = 0.2  # far longer than a worker takes to record a change
 
 
@@ -169,6 +226,7 @@ def register_ledger(subparsers: Any) -> None:
         "looked at again before a discrepancy counts (see --looks).",
     )
     add_redis_arguments(audit, required=True)
+    add_cluster_secret_argument(audit)
     audit.add_argument("--namespace", default="td", help="ledger key namespace")
     audit.add_argument("--timeout-s", type=float, default=5.0, help="deadline of each Stats RPC")
     audit.add_argument(
@@ -193,14 +251,16 @@ def _ledger_audit(args: argparse.Namespace) -> int:
     from ledger.audit import AllocatorReport, Discrepancy, seen_in_every_look
     from ledger.ledger import Ledger, WorkerRole
     from ledger.redis_connect import RedisConnectError, RedisSettings, connect, explain
+    from serving.auth import AuthConfigError, cluster_metadata, cluster_secret_from_args
 
     if args.looks < 1:
         print(f"tandem ledger audit: error: --looks: at least 1, got {args.looks}", file=sys.stderr)
         return 1
     try:
+        metadata = cluster_metadata(cluster_secret_from_args(args))
         settings = RedisSettings.from_args(args)
         client = connect(settings, decode_responses=True)
-    except RedisConnectError as e:
+    except (RedisConnectError, AuthConfigError) as e:
         print(f"tandem ledger audit: error: {e}", file=sys.stderr)
         return 1
     try:
@@ -208,7 +268,9 @@ def _ledger_audit(args: argparse.Namespace) -> int:
         looks: list[list[Discrepancy]] = []
         while True:
             workers = [w for w in ledger.list_workers() if w.role is not WorkerRole.ROUTER]
-            reports, unreachable = asyncio.run(_allocator_reports(workers, args.timeout_s))
+            reports, unreachable = asyncio.run(
+                _allocator_reports(workers, args.timeout_s, metadata)
+            )
             looks.append(ledger.audit(reports))
             discrepancies = seen_in_every_look(looks)
             if not discrepancies or len(looks) == args.looks:
@@ -259,7 +321,7 @@ def _ledger_audit(args: argparse.Namespace) -> int:
 
 
 async def _allocator_reports(
-    workers: Sequence[WorkerInfo], timeout_s: float
+    workers: Sequence[WorkerInfo], timeout_s: float, metadata: Sequence[tuple[str, str]] = ()
 ) -> tuple[dict[str, AllocatorReport], dict[str, str]]:
     """Each worker's owned block ids through its Stats RPC; failures by worker id."""
     import asyncio
@@ -279,7 +341,7 @@ async def _allocator_reports(
             else:
                 stub = pb_grpc.DecodeWorkerStub(channel)
             request = pb.StatsRequest(include_block_ids=True)
-            reply = await stub.Stats(request, timeout=timeout_s)
+            reply = await stub.Stats(request, timeout=timeout_s, metadata=metadata)
             return AllocatorReport(owned=frozenset(reply.owned_block_ids))
 
     results = await asyncio.gather(*(one(w) for w in workers), return_exceptions=True)

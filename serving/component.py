@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -18,8 +19,17 @@ from typing import Any, Protocol
 from ledger.ledger import Ledger, WorkerRole
 from ledger.membership import Component, Membership, Timing
 from ledger.redis_connect import RedisSettings, connect
+from serving.auth import (
+    auth_token_from_args,
+    bearer_interceptor,
+    cluster_interceptor,
+    cluster_metadata,
+    cluster_secret_from_args,
+    exposure_warning,
+)
 from serving.metrics import Metrics
 from serving.rpc import (
+    ChannelPool,
     advertised_address,
     default_worker_id,
     new_server,
@@ -66,6 +76,7 @@ class Role:
     service_names: tuple[str, ...]  # health (and reflection) names
     make_metrics: Callable[[], Metrics]
     max_message_bytes: Callable[[argparse.Namespace], int]
+    is_public: bool = False  # clients call it (the bearer token), not only the cluster
 
 
 @dataclass
@@ -78,6 +89,12 @@ class Runtime:
     metrics: Any  # the role's Metrics subclass
     ledger: Ledger
     membership: Membership | None = None
+    auth_token: str | None = None  # the bearer token clients must send (a public role)
+    cluster_secret: str | None = None  # what internal calls carry and workers require
+
+    def channel_pool(self) -> ChannelPool:
+        """Channels to workers: every call carries the cluster secret, if any."""
+        return ChannelPool(cluster_metadata(self.cluster_secret))
 
     def new_membership(self, capacity: int) -> Membership:
         """This process's membership, with ``capacity`` KV blocks. The bootstrap registers
@@ -110,13 +127,23 @@ def run_component(role: Role, args: argparse.Namespace, make_service: MakeServic
 async def _serve(role: Role, args: argparse.Namespace, make_service: MakeService) -> None:
     log = logging.getLogger(role.logger)
     reflected: Sequence[str] = role.service_names if args.reflection else ()
-    server, health = new_server(role.max_message_bytes(args), reflected)
+    token = auth_token_from_args(args) if role.is_public else None
+    secret = cluster_secret_from_args(args)
+    auth = []
+    if token is not None:
+        auth.append(bearer_interceptor(role.service_names, token))
+    if secret is not None and not role.is_public:
+        auth.append(cluster_interceptor(role.service_names, secret))
+    server, health = new_server(role.max_message_bytes(args), reflected, auth)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = advertised_address(args, port)
+    if args.parent_pid is None:  # run alone (the launcher warns for its children)
+        _warn_if_exposed(role, args.host, port, token, secret)
     metrics = role.make_metrics()
-    metrics.serve(args.host, args.metrics_port)
+    metrics.serve(args.metrics_host, args.metrics_port)
     client = metrics.instrument_redis(connect(RedisSettings.from_args(args)))
     runtime = Runtime(role, args, address, metrics, Ledger(client, namespace=args.namespace))
+    runtime.auth_token, runtime.cluster_secret = token, secret
     service = make_service(runtime)
     metrics.watch_loop()  # from here: building the engine above holds the loop by design
     membership = runtime.membership
@@ -142,3 +169,19 @@ async def _serve(role: Role, args: argparse.Namespace, make_service: MakeService
     await service.close()
     metrics.close()
     log.info("stopped")
+
+
+def _warn_if_exposed(
+    role: Role, host: str, port: int, token: str | None, secret: str | None
+) -> None:
+    """One line on stderr for a server reachable beyond loopback without authentication."""
+    if role.is_public:
+        is_authenticated, options = token is not None, "--auth-token-file PATH"
+    else:
+        is_authenticated = secret is not None
+        options = "--cluster-secret-file PATH (the same file on every component)"
+    line = exposure_warning(
+        role.title, host, port, is_authenticated=is_authenticated, options=options
+    )
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)

@@ -6,6 +6,10 @@ Stopping drains in request order: the router first (no new requests, in-flight o
 finish), then the workers, each with SIGTERM (health NOT_SERVING, finish, stop), SIGKILL
 only past the grace period. A worker that dies can be started again with the same
 command line (``Cluster.restart``); serving.supervisor decides when.
+
+With auth on (a router token or a cluster secret), the children share a cluster secret
+(given, else a new random one) and the embedded Redis gets a password (given, else a new
+random one), both handed over in their environment, never on their command lines.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-un
 
 from ledger.redis_connect import PASSWORD_ENV, RedisConnectError, RedisSettings, connect
 from ledger.redis_server import RedisServer, free_port
+from serving.auth import CLUSTER_SECRET_ENV, new_secret
 
 # Cluster.stop: past the grace period, and the part of it kept for the workers' own drain.
 STOP_SLACK_S = 5.0
@@ -46,8 +51,15 @@ class ClusterSpec:
     num_prefill: int = 1
     num_decode: int = 1
     redis: RedisSettings | None = None  # None: start an embedded redis-server
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the router's (gRPC and HTTP)
     port: int = 50050  # the router's; 0: a free one
+    worker_host: str = "127.0.0.1"  # where the prefill and decode workers listen
+    metrics_host: str = "127.0.0.1"  # where every component's /metrics listens
+    auth_token_file: Path | None = None  # the router requires this bearer token
+    # The workers require it of callers; None: a new random one when auth_token_file is set.
+    cluster_secret: str | None = field(default=None, repr=False)
+    # The embedded Redis's; None: a new random one when auth is on, else none.
+    redis_password: str | None = field(default=None, repr=False)
     http_port: int | None = None  # the router's OpenAI HTTP API; None: a free one; 0: none
     threads: int | None = None  # torch threads per process; None: the cores divided
     worker_args: tuple[str, ...] = ()  # extra options of both worker kinds (--dtype, ...)
@@ -64,6 +76,10 @@ class ClusterSpec:
                 f"num_prefill, num_decode: at least one of each, got {self.num_prefill} and "
                 f"{self.num_decode}"
             )
+
+    @property
+    def is_auth_on(self) -> bool:
+        return self.auth_token_file is not None or self.cluster_secret is not None
 
     @property
     def num_processes(self) -> int:
@@ -84,6 +100,7 @@ class Component:
     log_path: Path | None
     log_file: IO[bytes] | None = field(default=None, repr=False)
     metrics_port: int = 0  # its Prometheus /metrics; 0: not served
+    metrics_host: str = "127.0.0.1"
     http_port: int = 0  # the router's OpenAI-compatible HTTP API; 0: not served
     command: tuple[str, ...] = ()  # what started it: a restart runs the same again
     env: Mapping[str, str] = field(default_factory=dict, repr=False)  # may carry a password
@@ -92,7 +109,7 @@ class Component:
 
     @property
     def metrics_url(self) -> str:
-        host = self.address.rsplit(":", 1)[0]
+        host = self.metrics_host
         return f"http://{host}:{self.metrics_port}/metrics" if self.metrics_port else ""
 
     @property
@@ -116,6 +133,7 @@ class Cluster:
         self.spec = spec
         self.redis: RedisServer | None = None
         self.redis_settings = spec.redis  # the embedded server's once started
+        self.cluster_secret: str | None = None  # what the children share, once started
         self.router: Component | None = None
         self.prefill: list[Component] = []
         self.decode: list[Component] = []
@@ -143,8 +161,10 @@ class Cluster:
             if "--torch-compile" in spec.decode_args:
                 timeout_s += COMPILE_STARTUP_S * spec.num_decode
         try:
+            self.cluster_secret = spec.cluster_secret or (new_secret() if spec.is_auth_on else None)
             if self.redis_settings is None:
-                self.redis = RedisServer().start()
+                password = spec.redis_password or (new_secret() if spec.is_auth_on else None)
+                self.redis = RedisServer(password=password).start()
                 self.redis_settings = self.redis.settings
             else:  # a wrong password or CA fails here, once, not in every child
                 try:
@@ -162,11 +182,15 @@ class Cluster:
                 args = [*engine, *spec.decode_args]
                 self.decode.append(self._spawn(f"decode-{i}", "decode_worker", args, True))
             router = ["--model", spec.model, *spec.router_args]
+            if spec.auth_token_file is not None:
+                router += ["--auth-token-file", str(spec.auth_token_file)]
             if spec.draft:
                 router += ["--draft", spec.draft]
             http_port = free_port() if spec.http_port is None else spec.http_port
             router += ["--http-port", str(http_port)]
-            self.router = self._spawn("router", "router", router, False, port=spec.port)
+            self.router = self._spawn(
+                "router", "router", router, False, host=spec.host, port=spec.port
+            )
             self.router.http_port = http_port
             self._wait_serving(timeout_s)
         except BaseException:
@@ -180,10 +204,12 @@ class Cluster:
         module: str,
         args: Sequence[str],
         is_worker: bool,
+        host: str | None = None,
         port: int = 0,
     ) -> Component:
         spec = self.spec
         assert self.redis_settings is not None
+        host = host or spec.worker_host
         port = port or free_port()
         metrics_port = free_port() if spec.is_metrics_served else 0
         threads = spec.threads_per_process()
@@ -192,24 +218,28 @@ class Cluster:
             "-m",
             module,
             *args,
-            "--host", spec.host,
+            "--host", host,
             "--port", str(port),
             *self.redis_settings.to_args(),
             "--id", name,
             "--threads", str(threads),
             "--grace-s", str(spec.grace_s),
             "--metrics-port", str(metrics_port),
+            "--metrics-host", spec.metrics_host,
             "--parent-pid", str(os.getpid()),
             *spec.service_args,
         ]  # fmt: skip
         env = dict(os.environ)
         env.pop(PASSWORD_ENV, None)  # the password, if any, comes from the settings alone
         env.update(self.redis_settings.to_env())  # not argv: ps shows every command line
+        env.pop(CLUSTER_SECRET_ENV, None)
+        if self.cluster_secret is not None:
+            env[CLUSTER_SECRET_ENV] = self.cluster_secret
         env.update(OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=str(threads))
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         log_path = spec.log_dir / f"{name}.log" if spec.log_dir is not None else None
         log_file = log_path.open("wb") if log_path is not None else None
-        address = f"{spec.host}:{port}"
+        address = f"{host}:{port}"
         process = _launch(command, env, log_file)
         return Component(
             name,
@@ -218,6 +248,7 @@ class Cluster:
             log_path,
             log_file,
             metrics_port,
+            spec.metrics_host,
             command=tuple(command),
             env=env,
             is_worker=is_worker,

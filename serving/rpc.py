@@ -25,6 +25,7 @@ import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 
 from ledger.redis_connect import add_redis_arguments
+from serving.auth import AuthConfigError, add_cluster_secret_argument, metadata_interceptors
 from tandem_client.wire import KV_PUSH_STATUS_KEY
 
 log = logging.getLogger(__name__)
@@ -240,15 +241,19 @@ def channel_options(max_message_bytes: int = 64 << 20) -> list[tuple[str, Any]]:
 
 
 class ChannelPool:
-    """One grpc.aio channel per peer address, opened on first use, closed together."""
+    """One grpc.aio channel per peer address, opened on first use, closed together.
+    ``metadata`` goes with every call (the cluster secret: serving.auth)."""
 
-    def __init__(self) -> None:
+    def __init__(self, metadata: Sequence[tuple[str, str]] = ()) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._interceptors = metadata_interceptors(metadata) or None
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=channel_options())
+            channel = grpc.aio.insecure_channel(
+                address, options=channel_options(), interceptors=self._interceptors
+            )
             self._channels[address] = channel
         return channel
 
@@ -259,13 +264,16 @@ class ChannelPool:
 
 
 def new_server(
-    max_message_bytes: int, reflected_services: Sequence[str] = ()
+    max_message_bytes: int,
+    reflected_services: Sequence[str] = (),
+    auth: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, Any]:
     """A grpc.aio server with the error interceptor and a health servicer (returned);
     with ``reflected_services``, also gRPC server reflection for them (and health), so
-    that grpcurl and grpcui can list and call them without the .proto files."""
+    that grpcurl and grpcui can list and call them without the .proto files. ``auth``:
+    interceptors that refuse unauthenticated calls (serving.auth), run first."""
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor()], options=server_options(max_message_bytes)
+        interceptors=[*auth, ErrorInterceptor()], options=server_options(max_message_bytes)
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -331,6 +339,12 @@ def add_service_arguments(parser: argparse.ArgumentParser, *, default_port: int)
         "--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)"
     )
     group.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address /metrics listens on, apart from --host (default: 127.0.0.1)",
+    )
+    add_cluster_secret_argument(group)
+    group.add_argument(
         "--reflection",
         action="store_true",
         help="serve gRPC server reflection (for grpcurl / grpcui; off by default)",
@@ -356,13 +370,14 @@ def run_service(
     args: argparse.Namespace,
 ) -> int:
     """A service process's body: logging, then ``serve(args)`` until shutdown. A Redis that
-    cannot be reached or refuses the credentials ends it with one logged line and exit 1."""
+    cannot be reached or refuses the credentials, or a credential file that cannot be read,
+    ends it with one logged line and exit 1."""
     from ledger.redis_connect import RedisConnectError
 
     setup_logging(role, args.log_level)
     try:
         asyncio.run(serve(args))
-    except RedisConnectError as e:
+    except (RedisConnectError, AuthConfigError) as e:
         logging.getLogger(role).error("%s", e)
         return 1
     return 0

@@ -10,6 +10,9 @@ call per choice, so validation, routing, migration and usage are the gRPC API's.
 - ``GET /v1/models``: the served name (the ``model`` every request must name).
 - ``GET /health``: 200 while serving, 503 while draining.
 
+With a token (the router's ``--auth-token-file``), /v1/* requires ``Authorization: Bearer
+TOKEN`` (401 ``authentication_error`` otherwise, before the body is read); /health is open.
+
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with 400 for
 bad input (the field named in ``param`` and at the start of the message), 404 for an
 unknown model, 429 when overloaded, 503 when no worker can take it or the router drains,
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -33,6 +37,7 @@ import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.http_api.convert import (
     ChoiceState,
@@ -95,14 +100,42 @@ def error_response(error: HttpError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
-def make_app(service: GenerationService) -> FastAPI:
-    """The HTTP API over ``service`` (the router's Generation service)."""
+class BearerAuth:
+    """ASGI middleware: a /v1/* request without ``Authorization: Bearer TOKEN`` gets an
+    OpenAI-shaped 401 (compared in constant time); other paths pass."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and str(scope.get("path", "")).startswith("/v1/"):
+            sent = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+            if not hmac.compare_digest(sent, self.expected):
+                error = HttpError(
+                    401,
+                    "authentication: send the router's token as 'Authorization: Bearer TOKEN' "
+                    "(an OpenAI client's api_key)",
+                    code="invalid_api_key",
+                )
+                headers = {"WWW-Authenticate": "Bearer"}
+                response = JSONResponse(error.body(), status_code=401, headers=headers)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def make_app(service: GenerationService, *, auth_token: str | None = None) -> FastAPI:
+    """The HTTP API over ``service`` (the router's Generation service); with
+    ``auth_token``, /v1/* requires it as a bearer token."""
     app = FastAPI(
         title="Tandem",
         summary="OpenAI-compatible completions and chat, served by a Tandem router",
         docs_url=None,
         redoc_url=None,
     )
+    if auth_token is not None:
+        app.add_middleware(BearerAuth, token=auth_token)
     api = _Api(service)
 
     @app.exception_handler(RequestValidationError)
