@@ -157,7 +157,7 @@ class BlockManager:
 
     def _prefix_hits(self, seq: BlockOwner) -> list[int]:
         """Cached blocks matching ``seq``'s prefix, leaving at least one token to compute."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not getattr(seq, "reads_prefix_cache", True):
             return []
         bs = self.block_size
         max_hits = (len(seq.token_ids) - 1) // bs

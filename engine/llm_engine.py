@@ -8,7 +8,6 @@ import json
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +21,11 @@ from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheCapacityError, KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.model_runner import LayerListener, ModelRunner, RowLogprobs, StepOutput
 from engine.models.layers import release_packed_weights, use_packed_gemm
+from engine.outputs import PrefilledRequest, RequestOutput
 from engine.registry import load_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus, SpecCounts, TokenLogprobs
+from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from engine.spec.spec_runner import (
     SpecRunner,
     load_speculator,
@@ -41,32 +41,6 @@ class RequestError(ValueError):
 
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefilledRequest:
-    """What a prefill worker hands on: where the KV sits and what decoding starts from."""
-
-    request_id: str
-    block_table: list[int]  # this worker's blocks holding the prompt's target (+draft) KV
-    num_prompt_tokens: int
-    first_token: int
-    draft_token_ids: list[int]  # empty without speculation
-    seed: int  # the request's seed, so the decode side samples the same tokens
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # all output tokens so far
-    text: str  # all output text so far (stop string and partial characters held back)
-    finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "preempted" (hand_back)
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    spec_counts: SpecCounts | None = None  # a copy; None when the engine runs without a draft
 
 
 class LLMEngine:
@@ -296,11 +270,14 @@ class LLMEngine:
         if not 0 <= first_token < vocab:
             raise RequestError(f"first_token: {first_token} is outside the vocabulary")
         seq.num_computed_tokens = seq.num_tokens  # the prompt (and resumed output) arrived
-        seq.token_ids.append(first_token)
-        if self.spec is not None and draft_token_ids:
-            seq.draft_token_ids = list(draft_token_ids)
         self.block_manager.cache_computed_blocks(seq)
-        self._check_stop(seq, first_token)
+        if seq.params.max_tokens == 0:  # the prefill worker only scored the prompt
+            seq.finish_reason = "length"
+        else:
+            seq.token_ids.append(first_token)
+            if self.spec is not None and draft_token_ids:
+                seq.draft_token_ids = list(draft_token_ids)
+            self._check_stop(seq, first_token)
         output = self._output(seq)
         if seq.finish_reason is not None:
             self.abort_request(request_id)
@@ -441,16 +418,22 @@ class LLMEngine:
         self._detok.pop(seq.request_id, None)
 
     def _postprocess(self, batch: ScheduledBatch, result: StepOutput) -> list[RequestOutput]:
+        for row, entries in result.prompt_logprobs or ():
+            seq = batch.seqs[row]  # entries for prompt tokens from num_computed_tokens + 1 on
+            seq.prompt_logprobs[seq.num_computed_tokens :] = entries  # a recompute overwrites
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += num_new
             self.block_manager.cache_computed_blocks(seq)
         outputs = []
         for i, (row, token) in enumerate(zip(result.rows, result.tokens, strict=True)):
             seq = batch.seqs[row]
-            seq.token_ids.append(token)
-            if result.logprobs is not None and seq.params.logprobs is not None:
-                self._add_logprobs(seq, token, result.logprobs[i])
-            self._check_stop(seq, token)
+            if seq.params.max_tokens == 0:  # prompt logprobs only: the token is dropped
+                seq.finish_reason = "length"
+            else:
+                seq.token_ids.append(token)
+                if result.logprobs is not None and seq.params.logprobs is not None:
+                    self._add_logprobs(seq, token, result.logprobs[i])
+                self._check_stop(seq, token)
             outputs.append(self._output(seq))
             if seq.is_prefill_only:
                 # Blocks stay until release(), even when the first token ended it: a layer
@@ -487,6 +470,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.logprobs),
             spec_counts=dataclasses.replace(seq.spec_counts) if self.spec is not None else None,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
         )
 
 

@@ -11,12 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine import prompt_logprobs
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.kv_cache import PagedKVCache
 from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs, ReturnHiddenStates
 from engine.sampler import SamplingTensors, sample, top_logprobs
 from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from engine.sequence import Sequence, TokenLogprobs
 
 # Graphs one engine's compiled decode forward may hold (dynamo's default is 8).
 DECODE_RECOMPILE_LIMIT = 32
@@ -89,6 +90,8 @@ class StepOutput:
     outputs: ModelOutputs | None = None
     sampled: torch.Tensor | None = None  # [N] the sampled tokens, on the device
     kv_step: StepKv | None = None  # what the layer listener was told (None without one)
+    # (row, entries of the prompt tokens after this step's positions) per row asking for them.
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]]] | None = None
 
 
 class ModelRunner:
@@ -236,9 +239,23 @@ class ModelRunner:
         on_layer = None
         if step is not None:
             on_layer = functools.partial(self.notify_layer, "target", step=step)
+        # Rows asking for prompt logprobs get logits at their prompt positions too, after
+        # the sampling rows' (the lm_head over every prompt position only where asked).
+        spans = prompt_logprobs.prompt_spans(batch)
+        num_sample = len(inputs.logit_indices)
+        if spans:
+            extra = self._tensor(prompt_logprobs.logit_indices(spans))
+            inputs.logit_indices = torch.cat([inputs.logit_indices, extra])
         out = self.forward(inputs, return_hidden_states, metadata, on_layer)
+        prompt = None
+        if spans:
+            prompt = prompt_logprobs.collect(batch, spans, out.logits[num_sample:])
+            out.logits = out.logits[:num_sample]
+            inputs.logit_indices = inputs.logit_indices[:num_sample]
         if not inputs.sample_rows:  # only prefill chunks that do not reach the end
-            return StepOutput([], [], None, inputs, metadata, out, kv_step=step)
+            return StepOutput(
+                [], [], None, inputs, metadata, out, kv_step=step, prompt_logprobs=prompt
+            )
         logits = out.logits  # [N, V]
         seqs = [batch.seqs[r] for r in inputs.sample_rows]
         tensors = SamplingTensors.build(
@@ -264,4 +281,5 @@ class ModelRunner:
             out,
             sampled=tokens,
             kv_step=step,
+            prompt_logprobs=prompt,
         )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
+MAX_PROMPT_LOGPROBS = 20
 MAX_FREQUENCY_PENALTY = 2.0  # frequency_penalty and presence_penalty in [-2, 2], as OpenAI's
 MAX_REPETITION_PENALTY = 100.0  # repetition_penalty in (0, 100]; 1 is off
 MAX_LOGIT_BIAS = 100.0  # each logit_bias value in [-100, 100], as OpenAI's
@@ -35,6 +36,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return with each token
+    # Each prompt token's logprob given the ones before it (none for the first), plus this
+    # many top alternatives; None: off. With it set, max_tokens may be 0 (score the prompt).
+    prompt_logprobs: int | None = None
     # Penalties and bias change the distribution sampled from (``engine.sampler.penalized``):
     # frequency and presence count the output's tokens, repetition the prompt's too.
     frequency_penalty: float = 0.0  # minus this times a token's count in the output
@@ -55,9 +59,10 @@ class SamplingParams:
                 f"logit_bias: must map token ids to biases, got {bias!r}"[:200]
             ) from None
         object.__setattr__(self, "logit_bias", tuple(pairs.items()))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        min_tokens = 0 if self.prompt_logprobs is not None else 1
+        if not isinstance(self.max_tokens, int) or self.max_tokens < min_tokens:
             raise SamplingParamsError(
-                f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}"
+                f"max_tokens: must be an integer >= {min_tokens}, got {self.max_tokens!r}"
             )
         if not 0.0 <= self.temperature <= 100.0:
             raise SamplingParamsError(f"temperature: must be in [0, 100], got {self.temperature}")
@@ -84,6 +89,11 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise SamplingParamsError(
                 f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+            )
+        prompt = self.prompt_logprobs
+        if prompt is not None and not 0 <= prompt <= MAX_PROMPT_LOGPROBS:
+            raise SamplingParamsError(
+                f"prompt_logprobs: must be in [0, {MAX_PROMPT_LOGPROBS}], got {prompt}"
             )
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)

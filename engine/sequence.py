@@ -57,6 +57,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # params.prompt_logprobs: entry i scores prompt token i + 1, filled chunk by chunk.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     is_prefill_only: bool = False  # stop after the first token and keep the blocks (prefill worker)
     # Speculative decoding: drafts proposed after the last token, verified next step.
     draft_token_ids: list[int] | None = None
@@ -67,6 +69,11 @@ class Sequence:
     undrafted_features: list[Any] = field(default_factory=list)
     num_undrafted_tokens: int = 0
     spec_counts: SpecCounts = field(default_factory=SpecCounts)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Prompt logprobs need every prompt position computed: no cached prefix."""
+        return self.params.prompt_logprobs is None
 
     @property
     def num_tokens(self) -> int:

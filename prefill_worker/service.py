@@ -304,7 +304,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
     ) -> pb.PrefillReply:
         output = result.output
         reply = pb.PrefillReply(
-            first_token_id=output.token_ids[-1],  # after any resumed output
+            first_token_id=output.token_ids[-1] if output.token_ids else 0,  # 0: max_tokens 0
             draft_tokens=result.prefilled.draft_token_ids if result.prefilled else [],
             num_cached_tokens=output.num_cached_tokens,
             num_bytes_pushed=num_bytes,
@@ -317,6 +317,8 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         )
         if logprobs is not None and output.logprobs:
             reply.first_token_logprob.CopyFrom(token_logprob_to_proto(output.logprobs[-1]))
+        for entry in output.prompt_logprobs or ():
+            reply.prompt_logprobs.append(token_logprob_to_proto(entry))
         return reply
 
     def _deliver(self, results: list[_Prefilled]) -> None:

@@ -319,10 +319,18 @@ class GenerationService(gen_grpc.GenerationServicer):
             request.first_token_logprob.CopyFrom(prefilled.first_token_logprob)
         call = self._decoder(route).Decode(request, timeout=route.remaining())
         num_sent = len(route.sent)
+        # max_tokens 0 (prompt logprobs only) takes this same path: D reserved, P scores the
+        # prompt and ends the request (is_finished), D answers one LENGTH chunk and frees the
+        # reservation at once. Reserving a prompt's blocks for nothing is the price of one
+        # path through the ledger's states and D's usage; such requests are rare.
+        prompt_logprobs = prefilled.prompt_logprobs if not num_sent else None  # on chunk one
         try:
             async for chunk in call:
                 if chunk.index != num_sent:
                     raise RuntimeError(f"decode stream: chunk index {chunk.index}, want {num_sent}")
+                if prompt_logprobs and chunk.finish_reason != gen.FINISH_REASON_PREEMPTED:
+                    chunk.prompt_logprobs.extend(prompt_logprobs)
+                    prompt_logprobs = None
                 num_sent += len(chunk.token_ids)
                 if chunk.finish_reason == gen.FINISH_REASON_PREEMPTED:
                     yield chunk

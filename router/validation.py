@@ -56,9 +56,10 @@ def check_sampling(message: gen.SamplingParams) -> None:
         raise ValidationError(
             f"stop: at most {wire.MAX_STOP_SEQUENCES} stop strings, got {len(message.stop)}"
         )
-    if message.HasField("max_tokens") and message.max_tokens < wire.MIN_MAX_TOKENS:
+    min_tokens = 0 if message.HasField("prompt_logprobs") else wire.MIN_MAX_TOKENS
+    if message.HasField("max_tokens") and message.max_tokens < min_tokens:
         raise ValidationError(
-            f"max_tokens: must be an integer >= {wire.MIN_MAX_TOKENS}, got {message.max_tokens!r}"
+            f"max_tokens: must be an integer >= {min_tokens}, got {message.max_tokens!r}"
         )
     if message.HasField("temperature") and not 0.0 <= message.temperature <= wire.MAX_TEMPERATURE:
         raise ValidationError(
@@ -81,6 +82,13 @@ def check_sampling(message: gen.SamplingParams) -> None:
     if message.HasField("logprobs") and not 0 <= message.logprobs <= wire.MAX_LOGPROBS:
         raise ValidationError(
             f"logprobs: must be in [0, {wire.MAX_LOGPROBS}], got {message.logprobs}"
+        )
+    if message.HasField("prompt_logprobs") and not (
+        0 <= message.prompt_logprobs <= wire.MAX_PROMPT_LOGPROBS
+    ):
+        raise ValidationError(
+            f"prompt_logprobs: must be in [0, {wire.MAX_PROMPT_LOGPROBS}], "
+            f"got {message.prompt_logprobs}"
         )
     for name in ("frequency_penalty", "presence_penalty"):
         value = getattr(message, name)

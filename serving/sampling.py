@@ -28,6 +28,7 @@ def params_from_proto(message: gen.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
+        prompt_logprobs=(message.prompt_logprobs if message.HasField("prompt_logprobs") else None),
         frequency_penalty=message.frequency_penalty,
         presence_penalty=message.presence_penalty,
         repetition_penalty=(

@@ -22,7 +22,7 @@ class SamplingKwargs(TypedDict, total=False):
     """``tandem.v1.SamplingParams``' fields as keywords (the proto documents each);
     tests/client/test_sdk.py keeps the two equal."""
 
-    max_tokens: int  # >= 1; unset: 16
+    max_tokens: int  # >= 1 (0 with prompt_logprobs: score the prompt only); unset: 16
     temperature: float  # 0 is greedy; unset: 1.0
     top_k: int  # 0 disables
     top_p: float  # (0, 1]; unset: 1.0
@@ -32,6 +32,7 @@ class SamplingKwargs(TypedDict, total=False):
     stop_token_ids: Sequence[int]  # token ids that end generation (returned)
     ignore_eos: bool
     logprobs: int  # also return this many top alternatives per token (0..20)
+    prompt_logprobs: int  # the prompt tokens' logprobs too, with this many alternatives (0..20)
     frequency_penalty: float  # [-2, 2]; minus this times a token's count in the output
     presence_penalty: float  # [-2, 2]; minus this for a token in the output
     repetition_penalty: float  # (0, 100]; seen tokens' logits divided (> 0) or multiplied

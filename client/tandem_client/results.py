@@ -79,6 +79,8 @@ class Chunk:
     finish_reason: str | None  # "stop", "length" or "abort" on the last chunk, else None
     stop_reason: int | str | None  # the stop token id or stop string ending a "stop"
     usage: Usage | None  # on the last chunk only
+    # The first chunk, when asked: prompt tokens from the second on (the first has none).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     @classmethod
     def from_proto(cls, chunk: gen.GenerateChunk) -> Chunk:
@@ -96,6 +98,7 @@ class Chunk:
             finish_reason=finish.lower() if finish else None,
             stop_reason=getattr(chunk, which) if which else None,
             usage=Usage.from_proto(chunk.usage) if chunk.HasField("usage") else None,
+            prompt_logprobs=tuple(TokenLogprob.from_proto(e) for e in chunk.prompt_logprobs),
         )
 
 
@@ -110,19 +113,25 @@ class Completion:
     stop_reason: int | str | None  # the stop token id or stop string ending a "stop"
     logprobs: tuple[TokenLogprob, ...] | None  # one per token; None unless asked for
     usage: Usage | None
+    # Prompt tokens from the second on (the first has no logprob); None unless asked for.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     @classmethod
-    def join(cls, chunks: Iterable[Chunk], *, has_logprobs: bool) -> Completion:
+    def join(
+        cls, chunks: Iterable[Chunk], *, has_logprobs: bool, has_prompt_logprobs: bool = False
+    ) -> Completion:
         """The completion made of ``chunks`` (in order, the last one carrying the finish)."""
         request_id, texts = "", []
         ids: list[int] = []
         logprobs: list[TokenLogprob] = []
+        prompt_logprobs: list[TokenLogprob] = []
         last: Chunk | None = None
         for chunk in chunks:
             request_id = request_id or chunk.request_id
             texts.append(chunk.text)
             ids.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs)
+            prompt_logprobs.extend(chunk.prompt_logprobs)
             last = chunk
         if last is None or last.finish_reason is None:
             raise ValueError("the stream ended without its last chunk")
@@ -134,6 +143,7 @@ class Completion:
             stop_reason=last.stop_reason,
             logprobs=tuple(logprobs) if has_logprobs else None,
             usage=last.usage,
+            prompt_logprobs=tuple(prompt_logprobs) if has_prompt_logprobs else None,
         )
 
 

@@ -94,7 +94,11 @@ class TandemClient:
         chunks = self.stream(
             prompt, request_id=request_id, model=model, timeout=timeout, **sampling
         )
-        return Completion.join(chunks, has_logprobs=sampling.get("logprobs") is not None)
+        return Completion.join(
+            chunks,
+            has_logprobs=sampling.get("logprobs") is not None,
+            has_prompt_logprobs=sampling.get("prompt_logprobs") is not None,
+        )
 
     def stream(
         self,
@@ -215,7 +219,11 @@ class AsyncTandemClient:
             prompt, request_id=request_id, model=model, timeout=timeout, **sampling
         )
         joined = [chunk async for chunk in chunks]
-        return Completion.join(joined, has_logprobs=sampling.get("logprobs") is not None)
+        return Completion.join(
+            joined,
+            has_logprobs=sampling.get("logprobs") is not None,
+            has_prompt_logprobs=sampling.get("prompt_logprobs") is not None,
+        )
 
     def stream(
         self,

@@ -20,6 +20,8 @@ MAX_TEMPERATURE = 100.0  # temperature in [0, MAX_TEMPERATURE]; 0 is greedy
 MAX_SEED = 2**63  # seed in [0, MAX_SEED): a signed 64-bit integer on every side
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20  # logprobs in [0, MAX_LOGPROBS]
+# prompt_logprobs in [0, MAX_PROMPT_LOGPROBS]; with it set, max_tokens may be 0 (score only)
+MAX_PROMPT_LOGPROBS = 20
 MAX_FREQUENCY_PENALTY = 2.0  # frequency_penalty and presence_penalty in [-2, 2]
 MAX_REPETITION_PENALTY = 100.0  # repetition_penalty in (0, 100]; 1 is off
 MAX_LOGIT_BIAS = 100.0  # each logit_bias value in [-100, 100]

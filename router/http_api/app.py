@@ -41,6 +41,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.http_api.convert import (
     ChoiceState,
+    Echo,
     chat_logprobs,
     chat_messages,
     chat_requests,
@@ -162,7 +163,9 @@ def make_app(service: GenerationService, *, auth_token: str | None = None) -> Fa
     ) -> JSONResponse | StreamingResponse:
         api.check(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        return await api.respond(request, body, rid, completion_requests(body, rid), chat=False)
+        calls = completion_requests(body, rid)
+        echoes = api.echoes(calls) if body.echo else None
+        return await api.respond(request, body, rid, calls, chat=False, echoes=echoes)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(
@@ -236,6 +239,23 @@ class _Api:
         tokenizer = self.service.validator.tokenizer
         return tokenizer.decode([token_id]) if tokenizer is not None else ""
 
+    def echoes(self, calls: list[gen.GenerateRequest]) -> list[Echo]:
+        """Each call's prompt to echo; text prompts are sent as the ids they encode to."""
+        echoes = []
+        for call in calls:
+            try:
+                ids = self.service.validator.validate(call).prompt_token_ids
+            except Exception as e:
+                raise http_error(e) from e
+            tokenizer = self.service.validator.tokenizer
+            if call.WhichOneof("prompt") == "text":
+                text = call.text
+            else:
+                text = tokenizer.decode(ids) if tokenizer is not None else ""
+            call.token_ids.ids[:] = ids
+            echoes.append(Echo(text, ids[0]))
+        return echoes
+
     async def respond(
         self,
         request: Request,
@@ -244,7 +264,9 @@ class _Api:
         calls: list[gen.GenerateRequest],
         *,
         chat: bool,
+        echoes: list[Echo] | None = None,
     ) -> JSONResponse | StreamingResponse:
+        choices = [ChoiceState(echo=echoes[i] if echoes else None) for i in range(len(calls))]
         events = _merged([self.service.Generate(c, _CallContext()) for c in calls])
         if body.stream:
             try:  # the first chunk before the headers: a refusal is still an HTTP status
@@ -253,9 +275,8 @@ class _Api:
                 first = None
             except Exception as e:
                 raise http_error(e) from e
-            sse = self._sse(body, rid, len(calls), first, events, chat=chat)
+            sse = self._sse(body, rid, choices, first, events, chat=chat)
             return StreamingResponse(sse, media_type="text/event-stream", headers=SSE_HEADERS)
-        choices = [ChoiceState() for _ in calls]
 
         async def collect() -> None:
             async for i, chunk in events:
@@ -288,7 +309,7 @@ class _Api:
             else:
                 choice["text"] = c.text
                 choice["logprobs"] = (
-                    completion_logprobs(c.logprobs, self.token_text, 0)
+                    completion_logprobs(c.logprobs, self.token_text, 0, c.echo)
                     if isinstance(body, CompletionRequest) and body.logprobs is not None
                     else None
                 )
@@ -306,7 +327,7 @@ class _Api:
         self,
         body: CompletionRequest | ChatCompletionRequest,
         rid: str,
-        num_choices: int,
+        choices: list[ChoiceState],
         first: tuple[int, gen.GenerateChunk] | None,
         events: AsyncIterator[tuple[int, gen.GenerateChunk]],
         *,
@@ -319,7 +340,7 @@ class _Api:
             "created": created,
             "model": self.model_name,
         }
-        choices = [ChoiceState() for _ in range(num_choices)]
+        echoing = {i for i, c in enumerate(choices) if c.echo is not None}  # not yet echoed
         with_logprobs = (
             body.logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs is not None
         )
@@ -339,9 +360,14 @@ class _Api:
                     chat_logprobs(chunk.logprobs, self.token_text) if with_logprobs else None
                 )
             else:
-                choice["text"] = chunk.text
+                echo, entries = None, list(chunk.logprobs)
+                if i in echoing:  # the first event: the prompt before the completion
+                    echoing.discard(i)
+                    echo, offset = state.echo, 0
+                    entries = [*chunk.prompt_logprobs, *entries]
+                choice["text"] = (echo.text if echo else "") + chunk.text
                 choice["logprobs"] = (
-                    completion_logprobs(chunk.logprobs, self.token_text, offset)
+                    completion_logprobs(entries, self.token_text, offset, echo)
                     if with_logprobs
                     else None
                 )

@@ -104,8 +104,19 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[gen.Ge
                 request.token_ids.ids.extend(prompt)
             if body.logprobs is not None:
                 request.sampling.logprobs = body.logprobs
+            if body.echo and (body.logprobs is not None or body.max_tokens == 0):
+                # max_tokens 0 is allowed with prompt logprobs only: ask for them then too.
+                request.sampling.prompt_logprobs = body.logprobs or 0
             requests.append(request)
     return requests
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion choice's prompt, returned before its completion (``echo``)."""
+
+    text: str
+    first_token_id: int  # the prompt's first token: no logprob, null in the answer
 
 
 def chat_requests(
@@ -148,10 +159,16 @@ class ChoiceState:
     logprobs: list[gen.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: gen.Usage | None = None
+    echo: Echo | None = None  # the prompt goes first: in ``text`` from the start
+
+    def __post_init__(self) -> None:
+        if self.echo is not None:
+            self.text = self.echo.text
 
     def add(self, chunk: gen.GenerateChunk) -> None:
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.prompt_logprobs)  # the first chunk's: before the rest
         self.logprobs.extend(chunk.logprobs)
         if chunk.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
             self.finish_reason = FINISH_REASONS.get(chunk.finish_reason, "abort")
@@ -192,16 +209,29 @@ def chat_logprobs(entries: Sequence[gen.TokenLogprob], token_text: TokenText) ->
 
 
 def completion_logprobs(
-    entries: Sequence[gen.TokenLogprob], token_text: TokenText, text_offset: int
+    entries: Sequence[gen.TokenLogprob],
+    token_text: TokenText,
+    text_offset: int,
+    echo: Echo | None = None,
 ) -> dict[str, Any]:
+    """OpenAI's completion logprobs; with ``echo`` (the first chunk of an echoed choice),
+    the prompt's first token goes first with null logprob and alternatives, as OpenAI's."""
     tokens = [token_text(e.token_id) for e in entries]
+    logprobs: list[float | None] = [e.logprob for e in entries]
+    top: list[dict[str, float] | None] = [
+        {token_text(t.token_id): t.logprob for t in e.top} for e in entries
+    ]
+    if echo is not None:
+        tokens.insert(0, token_text(echo.first_token_id))
+        logprobs.insert(0, None)
+        top.insert(0, None)
     offsets = []
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{token_text(t.token_id): t.logprob for t in e.top} for e in entries],
+        "token_logprobs": logprobs,
+        "top_logprobs": top,
         "text_offset": offsets,
     }

@@ -93,16 +93,14 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo (the router refuses it else)
     logprobs: int | None = Field(None, ge=0)
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion, in text and logprobs
     suffix: str | None = None
     best_of: int | None = None
 
     def unsupported(self) -> list[str]:
         names = super().unsupported()
-        if self.echo:
-            names.append("echo")
         if self.suffix is not None:
             names.append("suffix")
         if self.best_of is not None and self.best_of != self.n:

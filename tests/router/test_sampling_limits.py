@@ -33,6 +33,7 @@ EDGES: dict[str, list[object]] = {
     ],
     "stop_token_ids": [[], [0], [U32]],
     "logprobs": [0, 1, wire.MAX_LOGPROBS, wire.MAX_LOGPROBS + 1, U32],
+    "prompt_logprobs": [0, 1, wire.MAX_PROMPT_LOGPROBS, wire.MAX_PROMPT_LOGPROBS + 1, U32],
     "frequency_penalty": [-math.inf, -2.0000002, -2.0, -0.0, 0.0, 1.5, 2.0, 2.0000002, math.inf],
     "presence_penalty": [-math.inf, -2.0000002, -2.0, -0.0, 0.0, 1.5, 2.0, 2.0000002, math.inf],
     "repetition_penalty": [-1.0, -0.0, 0.0, 1e-45, 1.0, 1.3, 100.0, 100.00001, math.inf],
@@ -113,6 +114,7 @@ def test_unset_fields_are_accepted_and_defaults_agree() -> None:
     assert SamplingParams().max_tokens == wire.DEFAULT_MAX_TOKENS
     assert wire.MAX_STOP_SEQUENCES == engine_limits.MAX_STOP_SEQUENCES
     assert wire.MAX_LOGPROBS == engine_limits.MAX_LOGPROBS
+    assert wire.MAX_PROMPT_LOGPROBS == engine_limits.MAX_PROMPT_LOGPROBS
     for name in (
         "MAX_FREQUENCY_PENALTY",
         "MAX_REPETITION_PENALTY",
@@ -140,3 +142,14 @@ def test_the_edges_cross_every_limit() -> None:
     for field, values in EDGES.items():
         outcomes = {refusals(gen.SamplingParams(**{field: v}))[1] is None for v in values}
         assert outcomes == ({True} if field in unrefusable else {True, False}), field
+
+
+@pytest.mark.parametrize("prompt_logprobs", [None, 0, 3])
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_max_tokens_zero_only_with_prompt_logprobs(
+    max_tokens: int, prompt_logprobs: int | None
+) -> None:
+    message = gen.SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
+    router, engine = refusals(message)
+    assert router == engine
+    assert (engine is None) == (max_tokens > 0 or prompt_logprobs is not None)

@@ -18,9 +18,11 @@ import pytest
 import redis
 import torch
 from tokenizers import Tokenizer
+from transformers import LlamaForCausalLM
 
 from ledger.ledger import Ledger, RequestState
 from serving.launcher import Cluster, ClusterError
+from tandem_client import InvalidRequest, TandemClient
 from tests.services.cluster_helpers import (
     assert_greedy_equal,
     build_tiny_target,
@@ -346,3 +348,91 @@ async def test_logit_bias_and_frequency_penalty_change_greedy_text(
         with pytest.raises(openai.BadRequestError) as refused:
             await client.completions.create(model=MODEL, prompt="a", **bad)  # type: ignore[call-overload]
         assert refused.value.body["param"] == param  # type: ignore[index]
+
+
+def prompt_reference(target: Path, prompt: list[int]) -> torch.Tensor:
+    """[P, V]: transformers' fp32 log-softmax at each prompt position (row i scores i + 1)."""
+    hf = LlamaForCausalLM.from_pretrained(str(target), dtype="float32").eval()
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        return torch.log_softmax(hf(ids, attention_mask=torch.ones_like(ids)).logits[0], -1)
+
+
+ECHO_PROMPT = [1, 20, 33, 41, 7, 9, 12, 50, 8]
+
+
+async def test_prompt_logprobs_through_the_sdk(cluster: Cluster, target: Path) -> None:
+    """gRPC (SDK): prompt logprobs on the first chunk equal transformers' within 1e-4, with
+    max_tokens 0 (the prompt only) and with a completion; max_tokens 0 alone is refused."""
+    ref = prompt_reference(target, ECHO_PROMPT)
+    with TandemClient(cluster.router_address, timeout=60, max_retries=0) as sdk:
+        scored = sdk.generate(ECHO_PROMPT, max_tokens=0, prompt_logprobs=2)
+        generated = sdk.generate(
+            ECHO_PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=0
+        )
+        with pytest.raises(InvalidRequest, match=r"max_tokens: must be"):
+            sdk.generate(ECHO_PROMPT, max_tokens=0)
+    assert scored.token_ids == () and scored.finish_reason == "length"
+    assert scored.usage is not None
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (len(ECHO_PROMPT), 0)
+    assert len(generated.token_ids) == 3 and generated.prompt_logprobs is not None
+    assert scored.prompt_logprobs is not None
+    for entries, k in [(scored.prompt_logprobs, 2), (generated.prompt_logprobs, 0)]:
+        assert [e.token_id for e in entries] == ECHO_PROMPT[1:]
+        for i, e in enumerate(entries):
+            assert abs(e.logprob - ref[i, ECHO_PROMPT[i + 1]].item()) < 1e-4
+            top = ref[i].topk(k)
+            assert [t.token_id for t in e.top] == top.indices.tolist()
+            values = top.values.tolist()
+            assert all(abs(t.logprob - v) < 1e-4 for t, v in zip(e.top, values, strict=True))
+
+
+async def test_echo_with_logprobs_and_no_completion(
+    target: Path, client: openai.AsyncOpenAI
+) -> None:
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, max_tokens 0."""
+    ref = prompt_reference(target, ECHO_PROMPT)
+    out = await client.completions.create(
+        model=MODEL, prompt=ECHO_PROMPT, echo=True, logprobs=2, max_tokens=0
+    )
+    choice = out.choices[0]
+    assert choice.text == tokenizer(target).decode(ECHO_PROMPT, skip_special_tokens=False)
+    assert choice.finish_reason == "length"
+    assert out.usage is not None
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ECHO_PROMPT), 0)
+    lp = choice.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert lp.tokens is not None and len(lp.tokens) == len(ECHO_PROMPT)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i, (value, top) in enumerate(zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True)):
+        assert abs(value - ref[i, ECHO_PROMPT[i + 1]].item()) < 1e-4  # type: ignore[operator]
+        want = ref[i].topk(2).values.tolist()
+        got = sorted(top.values(), reverse=True)
+        assert all(abs(a - b) < 1e-4 for a, b in zip(got, want, strict=True)), (got, want)
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=0)
+    assert refused.value.body["param"] == "max_tokens"  # type: ignore[index]
+
+
+async def test_echo_before_a_completion(target: Path, client: openai.AsyncOpenAI) -> None:
+    """The prompt's text and logprobs come first, whole or streamed; the completion is the
+    one asked without echo."""
+    kw: dict[str, object] = dict(
+        model=MODEL, prompt="hello world", max_tokens=5, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    plain = await client.completions.create(**kw)  # type: ignore[call-overload]
+    whole = await client.completions.create(echo=True, logprobs=1, **kw)  # type: ignore[call-overload]
+    assert whole.choices[0].text == "hello world" + plain.choices[0].text
+    lp = whole.choices[0].logprobs
+    num_prompt = len(tokenizer(target).encode("hello world").ids)
+    assert len(lp.tokens) == num_prompt + 5 and lp.token_logprobs[0] is None
+    assert all(v is not None for v in lp.token_logprobs[1:])
+    assert lp.text_offset[num_prompt] == len("".join(lp.tokens[:num_prompt]))
+    stream = await client.completions.create(echo=True, logprobs=1, stream=True, **kw)  # type: ignore[call-overload]
+    texts, streamed = [], []
+    async for event in stream:
+        texts.append(event.choices[0].text)
+        streamed.extend(event.choices[0].logprobs.token_logprobs)
+    assert "".join(texts) == whole.choices[0].text and texts[0].startswith("hello world")
+    assert len(streamed) == len(lp.token_logprobs) and streamed[0] is None

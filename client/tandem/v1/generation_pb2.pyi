@@ -223,6 +223,7 @@ class SamplingParams(_message.Message):
     PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Most tokens to generate (>= 1); unset: 16."""
     temperature: _builtins.float
@@ -256,6 +257,12 @@ class SamplingParams(_message.Message):
     """For tokens in the prompt or the output so far: a positive logit is divided by this, any
     other multiplied, in (0, 100]; unset: 1.0 (disabled) (vLLM's and transformers').
     """
+    prompt_logprobs: _builtins.int
+    """Return each prompt token's log-probability given the tokens before it (the model's raw
+    distribution), plus this many top alternatives (0..20); unset: none. The first chunk of
+    the stream carries them (GenerateChunk.prompt_logprobs). With it set, max_tokens may be
+    0: the prompt is scored and nothing generated (lm-evaluation-harness loglikelihood).
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop strings (at most 16, non-empty); the matched string is not returned."""
@@ -287,15 +294,18 @@ class SamplingParams(_message.Message):
         presence_penalty: _builtins.float = ...,
         repetition_penalty: _builtins.float | None = ...,
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        prompt_logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
@@ -308,6 +318,8 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload
@@ -334,6 +346,7 @@ class GenerateChunk(_message.Message):
     STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
     STOP_STRING_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request this chunk belongs to."""
     index: _builtins.int
@@ -362,6 +375,13 @@ class GenerateChunk(_message.Message):
     def usage(self) -> Global___Usage:
         """Token counts; on the last chunk only."""
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """First chunk only, when SamplingParams.prompt_logprobs is set: one entry per prompt
+        token from the second on (entry i scores prompt token i + 1 given tokens 0..i); the
+        first prompt token has no logprob (OpenAI's and vLLM's null) and no entry.
+        """
+
     def __init__(
         self,
         *,
@@ -374,10 +394,11 @@ class GenerateChunk(_message.Message):
         stop_token_id: _builtins.int = ...,
         stop_string: _builtins.str = ...,
         usage: Global___Usage | None = ...,
+        prompt_logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "request_id", b"request_id", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_stop_reason: _TypeAlias = _typing.Literal["stop_token_id", "stop_string"]  # noqa: Y015
     _WhichOneofArgType_stop_reason: _TypeAlias = _typing.Literal["stop_reason", b"stop_reason"]  # noqa: Y015
@@ -395,7 +416,7 @@ class TokenLogprob(_message.Message):
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
-    """The generated token."""
+    """The generated token (or, in prompt_logprobs, the prompt token)."""
     logprob: _builtins.float
     """Its log-probability under the request's sampling distribution."""
     @_builtins.property

@@ -506,6 +506,7 @@ class PrefillReply(_message.Message):
     NUM_BYTES_PUSHED_FIELD_NUMBER: _builtins.int
     TIMING_FIELD_NUMBER: _builtins.int
     IS_FINISHED_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     first_token_id: _builtins.int
     """x[n]: the first generated token."""
     num_cached_tokens: _builtins.int
@@ -528,6 +529,12 @@ class PrefillReply(_message.Message):
     def timing(self) -> Global___PrefillTiming:
         """Where the time went."""
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]:
+        """When SamplingParams.prompt_logprobs is set: GenerateChunk.prompt_logprobs (prompt
+        tokens 1..P-1), which the router puts on the first chunk it sends.
+        """
+
     def __init__(
         self,
         *,
@@ -538,10 +545,11 @@ class PrefillReply(_message.Message):
         num_bytes_pushed: _builtins.int = ...,
         timing: Global___PrefillTiming | None = ...,
         is_finished: _builtins.bool = ...,
+        prompt_logprobs: _abc.Iterable[_generation_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "first_token_logprob", b"first_token_logprob", "timing", b"timing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "is_finished", b"is_finished", "num_bytes_pushed", b"num_bytes_pushed", "num_cached_tokens", b"num_cached_tokens", "timing", b"timing"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "is_finished", b"is_finished", "num_bytes_pushed", b"num_bytes_pushed", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "timing", b"timing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_logprob: _TypeAlias = _typing.Literal["first_token_logprob"]  # noqa: Y015
     _WhichOneofArgType__first_token_logprob: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob"]  # noqa: Y015
