@@ -64,6 +64,7 @@ class ClusterSpec:
     threads: int | None = None  # torch threads per process; None: the cores divided
     worker_args: tuple[str, ...] = ()  # extra options of both worker kinds (--dtype, ...)
     decode_args: tuple[str, ...] = ()  # extra options of decode workers only
+    prefill_args: tuple[str, ...] = ()  # extra options of prefill workers only
     router_args: tuple[str, ...] = ()
     service_args: tuple[str, ...] = ()  # options every process takes (--heartbeat-ms, ...)
     log_dir: Path | None = None  # None: children write to this process's stderr
@@ -177,7 +178,8 @@ class Cluster:
             if spec.draft:
                 engine += ["--draft", spec.draft, "--num-draft-tokens", str(spec.num_draft_tokens)]
             for i in range(spec.num_prefill):
-                self.prefill.append(self._spawn(f"prefill-{i}", "prefill_worker", engine, True))
+                args = [*engine, *spec.prefill_args]
+                self.prefill.append(self._spawn(f"prefill-{i}", "prefill_worker", args, True))
             for i in range(spec.num_decode):
                 args = [*engine, *spec.decode_args]
                 self.decode.append(self._spawn(f"decode-{i}", "decode_worker", args, True))

@@ -97,8 +97,12 @@ def http_error(exc: BaseException) -> HttpError:
     return HttpError(status, message, param=param, code=code.name.lower())
 
 
+RETRY_AFTER_S = 1  # the hint a 429 or a draining router's 503 carries
+
+
 def error_response(error: HttpError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 class BearerAuth:
