@@ -391,8 +391,8 @@ class _ChunkStream:
         self.first_logprob = (
             request.first_token_logprob if request.HasField("first_token_logprob") else None
         )
-        # This attempt's speculative counters so far; None without a draft. A request
-        # resumed after a preemption reports its last attempt's only.
+        # This attempt's speculative counters so far; None without a draft. A preempted
+        # attempt reports its own on its last chunk, and the router adds them up.
         self.spec_counts: SpecCounts | None = None
 
     def chunk(self, output: RequestOutput) -> gen.GenerateChunk:
@@ -419,11 +419,13 @@ class _ChunkStream:
         return chunk
 
     def preempted(self) -> gen.GenerateChunk:
-        """The last chunk of a request handed back: the router resumes it elsewhere."""
+        """The last chunk of a request handed back: the router resumes it elsewhere, and
+        adds this attempt's speculative counters to the next ones'."""
         return gen.GenerateChunk(
             request_id=self.req.request_id,
             index=self.num_sent,
             finish_reason=gen.FINISH_REASON_PREEMPTED,
+            usage=self._usage(self.num_sent),
         )
 
     def aborted(self) -> gen.GenerateChunk:

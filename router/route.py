@@ -13,6 +13,7 @@ from ledger.ledger import RequestState, WorkerInfo
 from ledger.membership import Membership
 from router.routing import WorkerPicker
 from router.validation import ValidRequest
+from tandem.v1 import generation_pb2 as gen
 
 DEADLINE_SLACK_S = 0.05  # errors this close to the deadline are the deadline's doing
 
@@ -30,6 +31,22 @@ class Route:
     # decode worker hands a preempted request back at; kept when the router registers
     # again after a Redis restart (a record the decode worker rebuilt carries it on).
     owner_epoch: int = 0
+    # The speculative counters of attempts that ended in a preemption (their last chunk
+    # carries them); added to the final chunk's. An attempt whose decode worker died
+    # reports nothing, and is not counted.
+    earlier_drafts: gen.SpeculativeUsage | None = None
+
+    def count_attempt(self, usage: gen.Usage) -> None:
+        if usage.HasField("speculative"):
+            if self.earlier_drafts is None:
+                self.earlier_drafts = gen.SpeculativeUsage()
+            _add(self.earlier_drafts, usage.speculative)
+
+    def with_earlier_attempts(self, chunk: gen.GenerateChunk) -> gen.GenerateChunk:
+        """The final chunk, its usage counting the drafts of every earlier attempt too."""
+        if self.earlier_drafts is not None and chunk.HasField("usage"):
+            _add(chunk.usage.speculative, self.earlier_drafts)
+        return chunk
 
     @property
     def token_ids(self) -> list[int]:
@@ -76,3 +93,9 @@ def record_in_ledger(membership: Membership, route: Route, model_name: str) -> N
             "decode_worker": route.decode.worker_id,
         },
     )
+
+
+def _add(total: gen.SpeculativeUsage, more: gen.SpeculativeUsage) -> None:
+    total.num_drafts += more.num_drafts
+    total.num_draft_tokens += more.num_draft_tokens
+    total.num_accepted_tokens += more.num_accepted_tokens

@@ -152,9 +152,12 @@ class GenerationService(gen_grpc.GenerationServicer):
                 try:
                     async for chunk in self._decode(route, reserve, prefilled):
                         if chunk.finish_reason == gen.FINISH_REASON_PREEMPTED:
+                            route.count_attempt(chunk.usage)
                             continue  # the stream's last chunk: resume it below
                         route.sent.extend(chunk.token_ids)
                         is_finished = chunk.finish_reason != gen.FINISH_REASON_UNSPECIFIED
+                        if is_finished:
+                            route.with_earlier_attempts(chunk)
                         timing.sent(chunk)
                         yield chunk
                 except grpc.aio.AioRpcError as e:

@@ -122,6 +122,12 @@ async def test_preempted_requests_resume_and_equal_the_engine(
     ours = [check_stream(chunks, MAX_TOKENS) for chunks in results]
     assert preemptions(cluster) > 0, "the decode worker was meant to run out of blocks"
     assert ours == in_process(*dirs)
+    # Each request's usage counts the drafts of every attempt, the preempted ones too:
+    # together, exactly what the decode worker counted.
+    counted = (await worker_stats(cluster.decode[0])).speculative
+    for field in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        per_request = [getattr(chunks[-1].usage.speculative, field) for chunks in results]
+        assert sum(per_request) == getattr(counted, field) - getattr(stats.speculative, field)
     client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
     try:
         await assert_audit_clean(cluster, Ledger(client))

@@ -482,7 +482,10 @@ class Usage(_message.Message):
     """Prompt tokens whose KV came from the prefix cache."""
     @_builtins.property
     def speculative(self) -> Global___SpeculativeUsage:
-        """Speculative decoding counters; absent when the model runs without a draft."""
+        """Speculative decoding counters of every decode attempt (a request preempted and
+        resumed counts each; one whose decode worker died counts the attempts that reported);
+        absent when the model runs without a draft.
+        """
 
     def __init__(
         self,
