@@ -9,6 +9,7 @@ import asyncio
 import signal
 from collections.abc import Iterator
 
+import grpc
 import httpx2 as httpx
 import pytest
 import redis
@@ -16,6 +17,7 @@ import torch
 
 from ledger.ledger import Ledger
 from serving.launcher import Cluster
+from tandem_client import AsyncTandemClient, Overloaded
 from tests.services.cluster_helpers import build_tiny_target, tiny_cluster_spec, wait_audit_clean
 
 pytestmark = pytest.mark.timeout(300)
@@ -59,6 +61,20 @@ async def test_requests_beyond_the_prefill_queue_get_429(cluster: Cluster) -> No
         await wait_audit_clean(cluster, Ledger(client))
     finally:
         client.close()
+
+
+async def test_the_sdk_raises_overloaded_from_a_real_answer(cluster: Cluster) -> None:
+    prompts = [[3 + (i * 5 + j) % 60 for j in range(1500)] for i in range(12)]
+    async with AsyncTandemClient(cluster.router_address, timeout=120, max_retries=0) as client:
+        answers = await asyncio.gather(
+            *(client.generate(p, max_tokens=4, temperature=0.0) for p in prompts),
+            return_exceptions=True,
+        )
+    refused = [a for a in answers if isinstance(a, BaseException)]
+    assert refused and all(isinstance(a, Overloaded) for a in refused), refused
+    assert refused[0].code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "retry later" in refused[0].message
+    assert all(a.usage.completion_tokens == 4 for a in answers if not isinstance(a, BaseException))
 
 
 async def test_a_draining_router_answers_503_while_its_streams_finish(cluster: Cluster) -> None:
