@@ -39,7 +39,7 @@ def _run_python(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-CLIENT_COMMANDS = ("chat", "generate", "health", "models")
+CLIENT_COMMANDS = ("chat", "generate", "health", "loadtest", "models")
 SERVER_COMMANDS = ("serve", "router", "prefill", "decode", "ledger", "train-draft", "draft-data")
 
 
@@ -82,6 +82,8 @@ def test_help_lists_commands_without_importing_torch(argv: list[str]) -> None:
         assert "SERVING" in result.stdout and "--wait" in result.stdout
     elif argv == ["models", "--help"]:
         assert "prepare" in result.stdout and "list" in result.stdout
+    elif argv[0] == "loadtest":
+        assert "--request-rate" in result.stdout and "TPOT" in result.stdout
     else:
         assert "--router" in result.stdout and "--cache-dir" in result.stdout
 
