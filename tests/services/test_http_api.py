@@ -436,3 +436,12 @@ async def test_echo_before_a_completion(target: Path, client: openai.AsyncOpenAI
         streamed.extend(event.choices[0].logprobs.token_logprobs)
     assert "".join(texts) == whole.choices[0].text and texts[0].startswith("hello world")
     assert len(streamed) == len(lp.token_logprobs) and streamed[0] is None
+
+
+async def test_a_chat_without_max_tokens_may_fill_the_context(client: openai.AsyncOpenAI) -> None:
+    reply = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "go on"}], temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.usage is not None and reply.choices[0].finish_reason == "length"
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens == 2048  # the context
