@@ -114,7 +114,7 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         runs = asyncio.run(_run(args, parser, source, shapes, show_progress))
     except TargetUnavailable as e:
         print(f"tandem loadtest: error: {e}; no load sent", file=sys.stderr)
-        return ExitCode.UNAVAILABLE
+        return e.code
     for run in runs:
         print(table(run), end="\n\n")
     where = args.base_url if args.target == "openai" else router_address(args)

@@ -39,7 +39,11 @@ to last end). Goodput: completed requests per second that meet every --slo. Erro
 counted by status code (a gRPC code name, an HTTP status).
 
 Output: a table per run, then as the last line of stdout one JSON object: the target and
-"runs", a list of each run's figures (one per rate)."""
+"runs", a list of each run's figures (one per rate).
+
+Exit codes: 3 when the target fails its check (no load is sent), 4 when it does not serve
+--model, 7 when it refuses the credentials, 1 when a run completed no request, 2 for a bad
+option; 0 otherwise, failed requests counted in the report."""
 
 EXAMPLES = f"""\
 examples:

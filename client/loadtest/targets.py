@@ -11,10 +11,16 @@ from typing import Any, Literal, Protocol
 from loadtest.data import RequestSpec
 from loadtest.metrics import RequestRecord
 from tandem_client import AsyncTandemClient, TandemError
+from tandem_client.exit_codes import ExitCode, exit_code
 
 
 class TargetUnavailable(Exception):
-    """The server did not answer its health or models check: no load is sent."""
+    """The server did not answer its health or models check: no load is sent. ``code``:
+    the `tandem` command's exit code for it (3, or 7 for refused credentials)."""
+
+    def __init__(self, message: str, code: ExitCode = ExitCode.UNAVAILABLE) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class Target(Protocol):
@@ -53,15 +59,19 @@ class TandemTarget:
             status = await self._client.health(timeout=10)
             models = [m.name for m in await self._client.models(timeout=10)]
         except TandemError as e:
+            code = exit_code(e)
             raise TargetUnavailable(
-                f"the router at {self.address} did not answer ({e.code.name}: {e.message})"
+                f"the router at {self.address} did not answer ({e.code.name}: {e.message})",
+                code if code == ExitCode.UNAUTHENTICATED else ExitCode.UNAVAILABLE,
             ) from None
         if status != "SERVING":
             raise TargetUnavailable(f"the router at {self.address} is {status}, not SERVING")
         if self.model and self.model not in models:
             raise TargetUnavailable(
-                f"the router at {self.address} serves {models}, not {self.model!r}"
+                f"the router at {self.address} serves {models}, not {self.model!r}",
+                ExitCode.INVALID_REQUEST,
             )
+        self.model = self.model or (models[0] if models else "")  # its default comes first
 
     async def send(self, spec: RequestSpec, record: RequestRecord, *, ignore_eos: bool) -> None:
         try:
@@ -116,6 +126,11 @@ class OpenAITarget:
     async def check(self) -> None:
         try:
             models = [m.id async for m in self._client.models.list()]
+        except (self._openai.AuthenticationError, self._openai.PermissionDeniedError) as e:
+            raise TargetUnavailable(
+                f"{self.base_url}/models refused the credentials ({e}); pass --api-key",
+                ExitCode.UNAUTHENTICATED,
+            ) from None
         except self._openai.OpenAIError as e:
             raise TargetUnavailable(f"{self.base_url}/models did not answer ({e})") from None
         if not self.model:
@@ -123,7 +138,9 @@ class OpenAITarget:
                 raise TargetUnavailable(f"{self.base_url} serves no model")
             self.model = models[0]
         elif self.model not in models:
-            raise TargetUnavailable(f"{self.base_url} serves {models}, not {self.model!r}")
+            raise TargetUnavailable(
+                f"{self.base_url} serves {models}, not {self.model!r}", ExitCode.INVALID_REQUEST
+            )
 
     async def send(self, spec: RequestSpec, record: RequestRecord, *, ignore_eos: bool) -> None:
         extra_body = {"ignore_eos": True} if ignore_eos else None

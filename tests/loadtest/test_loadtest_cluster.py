@@ -63,7 +63,8 @@ def test_tandem_target(cluster: Cluster, tmp_path: Path) -> None:
         "--num-requests", "8", "--concurrency", "4", "--warmup", "2",
         "--slo", "ttft_ms=60000", "--output", str(out),
     )  # fmt: skip
-    assert summary["target"] == "tandem" and len(summary["runs"]) == 1
+    assert summary["target"] == "tandem" and summary["model"] == "target"
+    assert len(summary["runs"]) == 1
     run = summary["runs"][0]
     check_run(run, 8)
     assert run["concurrency"] == 4 and run["num_good"] == 8
@@ -96,14 +97,24 @@ def test_openai_target(cluster: Cluster, extra: tuple[str, ...]) -> None:
     check_run(summary["runs"][0], 6)
 
 
-def test_unreachable_router_exits_3() -> None:
+def failed_check(*args: str) -> subprocess.CompletedProcess[str]:
+    """`tandem loadtest ARGS` whose target fails its check: one line on stderr, no JSON."""
     done = subprocess.run(
-        [sys.executable, "-m", "tandem_client", "loadtest", "--router", "127.0.0.1:1",
-         "--num-requests", "1"],
+        [sys.executable, "-m", "tandem_client", "loadtest", "--num-requests", "1", *args],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert done.returncode == 3, done.stderr
-    assert done.stderr.count("\n") == 1 and "no load sent" in done.stderr
+    assert done.stderr.count("\n") == 1 and "no load sent" in done.stderr, done.stderr
+    assert done.stdout == ""
+    return done
+
+
+def test_failed_checks_send_no_load(cluster: Cluster) -> None:
+    assert cluster.router is not None and cluster.router.base_url
+    assert failed_check("--router", "127.0.0.1:1").returncode == 3
+    assert failed_check("--router", cluster.router_address, "--model", "nope").returncode == 4
+    http = ("--target", "openai", "--base-url", cluster.router.base_url)
+    assert failed_check(*http, "--model", "nope").returncode == 4
+    assert failed_check("--target", "openai", "--base-url", "http://127.0.0.1:1/v1").returncode == 3
 
 
 def test_harness_imports_no_torch() -> None:
