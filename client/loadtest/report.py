@@ -12,9 +12,11 @@ LATENCIES = (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"), ("E2E"
 
 
 def describe_shape(run: Mapping[str, Any]) -> str:
+    """How a run sent its requests, in words."""
     rate = run["request_rate"]
-    parts = [f"rate {rate:g}/s" if rate is not None else "rate unlimited"]
-    if run["burstiness"] != 1 and rate is not None:
+    is_paced = rate is not None and math.isfinite(rate)
+    parts = [f"rate {rate:g}/s" if is_paced else "rate unlimited"]
+    if run["burstiness"] != 1 and is_paced:
         parts.append(f"burstiness {run['burstiness']:g}")
     if run["concurrency"]:
         parts.append(f"concurrency {run['concurrency']}")
@@ -27,16 +29,18 @@ def table(run: Mapping[str, Any]) -> str:
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.1f}"
 
+    errors = ", ".join(f"{code}: {n}" for code, n in run["errors"].items())
+    slos = ", ".join(f"{key} <= {limit:g}" for key, limit in run["slos"].items())
     lines = [
         f"== {describe_shape(run)} ==",
         f"completed {run['num_completed']}/{run['num_requests']} requests"
         f" in {run['duration_s']:.2f} s; failed {run['num_failed']}"
-        + (f" {run['errors']}" if run["errors"] else ""),
+        + (f" ({errors})" if errors else ""),
         f"request throughput  {run['request_throughput']:10.2f} req/s",
         f"output throughput   {run['output_throughput']:10.2f} tok/s"
         f"  ({run['num_output_tokens']} tokens)",
         f"goodput             {run['goodput']:10.2f} req/s"
-        f"  ({run['num_good']} within {run['slos'] or 'no SLOs'})",
+        f"  ({run['num_good']} requests within {slos or 'no SLOs'})",
         f"{'latency (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
     for label, key in LATENCIES:
