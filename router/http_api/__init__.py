@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API the router serves beside gRPC (see app.py)."""
