@@ -184,6 +184,8 @@ def _mapped(rings: ShmRingPool, segment: pb.ShmSegment, layout: KvLayout) -> Sha
     """The receiver's pool segment, mapped once per sender process (a few kept; one its
     receiver closed is mapped again, which fails if the receiver is gone)."""
     cache = rings.mapped_pools
+    for gone in [k for k, pools in cache.items() if not pools.is_open()]:
+        del cache[gone]  # a dead receiver's memory goes with the last mapping: this one
     key = segment_key(segment)
     pools = cache.get(key)
     if pools is None or not pools.is_open() or pools.size != segment.size:

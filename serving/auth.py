@@ -44,7 +44,7 @@ def new_secret() -> str:
 def read_secret_file(path: str | Path, option: str) -> str:
     """The file's content without its trailing newline; ``option`` names it in errors."""
     try:
-        value = Path(path).read_text().rstrip("\r\n")
+        value = Path(path).read_text().strip()  # HTTP strips a header value's blanks too
     except OSError as e:
         raise AuthConfigError(f"{option}: cannot read {path}: {e.strerror}") from None
     if not value or not value.isprintable() or not value.isascii():

@@ -30,13 +30,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.http_api.convert import (
@@ -51,7 +52,7 @@ from router.http_api.convert import (
 )
 from router.http_api.protocol import ChatCompletionRequest, CompletionRequest, HttpError
 from router.service import GenerationService
-from serving.rpc import status_of
+from serving.rpc import Unavailable, status_of
 from tandem.v1 import generation_pb2 as gen
 
 log = logging.getLogger("router.http")
@@ -60,18 +61,19 @@ T = TypeVar("T")
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 503,  # a worker set up unlike the router
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.CANCELLED: 503,  # by a worker (a client that left gets nothing)
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 # The gRPC fields a router message starts with, as OpenAI names them.
 PARAM_NAMES = {"text": "prompt", "token_ids": "prompt", "chat": "messages"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MAX_CALLS = 64  # choices of one HTTP request: prompts x n
 
 
 class _CallContext:
@@ -90,8 +92,8 @@ def http_error(exc: BaseException) -> HttpError:
     status = HTTP_STATUS.get(code, 500)
     param = None
     if status == 400:
-        name = message.split(":", 1)[0]
-        if name.isidentifier():
+        name, colon, _ = message.partition(":")
+        if colon and name.isidentifier():
             param = PARAM_NAMES.get(name, name)
             message = f"{param}:{message.split(':', 1)[1]}"
     return HttpError(status, message, param=param, code=code.name.lower())
@@ -167,7 +169,7 @@ def make_app(service: GenerationService, *, auth_token: str | None = None) -> Fa
     ) -> JSONResponse | StreamingResponse:
         api.check(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        calls = completion_requests(body, rid)
+        calls = _converted(completion_requests, body, rid)
         echoes = api.echoes(calls) if body.echo else None
         return await api.respond(request, body, rid, calls, chat=False, echoes=echoes)
 
@@ -182,9 +184,8 @@ def make_app(service: GenerationService, *, auth_token: str | None = None) -> Fa
         except Exception as e:
             raise http_error(e) from e
         max_len = service.validator.model.max_model_len
-        return await api.respond(
-            request, body, rid, chat_requests(body, rid, prompt, max_len), chat=True
-        )
+        calls = _converted(chat_requests, body, rid, prompt, max_len)
+        return await api.respond(request, body, rid, calls, chat=True)
 
     return app
 
@@ -274,13 +275,17 @@ class _Api:
         events = _merged([self.service.Generate(c, _CallContext()) for c in calls])
         if body.stream:
             try:  # the first chunk before the headers: a refusal is still an HTTP status
-                first = await anext(events)
-            except StopAsyncIteration:
-                first = None
+                first = await _unless_disconnected(request, _first(events))
             except Exception as e:
+                await events.aclose()
                 raise http_error(e) from e
             sse = self._sse(body, rid, choices, first, events, chat=chat)
-            return StreamingResponse(sse, media_type="text/event-stream", headers=SSE_HEADERS)
+            # Closed after the response, sent or not: a client gone mid-stream leaves no
+            # generator suspended (Starlette cancels the sending, not the generators).
+            closing = BackgroundTask(_close, sse, events)
+            return StreamingResponse(
+                sse, media_type="text/event-stream", headers=SSE_HEADERS, background=closing
+            )
 
         async def collect() -> None:
             async for i, chunk in events:
@@ -336,7 +341,7 @@ class _Api:
         events: AsyncIterator[tuple[int, gen.GenerateChunk]],
         *,
         chat: bool,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         base = {
             "id": rid,
@@ -398,7 +403,7 @@ def _data(payload: dict[str, Any]) -> str:
 
 async def _merged(
     streams: list[AsyncGenerator[gen.GenerateChunk, None]],
-) -> AsyncIterator[tuple[int, gen.GenerateChunk]]:
+) -> AsyncGenerator[tuple[int, gen.GenerateChunk], None]:
     """The chunks of several streams as they come, each with its stream's index; the first
     failure ends it, and closing it cancels what still runs."""
     if len(streams) == 1:
@@ -412,19 +417,23 @@ async def _merged(
     queue = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncGenerator[gen.GenerateChunk, None]) -> None:
+        error: BaseException | None = None
         try:
             async for chunk in stream:
                 queue.put_nowait((i, chunk, None))
-        except Exception as e:
-            queue.put_nowait((i, None, e))
-        else:
-            queue.put_nowait((i, None, None))
+        except BaseException as e:  # cancelled too: the reader must hear of it
+            error = e
+            raise
+        finally:
+            queue.put_nowait((i, None, error))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         running = len(tasks)
         while running:
             i, item, error = await queue.get()
+            if isinstance(error, asyncio.CancelledError):  # its call, not this reader
+                raise Unavailable(f"choice {i}: its call was cancelled (the router stops?)")
             if error is not None:
                 raise error
             if item is not None:
@@ -458,3 +467,35 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client goes (the body is read already: nothing else comes)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _first(
+    events: AsyncIterator[tuple[int, gen.GenerateChunk]],
+) -> tuple[int, gen.GenerateChunk] | None:
+    return await anext(events, None)
+
+
+async def _close(*generators: AsyncGenerator[Any, None]) -> None:
+    for generator in generators:
+        await generator.aclose()
+
+
+def _converted(
+    convert: Callable[..., list[gen.GenerateRequest]], *args: Any
+) -> list[gen.GenerateRequest]:
+    """``convert``'s requests; a value the wire cannot carry (an integer past 2**32...)
+    is a 400, and so are more calls than MAX_CALLS."""
+    try:
+        calls = convert(*args)
+    except ValueError as e:  # protobuf: "Value out of range: ..."
+        raise HttpError(
+            400, f"request: a value is out of range ({e})", param="request", code="invalid_value"
+        ) from e
+    if len(calls) > MAX_CALLS:
+        raise HttpError(
+            400,
+            f"prompt: {len(calls)} prompts x n; at most {MAX_CALLS} in one request",
+            param="prompt",
+            code="invalid_value",
+        )
+    return calls

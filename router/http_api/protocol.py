@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 8  # choices per request (n)
+UINT32_MAX = 2**32 - 1  # what the wire's integer fields carry
 
 
 class ErrorBody(BaseModel):
@@ -70,14 +71,14 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (a string of digits) -> bias
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: int | None = Field(None, le=UINT32_MAX)
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -93,8 +94,10 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo (the router refuses it else)
-    logprobs: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(
+        16, ge=0, le=UINT32_MAX
+    )  # 0 only with echo (the router refuses it else)
+    logprobs: int | None = Field(None, ge=0, le=UINT32_MAX)
     echo: bool = False  # the prompt before the completion, in text and logprobs
     suffix: str | None = None
     best_of: int | None = None
@@ -136,10 +139,10 @@ class ResponseFormat(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=UINT32_MAX)
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: ResponseFormat | None = None

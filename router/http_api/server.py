@@ -10,6 +10,8 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
+STOP_TIMEOUT_S = 5  # open HTTP requests get this long once the router stops
+
 
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn without its signal handlers: the router's own shutdown (SIGTERM, drain)
@@ -31,7 +33,12 @@ class HttpServer:
         self._socket.bind((host, port))
         self.port = self._socket.getsockname()[1]
         config = uvicorn.Config(
-            app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=30
+            app,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=STOP_TIMEOUT_S,  # then open requests are cancelled
         )
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task[None] | None = None
@@ -41,7 +48,7 @@ class HttpServer:
             self._server.serve(sockets=[self._socket]), name="router-http"
         )
 
-    async def stop(self, timeout_s: float = 5.0) -> None:
+    async def stop(self, timeout_s: float = STOP_TIMEOUT_S + 1) -> None:
         """Stops taking connections, lets open ones end for up to ``timeout_s``."""
         if self._task is None:
             self._socket.close()

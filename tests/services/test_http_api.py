@@ -200,8 +200,10 @@ async def test_logprobs_of_completions_and_chat(client: openai.AsyncOpenAI) -> N
         (b'{"model": "target", "prompt": "hi", "suffix": "x"}', 400, "suffix"),
         (b'{"model": "target", "prompt": [70000]}', 400, "prompt"),
         (b'{"model": "target", "prompt": "hi", "n": 99}', 400, "n"),
+        (b'{"model": "target", "prompt": "hi", "max_tokens": 1099511627776}', 400, "max_tokens"),
+        (b'{"model": "target", "prompt": "hi", "stop_token_ids": [1099511627776]}', 400, "request"),
     ],
-    ids=["json", "type", "negative", "model", "temperature", "suffix", "vocab", "n"],
+    ids=["json", "type", "negative", "model", "temperature", "suffix", "vocab", "n", "big", "wire"],
 )
 async def test_bad_completions_are_refused_naming_the_field(
     base_url: str, body: bytes, status: int, param: str | None
