@@ -38,7 +38,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.http_api.convert import (
     ChoiceState,
@@ -132,6 +133,46 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+class BodyLimit:
+    """ASGI middleware: a body over ``max_bytes`` (declared, or counted as it arrives) gets
+    an OpenAI-shaped 413 before anything parses it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise _TooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counted, send)  # FastAPI answers _TooLarge (on_http_exception)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await error_response(_TooLarge(self.max_bytes).error())(scope, receive, send)
+
+
+class _TooLarge(StarletteHTTPException):
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"body: over the router's limit of {max_bytes} bytes")
+
+    def error(self) -> HttpError:
+        return HttpError(413, str(self.detail), code="too_large")
+
+
 def make_app(service: GenerationService, *, auth_token: str | None = None) -> FastAPI:
     """The HTTP API over ``service`` (the router's Generation service); with
     ``auth_token``, /v1/* requires it as a bearer token."""
@@ -141,13 +182,21 @@ def make_app(service: GenerationService, *, auth_token: str | None = None) -> Fa
         docs_url=None,
         redoc_url=None,
     )
-    if auth_token is not None:
+    # The gRPC API's limit on a message (its prompt's bytes, x4 for the rest), for a body.
+    app.add_middleware(BodyLimit, max_bytes=4 * service.validator.max_request_bytes)
+    if auth_token is not None:  # added last, runs first: no body is read without the token
         app.add_middleware(BearerAuth, token=auth_token)
     api = _Api(service)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(body_error(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_exception(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own (an unknown path, a method not allowed, a body too large), in
+        OpenAI's shape."""
+        return error_response(HttpError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(HttpError)
     async def on_http_error(_: Request, exc: HttpError) -> JSONResponse:

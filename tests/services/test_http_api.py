@@ -447,3 +447,21 @@ async def test_a_chat_without_max_tokens_may_fill_the_context(client: openai.Asy
     )  # fmt: skip
     assert reply.usage is not None and reply.choices[0].finish_reason == "length"
     assert reply.usage.prompt_tokens + reply.usage.completion_tokens == 2048  # the context
+
+
+async def test_a_body_over_the_limit_and_unknown_paths_are_openai_shaped(base_url: str) -> None:
+    """4x the router's --max-request-bytes (1 MiB): refused before it is parsed."""
+    big = b'{"model": "target", "prompt": "' + b"a" * (5 << 20) + b'"}'
+    async with httpx.AsyncClient(timeout=30) as http:
+        declared = await http.post(f"{base_url}/completions", content=big)
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted instead
+            for start in range(0, len(big), 1 << 20):
+                yield big[start : start + (1 << 20)]
+
+        counted = await http.post(f"{base_url}/completions", content=chunks())
+        missing = await http.get(f"{base_url}/nothing-here")
+    for reply in (declared, counted):
+        assert reply.status_code == 413, reply.text
+        assert reply.json()["error"]["message"] == "body: over the router's limit of 4194304 bytes"
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
