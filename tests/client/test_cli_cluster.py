@@ -8,6 +8,7 @@ exit code for a stopped router, a refused request and a timeout."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import socket
@@ -33,6 +34,7 @@ from tests.engine.tiny_drafts import build_random_draft
 from tests.services.cluster_helpers import (
     TINY_WORKER_ARGS,
     build_tiny_target,
+    non_final_requests,
     tiny_cluster_spec,
     wait_audit_clean,
 )
@@ -285,7 +287,10 @@ async def test_chat_ctrl_c_stops_the_answer_and_cancels_it(
     before = cancelled(ledger)
     child = spawn_chat(cluster.router_address, "--max-tokens", str(LONG), "--ignore-eos")
     child.sendline("go on and on")
-    child.expect(r"go on and on\r\n.{8}")  # some of the answer
+    # Streaming, not reading the line: a Ctrl-C while readline still holds the terminal
+    # (its escape sequences can pass for answer text) is a character, not a signal.
+    await until_decoding(ledger)
+    child.expect(r".{8}")  # some of the answer
     child.sendintr()
     child.expect_exact("[answer stopped]")
     child.expect_exact(">>> ")
@@ -295,6 +300,13 @@ async def test_chat_ctrl_c_stops_the_answer_and_cancels_it(
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+async def until_decoding(ledger: Ledger, within_s: float = 60.0) -> None:
+    deadline = time.monotonic() + within_s
+    while "DECODING" not in non_final_requests(ledger).values():
+        assert time.monotonic() < deadline, "the chat's request never started decoding"
+        await asyncio.sleep(0.05)
 
 
 def cancelled(ledger: Ledger) -> set[str]:
