@@ -6,6 +6,7 @@ answer and returns to the prompt."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from typing import Any
@@ -124,6 +125,10 @@ def _converse(conversation: Conversation, args: argparse.Namespace) -> int:
     is_terminal = sys.stdin.isatty()
     if is_terminal:
         import readline  # noqa: F401  # line editing and history for input()
+
+        # Ctrl-C stops an answer even when started from a shell's background job, which
+        # leaves SIGINT ignored, so that Python never installs KeyboardInterrupt.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     while True:
         try:
             line = input(PROMPT).strip()
