@@ -60,12 +60,7 @@ class TandemClient:
             token=token,
             tls=tls,
         )
-        options = self.settings.channel_options
-        if self.settings.tls is not None:
-            credentials = self.settings.tls.credentials()
-            self._channel = grpc.secure_channel(address, credentials, options=options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=options)
+        self._channel = _open_channel(grpc, self.settings)
         self._generation = gen_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -186,12 +181,7 @@ class AsyncTandemClient:
             token=token,
             tls=tls,
         )
-        options = self.settings.channel_options
-        if self.settings.tls is not None:
-            credentials = self.settings.tls.credentials()
-            self._channel = grpc.aio.secure_channel(address, credentials, options=options)
-        else:
-            self._channel = grpc.aio.insecure_channel(address, options=options)
+        self._channel = _open_channel(grpc.aio, self.settings)
         self._generation = gen_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -288,3 +278,13 @@ class AsyncTandemClient:
                 if pause is None:
                     raise error_from_rpc(e) from e
             await asyncio.sleep(pause)
+
+
+def _open_channel(grpc_module: Any, settings: Settings) -> Any:
+    """A channel to ``settings.address`` from ``grpc`` or ``grpc.aio`` (same names in both),
+    with TLS when ``settings`` has it."""
+    options = settings.channel_options
+    if settings.tls is not None:
+        credentials = settings.tls.credentials()
+        return grpc_module.secure_channel(settings.address, credentials, options=options)
+    return grpc_module.insecure_channel(settings.address, options=options)
