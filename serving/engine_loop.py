@@ -193,22 +193,29 @@ class EngineLoop(Generic[Payload]):
                 self._num_bounded = 0
                 if self._is_stopping and not calls:
                     return
+            # The stats snapshot is taken before anything leaves this thread, so that a
+            # client who saw a request end never reads figures from before its end.
+            done: list[tuple[Callable[..., None], Any, Any]] = []
             for call in calls:
                 try:
                     result = call.fn(*call.args)
                 except BaseException as e:  # handed to the caller
-                    self._loop.call_soon_threadsafe(_reject, call.future, e)
+                    done.append((_reject, call.future, e))
                 else:
-                    self._loop.call_soon_threadsafe(_resolve, call.future, result)
+                    done.append((_resolve, call.future, result))
+            self.stats = engine_stats(engine)
+            for fn, future, value in done:
+                self._loop.call_soon_threadsafe(fn, future, value)
             if self._is_busy():
                 try:
                     payload = self._on_step(engine, engine.step())
                 except Exception as e:
                     log.exception("engine step failed")
+                    self.stats = engine_stats(engine)
                     self._loop.call_soon_threadsafe(self._on_error, e)
                 else:
+                    self.stats = engine_stats(engine)
                     self._loop.call_soon_threadsafe(self._deliver, payload)
-            self.stats = engine_stats(engine)
 
     def _is_busy(self) -> bool:
         return self.engine.has_unfinished_requests()

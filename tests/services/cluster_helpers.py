@@ -217,7 +217,8 @@ async def assert_audit_clean(cluster: Cluster, ledger: Ledger) -> None:
     reports = {}
     for component in (*cluster.prefill, *cluster.decode):
         stats = await worker_stats(component, include_block_ids=True)
-        assert stats.num_kv_blocks_used == 0 and not stats.owned_block_ids, component.name
+        held = (stats.num_kv_blocks_used, list(stats.owned_block_ids))
+        assert held == (0, []), f"{component.name} holds (blocks used, block ids) {held}"
         reports[component.name] = set(stats.owned_block_ids)
     assert ledger.audit(reports) == []
     assert ledger.holdings() == []
