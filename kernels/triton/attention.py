@@ -131,7 +131,7 @@ def _attention_kernel(
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a query with no key: zeros
     o_mask = m_valid[:, None] & d_valid[None, :]
     if IS_SPLIT:
-        lse = tl.where(l_i > 0, m_i + tl.log(l_i), _EMPTY)
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), _EMPTY)
         at = split * num_tokens + token  # part_o [S, T, Hq, D] fp32, part_lse [S, T, Hq]
         tl.store(part_lse_ptr + at * num_heads + head, lse, mask=m_valid)
         tl.store(
