@@ -1,0 +1,90 @@
+{{/* The worker containers and the engine settings they read from the ConfigMap. */}}
+
+{{/* Settings from the engine ConfigMap, as environment the args refer to. dict: root, role */}}
+{{- define "tandem.engineEnv" -}}
+{{- $cm := include "tandem.componentName" (dict "root" .root "component" "engine") }}
+{{- range $key := include "tandem.engineKeys" . | fromJsonArray }}
+- name: {{ printf "TANDEM_%s" ($key | upper | replace "-" "_" | replace "." "_") }}
+  valueFrom:
+    configMapKeyRef:
+      name: {{ $cm }}
+      key: {{ $key }}
+{{- end }}
+{{- end }}
+
+{{/* Keys of the engine ConfigMap that a role's container reads. dict: root, role */}}
+{{- define "tandem.engineKeys" -}}
+{{- $v := index .root.Values .role }}
+{{- $keys := list (printf "%s.dtype" .role) (printf "%s.block-size" .role) (printf "%s.max-num-seqs" .role) }}
+{{- if .root.Values.engine.maxModelLen }}{{ $keys = append $keys (printf "%s.max-model-len" .role) }}{{ end }}
+{{- if $v.engine.kvCacheMemory }}{{ $keys = append $keys (printf "%s.kv-cache-memory" .role) }}{{ end }}
+{{- if $v.engine.threads }}{{ $keys = append $keys (printf "%s.threads" .role) }}{{ end }}
+{{- if $v.draft.enabled }}{{ $keys = concat $keys (list (printf "%s.draft" .role) (printf "%s.num-draft-tokens" .role)) }}{{ end }}
+{{- toJson $keys }}
+{{- end }}
+
+{{/* A worker container (prefill or decode): the CLI's flags, the engine settings from the
+ConfigMap ($(TANDEM_...) is expanded by the kubelet), probes and the drain. dict: root, role */}}
+{{- define "tandem.workerContainer" -}}
+{{- $root := .root }}
+{{- $role := .role }}
+{{- $v := index $root.Values $role }}
+{{- $env := printf "TANDEM_%s_" ($role | upper) }}
+- name: {{ $role }}
+  image: {{ include "tandem.image" $root }}
+  imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+  command: [tandem]
+  args:
+    - {{ $role }}
+    - --model={{ include "tandem.modelPath" $root }}
+    - --served-model-name={{ $root.Values.model.servedName }}
+    - --dtype=$({{ $env }}DTYPE)
+    - --block-size=$({{ $env }}BLOCK_SIZE)
+    - --max-num-seqs=$({{ $env }}MAX_NUM_SEQS)
+    {{- if $root.Values.engine.maxModelLen }}
+    - --max-model-len=$({{ $env }}MAX_MODEL_LEN)
+    {{- end }}
+    {{- if $v.engine.kvCacheMemory }}
+    - --kv-cache-memory=$({{ $env }}KV_CACHE_MEMORY)
+    {{- end }}
+    {{- if $v.engine.threads }}
+    - --threads=$({{ $env }}THREADS)
+    {{- end }}
+    {{- if $v.engine.torchCompile }}
+    - --torch-compile
+    {{- end }}
+    {{- if $v.draft.enabled }}
+    - --draft=$({{ $env }}DRAFT)
+    - --num-draft-tokens=$({{ $env }}NUM_DRAFT_TOKENS)
+    {{- end }}
+    {{- include "tandem.serviceArgs" (dict "root" $root "role" $role) | trim | nindent 4 }}
+    {{- if eq $role "prefill" }}
+    - --max-queued={{ $v.maxQueued }}
+    {{- else }}
+    - --reserve-timeout-s={{ $v.reserveTimeoutSeconds }}
+    {{- end }}
+    - --kv-transport=auto
+    {{- with $v.extraArgs }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  env:
+    {{- include "tandem.env" $root | trim | nindent 4 }}
+    {{- include "tandem.engineEnv" (dict "root" $root "role" $role) | trim | nindent 4 }}
+  ports:
+    - name: grpc
+      containerPort: {{ $v.ports.grpc }}
+      protocol: TCP
+    - name: metrics
+      containerPort: {{ $v.ports.metrics }}
+      protocol: TCP
+  {{- $service := ternary "tandem.v1.PrefillWorker" "tandem.v1.DecodeWorker" (eq $role "prefill") }}
+  {{- include "tandem.probes" (dict "root" $root "role" $role "service" $service) | trim | nindent 2 }}
+  {{- include "tandem.lifecycle" $v | trim | nindent 2 }}
+  securityContext:
+    {{- toYaml $root.Values.securityContext | nindent 4 }}
+  resources:
+    {{- toYaml $v.resources | nindent 4 }}
+  volumeMounts:
+    {{- include "tandem.volumeMounts" (dict "root" $root "role" $role) | trim | nindent 4 }}
+{{- end }}
+
