@@ -18,7 +18,9 @@ import triton.language as tl
 BLOCK_N = 32  # context positions per tile
 _MAX_SPLITS = 16
 _SPLIT_MIN_LEN = 512  # context positions below which a split is not worth its reduction
-_EMPTY = -1.0e30  # running max before any key: finite, so a row with no key gives no NaN
+# Running max before any key: finite, so a row with no key gives no NaN (a constexpr: jit
+# functions read no other globals).
+_EMPTY: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit

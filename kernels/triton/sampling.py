@@ -37,8 +37,8 @@ def _weight_at_or_above(probs_ptr, vocab, cand, USE_MASS: tl.constexpr, BLOCK: t
 def _threshold(probs_ptr, vocab, target, USE_MASS: tl.constexpr, BLOCK: tl.constexpr):
     """The largest bit pattern v whose tokens at or above v weigh at least target."""
     prefix = tl.zeros([], tl.int32)
-    for bit in range(30, -1, -1):
-        cand = prefix | (1 << bit)
+    for i in range(31):
+        cand = prefix | (1 << (30 - i))
         weight = _weight_at_or_above(probs_ptr, vocab, cand, USE_MASS, BLOCK)
         prefix = tl.where(weight >= target, cand, prefix)
     return prefix
@@ -231,14 +231,14 @@ def _rejection_kernel(
                     num += 1
                 else:  # the residual at a rejection, p itself for the bonus
                     token = _draw(p_row, q_row, vocab, u, is_draft, BLOCK)
-                    is_done = 1
+                    is_done = tl.full([], 1, tl.int32)
             else:
                 s = _draw(p_row, p_row, vocab, u, tl.zeros([], tl.int1), BLOCK)
                 if is_draft & (s == x):
                     num += 1
                 else:
                     token = s
-                    is_done = 1
+                    is_done = tl.full([], 1, tl.int32)
     tl.store(num_ptr + row, num)
     tl.store(next_ptr + row, token)
 
