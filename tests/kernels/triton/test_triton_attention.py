@@ -46,8 +46,9 @@ def make_case(
     return {name: t.to(device) for name, t in case.items()}
 
 
-def attend(module, case, is_causal: bool, **kw) -> torch.Tensor:
-    max_query_len = int((case["input_row_offsets"].diff()).max())
+def attend(module, case, is_causal: bool, max_query_len: int | None = None, **kw) -> torch.Tensor:
+    if max_query_len is None:
+        max_query_len = int((case["input_row_offsets"].diff()).max())
     scale = case["q"].shape[-1] ** -0.5
     return module.paged_attention(
         **case, scale=scale, is_causal=is_causal, max_query_len=max_query_len, **kw

@@ -25,7 +25,8 @@ def randn(*shape: int, dtype: torch.dtype, device: torch.device, seed: int) -> t
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_with_and_without_residual(dtype, device) -> None:
-    """fp16 exact (the one fp32 rounding agrees); fp32 within an ulp or two (sum order)."""
+    """fp16 exact on CPU (the one fp32 rounding agrees; a GPU's rsqrt is approximate),
+    fp32 within an ulp or two (sum order)."""
     x, residual = (
         randn(5, 40, dtype=dtype, device=device, seed=0),
         randn(5, 40, dtype=dtype, device=device, seed=1),
@@ -33,7 +34,7 @@ def test_rms_norm_with_and_without_residual(dtype, device) -> None:
     layer = RMSNorm(40, eps=1e-5).to(dtype).to(device)
     with torch.no_grad():
         layer.weight.copy_(randn(40, dtype=dtype, device=device, seed=2))
-    tol = 0 if dtype == torch.float16 else 1e-6
+    tol = 1e-6 if dtype == torch.float32 else (0 if device.type == "cpu" else 1e-3)
     for res in (None, residual):
         out, new_residual = tri.rms_norm(x, layer.weight.detach(), 1e-5, res)
         want, want_residual = ref.rms_norm(x, layer.weight.detach(), 1e-5, res)

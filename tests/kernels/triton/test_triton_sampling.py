@@ -58,7 +58,7 @@ def test_filtered_probs_keep_the_engines_tokens(device) -> None:
     assert torch.equal(want > 0, engine > 0)
     torch.testing.assert_close(want, engine, rtol=0, atol=0)
     assert torch.equal(got > 0, want > 0)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)  # exp: ulps apart
     kept = (got > 0).sum(-1).tolist()
     assert kept[0] >= 2 and kept[2] >= 4 and kept[3] == VOCAB  # ties kept; greedy unfiltered
 
