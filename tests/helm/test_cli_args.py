@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 from typing import Any
 
@@ -18,14 +19,20 @@ pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) is not in
 WORKLOADS = ("Deployment", "StatefulSet")
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    """``tandem ARGV`` as the CLI parses it; fails the test with argparse's message."""
+@functools.cache
+def cli_parser() -> argparse.ArgumentParser:
+    """The `tandem` command's parser, with the server's commands (its plugins)."""
     from tandem_client.cli import build_parser
 
+    return build_parser()
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """``tandem ARGV`` as the CLI parses it; fails the test with argparse's message."""
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            return build_parser().parse_args(argv)
+            return cli_parser().parse_args(argv)
         except SystemExit:
             pass
     pytest.fail(f"tandem {' '.join(argv)}: {err.getvalue().strip()}")

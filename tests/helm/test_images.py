@@ -103,7 +103,10 @@ def test_cpu_kernels_prebuilt_where_the_chart_seeds_them_from() -> None:
     parser = parse("cpu")
     built = parser.envs["TORCH_EXTENSIONS_DIR"]
     assert any("extension.available()" in r for r in instructions(parser, "RUN"))
-    deployment = by_kind(objects("default"), "Deployment")["decode"]
+    deployments = by_kind(objects("default"), "Deployment")
+    router = deployments["router"]["spec"]["template"]["spec"]
+    assert [c["name"] for c in router["initContainers"]] == ["prepare-model"]  # no kernels
+    deployment = deployments["decode"]
     spec = deployment["spec"]["template"]["spec"]
     (seed,) = [c for c in spec["initContainers"] if c["name"] == "seed-kernels"]
     (worker,) = spec["containers"]

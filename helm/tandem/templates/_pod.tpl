@@ -126,10 +126,12 @@ used as the id), and caches on the writable emptyDirs. */}}
 {{- end }}
 {{- end }}
 
-{{/* Init containers: model preparation into the writable model volume, and (CPU image)
-the prebuilt CPU kernels copied into the writable extension cache. */}}
+{{/* Init containers: model preparation into the writable model volume, and (CPU image,
+workers only) the prebuilt CPU kernels copied into the writable extension cache.
+dict: root, kernels (bool) */}}
 {{- define "tandem.initContainers" -}}
-{{- $root := . }}
+{{- $root := .root }}
+{{- with .root }}
 {{- if eq .Values.model.source "prepare" }}
 - name: prepare-model
   image: {{ include "tandem.image" $root }}
@@ -154,7 +156,7 @@ the prebuilt CPU kernels copied into the writable extension cache. */}}
     - name: model
       mountPath: /models
 {{- end }}
-{{- if eq .Values.image.flavor "cpu" }}
+{{- if and $.kernels (eq .Values.image.flavor "cpu") }}
 - name: seed-kernels
   image: {{ include "tandem.image" $root }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
@@ -167,6 +169,7 @@ the prebuilt CPU kernels copied into the writable extension cache. */}}
   volumeMounts:
     - name: cache
       mountPath: /var/cache/tandem
+{{- end }}
 {{- end }}
 {{- end }}
 

@@ -36,7 +36,7 @@ spec:
       {{- include "tandem.podCommon" $root | trim | nindent 6 }}
       {{- with include "tandem.scheduling" $v | trim }}{{ . | nindent 6 }}{{ end }}
       terminationGracePeriodSeconds: {{ include "tandem.terminationGrace" $v }}
-      {{- with include "tandem.initContainers" $root | trim }}
+      {{- with include "tandem.initContainers" (dict "root" $root "kernels" true) | trim }}
       initContainers:
         {{- . | nindent 8 }}
       {{- end }}
