@@ -106,3 +106,35 @@ def test_the_engine_on_the_triton_backend_generates_what_the_torch_backend_does(
         outputs.append(done)
     assert outputs[1] == outputs[0]
     assert all(len(ids) == 6 for ids in outputs[0].values())
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_speculative_decoding_on_the_triton_backend_equals_the_torch_backend(
+    tiny, tmp_path, kind, device
+) -> None:
+    """The unified step's verify rows (K+1 causal tokens), the chained EAGLE-3 proposals and
+    DFlash's non-causal block with its context K/V writes, all through the Triton kernels:
+    the same tokens as on the torch backend, which are target-only greedy's."""
+    from engine.spec.config import SpeculativeConfig
+    from tests.engine.tiny_drafts import build_random_draft
+
+    draft = build_random_draft(tiny, tmp_path / kind, kind)
+    prompts = {"a": [5, 9, 3, 7, 11], "b": [7, 1, 9]}
+    outputs = []
+    for name, spec in (("torch", None), ("torch", 3), ("triton", 3)):
+        config = EngineConfig(
+            model=str(tiny), dtype="float32", kv_cache_memory=1 << 20, block_size=4,
+            attention_backend=name, device=str(device),
+            speculative=SpeculativeConfig(str(draft), num_draft_tokens=spec) if spec else None,
+        )  # fmt: skip
+        engine = LLMEngine(config)
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=6, temperature=0.0,
+                                                           ignore_eos=True))  # fmt: skip
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+        outputs.append(done)
+    assert outputs[2] == outputs[1] == outputs[0]
