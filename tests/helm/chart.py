@@ -185,9 +185,14 @@ _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 FIELD_VALUES = {"status.podIP": "10.1.2.3", "metadata.name": "demo-tandem-pod-0"}
 
 
-def expand_args(container: dict[str, Any], config_maps: dict[str, dict[str, str]]) -> list[str]:
+def expand_args(
+    container: dict[str, Any],
+    config_maps: dict[str, dict[str, str]],
+    field_values: dict[str, str] = FIELD_VALUES,
+) -> list[str]:
     """The container's args as the kubelet runs them: $(VAR) replaced by the container's
-    environment (literal values, the downward API, ConfigMap keys, which must exist).
+    environment (literal values, the downward API's ``field_values``, ConfigMap keys,
+    which must exist).
     Raises KeyError for a variable the container does not define."""
     env: dict[str, str] = {}
     for item in container.get("env", []):
@@ -196,7 +201,7 @@ def expand_args(container: dict[str, Any], config_maps: dict[str, dict[str, str]
             continue
         source = item["valueFrom"]
         if "fieldRef" in source:
-            env[item["name"]] = FIELD_VALUES[source["fieldRef"]["fieldPath"]]
+            env[item["name"]] = field_values[source["fieldRef"]["fieldPath"]]
         elif "configMapKeyRef" in source:
             ref = source["configMapKeyRef"]
             env[item["name"]] = config_maps[ref["name"]][ref["key"]]
