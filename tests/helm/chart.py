@@ -19,6 +19,15 @@ NAMESPACE = "serving"
 
 GPU_SCHEDULING = {
     "runtimeClassName": "nvidia",
+    "priorityClassName": "inference-critical",
+    "topologySpreadConstraints": [
+        {
+            "maxSkew": 1,
+            "topologyKey": "topology.kubernetes.io/zone",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "tandem"}},
+        }
+    ],
     "nodeSelector": {"nvidia.com/gpu.present": "true"},
     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     "affinity": {

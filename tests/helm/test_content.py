@@ -136,6 +136,8 @@ def test_probes_drain_and_shm() -> None:
             assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
             assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
             assert "podAntiAffinity" in spec["affinity"]
+            assert spec["priorityClassName"] == "inference-critical"
+            assert spec["topologySpreadConstraints"][0]["maxSkew"] == 1
 
 
 def test_colocated_pods_share_pid_namespace_user_and_shm() -> None:

@@ -47,6 +47,7 @@ def test_bad_values_are_refused_with_a_clear_message(values: dict[str, Any], mes
     [
         ({"model": {"source": "pvc"}}, "model.pvc.claimName is required with model.source=pvc"),
         ({"redis": {"enabled": False}}, "redis.external.url is required"),
+        ({"model": {"path": "other"}}, "model.path: with model.source=prepare"),
         (
             {"prefill": {"draft": {"enabled": True, "path": "d"}}},
             "prefill.draft and decode.draft must name the same draft",

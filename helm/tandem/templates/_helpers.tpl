@@ -84,7 +84,11 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 
 {{/* The model directory inside /models. */}}
 {{- define "tandem.modelPath" -}}
-{{- printf "/models/%s" (default .Values.model.prepare.name .Values.model.path | trimPrefix "/") }}
+{{- $m := .Values.model }}
+{{- if and (eq $m.source "prepare") $m.path (ne (trimPrefix "/" $m.path) $m.prepare.name) }}
+{{- fail (printf "model.path: with model.source=prepare the model is prepared into %s; leave model.path empty" $m.prepare.name) }}
+{{- end }}
+{{- printf "/models/%s" (default $m.prepare.name $m.path | trimPrefix "/") }}
 {{- end }}
 
 {{/* The draft directory both worker roles use, or "" (they must agree). */}}

@@ -229,7 +229,8 @@ securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- end }}
 
-{{/* Scheduling fields of one pod: dict of nodeSelector, tolerations, affinity, runtimeClassName. */}}
+{{/* Scheduling fields of one pod, from a role's values (nodeSelector, tolerations,
+affinity, topologySpreadConstraints, runtimeClassName, priorityClassName). */}}
 {{- define "tandem.scheduling" -}}
 {{- with .runtimeClassName }}
 runtimeClassName: {{ . }}
@@ -245,5 +246,12 @@ tolerations:
 {{- with .affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .priorityClassName }}
+priorityClassName: {{ . }}
 {{- end }}
 {{- end }}
