@@ -168,3 +168,17 @@ def test_drain_grace_is_covered_by_the_termination_grace_period() -> None:
                 args = parse(expand_args(container, config_maps(objs)))
                 sleep = container["lifecycle"]["preStop"]["sleep"]["seconds"]
                 assert spec["terminationGracePeriodSeconds"] >= sleep + args.grace_s + 10
+
+
+def test_the_commands_notes_print_parse() -> None:
+    import shlex
+
+    from tests.helm.chart import rendered
+
+    notes = rendered("default")["tandem/templates/NOTES.txt"]
+    commands = [line.split() for line in notes.splitlines() if line.startswith("  tandem ")]
+    assert [c[1] for c in commands] == ["health", "generate"]
+    for line in notes.splitlines():
+        if line.startswith("  tandem "):
+            args = parse(shlex.split(line)[1:])
+            assert args.router == "127.0.0.1:50050"

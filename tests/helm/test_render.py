@@ -118,6 +118,8 @@ def test_notes_render_the_commands_to_reach_the_router() -> None:
     assert "kubectl -n serving port-forward service/demo-tandem-router 50050 8000" in notes
     assert "get secret demo-tandem-auth -o jsonpath='{.data.token}'" in notes
     assert "tandem generate --router 127.0.0.1:50050" in notes
+    assert "wait deployment -l app.kubernetes.io/instance=demo --for=condition=Available" in notes
+    assert "Ledger: bundled Redis (demo-tandem-redis)" in notes
     open_notes = render_notes({"auth": {"enabled": False}})
     assert "WARNING: auth.enabled is false" in open_notes and "TANDEM_TOKEN" not in open_notes
 
