@@ -17,132 +17,14 @@ CHART_DIR = REPO / "helm" / "tandem"
 RELEASE = "demo"
 NAMESPACE = "serving"
 
-GPU_SCHEDULING = {
-    "runtimeClassName": "nvidia",
-    "priorityClassName": "inference-critical",
-    "topologySpreadConstraints": [
-        {
-            "maxSkew": 1,
-            "topologyKey": "topology.kubernetes.io/zone",
-            "whenUnsatisfiable": "ScheduleAnyway",
-            "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "tandem"}},
-        }
-    ],
-    "nodeSelector": {"nvidia.com/gpu.present": "true"},
-    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-    "affinity": {
-        "podAntiAffinity": {
-            "preferredDuringSchedulingIgnoredDuringExecution": [
-                {
-                    "weight": 100,
-                    "podAffinityTerm": {
-                        "topologyKey": "kubernetes.io/hostname",
-                        "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "tandem"}},
-                    },
-                }
-            ]
-        }
-    },
-}
-
-
-def _gpu_worker(num_draft_tokens: int) -> dict[str, Any]:
-    return {
-        **GPU_SCHEDULING,
-        "resources": {
-            "requests": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": 1},
-            "limits": {"memory": "64Gi", "nvidia.com/gpu": 1},
-        },
-        "engine": {"kvCacheMemory": 40 << 30, "maxNumSeqs": 128},
-        "draft": {"enabled": True, "path": "drafts/eagle3", "numDraftTokens": num_draft_tokens},
-        "shmSize": "8Gi",
-    }
-
-
-# The value sets the issue names (CPU-only, GPU with the EAGLE-3 drafter, external Redis
-# with TLS, autoscaling on), the defaults, and the co-located mode.
+# The defaults and the value sets in helm/tandem/ci/ (the issue's CPU-only, GPU with the
+# EAGLE-3 drafter, external Redis with TLS and autoscaling, and the co-located mode),
+# which are also examples for users.
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "default": {},
-    "cpu": {
-        "image": {"flavor": "cpu", "repository": "registry.example.com/tandem", "tag": "0.1.0-cpu"},
-        "engine": {"dtype": "float32", "maxModelLen": 2048},
-        "router": {"replicas": 1, "threads": 2},
-        "prefill": {
-            "replicas": 2,
-            "engine": {"threads": 4, "kvCacheMemory": 1 << 30},
-            "resources": {"requests": {"cpu": "4", "memory": "6Gi"}, "limits": {"cpu": "4"}},
-        },
-        "decode": {
-            "replicas": 2,
-            "engine": {"threads": 4, "kvCacheMemory": 2 << 30, "torchCompile": True},
-            "resources": {"requests": {"cpu": "4", "memory": "8Gi"}, "limits": {"cpu": "4"}},
-        },
-    },
-    "gpu-eagle3": {
-        "image": {"flavor": "cuda"},
-        "model": {
-            "servedName": "llama-3.1-8b-instruct",
-            "source": "pvc",
-            "pvc": {"claimName": "models"},
-            "path": "llama-3.1-8b-instruct",
-        },
-        "prefill": _gpu_worker(num_draft_tokens=4),
-        "decode": _gpu_worker(num_draft_tokens=4),
-        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
-    },
-    "external-redis-tls": {
-        "redis": {
-            "enabled": False,
-            "namespace": "tandem-prod",
-            "external": {
-                "url": "rediss://redis.data.svc.cluster.local:6380/0",
-                "username": "tandem",
-                "existingSecret": "tandem-redis",
-                "tls": {
-                    "existingSecret": "tandem-redis-tls",
-                    "clientCertificate": True,
-                    "certReqs": "required",
-                },
-            },
-        },
-        "auth": {"existingSecret": "tandem-credentials"},
-        "networkPolicy": {
-            "routerFrom": [{"namespaceSelector": {"matchLabels": {"tandem/client": "true"}}}],
-            "workerFrom": [{"podSelector": {"matchLabels": {"tandem/audit": "true"}}}],
-        },
-    },
-    "autoscaling": {
-        "router": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6}},
-        "prefill": {
-            "autoscaling": {
-                "enabled": True,
-                "targetMemoryUtilizationPercentage": 85,
-                "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
-            }
-        },
-        "decode": {
-            "autoscaling": {
-                "enabled": True,
-                "maxReplicas": 10,
-                "targetCPUUtilizationPercentage": None,
-                "metrics": [
-                    {
-                        "type": "Pods",
-                        "pods": {
-                            "metric": {"name": "tandem_running_requests"},
-                            "target": {"type": "AverageValue", "averageValue": "24"},
-                        },
-                    }
-                ],
-            }
-        },
-        "serviceMonitor": {"enabled": True},
-    },
-    "colocated": {
-        "colocated": {"enabled": True, "replicas": 2},
-        "model": {"source": "hostPath", "hostPath": {"path": "/var/lib/tandem/models"}},
-        "prefill": {"draft": {"enabled": True, "path": "drafts/eagle3"}},
-        "decode": {"draft": {"enabled": True, "path": "drafts/eagle3"}},
+    **{
+        path.name.removesuffix("-values.yaml"): yaml.safe_load(path.read_text())
+        for path in sorted((CHART_DIR / "ci").glob("*-values.yaml"))
     },
 }
 
