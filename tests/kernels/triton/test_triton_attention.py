@@ -85,8 +85,8 @@ def test_decode_and_verify_match_the_reference(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_split_k_over_several_splits_matches_one_split_and_the_reference(dtype, device) -> None:
-    """Contexts up to 100 positions in a 120-wide table: 3 splits of 64 requested give 2
-    splits of 64 positions; one row ends inside the first split, one is empty."""
+    """Contexts up to 100 positions in a 120-wide table: 3 splits requested give 2 splits of
+    64 positions, 4 give 4 of 32; short rows leave later splits empty."""
     case = make_case([1, 3, 2, 1], [100, 70, 20, 1], block_size=4, dtype=dtype, spare_blocks=5,
                      device=device)  # fmt: skip
     max_ctx = case["block_tables"].shape[1] * 4
@@ -95,8 +95,13 @@ def test_split_k_over_several_splits_matches_one_split_and_the_reference(dtype, 
     split = attend(tri, case, True, num_splits=3)
     close(split, attend(ref, case, True))
     close(split, attend(tri, case, True, num_splits=1))
-    case["positions"][:] = case["positions"] - 1  # a query that sees no key of split 2
-    close(attend(tri, case, False, num_splits=4), attend(ref, case, False))
+    close(attend(tri, case, False, num_splits=4), attend(ref, case, False))  # 4 splits
+    # Each query one position early: its row's last key is masked, and the one-token row's
+    # query at position -1 sees no key at all (zeros, not NaN).
+    case["positions"] -= 1
+    shifted = attend(tri, case, True, num_splits=4)
+    close(shifted, attend(ref, case, True))
+    assert torch.equal(shifted[-1], torch.zeros_like(shifted[-1]))
 
 
 def test_rows_read_only_their_blocks_and_grouped_heads_their_kv_head(device) -> None:
