@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -143,6 +144,7 @@ class EngineLoop(Generic[Payload]):
         self._num_bounded = 0
         self._cv = threading.Condition()
         self._is_stopping = False
+        self._busy_since: float | None = None  # monotonic start of the calls or step running
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -153,6 +155,15 @@ class EngineLoop(Generic[Payload]):
             self._is_stopping = True
             self._cv.notify()
         self._thread.join(timeout)
+
+    def is_alive(self, stall_s: float) -> bool:
+        """Whether the engine thread runs and has not spent more than ``stall_s`` in one
+        batch of calls or one step (a kernel that never returns, a deadlock): what the
+        worker's liveness reports."""
+        busy_since = self._busy_since
+        if not self._thread.is_alive():
+            return False
+        return busy_since is None or time.monotonic() - busy_since < stall_s
 
     def submit(self, fn: Callable[..., T], *args: Any, bounded: bool = True) -> asyncio.Future[T]:
         """Queues ``fn(*args)`` for the engine thread. ``bounded`` calls (new work) are
@@ -196,6 +207,7 @@ class EngineLoop(Generic[Payload]):
             # The stats snapshot is taken before anything leaves this thread, so that a
             # client who saw a request end never reads figures from before its end.
             done: list[tuple[Callable[..., None], Any, Any]] = []
+            self._busy_since = time.monotonic()
             for call in calls:
                 try:
                     result = call.fn(*call.args)
@@ -207,6 +219,7 @@ class EngineLoop(Generic[Payload]):
             for fn, future, value in done:
                 self._loop.call_soon_threadsafe(fn, future, value)
             if self._is_busy():
+                self._busy_since = time.monotonic()
                 try:
                     payload = self._on_step(engine, engine.step())
                 except Exception as e:
@@ -216,6 +229,7 @@ class EngineLoop(Generic[Payload]):
                 else:
                     self.stats = engine_stats(engine)
                     self._loop.call_soon_threadsafe(self._deliver, payload)
+            self._busy_since = None
 
     def _is_busy(self) -> bool:
         return self.engine.has_unfinished_requests()

@@ -1,0 +1,90 @@
+"""A worker's health follows its engine: EngineLoop.is_alive turns False while one step
+runs past the stall limit and when the thread is gone, and watch_engine turns the server's
+and the role's health NOT_SERVING then, and SERVING again once the engine moves."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+from serving.engine_loop import EngineLoop
+from serving.liveness import watch_engine
+from serving.rpc import NOT_SERVING, SERVING
+
+
+def blocking_engine(release: threading.Event, steps: list[int]) -> Any:
+    """Just enough of LLMEngine: each step waits for ``release`` (a stuck kernel)."""
+
+    def step() -> list[int]:
+        release.wait()
+        steps.pop()
+        return []
+
+    return SimpleNamespace(
+        block_manager=SimpleNamespace(num_blocks=4, num_free_blocks=4),
+        scheduler=SimpleNamespace(running=[], waiting=[], config=SimpleNamespace(max_num_seqs=4)),
+        spec=None,
+        has_unfinished_requests=lambda: bool(steps),
+        step=step,
+    )
+
+
+async def test_is_alive_while_steps_move_not_when_one_stalls_or_the_thread_is_gone() -> None:
+    release = threading.Event()
+    steps: list[int] = []
+    loop = EngineLoop(
+        blocking_engine(release, steps),
+        asyncio.get_running_loop(),
+        on_step=lambda engine, outputs: outputs,
+        deliver=lambda payload: None,
+        on_error=lambda error: None,
+    )
+    assert not loop.is_alive(stall_s=60)  # not started
+    loop.start()
+    try:
+        assert loop.is_alive(stall_s=0.2)  # idle: alive however long it waits
+        await asyncio.sleep(0.3)
+        assert loop.is_alive(stall_s=0.2)
+        await loop.call(steps.append, 1)  # one step to run, which blocks
+        await asyncio.sleep(0.3)
+        assert loop.is_alive(stall_s=60) and not loop.is_alive(stall_s=0.2)
+        release.set()
+        while steps:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert loop.is_alive(stall_s=0.2)
+    finally:
+        loop.stop()
+    assert not loop.is_alive(stall_s=60)
+
+
+class RecordingHealth:
+    def __init__(self) -> None:
+        self.sets: list[tuple[str, int]] = []
+
+    async def set(self, name: str, status: int) -> None:
+        self.sets.append((name, status))
+
+
+async def test_watch_engine_sets_health_when_liveness_changes() -> None:
+    alive = [True]
+    health = RecordingHealth()
+    names = ("tandem.v1.DecodeWorker", "tandem.v1.KvTransfer")
+    task = asyncio.create_task(
+        watch_engine(lambda: alive[0], health, names, logging.getLogger("test"), period_s=0.01)
+    )
+    try:
+        await asyncio.sleep(0.05)
+        assert health.sets == []  # alive from the start: nothing to change
+        alive[0] = False
+        await asyncio.sleep(0.05)
+        down = [(name, NOT_SERVING) for name in ("", *names)]
+        assert health.sets == down  # once, not at every look
+        alive[0] = True
+        await asyncio.sleep(0.05)
+        assert health.sets == [*down, *[(name, SERVING) for name in ("", *names)]]
+    finally:
+        task.cancel()
