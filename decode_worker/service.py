@@ -23,6 +23,7 @@ from typing import Any
 
 from decode_worker.request import Aborted, CloseReason, Holders, OutputSlot, RequestHandle
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.outputs import NON_FINITE_LOGITS, RequestFailed
 from engine.sequence import SpecCounts
 from kv_transfer import KvLayout, KvReceiver, TransferState, add_kv_transfer_servicer, host_id
 from ledger.membership import HeldRequest, Membership
@@ -194,6 +195,8 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
                     handle.close(CloseReason.PREEMPTED)  # before the router re-queues it
                     yield stream.preempted()
                     return
+                if output.finish_reason == "error":
+                    raise RequestFailed(NON_FINITE_LOGITS)
                 chunk = stream.chunk(output)
                 if output.finished:
                     handle.close(CloseReason.FINISHED)

@@ -23,6 +23,7 @@ from engine.model_runner import LayerListener, ModelRunner, RowLogprobs, StepOut
 from engine.models.layers import release_packed_weights, use_packed_gemm
 from engine.outputs import PrefilledRequest, RequestOutput
 from engine.registry import load_model
+from engine.sampler import FAULT
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
@@ -393,6 +394,9 @@ class LLMEngine:
             # Target KV now covers the pending token and every accepted draft.
             seq.num_computed_tokens += len(result.tokens)
             for i, token in enumerate(result.tokens):
+                if token == FAULT:  # this row's logits were not finite: it alone fails
+                    seq.finish_reason = "error"
+                    break
                 seq.token_ids.append(token)
                 if result.logprobs is not None and seq.params.logprobs is not None:
                     self._add_logprobs(seq, token, result.logprobs[i])
@@ -429,6 +433,8 @@ class LLMEngine:
             seq = batch.seqs[row]
             if seq.params.max_tokens == 0:  # prompt logprobs only: the token is dropped
                 seq.finish_reason = "length"
+            elif token == FAULT:  # this row's logits were not finite: it alone fails
+                seq.finish_reason = "error"
             else:
                 seq.token_ids.append(token)
                 if result.logprobs is not None and seq.params.logprobs is not None:

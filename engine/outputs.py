@@ -6,6 +6,17 @@ from dataclasses import dataclass, field
 
 from engine.sequence import SpecCounts, TokenLogprobs
 
+# finish_reason "error": why the engine ended a request alone (the rest of its batch went on)
+NON_FINITE_LOGITS = (
+    "engine: the model's logits for this request were not finite (NaN or inf), so no token "
+    "could be sampled; the request was ended (the other requests in its batch went on)"
+)
+
+
+class RequestFailed(Exception):
+    """The engine ended this one request with finish_reason "error" (INTERNAL, with this
+    message: it says what failed, and holds nothing of another request)."""
+
 
 @dataclass
 class PrefilledRequest:
@@ -26,7 +37,8 @@ class RequestOutput:
     token_ids: list[int]  # all output tokens so far
     text: str  # all output text so far (stop string and partial characters held back)
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "preempted" (hand_back)
+    # "stop" | "length" | "abort" | "preempted" (hand_back) | "error" (NON_FINITE_LOGITS)
+    finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)

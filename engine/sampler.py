@@ -352,16 +352,28 @@ def draw(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.minimum(drawn, last).clamp_(max=weights.shape[-1] - 1).squeeze(-1)
 
 
+FAULT = -1  # the token id of a row whose logits were not finite (see ``is_faulty``)
+
+
+def is_faulty(logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Rows whose logits hold a NaN or +inf, or are all -inf, from their argmax ``greedy``
+    (argmax picks a NaN where there is one): [..., V], [...] -> [...] bool. Such a row has
+    no distribution to sample from; it gets ``FAULT`` and fails alone, in O(rows)."""
+    return ~torch.isfinite(logits.gather(-1, greedy[..., None]).squeeze(-1))
+
+
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Next token per row: argmax for greedy rows, a seeded draw otherwise, both after the
-    rows' penalties and logit bias. [B] int64"""
+    rows' penalties and logit bias; ``FAULT`` for a row whose logits were not finite.
+    [B] int64"""
     if t.penalties is not None:
         logits = penalized(logits[:, None], t.penalties)[:, 0]
     greedy = logits.argmax(dim=-1)
-    if t.all_greedy:
-        return greedy
-    drawn = draw(filtered_probs(logits, t), row_keys(t.seeds, t.positions))
-    return torch.where(t.temperature > 0, drawn, greedy)
+    faulty = is_faulty(logits, greedy)
+    if not t.all_greedy:
+        drawn = draw(filtered_probs(logits, t), row_keys(t.seeds, t.positions))
+        greedy = torch.where(t.temperature > 0, drawn, greedy)
+    return greedy.masked_fill(faulty, FAULT)
 
 
 def top_logprobs(
@@ -369,6 +381,6 @@ def top_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probabilities of the raw model distribution: chosen [B], top-n ids and values [B, n]."""
     logp = torch.log_softmax(logits, dim=-1)
-    chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    chosen = logp.gather(-1, tokens.clamp(min=0)[:, None]).squeeze(-1)  # FAULT rows: unused
     values, ids = logp.topk(n, dim=-1)
     return chosen, ids, values

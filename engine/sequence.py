@@ -54,7 +54,7 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "error" (RequestOutput's)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # params.prompt_logprobs: entry i scores prompt token i + 1, filled chunk by chunk.

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.llm_engine import LLMEngine, PrefilledRequest, RequestOutput
+from engine.outputs import NON_FINITE_LOGITS, RequestFailed
 from kv_transfer import Handshake, KvLayout, ShmRingPool, TransferOptions, make_sender
 from ledger.ledger import LedgerConflict, RequestState
 from ledger.membership import HeldRequest, Membership
@@ -135,6 +136,8 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             await self.engine_loop.call(add, rid, prompt, params)
             queued = time.monotonic()
             result = await _first_token(future, push)
+            if result.output.finish_reason == "error":
+                raise RequestFailed(NON_FINITE_LOGITS)
             computed = time.monotonic()
             role = self.metrics.role
             self.metrics.prefill_seconds.labels(role).observe(computed - queued)

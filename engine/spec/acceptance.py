@@ -17,7 +17,16 @@ import dataclasses
 
 import torch
 
-from engine.sampler import SamplingTensors, draw, filtered_probs, penalized, row_keys, uniform
+from engine.sampler import (
+    FAULT,
+    SamplingTensors,
+    draw,
+    filtered_probs,
+    is_faulty,
+    penalized,
+    row_keys,
+    uniform,
+)
 
 _ACCEPT_SALT = 0x2545F491  # keys the accept/reject coin apart from the token draw
 DRAFT_SALT = 0x61C88647  # keys a sampled draft apart from the target's draw
@@ -54,16 +63,18 @@ def accept(
     first_positions: torch.Tensor,  # [B] int64: position of the token after the pending one
     draft_probs: torch.Tensor | None = None,  # [B, K, V] what each draft was sampled from
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``num_accepted`` [B] and ``next_tokens`` [B] (the bonus or recovered token)."""
+    """Returns ``num_accepted`` [B] and ``next_tokens`` [B] (the bonus or recovered token);
+    a row whose logits were not finite up to there accepts nothing and gets ``FAULT``."""
     b, s, v = logits.shape
     k = s - 1
     # Position i's distribution follows the output and drafts[:i]: [B, K+1, V]
     logits = penalized(logits, sampling.penalties, draft_tokens)
     greedy = logits.argmax(dim=-1)  # [B, K+1]
     greedy_accepted = draft_tokens == greedy[:, :k]
+    faulty = is_faulty(logits, greedy)  # [B, K+1]
     if sampling.all_greedy:
         num = first_rejection(greedy_accepted)
-        return num, greedy.gather(1, num[:, None]).squeeze(1)
+        return _unless_faulty(num, greedy.gather(1, num[:, None]).squeeze(1), faulty)
 
     positions = first_positions[:, None] + torch.arange(s, device=logits.device)  # [B, K+1]
     flat = per_position(sampling, positions)
@@ -98,7 +109,16 @@ def accept(
     accepted = torch.where(is_sampled, sampled_accepted, greedy_accepted)
     num = first_rejection(accepted)
     chosen = torch.where(is_sampled, sampled_next, greedy)
-    return num, chosen.gather(1, num[:, None]).squeeze(1)
+    return _unless_faulty(num, chosen.gather(1, num[:, None]).squeeze(1), faulty)
+
+
+def _unless_faulty(
+    num: torch.Tensor, next_tokens: torch.Tensor, faulty: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with a non-finite position among the ones they emit: nothing accepted, FAULT."""
+    steps = torch.arange(faulty.shape[1], device=faulty.device)
+    is_hit = (faulty & (steps[None, :] <= num[:, None])).any(dim=1)
+    return num.masked_fill(is_hit, 0), next_tokens.masked_fill(is_hit, FAULT)
 
 
 def accept_synthetic(

@@ -102,7 +102,9 @@ class SpecRunner:
         for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             start = seq.num_computed_tokens
             shifted += seq.token_ids[start + 1 : start + num_new]
-            shifted.append(sampled[row] if row in sampled else seq.token_ids[start + num_new])
+            # A FAULT row's (-1) draft KV and drafts are never used: any id will do.
+            after = sampled[row] if row in sampled else seq.token_ids[start + num_new]
+            shifted.append(max(after, 0))
         device = self.runner.device
         state = self.drafter.extend(
             torch.tensor(shifted, dtype=torch.int64, device=device),
@@ -127,7 +129,7 @@ class SpecRunner:
         args = ProposeArgs(
             last_index=offsets[rows + 1] - 1,
             last_positions=torch.tensor(last_positions, dtype=torch.int64, device=device),
-            next_tokens=result.sampled,  # type: ignore[arg-type]
+            next_tokens=result.sampled.clamp(min=0),  # type: ignore[union-attr]
             block_tables=inputs.layout.block_tables[rows],
             block_size=self.runner.block_size,
             max_context_len=self._context_bound(max(last_positions), 0, k),

@@ -160,7 +160,8 @@ class UnifiedStep:
             )
 
         # 5. shift: feature j (position n+j) pairs with the token at n+j+1: draft j+1 while
-        # accepted, then the next token.
+        # accepted, then the next token (a FAULT row's drafts are never used: any id will do).
+        next_tokens = next_tokens.clamp(min=0)
         shifted = torch.where(is_accepted, padded, next_tokens[:, None])
 
         # 6. propose
