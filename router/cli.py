@@ -55,6 +55,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-request-bytes", type=int, default=1 << 20, help="larger requests are refused"
     )
     parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=1024,
+        help="requests this router serves at once; more are refused with RESOURCE_EXHAUSTED "
+        "(HTTP 429) and a retry hint (default: 1024)",
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="of those, requests that wait for KV room while every decode worker is full; more "
+        "are refused the same way instead of waiting (default: 256)",
+    )
+    parser.add_argument(
         "--http-port",
         type=int,
         default=DEFAULT_HTTP_PORT,
@@ -113,6 +127,8 @@ def make_service(runtime: Runtime) -> RouterComponent:
         default_timeout_s=args.request_timeout_s,
         metrics=runtime.metrics,
         channels=runtime.channel_pool(),
+        max_in_flight=args.max_in_flight,
+        max_waiting=args.max_waiting,
     )
     http = None
     if args.http_port:

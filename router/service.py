@@ -78,8 +78,14 @@ class GenerationService(gen_grpc.GenerationServicer):
         default_timeout_s: float = 600.0,
         metrics: RouterMetrics | None = None,
         channels: ChannelPool | None = None,
+        max_in_flight: int = 1024,
+        max_waiting: int = 256,
     ) -> None:
         self.validator = validator
+        # Bounds: requests admitted, and of those, requests waiting for KV room on a
+        # decode worker. Beyond either a request is refused (RESOURCE_EXHAUSTED).
+        self.max_in_flight, self.max_waiting = max_in_flight, max_waiting
+        self.num_waiting = 0
         self.picker = picker
         self.membership = membership
         self.ledger: Ledger = membership.ledger
@@ -104,9 +110,17 @@ class GenerationService(gen_grpc.GenerationServicer):
         self, request: gen.GenerateRequest, context: Any
     ) -> AsyncGenerator[gen.GenerateChunk, None]:
         arrived = time.monotonic()
+        admitted = 0
         try:
             if self.is_draining:
                 raise Unavailable("router: draining; retry on another router")
+            if self.num_in_flight >= self.max_in_flight:
+                raise Overloaded(
+                    f"router: {self.max_in_flight} requests in flight (--max-in-flight); "
+                    "retry later"
+                )
+            admitted = 1  # counted from here: picking may wait for a worker
+            self.num_in_flight += admitted
             valid = self.validator.validate(request)
             remaining = context.time_remaining()
             timeout = self.default_timeout_s if remaining is None else remaining
@@ -116,9 +130,9 @@ class GenerationService(gen_grpc.GenerationServicer):
             rid = valid.request_id
             record_in_ledger(self.membership, route, self.validator.model.name)
         except BaseException:
+            self.num_in_flight -= admitted
             self.metrics.requests.labels(self.metrics.role, "rejected").inc()
             raise
-        self.num_in_flight += 1
         count_in_flight(self.picker, route, +1)
         is_finished = False
         end_state, reason = RequestState.FAILED, ""
@@ -243,7 +257,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                 full.add(route.decode.worker_id)
             others = [w for w in self.picker.decoders_for(route.prefill) if w.worker_id not in full]
             if not others:  # all full: wait, then try them all again
-                await asyncio.sleep(min(pause, route.remaining()))
+                await self._wait_for_room(min(pause, route.remaining()))
                 pause = min(2 * pause, RESERVE_BACKOFF_S[1])
                 full.clear()
                 self.picker.forget_stale()
@@ -261,6 +275,21 @@ class GenerationService(gen_grpc.GenerationServicer):
             new_epoch=route.prefill.epoch,
         )
         return reply
+
+    async def _wait_for_room(self, pause_s: float) -> None:
+        """One pause of a request whose every decode worker is full, while fewer than
+        ``max_waiting`` others wait; else Overloaded, with a hint of the longest pause."""
+        if self.num_waiting >= self.max_waiting:
+            raise Overloaded(
+                f"router: {self.max_waiting} requests already wait for KV room on the decode "
+                "workers (--max-waiting); retry later",
+                retry_after_s=RESERVE_BACKOFF_S[1] * 2,
+            )
+        self.num_waiting += 1
+        try:
+            await asyncio.sleep(pause_s)
+        finally:
+            self.num_waiting -= 1
 
     async def _prefill(self, route: Route, reserve: pb.ReserveReply) -> pb.PrefillReply:
         """P computes the prompt and pushes its KV into D's blocks (P hands it to D)."""

@@ -94,7 +94,7 @@ class Runtime:
 
     def channel_pool(self) -> ChannelPool:
         """Channels to workers: every call carries the cluster secret, if any."""
-        return ChannelPool(cluster_metadata(self.cluster_secret))
+        return ChannelPool(cluster_metadata(self.cluster_secret), self.args.keepalive_ms)
 
     def new_membership(self, capacity: int) -> Membership:
         """This process's membership, with ``capacity`` KV blocks. The bootstrap registers
@@ -134,7 +134,9 @@ async def _serve(role: Role, args: argparse.Namespace, make_service: MakeService
         auth.append(bearer_interceptor(role.service_names, token))
     if secret is not None and not role.is_public:
         auth.append(cluster_interceptor(role.service_names, secret))
-    server, health = new_server(role.max_message_bytes(args), reflected, auth)
+    if args.keepalive_ms < 1000:
+        raise SystemExit(f"--keepalive-ms: at least 1000, got {args.keepalive_ms}")
+    server, health = new_server(role.max_message_bytes(args), reflected, auth, args.keepalive_ms)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = advertised_address(args, port)
     if args.parent_pid is None:  # run alone (the launcher warns for its children)

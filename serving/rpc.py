@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # type: ignore[i
 
 from ledger.redis_connect import add_redis_arguments
 from serving.auth import AuthConfigError, add_cluster_secret_argument, metadata_interceptors
-from tandem_client.wire import KV_PUSH_STATUS_KEY
+from tandem_client.wire import DEFAULT_RETRY_AFTER_S, KV_PUSH_STATUS_KEY, RETRY_AFTER_MS_KEY
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,16 @@ MAX_STATUS_MESSAGE = 400  # characters of an exception message sent back
 
 
 class Overloaded(Exception):
-    """A bounded queue is full: RESOURCE_EXHAUSTED (the client retries later or elsewhere)."""
+    """A bounded queue is full: RESOURCE_EXHAUSTED, with a hint of when to retry (trailing
+    metadata RETRY_AFTER_MS_KEY); the client retries later or elsewhere."""
+
+    def __init__(self, message: str, retry_after_s: float = DEFAULT_RETRY_AFTER_S) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((RETRY_AFTER_MS_KEY, str(max(1, round(self.retry_after_s * 1000)))),)
 
 
 class PreconditionFailed(Exception):
@@ -56,6 +65,7 @@ class NotFound(Exception):
 # cannot have been raised, so the router need not import torch to map engine errors.
 _STATUS_BY_TYPE: Sequence[tuple[str, str, grpc.StatusCode]] = (
     ("engine.kv_cache", "KVCacheCapacityError", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ("engine.outputs", "RequestFailed", grpc.StatusCode.INTERNAL),  # its message is shown
     (__name__, "Overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED),
     (__name__, "PreconditionFailed", grpc.StatusCode.FAILED_PRECONDITION),
     (__name__, "Unavailable", grpc.StatusCode.UNAVAILABLE),
@@ -86,10 +96,23 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 def trailing_metadata_of(exc: BaseException) -> tuple[tuple[str, str], ...]:
     """What travels with ``exc``'s status besides the message: a downstream call's own
     trailing metadata (passed on, as its status is), or what the exception carries
-    (``KvTransferError.trailing_metadata``)."""
+    (``KvTransferError.trailing_metadata``, ``Overloaded``'s retry hint). Every
+    RESOURCE_EXHAUSTED carries a retry hint, the default one where none was given."""
     if isinstance(exc, grpc.aio.AioRpcError):
-        return tuple((k, v) for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str))
-    return tuple(getattr(exc, "trailing_metadata", ()))
+        found = tuple((k, v) for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str))
+    else:
+        found = tuple(getattr(exc, "trailing_metadata", ()))
+    if status_of(exc)[0] is grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_s(found) is None:
+        found += Overloaded("", DEFAULT_RETRY_AFTER_S).trailing_metadata
+    return found
+
+
+def retry_after_s(metadata: Sequence[tuple[str, str]]) -> float | None:
+    """The retry hint in trailing ``metadata``, in seconds, if there is one."""
+    for key, value in metadata:
+        if key == RETRY_AFTER_MS_KEY and value.isdigit():
+            return int(value) / 1000
+    return None
 
 
 def kv_push_status(error: grpc.aio.AioRpcError) -> str | None:
@@ -214,27 +237,43 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Bounded messages and keepalive for a Tandem server."""
+DEFAULT_KEEPALIVE_MS = 20_000
+
+
+def server_options(
+    max_message_bytes: int, keepalive_ms: int = DEFAULT_KEEPALIVE_MS
+) -> list[tuple[str, Any]]:
+    """Bounded messages and keepalive for a Tandem server: it pings idle clients every
+    ``keepalive_ms`` and lets clients ping it as often as every quarter of that (a Tandem
+    peer pings every ``keepalive_ms``: ``channel_options``)."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", keepalive_ms // 2),
+        ("grpc.http2.ping_timeout_ms", keepalive_ms // 2),  # else 60 s, whatever the above
+        ("grpc.http2.min_ping_interval_without_data_ms", min(5_000, keepalive_ms // 4)),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
 
 
-def channel_options(max_message_bytes: int = 64 << 20) -> list[tuple[str, Any]]:
+def channel_options(
+    max_message_bytes: int = 64 << 20, keepalive_ms: int = DEFAULT_KEEPALIVE_MS
+) -> list[tuple[str, Any]]:
     """Bounded messages, keepalive, and reconnection at most 1 s apart: a worker restarted
     at the same address is reached within a second of listening (gRPC's default backoff
-    grows to 2 minutes)."""
+    grows to 2 minutes). A peer that answers no ping for ``keepalive_ms`` / 2 (stopped,
+    frozen, cut off) fails its calls with UNAVAILABLE within 1.5 x ``keepalive_ms``: the
+    router then resumes its requests elsewhere, as if it had died."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", keepalive_ms // 2),
+        # A ping's ack is awaited this long (gRPC's own default is 60 s, which the keepalive
+        # timeout does not shorten: measured, a SIGSTOPped peer was given up after 60 s).
+        ("grpc.http2.ping_timeout_ms", keepalive_ms // 2),
+        ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
@@ -244,15 +283,18 @@ class ChannelPool:
     """One grpc.aio channel per peer address, opened on first use, closed together.
     ``metadata`` goes with every call (the cluster secret: serving.auth)."""
 
-    def __init__(self, metadata: Sequence[tuple[str, str]] = ()) -> None:
+    def __init__(
+        self, metadata: Sequence[tuple[str, str]] = (), keepalive_ms: int = DEFAULT_KEEPALIVE_MS
+    ) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._interceptors = metadata_interceptors(metadata) or None
+        self._options = channel_options(keepalive_ms=keepalive_ms)
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
             channel = grpc.aio.insecure_channel(
-                address, options=channel_options(), interceptors=self._interceptors
+                address, options=self._options, interceptors=self._interceptors
             )
             self._channels[address] = channel
         return channel
@@ -267,13 +309,15 @@ def new_server(
     max_message_bytes: int,
     reflected_services: Sequence[str] = (),
     auth: Sequence[grpc.aio.ServerInterceptor] = (),
+    keepalive_ms: int = DEFAULT_KEEPALIVE_MS,
 ) -> tuple[grpc.aio.Server, Any]:
     """A grpc.aio server with the error interceptor and a health servicer (returned);
     with ``reflected_services``, also gRPC server reflection for them (and health), so
     that grpcurl and grpcui can list and call them without the .proto files. ``auth``:
     interceptors that refuse unauthenticated calls (serving.auth), run first."""
     server = grpc.aio.server(
-        interceptors=[*auth, ErrorInterceptor()], options=server_options(max_message_bytes)
+        interceptors=[*auth, ErrorInterceptor()],
+        options=server_options(max_message_bytes, keepalive_ms),
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -335,6 +379,14 @@ def add_service_arguments(parser: argparse.ArgumentParser, *, default_port: int)
     group.add_argument("--heartbeat-ms", type=int, default=2000, help="heartbeat period")
     group.add_argument("--lease-ms", type=int, default=10_000, help="lease on held KV blocks")
     group.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")
+    group.add_argument(
+        "--keepalive-ms",
+        type=int,
+        default=DEFAULT_KEEPALIVE_MS,
+        help="gRPC keepalive ping period, to and from peers; a peer that answers none for half "
+        "of it (stopped, frozen, cut off) is given up on and its requests are resumed elsewhere "
+        f"(default: {DEFAULT_KEEPALIVE_MS}; at least 1000)",
+    )
     group.add_argument(
         "--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)"
     )

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 
+from tandem_client.wire import RETRY_AFTER_MS_KEY
+
 
 class TandemError(Exception):
     """A call failed: ``code`` is the gRPC status code, ``message`` the server's details.
@@ -23,7 +25,10 @@ class InvalidRequest(TandemError):
 
 
 class Overloaded(TandemError):
-    """The cluster has no room now (RESOURCE_EXHAUSTED): retry later or elsewhere."""
+    """The cluster has no room now (RESOURCE_EXHAUSTED): retry later or elsewhere, after
+    ``retry_after_s`` (the server's hint; None when it gave none)."""
+
+    retry_after_s: float | None = None
 
 
 class Unavailable(TandemError):
@@ -69,4 +74,9 @@ def error_for(code: grpc.StatusCode, message: str) -> TandemError:
 def error_from_rpc(error: grpc.RpcError) -> TandemError:
     """The exception for a failed call (sync ``grpc.RpcError`` or ``grpc.aio.AioRpcError``)."""
     code = error.code()
-    return error_for(code, error.details() or code.name)
+    found = error_for(code, error.details() or code.name)
+    if isinstance(found, Overloaded):
+        for key, value in error.trailing_metadata() or ():
+            if key == RETRY_AFTER_MS_KEY and isinstance(value, str) and value.isdigit():
+                found.retry_after_s = int(value) / 1000
+    return found

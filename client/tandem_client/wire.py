@@ -11,6 +11,11 @@ from __future__ import annotations
 # push" from "P broke" without reading the message.
 KV_PUSH_STATUS_KEY = "tandem-kv-push-status"
 
+# Trailing metadata on RESOURCE_EXHAUSTED: milliseconds after which a retry may find room
+# (the HTTP API sends it as Retry-After, in whole seconds).
+RETRY_AFTER_MS_KEY = "tandem-retry-after-ms"
+DEFAULT_RETRY_AFTER_S = 1.0
+
 # Request limits of tandem.v1.SamplingParams, checked by the router before any worker sees
 # a request. The engine's SamplingParams enforces the same ranges on the worker side;
 # tests/router/test_sampling_limits.py keeps the two equal.

@@ -28,6 +28,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -53,8 +54,9 @@ from router.http_api.convert import (
 )
 from router.http_api.protocol import ChatCompletionRequest, CompletionRequest, HttpError
 from router.service import GenerationService
-from serving.rpc import Unavailable, status_of
+from serving.rpc import Unavailable, retry_after_s, status_of, trailing_metadata_of
 from tandem.v1 import generation_pb2 as gen
+from tandem_client.wire import DEFAULT_RETRY_AFTER_S
 
 log = logging.getLogger("router.http")
 T = TypeVar("T")
@@ -97,14 +99,18 @@ def http_error(exc: BaseException) -> HttpError:
         if colon and name.isidentifier():
             param = PARAM_NAMES.get(name, name)
             message = f"{param}:{message.split(':', 1)[1]}"
-    return HttpError(status, message, param=param, code=code.name.lower())
-
-
-RETRY_AFTER_S = 1  # the hint a 429 or a draining router's 503 carries
+    error = HttpError(status, message, param=param, code=code.name.lower())
+    error.retry_after_s = retry_after_s(trailing_metadata_of(exc))
+    return error
 
 
 def error_response(error: HttpError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None
+    """The error as JSON; a 429 or 503 says when to retry (Retry-After, whole seconds:
+    the server's hint rounded up, else DEFAULT_RETRY_AFTER_S)."""
+    headers = None
+    if error.status in (429, 503):
+        wait_s = error.retry_after_s or DEFAULT_RETRY_AFTER_S
+        headers = {"Retry-After": str(max(1, math.ceil(wait_s)))}
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 

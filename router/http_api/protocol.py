@@ -33,6 +33,7 @@ class HttpError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s: float | None = None  # a 429's hint from the server, if any
 
     @property
     def type(self) -> str:

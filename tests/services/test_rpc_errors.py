@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from engine.kv_cache import KVCacheCapacityError
+from engine.outputs import NON_FINITE_LOGITS, RequestFailed
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from kv_transfer.base import KvTransferError
 from ledger.ledger import LedgerConflict
@@ -31,6 +32,11 @@ RAISED: list[tuple[BaseException, grpc.StatusCode]] = [
     (TimeoutError("deadline"), grpc.StatusCode.DEADLINE_EXCEEDED),
     (RuntimeError("secret internals"), grpc.StatusCode.INTERNAL),
 ]
+
+
+def test_a_request_the_engine_failed_alone_is_internal_and_says_why() -> None:
+    code, message = status_of(RequestFailed(NON_FINITE_LOGITS))
+    assert code == grpc.StatusCode.INTERNAL and message == NON_FINITE_LOGITS
 
 
 def test_status_of_maps_subclasses_before_value_error() -> None:
