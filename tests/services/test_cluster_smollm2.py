@@ -115,8 +115,13 @@ def assert_equal_up_to_ties(
     assert result.num_ties <= 1, result
 
 
-@pytest.mark.parametrize("n", [1, 2], ids=["1p1d", "2p2d"])
-@pytest.mark.parametrize("kind", [None, "eagle", "eagle3", "dflash"], ids=str)
+# Every drafter's KV through one prefill and one decode worker; routing among two of each
+# once, with the drafter that carries the most (EAGLE-3's three target layers).
+@pytest.mark.parametrize(
+    ("kind", "n"),
+    [(None, 1), ("eagle", 1), ("eagle3", 1), ("dflash", 1), ("eagle3", 2)],
+    ids=["None-1p1d", "eagle-1p1d", "eagle3-1p1d", "dflash-1p1d", "eagle3-2p2d"],
+)
 async def test_greedy_through_cluster_equals_engine(
     smollm2_dir: Path,
     prompts: list[list[int]],
