@@ -1,5 +1,5 @@
 """The supervisor's restart policy and exit descriptions (the supervisor itself runs on a
-real cluster in tests/services/test_cluster_supervisor.py)."""
+real cluster in tests/chaos/test_cluster_supervisor.py)."""
 
 from __future__ import annotations
 
