@@ -27,6 +27,7 @@ def role() -> Role:
         worker_role=WorkerRole.DECODE,
         service_names=SERVICE_NAMES,
         make_metrics=DecodeMetrics,
+        is_alive=lambda service, args: service.engine_loop.is_alive(args.engine_stall_s),
         max_message_bytes=_max_message_bytes,
     )
 
@@ -40,6 +41,7 @@ def _max_message_bytes(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from serving.engine_setup import add_engine_arguments
+    from serving.liveness import add_engine_stall_argument
     from serving.rpc import add_kv_transport_argument, add_service_arguments
 
     add_engine_arguments(parser)
@@ -48,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--reserve-timeout-s", type=float, default=60.0, help="reservations lapse after this"
     )
     add_kv_transport_argument(parser)
+    add_engine_stall_argument(parser)
 
 
 def register_decode(subparsers: Any) -> None:

@@ -28,12 +28,14 @@ def role() -> Role:
         worker_role=WorkerRole.PREFILL,
         service_names=SERVICE_NAMES,
         make_metrics=PrefillMetrics,
+        is_alive=lambda service, args: service.engine_loop.is_alive(args.engine_stall_s),
         max_message_bytes=lambda args: MAX_MESSAGE_BYTES,
     )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from serving.engine_setup import add_engine_arguments
+    from serving.liveness import add_engine_stall_argument
     from serving.rpc import add_kv_transport_argument, add_service_arguments
 
     add_engine_arguments(parser)
@@ -42,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queued", type=int, default=256, help="prefills in flight before RESOURCE_EXHAUSTED"
     )
     add_kv_transport_argument(parser)
+    add_engine_stall_argument(parser)
 
 
 def register_prefill(subparsers: Any) -> None:

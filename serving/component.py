@@ -27,6 +27,7 @@ from serving.auth import (
     cluster_secret_from_args,
     exposure_warning,
 )
+from serving.liveness import watch_engine
 from serving.metrics import Metrics
 from serving.rpc import (
     ChannelPool,
@@ -77,6 +78,8 @@ class Role:
     make_metrics: Callable[[], Metrics]
     max_message_bytes: Callable[[argparse.Namespace], int]
     is_public: bool = False  # clients call it (the bearer token), not only the cluster
+    # Workers: whether the service's engine lives (serving.liveness); health follows it.
+    is_alive: Callable[[Any, argparse.Namespace], bool] | None = None
 
 
 @dataclass
@@ -159,10 +162,19 @@ async def _serve(role: Role, args: argparse.Namespace, make_service: MakeService
     membership.start()
     housekeeping = asyncio.create_task(service.housekeeping(), name=f"{role.name}-housekeeping")
     await set_serving(health, role.service_names)
+    liveness = None
+    if role.is_alive is not None:
+        is_alive = role.is_alive
+        liveness = asyncio.create_task(
+            watch_engine(lambda: is_alive(service, args), health, role.service_names, log),
+            name=f"{role.name}-liveness",
+        )
     name = service.served_name
     log.info("%s %s serving %s at %s", role.title, membership.worker_id, name, address)
     reason = await wait_for_shutdown(args.parent_pid)
     log.info("draining (%s)", reason)
+    if liveness is not None:
+        liveness.cancel()
     await health.enter_graceful_shutdown()
     await service.drain(args.grace_s)
     await server.stop(1.0)

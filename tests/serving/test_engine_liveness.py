@@ -88,3 +88,28 @@ async def test_watch_engine_sets_health_when_liveness_changes() -> None:
         assert health.sets == [*down, *[(name, SERVING) for name in ("", *names)]]
     finally:
         task.cancel()
+
+
+def test_workers_report_their_engine_and_the_router_its_server() -> None:
+    import argparse
+
+    from decode_worker import cli as decode_cli
+    from prefill_worker import cli as prefill_cli
+    from router import cli as router_cli
+
+    assert router_cli.role().is_alive is None  # no engine: health follows the server
+    for cli in (prefill_cli, decode_cli):
+        role = cli.role()
+        parser = argparse.ArgumentParser()
+        cli.add_arguments(parser)
+        args = parser.parse_args(["--model", "m", "--redis-url", "redis://127.0.0.1:1"])
+        assert args.engine_stall_s == 300.0
+        asked: list[float] = []
+
+        def is_alive(stall_s: float, asked: list[float] = asked) -> bool:
+            asked.append(stall_s)
+            return True
+
+        service = SimpleNamespace(engine_loop=SimpleNamespace(is_alive=is_alive))
+        assert role.is_alive is not None and role.is_alive(service, args) is True
+        assert asked == [300.0]
