@@ -108,6 +108,7 @@ def test_engine_settings_reach_the_workers_through_the_config_map() -> None:
     assert (prefill.kv_cache_memory, decode.kv_cache_memory) == (1 << 30, 2 << 30)
     assert (prefill.torch_compile, decode.torch_compile) == (False, True)
     assert prefill.max_queued == 256 and decode.reserve_timeout_s == 60.0
+    assert prefill.engine_stall_s == decode.engine_stall_s == 300.0
 
 
 def test_eagle3_draft_settings_under_prefill_and_decode() -> None:

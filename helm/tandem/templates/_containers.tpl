@@ -64,6 +64,7 @@ ConfigMap ($(TANDEM_...) is expanded by the kubelet), probes and the drain. dict
     - --reserve-timeout-s={{ $v.reserveTimeoutSeconds }}
     {{- end }}
     - --kv-transport=auto
+    - --engine-stall-s={{ $v.probes.engineStallSeconds }}
     {{- with $v.extraArgs }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
