@@ -175,9 +175,10 @@ dict: root, kernels (bool) */}}
 
 {{/* Native gRPC probes on grpc.health.v1. Startup: generous, for the model load (the port
 opens once the engine is built). Readiness: the server's overall status, NOT_SERVING
-from the first moment of a drain. Liveness: the role's service, which answers as long as
-the process and its event loop live (the kubelet stops liveness probes once a pod is
-being deleted, so a drain never trips it). dict: root, role, service */}}
+from the first moment of a drain. Liveness: the role's service, NOT_SERVING while a
+worker's engine is dead or stuck past --engine-stall-s, unanswered when the process or its
+event loop is (the kubelet stops liveness probes once a pod is being deleted, so a drain
+never trips it). dict: root, role, service */}}
 {{- define "tandem.probes" -}}
 {{- $v := index .root.Values .role }}
 startupProbe:
