@@ -56,6 +56,18 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
 @dataclass(frozen=True)
+class KVCacheLayout:
+    """What a model caches per token, as its config declares it: per layer ``num_tensors``
+    paged pools (2: K and V; 1: MLA's latent and rope vector), each entry ``[num_kv_heads,
+    head_dim]``. The engine, the block planner and KV transfer size pools from it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_tensors: int = 2
+
+
+@dataclass(frozen=True)
 class Llama3Config:
     """Shapes and numerics of a Llama-3 family model, as served."""
 
@@ -110,6 +122,11 @@ class Llama3Config:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """K and V of ``num_key_value_heads`` heads per token and layer."""
+        return KVCacheLayout(self.num_hidden_layers, self.num_key_value_heads, self.head_dim)
 
     def with_dtype(self, dtype: str | torch.dtype) -> Llama3Config:
         return dataclasses.replace(self, dtype=parse_dtype(dtype))

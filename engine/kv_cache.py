@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import psutil
 import torch
 
-from engine.config import Llama3Config
+from engine.config import KVCacheLayout
+
+
+class DeclaresKVCacheLayout(Protocol):
+    """A model config: it says what its KV cache holds (``engine.config.KVCacheLayout``)."""
+
+    @property
+    def kv_cache_layout(self) -> KVCacheLayout: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
 
 
 class KVCacheCapacityError(ValueError):
@@ -22,24 +33,28 @@ class KVCacheParams:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    num_tensors: int = 2  # pools per layer: K and V, or 1 (MLA's latent and rope part)
 
     @classmethod
-    def from_config(cls, config: Llama3Config, block_size: int) -> KVCacheParams:
+    def from_config(cls, config: DeclaresKVCacheLayout, block_size: int) -> KVCacheParams:
         if block_size <= 0:
             raise KVCacheCapacityError(f"block_size: must be positive, got {block_size}")
+        layout = config.kv_cache_layout
         return cls(
-            num_layers=config.num_hidden_layers,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
+            num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
             block_size=block_size,
             dtype=config.dtype,
+            num_tensors=layout.num_tensors,
         )
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V of one block across all layers."""
+        """Every pool's share of one block across all layers."""
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        per_layer = self.num_tensors * self.block_size * self.num_kv_heads * self.head_dim
+        return self.num_layers * per_layer * elem
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:
@@ -51,13 +66,23 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     return int(memory.available), int(memory.total)
 
 
-def estimate_kv_cache_size(params: KVCacheParams, available_cache_memory: int) -> int:
+def estimate_kv_cache_size(
+    params: KVCacheParams | Sequence[KVCacheParams], available_cache_memory: int
+) -> int:
     """Bytes of KV cache that fit in ``available_cache_memory``, rounded down to whole blocks."""
-    return (available_cache_memory // params.bytes_per_block) * params.bytes_per_block
+    block = block_bytes(params)
+    return (available_cache_memory // block) * block
+
+
+def block_bytes(params: KVCacheParams | Sequence[KVCacheParams]) -> int:
+    """Bytes of one block id: in each of the caches it indexes (a target's and a draft's)."""
+    if isinstance(params, KVCacheParams):
+        return params.bytes_per_block
+    return sum(p.bytes_per_block for p in params)
 
 
 def plan_num_blocks(
-    params: KVCacheParams,
+    params: KVCacheParams | Sequence[KVCacheParams],
     device: torch.device,
     *,
     memory_bytes: int | None = None,
@@ -78,10 +103,10 @@ def plan_num_blocks(
         budget = f"kv_cache_memory_fraction {fraction:g} of {total / 1e9:.2f} GB"
     else:
         budget = "kv_cache_memory"
-    num_blocks = estimate_kv_cache_size(params, memory_bytes) // params.bytes_per_block
+    num_blocks = estimate_kv_cache_size(params, memory_bytes) // block_bytes(params)
     if num_blocks < 1:
         raise KVCacheCapacityError(
-            f"kv cache: {memory_bytes} bytes hold no block of {params.bytes_per_block} bytes; "
+            f"kv cache: {memory_bytes} bytes hold no block of {block_bytes(params)} bytes; "
             "raise kv_cache_memory or lower block_size"
         )
     if memory_bytes > free:
@@ -94,7 +119,8 @@ def plan_num_blocks(
 
 
 class PagedKVCache:
-    """K and V pools for every layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    """The pools of every layer (K and V, or MLA's one), each ``[num_blocks, block_size,
+    num_kv_heads, head_dim]``.
 
     Block ``b`` of every layer belongs to the same owner, so one block table serves all
     layers, and a run of consecutive block ids is one contiguous slice of each pool.
@@ -104,10 +130,10 @@ class PagedKVCache:
         self.params = params
         self.num_blocks = num_blocks
         shape = (num_blocks, params.block_size, params.num_kv_heads, params.head_dim)
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(shape, dtype=params.dtype, device=device),
-                torch.zeros(shape, dtype=params.dtype, device=device),
+        self.layers: list[tuple[torch.Tensor, ...]] = [
+            tuple(
+                torch.zeros(shape, dtype=params.dtype, device=device)
+                for _ in range(params.num_tensors)
             )
             for _ in range(params.num_layers)
         ]

@@ -15,14 +15,13 @@ import torch
 
 from engine.attention import get_backend
 from engine.block_manager import BlockManager
-from engine.config import Llama3Config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheCapacityError, KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.model_runner import LayerListener, ModelRunner, RowLogprobs, StepOutput
 from engine.models.layers import release_packed_weights, use_packed_gemm
 from engine.outputs import PrefilledRequest, RequestOutput
-from engine.registry import load_model
+from engine.registry import ModelConfig, load_model
 from engine.sampler import FAULT
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -61,7 +60,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = _eos_token_ids(Path(config.model), self.model_config)
         kv_params = KVCacheParams.from_config(self.model_config, config.block_size)
-        plan_params = kv_params
+        plan_params = [kv_params]
         drafter, lookahead = None, 0
         if config.speculative is not None:
             drafter = load_speculator(config.speculative, model, self.device)
@@ -69,11 +68,8 @@ class LLMEngine:
                 assert isinstance(drafter, torch.nn.Module)
                 use_packed_gemm(drafter, config.cpu_packed_gemm_min_rows)
                 packed.append(drafter)
-            draft_params = KVCacheParams.from_config(drafter.config, config.block_size)
             # One block id holds a target block and a draft block: plan for both together.
-            plan_params = dataclasses.replace(
-                kv_params, num_layers=kv_params.num_layers + draft_params.num_layers
-            )
+            plan_params.append(KVCacheParams.from_config(drafter.config, config.block_size))
             lookahead = num_lookahead_slots(num_draft_tokens(config.speculative, drafter), drafter)
         if packed:
             freed = release_packed_weights(*packed)
@@ -480,7 +476,7 @@ class LLMEngine:
         )
 
 
-def _eos_token_ids(model_dir: Path, config: Llama3Config) -> frozenset[int]:
+def _eos_token_ids(model_dir: Path, config: ModelConfig) -> frozenset[int]:
     """EOS ids from config.json and generation_config.json together."""
     ids = set(config.eos_token_ids)
     gen = model_dir / "generation_config.json"

@@ -11,15 +11,19 @@ import torch
 from torch import nn
 
 from engine.config import ConfigError, Llama3Config, read_hf_config
+from engine.deepseek_v3_config import DeepseekV3Config
 from engine.weights import CheckpointReader, Source, TensorRule, load_weights
+
+# What ``load_model`` returns beside the model: the config of one of the architectures.
+ModelConfig = Llama3Config | DeepseekV3Config
 
 
 @dataclass(frozen=True)
 class Architecture:
     name: str  # the HF ``architectures`` entry
-    config_from_hf: Callable[..., Llama3Config]
-    model_class: Callable[[Llama3Config], nn.Module]
-    weight_rules: Callable[[Llama3Config], list[TensorRule]]  # the weight adapter
+    config_from_hf: Callable[..., Any]  # (hf dict, dtype=, max_length=) -> its config
+    model_class: Callable[[Any], nn.Module]  # its config -> a model on the current device
+    weight_rules: Callable[[Any], list[TensorRule]]  # its config -> the weight adapter
 
 
 def _one(dst: str, src: str, shape: tuple[int, ...]) -> TensorRule:
@@ -106,12 +110,105 @@ def _llama_model(config: Llama3Config) -> nn.Module:
     return Llama3Model(config)
 
 
+def mla_attention_rules(
+    config: DeepseekV3Config, hf: str, ours: str, in_features: int | None = None
+) -> list[TensorRule]:
+    """One HF MLA attention (prefix ``hf``) -> Tandem's (prefix ``ours``), names unchanged.
+    ``in_features``: the input width when it is not ``hidden_size`` (EAGLE-3 drafts)."""
+    c, h = config, config.hidden_size
+    inp = in_features or h
+    q_out = c.num_attention_heads * c.qk_head_dim
+    pairs: list[tuple[str, tuple[int, ...]]] = [
+        ("kv_a_proj_with_mqa.weight", (c.kv_lora_rank + c.qk_rope_head_dim, inp)),
+        ("kv_a_layernorm.weight", (c.kv_lora_rank,)),
+        (
+            "kv_b_proj.weight",
+            (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+        ),
+        ("o_proj.weight", (h, c.num_attention_heads * c.v_head_dim)),
+    ]
+    if c.q_lora_rank is None:
+        pairs.append(("q_proj.weight", (q_out, inp)))
+    else:
+        pairs += [
+            ("q_a_proj.weight", (c.q_lora_rank, inp)),
+            ("q_a_layernorm.weight", (c.q_lora_rank,)),
+            ("q_b_proj.weight", (q_out, c.q_lora_rank)),
+        ]
+    if c.attention_bias:
+        pairs.append(("kv_a_proj_with_mqa.bias", (c.kv_lora_rank + c.qk_rope_head_dim,)))
+        pairs.append(("o_proj.bias", (h,)))
+        if c.q_lora_rank is not None:
+            pairs.append(("q_a_proj.bias", (c.q_lora_rank,)))
+    return [_one(f"{ours}.{name}", f"{hf}.{name}", shape) for name, shape in pairs]
+
+
+def deepseek_v3_weight_rules(config: DeepseekV3Config) -> list[TensorRule]:
+    """HF DeepSeek-V3 tensors (experts one by one, as DeepSeek and transformers save them)
+    -> Tandem's fused gate_up parameters; the MTP layers past the last one are not read."""
+    c, h = config, config.hidden_size
+    rules = [_one("embed_tokens.weight", "model.embed_tokens.weight", (c.vocab_size, h))]
+
+    def mlp(hf: str, ours: str, inter: int) -> list[TensorRule]:
+        gate_up = (
+            Source(f"{hf}.gate_proj.weight", (inter, h)),
+            Source(f"{hf}.up_proj.weight", (inter, h)),
+        )
+        return [
+            TensorRule(f"{ours}.gate_up_proj.weight", gate_up),
+            _one(f"{ours}.down_proj.weight", f"{hf}.down_proj.weight", (h, inter)),
+        ]
+
+    for i in range(c.num_hidden_layers):
+        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        rules += mla_attention_rules(c, f"{hf}.self_attn", f"{ours}.self_attn")
+        rules += [
+            _one(f"{ours}.{n}.weight", f"{hf}.{n}.weight", (h,))
+            for n in ("input_layernorm", "post_attention_layernorm")
+        ]
+        if i < c.first_k_dense_replace:
+            rules += mlp(f"{hf}.mlp", f"{ours}.mlp", c.intermediate_size)
+            continue
+        e = c.n_routed_experts
+        rules.append(_one(f"{ours}.mlp.gate.weight", f"{hf}.mlp.gate.weight", (e, h)))
+        rules.append(
+            _one(
+                f"{ours}.mlp.gate.e_score_correction_bias",
+                f"{hf}.mlp.gate.e_score_correction_bias",
+                (e,),
+            )
+        )
+        for j in range(e):
+            rules += mlp(
+                f"{hf}.mlp.experts.{j}", f"{ours}.mlp.experts.{j}", c.moe_intermediate_size
+            )
+        if c.n_shared_experts:
+            inter = c.moe_intermediate_size * c.n_shared_experts
+            rules += mlp(f"{hf}.mlp.shared_experts", f"{ours}.mlp.shared_experts", inter)
+    rules.append(_one("norm.weight", "model.norm.weight", (h,)))
+    if not c.tie_word_embeddings:
+        rules.append(_one("lm_head.weight", "lm_head.weight", (c.vocab_size, h)))
+    return rules
+
+
+def _deepseek_v3_model(config: DeepseekV3Config) -> nn.Module:
+    from engine.models.deepseek_v3 import DeepseekV3Model
+
+    return DeepseekV3Model(config)
+
+
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(
         name="LlamaForCausalLM",
         config_from_hf=Llama3Config.from_hf,
         model_class=_llama_model,
         weight_rules=llama_weight_rules,
+    ),
+    "DeepseekV3ForCausalLM": Architecture(
+        name="DeepseekV3ForCausalLM",
+        config_from_hf=DeepseekV3Config.from_hf,
+        model_class=_deepseek_v3_model,
+        weight_rules=deepseek_v3_weight_rules,
     ),
 }
 
@@ -130,7 +227,7 @@ def load_model(
     dtype: str | torch.dtype = "bfloat16",
     max_length: int | None = None,
     device: str | torch.device = "cpu",
-) -> tuple[nn.Module, Llama3Config]:
+) -> tuple[nn.Module, ModelConfig]:
     """Reads config.json, builds the declared model and fills it from safetensors."""
     hf = read_hf_config(model_dir)
     arch = get_architecture(hf)

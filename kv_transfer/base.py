@@ -19,8 +19,12 @@ import torch
 from tandem.v1 import kv_transfer_pb2 as pb
 from tandem_client.wire import KV_PUSH_STATUS_KEY
 
-# One layer's pool as chunk data orders it: K blocks of a run, then V blocks of the run.
+# One layer's pools as chunk data orders them: K blocks of a run, then V blocks of the run;
+# or an MLA layer's one pool of latent and rope vectors (DeepSeek-V3).
 KV_LAYOUT = "kv,block,token,head,dim"
+LATENT_LAYOUT = "latent,block,token,head,dim"
+POOL_LAYOUTS = {2: KV_LAYOUT, 1: LATENT_LAYOUT}  # pools per layer -> its layout name
+DRAFT_LAYOUT_SEP = ";draft="  # then the draft's layout, where it differs from the target's
 KV_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -61,11 +65,11 @@ class KvTransferError(Exception):
 
 
 class PagedPools(Protocol):
-    """What a transfer needs of engine.kv_cache.PagedKVCache: per layer (k, v), each
-    ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """What a transfer needs of engine.kv_cache.PagedKVCache: per layer its pools, (k, v)
+    or MLA's (latent,), each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
 
     @property
-    def layers(self) -> Sequence[tuple[torch.Tensor, torch.Tensor]]: ...
+    def layers(self) -> Sequence[tuple[torch.Tensor, ...]]: ...
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -77,11 +81,31 @@ class PoolShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    num_tensors: int = 2  # pools per layer: K and V, or 1 (MLA's latent and rope part)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.num_tensors not in POOL_LAYOUTS:
+            raise ValueError(f"num_tensors: {self.num_tensors}; allowed: {list(POOL_LAYOUTS)}")
+
+
+def layout_name(target: PoolShape, draft: PoolShape | None) -> str:
+    """The handshake's ``layout``: how chunk data orders the pools of a layer."""
+    name = POOL_LAYOUTS[target.num_tensors]
+    if draft is not None and draft.num_tensors != target.num_tensors:
+        name += DRAFT_LAYOUT_SEP + POOL_LAYOUTS[draft.num_tensors]
+    return name
+
+
+def parse_layout_name(name: str) -> tuple[int, int]:
+    """Pools per layer of the target and of the draft that ``layout_name`` wrote."""
+    tensors = {layout: n for n, layout in POOL_LAYOUTS.items()}
+    target, _, draft = name.partition(DRAFT_LAYOUT_SEP)
+    if target not in tensors or (draft and draft not in tensors):
+        raise ValueError(f"layout: {name!r} is not a KV layout; allowed: {list(tensors)}")
+    return tensors[target], tensors[draft or target]
 
 
 @dataclass(frozen=True)
@@ -94,9 +118,11 @@ class KvLayout:
     target: PoolShape
     draft: PoolShape | None = None
     draft_fingerprint: str = ""  # the drafter's config fingerprint; "" without a draft
-    layout: str = KV_LAYOUT
+    layout: str = ""  # "": ``layout_name`` of the pools
 
     def __post_init__(self) -> None:
+        if not self.layout:
+            object.__setattr__(self, "layout", layout_name(self.target, self.draft))
         if dtype_name(self.dtype) not in KV_DTYPES:
             raise ValueError(f"dtype: {self.dtype} is not a KV dtype; allowed: {list(KV_DTYPES)}")
         if self.block_size <= 0:
@@ -112,11 +138,12 @@ class KvLayout:
         draft: PagedPools | None = None,
         draft_fingerprint: str = "",
     ) -> KvLayout:
-        """The layout of existing pools (shapes read from their first layer's K)."""
+        """The layout of existing pools (shapes read from their first layer's first pool)."""
 
         def shape(pools: PagedPools) -> tuple[PoolShape, torch.Tensor]:
-            k = pools.layers[0][0]
-            return PoolShape(len(pools.layers), k.shape[2], k.shape[3]), k
+            first = pools.layers[0]
+            k = first[0]
+            return PoolShape(len(pools.layers), k.shape[2], k.shape[3], len(first)), k
 
         target_shape, k = shape(target)
         draft_shape = shape(draft)[0] if draft is not None else None
@@ -126,10 +153,16 @@ class KvLayout:
         return self.target if pool is KvPool.TARGET else self.draft
 
     def block_bytes(self, pool: KvPool) -> int:
-        """Bytes of K and V of one block of one layer of ``pool``."""
+        """Bytes of one block of one layer of ``pool``: K and V, or MLA's one pool."""
         shape = self.pool_shape(pool)
         assert shape is not None
-        return 2 * self.block_size * shape.num_kv_heads * shape.head_dim * self.dtype.itemsize
+        return shape.num_tensors * self.tensor_block_bytes(pool)
+
+    def tensor_block_bytes(self, pool: KvPool) -> int:
+        """Bytes of one block of one of a layer's pools (K, V or MLA's latent)."""
+        shape = self.pool_shape(pool)
+        assert shape is not None
+        return self.block_size * shape.num_kv_heads * shape.head_dim * self.dtype.itemsize
 
     def wire_fields(self) -> dict[str, str | int]:
         """The KvHandshake fields this layout sets, by their wire names."""
@@ -175,18 +208,20 @@ class KvLayout:
         """Raises ValueError (with the field) on a handshake that describes no valid layout."""
         if hs.dtype not in KV_DTYPES:
             raise ValueError(f"dtype: {hs.dtype!r} is not a KV dtype; allowed: {list(KV_DTYPES)}")
+        target_tensors, draft_tensors = parse_layout_name(hs.layout)
         draft = None
         if hs.num_draft_layers:
             draft = PoolShape(
                 hs.num_draft_layers,
                 hs.num_draft_kv_heads or hs.num_kv_heads,
                 hs.draft_head_dim or hs.head_dim,
+                draft_tensors,
             )
         return cls(
             model=hs.model,
             dtype=KV_DTYPES[hs.dtype],
             block_size=hs.block_size,
-            target=PoolShape(hs.num_layers, hs.num_kv_heads, hs.head_dim),
+            target=PoolShape(hs.num_layers, hs.num_kv_heads, hs.head_dim, target_tensors),
             draft=draft,
             draft_fingerprint=hs.draft_fingerprint,
             layout=hs.layout,
@@ -272,7 +307,7 @@ class KvSender(abc.ABC):
         self,
         pool: KvPool,
         layer: int,
-        src_cache_layer: tuple[torch.Tensor, torch.Tensor],
+        src_cache_layer: tuple[torch.Tensor, ...],
         src_block_ids: Sequence[int],
         dst_block_ids: Sequence[int],
     ) -> None:

@@ -100,7 +100,7 @@ class _Pending:
 class Destination(Protocol):
     """The receiver's pools, writable from here (same process, or a mapped shared segment)."""
 
-    def layer(self, pool: KvPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, pool: KvPool, layer: int) -> tuple[torch.Tensor, ...]:
         """K and V of a destination layer, each ``[num_blocks, block_size, heads, dim]``."""
 
     async def check(self, pool: KvPool, layer: int, runs: Sequence[RunPair]) -> None:
@@ -184,7 +184,7 @@ class ChunkedKvSender(KvSender):
         self,
         pool: KvPool,
         layer: int,
-        src_cache_layer: tuple[torch.Tensor, torch.Tensor],
+        src_cache_layer: tuple[torch.Tensor, ...],
         src_block_ids: Sequence[int],
         dst_block_ids: Sequence[int],
     ) -> None:
@@ -276,7 +276,7 @@ class ChunkedKvSender(KvSender):
         layout: KvLayout,
         pool: KvPool,
         layer: int,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, ...],
         src_block_ids: Sequence[int],
         dst_block_ids: Sequence[int],
     ) -> list[RunPair]:
@@ -286,6 +286,10 @@ class ChunkedKvSender(KvSender):
         if not 0 <= layer < shape.num_layers:
             raise ValueError(f"layer: {layer} outside 0..{shape.num_layers - 1} of {pool}")
         expected = (layout.block_size, shape.num_kv_heads, shape.head_dim)
+        if len(kv) != shape.num_tensors:
+            raise ValueError(
+                f"src_cache_layer: {len(kv)} pools, the layout has {shape.num_tensors} per layer"
+            )
         for t in kv:
             if t.dtype != layout.dtype or tuple(t.shape[1:]) != expected:
                 raise ValueError(
@@ -302,7 +306,7 @@ class ChunkedKvSender(KvSender):
         spec: ChunkSpec,
         buffer: torch.Tensor | None,
         offset: int,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, ...],
         runs: list[RunPair],
         running: RunningChecksum,
         layer: int | None = None,
@@ -340,7 +344,7 @@ class ChunkedKvSender(KvSender):
     def _pack(
         buffer: torch.Tensor,
         offset: int,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, ...],
         runs: list[RunPair],
         running: RunningChecksum,
     ) -> None:
@@ -364,8 +368,8 @@ class ChunkedKvSender(KvSender):
 
     @staticmethod
     def _place(
-        dst_kv: tuple[torch.Tensor, torch.Tensor],
-        kv: tuple[torch.Tensor, torch.Tensor],
+        dst_kv: tuple[torch.Tensor, ...],
+        kv: tuple[torch.Tensor, ...],
         runs: list[RunPair],
         running: RunningChecksum,
     ) -> None:

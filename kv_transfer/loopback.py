@@ -38,7 +38,7 @@ class LoopbackChannel:
     def __init__(self, receiver: KvReceiver) -> None:
         self._receiver = receiver
         self._session: ReceiveSession | None = None
-        self._pools: dict[KvPool, Sequence[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._pools: dict[KvPool, Sequence[tuple[torch.Tensor, ...]]] = {}
 
     async def open(self, handshake: pb.KvHandshake, layout: KvLayout) -> Destination | None:
         session = self._session = self._receiver.open(handshake)
@@ -75,13 +75,13 @@ class _Local:
 
     def __init__(
         self,
-        pools: dict[KvPool, Sequence[tuple[torch.Tensor, torch.Tensor]]],
+        pools: dict[KvPool, Sequence[tuple[torch.Tensor, ...]]],
         session: ReceiveSession,
     ) -> None:
         self._pools = pools
         self._session = session
 
-    def layer(self, pool: KvPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, pool: KvPool, layer: int) -> tuple[torch.Tensor, ...]:
         return self._pools[pool][layer]
 
     async def check(self, pool: KvPool, layer: int, runs: Sequence[RunPair]) -> None:

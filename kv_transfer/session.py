@@ -96,6 +96,11 @@ class KvReservation:
                     f"pools: {pool} has {len(layers)} layers of {tuple(k.shape)}, "
                     f"layout says {shape.num_layers} of [num_blocks, {expected}]"
                 )
+            if len(layers[0]) != shape.num_tensors:
+                raise ValueError(
+                    f"pools: {pool} has {len(layers[0])} pools per layer, layout says "
+                    f"{shape.num_tensors}"
+                )
             if k.dtype != self.layout.dtype:
                 raise ValueError(f"pools: {pool} holds {k.dtype}, layout {self.layout.dtype}")
             if any(not 0 <= b < num_blocks for b in self.block_ids):
@@ -345,7 +350,7 @@ class ReceiveSession:
         piece just before each piece is copied, while it is in cache)."""
         running = running_checksum(self._checksum_kind)
         layers = self._record.reservation.pools[pool].layers
-        block_bytes = self._layout.block_bytes(pool) // 2  # K (or V) of one block
+        block_bytes = self._layout.tensor_block_bytes(pool)  # K (or V) of one block
         offset = 0
         for layer in range(layer_start, layer_end):
             views = self._pool_bytes(pool, layer)
@@ -366,7 +371,7 @@ class ReceiveSession:
         """The checksum of blocks a sender wrote in place, read in the order it packed them
         (layer, run, K then V): what it sent must be what the pools now hold."""
         running = running_checksum(self._checksum_kind)
-        block_bytes = self._layout.block_bytes(pool) // 2  # K (or V) of one block
+        block_bytes = self._layout.tensor_block_bytes(pool)  # K (or V) of one block
         for layer in range(layer_start, layer_end):
             views = self._pool_bytes(pool, layer)
             for first, num_blocks in runs:

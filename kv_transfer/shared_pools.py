@@ -39,7 +39,7 @@ class Placeable(Protocol):
     """engine.kv_cache.PagedKVCache: pools that can move into storage given by the caller."""
 
     @property
-    def layers(self) -> Sequence[tuple[torch.Tensor, torch.Tensor]]: ...
+    def layers(self) -> Sequence[tuple[torch.Tensor, ...]]: ...
 
     def place(self, storage: Storage) -> None: ...
 
@@ -51,16 +51,16 @@ def _round_up(n: int, multiple: int) -> int:
 def _tensors(
     layout: KvLayout, num_blocks: int
 ) -> Iterator[tuple[KvPool, int, int, tuple[int, ...]]]:
-    """(pool, layer, byte offset, shape) of every K and V tensor, in segment order."""
+    """(pool, layer, byte offset, shape) of every K and V (or latent) tensor, in segment order."""
     offset = 0
     for pool in KvPool:
         shape = layout.pool_shape(pool)
         if shape is None:
             continue
         dims = (num_blocks, layout.block_size, shape.num_kv_heads, shape.head_dim)
-        num_bytes = num_blocks * layout.block_bytes(pool) // 2
+        num_bytes = num_blocks * layout.tensor_block_bytes(pool)
         for layer in range(shape.num_layers):
-            for _ in "kv":
+            for _ in range(shape.num_tensors):
                 yield pool, layer, offset, dims
                 offset += _round_up(num_bytes, _PAGE)
 
@@ -139,12 +139,11 @@ class SharedKvPools:
             file=self.file,
         )
 
-    def layer(self, pool: KvPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self._layers[pool][layer]
-        return k, v
+    def layer(self, pool: KvPool, layer: int) -> tuple[torch.Tensor, ...]:
+        return tuple(self._layers[pool][layer])
 
     def storage(self, pool: KvPool) -> Storage:
-        """Hands out ``pool``'s tensors in order: K then V of each layer."""
+        """Hands out ``pool``'s tensors in order: K then V (or the latent) of each layer."""
         tensors = iter([t for kv in self._layers[pool] for t in kv])
 
         def take(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -157,7 +156,7 @@ class SharedKvPools:
 
         return take
 
-    def holds(self, pool: KvPool, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    def holds(self, pool: KvPool, layers: Sequence[tuple[torch.Tensor, ...]]) -> bool:
         """Whether ``layers`` are this segment's tensors of ``pool`` (what a sender writes)."""
         mine = self._layers.get(pool)
         if mine is None or len(mine) != len(layers):
@@ -207,7 +206,7 @@ class PoolDestination:
         self._failure = failure
         self._stop = stop
 
-    def layer(self, pool: KvPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, pool: KvPool, layer: int) -> tuple[torch.Tensor, ...]:
         return self.pools.layer(pool, layer)
 
     async def check(self, pool: KvPool, layer: int, runs: Sequence[RunPair]) -> None:

@@ -75,15 +75,21 @@ class RotaryEmbedding(nn.Module):
             self.cos = torch.empty(shape, dtype=self.dtype, device=device)
             self.sin = torch.empty(shape, dtype=self.dtype, device=device)
             return
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        inv_freq, factor = self.inv_freq()
         positions = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2], fp32 as in transformers
         emb = torch.cat((freqs, freqs), dim=-1)
-        sin = emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
         half = self.head_dim // 2
         sin[:, :half] = -sin[:, :half]
-        self.cos = emb.cos().to(device=device, dtype=self.dtype)
+        self.cos = cos.to(device=device, dtype=self.dtype)
         self.sin = sin.to(device=device, dtype=self.dtype)
+
+    def inv_freq(self) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies [head_dim // 2], and the factor cos and sin are scaled by."""
+        return rope_inv_freq(self.head_dim, self.theta, self.scaling), 1.0
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for each token: ([T, 1, D], [T, 1, D])."""

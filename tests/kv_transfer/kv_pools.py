@@ -53,11 +53,16 @@ def make_pools(
         shape = layout.pool_shape(pool)
         assert shape is not None
         params = KVCacheParams(
-            shape.num_layers, shape.num_kv_heads, shape.head_dim, layout.block_size, layout.dtype
+            shape.num_layers,
+            shape.num_kv_heads,
+            shape.head_dim,
+            layout.block_size,
+            layout.dtype,
+            shape.num_tensors,
         )
         cache = PagedKVCache(params, num_blocks, torch.device("cpu"))
-        for k, v in cache.layers:
-            for t in (k, v):
+        for kv in cache.layers:
+            for t in kv:
                 t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
         pools[pool] = cache
     return pools
@@ -107,7 +112,8 @@ def mismatches(
         for layer, (dst_kv, src_kv, before_kv) in enumerate(
             zip(dst[pool].layers, src[pool].layers, before[pool].layers, strict=True)
         ):
-            for name, d, s, b in zip("kv", dst_kv, src_kv, before_kv, strict=True):
+            names = "kv" if len(dst_kv) == 2 else ["latent"]
+            for name, d, s, b in zip(names, dst_kv, src_kv, before_kv, strict=True):
                 for block in range(d.shape[0]):
                     want = s[mapping[block]] if block in mapping else b[block]
                     if not torch.equal(bits(d[block]), bits(want)):

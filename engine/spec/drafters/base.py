@@ -8,7 +8,7 @@ are fixed by the caller; a drafter never synchronises with the host.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -18,7 +18,7 @@ from engine.attention.base import AttentionBackend, BatchLayout
 from engine.config import Llama3Config
 from engine.models.llama3 import ModelOutputs, ReturnHiddenStates
 
-KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
+KVLayers = Sequence[tuple[torch.Tensor, ...]]  # per layer its pools: (k, v)
 
 
 @dataclass(frozen=True)

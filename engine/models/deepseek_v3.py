@@ -1,0 +1,230 @@
+"""DeepSeek-V3 over a paged KV cache: multi-head latent attention (MLA) with a compressed
+cache, mixture-of-experts layers after the first dense ones.
+
+MLA caches, per token and layer, one vector shared by every head: the normalised latent
+``c`` (``kv_lora_rank``) followed by the rotated key part ``k_rope`` (``qk_rope_head_dim``).
+Attention runs in the absorbed form, as multi-query attention over that vector: the
+up-projection of keys is folded into each head's query (``q_nope @ W_UK`` scores ``c``
+as ``q_nope . (W_UK c)`` would), the values are ``c`` itself, and each head's output is
+projected up by ``W_UV`` afterwards. So the backend attends one KV head of width
+``kv_lora_rank + qk_rope_head_dim`` and the cache holds no per-head keys or values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.deepseek_v3_config import DeepseekV3Config, YarnRopeScaling
+from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from engine.models.llama3 import (
+    NO_HIDDEN_STATES,
+    ROPE_SLACK_POSITIONS,
+    ModelOutputs,
+    ReturnHiddenStates,
+)
+from engine.models.moe import DeepseekV3MoE
+
+
+class YarnRotaryEmbedding(RotaryEmbedding):
+    """RoPE tables with YaRN's frequencies and cos/sin factor (or plain RoPE without it)."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        yarn: YarnRopeScaling | None,
+        dtype: torch.dtype,
+    ) -> None:
+        self.yarn = yarn
+        super().__init__(head_dim, max_positions, theta, None, dtype)
+
+    def inv_freq(self) -> tuple[torch.Tensor, float]:
+        if self.yarn is None:
+            return super().inv_freq()
+        return self.yarn.inv_freq(self.head_dim, self.theta), self.yarn.cos_sin_factor
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Rotary dims stored as pairs ``(x0, x1), (x2, x3), ...`` -> ``[x0, x2, ..., x1, x3, ...]``,
+    the halves ``rotate`` pairs up (DeepSeek's checkpoints interleave them)."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, config: DeepseekV3Config, in_features: int | None = None) -> None:
+        """``in_features``: width of the input when it is not ``hidden_size`` (EAGLE-3)."""
+        super().__init__()
+        c = config
+        self.num_heads, self.kv_lora_rank = c.num_attention_heads, c.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = (
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+        )
+        self.rope_interleave = c.rope_interleave
+        h, q_out = c.hidden_size, c.num_attention_heads * c.qk_head_dim
+        inp = in_features or h
+        self.q_proj: Linear | None = None
+        self.q_a_proj: Linear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj: Linear | None = None
+        if c.q_lora_rank is None:
+            self.q_proj = Linear(inp, q_out, bias=False)
+        else:
+            self.q_a_proj = Linear(inp, c.q_lora_rank, bias=c.attention_bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6)
+            self.q_b_proj = Linear(c.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(
+            inp, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias
+        )
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6)
+        # A torch Linear, not ours: its weight is read as W_UK and W_UV, never multiplied
+        # as a whole, and must survive ``release_packed_weights``.
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
+        )
+        self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, h, bias=c.attention_bias)
+        # The backend scales scores by 1/sqrt(its head width); the query makes up the rest.
+        self.query_scale = c.softmax_scale * (c.kv_lora_rank + c.qk_rope_head_dim) ** 0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin: [T, 1, R] each
+        kv_cache: Sequence[torch.Tensor],  # (pool [num_blocks, block_size, 1, L + R],)
+        backend: AttentionBackend,
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        t, heads, lat = x.shape[0], self.num_heads, self.kv_lora_rank
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            assert self.q_a_proj and self.q_a_layernorm and self.q_b_proj
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(t, heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([lat, self.rope_dim], dim=-1)
+        k_rope = k_rope.view(t, 1, self.rope_dim)
+        if self.rope_interleave:
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+        q_rope = RotaryEmbedding.rotate(q_rope.contiguous(), *rope)  # [T, heads, R]
+        k_rope = RotaryEmbedding.rotate(k_rope.contiguous(), *rope)  # [T, 1, R]
+        entry = torch.cat([self.kv_a_layernorm(latent).unsqueeze(1), k_rope], dim=-1)  # [T,1,L+R]
+
+        w_kv = self.kv_b_proj.weight.view(heads, self.nope_dim + self.v_dim, lat)
+        w_uk, w_uv = w_kv[:, : self.nope_dim], w_kv[:, self.nope_dim :]  # [h, n, L], [h, v, L]
+        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, heads, L]
+        query = torch.cat([q_latent, q_rope], dim=-1) * self.query_scale  # [T, heads, L+R]
+        pool = kv_cache[0]
+        # Keys and values are the same cached vector; the values' rope part is dropped after.
+        out = backend.forward(query, entry, entry, pool, pool, attn_metadata)  # [T, heads, L+R]
+        out = torch.einsum("thl,hvl->thv", out[..., :lat], w_uv)  # [T, heads, v]
+        return self.o_proj(out.reshape(t, heads * self.v_dim))
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, config: DeepseekV3Config, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadLatentAttention(config)
+        self.mlp: nn.Module = (
+            GatedMLP(config.hidden_size, config.intermediate_size, bias=False)
+            if layer_id < config.first_k_dense_replace
+            else DeepseekV3MoE(config)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: Sequence[torch.Tensor],
+        backend: AttentionBackend,
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, backend, attn_metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def eagle3_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """The low, middle and high layers whose residual streams an EAGLE-3 draft reads by
+    default: the outputs of layers 1, L/2 - 1 and L - 4 (EAGLE-3's taps), kept in range."""
+    taps = (1, num_layers // 2 - 1, num_layers - 4)
+    return tuple(sorted({min(max(i, 0), num_layers - 1) for i in taps}))
+
+
+def concat_hidden_states(out: ModelOutputs, layer_ids: Sequence[int]) -> torch.Tensor:
+    """The residual streams of ``layer_ids`` side by side, what EAGLE-3's ``fc`` takes:
+    [T, len(layer_ids) * H]. The forward must have been asked for them."""
+    return torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1)
+
+
+class DeepseekV3Model(nn.Module):
+    """Embedding, decoder layers, final norm and lm_head; logits only where asked.
+
+    The same forward as ``Llama3Model``: one ragged batch of prompt chunks and decode rows
+    over the paged cache, hidden states of the layers ``return_hidden_states`` names.
+    """
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = YarnRotaryEmbedding(
+            config.qk_rope_head_dim,
+            config.max_seq_len + ROPE_SLACK_POSITIONS,
+            config.rope_theta,
+            config.rope_scaling,
+            config.dtype,
+        )
+        self.eagle3_layer_ids = eagle3_layer_ids(config.num_hidden_layers)
+
+    def finalize(self) -> None:
+        """Restores what materialising from the meta device and casting lose: weight ties,
+        buffers, and the routers' fp32."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary.reset_buffers(self.embed_tokens.weight.device)
+        for layer in self.layers:
+            if isinstance(layer.mlp, DeepseekV3MoE):
+                layer.mlp.gate.keep_fp32()
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: Sequence[Sequence[torch.Tensor]],  # per layer (latent+rope pool,)
+        backend: AttentionBackend,
+        attn_metadata: Any,
+        logit_indices: torch.Tensor,  # [N] int64: which of the T tokens get logits
+        return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES,
+        on_layer: Callable[[int], None] | None = None,  # told once layer i wrote its KV
+    ) -> ModelOutputs:
+        x = self.embed_tokens(tokens)  # [T, H]
+        rope = self.rotary.lookup(positions)
+        hidden: dict[int, torch.Tensor] = {}
+        wanted = set(return_hidden_states.layer_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, kv_caches[i], backend, attn_metadata)
+            if i in wanted:
+                hidden[i] = x
+            if on_layer is not None:
+                on_layer(i)
+        if return_hidden_states.final:
+            final = self.norm(x)
+            logits = self.lm_head(final[logit_indices]).float()  # [N, V]
+            return ModelOutputs(logits=logits, hidden_states=hidden, final_hidden_state=final)
+        logits = self.lm_head(self.norm(x[logit_indices])).float()  # [N, V]
+        return ModelOutputs(logits=logits, hidden_states=hidden)

@@ -1,0 +1,86 @@
+"""DeepSeek-V3's mixture of experts: sigmoid router with a correction bias, group-limited
+top-k, routed scaling factor, shared experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.deepseek_v3_config import DeepseekV3Config
+from engine.models.layers import GatedMLP
+
+
+class TopkRouter(nn.Module):
+    """Picks ``num_experts_per_tok`` experts per token and their weights, in fp32.
+
+    Scores are ``sigmoid(x @ weight.T)``. Choosing adds ``e_score_correction_bias`` (a
+    load-balancing offset that never weighs an output): experts form ``n_group`` groups,
+    each scored by the sum of its two best biased scores; only the ``topk_group`` best
+    groups stay, and the top-k experts are chosen among theirs. Weights are the unbiased
+    scores of the chosen experts, normalised to sum to 1 (``norm_topk_prob``), times
+    ``routed_scaling_factor``.
+    """
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.num_groups, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        # fp32 whatever the model's dtype (``keep_fp32``); a parameter so the loader fills it.
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(self.num_experts), requires_grad=False
+        )
+
+    def keep_fp32(self) -> None:
+        """Back to fp32 after the model was cast to its dtype (before weights load)."""
+        self.weight.data = self.weight.data.float()
+        self.e_score_correction_bias.data = self.e_score_correction_bias.data.float()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (expert ids [T, k] int64, weights [T, k] fp32)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        biased = scores + self.e_score_correction_bias
+        per_group = biased.view(-1, self.num_groups, self.num_experts // self.num_groups)
+        group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        kept = kept.unsqueeze(-1).expand_as(per_group).reshape(-1, self.num_experts)
+        biased = biased.masked_fill(~kept, float("-inf"))
+        ids = biased.topk(self.top_k, dim=-1, sorted=False).indices  # [T, k]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.routed_scaling_factor
+
+
+class DeepseekV3MoE(nn.Module):
+    """Routed experts weighted by the router, plus shared experts every token goes through."""
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        inter = config.moe_intermediate_size
+        self.gate = TopkRouter(config)
+        self.experts = nn.ModuleList(
+            GatedMLP(config.hidden_size, inter, bias=False) for _ in range(config.n_routed_experts)
+        )
+        self.shared_experts = (
+            GatedMLP(config.hidden_size, inter * config.n_shared_experts, bias=False)
+            if config.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        ids, weights = self.gate(x)
+        out = torch.zeros_like(x)
+        # Experts in ascending id, each over the tokens that chose it (as transformers sums).
+        for expert in ids.unique().tolist():
+            tokens, slot = torch.where(ids == expert)
+            y = self.experts[expert](x[tokens]) * weights[tokens, slot, None]  # fp32
+            out.index_add_(0, tokens, y.to(out.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
