@@ -1,6 +1,7 @@
 """`tandem loadtest`: the harness's command (a ``tandem.commands`` plugin of the
 ``tandem-client[loadtest]`` extra). Checks the options and the target, then runs the
-warm-up and each rate of the sweep, and prints a table per run and one JSON line."""
+warm-up and each rate of the sweep; shows a summary on stderr, writes the files of
+--output-dir, and prints one JSON line."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,8 +26,10 @@ from loadtest.data import (
 )
 from loadtest.metrics import run_figures
 from loadtest.options import DEFAULT_NUM_REQUESTS, DESCRIPTION, EXAMPLES, add_options
-from loadtest.report import summary, table, to_json
-from loadtest.runner import LoadShape, run_load, warm_up
+from loadtest.output import write_outputs
+from loadtest.report import print_summary, summary, to_json
+from loadtest.runner import LoadShape, RunResult, run_load, warm_up
+from loadtest.speculative import SpecCounts, scrape
 from loadtest.targets import OpenAITarget, TandemTarget, Target, TargetUnavailable
 from tandem_client.exit_codes import ExitCode
 from tandem_client.options import HelpFormatter, router_address
@@ -92,16 +96,33 @@ def open_target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ta
 
 def _missing_extras(args: argparse.Namespace) -> list[str]:
     """The packages of the loadtest extra this run needs and cannot import."""
-    needed = ["tqdm"] + (["openai"] if args.target == "openai" else [])
+    needed = ["tqdm", "rich"] + (["openai"] if args.target == "openai" else [])
+    if args.output_dir is not None and args.plots:
+        needed.append("matplotlib")
     return [name for name in needed if importlib.util.find_spec(name) is None]
+
+
+@dataclass
+class Measured:
+    """What the runs gave: each run's figures (the JSON's ``runs``) and its requests."""
+
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    results: list[RunResult] = field(default_factory=list)
 
 
 def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`tandem loadtest`: the exit code (0 when every run completed a request)."""
+    from rich.console import Console
+
     missing = _missing_extras(args)
     if missing:
         parser.error(f"needs {', '.join(missing)}: pip install 'tandem-client[loadtest]'")
     source = request_source(args, parser)
+    if args.output_dir is not None:
+        try:
+            args.output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            parser.error(f"argument --output-dir: cannot create {args.output_dir}: {e}")
     num_requests = args.num_requests
     if num_requests is None and args.duration is None:
         num_requests = DEFAULT_NUM_REQUESTS
@@ -111,21 +132,34 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     ]
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
     try:
-        runs = asyncio.run(_run(args, parser, source, shapes, show_progress))
+        measured = asyncio.run(_run(args, parser, source, shapes, show_progress))
     except TargetUnavailable as e:
         print(f"tandem loadtest: error: {e}; no load sent", file=sys.stderr)
         return e.code
-    for run in runs:
-        print(table(run), end="\n\n")
     where = args.base_url if args.target == "openai" else router_address(args)
     described = {"target": args.target, "address": where, "model": args.model}
     if args.target == "openai":
         described["endpoint"] = args.endpoint
-    line = to_json(summary(described, runs))
+    result = summary(described, measured.runs)
+    print_summary(
+        Console(stderr=True), f"{args.target} {where} ({args.model or 'default model'})",
+        measured.runs,
+    )  # fmt: skip
+    line = to_json(result)
     if args.output is not None:
         args.output.write_text(line + "\n")
+    if args.output_dir is not None:
+        records = [r.records for r in measured.results]
+        written = write_outputs(
+            args.output_dir, result, records, [r.start for r in measured.results]
+        )
+        if args.plots:
+            from loadtest.plots import write_plots
+
+            written += write_plots(args.output_dir, measured.runs, records)
+        print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     print(line, flush=True)
-    failed = [run for run in runs if run["num_completed"] == 0]
+    failed = [run for run in measured.runs if run["num_completed"] == 0]
     if failed:
         print(
             f"tandem loadtest: error: no request completed ({failed[0]['errors']})",
@@ -135,31 +169,47 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     return ExitCode.OK
 
 
+async def _scrape(urls: list[str]) -> SpecCounts:
+    """The decode workers' speculative counters; TargetUnavailable for one that does not
+    answer (before the load: no load sent)."""
+    try:
+        return await asyncio.to_thread(scrape, urls)
+    except (OSError, ValueError) as e:
+        raise TargetUnavailable(f"--metrics-url {e}") from None
+
+
 async def _run(
     args: argparse.Namespace,
     parser: argparse.ArgumentParser,
     source: Callable[[int], Iterator[RequestSpec]],
     shapes: list[LoadShape],
     show_progress: bool,
-) -> list[dict[str, Any]]:
+) -> Measured:
     target = open_target(args, parser)
     try:
         await target.check()
         args.model = target.model
+        if args.metrics_url:
+            await _scrape(args.metrics_url)  # answers before any load is sent
         if args.warmup:
             await warm_up(
                 target, source(args.seed + 1), args.warmup, args.concurrency,
                 ignore_eos=args.ignore_eos,
             )  # fmt: skip
-        runs = []
+        measured = Measured()
         slos = dict(args.slo)
         for shape in shapes:
+            before = await _scrape(args.metrics_url) if args.metrics_url else None
             result = await run_load(
                 target, source(args.seed), shape, ignore_eos=args.ignore_eos,
                 show_progress=show_progress,
             )  # fmt: skip
             figures = run_figures(result.records, result.duration_s, slos)
-            runs.append(
+            if before is not None:
+                after = await _scrape(args.metrics_url)
+                figures["speculative"] = (after - before).figures("metrics")
+            measured.results.append(result)
+            measured.runs.append(
                 {
                     "request_rate": shape.rate,
                     "burstiness": shape.burstiness,
@@ -168,6 +218,6 @@ async def _run(
                     **figures,
                 }
             )
-        return runs
+        return measured
     finally:
         await target.close()

@@ -18,6 +18,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from loadtest.speculative import SpecCounts, total
+
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")  # what --slo accepts
 PERCENTILES = (50, 90, 99)
 
@@ -31,6 +33,9 @@ class RequestRecord:
     end: float | None = None  # when the stream ended; None while running or after an error
     error: str | None = None  # the status code ("UNAVAILABLE", "429") of a failed request
     prompt_tokens: int | None = None  # as the server's usage reports them, when it does
+    speculative: SpecCounts | None = None  # the usage's speculative counters (gRPC, a draft)
+    index: int = 0  # its place in the run's request stream (the seeded data's order)
+    max_tokens: int | None = None  # what it asked for
 
     @property
     def is_ok(self) -> bool:
@@ -107,14 +112,16 @@ def run_figures(
     records: Sequence[RequestRecord], duration_s: float, slos: Mapping[str, float]
 ) -> dict[str, object]:
     """The figures of one run: counts, throughputs, goodput (requests per second meeting
-    all ``slos``; all completed ones without SLOs), errors by status code, and the latency
-    summaries in ms."""
+    all ``slos``; all completed ones without SLOs), errors by status code, the latency
+    summaries in ms, and the speculative counters of the completed requests' usage (None
+    when none carried any)."""
     done = [r for r in records if r.is_ok]
     errors = Counter(r.error or "INCOMPLETE" for r in records if not r.is_ok)
     num_output_tokens = sum(r.num_output_tokens for r in done)
     num_good = sum(meets_slos(r, slos) for r in done)
     per_s = 1 / duration_s if duration_s > 0 else 0.0
     tpots = [t for t in (tpot(r) for r in done) if t is not None]
+    spec = total(r.speculative for r in done)
     return {
         "num_requests": len(records),
         "num_completed": len(done),
@@ -131,4 +138,5 @@ def run_figures(
         "itl_ms": summarize([gap for r in done for gap in itls(r)]),
         "tpot_ms": summarize(tpots),
         "e2e_ms": summarize([e2e(r) for r in done]),
+        "speculative": spec.figures("usage") if spec is not None else None,
     }

@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 
 from loadtest.metrics import SLO_KEYS
+from loadtest.output import CSV_FILE, REQUESTS_FILE, SUMMARY_FILE
+from loadtest.plots import CDF_FILE, SWEEP_FILE
 from tandem_client.exit_codes import EXIT_CODES_HELP
 
 DEFAULT_NUM_REQUESTS = 100  # without --num-requests or --duration
@@ -38,17 +40,23 @@ Throughput: completed requests and their output tokens per second of the run (fi
 to last end). Goodput: completed requests per second that meet every --slo. Errors are
 counted by status code (a gRPC code name, an HTTP status).
 
-Output: a table per run, then as the last line of stdout one JSON object: the target and
-"runs", a list of each run's figures (one per rate).
+Accepted tokens per step (speculative decoding): draft tokens accepted per verifying step,
+from each request's usage over gRPC, or from --metrics-url before and after each run; also
+tokens per step (that + 1) and the acceptance rate (accepted / drafted).
+
+Output: a progress bar and, at the end, a summary screen on stderr; as the last line of
+stdout one JSON object: the target and "runs", a list of each run's figures (one per rate).
+--output-dir adds per-request JSONL, the summary as JSON and CSV, and PNG plots.
 
 Exit codes: 3 when the target fails its check (no load is sent), 4 when it does not serve
---model, 7 when it refuses the credentials, 1 when a run completed no request, 2 for a bad
+--model, 7 when it refuses the credentials (3 too for a --metrics-url that does not
+answer), 1 when a run completed no request, 2 for a bad
 option; 0 otherwise, failed requests counted in the report."""
 
 EXAMPLES = f"""\
 examples:
   tandem loadtest --router 127.0.0.1:50050 --num-requests 200 --concurrency 8 --ignore-eos
-  tandem loadtest --request-rate 1,2,4 --duration 60 --burstiness 0.5 --output sweep.json
+  tandem loadtest --request-rate 1,2,4 --duration 60 --burstiness 0.5 --output-dir sweep/
   tandem loadtest --input-len 512 --output-len 128 --range-ratio 0.2 --prefix-len 256 \\
       --num-prefix-groups 4 --request-rate 2 --num-requests 100 --warmup 4
   tandem loadtest --target openai --base-url http://127.0.0.1:8080/v1 --model smollm2 \\
@@ -213,6 +221,31 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     )
     out.add_argument("--output", type=Path, metavar="FILE", help="also write the JSON there")
     out.add_argument(
+        "--output-dir",
+        type=output_dir,
+        metavar="DIR",
+        help=f"write {REQUESTS_FILE} (one line per request: chunks, latencies, tokens), "
+        f"{SUMMARY_FILE} (the JSON line), {CSV_FILE} (a row per run) and, unless --no-plots, "
+        f"{CDF_FILE} (TTFT, ITL and E2E CDFs) and, for a sweep, {SWEEP_FILE}; created if "
+        "missing",
+    )
+    out.add_argument(
+        "--plots",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --output-dir: the PNG plots (matplotlib) (default: on)",
+    )
+    out.add_argument(
+        "--metrics-url",
+        type=http_url,
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a decode worker's Prometheus /metrics, repeatable: accepted tokens per step from "
+        "its speculative counters, read before and after each run (every client's requests "
+        "meanwhile count); without it, from each request's usage (gRPC only)",
+    )
+    out.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -270,6 +303,19 @@ def slo(text: str) -> tuple[str, float]:
             f"expected KEY=MS with KEY one of {SLO_KEYS}, got {text!r}"
         )
     return key, positive_float(value)
+
+
+def output_dir(text: str) -> Path:
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    return path
+
+
+def http_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {text!r}")
+    return text
 
 
 def id_range(text: str) -> tuple[int, int]:

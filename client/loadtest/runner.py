@@ -40,6 +40,7 @@ class RunResult:
     shape: LoadShape
     records: list[RequestRecord]
     duration_s: float
+    start: float = 0.0  # when it began, on the records' clock
 
 
 async def warm_up(
@@ -79,8 +80,8 @@ async def run_load(
         disable=not show_progress,
     )  # fmt: skip
 
-    async def one(spec: RequestSpec) -> None:
-        record = RequestRecord(time.perf_counter())
+    async def one(index: int, spec: RequestSpec) -> None:
+        record = RequestRecord(time.perf_counter(), index=index, max_tokens=spec.output_len)
         records.append(record)
         try:
             await target.send(spec, record, ignore_eos=ignore_eos)
@@ -105,8 +106,8 @@ async def run_load(
             if limit is not None:
                 limit.release()
             break
-        tasks.append(asyncio.create_task(one(spec)))
+        tasks.append(asyncio.create_task(one(i, spec)))
         await asyncio.sleep(0)  # let it send before the next is paced
     await asyncio.gather(*tasks)
     bar.close()
-    return RunResult(shape, records, time.perf_counter() - t0)
+    return RunResult(shape, records, time.perf_counter() - t0, t0)

@@ -10,6 +10,7 @@ from typing import Any, Literal, Protocol
 
 from loadtest.data import RequestSpec
 from loadtest.metrics import RequestRecord
+from loadtest.speculative import SpecCounts
 from tandem_client import AsyncTandemClient, TandemError
 from tandem_client.exit_codes import ExitCode, exit_code
 
@@ -87,6 +88,12 @@ class TandemTarget:
                     record.chunks.append((time.perf_counter(), len(chunk.token_ids)))
                 if chunk.usage is not None:
                     record.prompt_tokens = chunk.usage.prompt_tokens
+                    if (spec_usage := chunk.usage.speculative) is not None:
+                        record.speculative = SpecCounts(
+                            spec_usage.num_drafts,
+                            spec_usage.num_draft_tokens,
+                            spec_usage.num_accepted_tokens,
+                        )
             record.end = time.perf_counter()
         except TandemError as e:
             record.error = e.code.name
