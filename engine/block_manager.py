@@ -173,6 +173,8 @@ class BlockManager:
         return hits
 
     def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix held by a free block (the engine's warm-up leaves
+        none behind): the allocator is as a new one, apart from blocks in use."""
         for block_id in list(self._evictable):
             self._reset(self.blocks[block_id])
             bisect.insort(self._clean, block_id)

@@ -21,7 +21,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.1
     enable_prefix_caching: bool = True
     device: str = "cpu"
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # engine.attention.BACKENDS; auto: by device (torch on CPU)
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
     # CPU: bf16 products run on the bf16 kernel (kernels/cpu) where it builds; other
     # products with at least this many rows on prepacked fp32 weights (a single row is
@@ -36,6 +36,10 @@ class EngineConfig:
     # batches (bench/RESULTS.md). Compiling is paid at start-up by a short warm-up
     # generation, so no request waits for it.
     torch_compile: bool = False
+    # A short generation at start-up (greedy and sampled rows, speculating where a draft is
+    # set), so that no request pays for lazy initialization; always with torch_compile.
+    # Serving workers set it: it runs before their health turns SERVING.
+    warm_up: bool = False
 
     def __post_init__(self) -> None:
         if self.preemption not in PREEMPTION_MODES:

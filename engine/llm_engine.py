@@ -92,7 +92,9 @@ class LLMEngine:
         self.runner = ModelRunner(
             model,
             self.kv_cache,
-            get_backend(config.attention_backend),
+            get_backend(
+                config.attention_backend, device=config.device, block_size=config.block_size
+            ),
             self.device,
             compile_decode=config.torch_compile,
         )
@@ -101,7 +103,7 @@ class LLMEngine:
             self.spec = SpecRunner(config.speculative, self.runner, drafter, num_blocks)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        if config.torch_compile:
+        if config.torch_compile or config.warm_up:
             self._warm_up()
         # After the warm-up: the costs of compiled steps, not of compiling them.
         if self.spec is not None and config.speculative and config.speculative.adaptive:
@@ -117,20 +119,24 @@ class LLMEngine:
         gc.freeze()
 
     def _warm_up(self) -> None:
-        """Compiles the decode graphs now, then forgets the warm-up's counters: greedy
-        generations of 1 row and of 3 rows. One row is a graph of its own; a graph first
-        traced at 2 rows keeps the batch size static, one traced at 3 serves every batch
-        size from 2 on (measured: no graph compiled after the warm-up)."""
+        """Runs every lazy initialization and compiles the decode graphs now, then forgets
+        the warm-up's counters and cached prefixes: generations of 1 row and of 3 rows (one
+        of them sampled). One row is a graph of its own; a graph first traced at 2 rows
+        keeps the batch size static, one traced at 3 serves every batch size from 2 on
+        (measured: no graph compiled after the warm-up)."""
         started = time.perf_counter()
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True)
         for num_rows in (1, 3):
             for row in range(num_rows):
+                params = sampled if row == 2 else greedy
                 self.add_request(f"warm-up-{num_rows}-{row}", [1 + row] * 8, params)
             while self.has_unfinished_requests():
                 self.step()
         if self.spec is not None:
             self.spec.stats = SpecDecodeStats()
-        logger.info("compiled the decode step in %.1f s", time.perf_counter() - started)
+        self.block_manager.reset_prefix_cache()
+        logger.info("warmed up in %.1f s", time.perf_counter() - started)
 
     # -- requests ----------------------------------------------------------------------
 

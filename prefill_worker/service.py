@@ -18,10 +18,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from engine.llm_engine import LLMEngine, PrefilledRequest, RequestOutput
 from engine.outputs import NON_FINITE_LOGITS, RequestFailed
 from kv_transfer import Handshake, KvLayout, ShmRingPool, TransferOptions, make_sender
-from ledger.ledger import LedgerConflict, RequestState
+from ledger.ledger import LedgerConflict, RequestState, WorkerRole
 from ledger.membership import HeldRequest, Membership
 from prefill_worker.kv_push import LayerPush, LayerRelay
 from serving.engine_loop import EngineLoop
@@ -33,6 +35,8 @@ from tandem.v1 import worker_pb2 as pb
 from tandem.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+CONNECT_PERIOD_S = 2.0  # how often new decode workers are connected to ahead of use
 
 
 @dataclass
@@ -207,7 +211,15 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         self.engine_loop.start()
 
     async def housekeeping(self) -> None:
-        """Nothing to do between requests: each Prefill cleans up after itself."""
+        """Connects to every registered decode worker ahead of its first push (each
+        Prefill cleans up after itself: nothing else to do between requests)."""
+        while True:
+            try:
+                decoders = self.membership.ledger.list_workers(WorkerRole.DECODE)
+                self._channels.connect(w.address for w in decoders)
+            except redis.RedisError as e:
+                log.warning("listing decode workers: redis: %s", e)
+            await asyncio.sleep(CONNECT_PERIOD_S)
 
     def load(self) -> tuple[float, dict[str, str | int | float]]:
         """Load and figures for heartbeats."""

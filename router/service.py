@@ -383,8 +383,13 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     async def reap_expired_leases(self, period_s: float) -> None:
         """Takes back in the ledger the blocks of workers that stopped renewing their leases
-        (they died: their memory went with them). Migration of their requests is not done."""
+        (they died: their memory went with them). Migration of their requests is not done.
+        Also connects to every registered worker ahead of its first request."""
         while True:
+            try:
+                self._channels.connect(w.address for w in self.ledger.list_workers())
+            except redis.RedisError as e:
+                log.warning("listing workers: redis: %s", e)
             await asyncio.sleep(period_s)
             try:
                 for reclaimed in self.ledger.reap_expired():

@@ -35,6 +35,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", type=int, help="KV cache bytes (default: 10%% of total memory)"
     )
     group.add_argument("--threads", type=int, help="torch CPU threads of this process")
+    group.add_argument(
+        "--attention-backend",
+        choices=("auto", "torch", "triton", "flash_attn"),  # engine.attention.BACKENDS
+        default="auto",
+        help="auto: flash-attn or the Triton kernels on CUDA, the torch backend (C++ kernels) "
+        "on CPU (default: auto)",
+    )
     group.add_argument("--draft", metavar="DIR", help="EAGLE / EAGLE-3 / DFlash draft directory")
     group.add_argument("--num-draft-tokens", type=int, default=5, help="K, drafts per step")
     group.add_argument(
@@ -103,6 +110,8 @@ def build_engine(
         speculative=speculative,
         preemption=preemption,
         torch_compile=args.torch_compile,
+        attention_backend=args.attention_backend,
+        warm_up=True,  # before health turns SERVING: no request pays for lazy set-up
     )
     return LLMEngine(config, tokenizer=load_tokenizer(spec.model_dir))
 

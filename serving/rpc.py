@@ -18,7 +18,7 @@ import re
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
@@ -298,6 +298,12 @@ class ChannelPool:
             )
             self._channels[address] = channel
         return channel
+
+    def connect(self, addresses: Iterable[str]) -> None:
+        """Starts connecting to ``addresses`` now, in the background, so that a request's
+        first call to a peer does not wait for the connection (channels are lazy)."""
+        for address in addresses:
+            self.get(address).get_state(try_to_connect=True)
 
     async def close(self) -> None:
         for channel in self._channels.values():
