@@ -17,7 +17,11 @@ def test_help_defines_the_metrics(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "(E2E - TTFT) / (tokens - 1)" in out  # TPOT
     assert "shared evenly" in out  # ITL under speculation
-    for option in ("--request-rate", "--burstiness", "--slo", "--warmup", "--prefix-len"):
+    assert "Accepted tokens per step" in out and "requests.jsonl" in out
+    for option in (
+        "--request-rate", "--burstiness", "--slo", "--warmup", "--prefix-len", "--output-dir",
+        "--metrics-url", "--no-plots",
+    ):  # fmt: skip
         assert option in out
 
 
@@ -33,6 +37,9 @@ def test_help_defines_the_metrics(capsys: pytest.CaptureFixture[str]) -> None:
         (["--token-ids", "9:3"], "--token-ids"),
         (["--dataset", "/nonexistent/prompts.jsonl"], "--dataset"),
         (["--target", "openai"], "--base-url"),
+        (["--metrics-url", "127.0.0.1:9100/metrics"], "--metrics-url"),
+        (["--output-dir", __file__], "--output-dir"),  # a file, not a directory
+        (["--output-dir", f"{__file__}/report"], "--output-dir"),  # cannot be created
     ],
 )
 def test_bad_arguments_exit_2(
