@@ -4,5 +4,7 @@ requests, arrivals and metrics, so that one run compares Tandem with another ser
 
 Parts, one concern each: ``targets`` (send one request, time its chunks), ``arrivals``
 (when requests start), ``data`` (what they ask), ``runner`` (the load itself), ``metrics``
-(pure functions of the timings), ``report`` (table and JSON) and ``cli`` (the command).
-Needs the client and ``openai``; never torch."""
+(pure functions of the timings), ``speculative`` (accepted tokens per step, from usage or
+/metrics), ``report`` (summary screen and JSON), ``output`` and ``plots`` (the files of
+--output-dir) and ``cli`` (the command). Needs the client and the extra's packages (openai,
+tqdm, rich; matplotlib for plots); never torch."""
