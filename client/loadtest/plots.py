@@ -82,6 +82,8 @@ def _sweep(plt: Any, path: Path, runs: Sequence[Mapping[str, Any]]) -> Path:
         label="output throughput (tok/s)",
     )  # fmt: skip
     tokens.set_ylabel("output tokens per second")
+    ax.set_ylim(bottom=0)
+    tokens.set_ylim(bottom=0)
     lines = ax.get_legend_handles_labels()
     more = tokens.get_legend_handles_labels()
     ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize="small", loc="upper left")
