@@ -1,11 +1,11 @@
-"""`tandem loadtest` end to end, as a user runs it (the installed command, a fresh
-process), against one live tiny cluster with an EAGLE-3 draft: 50 requests over gRPC and 50
-over the router's own OpenAI-compatible HTTP API, each with --output-dir. The files exist
+"""`tandem loadtest` end to end against one live tiny cluster with an EAGLE-3 draft: 50
+requests over gRPC and 50 over the router's own OpenAI-compatible HTTP API, each with
+--output-dir, as a user runs it (`python -m tandem_client`, a fresh process). The files exist
 and agree with the JSON line: counts add up, percentiles are ordered, goodput is at most
 throughput, each request's token counts equal what the SDK or the openai client returns
 for the same request sent again, and accepted tokens per step from the requests' usage
-equal the decode worker's /metrics. Also a sweep (its plot), the chat endpoint, the checks
-that refuse a target before any load, and no torch in the harness."""
+equal the decode worker's /metrics. Also, in this process: a sweep (its plot), the chat
+endpoint, the checks that refuse a target before any load; and no torch in the harness."""
 
 from __future__ import annotations
 
@@ -60,6 +60,15 @@ def loadtest(*args: str) -> tuple[dict[str, Any], subprocess.CompletedProcess[st
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1]), done
+
+
+def loadtest_here(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    """`tandem loadtest ARGS` in this process (no interpreter start); its JSON line, the
+    only line of stdout."""
+    assert main(["loadtest", "--no-progress", *args]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    result: dict[str, Any] = json.loads(line)
+    return result
 
 
 def check_run(run: dict[str, Any], num_requests: int) -> None:
@@ -213,10 +222,12 @@ def test_openai_target(cluster: Cluster, tmp_path: Path) -> None:
         assert row["prompt_tokens"] == usage.prompt_tokens
 
 
-def test_rate_sweep_and_its_plot(cluster: Cluster, tmp_path: Path) -> None:
+def test_rate_sweep_and_its_plot(
+    cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "sweep"
-    summary, _ = loadtest(
-        "--router", cluster.router_address, "--token-ids", "3:64", "--input-len", "6",
+    summary = loadtest_here(
+        capsys, "--router", cluster.router_address, "--token-ids", "3:64", "--input-len", "6",
         "--output-len", str(OUTPUT_LEN), "--ignore-eos", "--num-requests", "4",
         "--request-rate", "20,50", "--burstiness", "0.5", "--output-dir", str(out),
     )  # fmt: skip
@@ -228,10 +239,10 @@ def test_rate_sweep_and_its_plot(cluster: Cluster, tmp_path: Path) -> None:
     assert (out / "throughput_vs_rate.png").read_bytes().startswith(PNG)
 
 
-def test_openai_chat(cluster: Cluster) -> None:
+def test_openai_chat(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     assert cluster.router is not None and cluster.router.base_url
-    summary, _ = loadtest(
-        "--target", "openai", "--base-url", cluster.router.base_url, "--endpoint", "chat",
+    summary = loadtest_here(
+        capsys, "--target", "openai", "--base-url", cluster.router.base_url, "--endpoint", "chat",
         "--dataset", "builtin", "--output-len", str(OUTPUT_LEN), "--ignore-eos",
         "--num-requests", "4", "--concurrency", "2",
     )  # fmt: skip
