@@ -178,6 +178,16 @@ async def _scrape(urls: list[str]) -> SpecCounts:
         raise TargetUnavailable(f"--metrics-url {e}") from None
 
 
+async def _scrape_or_warn(urls: list[str]) -> SpecCounts | None:
+    """The counters, or None after a warning on stderr when a worker does not answer once
+    the load has begun (the run is reported, without accepted tokens per step)."""
+    try:
+        return await _scrape(urls)
+    except TargetUnavailable as e:
+        print(f"tandem loadtest: warning: {e}; accepted tokens not reported", file=sys.stderr)
+        return None
+
+
 async def _run(
     args: argparse.Namespace,
     parser: argparse.ArgumentParser,
@@ -199,15 +209,16 @@ async def _run(
         measured = Measured()
         slos = dict(args.slo)
         for shape in shapes:
-            before = await _scrape(args.metrics_url) if args.metrics_url else None
+            before = await _scrape_or_warn(args.metrics_url) if args.metrics_url else None
             result = await run_load(
                 target, source(args.seed), shape, ignore_eos=args.ignore_eos,
                 show_progress=show_progress,
             )  # fmt: skip
             figures = run_figures(result.records, result.duration_s, slos)
-            if before is not None:
-                after = await _scrape(args.metrics_url)
-                figures["speculative"] = (after - before).figures("metrics")
+            if args.metrics_url:
+                after = await _scrape_or_warn(args.metrics_url)
+                delta = after - before if after is not None and before is not None else None
+                figures["speculative"] = delta.figures("metrics") if delta is not None else None
             measured.results.append(result)
             measured.runs.append(
                 {

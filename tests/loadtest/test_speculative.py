@@ -1,8 +1,10 @@
 """Accepted tokens per step: the counters parsed from a decode worker's real exposition
-(serving.metrics), read over HTTP before and after a run, summed over workers; the ratios."""
+(serving.metrics), read over HTTP before and after a run, summed over workers; the ratios;
+the command's scrapes around each run of a sweep (against a fake target)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -10,8 +12,11 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 from prometheus_client import generate_latest
 
+from loadtest import cli
 from loadtest.speculative import SpecCounts, parse_counters, scrape, total
 from serving.metrics import DecodeFigures, DecodeMetrics
+from tandem_client.cli import main
+from tests.loadtest.test_runner import FakeTarget
 
 
 def exposition(drafts: int, draft_tokens: int, accepted: int) -> str:
@@ -86,3 +91,55 @@ def test_scrape_before_and_after(workers: tuple[list[str], list[list[int]]]) -> 
 def test_scrape_names_the_url_that_does_not_answer() -> None:
     with pytest.raises(OSError, match=r"http://127\.0\.0\.1:1/metrics did not answer"):
         scrape(["http://127.0.0.1:1/metrics"], timeout_s=2)
+
+
+class CountingHandler(BaseHTTPRequestHandler):
+    """/metrics whose counters grow by (2, 6, 3) per scrape; 500 from scrape ``fail_from``."""
+
+    num_scrapes = 0
+    fail_from = 1000
+
+    def do_GET(self) -> None:
+        CountingHandler.num_scrapes += 1
+        n = CountingHandler.num_scrapes
+        if n >= self.fail_from:
+            self.send_error(500)
+            return
+        body = exposition(2 * n, 6 * n, 3 * n).encode()
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fail_from", [1000, 3])
+def test_the_command_reads_metrics_around_each_run(
+    fail_from: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Scrapes: the check, then before and after each run; a worker that stops answering
+    after the load began costs the figure (a warning), not the report."""
+    monkeypatch.setattr(cli, "open_target", lambda args, parser: FakeTarget(step_s=0.001))
+    monkeypatch.setattr(CountingHandler, "num_scrapes", 0)
+    monkeypatch.setattr(CountingHandler, "fail_from", fail_from)
+    server = HTTPServer(("127.0.0.1", 0), CountingHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    try:
+        code = main(
+            ["loadtest", "--no-progress", "--num-requests", "3", "--request-rate", "inf,inf",
+             "--metrics-url", url]
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert code == 0
+    captured = capsys.readouterr()
+    runs = json.loads(captured.out.splitlines()[-1])["runs"]
+    if fail_from > 10:
+        assert CountingHandler.num_scrapes == 5
+        assert [run["speculative"] for run in runs] == [SpecCounts(2, 6, 3).figures("metrics")] * 2
+    else:
+        assert [run["speculative"] for run in runs] == [None, None]
+        assert "warning: --metrics-url" in captured.err and "not reported" in captured.err
