@@ -62,7 +62,7 @@ examples:
   tandem loadtest --target openai --base-url http://127.0.0.1:8080/v1 --model smollm2 \\
       --endpoint chat --dataset builtin --concurrency 4 --slo ttft_ms=500 --slo tpot_ms=50
   tandem loadtest --target openai --base-url http://127.0.0.1:8000/v1 --dataset chats.jsonl
-  tandem loadtest --concurrency 8 --ignore-eos --metrics-url http://127.0.0.1:9101/metrics \
+  tandem loadtest --concurrency 8 --ignore-eos --metrics-url http://127.0.0.1:9101/metrics \\
       --output-dir results/
 
 {EXIT_CODES_HELP}"""
