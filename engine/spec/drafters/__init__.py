@@ -20,7 +20,7 @@ from engine.spec.drafters.base import (
 )
 from engine.spec.drafters.dflash import load_dflash
 from engine.spec.drafters.eagle import load_eagle
-from engine.spec.drafters.eagle3 import load_eagle3
+from engine.spec.drafters.eagle3_deepseek_v3 import load_any_eagle3
 from engine.spec.drafters.loading import init_random, save_draft
 
 __all__ = [
@@ -39,7 +39,7 @@ Loader = Callable[[str | Path | None, dict[str, Any], Llama3Model, torch.device]
 
 DRAFTERS: dict[str, Loader] = {
     "eagle": load_eagle,
-    "eagle3": load_eagle3,
+    "eagle3": load_any_eagle3,
     "dflash": load_dflash,
 }
 
@@ -74,7 +74,7 @@ def load_drafter(
     if kind not in DRAFTERS:
         raise DraftConfigError(f"kind: {kind!r} is not a drafter; allowed: {sorted(DRAFTERS)}")
     if kind == "eagle3" and layer_ids is not None:
-        return load_eagle3(draft_dir, hf, target, device, layer_ids)
+        return load_any_eagle3(draft_dir, hf, target, device, layer_ids)
     if layer_ids is not None:
         raise DraftConfigError(f"target_layer_ids: set in the draft's config for kind {kind!r}")
     return DRAFTERS[kind](draft_dir, hf, target, device)

@@ -16,6 +16,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.config import Llama3Config
+from engine.deepseek_v3_config import DeepseekV3Config
 from engine.models.llama3 import ModelOutputs, ReturnHiddenStates
 
 KVLayers = Sequence[tuple[torch.Tensor, ...]]  # per layer its pools: (k, v)
@@ -95,7 +96,12 @@ class DraftSignature:
 class Drafter(Protocol):
     kind: str
     max_num_layers: ClassVar[int | None]  # decoder layers its kind allows; None: any number
-    config: Llama3Config  # the draft model's own shapes (its KV cache follows them)
+
+    @property
+    def config(self) -> Llama3Config | DeepseekV3Config:
+        """The draft model's own shapes (its KV cache follows them)."""
+        ...
+
     target_hidden: ReturnHiddenStates  # what the target forward must return for ``features``
     fixed_num_draft_tokens: int | None  # DFlash: block_size - 1; chain drafters: None
 

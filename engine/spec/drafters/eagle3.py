@@ -207,7 +207,7 @@ def load_eagle3(
         TensorRule("lm_head.weight", (Source("lm_head.weight", (draft_vocab, h)),)),
         *decoder_layer_rules(
             config,
-            "midlayer",
+            _layer_prefix(draft_dir),
             "midlayer",
             in_features=2 * h,
             norms=("input_layernorm", "hidden_norm", "post_attention_layernorm"),
@@ -235,3 +235,16 @@ def load_eagle3(
         config.dtype,
         load_d2t,
     )
+
+
+def _layer_prefix(draft_dir: str | Path | None) -> str:
+    """Where the checkpoint keeps the draft's layer: ``midlayer`` (EAGLE-3's own release),
+    or ``layers.0`` (e.g. nvidia's drafts for DeepSeek-V3-architecture targets)."""
+    if draft_dir is None:
+        return "midlayer"
+    reader = CheckpointReader(draft_dir)
+    try:
+        names = reader.names()
+    finally:
+        reader.close()
+    return "layers.0" if "layers.0.self_attn.q_proj.weight" in names else "midlayer"

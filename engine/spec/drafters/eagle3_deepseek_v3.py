@@ -12,15 +12,31 @@ K/V) or MLA (``kv_a_proj_with_mqa``...: the MLA draft, in the target's cache lay
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from engine.config import ConfigError, Llama3Config
 from engine.deepseek_v3_config import DeepseekV3Config
+from engine.models.deepseek_v3 import (
+    DeepseekV3Model,
+    MultiHeadLatentAttention,
+    YarnRotaryEmbedding,
+)
+from engine.models.layers import GatedMLP, Linear, RMSNorm
+from engine.models.llama3 import ROPE_SLACK_POSITIONS, ReturnHiddenStates
 from engine.registry import decoder_layer_rules, mla_attention_rules
 from engine.spec.drafters.base import DraftConfigError
-from engine.weights import Source, TensorRule, WeightError
+from engine.spec.drafters.eagle3 import (
+    Eagle3Drafter,
+    Eagle3MidLayer,
+    eagle3_layer_ids,
+    load_eagle3,
+)
+from engine.spec.drafters.loading import build_draft, check_layer_ids
+from engine.weights import CheckpointReader, Source, TensorRule, WeightError
 
 EAGLE3_PREFIXES = ("fc.", "layers.0.", "norm.", "lm_head.")
 EXTRA_TENSORS = ("d2t", "t2d")  # d2t is kept (draft id -> target id offsets); t2d derives
@@ -62,15 +78,9 @@ def convert_eagle3_draft_state_dict(
             read.add(src.name)
         converted[rule.dst] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     draft_vocab = rules_draft_vocab(hf)
-    if "d2t" in state_dict:
-        d2t = state_dict["d2t"]
-        if tuple(d2t.shape) != (draft_vocab,) or d2t.is_floating_point():
-            raise WeightError(
-                f"d2t: {d2t.dtype} {list(d2t.shape)}, expected integers [{draft_vocab}]"
-            )
-        converted["d2t"] = d2t.to(torch.int64)
-    elif draft_vocab != hf.get("vocab_size", draft_vocab):
-        raise WeightError("d2t: required when draft_vocab_size is below the target's")
+    vocab = hf.get("vocab_size", draft_vocab)
+    if "d2t" in state_dict or draft_vocab != vocab:
+        converted["d2t"] = checked_d2t(state_dict.get("d2t"), draft_vocab, vocab)
     for name in state_dict:
         if name in read or name in EXTRA_TENSORS or name in SHARED_FROM_TARGET:
             continue
@@ -133,3 +143,131 @@ def draft_rules(hf: dict[str, Any], *, is_mla: bool) -> list[TensorRule]:
         TensorRule("norm.weight", (Source("norm.weight", (h,)),)),
         TensorRule("lm_head.weight", (Source("lm_head.weight", (rules_draft_vocab(hf), h)),)),
     ]
+
+
+class Eagle3MLAMidLayer(nn.Module):
+    """EAGLE-3's one layer with MLA over ``concat(input_layernorm(embed), hidden_norm(h))``
+    (2H wide) and ``h`` as its residual: its cache has the target's MLA layout."""
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.self_attn = MultiHeadLatentAttention(config, in_features=2 * h)
+        self.mlp = GatedMLP(h, config.intermediate_size, bias=False)
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+
+    forward = Eagle3MidLayer.forward  # the same wiring; only the attention differs
+
+
+class Eagle3DeepseekV3(Eagle3Drafter):
+    """The MLA EAGLE-3 draft of a DeepSeek-V3 target (the seed's name): fused low, middle
+    and high target features, one MLA layer, its own norm and lm_head over a possibly
+    reduced vocabulary; the target's embedding is borrowed. Proposing and verifying are
+    EAGLE-3's; only the layer and its RoPE (YaRN, the draft config's) differ."""
+
+    config: DeepseekV3Config  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        config: DeepseekV3Config,
+        target: DeepseekV3Model,
+        layer_ids: tuple[int, ...],
+        draft_vocab_size: int,
+    ) -> None:
+        nn.Module.__init__(self)
+        h = config.hidden_size
+        self.config = config
+        self.layer_ids = layer_ids
+        self.target_hidden = ReturnHiddenStates(layer_ids=layer_ids)
+        self.fc = Linear(len(layer_ids) * h, h, bias=False)
+        self.midlayer = Eagle3MLAMidLayer(config)  # type: ignore[assignment]
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = Linear(h, draft_vocab_size, bias=False)
+        self.d2t: torch.Tensor
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
+        self.rotary = YarnRotaryEmbedding(
+            config.qk_rope_head_dim,
+            config.max_seq_len + ROPE_SLACK_POSITIONS,
+            config.rope_theta,
+            config.rope_scaling,
+            config.dtype,
+        )
+        self.vocab_size = target.config.vocab_size
+        self._embed = (target.embed_tokens,)
+
+
+def load_eagle3_mla(
+    draft_dir: str | Path | None,
+    hf: dict[str, Any],
+    target: nn.Module,
+    device: torch.device,
+    layer_ids: tuple[int, ...] | None = None,
+) -> Eagle3DeepseekV3:
+    """An MLA EAGLE-3 draft (its config has ``kv_lora_rank``) for a DeepSeek-V3 target, from
+    its public layout (``layers.0.*``; None: random)."""
+    if not isinstance(target, DeepseekV3Model):
+        raise DraftConfigError("kv_lora_rank: an MLA EAGLE-3 draft needs a DeepSeek-V3 target")
+    tc = target.config
+    shaped = {**hf, "max_position_embeddings": tc.max_seq_len}
+    shaped.setdefault("vocab_size", tc.vocab_size)
+    try:
+        config = DeepseekV3Config.from_hf(shaped, dtype=tc.dtype)
+    except ConfigError as e:
+        raise DraftConfigError(f"draft config: {e}") from e
+    for name in ("hidden_size", "vocab_size"):
+        if getattr(config, name) != getattr(tc, name):
+            raise DraftConfigError(
+                f"{name}: the draft has {getattr(config, name)} but the target has "
+                f"{getattr(tc, name)}; a draft shares its target's embedding"
+            )
+    ids = (
+        check_layer_ids("target_layer_ids", list(layer_ids), tc.num_hidden_layers)
+        if layer_ids is not None
+        else eagle3_layer_ids(hf, tc.num_hidden_layers)
+    )
+    draft_vocab = rules_draft_vocab({**hf, "vocab_size": tc.vocab_size})
+    rules = draft_rules(
+        {**shaped, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}, is_mla=True
+    )
+
+    def load_d2t(module: Eagle3DeepseekV3, reader: CheckpointReader) -> None:
+        d2t = reader.get("d2t") if "d2t" in reader.names() else None
+        if d2t is not None or draft_vocab != tc.vocab_size:
+            module.d2t.copy_(checked_d2t(d2t, draft_vocab, tc.vocab_size))
+
+    return build_draft(
+        lambda: Eagle3DeepseekV3(config, target, ids, draft_vocab),
+        draft_dir,
+        rules,
+        device,
+        config.dtype,
+        load_d2t,
+    )
+
+
+def checked_d2t(d2t: torch.Tensor | None, draft_vocab: int, vocab: int) -> torch.Tensor:
+    """A checkpoint's ``d2t``, checked: integers, one per draft id, mapping into the target."""
+    if d2t is None:
+        raise WeightError("d2t: required when draft_vocab_size is below the target's")
+    if tuple(d2t.shape) != (draft_vocab,) or d2t.is_floating_point():
+        raise WeightError(f"d2t: {d2t.dtype} {list(d2t.shape)}, expected integers [{draft_vocab}]")
+    target_ids = torch.arange(draft_vocab) + d2t.to(torch.int64)
+    if target_ids.min() < 0 or target_ids.max() >= vocab:
+        raise WeightError("d2t: maps a draft token outside the target's vocabulary")
+    return d2t.to(torch.int64)
+
+
+def load_any_eagle3(
+    draft_dir: str | Path | None,
+    hf: dict[str, Any],
+    target: nn.Module,
+    device: torch.device,
+    layer_ids: tuple[int, ...] | None = None,
+) -> Eagle3Drafter:
+    """EAGLE-3 of either layer: MLA where the draft's config has ``kv_lora_rank`` (a
+    DeepSeek-V3 target's draft, in its cache layout), else multi-head attention."""
+    if hf.get("kv_lora_rank"):
+        return load_eagle3_mla(draft_dir, hf, target, device, layer_ids)
+    return load_eagle3(draft_dir, hf, target, device, layer_ids)  # type: ignore[arg-type]

@@ -5,30 +5,38 @@ and misfits are refused naming the tensor."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.deepseek_v3_config import DeepseekV3Config
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.models.deepseek_v3 import MultiHeadLatentAttention
 from engine.models.layers import GatedMLP
 from engine.registry import load_model
-from engine.spec.drafters import new_drafter
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from engine.spec.drafters import load_drafter, new_drafter
 from engine.spec.drafters.base import DraftConfigError
 from engine.spec.drafters.eagle3_deepseek_v3 import (
     MIDLAYER_NORMS,
+    Eagle3DeepseekV3,
     convert_eagle3_draft_state_dict,
     draft_rules,
 )
 from engine.weights import WeightError
+from kv_transfer import KvLayout
+from kv_transfer.base import KV_LAYOUT, LATENT_LAYOUT
 from tests.comparator import compare_greedy
 from tests.engine.tiny_deepseek import build_tiny_deepseek
 from tests.engine.tiny_drafts import build_random_draft
 
 # The MHA draft of a tiny DeepSeek-V3: a Llama layer with its own K/V heads.
 MHA_OVERRIDES = dict(
+    kv_lora_rank=None,  # no MLA
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     head_dim=16,
     num_key_value_heads=2,
@@ -171,47 +179,91 @@ def test_a_config_tandem_cannot_read_is_refused():
         convert_eagle3_draft_state_dict({}, {"num_attention_heads": 2})
 
 
-def test_greedy_with_an_mha_draft_equals_the_deepseek_target_alone(tmp_path):
-    """The MHA draft (its own paged K/V beside the target's MLA pools, one block id for
-    both) with a reduced vocabulary: verifying its drafts (random: rejected) leaves the
-    output exactly what the target alone gives."""
-    from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
-    from engine.spec.config import SpeculativeConfig
+def run_greedy(
+    model_dir: Path, spec: SpeculativeConfig | None
+) -> tuple[list[list[int]], LLMEngine]:
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            kv_cache_memory=1 << 21,
+            block_size=4,
+            speculative=spec,
+        )
+    )
+    for i, p in enumerate(GREEDY_PROMPTS):
+        engine.add_request(
+            str(i), p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        )
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return [done[str(i)] for i in range(len(GREEDY_PROMPTS))], engine
 
+
+GREEDY_PROMPTS = [[5, 6, 7], [9] * 11, [10, 11, 12, 13, 14, 15, 16]]
+
+
+@pytest.mark.parametrize("variant", ["mha", "mla"])
+def test_greedy_with_either_draft_equals_the_deepseek_target_alone(tmp_path, variant):
+    """The MHA draft (its own paged K/V beside the target's MLA pools, one block id for
+    both) and the MLA draft (pools in the target's layout), with a reduced vocabulary:
+    verifying their drafts leaves the output exactly what the target alone gives."""
     hf_model = build_tiny_deepseek(tmp_path / "t", "groups8_yarn_two_dense", vocab_size=64)
-    overrides = {**MHA_OVERRIDES, "draft_vocab_size": 32}
+    overrides = {**(MHA_OVERRIDES if variant == "mha" else {}), "draft_vocab_size": 32}
     draft = build_random_draft(
         tmp_path / "t", tmp_path / "d", "eagle3", d2t=torch.arange(32), **overrides
     )
-    prompts = [[5, 6, 7], [9] * 11, [10, 11, 12, 13, 14, 15, 16], [40]]
-
-    def run(spec: SpeculativeConfig | None) -> tuple[list[list[int]], LLMEngine]:
-        engine = LLMEngine(
-            EngineConfig(
-                model=str(tmp_path / "t"),
-                dtype="float32",
-                kv_cache_memory=1 << 21,
-                block_size=4,
-                speculative=spec,
-            )
-        )
-        for i, p in enumerate(prompts):
-            engine.add_request(
-                str(i), p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-            )
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.token_ids
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-        return [done[str(i)] for i in range(len(prompts))], engine
-
-    refs, _ = run(None)
-    for k in (1, 3):
-        ours, engine = run(SpeculativeConfig(str(draft), num_draft_tokens=k))
+    refs, _ = run_greedy(tmp_path / "t", None)
+    for k in (1, 3):  # verify widths 2 and 4
+        ours, engine = run_greedy(tmp_path / "t", SpeculativeConfig(str(draft), num_draft_tokens=k))
         assert engine.spec is not None and engine.spec.stats.num_draft_tokens > 0
-        assert len(engine.kv_pools["target"].layers[0]) == 1  # MLA beside K/V
-        assert len(engine.kv_pools["draft"].layers[0]) == 2
-        assert ours == refs or compare_greedy(hf_model, prompts, ours, refs).num_ties <= 1
+        pools = engine.kv_pools
+        assert isinstance(engine.spec.drafter, Eagle3DeepseekV3) == (variant == "mla")
+        assert len(pools["target"].layers[0]) == 1  # MLA
+        assert len(pools["draft"].layers[0]) == (2 if variant == "mha" else 1)
+        layout = KvLayout.of_pools("m", pools["target"], pools["draft"], "fingerprint")
+        assert layout.layout == (
+            LATENT_LAYOUT if variant == "mla" else f"{LATENT_LAYOUT};draft={KV_LAYOUT}"
+        )
+        assert ours == refs or compare_greedy(hf_model, GREEDY_PROMPTS, ours, refs).num_ties <= 1
+
+
+def test_mla_draft_is_saved_in_the_public_layout_and_loads_back(tmp_path):
+    """What Tandem saves is what nvidia's drafts look like (fc, layers.0, norm, lm_head,
+    d2t, t2d); loading it gives the same draft, and the converter reads it alike."""
+    build_tiny_deepseek(tmp_path / "t", "qlora_yarn_mscale_interleaved", num_layers=4)
+    draft_dir = build_random_draft(
+        tmp_path / "t", tmp_path / "d", "eagle3", d2t=torch.arange(100), draft_vocab_size=100
+    )
+    public = load_file(str(draft_dir / "model.safetensors"))
+    assert {k.split(".")[0] for k in public} == {"fc", "layers", "norm", "lm_head", "d2t", "t2d"}
+    assert "layers.0.self_attn.kv_b_proj.weight" in public
+    target, _ = load_model(tmp_path / "t", dtype="float32")
+    drafter = load_drafter(draft_dir, target, torch.device("cpu"))  # type: ignore[arg-type]
+    assert isinstance(drafter, Eagle3DeepseekV3)
+    hf = json.loads((draft_dir / "config.json").read_text())
+    converted = convert_eagle3_draft_state_dict(public, hf)
+    state = drafter.state_dict()
+    assert set(converted) <= set(state)
+    for name, tensor in converted.items():
+        assert torch.equal(state[name], tensor), name
+    assert drafter.layer_ids == (0, 3)  # the config's taps [1, 4] name layer inputs
+
+
+def test_an_mha_draft_in_the_public_layout_loads_like_its_midlayer_release(tmp_path, mha_draft):
+    public, hf, _ = mha_draft
+    build_tiny_deepseek(tmp_path / "t", "qlora_yarn_mscale_interleaved", num_layers=4)
+    (tmp_path / "d").mkdir()
+    save_file(public, str(tmp_path / "d" / "model.safetensors"))
+    (tmp_path / "d" / "config.json").write_text(json.dumps(hf))
+    target, _ = load_model(tmp_path / "t", dtype="float32")
+    loaded = load_drafter(tmp_path / "d", target, torch.device("cpu"))  # type: ignore[arg-type]
+    assert not isinstance(loaded, Eagle3DeepseekV3)
+    expected = convert_eagle3_draft_state_dict(public, hf)
+    for name, tensor in loaded.state_dict().items():  # type: ignore[attr-defined]
+        if name in expected:
+            assert torch.equal(tensor, expected[name]), name
