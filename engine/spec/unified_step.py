@@ -88,6 +88,8 @@ class UnifiedStep:
         self.block_size = target_kv.params.block_size
         self.acceptance = acceptance
         self.synthetic_rates = synthetic_rates
+        # Made once per device and K: a host-to-device copy cannot sit in a CUDA graph.
+        self._rates: dict[tuple[torch.device, int], torch.Tensor] = {}
         self.sample_drafts = sample_drafts
 
     @torch.inference_mode()
@@ -130,7 +132,10 @@ class UnifiedStep:
         # 4. accept
         first_positions = inputs.kv_lens + 1
         if self.acceptance == "synthetic":
-            rates = torch.tensor(self.synthetic_rates[:k], device=device)
+            rates = self._rates.get((device, k))
+            if rates is None:
+                rates = torch.tensor(self.synthetic_rates[:k], device=device)
+                self._rates[(device, k)] = rates
             num_accepted, next_tokens = accept_synthetic(
                 logits, inputs.sampling, first_positions, rates
             )
