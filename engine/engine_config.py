@@ -40,6 +40,15 @@ class EngineConfig:
     # set), so that no request pays for lazy initialization; always with torch_compile.
     # Serving workers set it: it runs before their health turns SERVING.
     warm_up: bool = False
+    # Speculative decode steps through CUDA graphs, one per batch bucket up to
+    # max_num_seqs (engine.spec.graph_runner); None: on CUDA only. One block is kept back
+    # as the padded rows' scratch block.
+    cuda_graphs: bool | None = None
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        on = self.device.startswith("cuda") if self.cuda_graphs is None else self.cuda_graphs
+        return on and self.speculative is not None
 
     def __post_init__(self) -> None:
         if self.preemption not in PREEMPTION_MODES:

@@ -81,8 +81,12 @@ class LLMEngine:
             memory_fraction=config.kv_cache_memory_fraction,
         )
         self.kv_cache = PagedKVCache(kv_params, num_blocks, self.device)
+        # With CUDA graphs the last block is no request's: padded rows write there.
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, lookahead
+            num_blocks - config.uses_cuda_graphs,
+            config.block_size,
+            config.enable_prefix_caching,
+            lookahead,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
@@ -101,6 +105,8 @@ class LLMEngine:
         self.spec: SpecRunner | None = None
         if config.speculative is not None and drafter is not None:
             self.spec = SpecRunner(config.speculative, self.runner, drafter, num_blocks)
+            if config.uses_cuda_graphs:
+                self.spec.enable_graphs(config.max_num_seqs, self.max_model_len, num_blocks - 1)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         if config.torch_compile or config.warm_up:

@@ -19,6 +19,12 @@ from engine.sequence import Sequence
 from engine.spec.adaptive import AdaptiveK, StepCost, measure_costs
 from engine.spec.config import SpeculativeConfig
 from engine.spec.drafters import Drafter, ProposeArgs, load_drafter
+from engine.spec.graph_runner import (
+    PersistentInputBuffers,
+    StepGraphRunner,
+    StepShape,
+    blocks_per_seq,
+)
 from engine.spec.stats import SpecDecodeStats
 from engine.spec.unified_step import SpecStepInputs, UnifiedStep
 
@@ -79,6 +85,22 @@ class SpecRunner:
         # since (a prefill resets it): the gap to the next decode step is overhead every K
         # pays, which adaptive K adds to its step costs.
         self._decode_ended: float | None = None
+        self.graphs: StepGraphRunner | None = None  # decode steps through CUDA graphs
+
+    def enable_graphs(self, max_batch: int, max_model_len: int, scratch_block: int) -> None:
+        """Decode steps of up to ``max_batch`` rows at this runner's K, greedy or sampled,
+        through CUDA graphs (elsewhere the same padded path, uncaptured); padded rows write
+        ``scratch_block``, a block no request owns."""
+        k, device = self.k, self.runner.device
+        bound = max_model_len + num_lookahead_slots(k, self.drafter) + 1  # _context_bound's
+        width = blocks_per_seq(bound, self.runner.block_size)
+        buffers = PersistentInputBuffers.alloc(
+            max_batch, max_batch * (k + 1), device, max_blocks_per_seq=width
+        )
+        self.graphs = StepGraphRunner(self.step, buffers, scratch_block)
+        # Sampled drafts' probabilities are kept across steps: not as a graph's outputs.
+        modes = (True,) if self.config.sample_drafts else (True, False)
+        self.graphs.capture([StepShape(k, k, False, greedy, False) for greedy in modes])
 
     # -- prefill -----------------------------------------------------------------------
 
@@ -165,10 +187,13 @@ class SpecRunner:
                 self.adaptive.charge(time.perf_counter() - started)
             started = time.perf_counter()
         inputs = self._step_inputs(seqs, k, k_next)
-        out = self.step(inputs, k_next, defer_drafter=defer)
-        num_accepted = out.num_accepted.tolist()
-        emitted = out.emitted.tolist()
-        drafts = out.next_draft_tokens.tolist()  # the step has completed: time it
+        if self.graphs is not None:  # one wait, for the tokens' pinned host copies
+            pending = self.graphs.launch(inputs, k_next, defer_drafter=defer)
+            out, host = pending.outputs, pending.host()
+        else:
+            out = self.step(inputs, k_next, defer_drafter=defer)
+            host = (out.num_accepted, out.emitted, out.next_draft_tokens)
+        num_accepted, emitted, drafts = (t.tolist() for t in host)  # completed: time it
         self.stats.record(k, num_accepted)
         for seq, a in zip(seqs, num_accepted, strict=True):
             seq.spec_counts.record(k, a)
