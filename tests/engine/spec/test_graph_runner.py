@@ -1,6 +1,7 @@
 """The CUDA-graph runner's path on CPU (no capture): buckets, padding and the dispatcher.
 Padded rows leave every real block untouched, and a padded batch gives what the same rows
-give unpadded, for every drafter, greedy and sampled rows."""
+give unpadded, for every drafter, greedy and sampled rows; an engine on that path gives
+target-only greedy output."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from engine.kv_cache import KVCacheParams, PagedKVCache
 from engine.models.llama3 import Llama3Model
 from engine.sampler import SamplingTensors
 from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
 from engine.spec.drafters import new_drafter
 from engine.spec.drafters.loading import init_random
 from engine.spec.graph_runner import (
@@ -22,6 +24,8 @@ from engine.spec.graph_runner import (
     batch_buckets,
 )
 from engine.spec.unified_step import SpecStepInputs, UnifiedStep
+from tests.comparator import compare_greedy
+from tests.engine.spec.test_spec_greedy import PROMPTS, engine_for, greedy, markov_target, run
 from tests.engine.spec.test_unified_step_meta import META, draft_hf, target_config
 
 CPU = torch.device("cpu")
@@ -70,6 +74,12 @@ ROW_PARAMS = [
     SamplingParams(max_tokens=8, temperature=0.8, top_k=5, seed=7),
     SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, min_p=0.05, seed=8),
 ]
+
+
+@pytest.fixture(scope="module")
+def markov(tmp_path_factory: pytest.TempPathFactory):
+    """test_spec_greedy's one-layer target and the EAGLE draft that reproduces it."""
+    return markov_target(tmp_path_factory.mktemp("markov"))
 
 
 def batch_inputs(b: int, k: int, *, greedy: bool, device: torch.device = CPU) -> SpecStepInputs:
@@ -140,8 +150,8 @@ def test_padding_leaves_real_blocks_untouched_and_matches_unpadded(kind):
     step = make_step(kind)
     runner = make_runner(step)
     before = kv_snapshot(step)
-    for b, greedy in ((3, True), (5, False), (1, False), (2, True)):
-        inputs = batch_inputs(b, K, greedy=greedy)
+    for b, is_greedy in ((3, True), (5, False), (1, False), (2, True)):
+        inputs = batch_inputs(b, K, greedy=is_greedy)
         restore(step, before)
         want = step(inputs, K)
         unpadded_kv = kv_snapshot(step)
@@ -184,3 +194,31 @@ def test_a_runner_step_on_meta():
     assert runner.num_graph_steps == 1
     assert out.emitted.shape == (3, K + 1) and out.emitted.device == META
     assert out.next_draft_tokens.shape == (3, K) and out.logits.shape == (3, K + 1, 128)
+
+
+def assert_graphs_equal_target_only(target_dir, draft_dir, hf_model, **engine_kw) -> int:
+    """Greedy requests that finish at different steps (the batch shrinks step by step)
+    through an engine whose decode steps run on the graph runner give target-only output;
+    returns the number of steps that took the graph path."""
+    requests = {str(i): (p, greedy(4 + 3 * i)) for i, p in enumerate(PROMPTS)}
+    kw = dict(max_model_len=64, **engine_kw)
+    base = run(engine_for(target_dir, **kw), requests)
+    spec = SpeculativeConfig(str(draft_dir), num_draft_tokens=3)
+    engine = engine_for(target_dir, spec, cuda_graphs=True, max_num_seqs=8, **kw)
+    assert engine.spec is not None and engine.spec.graphs is not None
+    assert engine.block_manager.num_blocks == engine.kv_cache.num_blocks - 1  # the scratch block
+    out = run(engine, requests)
+    ours = [out[r].token_ids for r in requests]
+    refs = [base[r].token_ids for r in requests]
+    assert ours == refs or compare_greedy(hf_model, PROMPTS, ours, refs).num_ties <= 1
+    assert engine.spec.stats.num_accepted_tokens > 0
+    return engine.spec.graphs.num_graph_steps
+
+
+def test_engine_with_graph_runner_on_cpu_equals_target_only(markov):
+    """The oracle draft accepts every draft: rows advance K+1 positions a step."""
+    target_dir, draft_dir, hf_model = markov
+    assert assert_graphs_equal_target_only(target_dir, draft_dir, hf_model) >= 4
+    # Off by default on CPU: the engine's path is unchanged.
+    engine = engine_for(target_dir, SpeculativeConfig(str(draft_dir), num_draft_tokens=3))
+    assert engine.spec is not None and engine.spec.graphs is None
