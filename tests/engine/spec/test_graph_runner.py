@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import TorchAttentionBackend
+from engine.attention import AttentionBackend, TorchAttentionBackend
 from engine.kv_cache import KVCacheParams, PagedKVCache
 from engine.models.llama3 import Llama3Model
 from engine.sampler import SamplingTensors
@@ -30,7 +30,7 @@ from tests.engine.spec.test_unified_step_meta import META, draft_hf, target_conf
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
-NUM_BLOCKS = 48
+NUM_BLOCKS = 64
 SCRATCH = NUM_BLOCKS - 1  # no request's: the padded rows write here
 WIDTH = 10  # block-table width of the buffers: contexts up to 40 slots
 K = 3
@@ -41,7 +41,9 @@ def own_blocks(row: int) -> list[int]:
     return list(range(ROW_BLOCKS * row, ROW_BLOCKS * (row + 1)))
 
 
-def make_step(kind: str, device: torch.device = CPU) -> UnifiedStep:
+def make_step(
+    kind: str, device: torch.device = CPU, backend: AttentionBackend | None = None
+) -> UnifiedStep:
     """A tiny random fp32 target and drafter of ``kind`` with KV pools of random content."""
     config = target_config()
     with device:
@@ -56,7 +58,8 @@ def make_step(kind: str, device: torch.device = CPU) -> UnifiedStep:
         for pool in (*target_kv.layers, *draft_kv.layers):
             for t in pool:
                 t.copy_(torch.randn(t.shape, generator=gen))
-    return UnifiedStep(target, drafter, target_kv, draft_kv, TorchAttentionBackend())
+    backend = backend or TorchAttentionBackend()
+    return UnifiedStep(target, drafter, target_kv, draft_kv, backend)
 
 
 def kv_snapshot(step: UnifiedStep) -> list[torch.Tensor]:
