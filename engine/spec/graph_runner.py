@@ -292,6 +292,7 @@ class StepGraphRunner:
             return self.step(inputs, k_next, defer_drafter=defer_drafter)
         self.num_graph_steps += 1
         self.buffers.fill(inputs, key.bucket, self.scratch_block)
+        self._guard_tables(inputs, k_next)
         if key in self.graphs:
             graph, out = self.graphs[key]
             graph.replay()
@@ -299,6 +300,18 @@ class StepGraphRunner:
             padded = self.buffers.step_inputs(key, self.max_context_len)
             out = self.step(padded, k_next, defer_drafter=defer_drafter)
         return _first_rows(out, inputs.tokens.shape[0])
+
+    def _guard_tables(self, inputs: SpecStepInputs, k_next: int) -> None:
+        """Table entries past the last block a row's step can reach become the scratch
+        block as well: the engine pads a table with 0, which is some request's real block.
+        A step reaches the positions below n + k + max(k_next, DFlash block) + 3."""
+        b, k = inputs.draft_tokens.shape
+        fixed = self.step.drafter.fixed_num_draft_tokens or 0
+        reach = k + max(k_next, fixed) + 3
+        tables = self.buffers.block_tables[:b]
+        last = (inputs.kv_lens + reach - 1) // self.step.block_size  # [B] last column used
+        cols = torch.arange(tables.shape[1], device=tables.device)
+        tables.masked_fill_(cols[None, :] > last[:, None], self.scratch_block)
 
     @torch.inference_mode()
     def launch(

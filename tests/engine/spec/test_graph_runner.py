@@ -161,6 +161,14 @@ def test_padding_leaves_real_blocks_untouched_and_matches_unpadded(kind):
         restore(step, before)
         got = runner(inputs, K)
         assert runner.dispatch(inputs, K) is not None
+        # Tables as the graph read them: each row's blocks up to its reach (KV length + 2K
+        # + 3 slots), then the scratch block, never the engine's 0 padding; padded rows
+        # the scratch block alone.
+        tables = runner.buffers.block_tables[: runner.dispatch(inputs, K).bucket]
+        for i, n in enumerate(inputs.kv_lens.tolist()):
+            used = (n + 2 * K + 2) // BLOCK_SIZE + 1
+            assert tables[i].tolist() == own_blocks(i)[:used] + [SCRATCH] * (WIDTH - used)
+        assert (tables[b:] == SCRATCH).all()
         for name in ("num_accepted", "next_tokens", "emitted", "next_draft_tokens"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (kind, b, name)
         torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
