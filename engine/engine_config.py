@@ -44,6 +44,10 @@ class EngineConfig:
     # max_num_seqs (engine.spec.graph_runner); None: on CUDA only. One block is kept back
     # as the padded rows' scratch block.
     cuda_graphs: bool | None = None
+    # Structured output (engine.structured): a constraint that takes longer to compile is
+    # refused (INVALID_ARGUMENT); compiled grammars kept, least recently used dropped first.
+    grammar_compile_timeout_s: float = 10.0
+    grammar_cache_size: int = 64
 
     @property
     def uses_cuda_graphs(self) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import logging
 import secrets
 import time
@@ -21,7 +20,7 @@ from engine.kv_cache import KVCacheCapacityError, KVCacheParams, PagedKVCache, p
 from engine.model_runner import LayerListener, ModelRunner, RowLogprobs, StepOutput
 from engine.models.layers import release_packed_weights, use_packed_gemm
 from engine.outputs import PrefilledRequest, RequestOutput
-from engine.registry import ModelConfig, load_model
+from engine.registry import eos_token_ids, load_model
 from engine.sampler import FAULT
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -33,6 +32,7 @@ from engine.spec.spec_runner import (
     num_lookahead_slots,
 )
 from engine.spec.stats import SpecDecodeStats
+from engine.structured.grammars import Grammars
 from kernels.cpu import extension as cpu_kernels
 
 
@@ -58,7 +58,15 @@ class LLMEngine:
             use_packed_gemm(model, config.cpu_packed_gemm_min_rows)
             packed.append(model)
         self.tokenizer = tokenizer
-        self.eos_token_ids = _eos_token_ids(Path(config.model), self.model_config)
+        self.eos_token_ids = eos_token_ids(Path(config.model), self.model_config)
+        self.grammars = Grammars(
+            config.model,
+            tokenizer,
+            self.model_config.vocab_size,
+            self.eos_token_ids,
+            timeout_s=config.grammar_compile_timeout_s,
+            cache_size=config.grammar_cache_size,
+        )
         kv_params = KVCacheParams.from_config(self.model_config, config.block_size)
         plan_params = [kv_params]
         drafter, lookahead = None, 0
@@ -188,6 +196,7 @@ class LLMEngine:
             params=params,
             seed=seed,
         )
+        seq.grammar = self.grammars.row(params.structured_output, generated)
         self._seqs[request_id] = seq
         if self.tokenizer is not None:
             detok = self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
@@ -284,6 +293,7 @@ class LLMEngine:
             seq.finish_reason = "length"
         else:
             seq.token_ids.append(first_token)
+            seq.grammar and seq.grammar.commit([first_token])  # rebuilt from the tokens
             if self.spec is not None and draft_token_ids:
                 seq.draft_token_ids = list(draft_token_ids)
             self._check_stop(seq, first_token)
@@ -460,7 +470,8 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
-        is_eos = not params.ignore_eos and token in self.eos_token_ids
+        # A grammar allows EOS only where it ends: its rows end there even with ignore_eos.
+        is_eos = (not params.ignore_eos or seq.grammar) and token in self.eos_token_ids
         if token in params.stop_token_ids or is_eos:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif seq.num_output_tokens >= params.max_tokens:
@@ -486,13 +497,3 @@ class LLMEngine:
             spec_counts=dataclasses.replace(seq.spec_counts) if self.spec is not None else None,
             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
         )
-
-
-def _eos_token_ids(model_dir: Path, config: ModelConfig) -> frozenset[int]:
-    """EOS ids from config.json and generation_config.json together."""
-    ids = set(config.eos_token_ids)
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return frozenset(ids)

@@ -18,6 +18,7 @@ from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs, ReturnHiddenSta
 from engine.sampler import SamplingTensors, sample, top_logprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, TokenLogprobs
+from engine.structured.rows import active_rows, commit_rows, mask_logits
 
 # Graphs one engine's compiled decode forward may hold (dynamo's default is 8).
 DECODE_RECOMPILE_LIMIT = 32
@@ -256,8 +257,9 @@ class ModelRunner:
             return StepOutput(
                 [], [], None, inputs, metadata, out, kv_step=step, prompt_logprobs=prompt
             )
-        logits = out.logits  # [N, V]
         seqs = [batch.seqs[r] for r in inputs.sample_rows]
+        grammars = active_rows(seqs)
+        logits = mask_logits(grammars, out.logits)  # [N, V]
         tensors = SamplingTensors.build(
             [s.params for s in seqs],
             [s.seed for s in seqs],
@@ -267,6 +269,8 @@ class ModelRunner:
             [s.num_prompt_tokens for s in seqs],
         )
         tokens = sample(logits, tensors)
+        token_ids = tokens.tolist()
+        commit_rows(grammars, token_ids)
         logprobs = None
         num_top = max((s.params.logprobs or 0) for s in seqs)
         if any(s.params.logprobs is not None for s in seqs):
@@ -274,7 +278,7 @@ class ModelRunner:
             logprobs = list(zip(chosen.tolist(), ids.tolist(), values.tolist(), strict=True))
         return StepOutput(
             inputs.sample_rows,
-            tokens.tolist(),
+            token_ids,
             logprobs,
             inputs,
             metadata,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,3 +243,13 @@ def load_model(
     finally:
         reader.close()
     return model.eval(), config
+
+
+def eos_token_ids(model_dir: Path, config: ModelConfig) -> frozenset[int]:
+    """EOS ids from config.json and generation_config.json together."""
+    ids = set(config.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)

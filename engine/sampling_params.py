@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from engine.structured.spec import StructuredOutput
+
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
 MAX_PROMPT_LOGPROBS = 20
@@ -46,6 +48,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive logits of seen tokens, multiplies others
     # Added to the logits: token id -> bias; a mapping or (id, bias) pairs, kept as sorted pairs.
     logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] = field(default=())
+    # Output restricted to a JSON schema, regex or grammar (engine.structured); None: free.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers, keep tuples (frozen, hashable).

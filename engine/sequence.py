@@ -69,6 +69,10 @@ class Sequence:
     undrafted_features: list[Any] = field(default_factory=list)
     num_undrafted_tokens: int = 0
     spec_counts: SpecCounts = field(default_factory=SpecCounts)
+    # Structured output: an engine.structured.rows.RowGrammar committed through the last
+    # token. A row in a thinking phase (the seeds' flag) is neither masked nor advanced.
+    grammar: Any = None
+    in_thinking_phase: bool = False
 
     @property
     def reads_prefix_cache(self) -> bool:

@@ -19,6 +19,7 @@ from engine.sequence import Sequence
 from engine.spec.adaptive import AdaptiveK, StepCost, measure_costs
 from engine.spec.config import SpeculativeConfig
 from engine.spec.drafters import Drafter, ProposeArgs, load_drafter
+from engine.spec.grammar import StepGrammar, step_fields
 from engine.spec.graph_runner import (
     PersistentInputBuffers,
     StepGraphRunner,
@@ -156,7 +157,8 @@ class SpecRunner:
             block_size=self.runner.block_size,
             max_context_len=self._context_bound(max(last_positions), 0, k),
         )
-        drafts, probs = self.step.propose(state, args, self._sampling(seqs, penalties=False), k)
+        sampling = self._sampling(seqs, penalties=False)
+        drafts, probs = self.step.propose(state, args, sampling, k, StepGrammar.of(seqs))
         for i, (seq, row_drafts) in enumerate(zip(seqs, drafts.tolist(), strict=True)):
             seq.draft_token_ids = row_drafts
             seq.draft_probs = None if probs is None else probs[i]
@@ -187,7 +189,9 @@ class SpecRunner:
                 self.adaptive.charge(time.perf_counter() - started)
             started = time.perf_counter()
         inputs = self._step_inputs(seqs, k, k_next)
-        if self.graphs is not None:  # one wait, for the tokens' pinned host copies
+        if (
+            self.graphs is not None and inputs.grammar is None
+        ):  # one wait, for the tokens' pinned host copies
             pending = self.graphs.launch(inputs, k_next, defer_drafter=defer)
             out, host = pending.outputs, pending.host()
         else:
@@ -246,17 +250,19 @@ class SpecRunner:
 
         kv_lens = [s.num_computed_tokens for s in seqs]
         width = max(len(s.block_table) for s in seqs)
+        drafts = [(s.draft_token_ids or [])[:k] for s in seqs]
         draft_probs = None
         if self.config.sample_drafts and all(s.draft_probs is not None for s in seqs):
             draft_probs = torch.stack([s.draft_probs[:k] for s in seqs])
         return SpecStepInputs(
             tokens=t([s.token_ids[-1] for s in seqs]),
-            draft_tokens=t([(s.draft_token_ids or [])[:k] for s in seqs]).view(len(seqs), k),
+            draft_tokens=t(drafts).view(len(seqs), k),
             kv_lens=t(kv_lens),
             block_tables=t([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
             sampling=self._sampling(seqs),
             max_context_len=self._context_bound(max(kv_lens), k, k_next),
             draft_probs=draft_probs,
+            **step_fields(seqs, drafts, device),  # rows with a grammar: their masks
         )
 
     def _context_bound(self, position: int, k: int, k_next: int) -> int:

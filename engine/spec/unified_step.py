@@ -18,13 +18,16 @@ a step costs what a plain decode step costs.
 KV lengths advance by ``num_accepted + 1``; KV written for rejected positions is
 overwritten by later steps. Nothing here reads a tensor on the host, so the step can
 be captured in a CUDA graph per batch bucket; the only host values are shapes and
-``max_context_len``, a bound fixed when the step is built.
+``max_context_len``, a bound fixed when the step is built. Steps with grammar rows are
+the exception (``SpecStepInputs.grammar``): they read those rows' accepted tokens and each
+draft on the host to advance and mask them, so they run eagerly.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -34,6 +37,17 @@ from engine.kv_cache import PagedKVCache
 from engine.sampler import SamplingTensors, draw, filtered_probs, row_keys
 from engine.spec.acceptance import DRAFT_SALT, accept, accept_synthetic
 from engine.spec.drafters import Drafter, DraftLogits, ProposeArgs
+from engine.structured.bitmask import apply_bitmask  # re-exported: the step applies it
+
+
+class StepGrammar(Protocol):
+    """Rows with a grammar (engine.structured.rows): the step hands it the accepted tokens
+    (a host sync of those rows), then each draft's scores to mask and the chosen draft."""
+
+    def accept(self, num_accepted: torch.Tensor, emitted: torch.Tensor) -> None: ...
+    def mask(self, scores: DraftLogits) -> DraftLogits: ...
+    def advance(self, drafts: torch.Tensor) -> None: ...
+    def end_drafts(self) -> None: ...
 
 
 @dataclass
@@ -46,6 +60,9 @@ class SpecStepInputs:
     max_context_len: int  # host bound >= n + 2K + 3 for every row
     draft_probs: torch.Tensor | None = None  # [B, K, V] when drafts were sampled
     bitmask: torch.Tensor | None = None  # [B, K+1, ceil(V/32)] int32, bit set = allowed
+    # [B] bool: rows in a thinking phase are not masked; acceptance is the same for them.
+    in_thinking_phase: torch.Tensor | None = None
+    grammar: StepGrammar | None = None  # set with ``bitmask``: the step then runs eagerly
 
 
 @dataclass
@@ -57,14 +74,6 @@ class SpecStepOutputs:
     next_draft_probs: torch.Tensor | None  # [B, k_next, V] when drafts are sampled
     logits: torch.Tensor  # [B, K+1, V] fp32, for logprobs
     features: torch.Tensor | None = None  # [B, K+1, F] when the drafter was deferred
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Disallowed tokens get -inf: bit (v % 32) of word (v // 32) clear. [B, S, V]"""
-    v = logits.shape[-1]
-    ids = torch.arange(v, device=logits.device)
-    bits = (bitmask[..., ids // 32] >> (ids % 32)) & 1  # [B, S, V]
-    return logits.masked_fill(bits == 0, float("-inf"))
 
 
 class UnifiedStep:
@@ -127,7 +136,10 @@ class UnifiedStep:
 
         # 3. mask
         if inputs.bitmask is not None:
-            logits = apply_bitmask(logits, inputs.bitmask)
+            bitmask = inputs.bitmask
+            if inputs.in_thinking_phase is not None:
+                bitmask = bitmask.masked_fill(inputs.in_thinking_phase[:, None, None], -1)
+            logits = apply_bitmask(logits, bitmask)
 
         # 4. accept
         first_positions = inputs.kv_lens + 1
@@ -153,6 +165,8 @@ class UnifiedStep:
             padded,
             torch.where(steps[None, :] == num_accepted[:, None], next_tokens[:, None], -1),
         )
+        if inputs.grammar is not None:
+            inputs.grammar.accept(num_accepted, emitted)
         if defer_drafter:
             return SpecStepOutputs(
                 num_accepted=num_accepted,
@@ -186,7 +200,7 @@ class UnifiedStep:
             block_size=self.block_size,
             max_context_len=inputs.max_context_len,
         )
-        drafts, probs = self.propose(state, args, inputs.sampling, k_next)
+        drafts, probs = self.propose(state, args, inputs.sampling, k_next, inputs.grammar)
 
         # 7. pack
         return SpecStepOutputs(
@@ -204,14 +218,23 @@ class UnifiedStep:
         args: ProposeArgs,
         sampling: SamplingTensors,
         k: int,
+        grammar: StepGrammar | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``k`` drafts per row after ``args``; argmax drafts unless ``sample_drafts``."""
+        """``k`` drafts per row after ``args``; argmax drafts unless ``sample_drafts``;
+        ``grammar`` masks each draft with its rows' state after the drafts before it."""
         if k == 0:
             return args.next_tokens.new_zeros((args.next_tokens.shape[0], 0)), None
         sample = self.sample_drafts and not sampling.all_greedy
         probs: list[torch.Tensor] = []
 
         def select(scores: DraftLogits, j: int) -> torch.Tensor:
+            if grammar is None:
+                return choose(scores, j)
+            chosen = choose(grammar.mask(scores), j)
+            grammar.advance(chosen)
+            return chosen
+
+        def choose(scores: DraftLogits, j: int) -> torch.Tensor:
             greedy = scores.argmax()
             if not sample:
                 return greedy
@@ -226,4 +249,6 @@ class UnifiedStep:
             return torch.where(is_sampled, drawn, greedy)
 
         drafts = self.drafter.propose(state, args, k, select, self.draft_kv.layers, self.backend)
+        if grammar is not None:
+            grammar.end_drafts()
         return drafts, torch.stack(probs, dim=1) if sample else None
