@@ -115,6 +115,32 @@ def check_sampling(message: gen.SamplingParams) -> None:
                 f"logit_bias: the bias of token {token} must be in "
                 f"[-{wire.MAX_LOGIT_BIAS:g}, {wire.MAX_LOGIT_BIAS:g}], got {bias}"
             )
+    if message.HasField("structured_output"):
+        check_structured_output(message.structured_output)
+
+
+def check_structured_output(constraint: gen.StructuredOutput) -> None:
+    """What can be checked without compiling (the worker compiles, and refuses what does
+    not compile with the same kind of message): one kind set, a schema that is a JSON object."""
+    kind = constraint.WhichOneof("kind")
+    if kind is None:
+        raise ValidationError(
+            "structured_output: set one of json_object, json_schema, regex, grammar"
+        )
+    if kind == "json_object":
+        return
+    value = getattr(constraint, kind)
+    if not value:
+        raise ValidationError(f"structured_output.{kind}: is empty")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(value)
+        except ValueError as e:
+            raise ValidationError(
+                f"structured_output.json_schema: is not valid JSON ({e})"
+            ) from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValidationError("structured_output.json_schema: must be a JSON object")
 
 
 class RequestValidator:

@@ -45,6 +45,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft", metavar="DIR", help="EAGLE / EAGLE-3 / DFlash draft directory")
     group.add_argument("--num-draft-tokens", type=int, default=5, help="K, drafts per step")
     group.add_argument(
+        "--grammar-compile-timeout-s",
+        type=float,
+        default=10.0,
+        help="structured output: refuse a schema, regex or grammar that takes longer to "
+        "compile (INVALID_ARGUMENT) (default: 10)",
+    )
+    group.add_argument(
         "--torch-compile",
         action="store_true",
         help="decode steps through torch.compile (CPU: about 1.8x the tokens per second at "
@@ -111,6 +118,7 @@ def build_engine(
         preemption=preemption,
         torch_compile=args.torch_compile,
         attention_backend=args.attention_backend,
+        grammar_compile_timeout_s=args.grammar_compile_timeout_s,
         warm_up=True,  # before health turns SERVING: no request pays for lazy set-up
     )
     return LLMEngine(config, tokenizer=load_tokenizer(spec.model_dir))

@@ -8,7 +8,7 @@ checks the same limits without the engine (router/validation.py, tandem_client.w
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GrammarError, SamplingParams, StructuredOutput
 from engine.sequence import TokenLogprobs
 from tandem.v1 import generation_pb2 as gen
 
@@ -37,7 +37,21 @@ def params_from_proto(message: gen.SamplingParams) -> SamplingParams:
             else defaults.repetition_penalty
         ),
         logit_bias=dict(message.logit_bias),
+        structured_output=structured_from_proto(message),
     )
+
+
+def structured_from_proto(message: gen.SamplingParams) -> StructuredOutput | None:
+    """The constraint, checked here (JSON text) and compiled by the engine."""
+    if not message.HasField("structured_output"):
+        return None
+    constraint = message.structured_output
+    kind = constraint.WhichOneof("kind")
+    if kind is None:
+        raise GrammarError("structured_output: set one of json_object, json_schema, regex, grammar")
+    if kind == "json_object":
+        return StructuredOutput("json")
+    return StructuredOutput(kind, getattr(constraint, kind))
 
 
 def token_logprob_to_proto(lp: TokenLogprobs) -> gen.TokenLogprob:

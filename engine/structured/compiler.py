@@ -8,7 +8,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from engine.structured.spec import GrammarError, StructuredOutput
+from engine.sampling_params import GrammarError, StructuredOutput
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_CACHE_SIZE = 64

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from engine.sampling_params import GrammarError, StructuredOutput
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.rows import RowGrammar
-from engine.structured.spec import GrammarError, StructuredOutput
 
 
 class Grammars:

@@ -8,6 +8,7 @@ choices differ and each is reproducible.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +63,40 @@ def sampling(body: SamplingFields, choice: int, max_tokens: int | None) -> gen.S
     if body.repetition_penalty is not None:
         params.repetition_penalty = body.repetition_penalty
     params.logit_bias.update(logit_bias(body.logit_bias or {}))
+    constraint = structured_output(body)
+    if constraint is not None:
+        params.structured_output.CopyFrom(constraint)
     return params
+
+
+def structured_output(body: SamplingFields) -> gen.StructuredOutput | None:
+    """OpenAI's ``response_format`` (chat) or vLLM's ``guided_*`` extras, at most one."""
+    found: list[tuple[str, gen.StructuredOutput]] = []
+    response_format = getattr(body, "response_format", None)
+    formats = ("text", "json_object", "json_schema")
+    if response_format is not None and response_format.type not in formats:
+        got = response_format.type
+        raise invalid("response_format.type", f"must be one of {', '.join(formats)}, got {got!r}")
+    if response_format is not None and response_format.type == "json_object":
+        found.append(("response_format", gen.StructuredOutput(json_object=True)))
+    elif response_format is not None and response_format.type == "json_schema":
+        spec = response_format.json_schema
+        if spec is None or spec.schema_ is None:
+            raise invalid("response_format.json_schema.schema", "is required (a JSON schema)")
+        schema = json.dumps(spec.schema_)
+        found.append(("response_format", gen.StructuredOutput(json_schema=schema)))
+    if body.guided_json is not None:
+        guided = body.guided_json
+        text = guided if isinstance(guided, str) else json.dumps(guided)
+        found.append(("guided_json", gen.StructuredOutput(json_schema=text)))
+    if body.guided_regex is not None:
+        found.append(("guided_regex", gen.StructuredOutput(regex=body.guided_regex)))
+    if body.guided_grammar is not None:
+        found.append(("guided_grammar", gen.StructuredOutput(grammar=body.guided_grammar)))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise invalid(found[1][0], f"set one constraint per request, got {names}")
+    return found[0][1] if found else None
 
 
 def logit_bias(bias: dict[str, float]) -> dict[int, float]:

@@ -86,6 +86,10 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     repetition_penalty: float | None = None
+    # vLLM's structured-output extras (at most one constraint per request)
+    guided_json: str | dict[str, Any] | None = None  # a JSON schema
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # EBNF, GBNF style, root rule ``root``
 
     def unsupported(self) -> list[str]:
         """Fields set to a value that would change the answer, which is not built yet."""
@@ -134,10 +138,22 @@ class ChatMessageIn(BaseModel):
         return self.content or ""
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: "text", "json_object" or "json_schema"."""
+
     model_config = ConfigDict(extra="allow")
 
     type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -156,6 +172,4 @@ class ChatCompletionRequest(SamplingFields):
             names.append("tools")
         if self.tool_choice not in (None, "none"):
             names.append("tool_choice")
-        if self.response_format is not None and self.response_format.type != "text":
-            names.append("response_format")
         return names

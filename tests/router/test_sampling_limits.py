@@ -49,6 +49,19 @@ EDGES: dict[str, list[object]] = {
         {i: 1.0 for i in range(wire.MAX_LOGIT_BIAS_ENTRIES)},
         {i: 1.0 for i in range(wire.MAX_LOGIT_BIAS_ENTRIES + 1)},
     ],
+    # What compiles is the engine's to say (tests/structured); the router checks the rest.
+    "structured_output": [
+        gen.StructuredOutput(),
+        gen.StructuredOutput(json_object=True),
+        gen.StructuredOutput(json_schema='{"type": "object"}'),
+        gen.StructuredOutput(json_schema="true"),
+        gen.StructuredOutput(json_schema=""),
+        gen.StructuredOutput(json_schema="{nope"),
+        gen.StructuredOutput(json_schema="[1]"),
+        gen.StructuredOutput(regex=""),
+        gen.StructuredOutput(regex="a+"),
+        gen.StructuredOutput(grammar='root ::= "a"'),
+    ],
 }
 CASES = [(f, v) for f, values in EDGES.items() for v in values]
 NANS = [

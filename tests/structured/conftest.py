@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling_params import StructuredOutput
 from engine.spec.config import SpeculativeConfig
-from engine.structured.spec import StructuredOutput
 from tests.engine.tiny_drafts import build_random_draft
 
 COMMITTED = Path(__file__).resolve().parents[2] / "drafts" / "smollm2"

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.sampling_params import GrammarError, StructuredOutput
 from engine.spec.drafters import DraftLogits
 from engine.spec.grammar import StepGrammar
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.rows import RowGrammar, verify_bitmask
-from engine.structured.spec import GrammarError, StructuredOutput
 from tests.structured.conftest import PERSON_SPEC, PHONE_SPEC
 
 VOCAB = 49152

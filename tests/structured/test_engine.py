@@ -12,8 +12,7 @@ import jsonschema
 import pytest
 
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.structured.spec import StructuredOutput
+from engine.sampling_params import SamplingParams, StructuredOutput
 from tests.engine.test_smollm2_equality import chat_ids
 from tests.structured.conftest import PERSON, PERSON_SPEC, PHONE, PHONE_SPEC
 
