@@ -40,7 +40,6 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.num_compiled = 0
 
     def compile(self, spec: StructuredOutput) -> Any:
@@ -49,7 +48,12 @@ class GrammarCompiler:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
-        future = self._pool.submit(self._compile, spec)
+        # A thread per compile: one that overruns keeps only itself busy, not later ones.
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        thread = threading.Thread(
+            target=self._compile_into, args=(spec, future), name="grammar", daemon=True
+        )
+        thread.start()
         try:
             compiled = future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -64,6 +68,12 @@ class GrammarCompiler:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _compile_into(self, spec: StructuredOutput, future: concurrent.futures.Future[Any]) -> None:
+        try:
+            future.set_result(self._compile(spec))
+        except BaseException as e:  # handed to the caller, which raises it
+            future.set_exception(e)
 
     def _compile(self, spec: StructuredOutput) -> Any:
         c = self._compiler
