@@ -8,6 +8,6 @@ import torch
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Disallowed tokens get -inf: bit (v % 32) of word (v // 32) clear. [B, S, V]"""
     v = logits.shape[-1]
-    ids = torch.arange(v, device=logits.device)
-    bits = (bitmask[..., ids // 32] >> (ids % 32)) & 1  # [B, S, V]
-    return logits.masked_fill(bits == 0, float("-inf"))
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask[..., None] >> shifts) & 1  # [B, S, W, 32]: a broadcast, not a gather
+    return logits.masked_fill(bits.flatten(-2)[..., :v] == 0, float("-inf"))

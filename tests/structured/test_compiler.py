@@ -3,12 +3,15 @@ compile or not in time naming the field, and build masks position by position.""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from engine.sampling_params import GrammarError, StructuredOutput
 from engine.spec.drafters import DraftLogits
 from engine.spec.grammar import StepGrammar
+from engine.structured.bitmask import apply_bitmask
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.rows import RowGrammar, verify_bitmask
 from tests.structured.conftest import PERSON_SPEC, PHONE_SPEC
@@ -104,3 +107,14 @@ def test_drafts_are_masked_state_by_state_and_rolled_back(compiler):
     again = torch.zeros_like(start)
     row.fill(again)  # back at the start
     assert torch.equal(again, start) and not torch.equal(start, torch.full_like(start, -1))
+
+
+def test_apply_bitmask_matches_a_bit_by_bit_reference():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 2, 100, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 2, 4), dtype=torch.int32, generator=gen)
+    expected = logits.clone()
+    for b, s, v in itertools.product(range(3), range(2), range(100)):
+        if not (int(bitmask[b, s, v // 32]) >> (v % 32)) & 1:
+            expected[b, s, v] = float("-inf")
+    assert torch.equal(apply_bitmask(logits, bitmask), expected)
