@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
+
+# Without CUDA the Triton kernels run through Triton's interpreter (tests/kernels/triton).
+# Set before any test imports anything: a kernel, and a torch.compile test that loads
+# triton first, fixes the mode triton's jit takes for the rest of the session.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 if TYPE_CHECKING:
     from ledger.ledger import Ledger

@@ -9,6 +9,7 @@ import pytest
 from engine import model_store
 from engine.model_store import (
     MANIFEST,
+    WHEELS_DIR,
     ModelNotFoundError,
     list_models,
     prepare,
@@ -60,7 +61,9 @@ def test_prepare_writes_atomically_and_force_replaces(
     assert json.loads((path / MANIFEST).read_text())["marker"] == "first"
     prepare("smollm2", cache_dir=tmp_path, force=True)
     assert json.loads((path / MANIFEST).read_text())["marker"] == "second"
-    assert [p.name for p in tmp_path.iterdir()] == ["smollm2"]  # no temp or old dirs left
+    # No temp or old dirs left (the source wheel stays in WHEELS_DIR where this interpreter
+    # did not have it installed).
+    assert [p.name for p in tmp_path.iterdir() if p.name != WHEELS_DIR] == ["smollm2"]
 
 
 def test_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,7 +74,7 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(model_store, "_convert", broken)
     with pytest.raises(RuntimeError, match="boom"):
         prepare("smollm2", cache_dir=tmp_path)
-    assert list(tmp_path.iterdir()) == []
+    assert [p for p in tmp_path.iterdir() if p.name != WHEELS_DIR] == []
     assert list_models(tmp_path) == {}
 
 
