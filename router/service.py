@@ -242,30 +242,38 @@ class GenerationService(gen_grpc.GenerationServicer):
         )
         full: set[str] = set()
         pause = RESERVE_BACKOFF_S[0]
-        while True:
-            try:
-                reply: pb.ReserveReply = await self._decoder(route).Reserve(
-                    request, timeout=min(RESERVE_TIMEOUT_S, route.remaining())
-                )
-                self.picker.mark_reachable(route.decode)  # even if an earlier call failed
-                break
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE:  # died since its last heartbeat
-                    self.picker.mark_unreachable(route.decode)
-                elif e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise
-                full.add(route.decode.worker_id)
-            others = [w for w in self.picker.decoders_for(route.prefill) if w.worker_id not in full]
-            if not others:  # all full: wait, then try them all again
-                await self._wait_for_room(min(pause, route.remaining()))
-                pause = min(2 * pause, RESERVE_BACKOFF_S[1])
-                full.clear()
-                self.picker.forget_stale()
-                others = self.picker.decoders_for(route.prefill)
-            if others:
-                count_in_flight(self.picker, route, -1)
-                route.decode = self.picker.least_loaded(others)
-                count_in_flight(self.picker, route, +1)
+        is_waiting = False  # counted in num_waiting: found every decode worker full
+        try:
+            while True:
+                try:
+                    reply: pb.ReserveReply = await self._decoder(route).Reserve(
+                        request, timeout=min(RESERVE_TIMEOUT_S, route.remaining())
+                    )
+                    self.picker.mark_reachable(route.decode)  # even if an earlier call failed
+                    break
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:  # died since its heartbeat
+                        self.picker.mark_unreachable(route.decode)
+                    elif e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise
+                    full.add(route.decode.worker_id)
+                decoders = self.picker.decoders_for(route.prefill)
+                others = [w for w in decoders if w.worker_id not in full]
+                if not others:  # all full: wait, then try them all again
+                    if not is_waiting:
+                        self._start_waiting()
+                        is_waiting = True
+                    await asyncio.sleep(min(pause, route.remaining()))
+                    pause = min(2 * pause, RESERVE_BACKOFF_S[1])
+                    full.clear()
+                    self.picker.forget_stale()
+                    others = self.picker.decoders_for(route.prefill)
+                if others:
+                    count_in_flight(self.picker, route, -1)
+                    route.decode = self.picker.least_loaded(others)
+                    count_in_flight(self.picker, route, +1)
+        finally:
+            self.num_waiting -= is_waiting
         self.ledger.transition(
             valid.request_id,
             RequestState.PREFILLING,
@@ -276,9 +284,10 @@ class GenerationService(gen_grpc.GenerationServicer):
         )
         return reply
 
-    async def _wait_for_room(self, pause_s: float) -> None:
-        """One pause of a request whose every decode worker is full, while fewer than
-        ``max_waiting`` others wait; else Overloaded, with a hint of the longest pause."""
+    def _start_waiting(self) -> None:
+        """A request found every decode worker full: it waits for room (counted until it
+        has its blocks or ends) while fewer than ``max_waiting`` others do; else
+        Overloaded, with a hint of the longest pause."""
         if self.num_waiting >= self.max_waiting:
             raise Overloaded(
                 f"router: {self.max_waiting} requests already wait for KV room on the decode "
@@ -286,10 +295,6 @@ class GenerationService(gen_grpc.GenerationServicer):
                 retry_after_s=RESERVE_BACKOFF_S[1] * 2,
             )
         self.num_waiting += 1
-        try:
-            await asyncio.sleep(pause_s)
-        finally:
-            self.num_waiting -= 1
 
     async def _prefill(self, route: Route, reserve: pb.ReserveReply) -> pb.PrefillReply:
         """P computes the prompt and pushes its KV into D's blocks (P hands it to D)."""

@@ -3,6 +3,7 @@ sampling parameters as keywords, checked against the wire contract before any ca
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -37,6 +38,9 @@ class SamplingKwargs(TypedDict, total=False):
     presence_penalty: float  # [-2, 2]; minus this for a token in the output
     repetition_penalty: float  # (0, 100]; seen tokens' logits divided (> 0) or multiplied
     logit_bias: Mapping[int, float]  # token id -> bias in [-100, 100], at most 300
+    # What the output must match, one of {"json_object": True}, {"json_schema": a dict or
+    # JSON text}, {"regex": ...}, {"grammar": GBNF with a root rule} (or the message)
+    structured_output: Mapping[str, Any] | gen.StructuredOutput
 
 
 def sampling_params(params: Mapping[str, Any]) -> gen.SamplingParams:
@@ -53,6 +57,9 @@ def sampling_params(params: Mapping[str, Any]) -> gen.SamplingParams:
             continue
         if name == "stop" and isinstance(value, str):
             value = [value]
+        if name == "structured_output":
+            message.structured_output.CopyFrom(structured_output(value))
+            continue
         try:
             if isinstance(value, Mapping):  # a map field: logit_bias
                 getattr(message, name).update(value)
@@ -65,6 +72,23 @@ def sampling_params(params: Mapping[str, Any]) -> gen.SamplingParams:
         except ValueError as e:
             raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {e}") from None
     return message
+
+
+def structured_output(value: Any) -> gen.StructuredOutput:
+    """The ``structured_output`` keyword as its message: a dict of one constraint kind (a
+    ``json_schema`` given as a dict is sent as JSON text), or the message itself."""
+    if isinstance(value, gen.StructuredOutput):
+        return value
+    kinds = sorted(gen.StructuredOutput.DESCRIPTOR.fields_by_name)
+    if not isinstance(value, Mapping) or len(value) != 1:
+        raise TypeError(f"structured_output: a dict of one of {kinds}, got {value!r}")
+    ((kind, spec),) = value.items()
+    if kind == "json_schema" and not isinstance(spec, str):
+        spec = json.dumps(spec)
+    try:
+        return gen.StructuredOutput(**{kind: spec})
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"structured_output: {e}; expected one of {kinds}") from None
 
 
 def build_request(
