@@ -70,6 +70,7 @@ from serving.supervisor import RestartPolicy, Supervisor  # noqa: E402
 from tandem.v1 import worker_pb2 as pb  # noqa: E402
 from tandem.v1 import worker_pb2_grpc as pb_grpc  # noqa: E402
 from tandem_client import AsyncTandemClient, TandemError  # noqa: E402
+from tests.services.cluster_helpers import router_counter  # noqa: E402
 
 DOCUMENTED = {"RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED"}
 DEADLINE_S = 300.0  # each request's deadline
@@ -318,17 +319,6 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def router_migrations(cluster: Cluster) -> int:
-    import re
-    import urllib.request
-
-    assert cluster.router is not None
-    with urllib.request.urlopen(cluster.router.metrics_url, timeout=5) as reply:
-        text = reply.read().decode()
-    found = re.search(r'^tandem_migrations_total\{role="router"\} (\S+)$', text, re.M)
-    return int(float(found.group(1))) if found else 0
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -411,7 +401,7 @@ def main() -> None:
         for thread in threads:
             thread.join(timeout=30)
         leaked = asyncio.run(leaked_blocks(cluster, redis_server.url))
-        migrations = router_migrations(cluster)
+        migrations = int(router_counter(cluster, "tandem_migrations_total"))
 
     cancelled = Counter(
         o.code or "COMPLETED" for j, o in zip(jobs, outcomes, strict=True) if j.cancel_after and o
