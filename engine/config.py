@@ -152,23 +152,11 @@ class Llama3Config:
                 "quantization_config: quantized checkpoints are not supported; "
                 "convert to an unquantized safetensors checkpoint first"
             )
-        for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
-            if key not in hf:
-                raise ConfigError(f"{key}: missing from config.json")
+        require_fields(hf)
         heads = hf["num_attention_heads"]
         rope_theta, rope_scaling = _parse_rope(hf)
-        limit = hf.get("max_position_embeddings")
-        if limit is None:
-            raise ConfigError("max_position_embeddings: missing from config.json")
-        if max_length is not None:
-            if max_length <= 0 or max_length > limit:
-                raise ConfigError(
-                    f"max_length: {max_length} is outside the model's limit; allowed: "
-                    f"1..{limit} (max_position_embeddings)"
-                )
-            limit = max_length
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        limit = context_limit(hf, max_length)
+        eos_ids = hf_eos_ids(hf)
         return cls(
             hidden_size=hf["hidden_size"],
             num_attention_heads=heads,
@@ -231,3 +219,31 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     with path.open() as f:
         data: dict[str, Any] = json.load(f)
     return data
+
+
+def require_fields(hf: dict[str, Any]) -> None:
+    """ConfigError naming the first field a decoder config cannot do without."""
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
+        if key not in hf:
+            raise ConfigError(f"{key}: missing from config.json")
+    if hf.get("max_position_embeddings") is None:
+        raise ConfigError("max_position_embeddings: missing from config.json")
+
+
+def context_limit(hf: dict[str, Any], max_length: int | None) -> int:
+    """The context length served: ``max_length`` if given (within the model's limit)."""
+    limit = int(hf["max_position_embeddings"])
+    if max_length is None:
+        return limit
+    if max_length <= 0 or max_length > limit:
+        raise ConfigError(
+            f"max_length: {max_length} is outside the model's limit; allowed: "
+            f"1..{limit} (max_position_embeddings)"
+        )
+    return max_length
+
+
+def hf_eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
+    """``eos_token_id`` (one id, a list, or none) as a tuple."""
+    eos = hf.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

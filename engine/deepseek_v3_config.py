@@ -9,7 +9,15 @@ from typing import Any
 
 import torch
 
-from engine.config import DEFAULT_DTYPE, ConfigError, KVCacheLayout, parse_dtype
+from engine.config import (
+    DEFAULT_DTYPE,
+    ConfigError,
+    KVCacheLayout,
+    context_limit,
+    hf_eos_ids,
+    parse_dtype,
+    require_fields,
+)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -197,23 +205,10 @@ class DeepseekV3Config:
         for key, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
             if hf.get(key, allowed) != allowed:
                 raise ConfigError(f"{key}: {hf[key]!r} is not supported; allowed: [{allowed!r}]")
-        for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
-            if key not in hf:
-                raise ConfigError(f"{key}: missing from config.json")
-        hf_limit = hf.get("max_position_embeddings")
-        if hf_limit is None:
-            raise ConfigError("max_position_embeddings: missing from config.json")
-        limit = hf_limit
-        if max_length is not None:
-            if max_length <= 0 or max_length > hf_limit:
-                raise ConfigError(
-                    f"max_length: {max_length} is outside the model's limit; allowed: "
-                    f"1..{hf_limit} (max_position_embeddings)"
-                )
-            limit = max_length
-        rope_theta, rope_scaling = _parse_rope(hf, hf_limit)
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        require_fields(hf)
+        limit = context_limit(hf, max_length)
+        rope_theta, rope_scaling = _parse_rope(hf, hf["max_position_embeddings"])
+        eos_ids = hf_eos_ids(hf)
         get = hf.get
         return cls(
             hidden_size=hf["hidden_size"],
