@@ -26,6 +26,7 @@ from engine.models.llama3 import (
     ROPE_SLACK_POSITIONS,
     ModelOutputs,
     ReturnHiddenStates,
+    run_decoder,
 )
 from engine.models.moe import DeepseekV3MoE
 
@@ -212,19 +213,14 @@ class DeepseekV3Model(nn.Module):
         return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES,
         on_layer: Callable[[int], None] | None = None,  # told once layer i wrote its KV
     ) -> ModelOutputs:
-        x = self.embed_tokens(tokens)  # [T, H]
-        rope = self.rotary.lookup(positions)
-        hidden: dict[int, torch.Tensor] = {}
-        wanted = set(return_hidden_states.layer_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_caches[i], backend, attn_metadata)
-            if i in wanted:
-                hidden[i] = x
-            if on_layer is not None:
-                on_layer(i)
-        if return_hidden_states.final:
-            final = self.norm(x)
-            logits = self.lm_head(final[logit_indices]).float()  # [N, V]
-            return ModelOutputs(logits=logits, hidden_states=hidden, final_hidden_state=final)
-        logits = self.lm_head(self.norm(x[logit_indices])).float()  # [N, V]
-        return ModelOutputs(logits=logits, hidden_states=hidden)
+        return run_decoder(
+            self,
+            tokens,
+            positions,
+            kv_caches,
+            backend,
+            attn_metadata,
+            logit_indices,
+            return_hidden_states,
+            on_layer,
+        )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,19 +131,46 @@ class Llama3Model(nn.Module):
         return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES,
         on_layer: Callable[[int], None] | None = None,  # told once layer i wrote its KV
     ) -> ModelOutputs:
-        x = self.embed_tokens(tokens)  # [T, H]
-        rope = self.rotary.lookup(positions)
-        hidden: dict[int, torch.Tensor] = {}
-        wanted = set(return_hidden_states.layer_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_caches[i], backend, attn_metadata)
-            if i in wanted:
-                hidden[i] = x
-            if on_layer is not None:  # a prefill worker starts pushing layer i's KV
-                on_layer(i)
-        if return_hidden_states.final:
-            final = self.norm(x)
-            logits = self.lm_head(final[logit_indices]).float()  # [N, V]
-            return ModelOutputs(logits=logits, hidden_states=hidden, final_hidden_state=final)
-        logits = self.lm_head(self.norm(x[logit_indices])).float()  # [N, V]
-        return ModelOutputs(logits=logits, hidden_states=hidden)
+        return run_decoder(
+            self,
+            tokens,
+            positions,
+            kv_caches,
+            backend,
+            attn_metadata,
+            logit_indices,
+            return_hidden_states,
+            on_layer,
+        )
+
+
+def run_decoder(
+    model: Any,  # an nn.Module with the attributes below
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    kv_caches: Sequence[Sequence[torch.Tensor]],
+    backend: AttentionBackend,
+    attn_metadata: Any,
+    logit_indices: torch.Tensor,
+    return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES,
+    on_layer: Callable[[int], None] | None = None,
+) -> ModelOutputs:
+    """A decoder's forward over ragged rows (Llama-3's and DeepSeek-V3's): ``model`` has
+    ``embed_tokens``, ``rotary``, ``layers`` (each called as ``layer(x, rope, kv, backend,
+    metadata)``), ``norm`` and ``lm_head``; logits only at ``logit_indices``."""
+    x = model.embed_tokens(tokens)  # [T, H]
+    rope = model.rotary.lookup(positions)
+    hidden: dict[int, torch.Tensor] = {}
+    wanted = set(return_hidden_states.layer_ids)
+    for i, layer in enumerate(model.layers):
+        x = layer(x, rope, kv_caches[i], backend, attn_metadata)
+        if i in wanted:
+            hidden[i] = x
+        if on_layer is not None:  # a prefill worker starts pushing layer i's KV
+            on_layer(i)
+    if return_hidden_states.final:
+        final = model.norm(x)
+        logits = model.lm_head(final[logit_indices]).float()  # [N, V]
+        return ModelOutputs(logits=logits, hidden_states=hidden, final_hidden_state=final)
+    logits = model.lm_head(model.norm(x[logit_indices])).float()  # [N, V]
+    return ModelOutputs(logits=logits, hidden_states=hidden)
