@@ -172,6 +172,7 @@ class DecodeRequest(_message.Message):
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _builtins.int
     DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     IS_FINISHED_ON_PREFILL_FIELD_NUMBER: _builtins.int
+    PREFILL_HERE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request, as reserved."""
     epoch: _builtins.int
@@ -181,6 +182,12 @@ class DecodeRequest(_message.Message):
     is_finished_on_prefill: _builtins.bool
     """PrefillReply.is_finished: the first token already ended the request and no KV was
     pushed; the decode worker streams that token as the last chunk without waiting.
+    """
+    prefill_here: _builtins.bool
+    """Co-located (a worker started with --colocate, the request's prefill worker too): no
+    prefill worker ran and no KV was pushed; this worker computes the prompt into the
+    reserved blocks itself and streams from the first token on. first_token_id,
+    first_token_logprob, draft_tokens and is_finished_on_prefill are then unset.
     """
     @_builtins.property
     def first_token_logprob(self) -> _generation_pb2.TokenLogprob:
@@ -201,10 +208,11 @@ class DecodeRequest(_message.Message):
         first_token_logprob: _generation_pb2.TokenLogprob | None = ...,
         draft_tokens: _abc.Iterable[_builtins.int] | None = ...,
         is_finished_on_prefill: _builtins.bool = ...,
+        prefill_here: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "first_token_logprob", b"first_token_logprob"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "epoch", b"epoch", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "is_finished_on_prefill", b"is_finished_on_prefill", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "epoch", b"epoch", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "is_finished_on_prefill", b"is_finished_on_prefill", "prefill_here", b"prefill_here", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_logprob: _TypeAlias = _typing.Literal["first_token_logprob"]  # noqa: Y015
     _WhichOneofArgType__first_token_logprob: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob"]  # noqa: Y015
