@@ -94,7 +94,7 @@ def make_service(runtime: Runtime) -> DecodeWorkerService:
     shared = SharedKvPools.adopt(layout, engine.kv_pools) if use_shm else None  # written in place
     attach = ShmAttacher() if use_shm else None
     # Its epoch is the registration's, set on registering (DecodeWorkerService.on_registered).
-    receiver = KvReceiver(attach_segment=attach, shared_pools=shared)
+    receiver = KvReceiver(attach_segment=attach, shared_pools=shared, stall_s=args.transfer_stall_s)
     return DecodeWorkerService(
         engine,
         served_name=spec.served_name,

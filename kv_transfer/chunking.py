@@ -52,14 +52,19 @@ class TransferOptions:
     window: int = 4  # chunks prepared ahead of the transport (queued writes / shm slots)
     checksum: str = "auto"  # "auto" (fastest installed), "crc32", "crc32c", "xxh3_64"
     timeout_s: float = 120.0  # deadline of one push
+    # Progress deadline: a push whose transport moves nothing (no room for a chunk, no
+    # chunk taken, no reply) for this long is aborted as stalled.
+    stall_s: float = 10.0
     max_message_bytes: int = 64 << 20  # the receiver's limit; bounds the extra tensors
     # Copies and checksums in a worker thread (they release the GIL): overlaps them with
     # the transport where cores are spare; slower on an oversubscribed host (measured).
     offload: bool = False
 
     def __post_init__(self) -> None:
-        if self.chunk_bytes <= 0 or self.window <= 0 or self.timeout_s <= 0:
-            raise ValueError(f"chunk_bytes, window, timeout_s: must be positive, got {self}")
+        if min(self.chunk_bytes, self.window, self.timeout_s, self.stall_s) <= 0:
+            raise ValueError(
+                f"chunk_bytes, window, timeout_s, stall_s: must be positive, got {self}"
+            )
         if self.max_message_bytes < self.chunk_bytes + (64 << 10):
             raise ValueError("max_message_bytes: must exceed chunk_bytes by 64 KiB at least")
         checksum_kind(self.checksum)  # refuses an unknown or missing algorithm
@@ -178,7 +183,8 @@ class ChunkedKvSender(KvSender):
         wire = handshake.layout.to_handshake(
             handshake.request_id, handshake.decode_epoch, self.checksum_kind
         )
-        self._destination = await self._guard(self.channel.open(wire, handshake.layout))
+        opened = self.channel.open(wire, handshake.layout)
+        self._destination = await self._guard(opened, "opening the push")
 
     async def send_layer(
         self,
@@ -193,7 +199,7 @@ class ChunkedKvSender(KvSender):
         if not runs:
             return
         if self._destination is not None:
-            await self._guard(self._destination.check(pool, layer, runs))
+            await self._guard(self._destination.check(pool, layer, runs), "checking blocks")
         block_bytes = layout.block_bytes(pool)
         layer_bytes = block_bytes * sum(r.num_blocks for r in runs)
         pending = self._pending
@@ -219,7 +225,8 @@ class ChunkedKvSender(KvSender):
                 max_layers = 1
             buffer = None
             if self._destination is None:
-                buffer = await self._guard(self.channel.acquire(max_layers * layer_bytes))
+                room = self.channel.acquire(max_layers * layer_bytes)
+                buffer = await self._guard(room, "waiting for room for a chunk")
             self._pending = _Pending(
                 ChunkSpec(pool, layer, layer, runs),
                 buffer,
@@ -252,7 +259,7 @@ class ChunkedKvSender(KvSender):
                 f"extra_tensors: {last.ByteSize()} bytes exceed max_message_bytes "
                 f"{self.options.max_message_bytes}"
             )
-        reply = await self._guard(self.channel.close(last))
+        reply = await self._guard(self.channel.close(last), "waiting for the receiver's reply")
         self.seconds = time.perf_counter() - self._start
         if reply.status != pb.KV_PUSH_STATUS_OK:
             self._fail(reply.status, reply.message or "refused without a message")
@@ -319,7 +326,9 @@ class ChunkedKvSender(KvSender):
             return None
         if buffer is None:
             num_bytes = self._layout_block_bytes(spec.pool) * _num_blocks(runs)
-            buffer = await self._guard(self.channel.acquire(num_bytes))
+            buffer = await self._guard(
+                self.channel.acquire(num_bytes), "waiting for room for a chunk"
+            )
         await self._offload(self._pack, buffer, offset, kv, runs, running)
         return buffer
 
@@ -408,7 +417,8 @@ class ChunkedKvSender(KvSender):
         header = spec.header(self.num_chunks_sent, layout.dtype, running.intdigest())
         if self._tamper is not None:
             self._tamper(header.sequence_number, data if data is not None else self._placed(spec))
-        await self._guard(self.channel.send(header, data))
+        sent = self.channel.send(header, data)
+        await self._guard(sent, f"sending chunk {header.sequence_number}")
         self.num_chunks_sent += 1
         num_blocks = _num_blocks(spec.runs) * (spec.layer_end - spec.layer_start)
         self.num_bytes_sent += (
@@ -421,10 +431,16 @@ class ChunkedKvSender(KvSender):
         k = self._destination.layer(spec.pool, spec.layer_start)[0]
         return k[run.dst_start : run.dst_start + run.num_blocks].reshape(-1).view(torch.uint8)
 
-    async def _guard(self, work: Awaitable[T]) -> T:
-        """Runs transport work; a transport failure fails the transfer."""
+    async def _guard(self, work: Awaitable[T], what: str) -> T:
+        """Runs transport work; a transport failure fails the transfer, and so does work
+        that moves nothing for ``options.stall_s`` (a stalled receiver or channel)."""
         try:
-            return await work
+            async with asyncio.timeout(self.options.stall_s) as deadline:
+                return await work
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            self._fail(pb.KV_PUSH_STATUS_INCOMPLETE, stalled(self.options.stall_s, what))
         except KvTransferError as e:
             self._fail(e.status, e.message)
 
@@ -433,6 +449,11 @@ class ChunkedKvSender(KvSender):
         self.seconds = time.perf_counter() - self._start
         self.channel.on_failed(status, message)
         raise KvTransferError(status, message)
+
+
+def stalled(stall_s: float, what: str) -> str:
+    """The message of a push aborted for want of progress."""
+    return f"stalled: nothing moved for {stall_s:g} s while {what} (transfer_stall_s)"
 
 
 def _num_blocks(runs: list[RunPair]) -> int:

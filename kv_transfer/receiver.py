@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from kv_transfer.base import KvTransferError, TransferState
+from kv_transfer.chunking import stalled
 from kv_transfer.session import (
     ChunkSource,
     InPlaceWriter,
@@ -66,7 +68,10 @@ class KvReceiver:
         shared_pools: SharedKvPools | None = None,
         write_grace_s: float = 1.0,
         fence_timeout_s: float = 30.0,
+        stall_s: float = 10.0,
     ) -> None:
+        if stall_s <= 0:
+            raise ValueError(f"stall_s: must be positive, got {stall_s}")
         self.epoch = epoch  # None: decode_epoch is not checked
         self._attach_segment = attach_segment  # None: shared-memory pushes are refused
         # Where the reserved pools live, for same-host senders to write in place (None: no
@@ -77,6 +82,11 @@ class KvReceiver:
         self.write_grace_s = write_grace_s
         # How long a fenced in-place sender may take to half-close before its call is ended.
         self.fence_timeout_s = fence_timeout_s
+        # Progress deadline of a push: the handshake, and once KV flows, each next chunk
+        # (or the last message), must come within this; else the push fails as stalled.
+        # Between the handshake and the first chunk the sender's prefill may queue: that
+        # wait is the sender's to bound (its engine), within the push's own deadline.
+        self.stall_s = stall_s
         self._records: dict[str, TransferRecord] = {}
 
     def reserve(self, reservation: KvReservation) -> None:
@@ -159,36 +169,56 @@ class KvReceiver:
         session: ReceiveSession | None = None
         ring_stream: AsyncGenerator[bytes, None] | None = None
         iterator = _Messages(raw_messages)
+        loop = asyncio.get_running_loop()
+        what = "waiting for the handshake"
         try:
-            first = await iterator.next()
-            if first is None:
-                raise KvTransferError(pb.KV_PUSH_STATUS_INCOMPLETE, "no handshake")
-            message, _ = _split(first)
-            if message.WhichOneof("kind") != "handshake":
-                raise KvTransferError(
-                    pb.KV_PUSH_STATUS_OUT_OF_ORDER, "a chunk before the handshake"
-                )
-            session = self.open(message.handshake)
-            if message.handshake.HasField("shm") and announce is not None:
-                await announce(_placement(session))
-            source = session.source
-            stream: AsyncIterator[bytes] = iterator
-            if source is not None:
-                stream = ring_stream = _with_ring_chunks(iterator, session, source)
-            elif session.placement is not None:
-                stream = ring_stream = _until_released(iterator, session)
-            async for raw in stream:
-                if session.is_finished:
-                    raise KvTransferError(pb.KV_PUSH_STATUS_OUT_OF_ORDER, "a message after is_last")
-                message, data = _split(raw)
-                if message.WhichOneof("kind") != "chunk":
-                    raise KvTransferError(pb.KV_PUSH_STATUS_OUT_OF_ORDER, "a second handshake")
-                if source is not None and (data or message.chunk.runs):
-                    raise KvTransferError(
-                        pb.KV_PUSH_STATUS_INVALID_CHUNK,
-                        "shm: chunk data travels in the shared-memory ring, not in messages",
+            try:
+                async with asyncio.timeout(self.stall_s) as stall:
+                    first = await iterator.next()
+                    if first is None:
+                        raise KvTransferError(pb.KV_PUSH_STATUS_INCOMPLETE, "no handshake")
+                    message, _ = _split(first)
+                    if message.WhichOneof("kind") != "handshake":
+                        raise KvTransferError(
+                            pb.KV_PUSH_STATUS_OUT_OF_ORDER, "a chunk before the handshake"
+                        )
+                    session = self.open(message.handshake)
+                    stall.reschedule(None)  # armed again by the first chunk
+                    what = "waiting for the next chunk"
+                    session.on_progress = functools.partial(
+                        _rearm, stall, session, loop, self.stall_s
                     )
-                session.on_chunk(message.chunk, data)
+                    if message.handshake.HasField("shm") and announce is not None:
+                        await announce(_placement(session))
+                    source = session.source
+                    stream: AsyncIterator[bytes] = iterator
+                    if source is not None:
+                        stream = ring_stream = _with_ring_chunks(iterator, session, source)
+                    elif session.placement is not None:
+                        stream = ring_stream = _until_released(iterator, session)
+                    async for raw in stream:
+                        if session.is_finished:
+                            raise KvTransferError(
+                                pb.KV_PUSH_STATUS_OUT_OF_ORDER, "a message after is_last"
+                            )
+                        message, data = _split(raw)
+                        if message.WhichOneof("kind") != "chunk":
+                            raise KvTransferError(
+                                pb.KV_PUSH_STATUS_OUT_OF_ORDER, "a second handshake"
+                            )
+                        if source is not None and (data or message.chunk.runs):
+                            raise KvTransferError(
+                                pb.KV_PUSH_STATUS_INVALID_CHUNK,
+                                "shm: chunk data travels in the shared-memory ring, not in "
+                                "messages",
+                            )
+                        session.on_chunk(message.chunk, data)
+            except TimeoutError:
+                if not stall.expired():
+                    raise
+                raise KvTransferError(
+                    pb.KV_PUSH_STATUS_INCOMPLETE, stalled(self.stall_s, what)
+                ) from None
             if not session.is_finished:
                 raise KvTransferError(
                     pb.KV_PUSH_STATUS_INCOMPLETE, "the stream ended before a message with is_last"
@@ -225,6 +255,16 @@ class KvReceiver:
             async with asyncio.timeout(self.fence_timeout_s):
                 while await messages.next() is not None:
                     pass
+
+
+def _rearm(
+    stall: asyncio.Timeout,
+    session: ReceiveSession,
+    loop: asyncio.AbstractEventLoop,
+    stall_s: float,
+) -> None:
+    """A chunk was taken: the next one is due within ``stall_s`` (none after the last)."""
+    stall.reschedule(None if session.is_finished else loop.time() + stall_s)
 
 
 async def _with_ring_chunks(

@@ -157,6 +157,10 @@ class TransferRecord:
             self.done.set()
 
 
+def _nothing() -> None:
+    pass
+
+
 class ReceiveSession:
     """One push into one reservation: every check, then the writes."""
 
@@ -185,6 +189,7 @@ class ReceiveSession:
         self.is_finished = False
         self.num_bytes = 0
         self.num_chunks = 0
+        self.on_progress: Callable[[], None] = _nothing  # after each chunk taken
 
     @property
     def block_ids(self) -> Sequence[int]:
@@ -257,6 +262,7 @@ class ReceiveSession:
             if len(extra) != len(chunk.extra_tensors):
                 self._invalid("extra_tensors: repeated names")
             self._complete(extra)
+        self.on_progress()
 
     def check_runs(
         self, pool: KvPool, layer_start: int, layer_end: int, runs: Sequence[tuple[int, int]]

@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
 def make_service(runtime: Runtime) -> PrefillWorkerService:
     """The engine (prefill only) and its service."""
+    from kv_transfer import TransferOptions
     from prefill_worker.service import PrefillWorkerService
     from serving import engine_setup
 
@@ -88,6 +89,7 @@ def make_service(runtime: Runtime) -> PrefillWorkerService:
         draft=draft,
         membership=runtime.new_membership(capacity=engine.block_manager.num_blocks),
         max_queued=args.max_queued,
+        transfer_options=TransferOptions(stall_s=args.transfer_stall_s),
         use_shm=args.kv_transport == "auto",
         metrics=runtime.metrics,
         channels=runtime.channel_pool(),

@@ -35,9 +35,10 @@ from typing import Any
 import torch
 
 from engine.model_runner import RowKv, StepKv
-from kv_transfer import Handshake, KvPool, KvSender
+from kv_transfer import Handshake, KvPool, KvSender, TransferOptions
 from kv_transfer.base import PagedPools
-from serving.rpc import PreconditionFailed
+from kv_transfer.chunking import stalled
+from serving.rpc import PreconditionFailed, Unavailable
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,12 @@ class LayerPush:
         num_cached_blocks: int,  # leading blocks the decode worker already holds
         block_size: int,
         slots: asyncio.Semaphore,
+        stall_s: float = TransferOptions.stall_s,
     ) -> None:
         self.sender = sender
+        # Once the engine wrote the request's first layer, each next one must come within
+        # this (a request may queue before its first step for as long as its deadline).
+        self.stall_s = stall_s
         self.seconds = 0.0  # begin .. finish acknowledged
         self._handshake = handshake
         self._pools = pools
@@ -105,14 +110,27 @@ class LayerPush:
             async with self._slots:
                 start = time.perf_counter()
                 await self.sender.begin(self._handshake)
-                while not await self._send(await self._queue.get()):
-                    pass
+                written = await self._queue.get()  # queued in the engine: no stall clock
+                while not await self._send(written):
+                    written = await self._next_written()
                 await self.sender.finish()
                 self.seconds = time.perf_counter() - start
         except BaseException:
             await self.sender.abort(self._abort_reason)
             raise
         return self.sender.num_bytes_sent
+
+    async def _next_written(self) -> _Written:
+        """The next layer the engine writes for this request; Unavailable (this worker's
+        engine stopped) when none comes within ``stall_s``."""
+        try:
+            async with asyncio.timeout(self.stall_s):
+                return await self._queue.get()
+        except TimeoutError:
+            self._abort_reason = stalled(self.stall_s, "waiting for the engine's next layer")
+            raise Unavailable(
+                f"prefill worker: request {self._handshake.request_id}: {self._abort_reason}"
+            ) from None
 
     async def _send(self, written: _Written) -> bool:
         """Sends one written layer's blocks; True once it was the push's last layer."""

@@ -282,6 +282,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             request.num_cached_blocks,
             self.engine.config.block_size,
             self._push_slots,
+            options.stall_s,
         )
         self._relay.pushes[request.request_id] = push
         return push

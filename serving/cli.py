@@ -89,6 +89,12 @@ def register_serve(subparsers: Any) -> None:
         "stops the cluster (0: the first death stops it; default 5)",
     )
     parser.add_argument(
+        "--transfer-stall-s",
+        type=float,
+        help="workers abort a KV push in which nothing moves for this long; the router "
+        "prefills the request again (default: the workers', 10)",
+    )
+    parser.add_argument(
         "--restart-window-s",
         type=float,
         default=60.0,
@@ -148,6 +154,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         auth_token_file=Path(args.auth_token_file).resolve() if args.auth_token_file else None,
         cluster_secret=cluster_secret,
+        ("--transfer-stall-s", args.transfer_stall_s),
         redis_password=embedded_password,
         http_port=args.http_port,
         threads=args.threads,

@@ -412,7 +412,8 @@ def add_service_arguments(parser: argparse.ArgumentParser, *, default_port: int)
 
 
 def add_kv_transport_argument(parser: argparse.ArgumentParser) -> None:
-    """``--kv-transport``, which both worker kinds take (the sender and the receiver)."""
+    """``--kv-transport`` and ``--transfer-stall-s``, which both worker kinds take (the
+    sender and the receiver)."""
     parser.add_argument(
         "--kv-transport",
         choices=["auto", "grpc"],
@@ -420,6 +421,21 @@ def add_kv_transport_argument(parser: argparse.ArgumentParser) -> None:
         help="auto: KV between workers on one host goes through shared memory; grpc: always "
         "the gRPC stream",
     )
+    parser.add_argument(
+        "--transfer-stall-s",
+        type=_positive_float,
+        default=10.0,
+        help="a KV push in which nothing moves for this long (no layer from the prefill "
+        "engine, no chunk sent or received, no reply) is aborted as stalled: both sides free "
+        "its blocks and the router prefills the request again (default: 10)",
+    )
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
 
 
 def run_service(
