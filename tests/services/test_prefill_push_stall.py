@@ -1,0 +1,121 @@
+"""A prefill worker's push whose engine stops mid-prompt (prefill_worker/kv_push.py): with
+real engines on both ends and the gRPC stream between them, the engine computes the first
+of three prompt chunks and then no more, as a stuck engine thread would. The push fails
+within its progress deadline naming the stall (Unavailable: the router passes this worker
+over and prefills the request elsewhere), the receiver fails the reservation as soon as
+the abort reaches it, and both engines get every block back once the request is dropped
+(as the prefill worker's Prefill and the decode worker's reservation expiry do)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
+from kv_transfer import (
+    Handshake,
+    KvLayout,
+    KvReceiver,
+    KvReservation,
+    KvTransferError,
+    TransferOptions,
+    TransferState,
+    add_kv_transfer_servicer,
+    grpc_sender,
+    server_options,
+)
+from prefill_worker.kv_push import LayerPush, LayerRelay
+from serving.rpc import Unavailable
+from tests.engine.tiny_models import build_tiny_llama
+
+BLOCK_SIZE = 4
+PROMPT = [(7 * i + 3) % 61 + 2 for i in range(21)]  # 21 tokens: three chunks of 8
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+STALL_S = 0.3
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("push_stall") / "target"
+    build_tiny_llama(out, "gqa4_llama3rope_hd72_mlpbias", num_layers=3, vocab_size=64)
+    return out
+
+
+def make_engine(target: Path) -> LLMEngine:
+    config = EngineConfig(
+        model=str(target),
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        kv_cache_memory=1 << 21,
+        max_num_batched_tokens=8,
+    )
+    return LLMEngine(config)
+
+
+def layout_of(engine: LLMEngine) -> KvLayout:
+    return KvLayout.of_pools("tiny", engine.kv_pools["target"])
+
+
+@pytest.fixture
+async def receiving() -> AsyncIterator[tuple[KvReceiver, grpc.aio.Channel]]:
+    receiver = KvReceiver(stall_s=30.0)  # the sender's deadline is the one under test
+    server = grpc.aio.server(options=server_options())
+    add_kv_transfer_servicer(server, receiver)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    yield receiver, channel
+    await channel.close()
+    await server.stop(0)
+
+
+async def test_an_engine_that_stops_mid_prompt_stalls_the_push(
+    target: Path, receiving: tuple[KvReceiver, grpc.aio.Channel]
+) -> None:
+    receiver, channel = receiving
+    prefill, decode = make_engine(target), make_engine(target)
+    dst, _ = decode.reserve("r", PROMPT, GREEDY)
+    receiver.reserve(KvReservation("r", dst, decode.kv_pools, layout_of(decode)))
+    relay = LayerRelay(asyncio.get_running_loop(), torch.device("cpu"))
+    options = TransferOptions(chunk_bytes=2048, window=2, timeout_s=30, stall_s=STALL_S)
+    push = LayerPush(
+        grpc_sender(channel, options),
+        Handshake("r", layout_of(prefill)),
+        prefill.kv_pools,
+        dst,
+        0,
+        BLOCK_SIZE,
+        asyncio.Semaphore(1),
+        STALL_S,
+    )
+    relay.pushes["r"] = push
+    prefill.set_layer_listener(relay)
+    prefill.add_request("r", PROMPT, GREEDY, is_prefill_only=True)
+    await asyncio.to_thread(prefill.step)  # the first of three chunks, then no more steps
+    stepped = time.monotonic()
+    with pytest.raises(Unavailable) as stalled:
+        await asyncio.wait_for(push.wait(), STALL_S + 5)
+    assert STALL_S - 0.05 <= time.monotonic() - stepped < STALL_S + 2
+    assert str(stalled.value) == (
+        f"prefill worker: request r: stalled: nothing moved for {STALL_S:g} s while waiting "
+        "for the engine's next layer (transfer_stall_s)"
+    )
+    assert push.sender.state is TransferState.FAILED
+    assert push.sender.num_chunks_sent > 0  # the stall came mid-push, not before it
+    with pytest.raises(KvTransferError, match="INCOMPLETE: the push was cancelled or broke"):
+        await receiver.wait_done("r", timeout=1.0)
+    # What the workers do next: Prefill's cleanup aborts the request in the prefill engine;
+    # the decode worker's expiry releases the failed reservation and aborts it there.
+    await push.stop("prefill failed or was cancelled")
+    prefill.abort_request("r")
+    assert receiver.release("r") is None  # no same-host writer: the blocks are free now
+    decode.abort_request("r")
+    for engine in (prefill, decode):
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
