@@ -75,6 +75,13 @@ def register_train_draft(subparsers: Subparsers) -> None:
         "--draft-vocab-size", type=int, default=16384, help="EAGLE-3 reduced vocabulary"
     )
     parser.add_argument(
+        "--draft-attention",
+        choices=["mha", "mla"],
+        default=None,
+        help="EAGLE-3's layer: multi-head attention with its own paged K/V, or MLA in the "
+        "target's cache layout (default: the target's own; mla needs a DeepSeek-V3 target)",
+    )
+    parser.add_argument(
         "--anchors-per-seq",
         type=int,
         default=None,
@@ -130,6 +137,7 @@ def _train_draft(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             num_draft_steps=args.num_draft_steps,
             draft_vocab_size=args.draft_vocab_size,
+            draft_attention=args.draft_attention,
             anchors_per_seq=args.anchors_per_seq,
             soft_labels=args.soft_labels,
             max_sequences=args.max_sequences,

@@ -57,13 +57,15 @@ def generate(
     """Every prompt's finished ``RequestOutput`` (in order) under its own sampling
     parameters, from one engine over the target, with a progress bar; and timing statistics
     (``tokens`` counts the generated ones)."""
-    from engine.config import Llama3Config, read_hf_config
+    from engine.config import read_hf_config
     from engine.kv_cache import KVCacheParams
     from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+    from engine.registry import get_architecture
 
     if len(params) != len(prompts):
         raise ValueError(f"params: one per prompt, got {len(params)} for {len(prompts)}")
-    config = Llama3Config.from_hf(read_hf_config(target_dir))
+    hf = read_hf_config(target_dir)
+    config = get_architecture(hf).config_from_hf(hf, dtype=dtype)
     block_size = 16
     longest = max(len(p) + q.max_tokens for p, q in zip(prompts, params, strict=True))
     per_seq = -(-longest // block_size) + 2

@@ -29,6 +29,7 @@ class DraftOptions:
     num_drafts: int  # chain steps trained (EAGLE kinds); DFlash: block_size - 1
     draft_vocab_size: int  # EAGLE-3
     max_anchors: int  # per sequence and batch; 0: every continuation position
+    attention: str | None = None  # EAGLE-3: "mha" | "mla"; None: the target's own
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ def draft_hf_config(
     recipe: Recipe, target_hf: dict[str, Any], opts: DraftOptions, data: SequenceSet
 ) -> dict[str, Any]:
     """The target's config.json with the draft's depth, width and kind fields."""
+    if target_attention(target_hf) == "mla" and recipe.kind != "eagle3":
+        raise ValueError(
+            f"kind: a target with MLA (DeepSeek-V3) takes eagle3 drafts, not {recipe.kind}"
+        )
     hf = copy.deepcopy(target_hf)
     for key in ("auto_map", "quantization_config"):
         hf.pop(key, None)
@@ -68,6 +73,31 @@ def draft_hf_config(
     return hf
 
 
+MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def target_attention(target_hf: dict[str, Any]) -> str:
+    """How a target attends: with multi-head latent attention, "mla" (DeepSeek-V3), or
+    with multi-head attention, "mha" (Llama)."""
+    return "mla" if target_hf.get("kv_lora_rank") else "mha"
+
+
+def mha_fields(target_hf: dict[str, Any]) -> dict[str, Any]:
+    """What turns an MLA target's config into its MHA draft's: Llama's attention with one
+    K/V head per query head of hidden_size / heads, plain RoPE at the target's theta (the
+    draft's paged K/V is its own, so its shape need not follow the target's cache)."""
+    heads, hidden = target_hf["num_attention_heads"], target_hf["hidden_size"]
+    rope = target_hf.get("rope_parameters") or target_hf.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", target_hf.get("rope_theta", 10000.0))
+    return {
+        **{name: None for name in MLA_FIELDS},
+        "head_dim": 2 * (hidden // heads // 2),
+        "num_key_value_heads": heads,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+    }
+
+
 def copy_matching(dst: nn.Module, src: nn.Module) -> None:
     """Copies every parameter of ``src`` into the one of the same name and shape in ``dst``."""
     params = dict(src.named_parameters())
@@ -75,6 +105,20 @@ def copy_matching(dst: nn.Module, src: nn.Module) -> None:
         for name, p in dst.named_parameters():
             if name in params and params[name].shape == p.shape:
                 p.copy_(params[name])
+
+
+def copy_widened(dst: nn.Module, src: nn.Module) -> None:
+    """EAGLE-3's input projections read ``concat(embed, hidden)`` (2H): each [out, 2H]
+    weight of ``dst`` whose namesake in ``src`` is [out, H] becomes ``[w, w]``, the token
+    and the state seen alike (Llama's qkv_proj; MLA's q_a_proj or q_proj and
+    kv_a_proj_with_mqa). A draft whose attention differs from the target's (the MHA draft
+    of a DeepSeek-V3 target) has no such namesakes and keeps its random start."""
+    params = dict(src.named_parameters())
+    with torch.no_grad():
+        for name, p in dst.named_parameters():
+            w = params.get(name)
+            if w is not None and p.dim() == 2 and p.shape == (w.shape[0], 2 * w.shape[1]):
+                p.copy_(torch.cat([w, w], dim=1))
 
 
 def target_layers(target: Llama3Model) -> list[Llama3DecoderLayer]:
@@ -127,8 +171,17 @@ def _eagle_init(drafter: EagleDrafter, target: Llama3Model, data: SequenceSet) -
 
 
 def _eagle3_fields(hf: dict[str, Any], opts: DraftOptions, data: SequenceSet) -> dict[str, Any]:
+    """Reduced vocabulary and taps; the draft's layer attends like the target (MLA in its
+    cache layout for a DeepSeek-V3 target) unless ``opts.attention`` says "mha"."""
     taps = default_eagle3_layers(hf["num_hidden_layers"])
+    own = target_attention(hf)
+    if opts.attention == "mla" and own != "mla":
+        raise ValueError(
+            "draft_attention: 'mla' needs a target with MLA (kv_lora_rank in its config.json)"
+        )
+    fields = mha_fields(hf) if opts.attention == "mha" and own == "mla" else {}
     return {
+        **fields,
         "draft_vocab_size": min(opts.draft_vocab_size, hf["vocab_size"]),
         # The public config names the layers whose input is tapped: ours + 1.
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in taps]},
@@ -138,11 +191,10 @@ def _eagle3_fields(hf: dict[str, Any], opts: DraftOptions, data: SequenceSet) ->
 def _eagle3_init(drafter: Eagle3Drafter, target: Llama3Model, data: SequenceSet) -> None:
     last = target_layers(target)[-1]
     mid = drafter.midlayer
-    copy_matching(mid, last)
+    copy_matching(mid, last)  # MoE experts (DeepSeek-V3) match no draft MLP: they stay random
+    copy_widened(mid.self_attn, last.self_attn)  # an attention of the target's own kind
     ids = draft_vocab(data, target.config.vocab_size, drafter.lm_head.weight.shape[0])
     with torch.no_grad():
-        w = last.self_attn.qkv_proj.weight
-        mid.self_attn.qkv_proj.weight.copy_(torch.cat([w, w], dim=1))  # token and state
         mid.hidden_norm.weight.copy_(last.input_layernorm.weight)
         n = len(drafter.layer_ids)
         drafter.fc.weight.copy_(stacked_identity(target.config.hidden_size, n, 1.0 / n))

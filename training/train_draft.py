@@ -1,4 +1,5 @@
-"""Self-distillation of a draft model (EAGLE, EAGLE-3 or DFlash) for a Llama target.
+"""Self-distillation of a draft model: EAGLE, EAGLE-3 or DFlash for a Llama target,
+EAGLE-3 (MLA or MHA layer) for a DeepSeek-V3 target.
 
 1. data: training-corpus prompts in the chat template, continued greedily by the target
    (``data.prepare_sequences``; cached in ``OUT/data``), or one or more files or shard
@@ -68,6 +69,7 @@ class TrainConfig:
     block_size: int = 8  # DFlash
     num_draft_steps: int | None = None  # chain steps trained; None: the kind's default
     draft_vocab_size: int = 16384  # EAGLE-3
+    draft_attention: str | None = None  # EAGLE-3: "mha" | "mla"; None: the target's own
     anchors_per_seq: int | None = None  # None: the kind's default; 0: all
     soft_labels: int = 0  # > 0: distil the target's top-k next tokens, not its greedy one
     max_sequences: int | None = None  # train and evaluate on the first N only (quick runs)
@@ -98,6 +100,10 @@ class TrainConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"val_fraction: must be in [0, 1), got {self.val_fraction}")
+        if self.draft_attention not in (None, "mha", "mla"):
+            raise ValueError(f"draft_attention: {self.draft_attention!r}; allowed: ['mha', 'mla']")
+        if self.draft_attention is not None and self.kind != "eagle3":
+            raise ValueError(f"draft_attention: eagle3 drafts only, not {self.kind}")
         if self.soft_labels < 0:
             raise ValueError(f"soft_labels: must be >= 0, got {self.soft_labels}")
         if self.anchors_per_seq is not None and self.anchors_per_seq < 0:
@@ -140,6 +146,7 @@ class TrainConfig:
             max_anchors=(
                 recipe.default_max_anchors if self.anchors_per_seq is None else self.anchors_per_seq
             ),
+            attention=self.draft_attention,
         )
 
 
