@@ -1,26 +1,29 @@
 """The unified step's structured-output hook (``SpecStepInputs.grammar``): verification
-masks from each row's drafts, accepted tokens committed, and drafts masked one by one."""
+masks from each row's drafts (filled on a worker thread while the target forward runs),
+accepted tokens committed, and drafts masked one by one."""
 
 from __future__ import annotations
 
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import torch
 
 from engine.spec.drafters import DraftLogits
-from engine.structured.bitmask import apply_bitmask
+from engine.structured.bitmask import apply_bitmask_rows
 from engine.structured.rows import (
     ALL_ALLOWED,
     RowGrammar,
     active_rows,
+    fill_verify_bitmask,
     num_words,
-    verify_bitmask,
 )
 
 
 class StepGrammar:
-    """The unified step's hook for rows with a grammar: commits accepted tokens (a host sync
-    of those rows only) and masks each draft with the state after the drafts before it."""
+    """The unified step's hook for rows with a grammar: their verification masks, then
+    commits accepted tokens (a host sync of those rows only) and masks each draft with the
+    state after the drafts before it. Only rows whose grammar forbids something are masked."""
 
     def __init__(self, rows: list[RowGrammar | None]) -> None:
         self.rows = rows
@@ -28,11 +31,34 @@ class StepGrammar:
         self.vocab_size = next(r.vocab_size for r in rows if r is not None)
         self._advanced = [0] * len(rows)
         self._is_stuck = [False] * len(rows)  # a draft the grammar refuses (no allowed one)
+        self._verify: Future[list[int]] | None = None
+        self._bitmask: torch.Tensor | None = None
 
     @classmethod
     def of(cls, seqs: list[Any]) -> StepGrammar | None:
         rows = active_rows(seqs)
         return cls(rows) if any(r is not None for r in rows) else None
+
+    def start_verify(self, drafts: list[list[int]], executor: Executor | None = None) -> None:
+        """Starts filling the masks for verifying ``drafts`` [B][K] on ``executor`` (None:
+        here and now); the matchers are the fill's until ``verify_mask`` returns."""
+        k = len(drafts[0]) if drafts else 0
+        self._bitmask = torch.full(
+            (len(self.rows), k + 1, num_words(self.vocab_size)), ALL_ALLOWED, dtype=torch.int32
+        )
+        if executor is None:
+            done: Future[list[int]] = Future()
+            done.set_result(fill_verify_bitmask(self.rows, drafts, self._bitmask))
+            self._verify = done
+        else:
+            self._verify = executor.submit(fill_verify_bitmask, self.rows, drafts, self._bitmask)
+
+    def verify_mask(self, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+        """The verification bitmask [B, K+1, W] on ``device`` and the flat positions it
+        masks (b * (K+1) + i), once the fill is done."""
+        assert self._verify is not None and self._bitmask is not None, "start_verify first"
+        masked = self._verify.result()
+        return self._bitmask.to(device, non_blocking=True), masked
 
     def accept(self, num_accepted: torch.Tensor, emitted: torch.Tensor) -> None:
         """Commits each grammar row's accepted drafts and next token."""
@@ -47,36 +73,33 @@ class StepGrammar:
     def mask(self, scores: DraftLogits) -> DraftLogits:
         """The draft scores with tokens the rows' grammars refuse at -inf (a row with no
         allowed token the drafter can score keeps its scores: verification refuses it)."""
-        mask = torch.full(
-            (len(self.rows), num_words(self.vocab_size)), ALL_ALLOWED, dtype=torch.int32
-        )
-        for b in self.indices:
-            row = self.rows[b]
-            assert row is not None
-            if not self._is_stuck[b]:
-                row.fill(mask[b])
-        mask = mask.to(scores.values.device)
+        rows = [b for b in self.indices if not self._is_stuck[b] and self._row(b).is_masking]
+        if not rows:
+            return scores
+        mask = torch.full((len(rows), num_words(self.vocab_size)), ALL_ALLOWED, dtype=torch.int32)
+        for i, b in enumerate(rows):
+            self._row(b).fill(mask[i])
         values = scores.values
+        mask = mask.to(values.device)
+        index = torch.tensor(rows, device=values.device)
+        sub = values[index]  # [G, Vd], a copy: only the masked rows
         if scores.token_ids is None:
-            masked = apply_bitmask(values[:, None], mask[:, None])[:, 0]
+            apply_bitmask_rows(sub, mask, list(range(len(rows))))
         else:
             ids = scores.token_ids
-            bits = (mask[:, ids // 32] >> (ids % 32)) & 1  # [B, Vd]
-            masked = values.masked_fill(bits == 0, float("-inf"))
-        has_any = torch.isfinite(masked).any(dim=-1, keepdim=True)
-        return DraftLogits(
-            torch.where(has_any, masked, values), scores.token_ids, scores.vocab_size
-        )
+            bits = (mask[:, ids // 32] >> (ids % 32)) & 1  # [G, Vd]
+            sub = sub.masked_fill(bits == 0, float("-inf"))
+        has_any = torch.isfinite(sub).any(dim=-1, keepdim=True)
+        masked = values.index_copy(0, index, torch.where(has_any, sub, values[index]))
+        return DraftLogits(masked, scores.token_ids, scores.vocab_size)
 
     def advance(self, drafts: torch.Tensor) -> None:
         """Each grammar row's state moves past its draft [B] (tentatively)."""
         index = torch.tensor(self.indices, device=drafts.device)
         for b, token in zip(self.indices, drafts[index].tolist(), strict=True):
-            row = self.rows[b]
-            assert row is not None
             if self._is_stuck[b]:
                 continue
-            if row.try_advance(token):
+            if self._row(b).try_advance(token):
                 self._advanced[b] += 1
             else:
                 self._is_stuck[b] = True
@@ -84,23 +107,27 @@ class StepGrammar:
     def end_drafts(self) -> None:
         """Back to the committed state."""
         for b in self.indices:
-            row = self.rows[b]
-            assert row is not None
-            row.rollback(self._advanced[b])
+            self._row(b).rollback(self._advanced[b])
             self._advanced[b] = 0
             self._is_stuck[b] = False
 
+    def _row(self, b: int) -> RowGrammar:
+        row = self.rows[b]
+        assert row is not None
+        return row
 
-def step_fields(seqs: list[Any], drafts: list[list[int]], device: torch.device) -> dict[str, Any]:
+
+def step_fields(
+    seqs: list[Any], drafts: list[list[int]], device: torch.device, executor: Executor | None = None
+) -> dict[str, Any]:
     """``SpecStepInputs``' structured-output fields for a step verifying ``drafts``: empty
-    when no row has a grammar (the step needs no host work then)."""
+    when no row has a grammar (the step needs no host work then). The verification masks
+    are filled on ``executor`` while the step's target forward runs."""
     grammar = StepGrammar.of(seqs)
     if grammar is None:
         return {}
-    bitmask = verify_bitmask(grammar.rows, drafts, grammar.vocab_size)
-    assert bitmask is not None
+    grammar.start_verify(drafts, executor)
     return {
-        "bitmask": bitmask.to(device),
         "in_thinking_phase": torch.tensor([s.in_thinking_phase for s in seqs], device=device),
         "grammar": grammar,
     }

@@ -37,13 +37,15 @@ from engine.kv_cache import PagedKVCache
 from engine.sampler import SamplingTensors, draw, filtered_probs, row_keys
 from engine.spec.acceptance import DRAFT_SALT, accept, accept_synthetic
 from engine.spec.drafters import Drafter, DraftLogits, ProposeArgs
-from engine.structured.bitmask import apply_bitmask  # re-exported: the step applies it
+from engine.structured.bitmask import apply_bitmask, apply_bitmask_rows
 
 
 class StepGrammar(Protocol):
-    """Rows with a grammar (engine.structured.rows): the step hands it the accepted tokens
-    (a host sync of those rows), then each draft's scores to mask and the chosen draft."""
+    """Rows with a grammar (engine.spec.grammar): the step takes their verification masks
+    (and the flat positions b * (K+1) + i they mask), hands it the accepted tokens (a host
+    sync of those rows), then each draft's scores to mask and the chosen draft."""
 
+    def verify_mask(self, device: torch.device) -> tuple[torch.Tensor, list[int]]: ...
     def accept(self, num_accepted: torch.Tensor, emitted: torch.Tensor) -> None: ...
     def mask(self, scores: DraftLogits) -> DraftLogits: ...
     def advance(self, drafts: torch.Tensor) -> None: ...
@@ -62,7 +64,8 @@ class SpecStepInputs:
     bitmask: torch.Tensor | None = None  # [B, K+1, ceil(V/32)] int32, bit set = allowed
     # [B] bool: rows in a thinking phase are not masked; acceptance is the same for them.
     in_thinking_phase: torch.Tensor | None = None
-    grammar: StepGrammar | None = None  # set with ``bitmask``: the step then runs eagerly
+    # Rows with a grammar; their bitmask comes from it (not ``bitmask``): the step runs eagerly.
+    grammar: StepGrammar | None = None
 
 
 @dataclass
@@ -134,12 +137,18 @@ class UnifiedStep:
         )
         logits = out.logits.view(b, s, -1)  # [B, K+1, V]
 
-        # 3. mask
-        if inputs.bitmask is not None:
-            bitmask = inputs.bitmask
+        # 3. mask: only the positions whose mask forbids anything, in place (grammar rows'
+        # masks were filled on a worker thread while the forward ran).
+        bitmask, masked = inputs.bitmask, None
+        if inputs.grammar is not None:
+            bitmask, masked = inputs.grammar.verify_mask(device)
+        if bitmask is not None:
             if inputs.in_thinking_phase is not None:
                 bitmask = bitmask.masked_fill(inputs.in_thinking_phase[:, None, None], -1)
-            logits = apply_bitmask(logits, bitmask)
+            if masked is None:
+                logits = apply_bitmask(logits, bitmask)
+            else:
+                apply_bitmask_rows(logits.view(b * s, -1), bitmask.view(b * s, -1), masked)
 
         # 4. accept
         first_positions = inputs.kv_lens + 1

@@ -2,8 +2,11 @@
 
 A row's matcher is committed through the row's last emitted token. Masks for drafts and
 verification advance it tentatively and roll it back: position i of a verification mask
-is the state after the row's first i drafts, position K the bonus slot. Rows in a
-thinking phase (``Sequence.in_thinking_phase``) are neither masked nor advanced.
+is the state after the row's first i drafts, position K the bonus slot. A row whose
+request set ``thinking_end`` starts in a thinking phase: it allows every token until
+the marker's tokens have been emitted, then its grammar constrains the rest (the phase
+is tracked per position, so drafts that cross the marker are masked after it). Rows that
+an embedder flags ``Sequence.in_thinking_phase`` are neither masked nor advanced.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engine.structured.bitmask import apply_bitmask
+from engine.structured.bitmask import apply_bitmask_rows
 
 logger = logging.getLogger(__name__)
 
@@ -25,79 +28,137 @@ def num_words(vocab_size: int) -> int:
 
 
 class RowGrammar:
-    """One request's grammar matcher (xgrammar ``GrammarMatcher``)."""
+    """One request's grammar matcher (xgrammar ``GrammarMatcher``), after an optional
+    thinking phase that ends with the token sequence ``thinking_end``."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, thinking_end: tuple[int, ...] = ()) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.num_refused = 0  # committed tokens the grammar did not allow (a stop token)
+        self.thinking_end = thinking_end
+        self.is_thinking = bool(thinking_end)
+        self._num_matched = 0  # leading marker tokens that end the output so far
+        # Per tentative token: the thinking state before it, or None (the matcher took it).
+        self._trail: list[tuple[bool, int] | None] = []
 
     @property
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
+
+    @property
+    def is_masking(self) -> bool:
+        """Whether its mask forbids anything now: past thinking, before the grammar's end."""
+        return not self.is_thinking and not self.is_terminated
 
     def commit(self, tokens: list[int]) -> None:
         """Advances by emitted tokens (a FAULT id ends the list)."""
         for token in tokens:
             if token < 0 or self.is_terminated:
                 return
-            if not self.matcher.accept_token(token):
+            if self.is_thinking:
+                self._think(token)
+            elif not self.matcher.accept_token(token):
                 self.num_refused += 1
                 logger.debug("grammar: emitted token %d is not allowed", token)
                 return
 
     def fill(self, out: torch.Tensor) -> None:
         """The allowed tokens now into ``out`` [W] int32 (a view of a contiguous CPU row);
-        after the grammar's end (its stop token accepted) the row stops: no constraint."""
-        if self.is_terminated:
-            out.fill_(ALL_ALLOWED)
-        else:
+        while thinking, and after the grammar's end (its stop token accepted), all."""
+        if self.is_masking:
             self.matcher.fill_next_token_bitmask(out.view(1, -1), 0)
+        else:
+            out.fill_(ALL_ALLOWED)
 
     def try_advance(self, token: int) -> bool:
-        return bool(not self.is_terminated and self.matcher.accept_token(token))
+        """Tentatively past ``token`` (``rollback`` undoes it); False if it is forbidden."""
+        if self.is_thinking:
+            self._trail.append((True, self._num_matched))
+            self._think(token)
+            return True
+        if self.is_terminated or not self.matcher.accept_token(token):
+            return False
+        self._trail.append(None)
+        return True
 
     def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self.matcher.rollback(num_tokens)
+        """Undoes the last ``num_tokens`` successful ``try_advance`` calls."""
+        if not num_tokens:
+            return
+        undone = self._trail[-num_tokens:]
+        del self._trail[-num_tokens:]
+        num_matcher = sum(entry is None for entry in undone)
+        if num_matcher:
+            self.matcher.rollback(num_matcher)
+        thinking = next((entry for entry in undone if entry is not None), None)
+        if thinking is not None:  # the earliest undone token was read while thinking
+            self.is_thinking, self._num_matched = thinking
+
+    def _think(self, token: int) -> None:
+        """Marker matching: the longest marker prefix that ends the output."""
+        end = self.thinking_end
+        seen = (*end[: self._num_matched], token)
+        n = min(len(seen), len(end))
+        while n and seen[len(seen) - n :] != end[:n]:
+            n -= 1
+        self._num_matched = n
+        if self._num_matched == len(end):
+            self.is_thinking, self._num_matched = False, 0
 
 
 def active_rows(seqs: list[Any]) -> list[RowGrammar | None]:
-    """Each row's grammar, None for rows without one or in a thinking phase."""
+    """Each row's grammar, None for rows without one or flagged in a thinking phase."""
     return [None if s.in_thinking_phase else s.grammar for s in seqs]
+
+
+def fill_verify_bitmask(
+    rows: list[RowGrammar | None], drafts: list[list[int]], out: torch.Tensor
+) -> list[int]:
+    """Fills ``out`` [B, K+1, W] (all allowed on entry) for verifying ``drafts`` [B][K];
+    returns the flat positions (b * (K+1) + i) whose mask forbids anything. Positions
+    after a draft the grammar refuses are never reached: left all allowed."""
+    s = out.shape[1]
+    masked: list[int] = []
+    for b, row in enumerate(rows):
+        if row is None:
+            continue
+        advanced = 0
+        for i in range(s):
+            if row.is_masking:
+                row.fill(out[b, i])
+                masked.append(b * s + i)
+            if i == s - 1 or not row.try_advance(drafts[b][i]):
+                break
+            advanced += 1
+        row.rollback(advanced)
+    return masked
 
 
 def verify_bitmask(
     rows: list[RowGrammar | None], drafts: list[list[int]], vocab_size: int
 ) -> torch.Tensor | None:
-    """[B, K+1, W] int32 for verifying ``drafts`` [B][K] (None when no row has a grammar).
-    Positions after a draft the grammar refuses are never reached: left all allowed."""
+    """[B, K+1, W] int32 for verifying ``drafts`` [B][K] (None when no row has a grammar)."""
     if all(r is None for r in rows):
         return None
     k = len(drafts[0]) if drafts else 0
     mask = torch.full((len(rows), k + 1, num_words(vocab_size)), ALL_ALLOWED, dtype=torch.int32)
-    for b, row in enumerate(rows):
-        if row is None:
-            continue
-        advanced = 0
-        for i in range(k + 1):
-            row.fill(mask[b, i])
-            if i == k or not row.try_advance(drafts[b][i]):
-                break
-            advanced += 1
-        row.rollback(advanced)
+    fill_verify_bitmask(rows, drafts, mask)
     return mask
 
 
 def mask_logits(rows: list[RowGrammar | None], logits: torch.Tensor) -> torch.Tensor:
-    """Sampling logits [N, V] of rows with a grammar restricted to what it allows now."""
-    if all(r is None for r in rows):
+    """Sampling logits [N, V], in place: rows with a grammar restricted to what it allows
+    now; rows without one (or thinking, or done) are not touched."""
+    masked = [b for b, row in enumerate(rows) if row is not None and row.is_masking]
+    if not masked:
         return logits
     mask = torch.full((len(rows), num_words(logits.shape[-1])), ALL_ALLOWED, dtype=torch.int32)
-    for b, row in enumerate(rows):
-        if row is not None:
-            row.fill(mask[b])
-    return apply_bitmask(logits[:, None], mask[:, None].to(logits.device))[:, 0]
+    for b in masked:
+        row = rows[b]
+        assert row is not None
+        row.fill(mask[b])
+    apply_bitmask_rows(logits, mask.to(logits.device), masked)
+    return logits
 
 
 def commit_rows(rows: list[RowGrammar | None], tokens: list[int]) -> None:
