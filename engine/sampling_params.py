@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 MAX_STOP_SEQUENCES = 16
+MAX_THINKING_END = 64  # characters of StructuredOutput.thinking_end
 MAX_LOGPROBS = 20
 MAX_PROMPT_LOGPROBS = 20
 MAX_FREQUENCY_PENALTY = 2.0  # frequency_penalty and presence_penalty in [-2, 2], as OpenAI's
@@ -34,10 +35,13 @@ class GrammarError(SamplingParamsError):
 @dataclass(frozen=True)
 class StructuredOutput:
     """``kind``: "json" (any JSON object), "json_schema" (``value`` a JSON schema),
-    "regex" or "grammar" (``value`` EBNF in GBNF style, root rule ``root``)."""
+    "regex" or "grammar" (``value`` EBNF in GBNF style, root rule ``root``). With
+    ``thinking_end`` (a reasoning model's end-of-thinking marker), the output is free until
+    it contains the marker's tokens, and constrained after them."""
 
     kind: str
     value: str = ""
+    thinking_end: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -53,6 +57,11 @@ class StructuredOutput:
                 raise GrammarError(f"{self.field}: is not valid JSON ({e})") from None
             if not isinstance(schema, (dict, bool)):
                 raise GrammarError(f"{self.field}: must be a JSON object")
+        if len(self.thinking_end) > MAX_THINKING_END:
+            raise GrammarError(
+                f"structured_output.thinking_end: at most {MAX_THINKING_END} characters, "
+                f"got {len(self.thinking_end)}"
+            )
 
     @property
     def field(self) -> str:

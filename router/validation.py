@@ -121,11 +121,17 @@ def check_sampling(message: gen.SamplingParams) -> None:
 
 def check_structured_output(constraint: gen.StructuredOutput) -> None:
     """What can be checked without compiling (the worker compiles, and refuses what does
-    not compile with the same kind of message): one kind set, a schema that is a JSON object."""
+    not compile with the same kind of message): one kind set, a schema that is a JSON object,
+    a thinking_end marker within its length."""
     kind = constraint.WhichOneof("kind")
     if kind is None:
         raise ValidationError(
             "structured_output: set one of json_object, json_schema, regex, grammar"
+        )
+    if len(constraint.thinking_end) > wire.MAX_THINKING_END:
+        raise ValidationError(
+            f"structured_output.thinking_end: at most {wire.MAX_THINKING_END} characters, "
+            f"got {len(constraint.thinking_end)}"
         )
     if kind == "json_object":
         return

@@ -50,8 +50,8 @@ def structured_from_proto(message: gen.SamplingParams) -> StructuredOutput | Non
     if kind is None:
         raise GrammarError("structured_output: set one of json_object, json_schema, regex, grammar")
     if kind == "json_object":
-        return StructuredOutput("json")
-    return StructuredOutput(kind, getattr(constraint, kind))
+        return StructuredOutput("json", thinking_end=constraint.thinking_end)
+    return StructuredOutput(kind, getattr(constraint, kind), constraint.thinking_end)
 
 
 def token_logprob_to_proto(lp: TokenLogprobs) -> gen.TokenLogprob:

@@ -76,19 +76,24 @@ def sampling_params(params: Mapping[str, Any]) -> gen.SamplingParams:
 
 def structured_output(value: Any) -> gen.StructuredOutput:
     """The ``structured_output`` keyword as its message: a dict of one constraint kind (a
-    ``json_schema`` given as a dict is sent as JSON text), or the message itself."""
+    ``json_schema`` given as a dict is sent as JSON text), optionally with ``thinking_end``
+    (the constraint applies after that marker), or the message itself."""
     if isinstance(value, gen.StructuredOutput):
         return value
-    kinds = sorted(gen.StructuredOutput.DESCRIPTOR.fields_by_name)
-    if not isinstance(value, Mapping) or len(value) != 1:
-        raise TypeError(f"structured_output: a dict of one of {kinds}, got {value!r}")
-    ((kind, spec),) = value.items()
+    kinds = [f.name for f in gen.StructuredOutput.DESCRIPTOR.oneofs_by_name["kind"].fields]
+    options = dict(value) if isinstance(value, Mapping) else {}
+    thinking_end = options.pop("thinking_end", "")
+    if len(options) != 1:
+        raise TypeError(
+            f"structured_output: a dict of one of {sorted(kinds)} (and thinking_end), got {value!r}"
+        )
+    ((kind, spec),) = options.items()
     if kind == "json_schema" and not isinstance(spec, str):
         spec = json.dumps(spec)
     try:
-        return gen.StructuredOutput(**{kind: spec})
+        return gen.StructuredOutput(**{kind: spec}, thinking_end=thinking_end)
     except (TypeError, ValueError) as e:
-        raise TypeError(f"structured_output: {e}; expected one of {kinds}") from None
+        raise TypeError(f"structured_output: {e}; expected one of {sorted(kinds)}") from None
 
 
 def build_request(

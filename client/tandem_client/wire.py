@@ -24,6 +24,7 @@ MIN_MAX_TOKENS = 1
 MAX_TEMPERATURE = 100.0  # temperature in [0, MAX_TEMPERATURE]; 0 is greedy
 MAX_SEED = 2**63  # seed in [0, MAX_SEED): a signed 64-bit integer on every side
 MAX_STOP_SEQUENCES = 16
+MAX_THINKING_END = 64  # characters of structured_output.thinking_end
 MAX_LOGPROBS = 20  # logprobs in [0, MAX_LOGPROBS]
 # prompt_logprobs in [0, MAX_PROMPT_LOGPROBS]; with it set, max_tokens may be 0 (score only)
 MAX_PROMPT_LOGPROBS = 20

@@ -38,16 +38,18 @@ class GrammarCompiler:
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
         )
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        # Keyed by what compiles: (kind, value), not the thinking_end marker.
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The compiled grammar of ``spec`` (cached); GrammarError naming the problem."""
+        key = (spec.kind, spec.value)
         with self._lock:
-            if spec in self._cache:
-                self._cache.move_to_end(spec)
-                return self._cache[spec]
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
         # A thread per compile: one that overruns keeps only itself busy, not later ones.
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         thread = threading.Thread(
@@ -64,7 +66,7 @@ class GrammarCompiler:
             raise GrammarError(f"{spec.field}: {_first_line(e)}") from None
         with self._lock:
             self.num_compiled += 1
-            self._cache[spec] = compiled
+            self._cache[key] = compiled
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return compiled

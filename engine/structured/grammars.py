@@ -33,14 +33,13 @@ class Grammars:
     @property
     def compiler(self) -> GrammarCompiler:
         if self._compiler is None:
-            tokenizer = self.tokenizer
-            if tokenizer is None:
+            if self.tokenizer is None:
                 from transformers import AutoTokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+                self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
             try:
                 self._compiler = GrammarCompiler(
-                    tokenizer,
+                    self.tokenizer,
                     self.vocab_size,
                     self.stop_token_ids,
                     timeout_s=self.timeout_s,
@@ -55,6 +54,19 @@ class Grammars:
         resumed request, or a decode worker continuing a prefill worker's output)."""
         if spec is None:
             return None
-        row = RowGrammar(self.compiler.matcher(spec), self.vocab_size)
+        matcher = self.compiler.matcher(spec)
+        row = RowGrammar(matcher, self.vocab_size, self.thinking_end_ids(spec.thinking_end))
         row.commit(generated)
         return row
+
+    def thinking_end_ids(self, marker: str) -> tuple[int, ...]:
+        """The marker's tokens, the text tokenized alone (a special token such as
+        ``</think>`` is one id); () for no marker."""
+        if not marker:
+            return ()
+        _ = self.compiler  # loads the tokenizer
+        assert self.tokenizer is not None
+        ids = tuple(self.tokenizer.encode(marker, add_special_tokens=False))
+        if not ids:
+            raise GrammarError(f"structured_output.thinking_end: {marker!r} has no tokens")
+        return ids

@@ -21,6 +21,7 @@ from router.http_api.protocol import (
     invalid,
 )
 from tandem.v1 import generation_pb2 as gen
+from tandem_client import wire
 
 FINISH_REASONS = {
     gen.FINISH_REASON_STOP: "stop",
@@ -96,6 +97,16 @@ def structured_output(body: SamplingFields) -> gen.StructuredOutput | None:
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise invalid(found[1][0], f"set one constraint per request, got {names}")
+    marker = body.thinking_end
+    if marker is not None:
+        if not found:
+            raise invalid("thinking_end", "needs a constraint (response_format or guided_*)")
+        if not marker:
+            raise invalid("thinking_end", "is empty")
+        if len(marker) > wire.MAX_THINKING_END:
+            got = len(marker)
+            raise invalid("thinking_end", f"at most {wire.MAX_THINKING_END} characters, got {got}")
+        found[0][1].thinking_end = marker
     return found[0][1] if found else None
 
 

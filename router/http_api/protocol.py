@@ -90,6 +90,8 @@ class SamplingFields(BaseModel):
     guided_json: str | dict[str, Any] | None = None  # a JSON schema
     guided_regex: str | None = None
     guided_grammar: str | None = None  # EBNF, GBNF style, root rule ``root``
+    # A reasoning model's end-of-thinking marker: the constraint applies after it.
+    thinking_end: str | None = None
 
     def unsupported(self) -> list[str]:
         """Fields set to a value that would change the answer, which is not built yet."""

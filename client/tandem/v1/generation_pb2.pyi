@@ -352,6 +352,7 @@ class StructuredOutput(_message.Message):
     JSON_SCHEMA_FIELD_NUMBER: _builtins.int
     REGEX_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
+    THINKING_END_FIELD_NUMBER: _builtins.int
     json_object: _builtins.bool
     """Any JSON object (OpenAI's response_format {"type": "json_object"})."""
     json_schema: _builtins.str
@@ -360,6 +361,12 @@ class StructuredOutput(_message.Message):
     """A regular expression the whole output matches (vLLM's guided_regex)."""
     grammar: _builtins.str
     """An EBNF grammar in GBNF style with a `root` rule (vLLM's guided_grammar)."""
+    thinking_end: _builtins.str
+    """The end-of-thinking marker of a reasoning model (e.g. "</think>"), as text: the output
+    is free until it contains the marker's tokens (the text tokenized alone), and the
+    constraint applies to the rest. Empty: the constraint applies from the first token.
+    At most 64 characters. It does not change how drafts are accepted.
+    """
     def __init__(
         self,
         *,
@@ -367,10 +374,11 @@ class StructuredOutput(_message.Message):
         json_schema: _builtins.str = ...,
         regex: _builtins.str = ...,
         grammar: _builtins.str = ...,
+        thinking_end: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex", "thinking_end", b"thinking_end"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_object", "json_schema", "regex", "grammar"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
