@@ -1,0 +1,162 @@
+"""A tiny DeepSeek-V3 through the disaggregated cluster (`tandem serve`: router, prefill and
+decode worker processes, a real Redis) with each EAGLE-3 draft of issue 25: the MLA draft
+(its pools in the target's latent layout) and the MHA draft (its own K/V pools beside the
+target's latent ones). The prefill worker pushes MLA blocks; greedy output and the
+decode worker's draft counters equal one offline engine's, token for token, in fp32."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.deepseek_v3_config import DeepseekV3Config
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from serving.launcher import Cluster
+from tests.engine.tiny_deepseek import build_tiny_deepseek
+from tests.engine.tiny_drafts import build_random_draft
+from tests.services.cluster_helpers import (
+    TINY_VOCAB,
+    generate_all,
+    metric,
+    tiny_cluster_spec,
+    worker_stats,
+)
+from tests.services.tiny_tokenizer import save_char_tokenizer
+from training.recipes import mha_fields
+
+K = 3
+BLOCK_SIZE = 4  # cluster_helpers.TINY_WORKER_ARGS
+MAX_TOKENS = 16
+# Seeds and scales of random drafts that get some drafts accepted on PROMPTS.
+DRAFTS = {"mla": dict(seed=0, std=0.3), "mha": dict(seed=2, std=0.1)}
+rng = random.Random(0)
+PROMPTS = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(3, 12))] for _ in range(3)]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny DeepSeek-V3 (q-LoRA, YaRN, MoE; character tokenizer) and its two drafts."""
+    torch.set_num_threads(1)  # this process shares the cores with the clusters'
+    out = tmp_path_factory.mktemp("cluster_dsv3")
+    target = out / "target"
+    build_tiny_deepseek(
+        target, "qlora_yarn_mscale_interleaved", vocab_size=TINY_VOCAB, num_layers=2
+    )
+    save_char_tokenizer(target, TINY_VOCAB)
+    hf = json.loads((target / "config.json").read_text())
+    build_random_draft(target, out / "mla", "eagle3", **DRAFTS["mla"])  # type: ignore[arg-type]
+    build_random_draft(target, out / "mha", "eagle3", **DRAFTS["mha"], **mha_fields(hf))  # type: ignore[arg-type]
+    return {"target": target, "mla": out / "mla", "mha": out / "mha"}
+
+
+@pytest.fixture(scope="module")
+def clusters(
+    model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Cluster]]:
+    """One cluster per draft, started side by side; KV over the gRPC stream for the MLA
+    draft and through shared memory for the MHA draft."""
+
+    def start(variant: str, transport: str) -> Cluster:
+        spec = tiny_cluster_spec(
+            model_dirs["target"],
+            tmp_path_factory.mktemp(f"logs_{variant}"),
+            draft=str(model_dirs[variant]),
+            num_draft_tokens=K,
+            worker_args=(
+                *("--dtype", "float32", "--block-size", str(BLOCK_SIZE)),
+                *("--kv-cache-memory", str(4 << 20), "--kv-transport", transport),
+            ),
+        )
+        return Cluster(spec).start(timeout_s=120)
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = {v: pool.submit(start, v, t) for v, t in (("mla", "grpc"), ("mha", "auto"))}
+        started: dict[str, Cluster] = {}
+        try:
+            for variant, future in futures.items():
+                started[variant] = future.result()
+            yield started
+        finally:
+            for cluster in started.values():
+                cluster.stop()
+
+
+def offline(target: Path, draft: Path) -> tuple[list[list[int]], LLMEngine]:
+    """Greedy tokens of PROMPTS from one in-process engine with ``draft``, and the engine."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(target),
+            dtype="float32",
+            block_size=BLOCK_SIZE,
+            kv_cache_memory=4 << 20,
+            num_threads=1,
+            speculative=SpeculativeConfig(str(draft), num_draft_tokens=K),
+        )
+    )
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return [done[str(i)] for i in range(len(PROMPTS))], engine
+
+
+def block_bytes(target: Path, draft: Path) -> int:
+    """Bytes of one block id over every layer in fp32: the target's one latent+rope pool
+    per layer, and the draft's one (MLA) or two (K and V) pools."""
+    target_hf = json.loads((target / "config.json").read_text())
+    draft_hf = json.loads((draft / "config.json").read_text())
+    mla = DeepseekV3Config.from_hf(target_hf)
+    latent = mla.kv_lora_rank + mla.qk_rope_head_dim
+    if draft_hf.get("kv_lora_rank"):
+        draft_bytes = draft_hf["kv_lora_rank"] + draft_hf["qk_rope_head_dim"]
+    else:
+        draft_bytes = 2 * draft_hf["num_key_value_heads"] * draft_hf["head_dim"]
+    return 4 * BLOCK_SIZE * (mla.num_hidden_layers * latent + draft_bytes)
+
+
+@pytest.mark.parametrize("variant", ["mla", "mha"])
+async def test_greedy_through_the_cluster_equals_the_offline_engine(
+    clusters: dict[str, Cluster], model_dirs: dict[str, Path], variant: str
+) -> None:
+    cluster, target, draft = clusters[variant], model_dirs["target"], model_dirs[variant]
+    ours = await generate_all(cluster.router_address, PROMPTS, max_tokens=MAX_TOKENS)
+    refs, engine = offline(target, draft)
+    assert ours == refs
+    # The decode worker drafted from the draft KV and drafts the prefill worker sent: as
+    # many drafts, and as many accepted, as one engine doing everything.
+    assert engine.spec is not None
+    expected = engine.spec.stats
+    stats = (await worker_stats(cluster.decode[0])).speculative
+    assert expected.num_accepted_tokens > 0
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (
+        expected.num_draft_tokens,
+        expected.num_accepted_tokens,
+    )
+    # What travelled: every block the decode worker reserved for each prompt, whole, in
+    # the MLA layout (one latent+rope vector per token and target layer, then the draft's).
+    pushed = metric(cluster.prefill[0], "tandem_kv_transfer_bytes_total", "prefill")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    reserved = [engine.reserve(f"r{i}", p, params)[0] for i, p in enumerate(PROMPTS)]
+    assert pushed == sum(map(len, reserved)) * block_bytes(target, draft)
+    # MLA over the gRPC stream, MHA through shared-memory rings (same host, auto).
+    assert bool(shm_rings(cluster)) == (variant == "mha")
+
+
+def shm_rings(cluster: Cluster) -> list[str]:
+    """The shared-memory rings the prefill worker keeps after its pushes (memfds)."""
+    fds = Path(f"/proc/{cluster.prefill[0].process.pid}/fd")
+    links = [os.readlink(fd) for fd in fds.iterdir()]
+    return [link for link in links if link.startswith("/memfd:tandem-kv-ring")]
