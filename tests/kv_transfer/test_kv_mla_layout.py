@@ -13,6 +13,7 @@ from kv_transfer import (
     KvPool,
     KvReceiver,
     KvReservation,
+    KvTransferError,
     LoopbackTransport,
     PoolShape,
     ShmRingPool,
@@ -126,6 +127,28 @@ def test_mla_pools_move_into_shared_memory_contents_kept() -> None:
         assert shared.holds(pool, pools[pool].layers)
         assert len(shared.layer(pool, 0)) == (1 if pool is KvPool.TARGET else 2)
     assert mismatches(pools, before, before, (), ()) == []
+
+
+async def test_a_push_in_kv_layout_to_latent_pools_is_refused_at_the_handshake(
+    receiving: Receiving,
+) -> None:
+    """Pools of the very same shapes, K and V instead of MLA's one latent pool: the
+    handshake names the layout and the receiver refuses before any block arrives."""
+    dst = receiving.reserve("r1", mla_layout(draft_tensors=1))
+    theirs = KvLayout(
+        "tiny-deepseek", torch.float32, 4, PoolShape(3, 1, 24), PoolShape(1, 1, 24), "eagle3-mla"
+    )
+    sender = make_sender(
+        receiving.channel, peer_host_id="another-host", rings=None, options=SMALL_CHUNKS
+    )
+    with pytest.raises(KvTransferError) as refused:
+        await push_all(sender, "r1", theirs, make_pools(theirs, SRC_SEED))
+    assert refused.value.status == pb.KV_PUSH_STATUS_INCOMPATIBLE
+    assert refused.value.message == (
+        f"layout: sender has '{KV_LAYOUT}', receiver expects '{LATENT_LAYOUT}'"
+    )
+    assert receiving.receiver.state("r1") is TransferState.FAILED
+    assert mismatches(dst, dst, make_pools(mla_layout(draft_tensors=1), DST_SEED), [], []) == []
 
 
 async def test_a_layer_of_another_layout_is_refused_before_sending() -> None:
