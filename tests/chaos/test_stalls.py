@@ -3,23 +3,33 @@ keepalive ping, so the router gives up on it within 1.5 x --keepalive-ms and res
 streams on the other decode worker; the client sees one contiguous stream with the
 in-process engine's greedy tokens. Resumed (SIGCONT), the worker finds its streams
 cancelled and lets their blocks go: the audit is clean and it serves again. A prefill
-worker frozen as requests arrive costs them a retry on the other one, not an error."""
+worker frozen as requests arrive costs them a retry on the other one, not an error. A KV
+push whose sender, alive, stops mid-way is failed by the decode worker within
+--transfer-stall-s, naming the stall, and its blocks are free a second later."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 import torch
 
-from ledger.ledger import Ledger
+from engine.llm_engine import EngineConfig, LLMEngine
+from kv_transfer import Handshake, KvLayout, KvPool, TransferOptions, grpc_sender
+from ledger.ledger import Ledger, RequestState
 from serving.launcher import Cluster
+from tandem.v1 import kv_transfer_pb2 as kv_pb
+from tandem.v1 import worker_pb2 as pb
+from tandem.v1 import worker_pb2_grpc as pb_grpc
 from tests.services.cluster_helpers import (
     SERVICE_ARGS,
+    TINY_WORKER_ARGS,
     build_tiny_target,
     check_stream,
     engine_greedy,
@@ -33,6 +43,7 @@ from tests.services.cluster_helpers import (
 
 pytestmark = pytest.mark.timeout(300)
 KEEPALIVE_MS = 2000
+TRANSFER_STALL_S = 1.0
 MAX_TOKENS = 500  # long enough that every stream is mid-way when its worker stops
 PROMPTS = [[(5 * i + 3 * j) % 61 + 3 for j in range(5 + 3 * i)] for i in range(6)]
 
@@ -51,6 +62,7 @@ def cluster(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         num_prefill=2,
         num_decode=2,
         service_args=(*SERVICE_ARGS, "--keepalive-ms", str(KEEPALIVE_MS)),
+        worker_args=(*TINY_WORKER_ARGS, "--transfer-stall-s", str(TRANSFER_STALL_S)),
     )
     with Cluster(spec) as started:
         yield started
@@ -97,3 +109,66 @@ async def test_requests_sent_to_a_frozen_prefill_worker_complete(
         frozen.process.send_signal(signal.SIGCONT)
     assert ours == engine_greedy(target, PROMPTS, 20)
     await audit_clean(cluster)
+
+
+async def test_a_push_stalled_mid_way_is_failed_and_its_blocks_freed(
+    cluster: Cluster, target: Path
+) -> None:
+    """This test is the sender: it reserves blocks on a decode worker, pushes target layer
+    0 and stops, alive, its call open. The worker fails the push after --transfer-stall-s
+    with a reply naming the stall, frees the blocks within a second more, the audit is
+    clean, and the cluster serves the engine's greedy tokens after it."""
+    decode = cluster.decode[0]
+    stats = await worker_stats(decode)
+    assert stats.num_kv_blocks_used == 0
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    ledger = Ledger(client)
+    rid, owner, epoch = "stalled-push", "a-router", 1
+    ledger.create_request(rid, owner=owner, epoch=epoch)  # the router's part
+    local = LLMEngine(
+        EngineConfig(model=str(target), dtype="float32", block_size=4, kv_cache_memory=1 << 20)
+    )
+    layout = KvLayout.of_pools(stats.model, local.kv_pools["target"])
+    prompt = PROMPTS[-1]
+    try:
+        async with grpc.aio.insecure_channel(decode.address) as channel:
+            reserved = await pb_grpc.DecodeWorkerStub(channel).Reserve(
+                pb.ReserveRequest(
+                    request_id=rid,
+                    num_prompt_tokens=len(prompt),
+                    prompt_token_ids=prompt,
+                    router_id=owner,
+                    router_epoch=epoch,
+                ),
+                timeout=10,
+            )
+            num_reserved = len(reserved.block_ids)
+            assert (await worker_stats(decode)).num_kv_blocks_used == num_reserved > 1
+            # A chunk per block: each leaves at once, none waits for the next layer.
+            options = TransferOptions(chunk_bytes=layout.block_bytes(KvPool.TARGET))
+            sender = grpc_sender(channel, options)
+            await sender.begin(Handshake(rid, layout, reserved.epoch))
+            kv = local.kv_pools["target"].layers[0]
+            await sender.send_layer(
+                KvPool.TARGET, 0, kv, range(num_reserved), list(reserved.block_ids)
+            )
+            sent = time.monotonic()
+            reply = await asyncio.wait_for(sender.channel.stream.call, TRANSFER_STALL_S + 5)
+            replied = time.monotonic()
+            assert TRANSFER_STALL_S - 0.1 <= replied - sent < TRANSFER_STALL_S + 3
+            assert reply.status == kv_pb.KV_PUSH_STATUS_INCOMPLETE
+            assert reply.num_chunks_received == num_reserved
+            assert reply.message == (
+                f"stalled: nothing moved for {TRANSFER_STALL_S:g} s while waiting for the next "
+                "chunk (transfer_stall_s)"
+            )
+            while (await worker_stats(decode)).num_kv_blocks_used:
+                assert time.monotonic() - replied < 1.5, "the stalled push's blocks are held"
+                await asyncio.sleep(0.05)
+        ledger.transition(rid, RequestState.FAILED, expected=RequestState.QUEUED, epoch=epoch)
+        await wait_audit_clean(cluster, ledger, within_s=5)
+    finally:
+        client.close()
+    assert await generate_all(cluster.router_address, PROMPTS, 20) == engine_greedy(
+        target, PROMPTS, 20
+    )
