@@ -4,7 +4,8 @@ of three prompt chunks and then no more, as a stuck engine thread would. The pus
 within its progress deadline naming the stall (Unavailable: the router passes this worker
 over and prefills the request elsewhere), the receiver fails the reservation as soon as
 the abort reaches it, and both engines get every block back once the request is dropped
-(as the prefill worker's Prefill and the decode worker's reservation expiry do)."""
+(as the prefill worker's Prefill and the decode worker's reservation expiry do). A chunk
+corrupted after its checksum fails the push the same way on both sides, named as such."""
 
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ from kv_transfer import (
     grpc_sender,
     server_options,
 )
+from kv_transfer.chunking import Tamper
 from prefill_worker.kv_push import LayerPush, LayerRelay
 from serving.rpc import Unavailable
+from tandem.v1 import kv_transfer_pb2 as pb
 from tests.engine.tiny_models import build_tiny_llama
 
 BLOCK_SIZE = 4
@@ -76,17 +79,21 @@ async def receiving() -> AsyncIterator[tuple[KvReceiver, grpc.aio.Channel]]:
     await server.stop(0)
 
 
-async def test_an_engine_that_stops_mid_prompt_stalls_the_push(
-    target: Path, receiving: tuple[KvReceiver, grpc.aio.Channel]
-) -> None:
-    receiver, channel = receiving
-    prefill, decode = make_engine(target), make_engine(target)
+def start_push(
+    prefill: LLMEngine,
+    decode: LLMEngine,
+    receiver: KvReceiver,
+    channel: grpc.aio.Channel,
+    tamper: Tamper | None = None,
+) -> LayerPush:
+    """Reserves "r" on ``decode``, queues it on ``prefill`` with a push fed by its layers,
+    as the prefill worker's Prefill does."""
     dst, _ = decode.reserve("r", PROMPT, GREEDY)
     receiver.reserve(KvReservation("r", dst, decode.kv_pools, layout_of(decode)))
     relay = LayerRelay(asyncio.get_running_loop(), torch.device("cpu"))
     options = TransferOptions(chunk_bytes=2048, window=2, timeout_s=30, stall_s=STALL_S)
     push = LayerPush(
-        grpc_sender(channel, options),
+        grpc_sender(channel, options, tamper=tamper),
         Handshake("r", layout_of(prefill)),
         prefill.kv_pools,
         dst,
@@ -98,6 +105,29 @@ async def test_an_engine_that_stops_mid_prompt_stalls_the_push(
     relay.pushes["r"] = push
     prefill.set_layer_listener(relay)
     prefill.add_request("r", PROMPT, GREEDY, is_prefill_only=True)
+    return push
+
+
+async def drop_request(
+    push: LayerPush, prefill: LLMEngine, decode: LLMEngine, receiver: KvReceiver
+) -> None:
+    """What the workers do after a failed push: Prefill's cleanup aborts the request in
+    the prefill engine; the decode worker's expiry releases the failed reservation and
+    aborts it there. Every block of both engines is free after it."""
+    await push.stop("prefill failed or was cancelled")
+    prefill.abort_request("r")
+    assert receiver.release("r") is None  # no same-host writer: the blocks are free now
+    decode.abort_request("r")
+    for engine in (prefill, decode):
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+async def test_an_engine_that_stops_mid_prompt_stalls_the_push(
+    target: Path, receiving: tuple[KvReceiver, grpc.aio.Channel]
+) -> None:
+    receiver, channel = receiving
+    prefill, decode = make_engine(target), make_engine(target)
+    push = start_push(prefill, decode, receiver, channel)
     await asyncio.to_thread(prefill.step)  # the first of three chunks, then no more steps
     stepped = time.monotonic()
     with pytest.raises(Unavailable) as stalled:
@@ -111,11 +141,27 @@ async def test_an_engine_that_stops_mid_prompt_stalls_the_push(
     assert push.sender.num_chunks_sent > 0  # the stall came mid-push, not before it
     with pytest.raises(KvTransferError, match="INCOMPLETE: the push was cancelled or broke"):
         await receiver.wait_done("r", timeout=1.0)
-    # What the workers do next: Prefill's cleanup aborts the request in the prefill engine;
-    # the decode worker's expiry releases the failed reservation and aborts it there.
-    await push.stop("prefill failed or was cancelled")
-    prefill.abort_request("r")
-    assert receiver.release("r") is None  # no same-host writer: the blocks are free now
-    decode.abort_request("r")
-    for engine in (prefill, decode):
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    await drop_request(push, prefill, decode, receiver)
+
+
+async def test_a_corrupted_chunk_fails_the_push_on_both_sides(
+    target: Path, receiving: tuple[KvReceiver, grpc.aio.Channel]
+) -> None:
+    receiver, channel = receiving
+    prefill, decode = make_engine(target), make_engine(target)
+
+    def flip_a_byte(sequence_number: int, data: torch.Tensor) -> None:
+        if sequence_number == 1:
+            data[5] ^= 0x10
+
+    push = start_push(prefill, decode, receiver, channel, flip_a_byte)
+    while prefill.has_unfinished_requests():
+        await asyncio.to_thread(prefill.step)
+    with pytest.raises(KvTransferError) as refused:
+        await asyncio.wait_for(push.wait(), 5)
+    assert refused.value.status == pb.KV_PUSH_STATUS_CHECKSUM_MISMATCH
+    assert refused.value.message == "chunk 1: checksum differs from its data"
+    assert push.sender.state is TransferState.FAILED
+    with pytest.raises(KvTransferError, match="CHECKSUM_MISMATCH: chunk 1: checksum"):
+        await receiver.wait_done("r", timeout=1.0)
+    await drop_request(push, prefill, decode, receiver)
