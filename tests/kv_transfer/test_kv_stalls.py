@@ -22,6 +22,7 @@ from kv_transfer import (
     KvReceiver,
     KvReservation,
     KvTransferError,
+    SharedKvPools,
     ShmAttacher,
     ShmRingPool,
     TransferOptions,
@@ -46,6 +47,7 @@ from tests.kv_transfer.kv_pools import (
 
 STALL_S = 0.3
 LONG_S = 30.0  # the other side's deadline: never reached in these tests
+WRITE_GRACE_S = 0.2
 # A target layer (9 blocks of 512 B in fp32) leaves in 5 chunks; 2 ring slots.
 OPTIONS = TransferOptions(chunk_bytes=1024, window=2, timeout_s=LONG_S, stall_s=STALL_S)
 LAYOUT = layout_for(torch.float32)
@@ -98,16 +100,34 @@ class HeldSource:
 
 class Server:
     """A KvTransfer server whose receiver has deadline ``stall_s``; with ``held``, its
-    stream (gRPC) or ring (shm) stops being read as ``held`` says."""
+    stream (gRPC) or ring (shm) stops being read as ``held`` says; with ``fence_timeout_s``
+    its pools are shared, for same-host senders to write in place."""
 
-    def __init__(self, stall_s: float, held: Held | None = None, *, ring: bool = False) -> None:
+    def __init__(
+        self,
+        stall_s: float,
+        held: Held | None = None,
+        *,
+        ring: bool = False,
+        fence_timeout_s: float | None = None,
+    ) -> None:
+        self.pools = make_pools(LAYOUT, DST_SEED)
+        self.shared = None
+        if fence_timeout_s is not None:
+            self.shared = SharedKvPools.adopt(LAYOUT, {p.value: c for p, c in self.pools.items()})
         attacher = ShmAttacher()
 
         def attach(segment: pb.ShmSegment) -> ChunkSource:
             source = attacher(segment)
             return HeldSource(source, held) if held is not None and ring else source
 
-        self.receiver = KvReceiver(attach_segment=attach, stall_s=stall_s)
+        self.receiver = KvReceiver(
+            attach_segment=attach,
+            shared_pools=self.shared,
+            stall_s=stall_s,
+            write_grace_s=WRITE_GRACE_S,
+            fence_timeout_s=fence_timeout_s or LONG_S,
+        )
         if held is not None and not ring:
             receive = self.receiver.receive
 
@@ -121,8 +141,7 @@ class Server:
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
 
     def reserve(self, request_id: str) -> None:
-        pools = make_pools(LAYOUT, DST_SEED)
-        self.receiver.reserve(KvReservation(request_id, DST_IDS, pools, LAYOUT))
+        self.receiver.reserve(KvReservation(request_id, DST_IDS, self.pools, LAYOUT))
 
     async def failed_within(self, request_id: str, within_s: float) -> str:
         """The push's failure message, once the receiver failed it (within ``within_s``)."""
@@ -152,6 +171,8 @@ def make(transport: str, server: Server, rings: ShmRingPool) -> ChunkedKvSender:
 async def stop(server: Server) -> None:
     await server.channel.close()
     await server.server.stop(0)
+    if server.shared is not None:
+        server.shared.close()
 
 
 async def timed(work: Callable[[], Awaitable[None]]) -> tuple[KvTransferError, float]:
@@ -224,6 +245,43 @@ async def test_a_sender_that_stops_sending_fails_the_receiver(
         assert sender.state is TransferState.FAILED
     finally:
         await stop(server)
+
+
+async def test_a_sender_stalled_writing_in_place_keeps_the_blocks_until_it_stopped(
+    rings: ShmRingPool,
+) -> None:
+    """Same host, shared pools: the sender writes target layer 0 in place, then stops. The
+    receiver fails the push as stalled, but a sender that may resume writing keeps the
+    blocks fenced: they are free once it half-closes at its next step, or, if it never
+    does, once the fence wait and the write grace are over."""
+    fence_timeout_s = 0.5
+    for resumes in (True, False):
+        server = Server(STALL_S, fence_timeout_s=fence_timeout_s)
+        await serving(server)
+        try:
+            server.reserve("r1")
+            sender = make("shm", server, rings)
+            src = make_pools(LAYOUT, SRC_SEED)
+            await sender.begin(Handshake("r1", LAYOUT))
+            kv = src[KvPool.TARGET].layers[0]
+            await sender.send_layer(KvPool.TARGET, 0, kv, SRC_IDS, DST_IDS)
+            assert sender.is_placed
+            message = await server.failed_within("r1", within_s=STALL_S + 2.0)
+            assert message.startswith("stalled: nothing moved for") and "next chunk" in message
+            stopped = server.receiver.release("r1")  # the decode worker's expiry
+            assert stopped is not None and not stopped.done()
+            released = time.monotonic()
+            if resumes:
+                with pytest.raises(KvTransferError) as told:
+                    kv = src[KvPool.TARGET].layers[1]
+                    await sender.send_layer(KvPool.TARGET, 1, kv, SRC_IDS, DST_IDS)
+                assert told.value.message == message
+                await asyncio.wait_for(stopped, 2.0)
+            else:
+                await asyncio.wait_for(stopped, fence_timeout_s + WRITE_GRACE_S + 2.0)
+                assert time.monotonic() - released >= WRITE_GRACE_S - 0.05
+        finally:
+            await stop(server)
 
 
 async def test_no_stall_before_the_first_chunk() -> None:
