@@ -51,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_kv_transport_argument(parser)
     add_engine_stall_argument(parser)
+    parser.add_argument(
+        "--colocate",
+        action="store_true",
+        help="also be this worker's own prefill worker: the router sends it whole requests, "
+        "whose prompts its engine computes beside the batch it decodes, with no KV transfer "
+        "(one machine; `tandem serve --colocate` starts such workers and no prefill workers)",
+    )
 
 
 def register_decode(subparsers: Any) -> None:
@@ -105,4 +112,5 @@ def make_service(runtime: Runtime) -> DecodeWorkerService:
         reserve_timeout_s=args.reserve_timeout_s,
         accepts_shm=use_shm,
         metrics=runtime.metrics,
+        is_colocated=args.colocate,
     )

@@ -9,6 +9,11 @@ cancelling the stream, a lost lease, a failed push) calls its ``close``. When th
 ledger's Redis restarts empty or is restored from a snapshot, the requests decoding here
 are recorded again from this worker's memory (``held_requests``, ledger.membership) and
 their streams go on.
+
+Co-located (``--colocate``): the worker is also its own prefill worker. The router reserves
+here and calls Decode with ``prefill_here``, skipping the prefill hop: the engine computes
+the prompt into the reserved blocks in its next steps, beside the batch decoding, and the
+stream starts at the first token. No KV moves between processes.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.outputs import NON_FINITE_LOGITS, RequestFailed
 from engine.sequence import SpecCounts
 from kv_transfer import KvLayout, KvReceiver, TransferState, add_kv_transfer_servicer, host_id
+from ledger.ledger import LedgerConflict, RequestState
 from ledger.membership import HeldRequest, Membership
 from serving.engine_loop import BlockTableWatch, EngineLoop, block_tables
 from serving.engine_setup import draft_figures
@@ -74,6 +80,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         decode_timeout_s: float = 600.0,
         accepts_shm: bool = True,
         metrics: DecodeMetrics | None = None,
+        is_colocated: bool = False,
     ) -> None:
         self.engine = engine
         self.served_name = served_name
@@ -84,6 +91,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         self.membership = membership
         self.reserve_timeout_s = reserve_timeout_s
         self.decode_timeout_s = decode_timeout_s
+        self.is_colocated = is_colocated  # prefills its own requests (prefill_here)
         self.host_id = host_id() if accepts_shm else ""  # "": senders use gRPC
         self.block_size = engine.config.block_size
         self._pools = engine.kv_pools
@@ -172,20 +180,19 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             )
         if handle.slot is not None:
             raise ValueError(f"request_id: {rid!r} is already decoding")
+        if request.prefill_here and not self.is_colocated:
+            raise PreconditionFailed(
+                "prefill_here: this decode worker does not prefill (start it with --colocate)"
+            )
         slot = handle.slot = OutputSlot()
         try:
             stream = _ChunkStream(handle, request)
-            timeout = None
-            if not request.is_finished_on_prefill:
-                remaining = context.time_remaining()
-                timeout = self.decode_timeout_s if remaining is None else remaining
-            await handle.wait_for_kv(timeout)
-            first = await self.engine_loop.call(
-                self.engine.start_decoding, rid, request.first_token_id, list(request.draft_tokens)
-            )
-            if request.is_finished_on_prefill and not first.finished:
-                raise RuntimeError("is_finished_on_prefill: the first token did not end it here")
-            slot.update(first)
+            if request.prefill_here:
+                await handle.wait_for_kv(None)  # nothing is pushed: forget the reservation
+                self._record_prefilled_here(rid)
+                await self.engine_loop.call(self.engine.prefill_reserved, rid)
+            else:
+                await self._start_decoding(handle, request, context)
             while True:
                 output = await slot.next()
                 if output.finish_reason == PREEMPTED:
@@ -213,6 +220,43 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             handle.close(CloseReason.CANCELLED)  # the router ended the stream
             reason = handle.closed_by or CloseReason.CANCELLED
             self.metrics.requests.labels(self.metrics.role, reason.metric_status).inc()
+
+    async def _start_decoding(
+        self, handle: RequestHandle, request: pb.DecodeRequest, context: Any
+    ) -> None:
+        """Waits for the pushed KV, then joins the request to the batch with the first
+        token (and drafts) the prefill worker sampled."""
+        timeout = None
+        if not request.is_finished_on_prefill:
+            remaining = context.time_remaining()
+            timeout = self.decode_timeout_s if remaining is None else remaining
+        await handle.wait_for_kv(timeout)
+        first = await self.engine_loop.call(
+            self.engine.start_decoding,
+            request.request_id,
+            request.first_token_id,
+            list(request.draft_tokens),
+        )
+        if request.is_finished_on_prefill and not first.finished:
+            raise RuntimeError("is_finished_on_prefill: the first token did not end it here")
+        assert handle.slot is not None
+        handle.slot.update(first)
+
+    def _record_prefilled_here(self, rid: str) -> None:
+        """PREFILLING -> TRANSFERRING -> DECODING, this worker the owner throughout (the
+        router handed it to this worker as its prefill worker)."""
+        epoch = self.membership.epoch
+        ledger = self.membership.ledger
+        try:
+            ledger.transition(
+                rid, RequestState.TRANSFERRING, expected=RequestState.PREFILLING, epoch=epoch
+            )
+            ledger.transition(
+                rid, RequestState.DECODING, expected=RequestState.TRANSFERRING, epoch=epoch
+            )
+        except LedgerConflict:
+            log.info("%s: ledger refused the hand-over to decoding (cancelled meanwhile?)", rid)
+            raise
 
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortReply:
         handle = self._requests.get(request.request_id)
@@ -275,6 +319,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             "num_free_blocks": stats.num_free_blocks,
             "num_requests": len(self._requests),
             "draining": int(self.is_draining),
+            "colocated": int(self.is_colocated),
             **draft_figures(self.draft),
         }
         return stats.load, figures
@@ -394,6 +439,10 @@ class _ChunkStream:
         self.first_logprob = (
             request.first_token_logprob if request.HasField("first_token_logprob") else None
         )
+        # Prefilled here: every output token was sampled by this engine, and the prompt's
+        # logprobs (asked for on a first attempt) come with the first chunk from here.
+        self.is_prefilled_here = request.prefill_here
+        self.is_prompt_logprobs_due = request.prefill_here and not req.num_resumed
         # This attempt's speculative counters so far; None without a draft. A preempted
         # attempt reports its own on its last chunk, and the router adds them up.
         self.spec_counts: SpecCounts | None = None
@@ -408,6 +457,9 @@ class _ChunkStream:
         )
         if self.req.logprobs is not None:
             chunk.logprobs.extend(self._logprobs(output, self.num_sent, len(tokens)))
+        if self.is_prompt_logprobs_due and output.prompt_logprobs is not None:
+            chunk.prompt_logprobs.extend(map(token_logprob_to_proto, output.prompt_logprobs))
+            self.is_prompt_logprobs_due = False
         self.num_sent += len(tokens)
         self.num_text_sent = len(output.text)
         self.spec_counts = output.spec_counts
@@ -419,6 +471,8 @@ class _ChunkStream:
             elif isinstance(output.stop_reason, str):
                 chunk.stop_string = output.stop_reason
             chunk.usage.CopyFrom(self._usage(len(output.token_ids)))
+            if self.is_prefilled_here:  # else the router adds the prefill worker's figure
+                chunk.usage.cached_tokens = output.num_cached_tokens
         return chunk
 
     def preempted(self) -> gen.GenerateChunk:
@@ -458,15 +512,17 @@ class _ChunkStream:
 
     def _logprobs(self, output: RequestOutput, start: int, count: int) -> list[gen.TokenLogprob]:
         """Index r (the tokens resumed before it) was sampled by the prefill worker; index
-        i > r is output.logprobs[i - r - 1]."""
+        i > r is output.logprobs[i - r - 1]. Prefilled here: index i >= r is
+        output.logprobs[i - r]."""
         entries = []
         first = self.req.num_resumed
+        by_prefill = 0 if self.is_prefilled_here else 1  # tokens sampled elsewhere
         for i in range(start, start + count):
             token = output.token_ids[i]
-            if i == first:
+            if i == first and by_prefill:
                 entries.append(self.first_logprob or gen.TokenLogprob(token_id=token))
-            elif 0 <= i - first - 1 < len(output.logprobs):
-                entries.append(token_logprob_to_proto(output.logprobs[i - first - 1]))
+            elif 0 <= i - first - by_prefill < len(output.logprobs):
+                entries.append(token_logprob_to_proto(output.logprobs[i - first - by_prefill]))
             else:
                 entries.append(gen.TokenLogprob(token_id=token))
         return entries

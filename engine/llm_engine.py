@@ -304,6 +304,16 @@ class LLMEngine:
             self.scheduler.join(seq)
         return output
 
+    def prefill_reserved(self, request_id: str) -> None:
+        """Co-located (no prefill worker): joins a reserved request to the running batch
+        with its prompt still to compute. The next steps compute it into the reserved
+        blocks (past the prefix already cached here), sample its first token and drafts,
+        and decode on, as ``add_request`` would; its outputs come from those steps."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.RESERVED:
+            raise RequestError(f"request_id: {request_id!r} is not reserved on this worker")
+        self.scheduler.join(seq)
+
     def output_text(self, request_id: str) -> str:
         """The text of a request's output so far (held-back characters excluded)."""
         detok = self._detok.get(request_id)

@@ -49,6 +49,11 @@ class Route:
         return chunk
 
     @property
+    def is_colocated(self) -> bool:
+        """Served whole by one co-located worker: no prefill worker, no KV transfer."""
+        return self.prefill.worker_id == self.decode.worker_id
+
+    @property
     def token_ids(self) -> list[int]:
         """What P prefills and D holds: the prompt, then any output already sent (a request
         resumed after a preemption)."""
@@ -74,7 +79,7 @@ def how_it_ended(error: BaseException, route: Route) -> tuple[RequestState, str]
 
 def count_in_flight(picker: WorkerPicker, route: Route, delta: int) -> None:
     """The picker's count of requests on the route's P and D (it prefers idle workers)."""
-    for worker in (route.prefill, route.decode):
+    for worker in (route.decode,) if route.is_colocated else (route.prefill, route.decode):
         picker.in_flight[worker.worker_id] += delta
 
 

@@ -10,6 +10,10 @@ saw it). Otherwise, or on a tie, the least loaded: load
 comes from the ledger's worker registry (each worker heartbeats the figures its Stats
 reports); between heartbeats the requests this router has sent a worker count too, and
 equal scores take turns.
+
+Co-located workers (decode workers started with ``--colocate``, figure ``colocated``) are
+their own prefill workers: picked as a prefill worker, one is the request's decode worker
+too, and the request is served whole there, its KV never moving.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ MAX_LOAD_FOR_AFFINITY = 0.8  # a fuller worker is not preferred for its cached p
 MIN_MATCH_FRACTION = 0.5  # of the prompt's blocks, for a worker to count as warm
 MAX_AFFINITY_IMBALANCE = 2  # in-flight requests a warm worker may have over the least busy
 UNREACHABLE_S = 30.0  # a worker whose connection broke is passed over this long (same epoch)
+
+
+def is_colocated(worker: WorkerInfo) -> bool:
+    """A decode worker that prefills its own requests (``--colocate``)."""
+    return worker.role is WorkerRole.DECODE and worker.stats.get("colocated", "0") == "1"
 
 
 def prefix_hashes(token_ids: Sequence[int], block_tokens: int = PREFIX_BLOCK_TOKENS) -> list[str]:
@@ -98,11 +107,15 @@ class WorkerPicker:
     def pick(self, hashes: Sequence[str] = ()) -> tuple[WorkerInfo, WorkerInfo]:
         """A (prefill, decode) pair with the same draft fingerprint, each the worker that
         saw the longest prefix of ``hashes`` (``prefix_hashes`` of the prompt), else the
-        least loaded."""
+        least loaded. A co-located worker picked to prefill is the pair's decode worker."""
         matched = self._match(hashes)
         enough = max(1, int(MIN_MATCH_FRACTION * len(hashes) + 0.5))
         warm = {w: n for w, n in matched.items() if n >= enough}
-        prefill = self._best(self.workers(WorkerRole.PREFILL), WorkerRole.PREFILL, warm)
+        prefillers = self.workers(WorkerRole.PREFILL)
+        prefillers += [w for w in self.workers(WorkerRole.DECODE) if is_colocated(w)]
+        prefill = self._best(prefillers, WorkerRole.PREFILL, warm)
+        if is_colocated(prefill):
+            return prefill, prefill
         return prefill, self._best(self.decoders_for(prefill), WorkerRole.DECODE, warm)
 
     def _match(self, hashes: Sequence[str]) -> dict[str, int]:
@@ -141,12 +154,15 @@ class WorkerPicker:
         return self._least_loaded(workers, role)
 
     def decoders_for(self, prefill: WorkerInfo) -> list[WorkerInfo]:
-        """Live decode workers that can take KV from ``prefill`` (same draft fingerprint)."""
+        """Live decode workers that can take KV from ``prefill`` (same draft fingerprint);
+        for a co-located ``prefill``, the co-located workers (any of them may serve the
+        request whole)."""
         fingerprint = prefill.stats.get("draft_fingerprint", "")
         return [
             w
             for w in self.workers(WorkerRole.DECODE)
             if w.stats.get("draft_fingerprint", "") == fingerprint
+            and (is_colocated(w) or not is_colocated(prefill))
         ]
 
     def least_loaded(self, decoders: list[WorkerInfo]) -> WorkerInfo:

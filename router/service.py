@@ -1,7 +1,8 @@
 """tandem.v1.Generation: validate, pick P and D, record the request in the ledger, then
 D.Reserve -> P.Prefill (P pushes the KV into D's blocks) -> D.Decode, streaming D's
-chunks to the client. Cancellation and deadlines reach P and D (Abort); every way a
-request ends leaves it terminal in the ledger and its blocks freed.
+chunks to the client. A co-located worker is P and D at once: D.Reserve -> D.Decode
+(``prefill_here``), with no prefill hop. Cancellation and deadlines reach P and D (Abort);
+every way a request ends leaves it terminal in the ledger and its blocks freed.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                     log.warning("prefix index: redis: %s", e)
                 prefill_called = time.monotonic()
                 try:
-                    prefilled = await self._prefill(route, reserve)
+                    prefilled = await self._prefill(route, reserve)  # nothing when co-located
                 except (grpc.aio.AioRpcError, Unavailable) as e:
                     # UNAVAILABLE: P died, or D let the blocks go. ABORTED: P refused a
                     # ledger step, e.g. the request names an epoch P has left behind (P
@@ -270,7 +271,10 @@ class GenerationService(gen_grpc.GenerationServicer):
                     others = self.picker.decoders_for(route.prefill)
                 if others:
                     count_in_flight(self.picker, route, -1)
+                    is_colocated = route.is_colocated
                     route.decode = self.picker.least_loaded(others)
+                    if is_colocated:  # another co-located worker serves it whole
+                        route.prefill = route.decode
                     count_in_flight(self.picker, route, +1)
         finally:
             self.num_waiting -= is_waiting
@@ -297,7 +301,10 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.num_waiting += 1
 
     async def _prefill(self, route: Route, reserve: pb.ReserveReply) -> pb.PrefillReply:
-        """P computes the prompt and pushes its KV into D's blocks (P hands it to D)."""
+        """P computes the prompt and pushes its KV into D's blocks (P hands it to D); a
+        co-located D computes it itself once its Decode starts (an empty reply here)."""
+        if route.is_colocated:
+            return pb.PrefillReply()
         valid = route.request
         channel = self._channels.get(route.prefill.address)
         await self._connect(channel, route)
@@ -351,6 +358,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             first_token_id=prefilled.first_token_id,
             draft_tokens=prefilled.draft_tokens,
             is_finished_on_prefill=prefilled.is_finished,
+            prefill_here=route.is_colocated,
         )
         if prefilled.HasField("first_token_logprob"):
             request.first_token_logprob.CopyFrom(prefilled.first_token_logprob)
@@ -373,7 +381,8 @@ class GenerationService(gen_grpc.GenerationServicer):
                     yield chunk
                     return
                 if chunk.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
-                    chunk.usage.cached_tokens = prefilled.num_cached_tokens
+                    if not route.is_colocated:  # else D counted them
+                        chunk.usage.cached_tokens = prefilled.num_cached_tokens
                     yield chunk
                     return
                 yield chunk
@@ -433,11 +442,10 @@ class GenerationService(gen_grpc.GenerationServicer):
         rid = route.request.request_id
         log.info("%s %s: %s", rid, state.value.lower(), reason)
         abort = pb.AbortRequest(request_id=rid, reason=reason[:200])
-        results = await asyncio.gather(
-            self._prefiller(route).Abort(abort, timeout=ABORT_TIMEOUT_S),
-            self._decoder(route).Abort(abort, timeout=ABORT_TIMEOUT_S),
-            return_exceptions=True,
-        )
+        aborts = [self._decoder(route).Abort(abort, timeout=ABORT_TIMEOUT_S)]
+        if not route.is_colocated:
+            aborts.append(self._prefiller(route).Abort(abort, timeout=ABORT_TIMEOUT_S))
+        results = await asyncio.gather(*aborts, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 log.warning("%s: abort failed: %s", rid, result)

@@ -36,8 +36,17 @@ def register_serve(subparsers: Any) -> None:
     parser.add_argument("--model", required=True, help="HF model directory or a prepared name")
     parser.add_argument("--draft", metavar="DIR", help="EAGLE / EAGLE-3 / DFlash draft directory")
     parser.add_argument("--num-draft-tokens", type=int, default=5, help="K, drafts per step")
-    parser.add_argument("--prefill", type=int, default=1, help="prefill worker processes")
+    parser.add_argument(
+        "--prefill", type=int, help="prefill worker processes (default: 1; 0 with --colocate)"
+    )
     parser.add_argument("--decode", type=int, default=1, help="decode worker processes")
+    parser.add_argument(
+        "--colocate",
+        action="store_true",
+        help="one machine: each decode worker also prefills its own requests (no prefill "
+        "workers, no KV transfer), and gets the cores the prefill workers would have had; "
+        "disaggregation, the default, is the cluster's shape across machines",
+    )
     add_redis_arguments(
         parser,
         required=False,
@@ -117,6 +126,14 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tandem serve: error: --max-restarts, --restart-window-s: {e}", file=sys.stderr)
         return 2
+    if args.colocate and args.prefill:
+        print(
+            "tandem serve: error: --prefill: not with --colocate (each co-located decode "
+            "worker prefills its own requests)",
+            file=sys.stderr,
+        )
+        return 2
+    num_prefill = 0 if args.colocate else (1 if args.prefill is None else args.prefill)
     try:
         model = str(resolve_model(args.model))
         redis_settings = RedisSettings.from_args(args) if args.redis_url else None
@@ -145,8 +162,9 @@ def _serve(args: argparse.Namespace) -> int:
         model=model,
         draft=args.draft,
         num_draft_tokens=args.num_draft_tokens,
-        num_prefill=args.prefill,
+        num_prefill=num_prefill,
         num_decode=args.decode,
+        colocate=args.colocate,
         redis=redis_settings,
         host=args.host,
         port=args.port,
@@ -176,9 +194,12 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(cluster.router_address, flush=True)
+    workers = f"{spec.num_prefill} prefill + {spec.num_decode} decode workers"
+    if spec.colocate:
+        workers = f"{spec.num_decode} co-located workers (prefill and decode)"
     print(
-        f"tandem serve: router at {cluster.router_address}, {spec.num_prefill} prefill + "
-        f"{spec.num_decode} decode workers, redis {cluster.redis_url}; Ctrl-C stops",
+        f"tandem serve: router at {cluster.router_address}, {workers}, redis "
+        f"{cluster.redis_url}; Ctrl-C stops",
         file=sys.stderr,
     )
     if cluster.router is not None and cluster.router.base_url:

@@ -1,6 +1,7 @@
 """The all-in-one cluster: an embedded redis-server (unless given a URL), N prefill and M
 decode workers and the router, each a fresh interpreter (`python -m ...`, never a fork),
-sharing the cores. `tandem serve` and the service tests start clusters through here.
+sharing the cores. Co-located (``colocate``): M decode workers that prefill their own
+requests, and no prefill workers. `tandem serve` and the service tests start clusters through here.
 
 Stopping drains in request order: the router first (no new requests, in-flight ones
 finish), then the workers, each with SIGTERM (health NOT_SERVING, finish, stop), SIGKILL
@@ -48,8 +49,9 @@ class ClusterSpec:
     model: str
     draft: str | None = None
     num_draft_tokens: int = 5
-    num_prefill: int = 1
+    num_prefill: int = 1  # 0 with colocate
     num_decode: int = 1
+    colocate: bool = False  # decode workers prefill their own requests (--colocate)
     redis: RedisSettings | None = None  # None: start an embedded redis-server
     host: str = "127.0.0.1"  # the router's (gRPC and HTTP)
     port: int = 50050  # the router's; 0: a free one
@@ -72,7 +74,12 @@ class ClusterSpec:
     is_metrics_served: bool = True  # each component serves /metrics on a free port
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
+        if self.colocate and (self.num_prefill or self.num_decode < 1):
+            raise ValueError(
+                f"num_prefill, num_decode: co-located, no prefill workers and at least one "
+                f"decode worker, got {self.num_prefill} and {self.num_decode}"
+            )
+        if not self.colocate and (self.num_prefill < 1 or self.num_decode < 1):
             raise ValueError(
                 f"num_prefill, num_decode: at least one of each, got {self.num_prefill} and "
                 f"{self.num_decode}"
@@ -83,14 +90,16 @@ class ClusterSpec:
         return self.auth_token_file is not None or self.cluster_secret is not None
 
     @property
-    def num_processes(self) -> int:
-        return self.num_prefill + self.num_decode + 1
+    def num_workers(self) -> int:
+        return self.num_prefill + self.num_decode
 
     def threads_per_process(self) -> int:
+        """Each worker's torch threads: given, else the cores shared among the workers
+        (the router runs no torch)."""
         if self.threads is not None:
             return self.threads
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return max(1, (cores or 1) // self.num_processes)
+        return max(1, (cores or 1) // self.num_workers)
 
 
 @dataclass
@@ -181,7 +190,7 @@ class Cluster:
                 args = [*engine, *spec.prefill_args]
                 self.prefill.append(self._spawn(f"prefill-{i}", "prefill_worker", args, True))
             for i in range(spec.num_decode):
-                args = [*engine, *spec.decode_args]
+                args = [*engine, *spec.decode_args, *(["--colocate"] if spec.colocate else [])]
                 self.decode.append(self._spawn(f"decode-{i}", "decode_worker", args, True))
             router = ["--model", spec.model, *spec.router_args]
             if spec.auth_token_file is not None:
@@ -214,7 +223,7 @@ class Cluster:
         host = host or spec.worker_host
         port = port or free_port()
         metrics_port = free_port() if spec.is_metrics_served else 0
-        threads = spec.threads_per_process()
+        threads = spec.threads_per_process() if is_worker else 1  # the router: no torch
         command = [
             sys.executable,
             "-m",

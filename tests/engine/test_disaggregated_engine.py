@@ -161,3 +161,33 @@ def test_resume_is_validated(dirs):
         e.add_request("b", [5, 6, 7, 8], SamplingParams(max_tokens=3), num_generated_tokens=3)
     with pytest.raises(ValueError, match="preemption"):
         EngineConfig(model=str(target), preemption="drop")
+
+
+@pytest.mark.parametrize("with_draft", [False, True], ids=["target", "draft"])
+def test_reserved_then_prefilled_here_equals_one_engine(dirs, with_draft):
+    """Co-located: a reserved request whose prompt this engine computes itself
+    (``prefill_reserved``), joining a batch already decoding, gives what one engine doing
+    everything gives, greedy and seeded rows, prefix-cached blocks included."""
+    target, draft = dirs
+    draft = draft if with_draft else None
+    prompts = [*PROMPTS, PROMPTS[1] + [2, 3]]  # the last shares 2 blocks with prompt 1
+    whole = engine(target, draft)
+    for i, p in enumerate(prompts):
+        whole.add_request(str(i), p, params(i))
+    expected = drain(whole)
+
+    here = engine(target, draft)
+    here.add_request("0", prompts[0], params(0))
+    here.step()  # decoding when the others join
+    for i in (1, 2, 3):
+        assert here.reserve(str(i), prompts[i], params(i))[1] == 0
+        assert str(i) not in {out.request_id for out in here.step()}  # reserved: not computed
+        here.prefill_reserved(str(i))
+    with pytest.raises(RequestError, match="not reserved"):
+        here.prefill_reserved("0")
+    done = drain(here)
+    assert here.reserve("4", prompts[4], params(4))[1] == 8  # prompt 1's blocks, cached
+    here.prefill_reserved("4")
+    done.update(drain(here))
+    assert done == expected
+    assert here.block_manager.num_free_blocks == here.block_manager.num_blocks

@@ -14,11 +14,18 @@ from router.routing import PREFIX_BLOCK_TOKENS, WorkerPicker, prefix_hashes
 from serving.rpc import Unavailable
 
 
-def join(ledger: Ledger, worker_id: str, role: WorkerRole, load: float, fp: str = "") -> None:
+def join(
+    ledger: Ledger,
+    worker_id: str,
+    role: WorkerRole,
+    load: float,
+    fp: str = "",
+    colocated: bool = False,
+) -> None:
     epoch = ledger.register_worker(
         worker_id, role=role, address=f"{worker_id}:1", capacity=1, ttl_ms=60_000
     )
-    stats = {"model": "m", "draining": 0, "draft_fingerprint": fp}
+    stats = {"model": "m", "draining": 0, "draft_fingerprint": fp, "colocated": int(colocated)}
     ledger.heartbeat(worker_id, epoch=epoch, ttl_ms=60_000, load=load, stats=stats)
 
 
@@ -107,3 +114,20 @@ async def test_waits_for_a_late_worker_then_gives_up(ledger: Ledger) -> None:
     with pytest.raises(Unavailable, match="no live prefill worker serves model 'other-model'"):
         await lonely.pick_waiting(time.monotonic() + 10)
     assert time.monotonic() - start < 1.0
+
+
+def test_a_colocated_worker_is_its_own_prefill_worker(ledger: Ledger) -> None:
+    """Picked to prefill, a co-located worker serves the request whole; its requests move
+    only to other co-located workers; a prefill worker may push to any decode worker."""
+    join(ledger, "c0", WorkerRole.DECODE, 0.2, colocated=True)
+    join(ledger, "c1", WorkerRole.DECODE, 0.5, colocated=True)
+    picker = WorkerPicker(ledger, "m", refresh_s=0.0)
+    p, d = picker.pick()
+    assert (p.worker_id, d.worker_id) == ("c0", "c0")
+    assert [w.worker_id for w in picker.decoders_for(p)] == ["c0", "c1"]
+    join(ledger, "d0", WorkerRole.DECODE, 0.0)
+    assert sorted(w.worker_id for w in picker.decoders_for(p)) == ["c0", "c1"]
+    join(ledger, "p0", WorkerRole.PREFILL, 0.1)
+    p, d = picker.pick()
+    assert (p.worker_id, d.worker_id) == ("p0", "d0")
+    assert sorted(w.worker_id for w in picker.decoders_for(p)) == ["c0", "c1", "d0"]
