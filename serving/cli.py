@@ -88,6 +88,12 @@ def register_serve(subparsers: Any) -> None:
         help="decode workers run decode steps through torch.compile (faster at small "
         "batches; start-up takes a minute or two longer)",
     )
+    parser.add_argument(
+        "--transfer-stall-s",
+        type=float,
+        help="workers abort a KV push in which nothing moves for this long; the router "
+        "prefills the request again (default: the workers', 10)",
+    )
     parser.add_argument("--log-dir", help="write each process's log there (default: stderr)")
     parser.add_argument("--grace-s", type=float, default=30.0, help="drain time on shutdown")
     parser.add_argument(
@@ -96,12 +102,6 @@ def register_serve(subparsers: Any) -> None:
         default=5,
         help="restarts of one dead worker allowed within --restart-window-s; one more death "
         "stops the cluster (0: the first death stops it; default 5)",
-    )
-    parser.add_argument(
-        "--transfer-stall-s",
-        type=float,
-        help="workers abort a KV push in which nothing moves for this long; the router "
-        "prefills the request again (default: the workers', 10)",
     )
     parser.add_argument(
         "--restart-window-s",
@@ -121,6 +121,13 @@ def _serve(args: argparse.Namespace) -> int:
     from serving.launcher import Cluster, ClusterError, ClusterSpec
     from serving.supervisor import RestartPolicy, Supervisor
 
+    if args.transfer_stall_s is not None and not args.transfer_stall_s > 0:
+        print(
+            f"tandem serve: error: --transfer-stall-s: must be positive, got "
+            f"{args.transfer_stall_s:g}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)
     except ValueError as e:
@@ -154,6 +161,7 @@ def _serve(args: argparse.Namespace) -> int:
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--block-size", args.block_size),
         ("--max-model-len", args.max_model_len),
+        ("--transfer-stall-s", args.transfer_stall_s),
     ):
         if value is not None:
             worker_args += [option, str(value)]
@@ -172,7 +180,6 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         auth_token_file=Path(args.auth_token_file).resolve() if args.auth_token_file else None,
         cluster_secret=cluster_secret,
-        ("--transfer-stall-s", args.transfer_stall_s),
         redis_password=embedded_password,
         http_port=args.http_port,
         threads=args.threads,
