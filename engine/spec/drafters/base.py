@@ -157,6 +157,7 @@ def propose_chain(
     logits: Callable[[torch.Tensor], DraftLogits],  # [B, H] state -> its next token's scores
     step: Callable[[torch.Tensor, torch.Tensor, BatchLayout, Any], torch.Tensor],
     backend: AttentionBackend,
+    build_metadata: Callable[[BatchLayout], Any] | None = None,  # default: the backend's
 ) -> torch.Tensor:
     """EAGLE-style chain: draft j+1 comes from one more draft-layer step over (draft j, state).
 
@@ -171,5 +172,6 @@ def propose_chain(
             break
         positions = (args.last_positions + 1 + j)[:, None]  # [B, 1]
         layout = draft_layout(positions, args)
-        hidden = step(token, hidden, layout, backend.build_metadata(layout))
+        metadata = (build_metadata or backend.build_metadata)(layout)
+        hidden = step(token, hidden, layout, metadata)
     return torch.stack(drafts, dim=1)

@@ -186,8 +186,10 @@ def load_eagle3(
     target: Llama3Model,
     device: torch.device,
     layer_ids: tuple[int, ...] | None = None,
+    drafter_class: type[Eagle3Drafter] | None = None,  # default: Eagle3Drafter
 ) -> Eagle3Drafter:
     tc = target.config
+    make = drafter_class or Eagle3Drafter
     config = draft_llama_config(hf, tc)
     ids = (
         check_layer_ids("target_layer_ids", list(layer_ids), tc.num_hidden_layers)
@@ -228,7 +230,7 @@ def load_eagle3(
         module.d2t.copy_(d2t)
 
     return build_draft(
-        lambda: Eagle3Drafter(config, target, ids, draft_vocab),
+        lambda: make(config, target, ids, draft_vocab),
         draft_dir,
         rules,
         device,

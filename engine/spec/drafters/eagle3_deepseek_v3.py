@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.attention.base import AttentionBackend, BatchLayout
 from engine.config import ConfigError, Llama3Config
 from engine.deepseek_v3_config import DeepseekV3Config
 from engine.models.deepseek_v3 import (
@@ -28,12 +29,23 @@ from engine.models.deepseek_v3 import (
 from engine.models.layers import GatedMLP, Linear, RMSNorm
 from engine.models.llama3 import ROPE_SLACK_POSITIONS, ReturnHiddenStates
 from engine.registry import decoder_layer_rules, mla_attention_rules
-from engine.spec.drafters.base import DraftConfigError
+from engine.spec.drafters.base import (
+    DraftConfigError,
+    KVLayers,
+    ProposeArgs,
+    SelectFn,
+    propose_chain,
+)
 from engine.spec.drafters.eagle3 import (
     Eagle3Drafter,
     Eagle3MidLayer,
     eagle3_layer_ids,
     load_eagle3,
+)
+from engine.spec.drafters.eagle3_deepseek_v3_inputs import (
+    Eagle3DeepseekV3Inputs,
+    Eagle3MHADeepseekV3Inputs,
+    KVCacheInputs,
 )
 from engine.spec.drafters.loading import build_draft, check_layer_ids
 from engine.weights import CheckpointReader, Source, TensorRule, WeightError
@@ -161,7 +173,64 @@ class Eagle3MLAMidLayer(nn.Module):
     forward = Eagle3MidLayer.forward  # the same wiring; only the attention differs
 
 
-class Eagle3DeepseekV3(Eagle3Drafter):
+class DeepseekV3Eagle3Dispatch(Eagle3Drafter):
+    """EAGLE-3 beside a DeepSeek-V3 target: each step's forwards go through the seed's
+    inputs (``inputs_class``), built at the extend and dispatched by its width."""
+
+    inputs_class: type[Eagle3DeepseekV3Inputs] = Eagle3DeepseekV3Inputs
+    step_inputs: Eagle3DeepseekV3Inputs | None = None  # the step under way's, from extend
+
+    def extend(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        layout: BatchLayout,
+        metadata: Any,
+        kv: KVLayers,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        inputs = self.inputs_class.for_extend(tokens, features, layout, metadata, kv)
+        self.step_inputs = inputs
+        dispatched = self._cache_inputs().dispatch(layout, backend)
+        return self._forward(tokens, self.fc(features), layout, dispatched, kv, backend)
+
+    def propose(
+        self,
+        state: torch.Tensor | None,
+        args: ProposeArgs,
+        k: int,
+        select: SelectFn,
+        kv: KVLayers,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        assert state is not None
+        cache = self._cache_inputs()
+        return propose_chain(
+            state[args.last_index],
+            args,
+            k,
+            select,
+            logits=self.logits,
+            step=lambda tokens, g, layout, md: self._forward(tokens, g, layout, md, kv, backend),
+            backend=backend,
+            build_metadata=lambda layout: cache.dispatch(layout, backend),
+        )
+
+    def _cache_inputs(self) -> KVCacheInputs:
+        if self.step_inputs is None or self.step_inputs.kv_cache_inputs is None:
+            raise RuntimeError("draft: propose before any extend has no step inputs")
+        return self.step_inputs.kv_cache_inputs
+
+
+class Eagle3MHADeepseekV3(DeepseekV3Eagle3Dispatch):
+    """The MHA EAGLE-3 draft of a DeepSeek-V3 target: a Llama layer over ``concat(embed,
+    hidden)``, its own paged K and V beside the target's latent pools (one block id for
+    both), dispatched through ``Eagle3MHADeepseekV3Inputs`` at widths 1+K and 1."""
+
+    inputs_class = Eagle3MHADeepseekV3Inputs
+
+
+class Eagle3DeepseekV3(DeepseekV3Eagle3Dispatch):
     """The MLA EAGLE-3 draft of a DeepSeek-V3 target (the seed's name): fused low, middle
     and high target features, one MLA layer, its own norm and lm_head over a possibly
     reduced vocabulary; the target's embedding is borrowed. Proposing and verifying are
@@ -270,4 +339,5 @@ def load_any_eagle3(
     DeepSeek-V3 target's draft, in its cache layout), else multi-head attention."""
     if hf.get("kv_lora_rank"):
         return load_eagle3_mla(draft_dir, hf, target, device, layer_ids)
-    return load_eagle3(draft_dir, hf, target, device, layer_ids)  # type: ignore[arg-type]
+    mha = Eagle3MHADeepseekV3 if isinstance(target, DeepseekV3Model) else None
+    return load_eagle3(draft_dir, hf, target, device, layer_ids, mha)  # type: ignore[arg-type]
