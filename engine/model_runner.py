@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs, ReturnHiddenSta
 from engine.sampler import SamplingTensors, sample, top_logprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, TokenLogprobs
-from engine.structured.rows import active_rows, commit_rows, mask_logits
+from engine.structured.rows import SamplingMasks, active_rows, commit_rows
 
 # Graphs one engine's compiled decode forward may hold (dynamo's default is 8).
 DECODE_RECOMPILE_LIMIT = 32
@@ -138,6 +139,8 @@ class ModelRunner:
         self.block_size = kv_cache.params.block_size
         # Told of each target layer of every ``execute`` (prefill workers push KV from it).
         self.layer_listener: LayerListener | None = None
+        # Fills grammar rows' masks while the forward runs (a thread only once used).
+        self.mask_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
     def prepare(self, batch: ScheduledBatch, return_n_logits: int = 1) -> ModelInputs:
         """Builds the step's inputs; rows that sample get logits for their last
@@ -235,6 +238,9 @@ class ModelRunner:
         self, batch: ScheduledBatch, return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES
     ) -> StepOutput:
         inputs = self.prepare(batch)
+        seqs = [batch.seqs[r] for r in inputs.sample_rows]
+        grammars = active_rows(seqs)
+        masks = SamplingMasks(grammars, self.mask_worker)  # filled while the forward runs
         metadata = self.backend.build_metadata(inputs.layout)
         step = StepKv.of(batch) if self.layer_listener is not None else None
         on_layer = None
@@ -257,9 +263,7 @@ class ModelRunner:
             return StepOutput(
                 [], [], None, inputs, metadata, out, kv_step=step, prompt_logprobs=prompt
             )
-        seqs = [batch.seqs[r] for r in inputs.sample_rows]
-        grammars = active_rows(seqs)
-        logits = mask_logits(grammars, out.logits)  # [N, V]
+        logits = masks.apply(out.logits)  # [N, V]
         tensors = SamplingTensors.build(
             [s.params for s in seqs],
             [s.seed for s in seqs],

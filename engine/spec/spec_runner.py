@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -88,8 +87,6 @@ class SpecRunner:
         # pays, which adaptive K adds to its step costs.
         self._decode_ended: float | None = None
         self.graphs: StepGraphRunner | None = None  # decode steps through CUDA graphs
-        # Fills grammar rows' verification masks while the step's target forward runs.
-        self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
     def enable_graphs(self, max_batch: int, max_model_len: int, scratch_block: int) -> None:
         """Decode steps of up to ``max_batch`` rows at this runner's K, greedy or sampled,
@@ -265,7 +262,7 @@ class SpecRunner:
             sampling=self._sampling(seqs),
             max_context_len=self._context_bound(max(kv_lens), k, k_next),
             draft_probs=draft_probs,
-            **step_fields(seqs, drafts, device, self._mask_worker),  # rows with a grammar
+            **step_fields(seqs, drafts, device, self.runner.mask_worker),  # rows with a grammar
         )
 
     def _context_bound(self, position: int, k: int, k_next: int) -> int:

@@ -12,6 +12,7 @@ an embedder flags ``Sequence.in_thinking_phase`` are neither masked nor advanced
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import torch
@@ -146,19 +147,43 @@ def verify_bitmask(
     return mask
 
 
+class SamplingMasks:
+    """The masks of N rows about to sample one token each, filled on ``executor`` (while
+    the forward runs; the matchers are the fill's until ``apply``) or here."""
+
+    def __init__(self, rows: list[RowGrammar | None], executor: Executor | None = None) -> None:
+        self.masked = [b for b, row in enumerate(rows) if row is not None and row.is_masking]
+        self._fill: Future[None] | None = None
+        if not self.masked:
+            return
+        words = num_words(next(row.vocab_size for row in rows if row is not None))
+        self.bitmask = torch.full((len(rows), words), ALL_ALLOWED, dtype=torch.int32)
+        fills = [(rows[b], self.bitmask[b]) for b in self.masked]
+        if executor is None:
+            fill_rows(fills)
+        else:
+            self._fill = executor.submit(fill_rows, fills)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sampling logits [N, V], in place: rows with a grammar restricted to what it
+        allows now; rows without one (or thinking, or done) are not touched."""
+        if self._fill is not None:
+            self._fill.result()
+        if self.masked:
+            apply_bitmask_rows(logits, self.bitmask.to(logits.device), self.masked)
+        return logits
+
+
+def fill_rows(fills: list[tuple[Any, torch.Tensor]]) -> None:
+    """Each (row, out [W]): the row's allowed tokens now."""
+    for row, out in fills:
+        row.fill(out)
+
+
 def mask_logits(rows: list[RowGrammar | None], logits: torch.Tensor) -> torch.Tensor:
     """Sampling logits [N, V], in place: rows with a grammar restricted to what it allows
     now; rows without one (or thinking, or done) are not touched."""
-    masked = [b for b, row in enumerate(rows) if row is not None and row.is_masking]
-    if not masked:
-        return logits
-    mask = torch.full((len(rows), num_words(logits.shape[-1])), ALL_ALLOWED, dtype=torch.int32)
-    for b in masked:
-        row = rows[b]
-        assert row is not None
-        row.fill(mask[b])
-    apply_bitmask_rows(logits, mask.to(logits.device), masked)
-    return logits
+    return SamplingMasks(rows).apply(logits)
 
 
 def commit_rows(rows: list[RowGrammar | None], tokens: list[int]) -> None:
