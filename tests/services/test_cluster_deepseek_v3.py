@@ -6,6 +6,7 @@ decode worker's draft counters equal one offline engine's, token for token, in f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -80,14 +81,12 @@ def clusters(
 
     with ThreadPoolExecutor(2) as pool:
         futures = {v: pool.submit(start, v, t) for v, t in (("mla", "grpc"), ("mha", "auto"))}
-        started: dict[str, Cluster] = {}
         try:
-            for variant, future in futures.items():
-                started[variant] = future.result()
-            yield started
+            yield {variant: future.result() for variant, future in futures.items()}
         finally:
-            for cluster in started.values():
-                cluster.stop()
+            for future in futures.values():  # each one that started, even if another failed
+                with contextlib.suppress(Exception):
+                    future.result().stop()
 
 
 def offline(target: Path, draft: Path) -> tuple[list[list[int]], LLMEngine]:
