@@ -32,10 +32,11 @@ from kv_transfer import (
     grpc_sender,
     server_options,
 )
-from kv_transfer.chunking import Tamper
+from kv_transfer.chunking import Tamper, stalled
 from prefill_worker.kv_push import LayerPush, LayerRelay
-from serving.rpc import Unavailable
+from serving.rpc import Unavailable, status_of, trailing_metadata_of
 from tandem.v1 import kv_transfer_pb2 as pb
+from tandem_client.wire import KV_PUSH_STATUS_KEY
 from tests.engine.tiny_models import build_tiny_llama
 
 BLOCK_SIZE = 4
@@ -167,3 +168,15 @@ async def test_a_corrupted_chunk_fails_the_push_on_both_sides(
     with pytest.raises(KvTransferError, match="CHECKSUM_MISMATCH: chunk 1: checksum"):
         await receiver.wait_done("r", timeout=1.0)
     await drop_request(push, prefill, decode, receiver)
+
+
+def test_stall_errors_reach_the_router_as_unavailable() -> None:
+    """Both stalls end Prefill with UNAVAILABLE, which the router retries (a new P and D):
+    the engine's without a push status (the router passes this prefill worker over), the
+    transport's with one (the push failed, not P)."""
+    engine = Unavailable(f"prefill worker: request r: {stalled(STALL_S, 'waiting')}")
+    transport = KvTransferError(pb.KV_PUSH_STATUS_INCOMPLETE, stalled(STALL_S, "sending"))
+    assert status_of(engine) == (grpc.StatusCode.UNAVAILABLE, str(engine))
+    assert trailing_metadata_of(engine) == ()
+    assert status_of(transport) == (grpc.StatusCode.UNAVAILABLE, str(transport))
+    assert trailing_metadata_of(transport) == ((KV_PUSH_STATUS_KEY, "KV_PUSH_STATUS_INCOMPLETE"),)
