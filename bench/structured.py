@@ -21,6 +21,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,13 +88,23 @@ def instrument() -> None:
         setattr(spec_grammar.StepGrammar, name, timed(getattr(spec_grammar.StepGrammar, name)))
 
 
+@dataclass
+class Run:
+    tok_s: float
+    mask_ms: list[float]  # per step, the engine thread's
+    fill_ms: list[float]  # per step, the worker's
+    step_ms: list[float]  # per step, wall
+    num_stopped: int  # requests that ended "stop"
+    acceptance: float  # accepted drafts / drafts verified (0 without a drafter)
+
+
 def run(
     engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, concurrency: int
-) -> tuple[float, list[float], list[float], int]:
-    """(output tokens per second, mask ms per step, fill ms per step, requests that ended
-    "stop")."""
+) -> Run:
     pending = list(enumerate(prompts))
-    running, num_tokens, num_stopped, per_step, fills = 0, 0, 0, [], []
+    running, num_tokens, num_stopped, per_step, fills, steps = 0, 0, 0, [], [], []
+    stats = engine.spec.stats if engine.spec is not None else None
+    drafted = (stats.num_draft_tokens, stats.num_accepted_tokens) if stats else (0, 0)
     start = time.perf_counter()
     while pending or engine.has_unfinished_requests():
         while pending and running < concurrency:
@@ -102,14 +113,19 @@ def run(
             running += 1
         MASK_SECONDS.clear()
         FILL_SECONDS.clear()
+        step_start = time.perf_counter()
         for out in engine.step():
             if out.finished:
                 running -= 1
                 num_tokens += len(out.token_ids)
                 num_stopped += out.finish_reason == "stop"
+        steps.append((time.perf_counter() - step_start) * 1e3)
         per_step.append(sum(MASK_SECONDS) * 1e3)
         fills.append(sum(FILL_SECONDS) * 1e3)
-    return num_tokens / (time.perf_counter() - start), per_step, fills, num_stopped
+    tok_s = num_tokens / (time.perf_counter() - start)
+    verified = stats.num_draft_tokens - drafted[0] if stats else 0
+    accepted = stats.num_accepted_tokens - drafted[1] if stats else 0
+    return Run(tok_s, per_step, fills, steps, num_stopped, accepted / verified if verified else 0.0)
 
 
 def main() -> None:
@@ -152,19 +168,27 @@ def main() -> None:
         run(engine, prompts[:2], constrained, args.concurrency)  # compile the schema
         # Unconstrained and constrained runs alternate, so that a load that moves during the
         # benchmark moves both sides; each figure is the median over --repeats pairs.
-        free_tok_s, constrained_tok_s, ratios, stopped = [], [], [], 0
+        free_runs, constrained_runs = [], []
         for _ in range(args.repeats):
-            free_tok_s.append(run(engine, prompts, free, args.concurrency)[0])
-            tok_s, per_step, fill, num_stopped = run(engine, prompts, constrained, args.concurrency)
-            constrained_tok_s.append(tok_s)
-            ratios.append(tok_s / free_tok_s[-1])
-            stopped += num_stopped
-            masks += per_step
-            fills += [f for f in fill if f]  # steps that filled masks
-        results[f"unconstrained_{name}tok_s"] = statistics.median(free_tok_s)
-        results[f"constrained_{name}tok_s"] = statistics.median(constrained_tok_s)
+            free_runs.append(run(engine, prompts, free, args.concurrency))
+            constrained_runs.append(run(engine, prompts, constrained, args.concurrency))
+        for r in constrained_runs:
+            masks += r.mask_ms
+            fills += [f for f in r.fill_ms if f]  # steps that filled masks
+        pairs = zip(free_runs, constrained_runs, strict=True)
+        stopped = sum(r.num_stopped for r in constrained_runs)
+        results[f"unconstrained_{name}tok_s"] = statistics.median(r.tok_s for r in free_runs)
+        results[f"constrained_{name}tok_s"] = statistics.median(r.tok_s for r in constrained_runs)
         results[f"constrained_{name}completed"] = stopped / (num_requests * args.repeats)
-        results[f"constrained_{name}over_unconstrained"] = statistics.median(ratios)
+        results[f"constrained_{name}over_unconstrained"] = statistics.median(
+            c.tok_s / f.tok_s for f, c in pairs
+        )
+        for side, runs in (("unconstrained", free_runs), ("constrained", constrained_runs)):
+            results[f"{side}_{name}step_ms_p50"] = statistics.median(
+                ms for r in runs for ms in r.step_ms
+            )
+            if draft is not None:
+                results[f"{side}_{name}acceptance"] = statistics.median(r.acceptance for r in runs)
     results["mask_ms_per_step_p50"] = statistics.median(masks)
     results["fill_ms_per_step_p50"] = statistics.median(fills) if fills else 0.0
     results["threads"] = torch.get_num_threads()
