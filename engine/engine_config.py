@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from engine.spec.config import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "hand_back")
+KERNELS = ("auto", "torch", "triton")  # EngineConfig.kernels
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device: str = "cpu"
     attention_backend: str = "auto"  # engine.attention.BACKENDS; auto: by device (torch on CPU)
+    # The element-wise layers (RMSNorm with its residual add, RoPE, SiLU-and-mul) and the
+    # sampler's filters, draws and rejection sampling: "torch" or "triton"
+    # (KERNELS); auto: triton where attention runs on the GPU path
+    # (the triton or flash_attn backend, also as auto's pick on CUDA), else torch.
+    kernels: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
     # CPU: bf16 products run on the bf16 kernel (kernels/cpu) where it builds; other
     # products with at least this many rows on prepacked fp32 weights (a single row is
@@ -55,6 +61,8 @@ class EngineConfig:
         return on and self.speculative is not None
 
     def __post_init__(self) -> None:
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels: {self.kernels!r} is not one of {', '.join(KERNELS)}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption: {self.preemption!r} is not one of {', '.join(PREEMPTION_MODES)}"

@@ -12,16 +12,18 @@ from typing import Any
 
 import torch
 
-from engine.attention import get_backend
+from engine.attention import get_backend, select_backend
 from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheCapacityError, KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.model_runner import LayerListener, ModelRunner, RowLogprobs, StepOutput
 from engine.models.layers import release_packed_weights, use_packed_gemm
+from engine.models.triton_layers import use_triton_kernels
 from engine.outputs import PrefilledRequest, RequestOutput
 from engine.registry import eos_token_ids, load_model
 from engine.sampler import FAULT
+from engine.sampling_kernels import sampling_kernels
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
@@ -41,6 +43,14 @@ class RequestError(ValueError):
 
 
 logger = logging.getLogger(__name__)
+
+
+def kernels_for(kernels: str, attention_backend: str) -> str:
+    """What ``EngineConfig.kernels`` means: "auto" follows the attention backend (Triton's
+    element-wise and sampling kernels beside the triton and flash_attn backends)."""
+    if kernels != "auto":
+        return kernels
+    return "triton" if attention_backend in ("triton", "flash_attn") else "torch"
 
 
 class LLMEngine:
@@ -101,14 +111,23 @@ class LLMEngine:
         )
         if self.device.type == "cpu":
             cpu_kernels.available()  # built or loaded now, not inside the first step
+        attention = config.attention_backend
+        if attention == "auto":
+            attention = select_backend(config.device, config.block_size)
+        self.kernels = kernels_for(config.kernels, attention)
+        if self.kernels == "triton":  # swapped in once: the torch path keeps its modules
+            rope = attention != "torch"  # the torch backend's metadata has no positions
+            use_triton_kernels(model, rope=rope)
+            if drafter is not None:
+                assert isinstance(drafter, torch.nn.Module)
+                use_triton_kernels(drafter, rope=rope)
         self.runner = ModelRunner(
             model,
             self.kv_cache,
-            get_backend(
-                config.attention_backend, device=config.device, block_size=config.block_size
-            ),
+            get_backend(attention, device=config.device, block_size=config.block_size),
             self.device,
             compile_decode=config.torch_compile,
+            sampling_kernels=sampling_kernels(self.kernels),
         )
         self.spec: SpecRunner | None = None
         if config.speculative is not None and drafter is not None:

@@ -17,6 +17,7 @@ from engine.attention.base import AttentionBackend, BatchLayout
 from engine.kv_cache import PagedKVCache
 from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs, ReturnHiddenStates
 from engine.sampler import SamplingTensors, sample, top_logprobs
+from engine.sampling_kernels import TORCH_SAMPLING, SamplingKernels
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, TokenLogprobs
 from engine.structured.rows import SamplingMasks, active_rows, commit_rows
@@ -105,8 +106,10 @@ class ModelRunner:
         device: torch.device,
         *,
         compile_decode: bool = False,
+        sampling_kernels: SamplingKernels = TORCH_SAMPLING,
     ) -> None:
         self.model = model
+        self.sampling_kernels = sampling_kernels  # where filters and draws run
         # What decode steps call: the model, or torch.compile of it with dynamic shapes
         # (batch size and context length are symbolic: a graph for one row and one for
         # several, not one per shape). On CPU inductor fuses the ~40 small ops per layer around
@@ -272,7 +275,7 @@ class ModelRunner:
             [s.token_ids for s in seqs],
             [s.num_prompt_tokens for s in seqs],
         )
-        tokens = sample(logits, tensors)
+        tokens = sample(logits, tensors, self.sampling_kernels)
         token_ids = tokens.tolist()
         commit_rows(grammars, token_ids)
         logprobs = None

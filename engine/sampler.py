@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -352,6 +353,30 @@ def draw(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.minimum(drawn, last).clamp_(max=weights.shape[-1] - 1).squeeze(-1)
 
 
+class SamplingKernels(Protocol):
+    """Where filters, draws and rejection sampling run (``engine.sampling_kernels``)."""
+
+    name: str
+
+    def filtered_probs(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """[B, V] logits -> [B, V] the distribution each row samples from."""
+        ...
+
+    def draw(self, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """[N, V] weights, [N] keys -> [N] int64 (``engine.sampler.draw``'s rule)."""
+        ...
+
+    def accept_sampled(
+        self,
+        probs: torch.Tensor,  # [B, K+1, V] p
+        draft_tokens: torch.Tensor,  # [B, K]
+        keys: torch.Tensor,  # [B*(K+1)] each position's key
+        draft_probs: torch.Tensor | None,  # [B, K, V] q; None: argmax drafts
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lossless rejection sampling: ``num_accepted`` [B], ``next_tokens`` [B]."""
+        ...
+
+
 FAULT = -1  # the token id of a row whose logits were not finite (see ``is_faulty``)
 
 
@@ -362,16 +387,22 @@ def is_faulty(logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(logits.gather(-1, greedy[..., None]).squeeze(-1))
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, t: SamplingTensors, kernels: SamplingKernels | None = None
+) -> torch.Tensor:
     """Next token per row: argmax for greedy rows, a seeded draw otherwise, both after the
     rows' penalties and logit bias; ``FAULT`` for a row whose logits were not finite.
-    [B] int64"""
+    ``kernels``: where the filters and the draw run (None: the torch ops here). [B] int64"""
     if t.penalties is not None:
         logits = penalized(logits[:, None], t.penalties)[:, 0]
     greedy = logits.argmax(dim=-1)
     faulty = is_faulty(logits, greedy)
     if not t.all_greedy:
-        drawn = draw(filtered_probs(logits, t), row_keys(t.seeds, t.positions))
+        keys = row_keys(t.seeds, t.positions)
+        if kernels is None:
+            drawn = draw(filtered_probs(logits, t), keys)
+        else:
+            drawn = kernels.draw(kernels.filtered_probs(logits, t), keys)
         greedy = torch.where(t.temperature > 0, drawn, greedy)
     return greedy.masked_fill(faulty, FAULT)
 

@@ -39,6 +39,7 @@ class FlashAttnMetadata:
     max_seqlen_q: int
     max_seqlen_k: int  # host bound
     is_causal: bool
+    positions: torch.Tensor  # [T] int64: the Triton element-wise path's RoPE reads them
 
 
 class FlashAttnBackend:
@@ -67,6 +68,7 @@ class FlashAttnBackend:
             max_seqlen_q=layout.max_query_len,
             max_seqlen_k=layout.max_context_len,
             is_causal=layout.is_causal,
+            positions=layout.positions,
         )
 
     def write_kv(

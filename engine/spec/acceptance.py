@@ -17,18 +17,10 @@ import dataclasses
 
 import torch
 
-from engine.sampler import (
-    FAULT,
-    SamplingTensors,
-    draw,
-    filtered_probs,
-    is_faulty,
-    penalized,
-    row_keys,
-    uniform,
-)
+from engine.sampler import FAULT, SamplingTensors, is_faulty, penalized, row_keys, uniform
+from engine.sampling_kernels import ACCEPT_SALT, TORCH_SAMPLING, SamplingKernels, first_rejection
 
-_ACCEPT_SALT = 0x2545F491  # keys the accept/reject coin apart from the token draw
+_ACCEPT_SALT = ACCEPT_SALT  # keys the accept/reject coin apart from the token draw
 DRAFT_SALT = 0x61C88647  # keys a sampled draft apart from the target's draw
 
 
@@ -51,20 +43,17 @@ def per_position(t: SamplingTensors, positions: torch.Tensor) -> SamplingTensors
     )
 
 
-def first_rejection(accepted: torch.Tensor) -> torch.Tensor:
-    """Number of leading accepted drafts per row: [B, K] bool -> [B] int64."""
-    return accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)
-
-
 def accept(
     logits: torch.Tensor,  # [B, K+1, V] fp32: target logits at the pending token and each draft
     draft_tokens: torch.Tensor,  # [B, K] int64
     sampling: SamplingTensors,  # per row; ``positions`` ignored (taken from ``first_positions``)
     first_positions: torch.Tensor,  # [B] int64: position of the token after the pending one
     draft_probs: torch.Tensor | None = None,  # [B, K, V] what each draft was sampled from
+    kernels: SamplingKernels = TORCH_SAMPLING,  # where filters and rejection sampling run
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``num_accepted`` [B] and ``next_tokens`` [B] (the bonus or recovered token);
-    a row whose logits were not finite up to there accepts nothing and gets ``FAULT``."""
+    a row whose logits were not finite up to there accepts nothing and gets ``FAULT``.
+    Sampled rows follow ``SamplingKernels.accept_sampled``'s rule (written there)."""
     b, s, v = logits.shape
     k = s - 1
     # Position i's distribution follows the output and drafts[:i]: [B, K+1, V]
@@ -78,38 +67,15 @@ def accept(
 
     positions = first_positions[:, None] + torch.arange(s, device=logits.device)  # [B, K+1]
     flat = per_position(sampling, positions)
-    probs = filtered_probs(logits.reshape(b * s, v), flat).view(b, s, v)  # p, [B, K+1, V]
+    probs = kernels.filtered_probs(logits.reshape(b * s, v), flat).view(b, s, v)  # p
     keys = row_keys(flat.seeds, flat.positions)  # [B*(K+1)]
-    if draft_probs is None:
-        # Argmax drafts: q is one-hot at the draft x, so min(1, p(x)/q(x)) = p(x), and the
-        # residual norm(max(0, p - q)) is p without x. Draw s ~ p with the position's keyed
-        # uniform and accept iff s == x: P(accept) = p(x), and after a rejection s is a draw
-        # from p restricted to tokens != x, i.e. from the residual. If every draft is
-        # accepted the draw at position K is the bonus token, a draw from p. Each emitted
-        # token is the very draw that sampling without speculation makes at its position.
-        drawn = draw(probs.reshape(b * s, v), keys).view(b, s)
-        sampled_accepted = draft_tokens == drawn[:, :k]
-        sampled_next = drawn
-    else:
-        # Sampled drafts x ~ q: accept x with probability min(1, p(x)/q(x)), i.e. when a
-        # keyed uniform r satisfies r * q(x) < p(x). At the first rejection emit a draw from
-        # norm(max(0, p - q)); if all K drafts are accepted, the bonus is a draw from p.
-        p_x = probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
-        q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-        r = uniform(keys.view(b, s)[:, :k].reshape(-1) ^ _ACCEPT_SALT, 1).view(b, k)
-        sampled_accepted = r * q_x < p_x
-        residual = (probs[:, :k] - draft_probs).clamp(min=0)  # [B, K, V]
-        # A zero residual means p == q, where a rejection cannot happen: fall back to p.
-        has_mass = residual.sum(dim=-1, keepdim=True) > 0
-        residual = torch.where(has_mass, residual, probs[:, :k])
-        weights = torch.cat([residual, probs[:, k:]], dim=1)  # [B, K+1, V]
-        sampled_next = draw(weights.reshape(b * s, v), keys).view(b, s)
+    sampled_num, sampled_next = kernels.accept_sampled(probs, draft_tokens, keys, draft_probs)
 
-    is_sampled = sampling.temperature[:, None] > 0  # [B, 1]
-    accepted = torch.where(is_sampled, sampled_accepted, greedy_accepted)
-    num = first_rejection(accepted)
-    chosen = torch.where(is_sampled, sampled_next, greedy)
-    return _unless_faulty(num, chosen.gather(1, num[:, None]).squeeze(1), faulty)
+    is_sampled = sampling.temperature > 0  # [B]
+    greedy_num = first_rejection(greedy_accepted)
+    num = torch.where(is_sampled, sampled_num, greedy_num)
+    chosen = torch.where(is_sampled, sampled_next, greedy.gather(1, greedy_num[:, None])[:, 0])
+    return _unless_faulty(num, chosen, faulty)
 
 
 def _unless_faulty(
@@ -126,6 +92,7 @@ def accept_synthetic(
     sampling: SamplingTensors,
     first_positions: torch.Tensor,  # [B]
     rates: torch.Tensor,  # [K] probability of accepting the draft at each position
+    kernels: SamplingKernels = TORCH_SAMPLING,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NOT LOSSLESS, for benchmarks with random weights only: accept the draft at position j
     with probability ``rates[j]`` whatever it is, then emit the target's own choice."""
@@ -140,5 +107,5 @@ def accept_synthetic(
     if sampling.all_greedy:
         return num, greedy
     rows = dataclasses.replace(sampling, positions=first_positions + num)
-    drawn = draw(filtered_probs(at, rows), row_keys(sampling.seeds, rows.positions))
+    drawn = kernels.draw(kernels.filtered_probs(at, rows), row_keys(sampling.seeds, rows.positions))
     return num, torch.where(sampling.temperature > 0, drawn, greedy)

@@ -73,6 +73,7 @@ class SpecRunner:
             acceptance=config.acceptance,
             synthetic_rates=config.synthetic_acceptance_rates,
             sample_drafts=config.sample_drafts,
+            sampling_kernels=runner.sampling_kernels,
         )
         self.stats = SpecDecodeStats()
         self.adaptive: AdaptiveK | None = None

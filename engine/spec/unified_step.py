@@ -34,7 +34,8 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.kv_cache import PagedKVCache
-from engine.sampler import SamplingTensors, draw, filtered_probs, row_keys
+from engine.sampler import SamplingTensors, row_keys
+from engine.sampling_kernels import TORCH_SAMPLING, SamplingKernels
 from engine.spec.acceptance import DRAFT_SALT, accept, accept_synthetic
 from engine.spec.drafters import Drafter, DraftLogits, ProposeArgs
 from engine.structured.bitmask import apply_bitmask, apply_bitmask_rows
@@ -93,6 +94,7 @@ class UnifiedStep:
         acceptance: str = "lossless",
         synthetic_rates: tuple[float, ...] = (),
         sample_drafts: bool = False,
+        sampling_kernels: SamplingKernels = TORCH_SAMPLING,
     ) -> None:
         self.target, self.drafter = target, drafter
         self.target_kv, self.draft_kv = target_kv, draft_kv
@@ -103,6 +105,7 @@ class UnifiedStep:
         # Made once per device and K: a host-to-device copy cannot sit in a CUDA graph.
         self._rates: dict[tuple[torch.device, int], torch.Tensor] = {}
         self.sample_drafts = sample_drafts
+        self.sampling_kernels = sampling_kernels  # filters, draws, rejection sampling
 
     @torch.inference_mode()
     def __call__(
@@ -158,11 +161,16 @@ class UnifiedStep:
                 rates = torch.tensor(self.synthetic_rates[:k], device=device)
                 self._rates[(device, k)] = rates
             num_accepted, next_tokens = accept_synthetic(
-                logits, inputs.sampling, first_positions, rates
+                logits, inputs.sampling, first_positions, rates, self.sampling_kernels
             )
         else:
             num_accepted, next_tokens = accept(
-                logits, inputs.draft_tokens, inputs.sampling, first_positions, inputs.draft_probs
+                logits,
+                inputs.draft_tokens,
+                inputs.sampling,
+                first_positions,
+                inputs.draft_probs,
+                self.sampling_kernels,
             )
 
         # Accepted drafts, then the next token: what the row emits, and (shifted by one)
@@ -249,8 +257,8 @@ class UnifiedStep:
                 return greedy
             # Draft j is the token at position p + 2 + j (p: last committed, p+1: bonus).
             rows = dataclasses.replace(sampling, positions=args.last_positions + 2 + j)
-            q = filtered_probs(scores.full(), rows)  # [B, V]
-            drawn = draw(q, row_keys(rows.seeds, rows.positions) ^ DRAFT_SALT)
+            q = self.sampling_kernels.filtered_probs(scores.full(), rows)  # [B, V]
+            drawn = self.sampling_kernels.draw(q, row_keys(rows.seeds, rows.positions) ^ DRAFT_SALT)
             is_sampled = sampling.temperature > 0
             # Greedy rows draft the argmax: their q is one-hot there.
             one_hot = torch.zeros_like(q).scatter_(1, greedy[:, None], 1.0)
