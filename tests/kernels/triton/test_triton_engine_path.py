@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.llm_engine import EngineConfig, LLMEngine, kernels_for
+from engine.models.layers import GatedMLP, RMSNorm
 from engine.models.triton_layers import (
     TritonGatedMLP,
     TritonLlama3Attention,
@@ -114,3 +115,17 @@ def test_eagle3_on_the_triton_path_equals_the_torch_path(tiny, tmp_path, sample_
     assert any(isinstance(m, TritonRMSNorm) for m in modules)
     assert any(isinstance(m, TritonLlama3Attention) for m in modules)
     assert any(isinstance(m, TritonGatedMLP) for m in modules)
+
+
+def test_deepseek_v3_on_the_triton_path_equals_the_torch_path(tmp_path) -> None:
+    """Its norms (latent ones included), dense MLP and experts take the kernels; the latent
+    attention keeps its torch rotation (YaRN tables, interleaved dims)."""
+    from tests.engine.tiny_deepseek import build_tiny_deepseek
+
+    build_tiny_deepseek(tmp_path, "q_proj_plain_rope_split_tied_bias", num_layers=2)
+    expected, _ = run(tmp_path, "torch", None)
+    got, engine = run(tmp_path, "triton", None)
+    assert_same(got, expected)
+    modules = list(engine.runner.model.modules())
+    assert not any(isinstance(m, (RMSNorm, GatedMLP)) for m in modules)
+    assert sum(isinstance(m, TritonGatedMLP) for m in modules) > 2  # experts too
