@@ -33,11 +33,14 @@ from typing import Any
 
 import torch
 
-from engine.attention import get_backend
+from engine.attention import get_backend, select_backend
 from engine.config import Llama3Config
 from engine.kv_cache import KVCacheParams, PagedKVCache
+from engine.llm_engine import kernels_for
 from engine.models.llama3 import Llama3Model
+from engine.models.triton_layers import use_triton_kernels
 from engine.sampler import SamplingTensors
+from engine.sampling_kernels import sampling_kernels
 from engine.sampling_params import SamplingParams
 from engine.spec.drafters import DRAFTERS
 from engine.spec.graph_runner import (
@@ -170,7 +173,12 @@ class StepBench:
         )
         draft_params = KVCacheParams.from_config(self.drafter.config, BLOCK_SIZE)
         draft_kv = PagedKVCache(draft_params, num_blocks, device)
-        backend = get_backend("auto", device=device, block_size=BLOCK_SIZE)
+        attention = select_backend(device, BLOCK_SIZE)
+        backend = get_backend(attention, device=device, block_size=BLOCK_SIZE)
+        kernels = kernels_for("auto", attention)  # what the engine runs with on this device
+        if kernels == "triton":
+            use_triton_kernels(self.target)
+            use_triton_kernels(self.drafter)
         self.step = UnifiedStep(
             self.target,
             self.drafter,
@@ -179,6 +187,7 @@ class StepBench:
             backend,
             acceptance="synthetic",
             synthetic_rates=tuple(args.rates),
+            sampling_kernels=sampling_kernels(kernels),
         )
         buffers = PersistentInputBuffers.alloc(
             max_batch, max_batch * (self.k + 1), device, max_blocks_per_seq=width
@@ -191,7 +200,8 @@ class StepBench:
         )
         what = "captured" if self.runner.use_graphs else "set up (no capture)"
         log(f"{name}: {len(self.runner.buckets)} buckets x 2 shapes {what} in "
-            f"{time.perf_counter() - started:.1f} s")  # fmt: skip
+            f"{time.perf_counter() - started:.1f} s "
+            f"(attention {attention}, kernels {kernels})")  # fmt: skip
 
     def inputs(self, b: int, k: int) -> SpecStepInputs:
         gen = torch.Generator().manual_seed(b)
