@@ -42,6 +42,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: flash-attn or the Triton kernels on CUDA, the torch backend (C++ kernels) "
         "on CPU (default: auto)",
     )
+    group.add_argument(
+        "--kernels",
+        choices=("auto", "torch", "triton"),  # engine.engine_config.KERNELS
+        default="auto",
+        help="RMSNorm, RoPE, SiLU-and-mul and sampling: auto: the Triton kernels beside the "
+        "triton or flash_attn attention backend, torch ops otherwise (default: auto)",
+    )
     group.add_argument("--draft", metavar="DIR", help="EAGLE / EAGLE-3 / DFlash draft directory")
     group.add_argument("--num-draft-tokens", type=int, default=5, help="K, drafts per step")
     group.add_argument(
@@ -118,6 +125,7 @@ def build_engine(
         preemption=preemption,
         torch_compile=args.torch_compile,
         attention_backend=args.attention_backend,
+        kernels=args.kernels,
         grammar_compile_timeout_s=args.grammar_compile_timeout_s,
         warm_up=True,  # before health turns SERVING: no request pays for lazy set-up
     )
