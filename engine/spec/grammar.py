@@ -70,10 +70,30 @@ class StepGrammar:
             assert row is not None
             row.commit(row_tokens[: num + 1])
 
-    def mask(self, scores: DraftLogits) -> DraftLogits:
+    def argmax(self, scores: DraftLogits) -> torch.Tensor:
+        """Greedy drafts [B]: the argmax of the masked scores. A row's unmasked argmax that
+        its grammar allows is that already (ties included: the first maximum), so only
+        rows whose argmax is refused pay for a mask (a fill per state is the cost)."""
+        chosen = scores.argmax()
+        index = torch.tensor(self.indices, device=chosen.device)
+        tokens = chosen[index].tolist()
+        refused = [
+            b
+            for b, token in zip(self.indices, tokens, strict=True)
+            if not self._is_stuck[b] and not self._row(b).allows(token)
+        ]
+        if not refused:
+            return chosen
+        again = self.mask(scores, refused).argmax()
+        rows = torch.tensor(refused, device=chosen.device)
+        return chosen.index_copy(0, rows, again[rows])
+
+    def mask(self, scores: DraftLogits, rows: list[int] | None = None) -> DraftLogits:
         """The draft scores with tokens the rows' grammars refuse at -inf (a row with no
-        allowed token the drafter can score keeps its scores: verification refuses it)."""
-        rows = [b for b in self.indices if not self._is_stuck[b] and self._row(b).is_masking]
+        allowed token the drafter can score keeps its scores: verification refuses it);
+        ``rows``: only those (default: every grammar row)."""
+        candidates = self.indices if rows is None else rows
+        rows = [b for b in candidates if not self._is_stuck[b] and self._row(b).is_masking]
         if not rows:
             return scores
         mask = torch.full((len(rows), num_words(self.vocab_size)), ALL_ALLOWED, dtype=torch.int32)

@@ -47,6 +47,7 @@ class StepGrammar(Protocol):
     sync of those rows), then each draft's scores to mask and the chosen draft."""
 
     def verify_mask(self, device: torch.device) -> tuple[torch.Tensor, list[int]]: ...
+    def argmax(self, scores: DraftLogits) -> torch.Tensor: ...
     def accept(self, num_accepted: torch.Tensor, emitted: torch.Tensor) -> None: ...
     def mask(self, scores: DraftLogits) -> DraftLogits: ...
     def advance(self, drafts: torch.Tensor) -> None: ...
@@ -247,7 +248,9 @@ class UnifiedStep:
         def select(scores: DraftLogits, j: int) -> torch.Tensor:
             if grammar is None:
                 return choose(scores, j)
-            chosen = choose(grammar.mask(scores), j)
+            # Greedy drafts need a mask only where the argmax is refused; sampled ones, their
+            # masked distribution (acceptance reads it).
+            chosen = choose(grammar.mask(scores), j) if sample else grammar.argmax(scores)
             grammar.advance(chosen)
             return chosen
 

@@ -71,6 +71,15 @@ class RowGrammar:
         else:
             out.fill_(ALL_ALLOWED)
 
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next (the state is left as it was)."""
+        if not self.is_masking:
+            return True
+        if not self.matcher.accept_token(token):
+            return False
+        self.matcher.rollback(1)
+        return True
+
     def try_advance(self, token: int) -> bool:
         """Tentatively past ``token`` (``rollback`` undoes it); False if it is forbidden."""
         if self.is_thinking:

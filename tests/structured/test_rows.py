@@ -147,3 +147,16 @@ def test_a_bad_marker_on_the_wire_is_refused_naming_it():
         check_structured_output(gen.StructuredOutput(thinking_end="</think>"))
     with pytest.raises(GrammarError, match=r"structured_output.thinking_end: at most 64"):
         StructuredOutput("regex", "a", "x" * 65)
+
+
+def test_greedy_drafts_are_the_masked_argmax(compiler, tokenizer):
+    """Only refused argmaxes pay for a mask, and the drafts are those of masking all."""
+    spec = StructuredOutput("regex", "(yes|no)")
+    rows = [RowGrammar(compiler.matcher(spec), VOCAB) for _ in range(3)]
+    grammar = StepGrammar([rows[0], None, rows[1], rows[2]])
+    scores = DraftLogits(torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2)))
+    allowed = tokenizer.encode("yes", add_special_tokens=False)[0]
+    scores.values[2, allowed] = 100.0  # row 2's argmax is allowed: no mask
+    expected = grammar.mask(scores).argmax()
+    assert torch.equal(grammar.argmax(scores), expected) and int(expected[2]) == allowed
+    assert rows[0].allows(int(expected[0])) and not rows[0].allows(int(scores.argmax()[0]))
