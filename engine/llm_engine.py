@@ -154,18 +154,24 @@ class LLMEngine:
     def _warm_up(self) -> None:
         """Runs every lazy initialization and compiles the decode graphs now, then forgets
         the warm-up's counters and cached prefixes: generations of 1 row and of 3 rows (one
-        of them sampled). One row is a graph of its own; a graph first traced at 2 rows
-        keeps the batch size static, one traced at 3 serves every batch size from 2 on
-        (measured: no graph compiled after the warm-up)."""
+        of them sampled), each with contexts of one block and of three. Dynamo specializes
+        a dimension of size 1: one row, and a block table one block wide, are graphs of
+        their own; a graph first traced at 2 keeps that size static, one traced at 3 serves
+        every size from 2 on. Without the three-block pass, the first request longer than a
+        block compiled a graph while it was served (40 s at one thread)."""
         started = time.perf_counter()
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         sampled = SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True)
+        # Prompt lengths whose contexts (prompt + 4 tokens) span 1 and 3 blocks.
+        lengths = (min(8, self.block_manager.block_size - 4), 2 * self.block_manager.block_size + 8)
         for num_rows in (1, 3):
-            for row in range(num_rows):
-                params = sampled if row == 2 else greedy
-                self.add_request(f"warm-up-{num_rows}-{row}", [1 + row] * 8, params)
-            while self.has_unfinished_requests():
-                self.step()
+            for length in lengths:
+                for row in range(num_rows):
+                    params = sampled if row == 2 else greedy
+                    rid = f"warm-up-{num_rows}-{length}-{row}"
+                    self.add_request(rid, [1 + row] * length, params)
+                while self.has_unfinished_requests():
+                    self.step()
         if self.spec is not None:
             self.spec.stats = SpecDecodeStats()
         self.block_manager.reset_prefix_cache()
