@@ -160,14 +160,16 @@ class LLMEngine:
         every size from 2 on. Without the three-block pass, the first request longer than a
         block compiled a graph while it was served (40 s at one thread)."""
         started = time.perf_counter()
-        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        sampled = SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True)
-        # Prompt lengths whose contexts (prompt + 4 tokens) span 1 and 3 blocks.
-        lengths = (min(8, self.block_manager.block_size - 4), 2 * self.block_manager.block_size + 8)
+        # Contexts within one block (a 1-token prompt and up to block_size - 1 new tokens),
+        # and across three (the table's width may then grow: it stays symbolic).
+        bs = self.block_manager.block_size
+        shapes = ((1, max(1, min(4, bs - 1))), (2 * bs + 8, 4))  # (prompt length, max_tokens)
         for num_rows in (1, 3):
-            for length in lengths:
+            for length, max_tokens in shapes:
                 for row in range(num_rows):
-                    params = sampled if row == 2 else greedy
+                    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                    if row == 2:
+                        params = dataclasses.replace(params, temperature=1.0, seed=0)
                     rid = f"warm-up-{num_rows}-{length}-{row}"
                     self.add_request(rid, [1 + row] * length, params)
                 while self.has_unfinished_requests():
