@@ -20,6 +20,7 @@ from router.route import Route, count_in_flight, record_in_ledger
 from router.routing import WorkerPicker, prefix_hashes
 from serving.metrics import RouterMetrics
 from serving.rpc import ChannelPool, Unavailable, kv_push_status
+from tandem.v1 import kv_transfer_pb2 as kv_pb
 from tandem.v1 import worker_pb2 as pb
 from tandem.v1 import worker_pb2_grpc as pb_grpc
 
@@ -30,6 +31,21 @@ ABORT_TIMEOUT_S = 2.0
 # restarting: `tandem serve` restarts a dead worker within seconds); new requests wait the
 # picker's wait_s.
 RESUME_WAIT_S = 30.0
+CHECKSUM_MISMATCH = kv_pb.KvPushStatus.Name(kv_pb.KV_PUSH_STATUS_CHECKSUM_MISMATCH)
+
+
+def at_fault(route: Route, push_status: str | None) -> list[WorkerInfo]:
+    """The workers a failed prefill's next attempt avoids, told by the KV push status the
+    prefill worker's error carries (never by its message). None: the prefill worker
+    itself failed (its engine wrote no layer within --transfer-stall-s, it died, or it
+    refused the request). A checksum mismatch: both, since either end or the link between
+    them corrupted the chunk. Any other: the decode worker's end (it took no chunk or sent
+    no reply within --transfer-stall-s, its call broke, or it let the reservation go)."""
+    if push_status is None:
+        return [route.prefill]
+    if push_status == CHECKSUM_MISMATCH:
+        return [route.prefill, route.decode]
+    return [route.decode]
 
 
 class Migration:
@@ -58,7 +74,7 @@ class Migration:
         self.picker.forget_stale()
         hashes = prefix_hashes(route.token_ids)
         route.prefill, route.decode = await self.picker.pick_waiting(
-            route.deadline, hashes, wait_s=RESUME_WAIT_S
+            route.deadline, hashes, wait_s=RESUME_WAIT_S, avoid=route.avoid
         )
         count_in_flight(self.picker, route, +1)
 
@@ -89,27 +105,34 @@ class Migration:
     async def requeue_after_failed_prefill(
         self, route: Route, error: grpc.aio.AioRpcError | Unavailable
     ) -> None:
-        """Prefill failed before the first token: P died or refused the request under an
-        epoch it has left, or D let the reservation go (D lost its lease on the blocks in
-        a stall, or D died). P and D are told to drop it, and the request becomes QUEUED
-        and this router's again, to be prefilled anew on the P and D picked next."""
+        """Prefill failed before the first token: P died, its engine stalled or it refused
+        the request under an epoch it has left; or the KV push failed (D stopped taking
+        it, a checksum differed, D let the reservation go). P and D are told to drop it
+        (D's engine frees the blocks before it reserves any again), and the request
+        becomes QUEUED and this router's again, to be prefilled anew on the P and D
+        picked next: not the side ``at_fault`` where another worker of that role is
+        live. Only P failing itself marks it unreachable: a failed push tells which end
+        failed this request, not that the worker is gone (D's own calls tell that)."""
         rid = route.request.request_id
         if isinstance(error, grpc.aio.AioRpcError):
             code, details = error.code().name, error.details() or ""
-            push_refused = kv_push_status(error) is not None
+            push_status = kv_push_status(error)
         else:
-            code, details, push_refused = "UNAVAILABLE", str(error), False
+            code, details, push_status = "UNAVAILABLE", str(error), None
+        avoided = at_fault(route, push_status)
         log.warning(
-            "%s: prefill on %s for %s failed (%s: %s); prefilling it again",
+            "%s: prefill on %s for %s failed (%s: %s); prefilling it again, avoiding %s",
             rid,
             route.prefill.worker_id,
             route.decode.worker_id,
             code,
             details,
+            ", ".join(w.worker_id for w in avoided),
         )
         self.picker.forget_stale()  # P or D may be known under an epoch it has left
-        if not push_refused:  # P itself failed, not D refusing P's push
+        if push_status is None:  # P itself failed, not P's push into D
             self.picker.mark_unreachable(route.prefill)
+        route.avoid.update(w.worker_id for w in avoided)
         abort = pb.AbortRequest(request_id=rid, reason="prefill failed: prefilling it again")
         await asyncio.gather(
             self.abort_quietly(route.prefill, abort), self.abort_quietly(route.decode, abort)

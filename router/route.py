@@ -35,6 +35,9 @@ class Route:
     # carries them); added to the final chunk's. An attempt whose decode worker died
     # reports nothing, and is not counted.
     earlier_drafts: gen.SpeculativeUsage | None = None
+    # Ids of workers an attempt failed on (``migration.at_fault``: a stalled engine or
+    # push, a bad checksum): the request's next attempts go to others where others can.
+    avoid: set[str] = field(default_factory=set)
 
     def count_attempt(self, usage: gen.Usage) -> None:
         if usage.HasField("speculative"):

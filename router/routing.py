@@ -24,6 +24,7 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 import xxhash
 
@@ -42,6 +43,12 @@ UNREACHABLE_S = 30.0  # a worker whose connection broke is passed over this long
 def is_colocated(worker: WorkerInfo) -> bool:
     """A decode worker that prefills its own requests (``--colocate``)."""
     return worker.role is WorkerRole.DECODE and worker.stats.get("colocated", "0") == "1"
+
+
+def elsewhere(workers: list[WorkerInfo], avoid: AbstractSet[str]) -> list[WorkerInfo]:
+    """``workers`` less those whose ids are in ``avoid``, or all of them when that leaves
+    none: a request retried away from a worker goes back to it when it is the only one."""
+    return [w for w in workers if w.worker_id not in avoid] or workers
 
 
 def prefix_hashes(token_ids: Sequence[int], block_tokens: int = PREFIX_BLOCK_TOKENS) -> list[str]:
@@ -104,19 +111,23 @@ class WorkerPicker:
             and self._is_reachable(w)
         ]
 
-    def pick(self, hashes: Sequence[str] = ()) -> tuple[WorkerInfo, WorkerInfo]:
+    def pick(
+        self, hashes: Sequence[str] = (), avoid: AbstractSet[str] = frozenset()
+    ) -> tuple[WorkerInfo, WorkerInfo]:
         """A (prefill, decode) pair with the same draft fingerprint, each the worker that
         saw the longest prefix of ``hashes`` (``prefix_hashes`` of the prompt), else the
-        least loaded. A co-located worker picked to prefill is the pair's decode worker."""
+        least loaded; of each role, not a worker in ``avoid`` unless it is the only one. A
+        co-located worker picked to prefill is the pair's decode worker."""
         matched = self._match(hashes)
         enough = max(1, int(MIN_MATCH_FRACTION * len(hashes) + 0.5))
         warm = {w: n for w, n in matched.items() if n >= enough}
         prefillers = self.workers(WorkerRole.PREFILL)
         prefillers += [w for w in self.workers(WorkerRole.DECODE) if is_colocated(w)]
-        prefill = self._best(prefillers, WorkerRole.PREFILL, warm)
+        prefill = self._best(elsewhere(prefillers, avoid), WorkerRole.PREFILL, warm)
         if is_colocated(prefill):
             return prefill, prefill
-        return prefill, self._best(self.decoders_for(prefill), WorkerRole.DECODE, warm)
+        decoders = elsewhere(self.decoders_for(prefill), avoid)
+        return prefill, self._best(decoders, WorkerRole.DECODE, warm)
 
     def _match(self, hashes: Sequence[str]) -> dict[str, int]:
         """For each worker, how many leading blocks of ``hashes`` it was sent. Since the
@@ -165,11 +176,17 @@ class WorkerPicker:
             and (is_colocated(w) or not is_colocated(prefill))
         ]
 
-    def least_loaded(self, decoders: list[WorkerInfo]) -> WorkerInfo:
-        return self._least_loaded(decoders, WorkerRole.DECODE)
+    def least_loaded(
+        self, decoders: list[WorkerInfo], avoid: AbstractSet[str] = frozenset()
+    ) -> WorkerInfo:
+        return self._least_loaded(elsewhere(decoders, avoid), WorkerRole.DECODE)
 
     async def pick_waiting(
-        self, deadline: float, hashes: Sequence[str] = (), wait_s: float | None = None
+        self,
+        deadline: float,
+        hashes: Sequence[str] = (),
+        wait_s: float | None = None,
+        avoid: AbstractSet[str] = frozenset(),
     ) -> tuple[WorkerInfo, WorkerInfo]:
         """``pick``, re-reading the registry while no pair is live, for at most ``wait_s``
         (default: the picker's) and never past ``deadline`` (monotonic): a worker
@@ -177,7 +194,7 @@ class WorkerPicker:
         give_up = min(deadline, time.monotonic() + (self.wait_s if wait_s is None else wait_s))
         while True:
             try:
-                return self.pick(hashes)
+                return self.pick(hashes, avoid)
             except Unavailable:
                 if time.monotonic() + self.refresh_s > give_up:
                     raise

@@ -272,7 +272,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                 if others:
                     count_in_flight(self.picker, route, -1)
                     is_colocated = route.is_colocated
-                    route.decode = self.picker.least_loaded(others)
+                    route.decode = self.picker.least_loaded(others, route.avoid)
                     if is_colocated:  # another co-located worker serves it whole
                         route.prefill = route.decode
                     count_in_flight(self.picker, route, +1)

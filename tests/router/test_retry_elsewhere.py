@@ -1,0 +1,138 @@
+"""A failed prefill is retried away from the side at fault (router/migration.py), on a real
+Redis ledger: the KV push status the prefill worker's error carries (trailing metadata,
+never the message) says which side; that worker is avoided for the request's next
+attempts, where another of its role is live, and only a prefill worker failing itself is
+marked unreachable. Avoiding is a preference: a lone worker is picked again."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from ledger.ledger import Ledger, RequestState, WorkerInfo, WorkerRole
+from ledger.membership import Membership, Timing
+from router.migration import Migration
+from router.route import Route, record_in_ledger
+from router.routing import WorkerPicker, prefix_hashes
+from router.validation import ValidRequest
+from serving.metrics import RouterMetrics
+from serving.rpc import ChannelPool, Unavailable
+from tandem.v1 import generation_pb2 as gen
+from tandem_client.wire import KV_PUSH_STATUS_KEY
+
+REFUSED = "127.0.0.1:1"  # nothing listens: the Aborts the router sends fail at once
+
+
+def join(ledger: Ledger, worker_id: str, role: WorkerRole) -> None:
+    epoch = ledger.register_worker(worker_id, role=role, address=REFUSED, capacity=1, ttl_ms=60_000)
+    stats = {"model": "m", "draining": 0, "draft_fingerprint": "", "colocated": 0}
+    ledger.heartbeat(worker_id, epoch=epoch, ttl_ms=60_000, load=0.1, stats=stats)
+
+
+def two_pairs(ledger: Ledger) -> dict[str, WorkerInfo]:
+    for i in range(2):
+        join(ledger, f"p{i}", WorkerRole.PREFILL)
+        join(ledger, f"d{i}", WorkerRole.DECODE)
+    return {w.worker_id: w for w in ledger.list_workers()}
+
+
+def ids(pair: tuple[WorkerInfo, ...]) -> tuple[str, ...]:
+    return tuple(w.worker_id for w in pair)
+
+
+def test_a_retry_avoids_the_workers_at_fault_unless_they_are_the_only_ones(
+    ledger: Ledger,
+) -> None:
+    workers = two_pairs(ledger)
+    picker = WorkerPicker(ledger, "m", refresh_s=0.0)
+    for _ in range(4):  # equal scores take turns: every turn avoids them
+        assert picker.pick(avoid={"d0"})[1].worker_id == "d1"
+        assert ids(picker.pick(avoid={"p0", "d0"})) == ("p1", "d1")
+    hashes = prefix_hashes(list(range(64)))
+    picker.remember([workers["p0"], workers["d0"]], hashes)
+    assert ids(picker.pick(hashes)) == ("p0", "d0")  # warm
+    assert ids(picker.pick(hashes, avoid={"d0"})) == ("p0", "d1")  # warm, but at fault
+    assert picker.least_loaded(picker.decoders_for(workers["p0"]), {"d0"}).worker_id == "d1"
+    # The only live decode worker is picked again, avoided or not.
+    picker.mark_unreachable(workers["d1"])
+    assert ids(picker.pick(avoid={"p0", "d0"})) == ("p1", "d0")
+
+
+def prefill_error(push_status: str | None) -> grpc.aio.AioRpcError:
+    """The error a router's Prefill call gets: UNAVAILABLE, with the push status, if any,
+    in the trailing metadata (serving.rpc, from the prefill worker's exception)."""
+    trailing = [(KV_PUSH_STATUS_KEY, push_status)] if push_status else []
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(*trailing),
+        details="prefill worker: request r1: stalled: ...",
+    )
+
+
+@pytest.mark.parametrize(
+    ("error", "avoided", "unreachable", "next_pair"),
+    [
+        # The prefill worker's engine wrote no layer in time (no push status): its fault.
+        (prefill_error(None), {"p0"}, {"p0"}, ("p1", None)),
+        # The router could not reach it at all.
+        (Unavailable("prefill worker p0: not reachable"), {"p0"}, {"p0"}, ("p1", None)),
+        # The decode worker took no chunk (or sent no reply) in time: its end.
+        (prefill_error("KV_PUSH_STATUS_INCOMPLETE"), {"d0"}, set(), (None, "d1")),
+        # A chunk corrupted on either end or between them: another pair.
+        (prefill_error("KV_PUSH_STATUS_CHECKSUM_MISMATCH"), {"p0", "d0"}, set(), ("p1", "d1")),
+        # The decode worker restarted or let the reservation go.
+        (prefill_error("KV_PUSH_STATUS_STALE_EPOCH"), {"d0"}, set(), (None, "d1")),
+    ],
+    ids=["engine-stalled", "prefill-unreachable", "receiver-stalled", "checksum", "stale-epoch"],
+)
+async def test_a_failed_prefill_is_requeued_away_from_the_side_at_fault(
+    ledger: Ledger,
+    error: grpc.aio.AioRpcError | Unavailable,
+    avoided: set[str],
+    unreachable: set[str],
+    next_pair: tuple[str | None, str | None],
+) -> None:
+    workers = two_pairs(ledger)
+    membership = Membership(
+        ledger, "router-0", role=WorkerRole.ROUTER, address=REFUSED, capacity=0, timing=Timing()
+    )
+    membership.register()
+    picker = WorkerPicker(ledger, "m", refresh_s=0.0)
+    channels = ChannelPool()
+    migration = Migration(
+        membership=membership,
+        picker=picker,
+        channels=channels,
+        metrics=RouterMetrics(),
+        model_name="m",
+    )
+    valid = ValidRequest("r1", [1, 2, 3], gen.SamplingParams(), max_tokens=4)
+    p0, d0 = workers["p0"], workers["d0"]
+    route = Route(valid, p0, d0, time.monotonic() + 30)
+    record_in_ledger(membership, route, "m")
+    ledger.transition(  # as the router hands it to P before the Prefill call
+        "r1",
+        RequestState.PREFILLING,
+        expected=RequestState.QUEUED,
+        epoch=route.owner_epoch,
+        new_owner="p0",
+        new_epoch=p0.epoch,
+    )
+    try:
+        await migration.requeue_after_failed_prefill(route, error)
+        assert route.avoid == avoided
+        marked = set(workers)
+        marked -= {w.worker_id for role in WorkerRole for w in picker.workers(role)}
+        assert marked == unreachable
+        record = ledger.get_request("r1")
+        assert record is not None and record.state is RequestState.QUEUED
+        assert record.owner == "router-0"
+        for _ in range(4):  # every turn
+            await migration.repick(route)
+            for want, got in zip(next_pair, ids((route.prefill, route.decode)), strict=True):
+                assert want is None or got == want
+    finally:
+        await channels.close()
