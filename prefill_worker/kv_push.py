@@ -22,13 +22,20 @@ Which blocks a step sends, and why the loop may read them while the engine threa
   other request writes them meanwhile (prefix-cache sharers only read full blocks).
 - Blocks the decode worker already caches (``num_cached_blocks``) are never sent; blocks
   this worker had cached (never computed in a step) go with the request's first step.
+
+The push's engine clock (``stall_s``): the request's first layer, and each next one, must
+come within ``stall_s`` of the moment the push starts waiting for it or of the last layer
+the engine wrote for any request, whichever is later. A busy engine (computing other
+prompts while this one queues behind them) writes layers all the time and fails no one; a
+stuck one (a step that never returns, a dead thread) writes none, and every push waiting
+on it fails (Unavailable: the router passes this worker over).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,11 +72,15 @@ class LayerPush:
         block_size: int,
         slots: asyncio.Semaphore,
         stall_s: float = TransferOptions.stall_s,
+        engine_progress: Callable[[], float] | None = None,
     ) -> None:
         self.sender = sender
-        # Once the engine wrote the request's first layer, each next one must come within
-        # this (a request may queue before its first step for as long as its deadline).
+        # The engine clock (the module's docstring); ``engine_progress``: when the engine
+        # last wrote a layer for any request (time.monotonic). Without it only this
+        # request's layers count, and its first layer has no clock (it may queue for as
+        # long as its deadline).
         self.stall_s = stall_s
+        self._engine_progress = engine_progress
         self.seconds = 0.0  # begin .. finish acknowledged
         self._handshake = handshake
         self._pools = pools
@@ -110,9 +121,9 @@ class LayerPush:
             async with self._slots:
                 start = time.perf_counter()
                 await self.sender.begin(self._handshake)
-                written = await self._queue.get()  # queued in the engine: no stall clock
+                written = await self._next_written("first")
                 while not await self._send(written):
-                    written = await self._next_written()
+                    written = await self._next_written("next")
                 await self.sender.finish()
                 self.seconds = time.perf_counter() - start
         except BaseException:
@@ -120,17 +131,30 @@ class LayerPush:
             raise
         return self.sender.num_bytes_sent
 
-    async def _next_written(self) -> _Written:
-        """The next layer the engine writes for this request; Unavailable (this worker's
-        engine stopped) when none comes within ``stall_s``."""
-        try:
-            async with asyncio.timeout(self.stall_s):
-                return await self._queue.get()
-        except TimeoutError:
-            self._abort_reason = stalled(self.stall_s, "waiting for the engine's next layer")
-            raise Unavailable(
-                f"prefill worker: request {self._handshake.request_id}: {self._abort_reason}"
-            ) from None
+    async def _next_written(self, which: str) -> _Written:
+        """The ``which`` ("first" or "next") layer the engine writes for this request;
+        Unavailable (this worker's engine stopped) when the engine clock runs out."""
+        if self._engine_progress is None and which == "first":
+            return await self._queue.get()
+        waiting_since = time.monotonic()
+        while self._queue.empty():
+            progress = waiting_since
+            if self._engine_progress is not None:
+                progress = max(progress, self._engine_progress())
+            left = progress + self.stall_s - time.monotonic()
+            if left <= 0:
+                self._abort_reason = stalled(
+                    self.stall_s, f"waiting for the engine's {which} layer"
+                )
+                raise Unavailable(
+                    f"prefill worker: request {self._handshake.request_id}: {self._abort_reason}"
+                )
+            try:
+                async with asyncio.timeout(left):
+                    return await self._queue.get()
+            except TimeoutError:
+                pass  # look again: the engine may have written other requests' layers
+        return self._queue.get_nowait()
 
     async def _send(self, written: _Written) -> bool:
         """Sends one written layer's blocks; True once it was the push's last layer."""
@@ -169,10 +193,14 @@ class LayerRelay:
     def __init__(self, loop: asyncio.AbstractEventLoop, device: torch.device) -> None:
         # Written by the event loop, read by the engine thread (single dict operations).
         self.pushes: dict[str, LayerPush] = {}
+        # When the engine last wrote a layer, for any request (time.monotonic; written by
+        # the engine thread, read by the event loop): the pushes' engine clock.
+        self.last_written_at = time.monotonic()
         self._loop = loop
         self._is_cuda = device.type == "cuda"
 
     def __call__(self, pool: str, layer: int, step: StepKv) -> None:
+        self.last_written_at = time.monotonic()
         if not self.pushes:
             return
         rows = []

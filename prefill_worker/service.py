@@ -16,7 +16,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -37,6 +37,7 @@ from tandem.v1 import worker_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 CONNECT_PERIOD_S = 2.0  # how often new decode workers are connected to ahead of use
+T = TypeVar("T")
 
 
 @dataclass
@@ -56,8 +57,9 @@ def _collect(engine: LLMEngine, outputs: list[RequestOutput]) -> list[_Prefilled
     return done
 
 
-async def _first_token(future: asyncio.Future[_Prefilled], push: LayerPush) -> _Prefilled:
-    """The engine's result; a push that fails meanwhile fails the request at once."""
+async def _unless_push_failed(future: asyncio.Future[T], push: LayerPush) -> T:
+    """The engine's answer; a push that fails meanwhile (its engine clock ran out: the
+    engine may not even take the request) fails the request at once."""
     waits: set[asyncio.Future[Any]] = {future, push.task}
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     if push.task.done() and not future.done():
@@ -137,9 +139,9 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
                 is_prefill_only=True,
                 num_generated_tokens=request.num_output_tokens_sent,
             )
-            await self.engine_loop.call(add, rid, prompt, params)
+            await _unless_push_failed(self.engine_loop.submit(add, rid, prompt, params), push)
             queued = time.monotonic()
-            result = await _first_token(future, push)
+            result = await _unless_push_failed(future, push)
             if result.output.finish_reason == "error":
                 raise RequestFailed(NON_FINITE_LOGITS)
             computed = time.monotonic()
@@ -264,7 +266,8 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
     def _start_push(self, request: pb.PrefillRequest, remaining_s: float | None) -> LayerPush:
         """Opens the push into the decode worker's blocks before any compute; the relay
         feeds it each layer the engine writes for this request. The push lives as long
-        as the request may (its deadline), since it is open while the request queues."""
+        as the request may (its deadline), since it is open while the request queues; its
+        engine clock fails it sooner if the engine stops writing layers altogether."""
         options = self.transfer_options
         if remaining_s is not None and remaining_s > options.timeout_s:
             options = dataclasses.replace(options, timeout_s=remaining_s)
@@ -283,6 +286,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             self.engine.config.block_size,
             self._push_slots,
             options.stall_s,
+            engine_progress=lambda: self._relay.last_written_at,
         )
         self._relay.pushes[request.request_id] = push
         return push

@@ -425,10 +425,10 @@ def add_kv_transport_argument(parser: argparse.ArgumentParser) -> None:
         "--transfer-stall-s",
         type=_positive_float,
         default=10.0,
-        help="a KV push in which nothing moves for this long (no next layer from the prefill "
+        help="a KV push in which nothing moves for this long (no layer from the prefill "
         "engine, no chunk sent or received, no reply) is aborted as stalled: both sides free "
-        "its blocks and the router prefills the request again; a request still queued for "
-        "its first prefill step is not stalled (default: 10)",
+        "its blocks and the router prefills the request again elsewhere; a request queued "
+        "behind others is not stalled while the engine computes theirs (default: 10)",
     )
 
 

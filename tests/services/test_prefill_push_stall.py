@@ -1,11 +1,13 @@
-"""A prefill worker's push whose engine stops mid-prompt (prefill_worker/kv_push.py): with
-real engines on both ends and the gRPC stream between them, the engine computes the first
-of three prompt chunks and then no more, as a stuck engine thread would. The push fails
-within its progress deadline naming the stall (Unavailable: the router passes this worker
-over and prefills the request elsewhere), the receiver fails the reservation as soon as
-the abort reaches it, and both engines get every block back once the request is dropped
-(as the prefill worker's Prefill and the decode worker's reservation expiry do). A chunk
-corrupted after its checksum fails the push the same way on both sides, named as such."""
+"""A prefill worker's push whose engine stops (prefill_worker/kv_push.py): with real engines
+on both ends and the gRPC stream between them, the engine computes the first of three
+prompt chunks and then no more, or none at all, as a stuck engine thread would. The push
+fails within its progress deadline naming the stall (Unavailable: the router passes this
+worker over and prefills the request elsewhere), the receiver fails the reservation as soon
+as the abort reaches it, and both engines get every block back once the request is dropped
+(as the prefill worker's Prefill and the decode worker's reservation expiry do). A request
+queued behind another's long prompt for longer than the deadline is not stalled: the
+engine writes that prompt's layers meanwhile. A chunk corrupted after its checksum fails
+the push the same way on both sides, named as such."""
 
 from __future__ import annotations
 
@@ -86,9 +88,10 @@ def start_push(
     receiver: KvReceiver,
     channel: grpc.aio.Channel,
     tamper: Tamper | None = None,
+    stall_s: float = STALL_S,
 ) -> LayerPush:
-    """Reserves "r" on ``decode``, queues it on ``prefill`` with a push fed by its layers,
-    as the prefill worker's Prefill does."""
+    """Reserves "r" on ``decode``, queues it on ``prefill`` with a push fed by its layers
+    and clocked by the engine's, as the prefill worker's Prefill does."""
     dst, _ = decode.reserve("r", PROMPT, GREEDY)
     receiver.reserve(KvReservation("r", dst, decode.kv_pools, layout_of(decode)))
     relay = LayerRelay(asyncio.get_running_loop(), torch.device("cpu"))
@@ -102,7 +105,8 @@ def start_push(
         0,
         BLOCK_SIZE,
         asyncio.Semaphore(1),
-        STALL_S,
+        stall_s,
+        engine_progress=lambda: relay.last_written_at,
     )
     relay.pushes["r"] = push
     prefill.set_layer_listener(relay)
@@ -144,6 +148,60 @@ async def test_an_engine_that_stops_mid_prompt_stalls_the_push(
     assert push.sender.num_chunks_sent > 0  # the stall came mid-push, not before it
     with pytest.raises(KvTransferError, match="INCOMPLETE: the push was cancelled or broke"):
         await receiver.wait_done("r", timeout=1.0)
+    await drop_request(push, prefill, decode, receiver)
+
+
+async def test_an_engine_that_never_starts_the_prompt_stalls_the_push(
+    target: Path, receiving: tuple[KvReceiver, grpc.aio.Channel]
+) -> None:
+    """Admitted, the request's first layer must come within the deadline too: here the
+    engine never steps again, so no layer of any request comes."""
+    receiver, channel = receiving
+    prefill, decode = make_engine(target), make_engine(target)
+    started = time.monotonic()
+    push = start_push(prefill, decode, receiver, channel)
+    with pytest.raises(Unavailable) as stalled:
+        await asyncio.wait_for(push.wait(), STALL_S + 5)
+    assert STALL_S <= time.monotonic() - started < STALL_S + 2
+    assert str(stalled.value) == (
+        f"prefill worker: request r: stalled: nothing moved for {STALL_S:g} s while waiting "
+        "for the engine's first layer (transfer_stall_s)"
+    )
+    assert push.sender.state is TransferState.FAILED
+    assert push.sender.num_chunks_sent == 0
+    with pytest.raises(KvTransferError, match="INCOMPLETE: the push was cancelled or broke"):
+        await receiver.wait_done("r", timeout=1.0)
+    await drop_request(push, prefill, decode, receiver)
+
+
+async def test_a_busy_engine_fails_no_push_queued_behind_others(
+    target: Path, receiving: tuple[KvReceiver, grpc.aio.Channel]
+) -> None:
+    """Request r waits behind the 96-token prompt of "busy" (12 steps of 8 tokens) for over
+    twice its deadline, while the engine steps busy's prompt about 5 times per deadline:
+    its push does not fail, and its KV arrives whole once its turn comes."""
+    receiver, channel = receiving
+    prefill, decode = make_engine(target), make_engine(target)
+    stall_s = 0.5
+    busy = [(5 * i + 1) % 61 + 2 for i in range(96)]  # shares no block with PROMPT
+    prefill.add_request("busy", busy, GREEDY, is_prefill_only=True)  # queued first
+    started = time.monotonic()
+    push = start_push(prefill, decode, receiver, channel, stall_s=stall_s)
+
+    async def step() -> list[str]:
+        outputs = await asyncio.to_thread(prefill.step)
+        await asyncio.sleep(stall_s / 5)  # a slow engine, but one that runs
+        return [output.request_id for output in outputs]
+
+    while "busy" not in await step():  # its prompt's last chunk gives its first token
+        assert not push.task.done()
+    assert time.monotonic() - started > 2 * stall_s  # "r" had no layer all that time
+    while "r" not in await step():
+        pass
+    assert await asyncio.wait_for(push.wait(), 5) == push.sender.num_bytes_sent > 0
+    assert push.sender.state is TransferState.DONE
+    await receiver.wait_done("r", timeout=1.0)
+    prefill.abort_request("busy")
     await drop_request(push, prefill, decode, receiver)
 
 
