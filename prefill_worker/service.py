@@ -22,6 +22,7 @@ import redis
 
 from engine.llm_engine import LLMEngine, PrefilledRequest, RequestOutput
 from engine.outputs import NON_FINITE_LOGITS, RequestFailed
+from engine.sampling_params import SamplingParams
 from kv_transfer import Handshake, KvLayout, ShmRingPool, TransferOptions, make_sender
 from ledger.ledger import LedgerConflict, RequestState, WorkerRole
 from ledger.membership import HeldRequest, Membership
@@ -135,8 +136,8 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             prompt = list(request.prompt_token_ids)
             future = self._waiting[rid] = asyncio.get_running_loop().create_future()
             add = functools.partial(
-                self.engine.add_request,
-                is_prefill_only=True,
+                self._add_relayed,
+                push=push,
                 num_generated_tokens=request.num_output_tokens_sent,
             )
             await _unless_push_failed(self.engine_loop.submit(add, rid, prompt, params), push)
@@ -168,12 +169,12 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             return self._reply(result, params.logprobs, num_bytes, start, queued, computed)
         finally:
             self._waiting.pop(rid, None)
-            self._relay.pushes.pop(rid, None)
+            self._unrelay(rid, push)
             try:  # the blocks are freed only once the push reads no more of them
                 await push.stop("prefill failed or was cancelled")
             finally:
                 self._tasks.pop(rid, None)
-                self.engine_loop.submit(self.engine.abort_request, rid, bounded=False)
+                self.engine_loop.submit(self._abort_unrelayed, rid, push, bounded=False)
                 self.membership.release(rid)
 
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortReply:
@@ -288,8 +289,36 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             options.stall_s,
             engine_progress=lambda: self._relay.last_written_at,
         )
-        self._relay.pushes[request.request_id] = push
         return push
+
+    def _add_relayed(
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        push: LayerPush,
+        num_generated_tokens: int,
+    ) -> None:
+        """Engine thread, between steps: queues the request and hands the relay its push.
+        Registered here, not on the event loop, so that the push sees only this attempt's
+        layers: an earlier attempt of the same request id (failed, its abort queued before
+        this call) may still be in the step the engine is running while the event loop
+        starts this one, and its layers must not reach this push."""
+        self.engine.add_request(
+            rid, prompt, params, is_prefill_only=True, num_generated_tokens=num_generated_tokens
+        )
+        self._relay.pushes[rid] = push
+
+    def _abort_unrelayed(self, rid: str, push: LayerPush) -> None:
+        """Engine thread: ends the request, and its push's relay entry if an add that the
+        event loop stopped waiting for registered it after all."""
+        self.engine.abort_request(rid)
+        self._unrelay(rid, push)
+
+    def _unrelay(self, rid: str, push: LayerPush) -> None:
+        if self._relay.pushes.get(rid) is push:  # never a later attempt's push
+            self._relay.pushes.pop(rid, None)
 
     def _transition(
         self,
