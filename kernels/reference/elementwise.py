@@ -25,18 +25,23 @@ def rms_norm(
 def rope(
     x: torch.Tensor,  # [T, H, D]: queries and keys may come together
     positions: torch.Tensor,  # [T]
-    inv_freq: torch.Tensor,  # [D/2] fp32, llama3 scaling included
-) -> torch.Tensor:  # [T, H, D]
+    inv_freq: torch.Tensor,  # [D/2] fp32, llama3 or YaRN scaling included
+    cos_sin_factor: float = 1.0,  # YaRN's attention factor on cos and sin
+    is_interleaved: bool = False,  # x's rotary dims as pairs (x0, x1), (x2, x3), ...
+) -> torch.Tensor:  # [T, H, D], rotated dims as halves
     """Rotates each pair (x_i, x_{i+D/2}) by position * inv_freq_i: the angle and its cosine
-    and sine in fp32, rounded to x's dtype, the rotation in x's dtype."""
+    and sine in fp32 (times ``cos_sin_factor``), rounded to x's dtype, the rotation in x's
+    dtype. Interleaved dims are first reordered into halves (DeepSeek's deinterleave)."""
     freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos(), emb.sin()
+    cos, sin = emb.cos() * cos_sin_factor, emb.sin() * cos_sin_factor
     half = x.shape[-1] // 2
     sin[:, :half] = -sin[:, :half]  # rotate_half's sign
     cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
+    if is_interleaved:
+        x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
     t, h, d = x.shape
-    swapped = x.view(t, h, 2, half).flip(2).view(t, h, d)
+    swapped = x.reshape(t, h, 2, half).flip(2).reshape(t, h, d)
     return x * cos + swapped * sin
 
 

@@ -2,8 +2,10 @@
 a sender gathers a layer's runs into one buffer, a receiver scatters them into its pool).
 
 A run is ``(first block id, length)``, as ``kv_transfer.RunPair`` describes it; runs come
-as ``run_starts [R]`` and cumulative ``run_offsets [R + 1]``. One program copies one
-chunk of one block; it finds its run by counting the offsets at or below its index.
+as ``run_starts [R]`` and cumulative ``run_offsets [R + 1]``. Run r sits in the staging
+buffer from ``stage_starts[r]`` (default: ``run_offsets[r]``, runs back to back), so K and
+V of a layer can share one buffer in the wire's order. One program copies one chunk of one
+block; it finds its run by counting the offsets at or below its index.
 """
 
 from __future__ import annotations
@@ -21,25 +23,27 @@ def _copy_runs_kernel(
     staging_ptr,
     run_starts_ptr,
     run_offsets_ptr,
+    stage_starts_ptr,
     num_runs,
     block_numel,
     IS_GATHER: tl.constexpr,
     RUNS_POW2: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    index = tl.program_id(0).to(tl.int64)  # staging block
+    index = tl.program_id(0).to(tl.int64)  # the index-th block of the runs
     r = tl.arange(0, RUNS_POW2)
     ends = tl.load(run_offsets_ptr + 1 + r, mask=r < num_runs, other=0).to(tl.int64)
     run = tl.sum(((ends <= index) & (r < num_runs)).to(tl.int32), 0)  # runs that end before
-    first = tl.load(run_offsets_ptr + run).to(tl.int64)
-    block = tl.load(run_starts_ptr + run).to(tl.int64) + index - first
+    within = index - tl.load(run_offsets_ptr + run).to(tl.int64)
+    block = tl.load(run_starts_ptr + run).to(tl.int64) + within
+    stage = tl.load(stage_starts_ptr + run).to(tl.int64) + within
     e = tl.program_id(1).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     mask = e < block_numel
     if IS_GATHER:
         x = tl.load(pool_ptr + block * block_numel + e, mask=mask)
-        tl.store(staging_ptr + index * block_numel + e, x, mask=mask)
+        tl.store(staging_ptr + stage * block_numel + e, x, mask=mask)
     else:
-        x = tl.load(staging_ptr + index * block_numel + e, mask=mask)
+        x = tl.load(staging_ptr + stage * block_numel + e, mask=mask)
         tl.store(pool_ptr + block * block_numel + e, x, mask=mask)
 
 
@@ -48,11 +52,14 @@ def _copy(
     staging: torch.Tensor,
     run_starts: torch.Tensor,
     run_offsets: torch.Tensor,
+    stage_starts: torch.Tensor | None,
+    num_blocks: int | None,
     is_gather: bool,
 ) -> None:
     assert pool.is_contiguous() and staging.is_contiguous() and pool.dtype == staging.dtype
     assert pool.shape[1:] == staging.shape[1:]
-    num_blocks = staging.shape[0]
+    if num_blocks is None:
+        num_blocks = staging.shape[0]
     block_numel = pool[0].numel() if pool.shape[0] else staging[0].numel()
     if num_blocks == 0 or block_numel == 0:
         return
@@ -63,6 +70,7 @@ def _copy(
         staging,
         run_starts,
         run_offsets,
+        run_offsets if stage_starts is None else stage_starts,
         num_runs,
         block_numel,
         IS_GATHER=is_gather,
@@ -75,18 +83,23 @@ def gather_block_runs(
     pool: torch.Tensor,  # [num_blocks, *block]: one layer's K or V pool
     run_starts: torch.Tensor,  # [R]
     run_offsets: torch.Tensor,  # [R + 1]
-    out: torch.Tensor,  # [N, *block]: the staging buffer, N = offsets[-1]
+    out: torch.Tensor,  # [S, *block]: the staging buffer
+    stage_starts: torch.Tensor | None = None,  # [R]: where each run goes in ``out``
+    num_blocks: int | None = None,  # offsets[-1], host-known (default: S)
 ) -> torch.Tensor:
-    """``out[offsets[r] + i] = pool[starts[r] + i]`` for every run r: a sender's packing."""
-    _copy(pool, out, run_starts, run_offsets, is_gather=True)
+    """``out[stage_starts[r] + i] = pool[starts[r] + i]`` for every run r: a sender's
+    packing."""
+    _copy(pool, out, run_starts, run_offsets, stage_starts, num_blocks, is_gather=True)
     return out
 
 
 def scatter_block_runs(
-    src: torch.Tensor,  # [N, *block]: the staging buffer
+    src: torch.Tensor,  # [S, *block]: the staging buffer
     pool: torch.Tensor,  # [num_blocks, *block]
     run_starts: torch.Tensor,  # [R]
     run_offsets: torch.Tensor,  # [R + 1]
+    stage_starts: torch.Tensor | None = None,  # [R]: where each run is in ``src``
+    num_blocks: int | None = None,  # offsets[-1], host-known (default: S)
 ) -> None:
-    """``pool[starts[r] + i] = src[offsets[r] + i]``: a receiver's unpacking."""
-    _copy(pool, src, run_starts, run_offsets, is_gather=False)
+    """``pool[starts[r] + i] = src[stage_starts[r] + i]``: a receiver's unpacking."""
+    _copy(pool, src, run_starts, run_offsets, stage_starts, num_blocks, is_gather=False)

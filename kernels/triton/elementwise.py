@@ -1,6 +1,7 @@
 """Fused element-wise kernels of a Llama layer: RMSNorm with the residual add, RoPE (the
-llama3 scaling lives in ``inv_freq``), SiLU-and-mul. One program per token; each rounds
-to the activation dtype where the engine's layers do, so fp32 agrees to the last bits."""
+llama3 or YaRN scaling lives in ``inv_freq``, YaRN's cos/sin factor is an argument),
+SiLU-and-mul. One program per token; each rounds to the activation dtype where the
+engine's layers do, so fp32 agrees to the last bits."""
 
 from __future__ import annotations
 
@@ -66,10 +67,12 @@ def _rope_kernel(
     out_ptr,
     positions_ptr,
     inv_freq_ptr,
+    cos_sin_factor,
     stride_xt,
     stride_xh,
     num_heads,
     HALF: tl.constexpr,
+    IS_INTERLEAVED: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
@@ -80,11 +83,16 @@ def _rope_kernel(
     angle = pos * tl.load(inv_freq_ptr + j, mask=j_valid, other=0.0)  # [D/2] fp32
     h = tl.arange(0, BLOCK_H)
     mask = (h < num_heads)[:, None] & j_valid[None, :]
-    base = x_ptr + token * stride_xt + h[:, None] * stride_xh + j[None, :]
-    x1 = tl.load(base, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    cos = tl.cos(angle).to(x1.dtype)[None, :]
-    sin = tl.sin(angle).to(x1.dtype)[None, :]
+    row = x_ptr + token * stride_xt + h[:, None] * stride_xh
+    if IS_INTERLEAVED:  # pairs (x_2j, x_2j+1), turned into halves on the way out
+        x1 = tl.load(row + 2 * j[None, :], mask=mask, other=0.0)
+        x2 = tl.load(row + 2 * j[None, :] + 1, mask=mask, other=0.0)
+    else:
+        x1 = tl.load(row + j[None, :], mask=mask, other=0.0)
+        x2 = tl.load(row + j[None, :] + HALF, mask=mask, other=0.0)
+    # fp32 cos and sin times the factor (YaRN's; 1.0 is exact), rounded to x's dtype
+    cos = (tl.cos(angle) * cos_sin_factor).to(x1.dtype)[None, :]
+    sin = (tl.sin(angle) * cos_sin_factor).to(x1.dtype)[None, :]
     # [x1, x2] * cos + [x2, x1] * [-sin, sin]: the engine's products, in x's dtype
     out = out_ptr + token * num_heads * 2 * HALF + h[:, None] * 2 * HALF + j[None, :]
     tl.store(out, x1 * cos + x2 * -sin, mask=mask)
@@ -94,9 +102,12 @@ def _rope_kernel(
 def rope(
     x: torch.Tensor,  # [T, H, D]: queries and keys may come together
     positions: torch.Tensor,  # [T]
-    inv_freq: torch.Tensor,  # [D/2] fp32, llama3 scaling included
-) -> torch.Tensor:  # [T, H, D], contiguous
-    """Rotates each pair (x_i, x_{i+D/2}) by position * inv_freq_i."""
+    inv_freq: torch.Tensor,  # [D/2] fp32, llama3 or YaRN scaling included
+    cos_sin_factor: float = 1.0,  # YaRN's attention factor on cos and sin
+    is_interleaved: bool = False,  # x's rotary dims as pairs (x0, x1), (x2, x3), ...
+) -> torch.Tensor:  # [T, H, D], contiguous, rotated dims as halves
+    """Rotates each pair (x_i, x_{i+D/2}) by position * inv_freq_i (each pair (x_2i,
+    x_2i+1) when interleaved, written out as halves: DeepSeek's deinterleave, fused)."""
     t, num_heads, head_dim = x.shape
     assert x.stride(-1) == 1 and head_dim % 2 == 0
     out = x.new_empty((t, num_heads, head_dim))
@@ -106,10 +117,12 @@ def rope(
             out,
             positions,
             inv_freq.float().contiguous(),
+            float(cos_sin_factor),
             x.stride(0),
             x.stride(1),
             num_heads,
             HALF=head_dim // 2,
+            IS_INTERLEAVED=is_interleaved,
             BLOCK_H=triton.next_power_of_2(num_heads),
             BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         )

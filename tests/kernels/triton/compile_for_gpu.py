@@ -61,6 +61,7 @@ def main() -> None:
             "staging_ptr": "*bf16",
             "run_starts_ptr": i64,
             "run_offsets_ptr": i64,
+            "stage_starts_ptr": i64,
         },
         {"IS_GATHER": True, "RUNS_POW2": 8, "CHUNK": 1024},
     )
@@ -71,11 +72,13 @@ def main() -> None:
          "new_residual_ptr": bf16, "eps": "fp32"},
         {"HAS_RESIDUAL": True, "BLOCK": 4096},
     )  # fmt: skip
-    compile_kernel(
-        elementwise._rope_kernel,
-        {"x_ptr": bf16, "out_ptr": bf16, "positions_ptr": i64, "inv_freq_ptr": "*fp32"},
-        {"HALF": 64, "BLOCK_H": 64, "BLOCK_HALF": 64},
-    )
+    for is_interleaved, half in ((False, 64), (True, 32)):  # Llama-3's; DeepSeek-V3's YaRN
+        compile_kernel(
+            elementwise._rope_kernel,
+            {"x_ptr": bf16, "out_ptr": bf16, "positions_ptr": i64, "inv_freq_ptr": "*fp32",
+             "cos_sin_factor": "fp32"},
+            {"HALF": half, "IS_INTERLEAVED": is_interleaved, "BLOCK_H": 64, "BLOCK_HALF": half},
+        )  # fmt: skip
     compile_kernel(
         elementwise._silu_and_mul_kernel, {"x_ptr": bf16, "out_ptr": bf16}, {"BLOCK": 1024}
     )

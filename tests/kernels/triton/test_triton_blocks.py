@@ -42,3 +42,30 @@ def test_gather_then_scatter_copies_exactly_the_runs(dtype, device) -> None:
     untouched = [i for i in range(20) if i not in (3, 4, 10, 11, 12, 0, 19)]
     assert torch.equal(other[untouched], want[untouched])
     assert torch.equal(other[[3, 4, 10, 11, 12, 0, 19]], pool[[3, 4, 10, 11, 12, 0, 19]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_k_and_v_share_one_staging_buffer_run_by_run(dtype, device) -> None:
+    """``stage_starts`` lays K and V of each run side by side (the KV transfer's wire
+    order): K of run r from 2 * offsets[r], its V right after."""
+    g = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(20, 4, 2, 8, generator=g).to(dtype).to(device) for _ in range(2))
+    starts, offsets, n = runs(device)
+    lengths = offsets[1:] - offsets[:-1]
+    stage = {"k": 2 * offsets[:-1], "v": 2 * offsets[:-1] + lengths}
+    staging = torch.zeros((2 * n, 4, 2, 8), dtype=dtype, device=device)
+    want = staging.clone()
+    for pool, name in ((k, "k"), (v, "v")):
+        tri.gather_block_runs(pool, starts, offsets, staging, stage[name], n)
+        ref.gather_block_runs(pool, starts, offsets, want, stage[name], n)
+    assert torch.equal(staging, want)
+    expected = [k[[3, 4]], v[[3, 4]], k[[10, 11, 12]], v[[10, 11, 12]], k[[0]], v[[0]]]
+    assert torch.equal(staging, torch.cat([*expected, k[[19]], v[[19]]]))
+
+    for pool, name in ((k, "k"), (v, "v")):
+        got, back = torch.zeros_like(pool), torch.zeros_like(pool)
+        tri.scatter_block_runs(staging, got, starts, offsets, stage[name], n)
+        ref.scatter_block_runs(staging, back, starts, offsets, stage[name], n)
+        assert torch.equal(got, back)
+        ids = [3, 4, 10, 11, 12, 0, 19]
+        assert torch.equal(got[ids], pool[ids]) and not got[[1, 2, 5]].any()

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import Llama3RopeScaling
+from engine.deepseek_v3_config import YarnRopeScaling
+from engine.models.deepseek_v3 import YarnRotaryEmbedding, deinterleave
 from engine.models.layers import RMSNorm, RotaryEmbedding, rope_inv_freq
 from kernels.reference import elementwise as ref
 from kernels.triton import elementwise as tri
@@ -60,6 +62,38 @@ def test_rope_matches_the_engine_rotation(dtype, scaling, device) -> None:
     assert torch.equal(want, engine)
     tol = 1e-6 if dtype == torch.float32 else 1e-3  # cos/sin of fp32 angles: ulps apart
     torch.testing.assert_close(tri.rope(x, positions, inv_freq), want, rtol=tol, atol=tol)
+
+
+YARN = YarnRopeScaling(
+    factor=4.0,
+    original_max_position_embeddings=64,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=0.8,
+)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_interleaved", [True, False])
+def test_yarn_rope_matches_deepseek_v3s_rotation(dtype, is_interleaved, device) -> None:
+    """YaRN's frequencies and cos/sin factor (not 1), on MLA's strided query rope parts
+    [T, heads, R] (a view into [T, heads, nope + R]), interleaved or split dims."""
+    rope_dim, theta = 16, 10000.0
+    table = YarnRotaryEmbedding(rope_dim, 4096, theta, YARN, dtype)
+    inv_freq, factor = table.inv_freq()
+    assert factor != 1.0
+    q = randn(7, 3, 24 + rope_dim, dtype=dtype, device=device, seed=5)
+    x = q[..., 24:]  # strided rows, as the latent attention splits them
+    positions = torch.tensor([0, 1, 5, 63, 100, 1000, 4095], device=device)
+    cos, sin = table.cos.to(device)[positions], table.sin.to(device)[positions]
+    turned = deinterleave(x) if is_interleaved else x
+    engine = RotaryEmbedding.rotate(turned.contiguous(), cos.unsqueeze(1), sin.unsqueeze(1))
+    want = ref.rope(x, positions, inv_freq.to(device), factor, is_interleaved)
+    assert torch.equal(want, engine)
+    got = tri.rope(x, positions, inv_freq.to(device), factor, is_interleaved)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
