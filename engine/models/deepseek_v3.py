@@ -110,11 +110,7 @@ class MultiHeadLatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(t, heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([lat, self.rope_dim], dim=-1)
-        k_rope = k_rope.view(t, 1, self.rope_dim)
-        if self.rope_interleave:
-            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
-        q_rope = RotaryEmbedding.rotate(q_rope.contiguous(), *rope)  # [T, heads, R]
-        k_rope = RotaryEmbedding.rotate(k_rope.contiguous(), *rope)  # [T, 1, R]
+        q_rope, k_rope = self.rotate(q_rope, k_rope.view(t, 1, self.rope_dim), rope, attn_metadata)
         entry = torch.cat([self.kv_a_layernorm(latent).unsqueeze(1), k_rope], dim=-1)  # [T,1,L+R]
 
         w_kv = self.kv_b_proj.weight.view(heads, self.nope_dim + self.v_dim, lat)
@@ -126,6 +122,21 @@ class MultiHeadLatentAttention(nn.Module):
         out = backend.forward(query, entry, entry, pool, pool, attn_metadata)  # [T, heads, L+R]
         out = torch.einsum("thl,hvl->thv", out[..., :lat], w_uv)  # [T, heads, v]
         return self.o_proj(out.reshape(t, heads * self.v_dim))
+
+    def rotate(
+        self,
+        q_rope: torch.Tensor,  # [T, heads, R]
+        k_rope: torch.Tensor,  # [T, 1, R]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotated rope parts of queries and keys, with the rope tables (the Triton
+        path's ``TritonLatentAttention`` turns them in its kernel instead)."""
+        if self.rope_interleave:
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+        q_rope = RotaryEmbedding.rotate(q_rope.contiguous(), *rope)  # [T, heads, R]
+        k_rope = RotaryEmbedding.rotate(k_rope.contiguous(), *rope)  # [T, 1, R]
+        return q_rope, k_rope
 
 
 class DeepseekV3DecoderLayer(nn.Module):

@@ -157,7 +157,21 @@ def run_decoder(
 ) -> ModelOutputs:
     """A decoder's forward over ragged rows (Llama-3's and DeepSeek-V3's): ``model`` has
     ``embed_tokens``, ``rotary``, ``layers`` (each called as ``layer(x, rope, kv, backend,
-    metadata)``), ``norm`` and ``lm_head``; logits only at ``logit_indices``."""
+    metadata)``), ``norm`` and ``lm_head``; logits only at ``logit_indices``. A model on the
+    Triton path runs its ``fused_decoder`` instead (``engine.models.triton_layers``)."""
+    fused_decoder = getattr(model, "fused_decoder", None)
+    if fused_decoder is not None:
+        return fused_decoder(
+            model,
+            tokens,
+            positions,
+            kv_caches,
+            backend,
+            attn_metadata,
+            logit_indices,
+            return_hidden_states,
+            on_layer,
+        )
     x = model.embed_tokens(tokens)  # [T, H]
     rope = model.rotary.lookup(positions)
     hidden: dict[int, torch.Tensor] = {}

@@ -1,16 +1,23 @@
-"""The GPU path's layers: RMSNorm (with the residual add fused where a decoder layer adds
-one before its norm), RoPE and SiLU-and-mul through ``kernels.triton.elementwise``.
+"""The GPU path's layers: RMSNorm (with the residual adds fused), RoPE and SiLU-and-mul
+through ``kernels.triton.elementwise``.
 
 ``use_triton_kernels`` swaps them into a loaded model once, in place, sharing its
 parameters, so the torch path keeps its own modules untouched (nothing is decided per
 call). RoPE takes each token's position from the attention metadata: the Triton and
 flash-attn backends' metadata carry ``positions``, the positions every caller looks the
-rope tables up at (``BatchLayout.positions``). Rotary tables with a cos/sin factor (YaRN)
-and DeepSeek-V3's latent attention keep their torch rotation.
+rope tables up at (``BatchLayout.positions``). YaRN's cos/sin factor and DeepSeek-V3's
+interleaved rotary dims are the kernel's arguments.
+
+Residual adds: a decoder layer adds its attention output to the residual stream inside
+its post-attention norm, and its MLP output inside the next layer's input norm (the final
+norm for the last layer): ``FusedDecoder`` passes (output, residual) pairs between
+layers. The sums are the ones the torch path computes, in the same dtype: fusing them
+changes no bit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -18,8 +25,15 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.models.deepseek_v3 import DeepseekV3DecoderLayer, MultiHeadLatentAttention
 from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from engine.models.llama3 import Llama3Attention, Llama3DecoderLayer
+from engine.models.llama3 import (
+    NO_HIDDEN_STATES,
+    Llama3Attention,
+    Llama3DecoderLayer,
+    ModelOutputs,
+    ReturnHiddenStates,
+)
 
 
 class TritonRMSNorm(nn.Module):
@@ -61,11 +75,14 @@ class TritonGatedMLP(nn.Module):
 class TritonLlama3Attention(nn.Module):
     """``Llama3Attention`` with queries and keys rotated by the RoPE kernel."""
 
-    def __init__(self, attn: Llama3Attention, inv_freq: torch.Tensor, ops: ModuleType) -> None:
+    def __init__(
+        self, attn: Llama3Attention, inv_freq: torch.Tensor, cos_sin_factor: float, ops: ModuleType
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.head_dim, self.q_size, self.kv_size = attn.head_dim, attn.q_size, attn.kv_size
         self.qkv_proj, self.o_proj, self._ops = attn.qkv_proj, attn.o_proj, ops
+        self.cos_sin_factor = cos_sin_factor
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] fp32
 
@@ -79,17 +96,51 @@ class TritonLlama3Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = self._ops.rope(qk.view(t, -1, self.head_dim), attn_metadata.positions, self.inv_freq)
+        qk = qk.view(t, -1, self.head_dim)  # queries and keys, turned together
+        qk = self._ops.rope(qk, attn_metadata.positions, self.inv_freq, self.cos_sin_factor)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
 
-class TritonLlama3DecoderLayer(nn.Module):
-    """``Llama3DecoderLayer`` whose post-attention residual add is fused into its norm."""
+class TritonLatentAttention(MultiHeadLatentAttention):
+    """``MultiHeadLatentAttention`` whose rope parts turn in the RoPE kernel: YaRN's cos/sin
+    factor applied, interleaved dims read in place (no deinterleaving copy)."""
 
-    def __init__(self, layer: Llama3DecoderLayer) -> None:
+    def __init__(
+        self,
+        attn: MultiHeadLatentAttention,
+        inv_freq: torch.Tensor,
+        cos_sin_factor: float,
+        ops: ModuleType,
+    ) -> None:
+        nn.Module.__init__(self)  # shares attn's submodules and settings, builds none
+        for name, value in vars(attn).items():
+            if not name.startswith("_"):  # sizes, scale, flags, absent projections
+                setattr(self, name, value)
+        for name, module in attn.named_children():
+            setattr(self, name, module)
+        self.cos_sin_factor, self._ops = cos_sin_factor, ops
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [R/2] fp32
+
+    def rotate(
+        self,
+        q_rope: torch.Tensor,  # [T, heads, R], rows strided
+        k_rope: torch.Tensor,  # [T, 1, R]
+        rope: tuple[torch.Tensor, torch.Tensor],  # unused: the kernel computes its angles
+        attn_metadata: Any,  # with ``positions`` [T]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        positions, turn = attn_metadata.positions, self._ops.rope
+        args = (self.inv_freq, self.cos_sin_factor, self.rope_interleave)
+        return turn(q_rope, positions, *args), turn(k_rope, positions, *args)
+
+
+class TritonDecoderLayer(nn.Module):
+    """A Llama-3 or DeepSeek-V3 decoder layer whose residual adds happen in its norms."""
+
+    def __init__(self, layer: Llama3DecoderLayer | DeepseekV3DecoderLayer) -> None:
         super().__init__()
         self.self_attn = layer.self_attn
         self.mlp = layer.mlp
@@ -102,32 +153,92 @@ class TritonLlama3DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,  # [T, H]: the residual stream
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: Sequence[torch.Tensor],
         backend: AttentionBackend,
         attn_metadata: Any,
     ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), rope, kv_cache, backend, attn_metadata)
-        normed, x = self.post_attention_layernorm.add_and_norm(h, x)  # x + h, its norm
-        return x + self.mlp(normed)
+        out, residual = self.forward_fused(x, None, rope, kv_cache, backend, attn_metadata)
+        return residual + out
+
+    def forward_fused(
+        self,
+        x: torch.Tensor,  # [T, H]: the last layer's output, or the embeddings
+        residual: torch.Tensor | None,  # [T, H]: the stream x adds to; None for embeddings
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: Sequence[torch.Tensor],
+        backend: AttentionBackend,
+        attn_metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, the residual stream it adds to), [T, H] each: the stream after this
+        layer is their sum, which the next norm takes as it adds them."""
+        if residual is None:
+            normed, residual = self.input_layernorm(x), x
+        else:
+            assert isinstance(self.input_layernorm, TritonRMSNorm)
+            normed, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(normed, rope, kv_cache, backend, attn_metadata)
+        normed, residual = self.post_attention_layernorm.add_and_norm(h, residual)  # + h
+        return self.mlp(normed), residual
+
+
+class FusedDecoder(nn.Module):
+    """The Triton path's decoder loop, which ``engine.models.llama3.run_decoder`` hands a
+    model's forward to: ``run_decoder`` with each layer's last residual add fused into the
+    next layer's input norm, and the last one into the final norm."""
+
+    def forward(
+        self,
+        model: Any,  # Llama3Model or DeepseekV3Model, every layer a TritonDecoderLayer
+        tokens: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: Sequence[Sequence[torch.Tensor]],
+        backend: AttentionBackend,
+        attn_metadata: Any,
+        logit_indices: torch.Tensor,  # [N] int64
+        return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> ModelOutputs:
+        x = model.embed_tokens(tokens)  # [T, H]
+        rope = model.rotary.lookup(positions)
+        residual: torch.Tensor | None = None
+        hidden: dict[int, torch.Tensor] = {}
+        wanted = set(return_hidden_states.layer_ids)
+        for i, layer in enumerate(model.layers):
+            kv = kv_caches[i]
+            x, residual = layer.forward_fused(x, residual, rope, kv, backend, attn_metadata)
+            if i in wanted:  # the residual stream after layer i, summed as the torch path
+                hidden[i] = residual + x
+            if on_layer is not None:
+                on_layer(i)
+        assert residual is not None, "a decoder has layers"
+        if return_hidden_states.final:
+            final, _ = model.norm.add_and_norm(x, residual)
+            logits = model.lm_head(final[logit_indices]).float()  # [N, V]
+            return ModelOutputs(logits=logits, hidden_states=hidden, final_hidden_state=final)
+        normed, _ = model.norm.add_and_norm(x[logit_indices], residual[logit_indices])
+        return ModelOutputs(logits=model.lm_head(normed).float(), hidden_states=hidden)
 
 
 def use_triton_kernels(model: nn.Module, *, rope: bool = True) -> int:
     """Swaps the Triton layers into ``model`` (a target or a drafter), sharing its weights:
-    every ``RMSNorm`` and ``GatedMLP``, every ``Llama3DecoderLayer``, and, with ``rope``
-    (an attention backend whose metadata carries ``positions``), the ``Llama3Attention`` of
-    a module whose ``rotary`` is a plain ``RotaryEmbedding`` (llama3 scaling included).
-    Returns the number of modules swapped. Imports triton."""
+    every ``RMSNorm`` and ``GatedMLP``, every Llama-3 and DeepSeek-V3 decoder layer, and,
+    with ``rope`` (an attention backend whose metadata carries ``positions``), the
+    ``Llama3Attention`` and ``MultiHeadLatentAttention`` of a module with a ``rotary``
+    (llama3 and YaRN scaling included). A model run by ``run_decoder`` whose layers all
+    swapped gets ``fused_decoder``. Returns the number of modules swapped. Imports triton."""
     from kernels.triton import elementwise as ops
 
-    inv_freqs: dict[int, torch.Tensor] = {}
+    rotations: dict[int, tuple[torch.Tensor, float]] = {}
     for owner in model.modules() if rope else ():
         rotary = getattr(owner, "rotary", None)
-        if type(rotary) is not RotaryEmbedding or rotary.inv_freq()[1] != 1.0:
-            continue  # YaRN's cos/sin factor: not the kernel's rotation
-        inv_freq = rotary.inv_freq()[0].to(rotary.cos.device)
+        if not isinstance(rotary, RotaryEmbedding):
+            continue
+        inv_freq, factor = rotary.inv_freq()
         for sub in owner.modules():
-            if isinstance(sub, Llama3Attention):
-                inv_freqs[id(sub)] = inv_freq
+            if isinstance(sub, (Llama3Attention, MultiHeadLatentAttention)) and not isinstance(
+                sub, TritonLatentAttention
+            ):
+                rotations[id(sub)] = (inv_freq.to(rotary.cos.device), factor)
     swapped = 0
 
     def swap(parent: nn.Module) -> None:
@@ -139,13 +250,29 @@ def use_triton_kernels(model: nn.Module, *, rope: bool = True) -> int:
                 new = TritonRMSNorm(child, ops)
             elif isinstance(child, GatedMLP):
                 new = TritonGatedMLP(child, ops)
-            elif isinstance(child, Llama3DecoderLayer):
-                new = TritonLlama3DecoderLayer(child)
-            elif isinstance(child, Llama3Attention) and id(child) in inv_freqs:
-                new = TritonLlama3Attention(child, inv_freqs[id(child)], ops)
+            elif isinstance(child, (Llama3DecoderLayer, DeepseekV3DecoderLayer)):
+                new = TritonDecoderLayer(child)
+            elif isinstance(child, Llama3Attention) and id(child) in rotations:
+                new = TritonLlama3Attention(child, *rotations[id(child)], ops)
+            elif isinstance(child, MultiHeadLatentAttention) and id(child) in rotations:
+                new = TritonLatentAttention(child, *rotations[id(child)], ops)
             if new is not None:
                 setattr(parent, name, new)
                 swapped += 1
 
     swap(model)
+    layers = getattr(model, "layers", None)
+    if (
+        isinstance(getattr(model, "norm", None), TritonRMSNorm)
+        and hasattr(model, "embed_tokens")
+        and layers
+        and all(_is_fusable(layer) for layer in layers)
+    ):
+        model.fused_decoder = FusedDecoder()
     return swapped
+
+
+def _is_fusable(layer: nn.Module) -> bool:
+    return isinstance(layer, TritonDecoderLayer) and isinstance(
+        layer.input_layernorm, TritonRMSNorm
+    )

@@ -1,6 +1,7 @@
 """The engine on the GPU path, through Triton's interpreter on CPU: the element-wise layers
-(RMSNorm with the fused residual add, RoPE, SiLU-and-mul) and the sampling kernels (filters,
-draws, rejection sampling) give the tokens of the default torch path, fp32."""
+(RMSNorm with the residual adds fused, within a layer and into the next layer's norm; RoPE,
+YaRN's included; SiLU-and-mul) and the sampling kernels (filters, draws, rejection
+sampling) give the tokens of the default torch path, fp32."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import pytest
 from engine.llm_engine import EngineConfig, LLMEngine, kernels_for
 from engine.models.layers import GatedMLP, RMSNorm
 from engine.models.triton_layers import (
+    FusedDecoder,
+    TritonDecoderLayer,
     TritonGatedMLP,
+    TritonLatentAttention,
     TritonLlama3Attention,
-    TritonLlama3DecoderLayer,
     TritonRMSNorm,
 )
 from engine.sampling_kernels import TORCH_SAMPLING, TritonSampling
@@ -36,13 +39,22 @@ def params(rid: str) -> SamplingParams:
 
 
 def run(
-    model: Path, attention: str, speculative: SpeculativeConfig | None
+    model: Path,
+    attention: str,
+    speculative: SpeculativeConfig | None,
+    *,
+    fuse: bool = True,
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> tuple[dict[str, list], LLMEngine]:
+    """``fuse`` False: the Triton layers one by one, each adding its own residual stream."""
     engine = LLMEngine(
-        EngineConfig(model=str(model), dtype="float32", kv_cache_memory=1 << 20, block_size=4,
-                     attention_backend=attention, speculative=speculative)
+        EngineConfig(model=str(model), dtype=dtype, device=device, kv_cache_memory=1 << 20,
+                     block_size=4, attention_backend=attention, speculative=speculative)
     )  # fmt: skip
     assert engine.kernels == ("triton" if attention == "triton" else "torch")
+    if not fuse:
+        del engine.runner.model.fused_decoder
     for rid, prompt in PROMPTS.items():
         engine.add_request(rid, prompt, params(rid))
     done: dict[str, list] = {}
@@ -85,7 +97,8 @@ def test_the_triton_path_swaps_every_layer_and_samples_as_the_torch_path(tiny) -
     got, engine = run(tiny, "triton", None)
     assert_same(got, expected)
     model = engine.runner.model
-    assert all(isinstance(layer, TritonLlama3DecoderLayer) for layer in model.layers)
+    assert all(isinstance(layer, TritonDecoderLayer) for layer in model.layers)
+    assert isinstance(model.fused_decoder, FusedDecoder)  # adds fused across layers
     layer = model.layers[0]
     assert isinstance(layer.self_attn, TritonLlama3Attention)
     assert isinstance(layer.mlp, TritonGatedMLP) and isinstance(model.norm, TritonRMSNorm)
@@ -98,6 +111,35 @@ def test_kernels_torch_keeps_the_torch_modules_beside_triton_attention(tiny) -> 
     engine = LLMEngine(config)
     assert type(engine.runner.model.layers[0]).__name__ == "Llama3DecoderLayer"
     assert engine.runner.sampling_kernels is TORCH_SAMPLING
+
+
+def test_fusing_residual_adds_across_layers_changes_no_bit(tiny, tmp_path) -> None:
+    """The layers' last adds fused into the next norms (and the final norm) give the same
+    logprobs, bit for bit, as the Triton layers run one by one; with an EAGLE draft, which
+    reads the target's final hidden state (the fused final norm's)."""
+    draft = build_random_draft(tiny, tmp_path / "eagle", "eagle")
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=2)
+    fused, engine = run(tiny, "triton", spec)
+    unfused, _ = run(tiny, "triton", spec, fuse=False)
+    assert isinstance(engine.runner.model.fused_decoder, FusedDecoder)
+    for rid in PROMPTS:
+        assert fused[rid][0] == unfused[rid][0], rid
+        for a, b in zip(fused[rid][1], unfused[rid][1], strict=True):
+            assert (a.token_id, a.logprob, a.top) == (b.token_id, b.logprob, b.top)
+
+
+@pytest.mark.gpu
+def test_fusing_residual_adds_changes_no_bit_in_bf16_on_a_gpu(tiny, tmp_path) -> None:
+    """bf16 (which the interpreter computes wrongly), compiled: fused and one by one agree
+    bit for bit, the sums being the same bf16 adds."""
+    draft = build_random_draft(tiny, tmp_path / "eagle", "eagle")
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=2)
+    fused, _ = run(tiny, "triton", spec, dtype="bfloat16", device="cuda")
+    unfused, _ = run(tiny, "triton", spec, fuse=False, dtype="bfloat16", device="cuda")
+    for rid in PROMPTS:
+        assert fused[rid][0] == unfused[rid][0], rid
+        for a, b in zip(fused[rid][1], unfused[rid][1], strict=True):
+            assert (a.token_id, a.logprob, a.top) == (b.token_id, b.logprob, b.top)
 
 
 @pytest.mark.parametrize("sample_drafts", [False, True])
@@ -117,15 +159,22 @@ def test_eagle3_on_the_triton_path_equals_the_torch_path(tiny, tmp_path, sample_
     assert any(isinstance(m, TritonGatedMLP) for m in modules)
 
 
-def test_deepseek_v3_on_the_triton_path_equals_the_torch_path(tmp_path) -> None:
-    """Its norms (latent ones included), dense MLP and experts take the kernels; the latent
-    attention keeps its torch rotation (YaRN tables, interleaved dims)."""
+@pytest.mark.parametrize(
+    "shape", ["qlora_yarn_mscale_interleaved", "q_proj_plain_rope_split_tied_bias"]
+)
+def test_deepseek_v3_on_the_triton_path_equals_the_torch_path(tmp_path, shape) -> None:
+    """Its norms (latent ones included), dense MLP and experts take the kernels, its layers
+    fuse their residual adds, and the latent attention's rope parts turn in the RoPE kernel:
+    YaRN's frequencies and cos/sin factor with interleaved dims, or plain RoPE split."""
     from tests.engine.tiny_deepseek import build_tiny_deepseek
 
-    build_tiny_deepseek(tmp_path, "q_proj_plain_rope_split_tied_bias", num_layers=2)
+    build_tiny_deepseek(tmp_path, shape, num_layers=2)
     expected, _ = run(tmp_path, "torch", None)
     got, engine = run(tmp_path, "triton", None)
     assert_same(got, expected)
-    modules = list(engine.runner.model.modules())
+    model = engine.runner.model
+    modules = list(model.modules())
     assert not any(isinstance(m, (RMSNorm, GatedMLP)) for m in modules)
     assert sum(isinstance(m, TritonGatedMLP) for m in modules) > 2  # experts too
+    assert all(isinstance(layer.self_attn, TritonLatentAttention) for layer in model.layers)
+    assert isinstance(model.fused_decoder, FusedDecoder)
