@@ -37,7 +37,7 @@ from kv_transfer.checksum import (
     checksum_kind,
     running_checksum,
 )
-from kv_transfer.copying import byte_view, copy_then_hash, pack
+from kv_transfer.copying import byte_view, copy_then_hash, pack, pack_runs
 from tandem.v1 import kv_transfer_pb2 as pb
 
 T = TypeVar("T")
@@ -361,19 +361,7 @@ class ChunkedKvSender(KvSender):
         them to ``running`` (so ``offset`` must be where the last pack ended)."""
         dst = byte_view(buffer)
         assert dst is not None, "chunk buffers are contiguous CPU bytes"
-        block_bytes = kv[0][0].numel() * kv[0].element_size()  # K (or V) of one block
-        pool_bytes = [byte_view(t) for t in kv]  # whole pools: no view per run
-        for run in runs:
-            num_bytes = run.num_blocks * block_bytes
-            start = run.src_start * block_bytes
-            for pool_tensor, src in zip(kv, pool_bytes, strict=True):
-                piece = dst[offset : offset + num_bytes]
-                if src is not None:
-                    copy_then_hash(piece, src[start : start + num_bytes], running)
-                else:
-                    blocks = pool_tensor[run.src_start : run.src_start + run.num_blocks]
-                    pack(piece, blocks, running)
-                offset += num_bytes
+        pack_runs(dst[offset:], kv, [(r.src_start, r.num_blocks) for r in runs], running)
 
     @staticmethod
     def _place(

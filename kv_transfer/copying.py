@@ -5,11 +5,16 @@ each piece right after copying it into the chunk buffer, the receiver right befo
 it out. The running checksum of the pieces, in order, equals the one-shot checksum of the
 whole chunk, so the wire value does not change. CPU tensors are copied as memoryviews (a
 memmove per piece, no torch dispatch); anything else (GPU pools) with one torch copy.
+
+A layer's blocks travel run by run, K then V of each run (``pack_runs``, ``unpack_runs``).
+CUDA pools go through one device buffer in that order, filled by (or emptied with) the
+Triton gather (scatter) of ``kernels.triton.blocks``, and one copy to (from) the host.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 
@@ -72,6 +77,97 @@ def unpack(dst: torch.Tensor, src: memoryview, running: RunningChecksum) -> None
         running.update(src[start : start + PIECE_BYTES])
     if len(src):
         dst.copy_(_as_tensor(src).view(dst.dtype).view(dst.shape))
+
+
+def pack_runs(
+    dst: memoryview,
+    kv: Sequence[torch.Tensor],  # one layer's pools: K and V, or MLA's one
+    runs: Sequence[tuple[int, int]],  # (first block, number of blocks)
+    running: RunningChecksum,
+    *,
+    use_triton: bool | None = None,  # the Triton gather; None: where pools are on CUDA
+) -> int:
+    """Copies each run's blocks, K then V, into ``dst`` back to back, adding them to
+    ``running``; returns the bytes written."""
+    block_bytes = kv[0][0].numel() * kv[0].element_size()  # K (or V) of one block
+    total = sum(n for _, n in runs) * block_bytes * len(kv)
+    if kv[0].is_cuda if use_triton is None else use_triton:
+        from kernels.triton.blocks import gather_block_runs  # imports triton: only here
+
+        staging, starts, offsets, stage_starts = _staging(kv, runs)
+        for pool, stage in zip(kv, stage_starts, strict=True):
+            gather_block_runs(pool, starts, offsets, staging, stage, len(staging) // len(kv))
+        pack(dst[:total], staging, running)
+        return total
+    offset = 0
+    pool_bytes = [byte_view(t) for t in kv]  # whole pools: no view per run
+    for first, num_blocks in runs:
+        num_bytes, start = num_blocks * block_bytes, first * block_bytes
+        for pool_tensor, src in zip(kv, pool_bytes, strict=True):
+            piece = dst[offset : offset + num_bytes]
+            if src is not None:
+                copy_then_hash(piece, src[start : start + num_bytes], running)
+            else:
+                pack(piece, pool_tensor[first : first + num_blocks], running)
+            offset += num_bytes
+    return total
+
+
+def unpack_runs(
+    kv: Sequence[torch.Tensor],  # one layer's pools: K and V, or MLA's one
+    runs: Sequence[tuple[int, int]],  # (first block, number of blocks)
+    src: memoryview,  # from the layer's first byte on
+    running: RunningChecksum,
+    *,
+    use_triton: bool | None = None,  # the Triton scatter; None: where pools are on CUDA
+) -> int:
+    """Copies ``src`` into each run's blocks, K then V (as ``pack_runs`` lays them out),
+    adding the bytes to ``running``; returns the bytes read."""
+    block_bytes = kv[0][0].numel() * kv[0].element_size()
+    total = sum(n for _, n in runs) * block_bytes * len(kv)
+    if kv[0].is_cuda if use_triton is None else use_triton:
+        from kernels.triton.blocks import scatter_block_runs  # imports triton: only here
+
+        staging, starts, offsets, stage_starts = _staging(kv, runs)
+        unpack(staging, src[:total], running)
+        for pool, stage in zip(kv, stage_starts, strict=True):
+            scatter_block_runs(staging, pool, starts, offsets, stage, len(staging) // len(kv))
+        return total
+    offset = 0
+    pool_bytes = [byte_view(t) for t in kv]
+    for first, num_blocks in runs:
+        num_bytes, start = num_blocks * block_bytes, first * block_bytes
+        for pool_tensor, dst in zip(kv, pool_bytes, strict=True):
+            piece = src[offset : offset + num_bytes]
+            if dst is not None:
+                hash_then_copy(dst[start : start + num_bytes], piece, running)
+            else:
+                unpack(pool_tensor[first : first + num_blocks], piece, running)
+            offset += num_bytes
+    return total
+
+
+def _staging(
+    kv: Sequence[torch.Tensor], runs: Sequence[tuple[int, int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """A device buffer for the runs' blocks of every pool tensor in the wire's order, and
+    the block kernels' arguments on that device: run starts [R], cumulative offsets
+    [R + 1], and for each pool tensor where its runs begin in the buffer [R]."""
+    device, num_tensors = kv[0].device, len(kv)
+    offsets = [0]
+    for _, n in runs:
+        offsets.append(offsets[-1] + n)
+    stage_starts = [
+        [num_tensors * offsets[r] + t * n for r, (_, n) in enumerate(runs)]
+        for t in range(num_tensors)
+    ]
+    shape = (num_tensors * offsets[-1], *kv[0].shape[1:])
+    return (
+        torch.empty(shape, dtype=kv[0].dtype, device=device),
+        torch.tensor([first for first, _ in runs], device=device),
+        torch.tensor(offsets, device=device),
+        [torch.tensor(s, device=device) for s in stage_starts],
+    )
 
 
 def _as_tensor(data: memoryview) -> torch.Tensor:

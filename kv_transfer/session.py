@@ -32,7 +32,7 @@ from kv_transfer.checksum import (
     kind_name,
     running_checksum,
 )
-from kv_transfer.copying import PIECE_BYTES, byte_view, hash_then_copy, unpack
+from kv_transfer.copying import PIECE_BYTES, byte_view, unpack_runs
 from kv_transfer.shared_pools import SharedKvPools
 from kv_transfer.shm_transport import host_id
 from tandem.v1 import kv_transfer_pb2 as pb
@@ -356,19 +356,9 @@ class ReceiveSession:
         piece just before each piece is copied, while it is in cache)."""
         running = running_checksum(self._checksum_kind)
         layers = self._record.reservation.pools[pool].layers
-        block_bytes = self._layout.tensor_block_bytes(pool)  # K (or V) of one block
         offset = 0
         for layer in range(layer_start, layer_end):
-            views = self._pool_bytes(pool, layer)
-            for first, num_blocks in runs:
-                num_bytes, start = num_blocks * block_bytes, first * block_bytes
-                for dst_pool, dst in zip(layers[layer], views, strict=True):
-                    src = data[offset : offset + num_bytes]
-                    if dst is not None:
-                        hash_then_copy(dst[start : start + num_bytes], src, running)
-                    else:
-                        unpack(dst_pool[first : first + num_blocks], src, running)
-                    offset += num_bytes
+            offset += unpack_runs(layers[layer], runs, data[offset:], running)
         return running.intdigest()
 
     def _checksum_placed(

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.config import Llama3RopeScaling
+from engine.deepseek_v3_config import YarnRopeScaling
 from engine.models.layers import rope_inv_freq
 from engine.sampler import row_keys, uniform
 from engine.sampler import sample as engine_sample
@@ -15,6 +16,8 @@ from kernels.reference import attention as ref_attention
 from kernels.reference import blocks as ref_blocks
 from kernels.reference import elementwise as ref_elementwise
 from kernels.triton import attention, blocks, elementwise, sampling
+from kv_transfer.checksum import checksum_kind, running_checksum
+from kv_transfer.copying import byte_view, pack_runs, unpack_runs
 from tests.kernels.triton.test_triton_attention import attend, make_case
 from tests.kernels.triton.test_triton_sampling import engine_inputs, engine_tensors
 
@@ -112,6 +115,47 @@ def test_block_runs_copy_exactly_at_llama3_8b_block_shapes() -> None:
     want = torch.zeros_like(pool)
     ref_blocks.scatter_block_runs(staging, want, starts, offsets)
     assert torch.equal(other, want)
+
+
+def test_yarn_rope_at_deepseek_v3_shapes_bf16() -> None:
+    """128 heads' query rope parts (64 interleaved dims, strided rows of 192), YaRN's
+    frequencies (DeepSeek-V3's), a cos/sin factor other than 1."""
+    yarn = YarnRopeScaling(40.0, 4096, 32.0, 1.0, mscale=1.0, mscale_all_dim=0.8)
+    inv_freq, factor = yarn.inv_freq(64, 10000.0).to(CUDA), yarn.cos_sin_factor
+    q = torch.randn(64, 128, 192, device=CUDA).bfloat16()
+    positions = torch.randint(0, 160000, (64,), device=CUDA)
+    for x in (q[..., 128:], q[:, :1, 128:]):  # queries, then a key's shape [T, 1, R]
+        torch.testing.assert_close(
+            elementwise.rope(x, positions, inv_freq, factor, True),
+            ref_elementwise.rope(x, positions, inv_freq, factor, True),
+            rtol=1e-2, atol=1e-2,
+        )  # fmt: skip
+
+
+def test_kv_transfer_copies_cuda_pools_through_the_block_kernels_bf16() -> None:
+    """CUDA pools pack and unpack by default through the Triton gather and scatter: the
+    bytes and checksum of the CPU pools' torch path, at Llama-3-8B's block shape."""
+    kv = [torch.randn(64, 16, 8, 128, device=CUDA).bfloat16() for _ in range(2)]
+    runs = [(7, 10), (30, 1), (40, 3)]
+    num_bytes = 14 * 2 * kv[0][0].numel() * 2
+    kind = checksum_kind("auto")
+    packed = []
+    for pools in (kv, [t.cpu() for t in kv]):
+        buffer, running = torch.empty(num_bytes, dtype=torch.uint8), running_checksum(kind)
+        view = byte_view(buffer)
+        assert view is not None
+        assert pack_runs(view, pools, runs, running) == num_bytes
+        packed.append((buffer, running.intdigest()))
+    assert torch.equal(packed[0][0], packed[1][0]) and packed[0][1] == packed[1][1]
+    wire = byte_view(packed[0][0])
+    assert wire is not None
+    dst = [torch.zeros_like(t) for t in kv]
+    running = running_checksum(kind)
+    assert unpack_runs(dst, [(0, 10), (20, 1), (50, 3)], wire, running) == num_bytes
+    assert running.intdigest() == packed[0][1]
+    dst_ids, src_ids = [*range(10), 20, 50, 51, 52], [*range(7, 17), 30, 40, 41, 42]
+    for got, src in zip(dst, kv, strict=True):
+        assert torch.equal(got[dst_ids], src[src_ids])
 
 
 def test_sampling_at_the_llama3_vocabulary_equals_the_engine() -> None:
