@@ -5,12 +5,16 @@ in-process engine's greedy tokens. Resumed (SIGCONT), the worker finds its strea
 cancelled and lets their blocks go: the audit is clean and it serves again. A prefill
 worker frozen as requests arrive costs them a retry on the other one, not an error. A KV
 push whose sender, alive, stops mid-way is failed by the decode worker within
---transfer-stall-s, naming the stall, and its blocks are free within seconds."""
+--transfer-stall-s, naming the stall, and its blocks are free within seconds. A decode
+worker that stops taking the pushes sent to it costs each of its requests one retry on the
+other decode worker, never a second try on it."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +27,7 @@ import torch
 from engine.llm_engine import EngineConfig, LLMEngine
 from kv_transfer import Handshake, KvLayout, KvPool, TransferOptions, grpc_sender
 from ledger.ledger import Ledger, RequestState
-from serving.launcher import Cluster
+from serving.launcher import Cluster, Component
 from tandem.v1 import kv_transfer_pb2 as kv_pb
 from tandem.v1 import worker_pb2 as pb
 from tandem.v1 import worker_pb2_grpc as pb_grpc
@@ -45,7 +49,11 @@ pytestmark = pytest.mark.timeout(300)
 KEEPALIVE_MS = 2000
 TRANSFER_STALL_S = 3.0  # well over any gap between one layer's chunks on a loaded machine
 MAX_TOKENS = 500  # long enough that every stream is mid-way when its worker stops
+KV_CACHE_BYTES = 64 << 20  # per worker, ample for the tiny model (not a share of the RAM)
 PROMPTS = [[(5 * i + 3 * j) % 61 + 3 for j in range(5 + 3 * i)] for i in range(6)]
+# Never sent before, and under a prefix block (16 tokens): no worker is preferred for them.
+HELD_PROMPTS = [[(7 * i + 5 * j) % 59 + 3 for j in range(5 + 2 * i)] for i in range(6)]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +70,13 @@ def cluster(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         num_prefill=2,
         num_decode=2,
         service_args=(*SERVICE_ARGS, "--keepalive-ms", str(KEEPALIVE_MS)),
-        worker_args=(*TINY_WORKER_ARGS, "--transfer-stall-s", str(TRANSFER_STALL_S)),
+        worker_args=(
+            *TINY_WORKER_ARGS,
+            "--transfer-stall-s",
+            str(TRANSFER_STALL_S),
+            "--kv-cache-memory",
+            str(KV_CACHE_BYTES),
+        ),
     )
     with Cluster(spec) as started:
         yield started
@@ -176,3 +190,79 @@ async def test_a_push_stalled_mid_way_is_failed_and_its_blocks_freed(
     assert await generate_all(cluster.router_address, PROMPTS, 20) == engine_greedy(
         target, PROMPTS, 20
     )
+
+
+def start_held(worker: Component, held_log: Path) -> None:
+    """Stops ``worker`` (a drain: it deregisters) and starts it again as
+    tests/chaos/held_decode_worker.py: same id, port and options, a new epoch, the gRPC
+    transport only (no shared memory), and every push it receives held after the
+    handshake. Its own --transfer-stall-s is far beyond the senders': theirs fires."""
+    worker.process.send_signal(signal.SIGTERM)
+    worker.process.wait(timeout=30)
+    command = list(worker.command)
+    command[command.index("-m") + 1] = "tests.chaos.held_decode_worker"
+    command += ["--held-log", str(held_log), "--kv-transport", "grpc"]
+    command += ["--transfer-stall-s", "600"]
+    if worker.log_file is not None:
+        worker.log_file.close()
+        assert worker.log_path is not None
+        worker.log_file = worker.log_path.open("ab")
+    worker.process = subprocess.Popen(
+        command,
+        env=dict(worker.env),
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=worker.log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+async def ledger_audit_command(cluster: Cluster, cwd: Path) -> str:
+    """`tandem ledger audit` on the cluster: asks every registered worker itself."""
+    command = [sys.executable, "-m", "tandem_client", "ledger", "audit"]
+    command += ["--redis-url", cluster.redis_url]
+    done = await asyncio.to_thread(
+        subprocess.run, command, capture_output=True, text=True, timeout=60, cwd=cwd
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+async def test_a_push_stalled_on_its_decode_worker_is_retried_on_the_other(
+    cluster: Cluster, target: Path, tmp_path: Path
+) -> None:
+    """Runs last (decode-1 stays held until the cluster stops). decode-1 takes each push's
+    handshake and then nothing: its prefill worker fails the push after --transfer-stall-s
+    (INCOMPLETE), and the router prefills the request again on decode-0, never on decode-1
+    (each request is held there at most once). Every stream has the engine's greedy
+    tokens; decode-1's blocks are free; `tandem ledger audit` is clean."""
+    held_log = tmp_path / "held.txt"
+    held_log.touch()
+    held = cluster.decode[1]
+    start_held(held, held_log)
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    ledger = Ledger(client)
+    try:
+        deadline = time.monotonic() + 120
+        while not await asyncio.to_thread(cluster.is_serving, held):
+            assert held.process.poll() is None, held.log_tail()
+            assert time.monotonic() < deadline, "the held decode worker did not start"
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)  # the router re-reads the registry every 0.25 s
+        migrated = router_counter(cluster, "tandem_migrations_total")
+        expected = engine_greedy(target, HELD_PROMPTS, 20)
+        for _ in range(3):  # the router spreads them over both: some land on decode-1
+            assert await generate_all(cluster.router_address, HELD_PROMPTS, 20) == expected
+            if held_log.read_text():
+                break
+        request_ids = held_log.read_text().split()
+        assert request_ids, "no request was sent to the held decode worker"
+        assert len(set(request_ids)) == len(request_ids), "a request went back to it"
+        assert router_counter(cluster, "tandem_migrations_total") - migrated == len(request_ids)
+        await wait_audit_clean(cluster, ledger, within_s=5)  # decode-1's blocks among them
+        report = await ledger_audit_command(cluster, tmp_path)
+        num_workers = len(cluster.prefill) + len(cluster.decode)
+        assert f"0 discrepancies, {num_workers} of {num_workers} workers audited" in report
+    finally:
+        client.close()
