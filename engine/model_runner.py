@@ -243,7 +243,8 @@ class ModelRunner:
         inputs = self.prepare(batch)
         seqs = [batch.seqs[r] for r in inputs.sample_rows]
         grammars = active_rows(seqs)
-        masks = SamplingMasks(grammars, self.mask_worker)  # filled while the forward runs
+        # Filled while the forward runs; greedy rows' after it, where the argmax is refused.
+        masks = SamplingMasks(grammars, self.mask_worker, [s.params for s in seqs])
         metadata = self.backend.build_metadata(inputs.layout)
         step = StepKv.of(batch) if self.layer_listener is not None else None
         on_layer = None
@@ -275,7 +276,7 @@ class ModelRunner:
             [s.token_ids for s in seqs],
             [s.num_prompt_tokens for s in seqs],
         )
-        tokens = sample(logits, tensors, self.sampling_kernels)
+        tokens = sample(logits, tensors, self.sampling_kernels, masks)
         token_ids = tokens.tolist()
         commit_rows(grammars, token_ids)
         logprobs = None

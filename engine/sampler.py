@@ -377,6 +377,15 @@ class SamplingKernels(Protocol):
         ...
 
 
+class GreedyMasks(Protocol):
+    """Structured output's greedy rows (``engine.structured.rows.SamplingMasks``), masked
+    after their argmax is known, only where their grammar refuses it."""
+
+    def greedy(self, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """[N, V] logits (masked in place where refused), [N] their argmax -> [N]."""
+        ...
+
+
 FAULT = -1  # the token id of a row whose logits were not finite (see ``is_faulty``)
 
 
@@ -388,14 +397,20 @@ def is_faulty(logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor, t: SamplingTensors, kernels: SamplingKernels | None = None
+    logits: torch.Tensor,
+    t: SamplingTensors,
+    kernels: SamplingKernels | None = None,
+    masks: GreedyMasks | None = None,
 ) -> torch.Tensor:
     """Next token per row: argmax for greedy rows, a seeded draw otherwise, both after the
     rows' penalties and logit bias; ``FAULT`` for a row whose logits were not finite.
-    ``kernels``: where the filters and the draw run (None: the torch ops here). [B] int64"""
+    ``kernels``: where the filters and the draw run (None: the torch ops here); ``masks``:
+    greedy rows' grammars, checked against their argmax. [B] int64"""
     if t.penalties is not None:
         logits = penalized(logits[:, None], t.penalties)[:, 0]
     greedy = logits.argmax(dim=-1)
+    if masks is not None:  # a masked logit is -inf whether masked before penalties or after
+        greedy = masks.greedy(logits, greedy)
     faulty = is_faulty(logits, greedy)
     if not t.all_greedy:
         keys = row_keys(t.seeds, t.positions)

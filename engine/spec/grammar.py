@@ -1,6 +1,7 @@
 """The unified step's structured-output hook (``SpecStepInputs.grammar``): verification
-masks from each row's drafts (filled on a worker thread while the target forward runs),
-accepted tokens committed, and drafts masked one by one."""
+masks from each row's drafts (filled on a worker thread while the target forward runs, or
+for greedy rows after it, only where the grammar refuses the target's argmax), accepted
+tokens committed, and drafts masked one by one."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from engine.structured.rows import (
     RowGrammar,
     active_rows,
     fill_verify_bitmask,
+    fill_verify_refused,
+    is_argmax_first,
     num_words,
 )
 
@@ -23,11 +26,20 @@ from engine.structured.rows import (
 class StepGrammar:
     """The unified step's hook for rows with a grammar: their verification masks, then
     commits accepted tokens (a host sync of those rows only) and masks each draft with the
-    state after the drafts before it. Only rows whose grammar forbids something are masked."""
+    state after the drafts before it. Only rows whose grammar forbids something are masked;
+    rows flagged ``argmax_first`` only at the positions where it refuses the target's argmax
+    (``fill_verify_refused``)."""
 
-    def __init__(self, rows: list[RowGrammar | None]) -> None:
+    def __init__(
+        self, rows: list[RowGrammar | None], argmax_first: list[bool] | None = None
+    ) -> None:
         self.rows = rows
         self.indices = [b for b, r in enumerate(rows) if r is not None]
+        first = argmax_first or [False] * len(rows)
+        # Rows whose verification masks wait for the logits, and the others.
+        self._after = [r if first[b] else None for b, r in enumerate(rows)]
+        self._before = [None if first[b] else r for b, r in enumerate(rows)]
+        self._drafts: list[list[int]] = []
         self.vocab_size = next(r.vocab_size for r in rows if r is not None)
         self._advanced = [0] * len(rows)
         self._is_stuck = [False] * len(rows)  # a draft the grammar refuses (no allowed one)
@@ -37,28 +49,36 @@ class StepGrammar:
     @classmethod
     def of(cls, seqs: list[Any]) -> StepGrammar | None:
         rows = active_rows(seqs)
-        return cls(rows) if any(r is not None for r in rows) else None
+        if all(r is None for r in rows):
+            return None
+        # Acceptance penalizes the masked logits: the walk reads unpenalized argmaxes.
+        first = [is_argmax_first(s.params) and not s.params.uses_penalties for s in seqs]
+        return cls(rows, first)
 
     def start_verify(self, drafts: list[list[int]], executor: Executor | None = None) -> None:
         """Starts filling the masks for verifying ``drafts`` [B][K] on ``executor`` (None:
-        here and now); the matchers are the fill's until ``verify_mask`` returns."""
+        here and now), but argmax-first rows'; the matchers are the fill's until
+        ``verify_mask`` returns."""
+        self._drafts = drafts
         k = len(drafts[0]) if drafts else 0
         self._bitmask = torch.full(
             (len(self.rows), k + 1, num_words(self.vocab_size)), ALL_ALLOWED, dtype=torch.int32
         )
         if executor is None:
             done: Future[list[int]] = Future()
-            done.set_result(fill_verify_bitmask(self.rows, drafts, self._bitmask))
+            done.set_result(fill_verify_bitmask(self._before, drafts, self._bitmask))
             self._verify = done
         else:
-            self._verify = executor.submit(fill_verify_bitmask, self.rows, drafts, self._bitmask)
+            self._verify = executor.submit(fill_verify_bitmask, self._before, drafts, self._bitmask)
 
-    def verify_mask(self, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-        """The verification bitmask [B, K+1, W] on ``device`` and the flat positions it
-        masks (b * (K+1) + i), once the fill is done."""
+    def verify_mask(self, logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The verification bitmask [B, K+1, W] on the device of ``logits`` [B, K+1, V] (the
+        target's, unmasked) and the flat positions it masks (b * (K+1) + i), once the fill
+        is done and argmax-first rows are walked."""
         assert self._verify is not None and self._bitmask is not None, "start_verify first"
         masked = self._verify.result()
-        return self._bitmask.to(device, non_blocking=True), masked
+        masked += fill_verify_refused(self._after, self._drafts, logits, self._bitmask)
+        return self._bitmask.to(logits.device, non_blocking=True), sorted(masked)
 
     def accept(self, num_accepted: torch.Tensor, emitted: torch.Tensor) -> None:
         """Commits each grammar row's accepted drafts and next token."""

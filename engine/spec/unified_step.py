@@ -43,10 +43,11 @@ from engine.structured.bitmask import apply_bitmask, apply_bitmask_rows
 
 class StepGrammar(Protocol):
     """Rows with a grammar (engine.spec.grammar): the step takes their verification masks
-    (and the flat positions b * (K+1) + i they mask), hands it the accepted tokens (a host
-    sync of those rows), then each draft's scores to mask and the chosen draft."""
+    (and the flat positions b * (K+1) + i they mask) for its target logits, hands it the
+    accepted tokens (a host sync of those rows), then each draft's scores to mask and the
+    chosen draft."""
 
-    def verify_mask(self, device: torch.device) -> tuple[torch.Tensor, list[int]]: ...
+    def verify_mask(self, logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]: ...
     def argmax(self, scores: DraftLogits) -> torch.Tensor: ...
     def accept(self, num_accepted: torch.Tensor, emitted: torch.Tensor) -> None: ...
     def mask(self, scores: DraftLogits) -> DraftLogits: ...
@@ -142,10 +143,11 @@ class UnifiedStep:
         logits = out.logits.view(b, s, -1)  # [B, K+1, V]
 
         # 3. mask: only the positions whose mask forbids anything, in place (grammar rows'
-        # masks were filled on a worker thread while the forward ran).
+        # masks were filled on a worker thread while the forward ran; greedy rows' are
+        # filled now, where the grammar refuses the argmax).
         bitmask, masked = inputs.bitmask, None
         if inputs.grammar is not None:
-            bitmask, masked = inputs.grammar.verify_mask(device)
+            bitmask, masked = inputs.grammar.verify_mask(logits)
         if bitmask is not None:
             if inputs.in_thinking_phase is not None:
                 bitmask = bitmask.masked_fill(inputs.in_thinking_phase[:, None, None], -1)

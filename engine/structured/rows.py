@@ -7,6 +7,11 @@ request set ``thinking_end`` starts in a thinking phase: it allows every token u
 the marker's tokens have been emitted, then its grammar constrains the rest (the phase
 is tracked per position, so drafts that cross the marker are masked after it). Rows that
 an embedder flags ``Sequence.in_thinking_phase`` are neither masked nor advanced.
+
+Greedy rows whose logprobs nobody reads are checked argmax first (``is_argmax_first``):
+the argmax of the masked logits is the unmasked argmax whenever the grammar allows that
+token (ties included: the first maximum stays the first among the allowed ones), so such
+a row's mask is filled only where its grammar refuses the argmax.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from typing import Any
 
 import torch
 
-from engine.structured.bitmask import apply_bitmask_rows
+from engine.sampling_params import SamplingParams
+from engine.structured.bitmask import apply_bitmask, apply_bitmask_rows
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +122,12 @@ class RowGrammar:
             self.is_thinking, self._num_matched = False, 0
 
 
+def is_argmax_first(params: SamplingParams) -> bool:
+    """Whether a row needs its mask only where its grammar refuses its argmax: greedy, and
+    no logprobs (they are read from the masked logits)."""
+    return params.is_greedy and params.logprobs is None
+
+
 def active_rows(seqs: list[Any]) -> list[RowGrammar | None]:
     """Each row's grammar, None for rows without one or flagged in a thinking phase."""
     return [None if s.in_thinking_phase else s.grammar for s in seqs]
@@ -144,6 +156,41 @@ def fill_verify_bitmask(
     return masked
 
 
+def fill_verify_refused(
+    rows: list[RowGrammar | None],
+    drafts: list[list[int]],
+    logits: torch.Tensor,
+    out: torch.Tensor,
+) -> list[int]:
+    """``fill_verify_bitmask`` for greedy rows, once the verification ``logits`` [B, K+1, V]
+    are known: each row's positions are walked as greedy acceptance walks them (accept
+    while the draft is the masked argmax), and position i is filled only if the grammar,
+    after i drafts, refuses the argmax there. Positions past the first rejection are left
+    all allowed: acceptance never reads them. Returns the flat positions filled."""
+    s = out.shape[1]
+    index = [b for b, row in enumerate(rows) if row is not None]
+    if not index:
+        return []
+    argmaxes = logits[torch.tensor(index, device=logits.device)].argmax(dim=-1).tolist()
+    masked: list[int] = []
+    for b, argmax in zip(index, argmaxes, strict=True):
+        row = rows[b]
+        assert row is not None
+        advanced = 0
+        for i in range(s):
+            token = argmax[i]
+            if not row.allows(token):
+                row.fill(out[b, i])
+                masked.append(b * s + i)
+                bits = out[b, i].to(logits.device)
+                token = int(apply_bitmask(logits[b, i][None, None], bits[None, None]).argmax())
+            if i == s - 1 or token != drafts[b][i] or not row.try_advance(token):
+                break
+            advanced += 1
+        row.rollback(advanced)
+    return masked
+
+
 def verify_bitmask(
     rows: list[RowGrammar | None], drafts: list[list[int]], vocab_size: int
 ) -> torch.Tensor | None:
@@ -157,17 +204,30 @@ def verify_bitmask(
 
 
 class SamplingMasks:
-    """The masks of N rows about to sample one token each, filled on ``executor`` (while
-    the forward runs; the matchers are the fill's until ``apply``) or here."""
+    """The masks of N rows about to sample one token each: filled on ``executor`` (while
+    the forward runs; the matchers are the fill's until ``apply``) or here, except for
+    rows whose ``params`` are argmax first (``is_argmax_first``), which ``greedy`` masks
+    only where their grammar refuses their argmax."""
 
-    def __init__(self, rows: list[RowGrammar | None], executor: Executor | None = None) -> None:
-        self.masked = [b for b, row in enumerate(rows) if row is not None and row.is_masking]
+    def __init__(
+        self,
+        rows: list[RowGrammar | None],
+        executor: Executor | None = None,
+        params: list[SamplingParams] | None = None,
+    ) -> None:
+        self.rows = rows
+        masking = [b for b, row in enumerate(rows) if row is not None and row.is_masking]
+        first = [False] * len(rows) if params is None else [is_argmax_first(p) for p in params]
+        self.masked = [b for b in masking if not first[b]]  # filled before sampling
+        self.argmax_first = [b for b in masking if first[b]]  # filled if refused
         self._fill: Future[None] | None = None
-        if not self.masked:
+        if not masking:
             return
         words = num_words(next(row.vocab_size for row in rows if row is not None))
         self.bitmask = torch.full((len(rows), words), ALL_ALLOWED, dtype=torch.int32)
         fills = [(rows[b], self.bitmask[b]) for b in self.masked]
+        if not fills:
+            return
         if executor is None:
             fill_rows(fills)
         else:
@@ -175,12 +235,38 @@ class SamplingMasks:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Sampling logits [N, V], in place: rows with a grammar restricted to what it
-        allows now; rows without one (or thinking, or done) are not touched."""
+        allows now (argmax-first rows wait for ``greedy``); rows without one (or thinking,
+        or done) are not touched."""
         if self._fill is not None:
             self._fill.result()
         if self.masked:
             apply_bitmask_rows(logits, self.bitmask.to(logits.device), self.masked)
         return logits
+
+    def greedy(self, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The masked argmax [N] from the argmax ``chosen`` [N] of ``logits`` [N, V] (what
+        greedy rows sample, after penalties): argmax-first rows whose grammar refuses their
+        argmax get their mask (in place) and its argmax; other rows are left as they are."""
+        if not self.argmax_first:
+            return chosen
+        index = torch.tensor(self.argmax_first, device=chosen.device)
+        tokens = chosen[index].tolist()
+        refused = [
+            b
+            for b, token in zip(self.argmax_first, tokens, strict=True)
+            if not self._row(b).allows(token)
+        ]
+        if not refused:
+            return chosen
+        fill_rows([(self._row(b), self.bitmask[b]) for b in refused])
+        apply_bitmask_rows(logits, self.bitmask.to(logits.device), refused)
+        rows = torch.tensor(refused, device=chosen.device)
+        return chosen.index_copy(0, rows, logits[rows].argmax(dim=-1))
+
+    def _row(self, b: int) -> RowGrammar:
+        row = self.rows[b]
+        assert row is not None
+        return row
 
 
 def fill_rows(fills: list[tuple[Any, torch.Tensor]]) -> None:
