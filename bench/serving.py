@@ -29,7 +29,8 @@ tandem_colocated_eagle3, llamacpp_bf16, llamacpp_q4 (null where not run); "best"
 best of Tandem's four.
 
     python bench/serving.py            # concurrency 1, 8, 32; both GGUFs; a rate sweep
-    python bench/serving.py --quick    # concurrency 1, 8; 16 requests; bf16 GGUF; no sweep
+    python bench/serving.py --quick    # concurrency 1, 8; 16 requests; tandem, tandem_eagle3
+                                       # and llamacpp_bf16 (--sides to change); no sweep
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ CTX_PER_SLOT = 1024  # a built-in chat (< 100 tokens with the template) + 128 ne
 KV_CACHE_MEMORY = 512 << 20  # Tandem's per worker: 512 MiB holds 32 such requests
 TANDEM_SIDES = ("tandem", "tandem_eagle3", "tandem_colocated", "tandem_colocated_eagle3")
 SIDES = (*TANDEM_SIDES, "llamacpp_bf16", "llamacpp_q4")
+QUICK_SIDES = ("tandem", "tandem_eagle3", "llamacpp_bf16")
 
 
 def cores() -> int:
@@ -196,12 +198,26 @@ def main() -> None:
     )
     parser.add_argument("--llama-threads", type=int, default=cores(), help="llama-server -t/-tb")
     parser.add_argument("--llama-dir", type=Path, default=LLAMA_CACHE / LLAMA_VERSION)
-    parser.add_argument("--sides", default=",".join(SIDES), help="which servers, comma-separated")
-    parser.add_argument("--quick", action="store_true", help="concurrency 1, 8; 16 requests")
+    parser.add_argument(
+        "--sides",
+        help=f"which servers, comma-separated, from {', '.join(SIDES)} (default: all; "
+        f"--quick: {', '.join(QUICK_SIDES)})",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="concurrency 1, 8; 16 requests; no sweep; the bf16 GGUF only",
+    )
     parser.add_argument("--log-dir", type=Path, help="servers' logs (default: a temporary dir)")
+    parser.add_argument(
+        "--plot-dir",
+        type=Path,
+        help="write PNG plots here: tok/s and TTFT against concurrency, and against the rate "
+        "for a sweep (default: --log-dir, else none)",
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    sides = tuple(args.sides.split(","))
+    sides = tuple(args.sides.split(",")) if args.sides else QUICK_SIDES if args.quick else SIDES
     if unknown := set(sides) - set(SIDES):
         parser.error(f"--sides: unknown {sorted(unknown)}; choose from {', '.join(SIDES)}")
     rates = args.rates
@@ -309,6 +325,12 @@ def main() -> None:
             "elapsed_s": round(elapsed, 1),
         },
     )
+    plot_dir = args.plot_dir or args.log_dir
+    if plot_dir is not None:
+        from serving_plots import write_plots
+
+        for path in write_plots(plot_dir, result, sides, levels):
+            print(f"[serving] plot: {path}", file=sys.stderr)
     print(json.dumps(result))
 
 
