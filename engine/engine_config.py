@@ -50,6 +50,12 @@ class EngineConfig:
     # max_num_seqs (engine.spec.graph_runner); None: on CUDA only. One block is kept back
     # as the padded rows' scratch block.
     cuda_graphs: bool | None = None
+    # Overlap scheduling (engine.spec.overlap): a decode step is launched before the
+    # previous step's tokens are read, so that the host's postprocessing and scheduling
+    # overlap the device's step. Speculative decode steps on the graph runner (cuda_graphs)
+    # at a fixed K; rows with a grammar, logprobs, penalties or logit bias make the engine
+    # read the step in flight first and run as without it. Same tokens either way.
+    enable_overlap_scheduler: bool = False
     # Structured output (engine.structured): a constraint that takes longer to compile is
     # refused (INVALID_ARGUMENT); compiled grammars kept, least recently used dropped first.
     grammar_compile_timeout_s: float = 10.0
@@ -67,3 +73,19 @@ class EngineConfig:
             raise ValueError(
                 f"preemption: {self.preemption!r} is not one of {', '.join(PREEMPTION_MODES)}"
             )
+        if self.enable_overlap_scheduler:
+            self._check_overlap()
+
+    def _check_overlap(self) -> None:
+        """What overlap scheduling covers: the graph runner's decode steps at one K."""
+        spec, why = self.speculative, ""
+        if spec is None:
+            why = "needs speculative decoding (a draft model)"
+        elif not self.uses_cuda_graphs:
+            why = "needs the graph runner (cuda_graphs: on by default on CUDA, True on CPU)"
+        elif spec.adaptive:
+            why = "does not support adaptive K (speculative.adaptive): K must be fixed"
+        elif spec.sample_drafts:
+            why = "does not support sampled drafts (speculative.sample_drafts)"
+        if why:
+            raise ValueError(f"enable_overlap_scheduler: {why}")

@@ -27,7 +27,10 @@ from engine.sampling_kernels import sampling_kernels
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from engine.spec import overlap
+from engine.spec.overlap import AheadStep
 from engine.spec.spec_runner import (
+    DecodeResult,
     SpecRunner,
     load_speculator,
     num_draft_tokens,
@@ -136,6 +139,8 @@ class LLMEngine:
                 self.spec.enable_graphs(config.max_num_seqs, self.max_model_len, num_blocks - 1)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ahead: AheadStep | None = None  # overlap scheduling: the step in flight
+        self.num_steps_ahead = 0  # decode steps launched before the previous one was read
         if config.torch_compile or config.warm_up:
             self._warm_up()
         # After the warm-up: the costs of compiled steps, not of compiling them.
@@ -239,7 +244,7 @@ class LLMEngine:
             self.block_manager.free(seq)
             seq.status = SequenceStatus.FINISHED
         else:
-            self.scheduler.finish(seq)
+            self._release(seq)
         self._detok.pop(request_id, None)
 
     # -- disaggregation ----------------------------------------------------------------
@@ -347,7 +352,7 @@ class LLMEngine:
         return detok.text if detok is not None else ""
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._ahead is not None
 
     def _validate(
         self, request_id: str, token_ids: list[int], params: SamplingParams, num_prompt_tokens: int
@@ -390,20 +395,73 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns outputs of the requests that produced tokens."""
+        if self.config.enable_overlap_scheduler:
+            return self._step_ahead()
+        return self._step_now()
+
+    def _step_now(self) -> list[RequestOutput]:
+        """Schedules, runs and postprocesses one step, reading its tokens at once."""
         batch = self.scheduler.schedule()
-        handed_back = self._hand_back(batch) if self.config.preemption == "hand_back" else []
+        outputs = self._hand_back(batch) if self.config.preemption == "hand_back" else []
         if not batch.seqs:
-            if handed_back:
-                return handed_back
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise KVCacheCapacityError(
-                    f"kv cache: the next request does not fit in an idle cache "
-                    f"({self.block_manager.num_free_blocks} of {self.block_manager.num_blocks} "
-                    "blocks free); blocks were not returned, which is a bug"
-                )
-            return []
+            return self._idle(outputs)
         if self.spec is None:
-            return handed_back + self._postprocess(batch, self.runner.execute(batch))
+            return outputs + self._postprocess(batch, self.runner.execute(batch))
+        prefill, decode = self._split(batch)
+        if prefill.seqs:
+            outputs += self._postprocess(prefill, self.spec.prefill(prefill))
+        if decode:
+            outputs += self._postprocess_spec(decode, self.spec.decode(decode))
+        return outputs
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Overlap scheduling (engine.spec.overlap): launches the next decode step, then
+        reads the one launched before it. Steps it does not cover run as ``_step_now``, once
+        the step in flight is read."""
+        assert self.spec is not None
+        prev, self._ahead = self._ahead, None
+        running = self.scheduler.running
+        if not all(overlap.can_overlap(s, self.spec.k) for s in running) or (
+            prev is not None and not overlap.reserve(self.block_manager, running, prev)
+        ):
+            return self._read_ahead(prev) + self._step_now()
+        batch = self.scheduler.schedule()  # reserve() left no running row short of blocks
+        outputs = self._hand_back(batch) if self.config.preemption == "hand_back" else []
+        if not batch.seqs and prev is None:
+            return self._idle(outputs)
+        prefill, decode = self._split(batch)
+        if prefill.seqs:
+            outputs += self._postprocess(prefill, self.spec.prefill(prefill))
+        decode = [s for s in decode if prev is None or prev.may_launch(s)]
+        if decode:
+            self._ahead = overlap.launch(self.spec, decode, prev)
+            self.num_steps_ahead += prev is not None and bool(prev.continuing)
+        return outputs + self._read_ahead(prev)
+
+    def _read_ahead(self, step: AheadStep | None) -> list[RequestOutput]:
+        """Postprocesses a launched step's rows that are still running, once its tokens are
+        on the host, and frees the blocks of rows that ended while it ran."""
+        if step is None:
+            return []
+        assert self.spec is not None
+        results = overlap.read(self.spec, step)
+        for seq in step.release_after:
+            self.block_manager.free(seq)
+        kept = [(s, r) for s, r in zip(step.seqs, results, strict=True) if r is not None]
+        return self._postprocess_spec([s for s, _ in kept], [r for _, r in kept])
+
+    def _idle(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """A step with nothing scheduled: only the requests it handed back, if any."""
+        if not outputs and self.scheduler.waiting and not self.scheduler.running:
+            raise KVCacheCapacityError(
+                f"kv cache: the next request does not fit in an idle cache "
+                f"({self.block_manager.num_free_blocks} of {self.block_manager.num_blocks} "
+                "blocks free); blocks were not returned, which is a bug"
+            )
+        return outputs
+
+    def _split(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[Sequence]]:
+        """The rows that prefill (or compute several tokens), and the speculative decode rows."""
         for seq in batch.preempted:  # recomputed from scratch, draft KV included
             seq.draft_token_ids, seq.draft_probs = None, None
             seq.clear_undrafted()
@@ -412,12 +470,7 @@ class LLMEngine:
             [s for i, s in enumerate(batch.seqs) if i not in decode],
             [n for i, n in enumerate(batch.num_new_tokens) if i not in decode],
         )
-        outputs = handed_back
-        if prefill.seqs:
-            outputs += self._postprocess(prefill, self.spec.prefill(prefill))
-        if decode:
-            outputs += self._postprocess_spec([batch.seqs[i] for i in sorted(decode)])
-        return outputs
+        return prefill, [batch.seqs[i] for i in sorted(decode)]
 
     def _hand_back(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Ends the requests this step preempted (their blocks are already free) with
@@ -441,9 +494,9 @@ class LLMEngine:
             and batch.samples(row)
         )
 
-    def _postprocess_spec(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        assert self.spec is not None
-        results = self.spec.decode(seqs)
+    def _postprocess_spec(
+        self, seqs: list[Sequence], results: list[DecodeResult]
+    ) -> list[RequestOutput]:
         outputs = []
         for seq, result in zip(seqs, results, strict=True):
             # Target KV now covers the pending token and every accepted draft.
@@ -472,9 +525,20 @@ class LLMEngine:
         )
 
     def _finish(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
+        self._release(seq)
         del self._seqs[seq.request_id]
         self._detok.pop(seq.request_id, None)
+
+    def _release(self, seq: Sequence) -> None:
+        """Ends a request in the scheduler; a step in flight may still write its blocks:
+        they are freed once that step is read."""
+        ahead = self._ahead
+        if ahead is None or seq.status is not SequenceStatus.RUNNING or not ahead.holds(seq):
+            self.scheduler.finish(seq)
+            return
+        self.scheduler.detach(seq)
+        seq.status = SequenceStatus.FINISHED
+        ahead.release_after.append(seq)
 
     def _postprocess(self, batch: ScheduledBatch, result: StepOutput) -> list[RequestOutput]:
         for row, entries in result.prompt_logprobs or ():
