@@ -46,6 +46,7 @@ def run(
     fuse: bool = True,
     dtype: str = "float32",
     device: str = "cpu",
+    prompts: tuple[str, ...] = tuple(PROMPTS),
 ) -> tuple[dict[str, list], LLMEngine]:
     """``fuse`` False: the Triton layers one by one, each adding its own residual stream."""
     engine = LLMEngine(
@@ -55,8 +56,8 @@ def run(
     assert engine.kernels == ("triton" if attention == "triton" else "torch")
     if not fuse:
         del engine.runner.model.fused_decoder
-    for rid, prompt in PROMPTS.items():
-        engine.add_request(rid, prompt, params(rid))
+    for rid in prompts:
+        engine.add_request(rid, PROMPTS[rid], params(rid))
     done: dict[str, list] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -116,13 +117,14 @@ def test_kernels_torch_keeps_the_torch_modules_beside_triton_attention(tiny) -> 
 def test_fusing_residual_adds_across_layers_changes_no_bit(tiny, tmp_path) -> None:
     """The layers' last adds fused into the next norms (and the final norm) give the same
     logprobs, bit for bit, as the Triton layers run one by one; with an EAGLE draft, which
-    reads the target's final hidden state (the fused final norm's)."""
+    reads the target's final hidden state (the fused final norm's); one greedy row, as the
+    interpreter is slow."""
     draft = build_random_draft(tiny, tmp_path / "eagle", "eagle")
     spec = SpeculativeConfig(str(draft), num_draft_tokens=2)
-    fused, engine = run(tiny, "triton", spec)
-    unfused, _ = run(tiny, "triton", spec, fuse=False)
+    fused, engine = run(tiny, "triton", spec, prompts=("greedy",))
+    unfused, _ = run(tiny, "triton", spec, fuse=False, prompts=("greedy",))
     assert isinstance(engine.runner.model.fused_decoder, FusedDecoder)
-    for rid in PROMPTS:
+    for rid in ("greedy",):
         assert fused[rid][0] == unfused[rid][0], rid
         for a, b in zip(fused[rid][1], unfused[rid][1], strict=True):
             assert (a.token_id, a.logprob, a.top) == (b.token_id, b.logprob, b.top)
