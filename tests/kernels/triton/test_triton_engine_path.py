@@ -68,7 +68,8 @@ def run(
 
 def assert_same(triton: dict[str, list], torch_path: dict[str, list]) -> None:
     """Tokens equal; each token's logprob and its top two within fp32 tolerance."""
-    for rid in PROMPTS:
+    assert triton.keys() == torch_path.keys()
+    for rid in torch_path:
         assert triton[rid][0] == torch_path[rid][0], rid
         assert len(triton[rid][0]) == 5
         for a, b in zip(triton[rid][1], torch_path[rid][1], strict=True):
@@ -180,3 +181,20 @@ def test_deepseek_v3_on_the_triton_path_equals_the_torch_path(tmp_path, shape) -
     assert sum(isinstance(m, TritonGatedMLP) for m in modules) > 2  # experts too
     assert all(isinstance(layer.self_attn, TritonLatentAttention) for layer in model.layers)
     assert isinstance(model.fused_decoder, FusedDecoder)
+
+
+def test_deepseek_v3_with_an_mla_eagle3_draft_on_the_triton_path(tmp_path) -> None:
+    """The MLA EAGLE-3 draft's latent attention turns its rope parts in the kernel too
+    (YaRN, interleaved), through the draft's dispatched metadata; greedy and sampled rows."""
+    from tests.engine.tiny_deepseek import build_tiny_deepseek
+
+    build_tiny_deepseek(tmp_path / "target", "qlora_yarn_mscale_interleaved", num_layers=2)
+    draft = build_random_draft(tmp_path / "target", tmp_path / "eagle3", "eagle3")
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=2)
+    rows = ("greedy", "sampled")
+    expected, _ = run(tmp_path / "target", "torch", spec, prompts=rows)
+    got, engine = run(tmp_path / "target", "triton", spec, prompts=rows)
+    assert_same(got, expected)
+    assert engine.spec is not None
+    modules = list(engine.spec.drafter.modules())  # type: ignore[attr-defined]
+    assert any(isinstance(m, TritonLatentAttention) for m in modules)
