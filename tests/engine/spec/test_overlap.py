@@ -33,6 +33,16 @@ def sampled(n: int, seed: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=kw.pop("temperature", 0.9), seed=seed, **kw)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny products run fastest on one thread: two wait on each other on a busy machine
+    (a run of these tests took 14x longer at torch's default of 2)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory):
     """The spec tests' tiny target with a character tokenizer (ids 3..63 are characters,
@@ -105,33 +115,35 @@ def stop_requests(model_dir: Path, tokenizer) -> Requests:
     text = tokenizer.decode(base["1"], skip_special_tokens=True)
     stop_text = text[len(text) // 2 :][:2]
     return {
-        "greedy": (PROMPTS[0], greedy(21)),
-        "stop_token": (PROMPTS[1], greedy(30, stop_token_ids=[stop_token])),
-        "stop_string": (PROMPTS[2], greedy(30, stop=[stop_text])),
-        "sampled": (PROMPTS[3], sampled(17, seed=3)),
-        "sampled_eos": (PROMPTS[4], sampled(26, seed=4, temperature=1.0, top_k=8)),
+        "greedy": (PROMPTS[0], greedy(17)),
+        "stop_token": (PROMPTS[1], greedy(20, stop_token_ids=[stop_token])),
+        "stop_string": (PROMPTS[2], greedy(20, stop=[stop_text])),
+        "sampled": (PROMPTS[3], sampled(13, seed=3)),
+        "sampled_eos": (PROMPTS[4], sampled(18, seed=4, temperature=1.0, top_k=8)),
         "one_token": (PROMPTS[5], greedy(1)),
         "short": (PROMPTS[0], greedy(5)),
         "sampled_stop": (
             PROMPTS[1],
-            sampled(30, seed=7, top_p=0.9, stop_token_ids=[stop_token], stop=[stop_text]),
+            sampled(20, seed=7, top_p=0.9, stop_token_ids=[stop_token], stop=[stop_text]),
         ),
-        "long": (PROMPTS[2], sampled(40, seed=9, min_p=0.05, ignore_eos=True)),
+        "long": (PROMPTS[2], sampled(26, seed=9, min_p=0.05, ignore_eos=True)),
     }
 
 
 def run_plain(engine: LLMEngine, prompts: list[list[int]]) -> list[RequestOutput]:
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, greedy(24))
+        engine.add_request(str(i), p, greedy(16))
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     return [done[str(i)] for i in range(len(prompts))]
 
 
-def assert_same(engine_kw: dict, requests: Requests, tokenizer, **run_kw) -> LLMEngine:
+def assert_same(
+    engine_kw: dict, requests: Requests, tokenizer, **run_kw
+) -> tuple[LLMEngine, dict[str, RequestOutput]]:
     """Runs ``requests`` without overlap and with it: the same tokens, ends and speculative
-    counters; no token past a stop. Returns the engine that overlapped."""
+    counters; no token past a stop. Returns the engine that overlapped and its outputs."""
     outs, engines = [], []
     for overlap in (False, True):
         engine = engine_for(**engine_kw, tokenizer=tokenizer, enable_overlap_scheduler=overlap)
@@ -154,7 +166,7 @@ def assert_same(engine_kw: dict, requests: Requests, tokenizer, **run_kw) -> LLM
     for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert getattr(engines[0].spec.stats, name) == getattr(engines[1].spec.stats, name)
     assert engines[0].num_steps_ahead == 0 and engines[1].num_steps_ahead > 0
-    return engines[1]
+    return engines[1], ahead
 
 
 def assert_no_token_past_a_stop(
@@ -181,8 +193,16 @@ def test_overlap_gives_the_same_tokens_for_every_drafter(target, tmp_path, kind)
     d2t = torch.arange(32) if kind == "eagle3" else None
     draft = build_random_draft(model_dir, tmp_path / kind, kind, std=0.2, d2t=d2t, **extra)
     spec = SpeculativeConfig(str(draft), num_draft_tokens=3)
-    engine = assert_same(dict(model_dir=model_dir, spec=spec), requests, tokenizer)
+    engine, out = assert_same(dict(model_dir=model_dir, spec=spec), requests, tokenizer)
     assert engine.spec is not None and engine.spec.stats.num_draft_tokens > 0
+    assert_stops_were_met(out, requests)
+
+
+def assert_stops_were_met(out: dict[str, RequestOutput], requests: Requests) -> None:
+    """The greedy rows' stop token and stop string come from their own output: met."""
+    assert out["stop_token"].stop_reason == requests["stop_token"][1].stop_token_ids[0]
+    assert out["stop_string"].stop_reason == requests["stop_string"][1].stop[0]
+    assert out["one_token"].token_ids and out["short"].finish_reason == "length"
 
 
 def test_overlap_with_drafts_that_are_all_accepted(markov):
@@ -191,8 +211,9 @@ def test_overlap_with_drafts_that_are_all_accepted(markov):
     target_dir, draft_dir, tokenizer = markov
     requests = stop_requests(target_dir, tokenizer)
     spec = SpeculativeConfig(str(draft_dir), num_draft_tokens=4)
-    engine = assert_same(dict(model_dir=target_dir, spec=spec), requests, tokenizer)
+    engine, out = assert_same(dict(model_dir=target_dir, spec=spec), requests, tokenizer)
     assert engine.spec is not None
+    assert_stops_were_met(out, requests)
     stats = engine.spec.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
@@ -202,14 +223,14 @@ def test_rows_it_does_not_cover_run_without_it(markov):
     and run as without overlap while they run; overlap resumes after them."""
     target_dir, draft_dir, tokenizer = markov
     requests: Requests = {
-        "a": (PROMPTS[0], greedy(40)),
-        "b": (PROMPTS[3], sampled(40, seed=1, ignore_eos=True)),
+        "a": (PROMPTS[0], greedy(30)),
+        "b": (PROMPTS[3], sampled(30, seed=1, ignore_eos=True)),
         "logprobs": (PROMPTS[1], greedy(6, logprobs=2)),
         "penalty": (PROMPTS[2], sampled(6, seed=2, repetition_penalty=1.3, ignore_eos=True)),
         **{f"late{i}": (PROMPTS[4], greedy(12 + i)) for i in range(3)},
     }
     spec = SpeculativeConfig(str(draft_dir), num_draft_tokens=3)
-    engine = assert_same(dict(model_dir=target_dir, spec=spec), requests, tokenizer)
+    engine, _ = assert_same(dict(model_dir=target_dir, spec=spec), requests, tokenizer)
     assert engine.num_steps_ahead >= 5
 
 
