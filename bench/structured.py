@@ -3,9 +3,14 @@ through one in-process SmolLM2 engine at concurrency 8, with and without EAGLE-3
 
 Each run submits the requests with at most ``--concurrency`` in flight and counts output
 tokens per second; ``mask_ms_per_step_p50`` is the median time per engine step that the
-engine's thread spends on masks (waiting for the verification masks, applying them,
-masking drafts, committing tokens), over the constrained runs; ``fill_ms_per_step_p50``
-the masks' fill on the worker thread, which overlaps the target forward.
+engine's thread spends on masks (waiting for the verification masks, checking greedy rows'
+argmaxes and filling the refused ones' masks, applying them, masking drafts, committing
+tokens), over the constrained runs. xgrammar's fills (every ``RowGrammar.fill``: sampling,
+verification and draft masks, on the worker thread or the engine's) are counted in CPU
+time of the filling thread, which other processes' load moves less than wall time:
+``fill_[spec_]ms_per_step_mean`` per constrained step, ``fill_ms_per_step_p50`` the median
+over steps that filled any (both engines), ``fills_[spec_]per_step_mean`` how many masks a
+step fills.
 ``constrained_[spec_]over_unconstrained`` is the median ratio over the run pairs, each
 constrained run against the unconstrained run just before it on the same engine.
 The last line is one JSON object.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import statistics
 import time
@@ -59,40 +65,48 @@ TOPICS = [
 ]
 
 MASK_SECONDS: list[float] = []  # the engine thread's seconds in mask code, this step
-FILL_SECONDS: list[float] = []  # the worker thread's seconds filling verification masks
+FILL_SECONDS: list[float] = []  # the filling threads' CPU seconds in xgrammar fills, this step
 
 
-def timed(fn: Callable[..., Any], into: list[float] = MASK_SECONDS) -> Callable[..., Any]:
+def timed(
+    fn: Callable[..., Any],
+    into: list[float] = MASK_SECONDS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start = clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            into.append(time.perf_counter() - start)
+            into.append(clock() - start)
 
     return wrapper
 
 
 def instrument() -> None:
-    """Times the mask code where the engine calls it (its module globals)."""
+    """Times the mask code where the engine calls it (its module globals and methods)."""
     import engine.spec.spec_runner as spec_runner
     import engine.spec.unified_step as unified_step
 
-    rows.SamplingMasks.apply = timed(rows.SamplingMasks.apply)  # type: ignore[method-assign]
-    rows.fill_rows = timed(rows.fill_rows, FILL_SECONDS)
+    masks = rows.SamplingMasks
+    for name in ("apply", "greedy"):  # greedy: argmax first (absent before it was built)
+        if hasattr(masks, name):
+            setattr(masks, name, timed(getattr(masks, name)))
     spec_runner.step_fields = timed(spec_grammar.step_fields)
     unified_step.apply_bitmask_rows = timed(unified_step.apply_bitmask_rows)
-    spec_grammar.fill_verify_bitmask = timed(rows.fill_verify_bitmask, FILL_SECONDS)
     for name in ("verify_mask", "accept", "mask", "advance", "end_drafts"):
         setattr(spec_grammar.StepGrammar, name, timed(getattr(spec_grammar.StepGrammar, name)))
+    fill = timed(rows.RowGrammar.fill, FILL_SECONDS, time.thread_time)
+    rows.RowGrammar.fill = fill  # type: ignore[method-assign]
 
 
 @dataclass
 class Run:
     tok_s: float
     mask_ms: list[float]  # per step, the engine thread's
-    fill_ms: list[float]  # per step, the worker's
+    fill_ms: list[float]  # per step, the filling threads' CPU time
+    num_fills: list[int]  # per step, masks filled
     step_ms: list[float]  # per step, wall
     num_stopped: int  # requests that ended "stop"
     acceptance: float  # accepted drafts / drafts verified (0 without a drafter)
@@ -103,6 +117,7 @@ def run(
 ) -> Run:
     pending = list(enumerate(prompts))
     running, num_tokens, num_stopped, per_step, fills, steps = 0, 0, 0, [], [], []
+    num_fills = []
     stats = engine.spec.stats if engine.spec is not None else None
     drafted = (stats.num_draft_tokens, stats.num_accepted_tokens) if stats else (0, 0)
     start = time.perf_counter()
@@ -122,10 +137,12 @@ def run(
         steps.append((time.perf_counter() - step_start) * 1e3)
         per_step.append(sum(MASK_SECONDS) * 1e3)
         fills.append(sum(FILL_SECONDS) * 1e3)
+        num_fills.append(len(FILL_SECONDS))
     tok_s = num_tokens / (time.perf_counter() - start)
     verified = stats.num_draft_tokens - drafted[0] if stats else 0
     accepted = stats.num_accepted_tokens - drafted[1] if stats else 0
-    return Run(tok_s, per_step, fills, steps, num_stopped, accepted / verified if verified else 0.0)
+    acceptance = accepted / verified if verified else 0.0
+    return Run(tok_s, per_step, fills, num_fills, steps, num_stopped, acceptance)
 
 
 def main() -> None:
@@ -135,6 +152,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1, help="unconstrained/constrained pairs")
+    parser.add_argument("--kv-cache-mib", type=int, default=256, help="per engine")
     args = parser.parse_args()
     num_requests, max_tokens = (8, 48) if args.quick else (32, 96)
     model = prepare("smollm2")
@@ -153,7 +171,8 @@ def main() -> None:
     instrument()
     results: dict[str, Any] = {}
     masks: list[float] = []
-    fills: list[float] = []
+    fills: list[float] = []  # per constrained step
+    num_fills: list[int] = []
     for name, draft in (("", None), ("spec_", DRAFT)):
         speculative = None if draft is None else SpeculativeConfig(str(draft), num_draft_tokens=3)
         config = EngineConfig(
@@ -163,6 +182,9 @@ def main() -> None:
             num_threads=args.threads,
             speculative=speculative,
             warm_up=True,
+            # 8 requests of ~100 tokens need a few MiB: the default (a tenth of the
+            # machine's memory) got the benchmark killed for memory beside others' jobs.
+            kv_cache_memory=args.kv_cache_mib << 20,
         )
         engine = LLMEngine(config, tokenizer)
         run(engine, prompts[:2], constrained, args.concurrency)  # compile the schema
@@ -172,9 +194,13 @@ def main() -> None:
         for _ in range(args.repeats):
             free_runs.append(run(engine, prompts, free, args.concurrency))
             constrained_runs.append(run(engine, prompts, constrained, args.concurrency))
-        for r in constrained_runs:
-            masks += r.mask_ms
-            fills += [f for f in r.fill_ms if f]  # steps that filled masks
+        engine_fills = [f for r in constrained_runs for f in r.fill_ms]
+        engine_num_fills = [n for r in constrained_runs for n in r.num_fills]
+        results[f"fill_{name}ms_per_step_mean"] = statistics.fmean(engine_fills)
+        results[f"fills_{name}per_step_mean"] = statistics.fmean(engine_num_fills)
+        masks += [ms for r in constrained_runs for ms in r.mask_ms]
+        fills += engine_fills
+        num_fills += engine_num_fills
         pairs = zip(free_runs, constrained_runs, strict=True)
         stopped = sum(r.num_stopped for r in constrained_runs)
         results[f"unconstrained_{name}tok_s"] = statistics.median(r.tok_s for r in free_runs)
@@ -189,8 +215,11 @@ def main() -> None:
             )
             if draft is not None:
                 results[f"{side}_{name}acceptance"] = statistics.median(r.acceptance for r in runs)
+        del engine
+        gc.collect()  # one engine's memory at a time
     results["mask_ms_per_step_p50"] = statistics.median(masks)
-    results["fill_ms_per_step_p50"] = statistics.median(fills) if fills else 0.0
+    filled = [f for f, n in zip(fills, num_fills, strict=True) if n]  # steps that filled any
+    results["fill_ms_per_step_p50"] = statistics.median(filled) if filled else 0.0
     results["threads"] = torch.get_num_threads()
     print(json.dumps(results))
 

@@ -155,7 +155,7 @@ def test_verify_masks_are_filled_where_greedy_rows_refuse_the_argmax(compiler, t
     assert all(row.matcher.accept_token(drafts[0]) for row in rows)  # rolled back
 
 
-@pytest.mark.slow  # SmolLM2 fp32 engines (the module's shared ones), about 40 s
+@pytest.mark.slow  # SmolLM2 fp32 (the shared engines): 7 min on a heavily loaded 2-core VM
 def test_engine_tokens_with_every_mask_and_argmax_first_are_the_same(
     plain_engine, spec_engine, tokenizer, fills
 ):
