@@ -126,6 +126,21 @@ class ModelRunner:
             # tapped layers and per 1 or several tokens and rows. Past the limit dynamo
             # runs the forward eagerly without a word; with dynamo's default of 8 shared by
             # every engine, the speculative engines of a benchmark process ran eagerly.
+            # The KV pools and the modules' own tensors (packed weight panels, rope tables)
+            # keep their shapes for the engine's life: static, not symbols. As symbols
+            # (dynamic=True makes every input's sizes one), building the guards on their
+            # sizes and strides was most of the warm-up's compile time.
+            fixed = [pool for layer in kv_cache.layers for pool in layer]
+            fixed += [
+                value
+                for module in model.modules()
+                for value in vars(module).values()
+                if isinstance(value, torch.Tensor)
+            ]
+            for tensor in fixed:
+                torch._dynamo.mark_static(tensor)
+                if tensor._base is not None:  # a view (the panels): its base is an input too
+                    torch._dynamo.mark_static(tensor._base)
             self.decode_model = torch.compile(  # type: ignore[call-overload]
                 model,
                 dynamic=True,
