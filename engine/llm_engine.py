@@ -571,8 +571,10 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
-        # A grammar allows EOS only where it ends: its rows end there even with ignore_eos.
-        is_eos = (not params.ignore_eos or seq.grammar) and token in self.eos_token_ids
+        # A grammar allows EOS only where it ends: its rows end there even with ignore_eos
+        # (not while thinking: the grammar does not constrain that part yet).
+        is_grammar_end = seq.grammar is not None and not seq.grammar.is_thinking
+        is_eos = (not params.ignore_eos or is_grammar_end) and token in self.eos_token_ids
         if token in params.stop_token_ids or is_eos:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif seq.num_output_tokens >= params.max_tokens:

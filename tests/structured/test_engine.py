@@ -140,6 +140,24 @@ def test_ignore_eos_rows_end_with_their_grammar(plain_engine, tokenizer):
     assert out[-1] == tokenizer.eos_token_id
 
 
+def test_ignore_eos_rows_go_on_past_eos_while_thinking(plain_engine, tokenizer):
+    """EOS forced by a logit bias: before the thinking marker the grammar is not yet on, so
+    ignore_eos holds and the row runs to max_tokens (it ended at the first EOS once)."""
+    prompt = chat_ids(tokenizer, "Give me a phone number.")
+    eos = tokenizer.eos_token_id
+    spec = StructuredOutput("regex", PHONE, thinking_end="</think>")
+    params = SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, structured_output=spec,
+        logit_bias={eos: 100.0},
+    )  # fmt: skip
+    plain_engine.add_request("thinking", prompt, params)
+    finished = []
+    while plain_engine.has_unfinished_requests():
+        finished += [out for out in plain_engine.step() if out.finished]
+    [out] = finished
+    assert (out.token_ids, out.finish_reason) == ([eos] * 6, "length")
+
+
 def test_prefill_here_decode_there_rebuilds_the_grammar(outputs, spec_engine):
     """The disaggregated path on one engine: a prefill-only request samples the first
     token under the grammar and drafts; blocks copied into a reserved request whose
