@@ -128,8 +128,8 @@ class ModelRunner:
             # every engine, the speculative engines of a benchmark process ran eagerly.
             # The KV pools and the modules' own tensors (packed weight panels, rope tables)
             # keep their shapes for the engine's life: static, not symbols. As symbols
-            # (dynamic=True makes every input's sizes one), building the guards on their
-            # sizes and strides was most of the warm-up's compile time.
+            # (dynamic=True makes every input's sizes one), the shape guards on their sizes
+            # and strides take most of a warm-up's compile time (bench/RESULTS.md).
             fixed = [pool for layer in kv_cache.layers for pool in layer]
             fixed += [
                 value

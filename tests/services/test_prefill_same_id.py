@@ -1,10 +1,10 @@
 """A request id prefilled again while its earlier attempt is still inside an engine step: the
 router retries a failed prefill, and may pick this worker again at once. The earlier
 attempt's abort waits behind the step, so that step still writes layers for the id. The
-new attempt's push must see only its own layers: once it took the old step's layers
-(after the first), found no window for them and failed with INTERNAL (KeyError), which
-the soak benchmark saw. Real engines on both ends, the gRPC stream between them, a real
-ledger; the engine thread is held inside the old step by its layer listener."""
+new attempt's push must see only its own layers (a push given a step's later layers
+without its first has no window for them, and one given the whole step would send the old
+attempt's blocks while they are freed). Real engines on both ends, the gRPC stream between
+them, a real ledger; the engine thread is held inside the old step by its layer listener."""
 
 from __future__ import annotations
 
