@@ -1,8 +1,13 @@
-"""``bench/serving.py``'s refusals, before it starts anything."""
+"""``bench/serving.py``: its refusals before it starts anything, and how it counts failures."""
 
+import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,3 +37,48 @@ def test_an_unknown_side_is_refused_naming_the_choices() -> None:
     assert "--sides: unknown ['vllm']" in done.stderr
     choices = "tandem, tandem_eagle3, tandem_colocated, tandem_colocated_eagle3, llamacpp_bf16"
     assert choices in done.stderr
+
+
+def load_serving_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "bench" / "serving.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_tandem(tmp_path: Path, runs: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``tandem`` on PATH whose ``loadtest`` prints a table line, then ``runs``' JSON."""
+    script = tmp_path / "tandem"
+    script.write_text(f"#!/bin/sh\necho 'a table'\necho '{{\"runs\": {runs}}}'\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+
+def test_a_failed_request_is_counted_in_failed_not_an_abort(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serving = load_serving_module()
+    run_json = (
+        '[{"num_completed": 15, "num_failed": 1, "errors": {"connection": 1},'
+        ' "output_throughput": 54.4, "ttft_ms": {"p50": 113.8}}]'
+    )
+    fake_tandem(tmp_path, run_json, monkeypatch)
+    [run] = serving.loadtest("http://127.0.0.1:1/v1", [], "llamacpp_bf16")
+    result: dict = {"failed": {}}
+    serving.record(result, "llamacpp_bf16", 1, run)
+    assert result == {
+        "failed": {"llamacpp_bf16_c1": {"connection": 1}},
+        "llamacpp_bf16_tok_s_c1": 54.4,
+        "llamacpp_bf16_ttft_ms_p50_c1": 113.8,
+    }
+
+
+def test_a_level_where_every_request_failed_stops_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serving = load_serving_module()
+    run_json = '[{"num_completed": 0, "num_failed": 16, "errors": {"503": 16}}]'
+    fake_tandem(tmp_path, run_json, monkeypatch)
+    with pytest.raises(RuntimeError, match=r"tandem: every request failed: \{'503': 16\}"):
+        serving.loadtest("http://127.0.0.1:1/v1", [], "tandem")
