@@ -102,6 +102,28 @@ class Migration:
         await self.abort_quietly(lost, abort)  # a dead process refuses it at once
         self._requeue(route, error)
 
+    async def requeue_after_lost_reservation(
+        self, route: Route, error: grpc.aio.AioRpcError
+    ) -> None:
+        """D refused the Decode call: it no longer holds the reservation that P filled
+        (it restarted or registered again since the Reserve, or let the reservation go).
+        D is alive, so it is not marked unreachable, only avoided for this request's next
+        attempts; P's blocks were released when its push ended. The request becomes QUEUED
+        and this router's again, to be prefilled anew."""
+        rid = route.request.request_id
+        log.warning(
+            "%s: %s no longer holds its reservation (%s: %s); prefilling it again",
+            rid,
+            route.decode.worker_id,
+            error.code().name,
+            error.details(),
+        )
+        self.picker.forget_stale()  # D may be known under an epoch it has left
+        route.avoid.add(route.decode.worker_id)
+        abort = pb.AbortRequest(request_id=rid, reason="reservation lost: prefilling it again")
+        await self.abort_quietly(route.decode, abort)  # whatever D still has of it
+        self._requeue(route, error)
+
     async def requeue_after_failed_prefill(
         self, route: Route, error: grpc.aio.AioRpcError | Unavailable
     ) -> None:

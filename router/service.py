@@ -37,6 +37,10 @@ RESERVE_TIMEOUT_S = 10.0
 PREFILL_CONNECT_S = 3.0
 MAX_ATTEMPTS = 8  # one request's prefills: the first, then resumptions (preempted, D lost)
 RESERVE_BACKOFF_S = (0.02, 0.5)  # first and longest wait between refused reservations
+# A Decode call refused before its first chunk with these: D no longer holds the
+# reservation (it restarted, re-registered at a new epoch, or dropped it when the ledger
+# lost data or its lease lapsed). The request is prefilled again, not failed.
+LOST_RESERVATION = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 class _StreamTiming:
@@ -148,6 +152,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                 except redis.RedisError as e:  # a routing hint lost, not the request
                     log.warning("prefix index: redis: %s", e)
                 prefill_called = time.monotonic()
+                num_sent_before = len(route.sent)
                 try:
                     prefilled = await self._prefill(route, reserve)  # nothing when co-located
                 except (grpc.aio.AioRpcError, Unavailable) as e:
@@ -176,9 +181,14 @@ class GenerationService(gen_grpc.GenerationServicer):
                         timing.sent(chunk)
                         yield chunk
                 except grpc.aio.AioRpcError as e:
-                    if e.code() != grpc.StatusCode.UNAVAILABLE or attempt + 1 == MAX_ATTEMPTS:
+                    if attempt + 1 == MAX_ATTEMPTS:
                         raise
-                    await self.migration.requeue_after_lost_decode(route, e)  # resume it elsewhere
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        await self.migration.requeue_after_lost_decode(route, e)  # elsewhere
+                    elif e.code() in LOST_RESERVATION and len(route.sent) == num_sent_before:
+                        await self.migration.requeue_after_lost_reservation(route, e)
+                    else:
+                        raise
                     continue
                 if is_finished:
                     return

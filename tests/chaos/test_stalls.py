@@ -53,6 +53,8 @@ KV_CACHE_BYTES = 64 << 20  # per worker, ample for the tiny model (not a share o
 PROMPTS = [[(5 * i + 3 * j) % 61 + 3 for j in range(5 + 3 * i)] for i in range(6)]
 # Never sent before, and under a prefix block (16 tokens): no worker is preferred for them.
 HELD_PROMPTS = [[(7 * i + 5 * j) % 59 + 3 for j in range(5 + 2 * i)] for i in range(6)]
+# The same, for the forgetful decode worker's test (sent before the held one's).
+FORGOT_PROMPTS = [[(11 * i + 3 * j) % 53 + 3 for j in range(5 + 2 * i)] for i in range(6)]
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -192,17 +194,15 @@ async def test_a_push_stalled_mid_way_is_failed_and_its_blocks_freed(
     )
 
 
-def start_held(worker: Component, held_log: Path) -> None:
-    """Stops ``worker`` (a drain: it deregisters) and starts it again as
-    tests/chaos/held_decode_worker.py: same id, port and options, a new epoch, the gRPC
-    transport only (no shared memory), and every push it receives held after the
-    handshake. Its own --transfer-stall-s is far beyond the senders': theirs fires."""
+def restart_as(worker: Component, module: str, extra_args: list[str]) -> None:
+    """Stops ``worker`` (a drain: it deregisters) and starts it again as ``module`` (a
+    decode worker with one fault, in tests/chaos/): same id, port and options plus
+    ``extra_args``, a new epoch."""
     worker.process.send_signal(signal.SIGTERM)
     worker.process.wait(timeout=30)
     command = list(worker.command)
-    command[command.index("-m") + 1] = "tests.chaos.held_decode_worker"
-    command += ["--held-log", str(held_log), "--kv-transport", "grpc"]
-    command += ["--transfer-stall-s", "600"]
+    command[command.index("-m") + 1] = module
+    command += extra_args
     if worker.log_file is not None:
         worker.log_file.close()
         assert worker.log_path is not None
@@ -215,6 +215,51 @@ def start_held(worker: Component, held_log: Path) -> None:
         stdout=worker.log_file,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+    )
+
+
+async def wait_serving(cluster: Cluster, worker: Component) -> None:
+    deadline = time.monotonic() + 120
+    while not await asyncio.to_thread(cluster.is_serving, worker):
+        assert worker.process.poll() is None, worker.log_tail()
+        assert time.monotonic() < deadline, f"{worker.name} did not start"
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(1.0)  # the router re-reads the registry every 0.25 s
+
+
+async def test_a_reservation_dropped_before_its_decode_call_is_prefilled_again(
+    cluster: Cluster, target: Path, tmp_path: Path
+) -> None:
+    """decode-1 drops each request's reservation once, as its Decode call arrives (as the
+    worker does when the ledger lost the request's record, e.g. Redis restarted, or when
+    it restarted between Reserve and Decode): the call is refused, and the router
+    prefills the request again, avoiding decode-1 for it, instead of failing it. Every
+    stream has the engine's greedy tokens and the audit is clean."""
+    forgot_log = tmp_path / "forgot.txt"
+    forgot_log.touch()
+    forgetful = cluster.decode[1]
+    restart_as(forgetful, "tests.chaos.forgetful_decode_worker", ["--forgot-log", str(forgot_log)])
+    await wait_serving(cluster, forgetful)
+    migrated = router_counter(cluster, "tandem_migrations_total")
+    expected = engine_greedy(target, FORGOT_PROMPTS, 20)
+    for _ in range(3):  # the router spreads them over both: some land on decode-1
+        assert await generate_all(cluster.router_address, FORGOT_PROMPTS, 20) == expected
+        if forgot_log.read_text():
+            break
+    request_ids = forgot_log.read_text().split()
+    assert request_ids, "no request was sent to the forgetful decode worker"
+    assert router_counter(cluster, "tandem_migrations_total") - migrated == len(request_ids)
+    await audit_clean(cluster)
+
+
+def start_held(worker: Component, held_log: Path) -> None:
+    """Starts ``worker`` again as tests/chaos/held_decode_worker.py: the gRPC transport
+    only (no shared memory), and every push it receives held after the handshake. Its own
+    --transfer-stall-s is far beyond the senders': theirs fires."""
+    restart_as(
+        worker,
+        "tests.chaos.held_decode_worker",
+        ["--held-log", str(held_log), "--kv-transport", "grpc", "--transfer-stall-s", "600"],
     )
 
 
@@ -244,12 +289,7 @@ async def test_a_push_stalled_on_its_decode_worker_is_retried_on_the_other(
     client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
     ledger = Ledger(client)
     try:
-        deadline = time.monotonic() + 120
-        while not await asyncio.to_thread(cluster.is_serving, held):
-            assert held.process.poll() is None, held.log_tail()
-            assert time.monotonic() < deadline, "the held decode worker did not start"
-            await asyncio.sleep(0.2)
-        await asyncio.sleep(1.0)  # the router re-reads the registry every 0.25 s
+        await wait_serving(cluster, held)
         migrated = router_counter(cluster, "tandem_migrations_total")
         expected = engine_greedy(target, HELD_PROMPTS, 20)
         for _ in range(3):  # the router spreads them over both: some land on decode-1
