@@ -127,11 +127,18 @@ def make_jobs(model_dir: Path, n: int, max_tokens: int, seed: int) -> list[Job]:
     return jobs
 
 
+def request_id(job: Job, *, cancel: bool) -> str:
+    """The request's id, named in the cluster's logs: "soak-<index>" under faults,
+    "undisturbed-<index>" in the undisturbed run."""
+    return f"{'soak' if cancel else 'undisturbed'}-{job.index}"
+
+
 async def run_job(client: AsyncTandemClient, job: Job, *, cancel: bool) -> Outcome:
     outcome = Outcome()
     start = time.monotonic()
     stream = client.stream(
         job.prompt,
+        request_id=request_id(job, cancel=cancel),
         max_tokens=job.max_tokens,
         temperature=job.temperature,
         seed=job.seed,
@@ -286,7 +293,8 @@ def count_mismatches(
         is_tie = margin < 1e-4
         unexplained += not is_tie
         print(
-            f"request {job.index} (temperature {job.temperature}) differs at output position "
+            f"request {request_id(job, cancel=True)} (temperature {job.temperature}) differs "
+            f"at output position "
             f"{at}: {ours[at]} here, {ref[at]} undisturbed; margin {margin:.2g} "
             f"({'a near-tie' if is_tie else 'NOT a near-tie'})",
             file=sys.stderr,
