@@ -98,8 +98,17 @@ class ClusterSpec:
         (the router runs no torch)."""
         if self.threads is not None:
             return self.threads
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return max(1, (cores or 1) // self.num_workers)
+        return max(1, _cores() // self.num_workers)
+
+    def omp_wait_policy(self) -> str | None:
+        """OpenMP's wait policy for the workers: PASSIVE (a thread sleeps at once at the end
+        of each parallel region) only where their threads outnumber the cores, so that
+        threads spinning in one worker do not take cores another needs; else the runtime's
+        default, whose short spin halves the cost of a step at two threads (engine alone,
+        bf16, batch 1: 54.7 against 27.0 tok/s PASSIVE; bench/RESULTS.md)."""
+        if self.threads_per_process() * self.num_workers > _cores():
+            return "PASSIVE"
+        return None
 
 
 @dataclass
@@ -246,7 +255,9 @@ class Cluster:
         env.pop(CLUSTER_SECRET_ENV, None)
         if self.cluster_secret is not None:
             env[CLUSTER_SECRET_ENV] = self.cluster_secret
-        env.update(OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=str(threads))
+        env["OMP_NUM_THREADS"] = str(threads)
+        if (policy := spec.omp_wait_policy()) is not None:
+            env.setdefault("OMP_WAIT_POLICY", policy)  # one set by the user stands
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         log_path = spec.log_dir / f"{name}.log" if spec.log_dir is not None else None
         log_file = log_path.open("wb") if log_path is not None else None
@@ -362,3 +373,10 @@ def _launch(
         stderr=subprocess.STDOUT if log_file is not None else None,
         start_new_session=True,
     )
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -20,19 +20,25 @@ def test_colocated_clusters_have_no_prefill_workers(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("fields", "threads"),
+    ("fields", "threads", "wait_policy"),
     [
-        ({}, 1),  # 1 prefill + 1 decode worker on 2 cores
-        ({"num_prefill": 0, "colocate": True}, 2),  # one co-located worker: both cores
-        ({"num_prefill": 0, "num_decode": 2, "colocate": True}, 1),
-        ({"threads": 3}, 3),
+        ({}, 1, None),  # 1 prefill + 1 decode worker on 2 cores
+        ({"num_prefill": 0, "colocate": True}, 2, None),  # one co-located worker: both cores
+        ({"num_prefill": 0, "num_decode": 2, "colocate": True}, 1, None),
+        ({"threads": 3}, 3, "PASSIVE"),  # 6 threads on 2 cores: none may spin
+        ({"threads": 1, "num_prefill": 2}, 1, "PASSIVE"),
     ],
 )
 def test_workers_share_the_cores_and_the_router_counts_for_none(
-    monkeypatch: pytest.MonkeyPatch, fields: dict[str, object], threads: int
+    monkeypatch: pytest.MonkeyPatch,
+    fields: dict[str, object],
+    threads: int,
+    wait_policy: str | None,
 ) -> None:
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    assert ClusterSpec(model="m", **fields).threads_per_process() == threads  # type: ignore[arg-type]
+    spec = ClusterSpec(model="m", **fields)  # type: ignore[arg-type]
+    assert spec.threads_per_process() == threads
+    assert spec.omp_wait_policy() == wait_policy
 
 
 def test_serve_refuses_prefill_workers_with_colocate(capsys: pytest.CaptureFixture[str]) -> None:
