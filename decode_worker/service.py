@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -231,14 +232,13 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             remaining = context.time_remaining()
             timeout = self.decode_timeout_s if remaining is None else remaining
         await handle.wait_for_kv(timeout)
-        first = await self.engine_loop.call(
-            self.engine.start_decoding,
-            request.request_id,
-            request.first_token_id,
-            list(request.draft_tokens),
+        # Finished on prefill: no KV was pushed (or only part), so none is cached here.
+        start = functools.partial(
+            self.engine.start_decoding, has_kv=not request.is_finished_on_prefill
         )
-        if request.is_finished_on_prefill and not first.finished:
-            raise RuntimeError("is_finished_on_prefill: the first token did not end it here")
+        first = await self.engine_loop.call(
+            start, request.request_id, request.first_token_id, list(request.draft_tokens)
+        )
         assert handle.slot is not None
         handle.slot.update(first)
 

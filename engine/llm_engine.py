@@ -309,10 +309,22 @@ class LLMEngine:
         return list(seq.block_table), seq.num_cached_tokens
 
     def start_decoding(
-        self, request_id: str, first_token: int, draft_token_ids: list[int] | None = None
+        self,
+        request_id: str,
+        first_token: int,
+        draft_token_ids: list[int] | None = None,
+        *,
+        has_kv: bool = True,
     ) -> RequestOutput:
         """Joins a reserved request to the running batch once its prompt's KV is in its
-        blocks; ``first_token`` was sampled by the prefill worker."""
+        blocks; ``first_token`` was sampled by the prefill worker. ``has_kv`` False: the
+        first token ended the request there, so its KV was not (or only partly) sent; it
+        must end here too (else RequestError, the reservation freed).
+
+        Only a request that goes on decoding has its blocks cached: one that ends here
+        frees them at once, and its KV may never have arrived (a prefill worker pushes
+        none for a request its first token ends). Cached, such blocks would serve every
+        later request with the same prefix KV that is not its own."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.status is not SequenceStatus.RESERVED:
             raise RequestError(f"request_id: {request_id!r} is not reserved on this worker")
@@ -320,7 +332,6 @@ class LLMEngine:
         if not 0 <= first_token < vocab:
             raise RequestError(f"first_token: {first_token} is outside the vocabulary")
         seq.num_computed_tokens = seq.num_tokens  # the prompt (and resumed output) arrived
-        self.block_manager.cache_computed_blocks(seq)
         if seq.params.max_tokens == 0:  # the prefill worker only scored the prompt
             seq.finish_reason = "length"
         else:
@@ -332,7 +343,14 @@ class LLMEngine:
         output = self._output(seq)
         if seq.finish_reason is not None:
             self.abort_request(request_id)
+        elif not has_kv:
+            self.abort_request(request_id)
+            raise RequestError(
+                f"first_token: {first_token} ended request {request_id!r} on the prefill "
+                "worker (no KV sent), but does not end it here"
+            )
         else:
+            self.block_manager.cache_computed_blocks(seq)
             self.scheduler.join(seq)
         return output
 

@@ -191,3 +191,51 @@ def test_reserved_then_prefilled_here_equals_one_engine(dirs, with_draft):
     done.update(drain(here))
     assert done == expected
     assert here.block_manager.num_free_blocks == here.block_manager.num_blocks
+
+
+def test_blocks_of_a_request_ended_by_its_first_token_are_not_cached(dirs):
+    """A prefill worker pushes no KV (or only part) for a request that its first token
+    ends, here one resumed at max_tokens - 1: the decode worker's blocks for it do not hold
+    its KV, so they must not enter the prefix cache. They did: the next request with that
+    prompt reused them (num_cached 8, those blocks skipped by the push) and decoded from KV
+    that was never its own, the soak's wrong greedy tokens from output position 1 (issue 22)."""
+    target, draft = dirs
+    prompt, p = PROMPTS[1], params(0)  # 11 tokens: 2 full blocks, greedy, 15 tokens
+    whole = engine(target, draft)
+    whole.add_request("w", prompt, p)
+    expected = drain(whole)["w"]
+
+    decode, prefill = engine(target, draft), engine(target, draft)
+    resumed = prompt + expected[:-1]
+    assert decode.reserve("r", resumed, p, len(expected) - 1)[1] == 0
+    ended = decode.start_decoding("r", expected[-1])  # KV never pushed: blocks unwritten
+    assert ended.finish_reason == "length" and ended.token_ids == expected
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+
+    table, num_cached = decode.reserve("s", prompt, p)
+    assert num_cached == 0
+    prefill.add_request("s", prompt, p, is_prefill_only=True)
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    done = prefill.take_prefilled("s")
+    assert done is not None
+    for name, pool in prefill.kv_pools.items():  # what the push sends: the uncached blocks
+        dst = decode.kv_pools[name]
+        for (k_src, v_src), (k_dst, v_dst) in zip(pool.layers, dst.layers, strict=True):
+            k_dst[table] = k_src[done.block_table]
+            v_dst[table] = v_src[done.block_table]
+    prefill.release("s")
+    decode.start_decoding("s", done.first_token, done.draft_token_ids)
+    assert drain(decode) == {"s": expected}
+
+
+def test_a_first_token_that_ended_the_request_on_prefill_must_end_it_here(dirs):
+    """``has_kv`` False (the prefill worker's first token ended the request, so it pushed
+    no KV) with a first token that does not end it here: refused, nothing cached or held."""
+    target, _ = dirs
+    decode = engine(target)
+    decode.reserve("a", PROMPTS[1], params(0))
+    with pytest.raises(RequestError, match="does not end it here"):
+        decode.start_decoding("a", 5, has_kv=False)
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+    assert decode.reserve("b", PROMPTS[1], params(0))[1] == 0
