@@ -227,6 +227,20 @@ async def wait_serving(cluster: Cluster, worker: Component) -> None:
     await asyncio.sleep(1.0)  # the router re-reads the registry every 0.25 s
 
 
+async def generate_until_logged(
+    cluster: Cluster, target: Path, prompts: list[list[int]], log: Path
+) -> list[str]:
+    """Sends ``prompts`` (20 greedy tokens each, checked against the engine's) up to three
+    times, until the faulty worker has logged a request: the router spreads them over both
+    decode workers. The request ids it logged."""
+    expected = engine_greedy(target, prompts, 20)
+    for _ in range(3):
+        assert await generate_all(cluster.router_address, prompts, 20) == expected
+        if log.read_text():
+            break
+    return log.read_text().split()
+
+
 async def test_a_reservation_dropped_before_its_decode_call_is_prefilled_again(
     cluster: Cluster, target: Path, tmp_path: Path
 ) -> None:
@@ -241,12 +255,7 @@ async def test_a_reservation_dropped_before_its_decode_call_is_prefilled_again(
     restart_as(forgetful, "tests.chaos.forgetful_decode_worker", ["--forgot-log", str(forgot_log)])
     await wait_serving(cluster, forgetful)
     migrated = router_counter(cluster, "tandem_migrations_total")
-    expected = engine_greedy(target, FORGOT_PROMPTS, 20)
-    for _ in range(3):  # the router spreads them over both: some land on decode-1
-        assert await generate_all(cluster.router_address, FORGOT_PROMPTS, 20) == expected
-        if forgot_log.read_text():
-            break
-    request_ids = forgot_log.read_text().split()
+    request_ids = await generate_until_logged(cluster, target, FORGOT_PROMPTS, forgot_log)
     assert request_ids, "no request was sent to the forgetful decode worker"
     assert router_counter(cluster, "tandem_migrations_total") - migrated == len(request_ids)
     await audit_clean(cluster)
@@ -291,12 +300,7 @@ async def test_a_push_stalled_on_its_decode_worker_is_retried_on_the_other(
     try:
         await wait_serving(cluster, held)
         migrated = router_counter(cluster, "tandem_migrations_total")
-        expected = engine_greedy(target, HELD_PROMPTS, 20)
-        for _ in range(3):  # the router spreads them over both: some land on decode-1
-            assert await generate_all(cluster.router_address, HELD_PROMPTS, 20) == expected
-            if held_log.read_text():
-                break
-        request_ids = held_log.read_text().split()
+        request_ids = await generate_until_logged(cluster, target, HELD_PROMPTS, held_log)
         assert request_ids, "no request was sent to the held decode worker"
         assert len(set(request_ids)) == len(request_ids), "a request went back to it"
         assert router_counter(cluster, "tandem_migrations_total") - migrated == len(request_ids)
