@@ -294,8 +294,7 @@ def count_mismatches(
         unexplained += not is_tie
         print(
             f"request {request_id(job, cancel=True)} (temperature {job.temperature}) differs "
-            f"at output position "
-            f"{at}: {ours[at]} here, {ref[at]} undisturbed; margin {margin:.2g} "
+            f"at output position {at}: {ours[at]} here, {ref[at]} undisturbed; margin {margin:.2g} "
             f"({'a near-tie' if is_tie else 'NOT a near-tie'})",
             file=sys.stderr,
         )

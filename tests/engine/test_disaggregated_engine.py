@@ -196,9 +196,9 @@ def test_reserved_then_prefilled_here_equals_one_engine(dirs, with_draft):
 def test_blocks_of_a_request_ended_by_its_first_token_are_not_cached(dirs):
     """A prefill worker pushes no KV (or only part) for a request that its first token
     ends, here one resumed at max_tokens - 1: the decode worker's blocks for it do not hold
-    its KV, so they must not enter the prefix cache. They did: the next request with that
-    prompt reused them (num_cached 8, those blocks skipped by the push) and decoded from KV
-    that was never its own, the soak's wrong greedy tokens from output position 1 (issue 22)."""
+    its KV, so they must not enter the prefix cache. Cached, they would give the next
+    request with that prompt a prefix hit (its push skipping those blocks) and decode it
+    from KV that is not its own."""
     target, draft = dirs
     prompt, p = PROMPTS[1], params(0)  # 11 tokens: 2 full blocks, greedy, 15 tokens
     whole = engine(target, draft)
