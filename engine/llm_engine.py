@@ -7,38 +7,24 @@ import gc
 import logging
 import secrets
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.attention import get_backend, select_backend
-from engine.block_manager import BlockManager
+from engine.components import build_components
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
-from engine.kv_cache import KVCacheCapacityError, KVCacheParams, PagedKVCache, plan_num_blocks
-from engine.model_runner import LayerListener, ModelRunner, RowLogprobs, StepOutput
-from engine.models.layers import release_packed_weights, use_packed_gemm
-from engine.models.triton_layers import use_triton_kernels
+from engine.kv_cache import KVCacheCapacityError, PagedKVCache
+from engine.model_runner import LayerListener, RowLogprobs, StepOutput
 from engine.outputs import PrefilledRequest, RequestOutput
-from engine.registry import eos_token_ids, load_model
 from engine.sampler import FAULT
-from engine.sampling_kernels import sampling_kernels
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from engine.spec import overlap
 from engine.spec.overlap import AheadStep
-from engine.spec.spec_runner import (
-    DecodeResult,
-    SpecRunner,
-    load_speculator,
-    num_draft_tokens,
-    num_lookahead_slots,
-)
+from engine.spec.spec_runner import DecodeResult
 from engine.spec.stats import SpecDecodeStats
-from engine.structured.grammars import Grammars
-from kernels.cpu import extension as cpu_kernels
 
 
 class RequestError(ValueError):
@@ -48,95 +34,24 @@ class RequestError(ValueError):
 logger = logging.getLogger(__name__)
 
 
-def kernels_for(kernels: str, attention_backend: str) -> str:
-    """What ``EngineConfig.kernels`` means: "auto" follows the attention backend (Triton's
-    element-wise and sampling kernels beside the triton and flash_attn backends)."""
-    if kernels != "auto":
-        return kernels
-    return "triton" if attention_backend in ("triton", "flash_attn") else "torch"
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.device = torch.device(config.device)
-        model, self.model_config = load_model(
-            config.model, dtype=config.dtype, max_length=config.max_model_len, device=self.device
-        )
-        self.max_model_len = self.model_config.max_seq_len
-        packed: list[torch.nn.Module] = []  # models whose products use_packed_gemm prepared
-        if self.device.type == "cpu" and config.cpu_packed_gemm_min_rows is not None:
-            use_packed_gemm(model, config.cpu_packed_gemm_min_rows)
-            packed.append(model)
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids(Path(config.model), self.model_config)
-        self.grammars = Grammars(
-            config.model,
-            tokenizer,
-            self.model_config.vocab_size,
-            self.eos_token_ids,
-            timeout_s=config.grammar_compile_timeout_s,
-            cache_size=config.grammar_cache_size,
-        )
-        kv_params = KVCacheParams.from_config(self.model_config, config.block_size)
-        plan_params = [kv_params]
-        drafter, lookahead = None, 0
-        if config.speculative is not None:
-            drafter = load_speculator(config.speculative, model, self.device)
-            if self.device.type == "cpu" and config.cpu_packed_gemm_min_rows is not None:
-                assert isinstance(drafter, torch.nn.Module)
-                use_packed_gemm(drafter, config.cpu_packed_gemm_min_rows)
-                packed.append(drafter)
-            # One block id holds a target block and a draft block: plan for both together.
-            plan_params.append(KVCacheParams.from_config(drafter.config, config.block_size))
-            lookahead = num_lookahead_slots(num_draft_tokens(config.speculative, drafter), drafter)
-        if packed:
-            freed = release_packed_weights(*packed)
-            logger.info("weights on the bf16 kernel's panels: %.0f MB of copies freed", freed / 1e6)
-        num_blocks = plan_num_blocks(
-            plan_params,
-            self.device,
-            memory_bytes=config.kv_cache_memory,
-            memory_fraction=config.kv_cache_memory_fraction,
-        )
-        self.kv_cache = PagedKVCache(kv_params, num_blocks, self.device)
-        # With CUDA graphs the last block is no request's: padded rows write there.
-        self.block_manager = BlockManager(
-            num_blocks - config.uses_cuda_graphs,
-            config.block_size,
-            config.enable_prefix_caching,
-            lookahead,
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
-        )
-        if self.device.type == "cpu":
-            cpu_kernels.available()  # built or loaded now, not inside the first step
-        attention = config.attention_backend
-        if attention == "auto":
-            attention = select_backend(config.device, config.block_size)
-        self.kernels = kernels_for(config.kernels, attention)
-        if self.kernels == "triton":  # swapped in once: the torch path keeps its modules
-            rope = attention != "torch"  # the torch backend's metadata has no positions
-            use_triton_kernels(model, rope=rope)
-            if drafter is not None:
-                assert isinstance(drafter, torch.nn.Module)
-                use_triton_kernels(drafter, rope=rope)
-        self.runner = ModelRunner(
-            model,
-            self.kv_cache,
-            get_backend(attention, device=config.device, block_size=config.block_size),
-            self.device,
-            compile_decode=config.torch_compile,
-            sampling_kernels=sampling_kernels(self.kernels),
-        )
-        self.spec: SpecRunner | None = None
-        if config.speculative is not None and drafter is not None:
-            self.spec = SpecRunner(config.speculative, self.runner, drafter, num_blocks)
-            if config.uses_cuda_graphs:
-                self.spec.enable_graphs(config.max_num_seqs, self.max_model_len, num_blocks - 1)
+        parts = build_components(config, tokenizer)
+        self.model_config = parts.model_config
+        self.max_model_len = parts.model_config.max_seq_len
+        self.eos_token_ids = parts.eos_token_ids
+        self.grammars = parts.grammars
+        self.kv_cache = parts.kv_cache
+        self.block_manager = parts.block_manager
+        self.scheduler = parts.scheduler
+        self.kernels = parts.kernels
+        self.runner = parts.runner
+        self.spec = parts.spec
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ahead: AheadStep | None = None  # overlap scheduling: the step in flight
@@ -146,7 +61,7 @@ class LLMEngine:
         # After the warm-up: the costs of compiled steps, not of compiling them.
         if self.spec is not None and config.speculative and config.speculative.adaptive:
             self.spec.enable_adaptive(
-                config.max_num_seqs, list(range(num_blocks)), self.max_model_len
+                config.max_num_seqs, list(range(parts.num_blocks)), self.max_model_len
             )
         # Loading and compiling leave about a million long-lived objects (modules, graphs,
         # guards, symbolic shapes) that every full collection scans: one took 1.2 s in the

@@ -138,7 +138,9 @@ class Ledger:
         epoch: int,
         fields: Mapping[str, str | int | float] | None = None,
     ) -> RequestRecord:
-        """Records a new request in QUEUED, owned by ``owner`` (the router) at ``epoch``."""
+        """Records a new request in QUEUED, owned by ``owner`` (the router) at ``epoch``.
+        LedgerConflict when the id has a record, unless that request FAILED ``retryable``
+        (its client was told to retry): the new record replaces it."""
         check_id("request_id", request_id)
         check_id("owner", owner)
         extra: list[str] = []
@@ -172,9 +174,12 @@ class Ledger:
         new_owner: str | None = None,
         new_epoch: int | None = None,
         error: str | None = None,
+        retryable: bool = False,
     ) -> RequestRecord:
         """Moves a request from ``expected`` to ``to`` if it is there and ``epoch`` is its
-        owner's; ``new_owner``/``new_epoch`` hand it over (e.g. router -> prefill worker)."""
+        owner's; ``new_owner``/``new_epoch`` hand it over (e.g. router -> prefill worker).
+        ``retryable`` (to FAILED only): the client was told to retry, so a new request may
+        take the same id (``create_request``)."""
         check_id("request_id", request_id)
         expected, to = RequestState(expected), RequestState(to)
         if to not in ALLOWED_TRANSITIONS[expected]:
@@ -187,8 +192,11 @@ class Ledger:
             raise ValueError("new_owner and new_epoch: give both or neither")
         if new_owner is not None:
             check_id("new_owner", new_owner)
+        if retryable and to is not RequestState.FAILED:
+            raise ValueError(f"retryable: only a request that FAILED is retried, not {to}")
         ttl = self.finished_ttl_ms if to.is_terminal else self.request_ttl_ms
         args = [request_id, expected, to, epoch, new_owner or "", new_epoch or 0, ttl, error or ""]
+        args.append("1" if retryable else "")
         flat = self._run(lua.TRANSITION, [self._record_key(request_id)], args)
         return RequestRecord.from_redis(request_id, pairs_of(flat))
 

@@ -19,7 +19,7 @@ DEFAULT_FINISHED_TTL_MS = 10 * 60 * 1000  # FINISHED / FAILED / CANCELLED record
 MAX_BLOCK_ID = 2**32 - 1
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 RECORD_FIELDS = frozenset(
-    {"state", "owner", "epoch", "version", "created_ms", "updated_ms", "error"}
+    {"state", "owner", "epoch", "version", "created_ms", "updated_ms", "error", "retryable"}
 )
 WORKER_FIELDS = frozenset(
     {"role", "address", "capacity", "load", "epoch", "registered_ms", "heartbeat_ms"}
@@ -84,6 +84,7 @@ class RequestRecord:
     created_ms: int  # Redis server clock
     updated_ms: int
     error: str  # set by a transition to FAILED (or any transition given one)
+    retryable: bool  # FAILED with a status the client retries: the id may be used again
     fields: Mapping[str, str]  # caller fields given at creation (model, num_prompt_tokens...)
 
     @classmethod
@@ -98,6 +99,7 @@ class RequestRecord:
             created_ms=int(raw["created_ms"]),
             updated_ms=int(raw["updated_ms"]),
             error=raw.get("error", ""),
+            retryable=raw.get("retryable") == "1",
             fields={k: v for k, v in raw.items() if k not in RECORD_FIELDS},
         )
 

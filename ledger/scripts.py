@@ -43,12 +43,16 @@ end
 """
 
 # KEYS: record. ARGV: request_id, owner, epoch, ttl_ms, field, value, ...
+# An id may be used again once its request failed with a status the client retries.
 CREATE_REQUEST = (
     _PRELUDE
     + """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return conflict('request ' .. ARGV[1] .. ': expected no record, found one (duplicate id)')
+local old = redis.call('HMGET', KEYS[1], 'state', 'retryable')
+if old[1] and not (old[1] == 'FAILED' and old[2] == '1') then
+  return conflict('request ' .. ARGV[1] .. ': expected no record, found one in ' .. old[1] ..
+    ' (duplicate id)')
 end
+redis.call('DEL', KEYS[1])
 local now = now_ms()
 redis.call('HSET', KEYS[1], 'state', 'QUEUED', 'owner', ARGV[2], 'epoch', ARGV[3],
   'version', '0', 'created_ms', now, 'updated_ms', now, unpack(ARGV, 5))
@@ -58,7 +62,8 @@ return redis.call('HGETALL', KEYS[1])
 )
 
 # KEYS: record. ARGV: request_id, expected, to, epoch, new_owner ('' keeps), new_epoch,
-# ttl_ms, error ('' none). The caller checked that expected -> to is a legal edge.
+# ttl_ms, error ('' none), retryable ('1': the id may be used again). The caller checked
+# that expected -> to is a legal edge.
 TRANSITION = (
     _PRELUDE
     + """
@@ -72,6 +77,9 @@ if ARGV[5] ~= '' then
 end
 if ARGV[8] ~= '' then
   redis.call('HSET', KEYS[1], 'error', ARGV[8])
+end
+if ARGV[9] == '1' then
+  redis.call('HSET', KEYS[1], 'retryable', '1')
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[7])
 return redis.call('HGETALL', KEYS[1])

@@ -23,7 +23,7 @@ from router.route import Route, count_in_flight, how_it_ended, record_in_ledger
 from router.routing import WorkerPicker, prefix_hashes
 from router.validation import RequestValidator
 from serving.metrics import RouterMetrics
-from serving.rpc import ChannelPool, Overloaded, Unavailable
+from serving.rpc import ChannelPool, Overloaded, Unavailable, status_of
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import generation_pb2_grpc as gen_grpc
 from tandem.v1 import worker_pb2 as pb
@@ -41,6 +41,9 @@ RESERVE_BACKOFF_S = (0.02, 0.5)  # first and longest wait between refused reserv
 # reservation (it restarted, re-registered at a new epoch, or dropped it when the ledger
 # lost data or its lease lapsed). The request is prefilled again, not failed.
 LOST_RESERVATION = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+# A request that fails with these may be sent again, under the same id (the SDK retries
+# UNAVAILABLE; RESOURCE_EXHAUSTED says when to).
+RETRIED_BY_CLIENTS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class _StreamTiming:
@@ -139,7 +142,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             self.metrics.requests.labels(self.metrics.role, "rejected").inc()
             raise
         count_in_flight(self.picker, route, +1)
-        is_finished = False
+        is_finished = is_ended = False
         end_state, reason = RequestState.FAILED, ""
         timing = _StreamTiming(self.metrics, arrived)
         try:
@@ -204,16 +207,25 @@ class GenerationService(gen_grpc.GenerationServicer):
             )
         except BaseException as e:
             end_state, reason = how_it_ended(e, route)
+            error: BaseException = e
             if end_state is RequestState.FAILED and self._is_forgotten(rid):
-                raise Unavailable(
+                error = Unavailable(
                     f"request {rid}: the ledger lost its record while it ran (its Redis "
                     f"restarted?); retry. ({reason})"
-                ) from e
-            raise
+                )
+            if end_state is RequestState.FAILED:
+                # Ended before the client hears of it: a retry with the same id must find
+                # neither this attempt's record live nor its Aborts still to come.
+                retryable = status_of(error)[0] in RETRIED_BY_CLIENTS
+                await self._end(route, end_state, reason, retryable=retryable)
+                is_ended = True
+            if error is e:
+                raise
+            raise error from e
         finally:
             self.num_in_flight -= 1
             count_in_flight(self.picker, route, -1)
-            if not is_finished:
+            if not is_finished and not is_ended:
                 # A task of its own: this one may be cancelled again while it cleans up.
                 self._spawn(self._end(route, end_state, reason))
             timing.ended("finished" if is_finished else end_state.value.lower())
@@ -447,8 +459,11 @@ class GenerationService(gen_grpc.GenerationServicer):
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 
-    async def _end(self, route: Route, state: RequestState, reason: str) -> None:
-        """Aborts the request on P and D (idempotent there) and ends it in the ledger."""
+    async def _end(
+        self, route: Route, state: RequestState, reason: str, *, retryable: bool = False
+    ) -> None:
+        """Aborts the request on P and D (idempotent there) and ends it in the ledger;
+        ``retryable``: its client was told to retry, so the id may be used again."""
         rid = route.request.request_id
         log.info("%s %s: %s", rid, state.value.lower(), reason)
         abort = pb.AbortRequest(request_id=rid, reason=reason[:200])
@@ -459,7 +474,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         for result in results:
             if isinstance(result, BaseException):
                 log.warning("%s: abort failed: %s", rid, result)
-        self._end_in_ledger(rid, state, reason)
+        self._end_in_ledger(rid, state, reason, retryable)
 
     def _is_forgotten(self, rid: str) -> bool:
         """Whether the ledger has no record of this (recorded) request: its Redis restarted
@@ -469,7 +484,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         except redis.RedisError:
             return False
 
-    def _end_in_ledger(self, rid: str, state: RequestState, error: str) -> None:
+    def _end_in_ledger(self, rid: str, state: RequestState, error: str, retryable: bool) -> None:
         """Moves the request to ``state`` from wherever it is (its owner may be moving it)."""
         for _ in range(5):
             record = self.ledger.get_request(rid)
@@ -477,7 +492,12 @@ class GenerationService(gen_grpc.GenerationServicer):
                 return
             try:
                 self.ledger.transition(
-                    rid, state, expected=record.state, epoch=record.epoch, error=error[:500]
+                    rid,
+                    state,
+                    expected=record.state,
+                    epoch=record.epoch,
+                    error=error[:500],
+                    retryable=retryable,
                 )
                 return
             except LedgerConflict:

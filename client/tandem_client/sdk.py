@@ -106,9 +106,9 @@ class TandemClient:
     ) -> Iterator[Chunk]:
         """The completion's chunks as they come (arguments as ``generate``'s); the request
         is checked now, sent on the first ``next``. Closing the iterator early (``break``)
-        cancels the request on the server. A retry resends the same request: with a
-        ``request_id`` of yours that a router recorded before answering UNAVAILABLE, the
-        retry is refused as a duplicate (ABORTED)."""
+        cancels the request on the server. A retry resends the same request, with the
+        same ``request_id``: the router ended the failed attempt before answering
+        UNAVAILABLE, so the id is free again."""
         request = build_request(prompt, request_id=request_id, model=model, **sampling)
         return self._stream(request, self.settings.attempts(timeout))
 

@@ -77,6 +77,32 @@ def test_happy_path_through_every_state(ledger: Ledger) -> None:
     assert ledger.client.pttl(ledger._record_key(live.request_id)) > 5000
 
 
+def test_an_id_is_used_again_only_after_a_retryable_failure(ledger: Ledger) -> None:
+    """A client told to retry (UNAVAILABLE) resends its request under the same id: the new
+    record replaces the failed one. Any other record of the id refuses it."""
+    e = register(ledger)
+    for rid, to, retryable in [
+        ("retried", S.FAILED, True),
+        ("failed", S.FAILED, False),
+        ("cancelled", S.CANCELLED, False),
+        ("live", None, False),
+    ]:
+        ledger.create_request(rid, owner="router-0", epoch=e.router, fields={"model": "a"})
+        if to is not None:
+            ended = ledger.transition(
+                rid, to, expected=S.QUEUED, epoch=e.router, error="x", retryable=retryable
+            )
+            assert ended.retryable is retryable and "retryable" not in ended.fields
+    again = ledger.create_request("retried", owner="router-1", epoch=e.router, fields={"n": 1})
+    assert (again.state, again.owner, again.version, again.error) == (S.QUEUED, "router-1", 0, "")
+    assert (again.retryable, again.fields) == (False, {"n": "1"})  # nothing of the old one
+    for rid, found in [("failed", "FAILED"), ("cancelled", "CANCELLED"), ("live", "QUEUED")]:
+        with pytest.raises(LedgerConflict, match=f"found one in {found} \\(duplicate id\\)"):
+            ledger.create_request(rid, owner="router-0", epoch=e.router)
+    with pytest.raises(ValueError, match="retryable: only a request that FAILED"):
+        ledger.transition("live", S.CANCELLED, expected=S.QUEUED, epoch=e.router, retryable=True)
+
+
 def test_every_illegal_transition_is_refused(ledger: Ledger) -> None:
     e = register(ledger)
     for state in S:

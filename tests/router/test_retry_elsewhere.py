@@ -2,21 +2,24 @@
 Redis ledger: the KV push status the prefill worker's error carries (trailing metadata,
 never the message) says which side; that worker is avoided for the request's next
 attempts, where another of its role is live, and only a prefill worker failing itself is
-marked unreachable. Avoiding is a preference: a lone worker is picked again."""
+marked unreachable. Avoiding is a preference: a lone worker is picked again. A request
+its client is told to retry is ended first, so that a retry may take its id again."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import grpc
 import pytest
 
-from ledger.ledger import Ledger, RequestState, WorkerInfo, WorkerRole
+from ledger.ledger import Ledger, LedgerConflict, RequestState, WorkerInfo, WorkerRole
 from ledger.membership import Membership, Timing
 from router.migration import Migration
 from router.route import Route, record_in_ledger
 from router.routing import WorkerPicker, prefix_hashes
-from router.validation import ValidRequest
+from router.service import GenerationService
+from router.validation import ModelInfo, RequestValidator, ValidRequest
 from serving.metrics import RouterMetrics
 from serving.rpc import ChannelPool, Unavailable
 from tandem.v1 import generation_pb2 as gen
@@ -136,3 +139,64 @@ async def test_a_failed_prefill_is_requeued_away_from_the_side_at_fault(
                 assert want is None or got == want
     finally:
         await channels.close()
+
+
+class _FailingReserve(GenerationService):
+    """A router whose every Reserve fails with ``error``, after the request was recorded."""
+
+    def __init__(self, error: Exception, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.error = error
+
+    async def _reserve(self, route: Route) -> Any:
+        raise self.error
+
+
+class _Context:
+    def time_remaining(self) -> float:
+        return 30.0
+
+
+@pytest.mark.parametrize(
+    ("error", "retryable"),
+    [(Unavailable("decode worker d0: gone"), True), (ValueError("sampling: no"), False)],
+    ids=["unavailable", "invalid"],
+)
+async def test_a_request_told_to_retry_is_ended_first_and_its_id_taken_again(
+    ledger: Ledger, error: Exception, retryable: bool
+) -> None:
+    """The router ends a failed request (Aborts sent, FAILED in the ledger) before its
+    client hears of it: a retry under the same id, sent at once, finds no live record of
+    the first attempt, and no late cleanup of it can fail the retry. After UNAVAILABLE the
+    id is taken again; after any other error a retry is refused as a duplicate."""
+    two_pairs(ledger)
+    membership = Membership(
+        ledger, "router-0", role=WorkerRole.ROUTER, address=REFUSED, capacity=0, timing=Timing()
+    )
+    membership.register()
+    router = _FailingReserve(
+        error,
+        validator=RequestValidator(ModelInfo("m", vocab_size=64, max_model_len=64), None),
+        picker=WorkerPicker(ledger, "m", refresh_s=0.0),
+        membership=membership,
+    )
+    request = gen.GenerateRequest(
+        request_id="mine",
+        token_ids=gen.TokenIds(ids=[1, 2, 3]),
+        sampling=gen.SamplingParams(max_tokens=4),
+    )
+    try:
+        with pytest.raises(type(error)):
+            async for _ in router.Generate(request, _Context()):
+                pass
+        record = ledger.get_request("mine")  # at once: no cleanup left to run
+        assert record is not None and record.state is RequestState.FAILED
+        assert record.retryable is retryable
+        assert record.error == f"{type(error).__name__}: {error}"
+        retried: type[Exception] = type(error) if retryable else LedgerConflict
+        with pytest.raises(retried):
+            async for _ in router.Generate(request, _Context()):
+                pass
+        assert router.num_in_flight == 0 and not router._cleanups
+    finally:
+        await router.close()

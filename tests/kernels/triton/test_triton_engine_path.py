@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.llm_engine import EngineConfig, LLMEngine, kernels_for
+from engine.components import kernels_for
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.models.layers import GatedMLP, RMSNorm
 from engine.models.triton_layers import (
     FusedDecoder,

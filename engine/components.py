@@ -1,0 +1,144 @@
+"""What an engine is built from: the model and its draft, on their kernels, the paged KV
+cache sized for both, the block manager, the scheduler and the runners."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.attention import get_backend, select_backend
+from engine.block_manager import BlockManager
+from engine.engine_config import EngineConfig
+from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
+from engine.model_runner import ModelRunner
+from engine.models.layers import release_packed_weights, use_packed_gemm
+from engine.models.triton_layers import use_triton_kernels
+from engine.registry import ModelConfig, eos_token_ids, load_model
+from engine.sampling_kernels import sampling_kernels
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.spec.spec_runner import (
+    SpecRunner,
+    load_speculator,
+    num_draft_tokens,
+    num_lookahead_slots,
+)
+from engine.structured.grammars import Grammars
+from kernels.cpu import extension as cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+
+def kernels_for(kernels: str, attention_backend: str) -> str:
+    """What ``EngineConfig.kernels`` means: "auto" follows the attention backend (Triton's
+    element-wise and sampling kernels beside the triton and flash_attn backends)."""
+    if kernels != "auto":
+        return kernels
+    return "triton" if attention_backend in ("triton", "flash_attn") else "torch"
+
+
+@dataclass
+class EngineComponents:
+    model_config: ModelConfig  # the target's
+    eos_token_ids: frozenset[int]
+    grammars: Grammars
+    kv_cache: PagedKVCache  # the target's; the draft's is spec.draft_kv
+    block_manager: BlockManager
+    scheduler: Scheduler
+    kernels: str  # "torch" or "triton"
+    runner: ModelRunner
+    spec: SpecRunner | None  # with a draft model (config.speculative)
+    num_blocks: int  # in each KV pool, the CUDA graphs' padding block included
+
+
+def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineComponents:
+    """Loads the target (and draft), prepares their kernels, and sizes one block pool for
+    both: a block id holds a target block and a draft block."""
+    device = torch.device(config.device)
+    model, model_config = load_model(
+        config.model, dtype=config.dtype, max_length=config.max_model_len, device=device
+    )
+    packed: list[torch.nn.Module] = []  # models whose products use_packed_gemm prepared
+    if device.type == "cpu" and config.cpu_packed_gemm_min_rows is not None:
+        use_packed_gemm(model, config.cpu_packed_gemm_min_rows)
+        packed.append(model)
+    eos = eos_token_ids(Path(config.model), model_config)
+    grammars = Grammars(
+        config.model,
+        tokenizer,
+        model_config.vocab_size,
+        eos,
+        timeout_s=config.grammar_compile_timeout_s,
+        cache_size=config.grammar_cache_size,
+    )
+    kv_params = KVCacheParams.from_config(model_config, config.block_size)
+    plan_params = [kv_params]
+    drafter, lookahead = None, 0
+    if config.speculative is not None:
+        drafter = load_speculator(config.speculative, model, device)
+        if device.type == "cpu" and config.cpu_packed_gemm_min_rows is not None:
+            assert isinstance(drafter, torch.nn.Module)
+            use_packed_gemm(drafter, config.cpu_packed_gemm_min_rows)
+            packed.append(drafter)
+        plan_params.append(KVCacheParams.from_config(drafter.config, config.block_size))
+        lookahead = num_lookahead_slots(num_draft_tokens(config.speculative, drafter), drafter)
+    if packed:
+        freed = release_packed_weights(*packed)
+        logger.info("weights on the bf16 kernel's panels: %.0f MB of copies freed", freed / 1e6)
+    num_blocks = plan_num_blocks(
+        plan_params,
+        device,
+        memory_bytes=config.kv_cache_memory,
+        memory_fraction=config.kv_cache_memory_fraction,
+    )
+    kv_cache = PagedKVCache(kv_params, num_blocks, device)
+    # With CUDA graphs the last block is no request's: padded rows write there.
+    block_manager = BlockManager(
+        num_blocks - config.uses_cuda_graphs,
+        config.block_size,
+        config.enable_prefix_caching,
+        lookahead,
+    )
+    scheduler = Scheduler(
+        SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), block_manager
+    )
+    if device.type == "cpu":
+        cpu_kernels.available()  # built or loaded now, not inside the first step
+    attention = config.attention_backend
+    if attention == "auto":
+        attention = select_backend(config.device, config.block_size)
+    kernels = kernels_for(config.kernels, attention)
+    if kernels == "triton":  # swapped in once: the torch path keeps its modules
+        rope = attention != "torch"  # the torch backend's metadata has no positions
+        use_triton_kernels(model, rope=rope)
+        if drafter is not None:
+            assert isinstance(drafter, torch.nn.Module)
+            use_triton_kernels(drafter, rope=rope)
+    runner = ModelRunner(
+        model,
+        kv_cache,
+        get_backend(attention, device=config.device, block_size=config.block_size),
+        device,
+        compile_decode=config.torch_compile,
+        sampling_kernels=sampling_kernels(kernels),
+    )
+    spec = None
+    if config.speculative is not None and drafter is not None:
+        spec = SpecRunner(config.speculative, runner, drafter, num_blocks)
+        if config.uses_cuda_graphs:
+            spec.enable_graphs(config.max_num_seqs, model_config.max_seq_len, num_blocks - 1)
+    return EngineComponents(
+        model_config=model_config,
+        eos_token_ids=eos,
+        grammars=grammars,
+        kv_cache=kv_cache,
+        block_manager=block_manager,
+        scheduler=scheduler,
+        kernels=kernels,
+        runner=runner,
+        spec=spec,
+        num_blocks=num_blocks,
+    )
