@@ -217,8 +217,11 @@ class GenerationService(gen_grpc.GenerationServicer):
                 # Ended before the client hears of it: a retry with the same id must find
                 # neither this attempt's record live nor its Aborts still to come.
                 retryable = status_of(error)[0] in RETRIED_BY_CLIENTS
-                await self._end(route, end_state, reason, retryable=retryable)
-                is_ended = True
+                try:
+                    await self._end(route, end_state, reason, retryable=retryable)
+                    is_ended = True
+                except Exception as cleanup:  # Redis unreachable: the client's error stands
+                    log.warning("%s: not ended before answering: %s", rid, cleanup)
             if error is e:
                 raise
             raise error from e

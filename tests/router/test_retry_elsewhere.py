@@ -7,11 +7,13 @@ its client is told to retry is ended first, so that a retry may take its id agai
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 import grpc
 import pytest
+import redis
 
 from ledger.ledger import Ledger, LedgerConflict, RequestState, WorkerInfo, WorkerRole
 from ledger.membership import Membership, Timing
@@ -198,5 +200,37 @@ async def test_a_request_told_to_retry_is_ended_first_and_its_id_taken_again(
             async for _ in router.Generate(request, _Context()):
                 pass
         assert router.num_in_flight == 0 and not router._cleanups
+    finally:
+        await router.close()
+
+
+async def test_a_ledger_out_of_reach_leaves_the_clients_error_as_it_was(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ending the request needs Redis; when Redis cannot be reached, the client still gets
+    the request's own error, and the ending is tried again in a task of its own."""
+    two_pairs(ledger)
+    membership = Membership(
+        ledger, "router-0", role=WorkerRole.ROUTER, address=REFUSED, capacity=0, timing=Timing()
+    )
+    membership.register()
+    router = _FailingReserve(
+        Unavailable("decode worker d0: gone"),
+        validator=RequestValidator(ModelInfo("m", vocab_size=64, max_model_len=64), None),
+        picker=WorkerPicker(ledger, "m", refresh_s=0.0),
+        membership=membership,
+    )
+    request = gen.GenerateRequest(token_ids=gen.TokenIds(ids=[1, 2, 3]))
+
+    def unreachable(request_id: str) -> None:
+        raise redis.ConnectionError("Redis is out of reach")
+
+    monkeypatch.setattr(ledger, "get_request", unreachable)
+    try:
+        with pytest.raises(Unavailable, match=r"^decode worker d0: gone$"):
+            async for _ in router.Generate(request, _Context()):
+                pass
+        assert len(router._cleanups) == 1  # the ending, tried again
+        await asyncio.gather(*router._cleanups, return_exceptions=True)
     finally:
         await router.close()
