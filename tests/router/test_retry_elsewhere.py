@@ -154,6 +154,21 @@ class _FailingReserve(GenerationService):
         raise self.error
 
 
+def _failing_router(ledger: Ledger, error: Exception) -> _FailingReserve:
+    """A registered router over two pairs of workers (at an address that refuses)."""
+    two_pairs(ledger)
+    membership = Membership(
+        ledger, "router-0", role=WorkerRole.ROUTER, address=REFUSED, capacity=0, timing=Timing()
+    )
+    membership.register()
+    return _FailingReserve(
+        error,
+        validator=RequestValidator(ModelInfo("m", vocab_size=64, max_model_len=64), None),
+        picker=WorkerPicker(ledger, "m", refresh_s=0.0),
+        membership=membership,
+    )
+
+
 class _Context:
     def time_remaining(self) -> float:
         return 30.0
@@ -171,17 +186,7 @@ async def test_a_request_told_to_retry_is_ended_first_and_its_id_taken_again(
     client hears of it: a retry under the same id, sent at once, finds no live record of
     the first attempt, and no late cleanup of it can fail the retry. After UNAVAILABLE the
     id is taken again; after any other error a retry is refused as a duplicate."""
-    two_pairs(ledger)
-    membership = Membership(
-        ledger, "router-0", role=WorkerRole.ROUTER, address=REFUSED, capacity=0, timing=Timing()
-    )
-    membership.register()
-    router = _FailingReserve(
-        error,
-        validator=RequestValidator(ModelInfo("m", vocab_size=64, max_model_len=64), None),
-        picker=WorkerPicker(ledger, "m", refresh_s=0.0),
-        membership=membership,
-    )
+    router = _failing_router(ledger, error)
     request = gen.GenerateRequest(
         request_id="mine",
         token_ids=gen.TokenIds(ids=[1, 2, 3]),
@@ -209,17 +214,7 @@ async def test_a_ledger_out_of_reach_leaves_the_clients_error_as_it_was(
 ) -> None:
     """Ending the request needs Redis; when Redis cannot be reached, the client still gets
     the request's own error, and the ending is tried again in a task of its own."""
-    two_pairs(ledger)
-    membership = Membership(
-        ledger, "router-0", role=WorkerRole.ROUTER, address=REFUSED, capacity=0, timing=Timing()
-    )
-    membership.register()
-    router = _FailingReserve(
-        Unavailable("decode worker d0: gone"),
-        validator=RequestValidator(ModelInfo("m", vocab_size=64, max_model_len=64), None),
-        picker=WorkerPicker(ledger, "m", refresh_s=0.0),
-        membership=membership,
-    )
+    router = _failing_router(ledger, Unavailable("decode worker d0: gone"))
     request = gen.GenerateRequest(token_ids=gen.TokenIds(ids=[1, 2, 3]))
 
     def unreachable(request_id: str) -> None:
