@@ -48,11 +48,13 @@ CREATE_REQUEST = (
     _PRELUDE
     + """
 local old = redis.call('HMGET', KEYS[1], 'state', 'retryable')
-if old[1] and not (old[1] == 'FAILED' and old[2] == '1') then
-  return conflict('request ' .. ARGV[1] .. ': expected no record, found one in ' .. old[1] ..
-    ' (duplicate id)')
+if old[1] then
+  if not (old[1] == 'FAILED' and old[2] == '1') then
+    return conflict('request ' .. ARGV[1] .. ': expected no record, found one in ' .. old[1] ..
+      ' (duplicate id)')
+  end
+  redis.call('DEL', KEYS[1])  -- the failed attempt's fields go with it
 end
-redis.call('DEL', KEYS[1])
 local now = now_ms()
 redis.call('HSET', KEYS[1], 'state', 'QUEUED', 'owner', ARGV[2], 'epoch', ARGV[3],
   'version', '0', 'created_ms', now, 'updated_ms', now, unpack(ARGV, 5))
