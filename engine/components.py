@@ -58,6 +58,8 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
     """Loads the target (and draft), prepares their kernels, and sizes one block pool for
     both: a block id holds a target block and a draft block."""
     device = torch.device(config.device)
+    if device.type == "cpu":  # loaded (or built) now: before packing, not in the first step
+        cpu_kernels.load(build=config.build_cpu_kernels)
     model, model_config = load_model(
         config.model, dtype=config.dtype, max_length=config.max_model_len, device=device
     )
@@ -105,8 +107,6 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
     scheduler = Scheduler(
         SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), block_manager
     )
-    if device.type == "cpu":
-        cpu_kernels.available()  # built or loaded now, not inside the first step
     attention = config.attention_backend
     if attention == "auto":
         attention = select_backend(config.device, config.block_size)

@@ -33,6 +33,9 @@ class EngineConfig:
     # products with at least this many rows on prepacked fp32 weights (a single row is
     # faster on plain weights). None: neither.
     cpu_packed_gemm_min_rows: int | None = 2
+    # CPU: build the C++ kernels (kernels/cpu/extension.py) where missing or stale. False
+    # (serving workers): load a prebuilt one only, else run on aten (logged in one line).
+    build_cpu_kernels: bool = True
     speculative: SpeculativeConfig | None = None  # draft model and how to speculate
     # When blocks run out mid-decode, the newest request is preempted: "recompute" keeps it
     # waiting here to be prefilled again; "hand_back" (decode workers) ends it with
