@@ -81,12 +81,24 @@ def prompt_windows(model_dir: str, length: int, count: int) -> list[list[int]]:
 
 
 def run_in_process(
-    model: str, dtype: str, threads: int, batches: list[list[list[int]]], max_tokens: int
+    model: str,
+    dtype: str,
+    threads: int,
+    batches: list[list[list[int]]],
+    max_tokens: int,
+    compiled: bool,
 ) -> list[Timing]:
     """Each batch submitted at once, drained, then the next; token arrival = the end of
-    the step that produced it."""
+    the step that produced it. ``compiled``: decode steps through torch.compile, as the
+    cluster's decode worker runs them by default."""
     engine = LLMEngine(
-        EngineConfig(model=model, dtype=dtype, kv_cache_memory=KV_CACHE_MEMORY, num_threads=threads)
+        EngineConfig(
+            model=model,
+            dtype=dtype,
+            kv_cache_memory=KV_CACHE_MEMORY,
+            num_threads=threads,
+            torch_compile=compiled,
+        )
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     warm = f"warm-{time.monotonic()}"
@@ -154,6 +166,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
     parser.add_argument("--quick", action="store_true", help="prompts 128 and 512, fewer runs")
     parser.add_argument("--skip-transfer", action="store_true", help="latency part only")
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="the in-process engine and the cluster's workers both eager (default: both "
+        "compile their decode steps, as `tandem serve` does; the first run compiles for "
+        "minutes)",
+    )
     args = parser.parse_args()
 
     from engine.model_store import resolve_model
@@ -182,13 +201,18 @@ def main() -> None:
         worker_args=("--dtype", args.dtype, "--kv-cache-memory", str(KV_CACHE_MEMORY)),
         service_args=("--log-level", "WARNING"),
         is_metrics_served=False,
+        eager=args.eager,
     )
     threads = spec.threads_per_process()
     torch.set_num_threads(threads)
     half = sum(c * r for c, r in rounds.items())
     print(f"\nin-process engine ({args.dtype}, {threads} thread(s))", flush=True)
     ours = {
-        s: summary(run_in_process(model, args.dtype, threads, batches_for(*s, 0), args.max_tokens))
+        s: summary(
+            run_in_process(
+                model, args.dtype, threads, batches_for(*s, 0), args.max_tokens, not args.eager
+            )
+        )
         for s in settings
     }
     print("cluster: router + 1 prefill + 1 decode", flush=True)

@@ -172,6 +172,7 @@ def main() -> None:
                 worker_args=("--dtype", args.dtype, "--kv-cache-memory", str(KV_CACHE_MEMORY)),
                 service_args=("--log-level", "WARNING"),
                 is_metrics_served=False,
+                eager=True,  # the router's two front ends share the workers: eager is fair
             )
             print("starting the cluster: router + 1 prefill + 1 decode", file=sys.stderr)
             cluster = stack.enter_context(Cluster(spec))

@@ -136,7 +136,7 @@ def tandem_cluster(
         port=0,
         threads=threads,
         worker_args=("--dtype", "bfloat16", "--kv-cache-memory", str(KV_CACHE_MEMORY)),
-        decode_args=("--torch-compile",) if compile_ else (),
+        eager=not compile_,
         service_args=("--log-level", "WARNING"),
         log_dir=log_dir / f"tandem{'-colocated' if colocate else ''}{'-eagle3' if draft else ''}",
         is_metrics_served=False,
@@ -198,8 +198,8 @@ def main() -> None:
     parser.add_argument(
         "--eager",
         action="store_true",
-        help="Tandem's decode steps eager (default: through torch.compile, as a user tuning "
-        "for speed runs it; about 2x the tokens per second at small batches)",
+        help="Tandem's decode steps eager (default: through torch.compile, as `tandem serve` "
+        "runs them; about 2x the tokens per second at small batches)",
     )
     parser.add_argument("--llama-threads", type=int, default=cores(), help="llama-server -t/-tb")
     parser.add_argument("--llama-dir", type=Path, default=LLAMA_CACHE / LLAMA_VERSION)

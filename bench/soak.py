@@ -363,6 +363,9 @@ def main() -> None:
             port=0,
             http_port=0,
             worker_args=("--dtype", args.dtype, "--kv-cache-memory", str(1 << 30)),
+            # Eager, as the soaks in bench/RESULTS.md ran: killed workers come back in
+            # seconds, and their restarts are what the soak counts.
+            eager=True,
             service_args=(
                 "--log-level",
                 "WARNING",

@@ -80,7 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from serving.component import run_component
+    from serving.engine_setup import check_compile_arguments
 
+    if not check_compile_arguments(args, "decode worker"):
+        return 2
     return run_component(role(), args, make_service)
 
 
@@ -93,7 +96,7 @@ def make_service(runtime: Runtime) -> DecodeWorkerService:
 
     args = runtime.args
     spec = engine_setup.ModelSpec.from_args(args)
-    engine = engine_setup.build_engine(spec, args, preemption="hand_back")
+    engine = engine_setup.build_engine(spec, args, is_decoding=True, preemption="hand_back")
     draft = engine_setup.draft_config(engine, spec)
     layout = engine_setup.kv_layout(engine, spec.served_name, draft.fingerprint if draft else "")
     membership = runtime.new_membership(capacity=engine.block_manager.num_blocks)

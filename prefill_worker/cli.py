@@ -67,7 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from serving.component import run_component
+    from serving.engine_setup import check_compile_arguments
 
+    if not check_compile_arguments(args, "prefill worker"):
+        return 2
     return run_component(role(), args, make_service)
 
 
@@ -79,7 +82,7 @@ def make_service(runtime: Runtime) -> PrefillWorkerService:
 
     args = runtime.args
     spec = engine_setup.ModelSpec.from_args(args)
-    engine = engine_setup.build_engine(spec, args)
+    engine = engine_setup.build_engine(spec, args, is_decoding=False)
     draft = engine_setup.draft_config(engine, spec)
     layout = engine_setup.kv_layout(engine, spec.served_name, draft.fingerprint if draft else "")
     return PrefillWorkerService(

@@ -34,6 +34,7 @@ def role() -> Role:
         make_metrics=RouterMetrics,
         max_message_bytes=lambda args: 4 * args.max_request_bytes,
         is_public=True,
+        is_ready=lambda component: component.service.is_ready(),
     )
 
 

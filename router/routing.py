@@ -21,6 +21,7 @@ from __future__ import annotations
 import array
 import asyncio
 import itertools
+import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -70,7 +71,11 @@ class WorkerPicker:
         self.ledger = ledger
         self.model = model
         self.refresh_s = refresh_s
-        self.wait_s = wait_s  # how long a request waits for a live worker before UNAVAILABLE
+        # How long a request waits for a live worker pair before UNAVAILABLE, once the
+        # router has had one (a worker restarting, a heartbeat late); before that, while
+        # the cluster warms up, a request waits up to its deadline.
+        self.wait_s = wait_s
+        self.has_been_ready = False  # a live pair was seen: the cluster has warmed up
         self.in_flight: Counter[str] = Counter()
         self._turn = itertools.count()
         self._workers: list[WorkerInfo] = []
@@ -110,6 +115,17 @@ class WorkerPicker:
             and w.stats.get("draining", "0") == "0"
             and self._is_reachable(w)
         ]
+
+    def is_ready(self) -> bool:
+        """Whether a request could be served now: a live prefill worker with a live decode
+        worker that takes its KV, or a live co-located worker. Workers join the registry
+        only once warm (their engine built and its warm-up done), so live means warm."""
+        prefillers = self.workers(WorkerRole.PREFILL)
+        ready = any(is_colocated(w) for w in self.workers(WorkerRole.DECODE)) or any(
+            self.decoders_for(p) for p in prefillers
+        )
+        self.has_been_ready |= ready
+        return ready
 
     def pick(
         self, hashes: Sequence[str] = (), avoid: AbstractSet[str] = frozenset()
@@ -189,12 +205,17 @@ class WorkerPicker:
         avoid: AbstractSet[str] = frozenset(),
     ) -> tuple[WorkerInfo, WorkerInfo]:
         """``pick``, re-reading the registry while no pair is live, for at most ``wait_s``
-        (default: the picker's) and never past ``deadline`` (monotonic): a worker
-        restarting or a heartbeat late under load costs the request latency, not an error."""
-        give_up = min(deadline, time.monotonic() + (self.wait_s if wait_s is None else wait_s))
+        (default: the picker's, or until ``deadline`` while the cluster has never been
+        ready) and never past ``deadline`` (monotonic): workers still warming up, a worker
+        restarting or a heartbeat late under load cost the request latency, not an error."""
+        if wait_s is None:
+            wait_s = self.wait_s if self.has_been_ready else math.inf
+        give_up = min(deadline, time.monotonic() + wait_s)
         while True:
             try:
-                return self.pick(hashes, avoid)
+                pair = self.pick(hashes, avoid)
+                self.has_been_ready = True
+                return pair
             except Unavailable:
                 if time.monotonic() + self.refresh_s > give_up:
                     raise

@@ -417,6 +417,11 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     # ---- lifecycle
 
+    def is_ready(self) -> bool:
+        """Whether a request sent now could be served without waiting for a worker to
+        start: not draining, and a warm worker pair is live (``WorkerPicker.is_ready``)."""
+        return not self.is_draining and self.picker.is_ready()
+
     def load(self) -> tuple[float, dict[str, str | int | float]]:
         return 0.0, {"num_in_flight": self.num_in_flight, "draining": int(self.is_draining)}
 

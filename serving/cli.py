@@ -83,10 +83,18 @@ def register_serve(subparsers: Any) -> None:
     parser.add_argument("--block-size", type=int, help="tokens per KV block")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="workers run eagerly, without torch.compile. By default decode workers compile "
+        "their decode steps before the cluster reports SERVING: about 1.8x the tokens per "
+        "second at batch 1 on CPU, for minutes at the first start (less once the compile "
+        "cache is warm); prefill workers run prefill eagerly either way",
+    )
+    parser.add_argument(
         "--torch-compile",
         action="store_true",
-        help="decode workers run decode steps through torch.compile (faster at small "
-        "batches; start-up takes a minute or two longer)",
+        help="accepted for old command lines and changes nothing: compiling is the default "
+        "(--eager turns it off)",
     )
     parser.add_argument(
         "--transfer-stall-s",
@@ -118,6 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.model_store import ModelNotFoundError, resolve_model
     from ledger.redis_connect import RedisConnectError, RedisSettings
     from serving.auth import AuthConfigError, cluster_secret_from_args, read_secret_file
+    from serving.engine_setup import check_compile_arguments
     from serving.launcher import Cluster, ClusterError, ClusterSpec
     from serving.supervisor import RestartPolicy, Supervisor
 
@@ -132,6 +141,8 @@ def _serve(args: argparse.Namespace) -> int:
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)
     except ValueError as e:
         print(f"tandem serve: error: --max-restarts, --restart-window-s: {e}", file=sys.stderr)
+        return 2
+    if not check_compile_arguments(args, "tandem serve"):
         return 2
     if args.colocate and args.prefill:
         print(
@@ -184,7 +195,7 @@ def _serve(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         threads=args.threads,
         worker_args=tuple(worker_args),
-        decode_args=("--torch-compile",) if args.torch_compile else (),
+        eager=args.eager,
         router_args=tuple(router_args),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         grace_s=args.grace_s,

@@ -27,9 +27,10 @@ from serving.auth import (
     cluster_secret_from_args,
     exposure_warning,
 )
-from serving.liveness import watch_engine
+from serving.liveness import watch_engine, watch_readiness
 from serving.metrics import Metrics
 from serving.rpc import (
+    NOT_SERVING,
     ChannelPool,
     advertised_address,
     default_worker_id,
@@ -80,6 +81,9 @@ class Role:
     is_public: bool = False  # clients call it (the bearer token), not only the cluster
     # Workers: whether the service's engine lives (serving.liveness); health follows it.
     is_alive: Callable[[Any, argparse.Namespace], bool] | None = None
+    # The router: whether it can serve now (a warm worker pair); the server's overall
+    # health follows it, the role's services stay SERVING while the process works.
+    is_ready: Callable[[Any], bool] | None = None
 
 
 @dataclass
@@ -158,14 +162,24 @@ async def _serve(role: Role, args: argparse.Namespace, make_service: MakeService
     membership.register()
     service.add_to(server)
     service.start()
+    if role.is_ready is not None:
+        await health.set("", NOT_SERVING)  # grpc's health servicer starts SERVING
     await server.start()
     membership.start()
     housekeeping = asyncio.create_task(service.housekeeping(), name=f"{role.name}-housekeeping")
-    await set_serving(health, role.service_names)
-    liveness = None
+    watcher = None  # the task that keeps health true: readiness, or the engine's life
+    if role.is_ready is not None:  # the overall status follows it, from NOT_SERVING
+        is_ready = role.is_ready
+        await set_serving(health, role.service_names, is_overall=False)
+        watcher = asyncio.create_task(
+            watch_readiness(lambda: is_ready(service), health, log),
+            name=f"{role.name}-readiness",
+        )
+    else:
+        await set_serving(health, role.service_names)
     if role.is_alive is not None:
         is_alive = role.is_alive
-        liveness = asyncio.create_task(
+        watcher = asyncio.create_task(
             watch_engine(lambda: is_alive(service, args), health, role.service_names, log),
             name=f"{role.name}-liveness",
         )
@@ -173,8 +187,8 @@ async def _serve(role: Role, args: argparse.Namespace, make_service: MakeService
     log.info("%s %s serving %s at %s", role.title, membership.worker_id, name, address)
     reason = await wait_for_shutdown(args.parent_pid)
     log.info("draining (%s)", reason)
-    if liveness is not None:
-        liveness.cancel()
+    if watcher is not None:
+        watcher.cancel()
     await health.enter_graceful_shutdown()
     await service.drain(args.grace_s)
     await server.stop(1.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,11 +60,37 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "compile (INVALID_ARGUMENT) (default: 10)",
     )
     group.add_argument(
+        "--eager",
+        action="store_true",
+        help="run eagerly, without torch.compile. By default decode workers (co-located ones "
+        "included) compile their decode steps before they report SERVING (CPU: about 1.8x "
+        "the tokens per second at batch 1; the first start takes minutes, a restart with the "
+        "compile cache warm far less); prefill workers run prefill eagerly either way",
+    )
+    group.add_argument(
         "--torch-compile",
         action="store_true",
-        help="decode steps through torch.compile (CPU: about 1.8x the tokens per second at "
-        "batch 1); compiling takes a minute or two at start-up, before the worker serves",
+        help="accepted for old command lines and changes nothing: compiling is the default "
+        "(--eager turns it off)",
     )
+
+
+def check_compile_arguments(args: argparse.Namespace, prog: str) -> bool:
+    """False (with the error on stderr) for ``--eager`` with ``--torch-compile``; a lone
+    ``--torch-compile`` gets a note."""
+    if args.torch_compile and args.eager:
+        print(
+            f"{prog}: error: --torch-compile, --eager: give one (compiling is the default)",
+            file=sys.stderr,
+        )
+        return False
+    if args.torch_compile:
+        print(
+            f"{prog}: note: --torch-compile is the default now and changes nothing; --eager "
+            "turns compiling off",
+            file=sys.stderr,
+        )
+    return True
 
 
 @dataclass(frozen=True)
@@ -103,13 +130,17 @@ def load_tokenizer(model_dir: Path) -> Any | None:
 
 
 def build_engine(
-    spec: ModelSpec, args: argparse.Namespace, *, preemption: str = "recompute"
+    spec: ModelSpec, args: argparse.Namespace, *, is_decoding: bool, preemption: str = "recompute"
 ) -> LLMEngine:
-    """``preemption="hand_back"`` on decode workers: a request preempted for lack of blocks
-    goes back to the router, which re-prefills it on a prefill worker."""
+    """``is_decoding``: a decode worker (co-located or not), whose decode steps compile
+    unless ``--eager``; a prefill worker's engine never compiles (it runs prefill chunks,
+    eagerly). ``preemption="hand_back"`` on decode workers: a request preempted for lack
+    of blocks goes back to the router, which re-prefills it on a prefill worker."""
     from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.model_store import use_compile_cache
     from engine.spec.config import SpeculativeConfig
 
+    use_compile_cache()  # before anything compiles
     speculative = None
     if spec.draft_dir is not None:
         speculative = SpeculativeConfig(str(spec.draft_dir), num_draft_tokens=spec.num_draft_tokens)
@@ -123,11 +154,12 @@ def build_engine(
         num_threads=args.threads,
         speculative=speculative,
         preemption=preemption,
-        torch_compile=args.torch_compile,
+        torch_compile=is_decoding and not args.eager,
         attention_backend=args.attention_backend,
         kernels=args.kernels,
         grammar_compile_timeout_s=args.grammar_compile_timeout_s,
         warm_up=True,  # before health turns SERVING: no request pays for lazy set-up
+        build_cpu_kernels=False,  # workers only load a prebuilt CPU kernels extension
     )
     return LLMEngine(config, tokenizer=load_tokenizer(spec.model_dir))
 

@@ -37,7 +37,7 @@ from serving.auth import CLUSTER_SECRET_ENV, new_secret
 STOP_SLACK_S = 5.0
 WORKERS_STOP_S = 3.0
 STARTUP_TIMEOUT_S = 180.0
-COMPILE_STARTUP_S = 300.0  # more, per decode worker on a shared core, with --torch-compile
+COMPILE_STARTUP_S = 300.0  # more, per decode worker on a shared core, unless eager
 
 
 class ClusterError(RuntimeError):
@@ -64,6 +64,7 @@ class ClusterSpec:
     redis_password: str | None = field(default=None, repr=False)
     http_port: int | None = None  # the router's OpenAI HTTP API; None: a free one; 0: none
     threads: int | None = None  # torch threads per process; None: the cores divided
+    eager: bool = False  # workers run eagerly (--eager); else decode workers compile
     worker_args: tuple[str, ...] = ()  # extra options of both worker kinds (--dtype, ...)
     decode_args: tuple[str, ...] = ()  # extra options of decode workers only
     prefill_args: tuple[str, ...] = ()  # extra options of prefill workers only
@@ -84,6 +85,20 @@ class ClusterSpec:
                 f"num_prefill, num_decode: at least one of each, got {self.num_prefill} and "
                 f"{self.num_decode}"
             )
+
+    def startup_timeout_s(self) -> float:
+        """How long the cluster may take to be SERVING: more for each decode worker that
+        compiles (they share the cores)."""
+        return STARTUP_TIMEOUT_S + (0.0 if self.eager else COMPILE_STARTUP_S * self.num_decode)
+
+    def engine_args(self) -> list[str]:
+        """The options both worker kinds take: the model, the draft, --eager, worker_args."""
+        args = ["--model", self.model, *self.worker_args]
+        if self.eager:
+            args.append("--eager")
+        if self.draft:
+            args += ["--draft", self.draft, "--num-draft-tokens", str(self.num_draft_tokens)]
+        return args
 
     @property
     def is_auth_on(self) -> bool:
@@ -176,9 +191,7 @@ class Cluster:
             raise ClusterError("already started (`with Cluster(spec)` starts it)")
         spec = self.spec
         if timeout_s is None:
-            timeout_s = STARTUP_TIMEOUT_S
-            if "--torch-compile" in spec.decode_args:
-                timeout_s += COMPILE_STARTUP_S * spec.num_decode
+            timeout_s = spec.startup_timeout_s()
         try:
             self.cluster_secret = spec.cluster_secret or (new_secret() if spec.is_auth_on else None)
             if self.redis_settings is None:
@@ -192,9 +205,7 @@ class Cluster:
                     raise ClusterError(str(e)) from None
             if spec.log_dir is not None:
                 spec.log_dir.mkdir(parents=True, exist_ok=True)
-            engine = ["--model", spec.model, *spec.worker_args]
-            if spec.draft:
-                engine += ["--draft", spec.draft, "--num-draft-tokens", str(spec.num_draft_tokens)]
+            engine = spec.engine_args()
             for i in range(spec.num_prefill):
                 args = [*engine, *spec.prefill_args]
                 self.prefill.append(self._spawn(f"prefill-{i}", "prefill_worker", args, True))

@@ -335,8 +335,13 @@ def new_server(
     return server, health_servicer
 
 
-async def set_serving(health_servicer: Any, service_names: Sequence[str]) -> None:
-    for name in ("", *service_names):
+async def set_serving(
+    health_servicer: Any, service_names: Sequence[str], *, is_overall: bool = True
+) -> None:
+    """SERVING for ``service_names``, and for the server as a whole (service "") unless
+    ``is_overall`` is False."""
+    names = ("", *service_names) if is_overall else tuple(service_names)
+    for name in names:
         await health_servicer.set(name, SERVING)
 
 

@@ -66,7 +66,10 @@ class TandemTarget:
                 code if code == ExitCode.UNAUTHENTICATED else ExitCode.UNAVAILABLE,
             ) from None
         if status != "SERVING":
-            raise TargetUnavailable(f"the router at {self.address} is {status}, not SERVING")
+            raise TargetUnavailable(
+                f"the router at {self.address} is {status}, not SERVING: its workers are "
+                "still starting (or were lost); `tandem health --wait SECONDS` waits for them"
+            )
         if self.model and self.model not in models:
             raise TargetUnavailable(
                 f"the router at {self.address} serves {models}, not {self.model!r}",

@@ -8,7 +8,8 @@ call per choice, so validation, routing, migration and usage are the gRPC API's.
   last event with usage and no choices). Chat prompts are rendered by the router's chat
   template; a chat without ``max_tokens`` may fill the rest of the context.
 - ``GET /v1/models``: the served name (the ``model`` every request must name).
-- ``GET /health``: 200 while serving, 503 while draining.
+- ``GET /health``: 200 when a warm worker pair serves the model, 503 before (starting), when
+  they are lost, and while draining.
 
 With a token (the router's ``--auth-token-file``), /v1/* requires ``Authorization: Bearer
 TOKEN`` (401 ``authentication_error`` otherwise, before the body is read); /health is open.
@@ -35,6 +36,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from typing import Any, TypeVar
 
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -212,6 +214,18 @@ def make_app(service: GenerationService, *, auth_token: str | None = None) -> Fa
     async def health() -> JSONResponse:
         if service.is_draining:
             return error_response(HttpError(503, "draining; use another router"))
+        try:
+            is_ready = service.picker.is_ready()
+        except redis.RedisError as e:
+            return error_response(HttpError(503, f"the ledger's Redis is out of reach: {e}"))
+        if not is_ready:
+            return error_response(
+                HttpError(
+                    503,
+                    "no warm prefill and decode worker for the model yet (starting, or lost); "
+                    "requests sent now wait for them within their deadline",
+                )
+            )
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

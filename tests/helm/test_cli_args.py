@@ -106,7 +106,7 @@ def test_engine_settings_reach_the_workers_through_the_config_map() -> None:
         assert args.served_model_name == "smollm2" and args.model == "/models/smollm2"
         assert args.kv_transport == "auto" and args.draft is None
     assert (prefill.kv_cache_memory, decode.kv_cache_memory) == (1 << 30, 2 << 30)
-    assert (prefill.torch_compile, decode.torch_compile) == (False, True)
+    assert (prefill.eager, decode.eager) == (False, False)  # decode steps compile by default
     assert prefill.max_queued == 256 and decode.reserve_timeout_s == 60.0
     assert prefill.engine_stall_s == decode.engine_stall_s == 300.0
 
@@ -124,6 +124,18 @@ def test_eagle3_draft_settings_under_prefill_and_decode() -> None:
         assert args.draft == "/models/drafts/eagle3"  # the router names it in ListModels
         if args.command != "router":
             assert args.num_draft_tokens == 4 and args.kv_cache_memory == 40 << 30
+
+
+def test_eager_reaches_the_decode_worker_alone() -> None:
+    """``decode.engine.eager`` (set in the co-located values) turns compiling off on the
+    decode container of each co-located pod, and on nothing else."""
+    objs = objects("colocated")
+    maps = config_maps(objs)
+    eager = {}
+    for _, container in tandem_containers(objs):
+        args = parse(expand_args(container, maps))
+        eager[args.command] = getattr(args, "eager", None)
+    assert eager == {"router": None, "prefill": False, "decode": True}
 
 
 def test_credentials_and_redis_options() -> None:

@@ -109,11 +109,40 @@ async def test_waits_for_a_late_worker_then_gives_up(ledger: Ledger) -> None:
     _, d = await picker.pick_waiting(time.monotonic() + 10)
     await task
     assert d.worker_id == "d0" and 0.25 < time.monotonic() - start < 1.5
-    lonely = WorkerPicker(ledger, "other-model", refresh_s=0.05, wait_s=0.3)
+    # Ready once, then the pair is lost: a request waits wait_s (a restart), not longer.
+    assert picker.is_ready() and picker.has_been_ready
+    assert ledger.deregister_worker("d0", epoch=d.epoch)
+    picker.forget_stale()  # as the router does when a worker refuses or vanishes
+    picker.wait_s = 0.3
+    start = time.monotonic()
+    with pytest.raises(Unavailable, match="no live decode worker serves model 'm'"):
+        await picker.pick_waiting(time.monotonic() + 10)
+    assert not picker.is_ready() and 0.25 < time.monotonic() - start < 1.0
+
+
+async def test_a_router_that_never_had_workers_waits_until_the_deadline(ledger: Ledger) -> None:
+    """Before the first live pair (the cluster warming up, compiling), a request waits
+    for workers up to its deadline, whatever ``wait_s``."""
+    lonely = WorkerPicker(ledger, "other-model", refresh_s=0.05, wait_s=0.1)
+    assert not lonely.is_ready()
     start = time.monotonic()
     with pytest.raises(Unavailable, match="no live prefill worker serves model 'other-model'"):
-        await lonely.pick_waiting(time.monotonic() + 10)
-    assert time.monotonic() - start < 1.0
+        await lonely.pick_waiting(time.monotonic() + 0.8)
+    assert 0.7 < time.monotonic() - start < 1.5 and not lonely.has_been_ready
+
+
+def test_ready_takes_a_matching_pair_or_a_colocated_worker(ledger: Ledger) -> None:
+    picker = WorkerPicker(ledger, "m", refresh_s=0.0)
+    join(ledger, "p0", WorkerRole.PREFILL, 0.1, fp="a")
+    assert not picker.is_ready()  # no decode worker
+    join(ledger, "d0", WorkerRole.DECODE, 0.1, fp="b")
+    assert not picker.is_ready()  # one that cannot take p0's KV (another draft)
+    join(ledger, "d1", WorkerRole.DECODE, 0.1, fp="a")
+    assert picker.is_ready()
+    alone = Ledger(ledger.client, namespace=f"{ledger.ns}-alone")
+    colocated = WorkerPicker(alone, "m", refresh_s=0.0)
+    join(alone, "c0", WorkerRole.DECODE, 0.1, colocated=True)
+    assert colocated.is_ready()
 
 
 def test_a_colocated_worker_is_its_own_prefill_worker(ledger: Ledger) -> None:

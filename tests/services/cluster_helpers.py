@@ -52,10 +52,13 @@ def build_tiny_target(out: Path) -> Path:
 
 def tiny_cluster_spec(target: Path, log_dir: Path, **fields: Any) -> ClusterSpec:
     """A cluster serving the tiny target, 1 prefill + 1 decode worker and an embedded
-    Redis unless ``fields`` (any of ``ClusterSpec``'s) say otherwise."""
+    Redis unless ``fields`` (any of ``ClusterSpec``'s) say otherwise. Eager: compiling
+    would add minutes to each module's start (compiled workers are tested on SmolLM2, in
+    tests/services/test_cluster_smollm2.py)."""
     values: dict[str, Any] = dict(
         model=str(target),
         port=0,
+        eager=True,
         worker_args=TINY_WORKER_ARGS,
         service_args=SERVICE_ARGS,
         log_dir=log_dir,

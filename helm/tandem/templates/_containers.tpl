@@ -50,8 +50,8 @@ ConfigMap ($(TANDEM_...) is expanded by the kubelet), probes and the drain. dict
     {{- if $v.engine.threads }}
     - --threads=$({{ $env }}THREADS)
     {{- end }}
-    {{- if $v.engine.torchCompile }}
-    - --torch-compile
+    {{- if $v.engine.eager }}
+    - --eager
     {{- end }}
     {{- if $v.draft.enabled }}
     - --draft=$({{ $env }}DRAFT)

@@ -19,6 +19,8 @@ used as the id), and caches on the writable emptyDirs. */}}
   value: /var/cache/tandem/torch-extensions
 - name: TRITON_CACHE_DIR
   value: /var/cache/tandem/triton
+- name: TORCHINDUCTOR_CACHE_DIR
+  value: /var/cache/tandem/inductor
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
