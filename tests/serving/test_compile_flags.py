@@ -49,7 +49,9 @@ def test_decode_workers_compile_unless_eager_and_prefill_workers_never(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, is_decoding: bool, eager: bool, compiles: bool
 ) -> None:
     built: list[Any] = []
-    monkeypatch.setattr("engine.llm_engine.LLMEngine", lambda config, tokenizer: built.append(config))
+    monkeypatch.setattr(
+        "engine.llm_engine.LLMEngine", lambda config, tokenizer: built.append(config)
+    )
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     parser = argparse.ArgumentParser()
     (decode_cli if is_decoding else prefill_cli).add_arguments(parser)

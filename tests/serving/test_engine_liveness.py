@@ -1,6 +1,7 @@
 """A worker's health follows its engine: EngineLoop.is_alive turns False while one step
 runs past the stall limit and when the thread is gone, and watch_engine turns the server's
-and the role's health NOT_SERVING then, and SERVING again once the engine moves."""
+and the role's health NOT_SERVING then, and SERVING again once the engine moves. A
+router's overall health follows its readiness (watch_readiness)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from serving.engine_loop import EngineLoop
-from serving.liveness import watch_engine
+from serving.liveness import watch_engine, watch_readiness
 from serving.rpc import NOT_SERVING, SERVING
 
 
@@ -90,6 +91,30 @@ async def test_watch_engine_sets_health_when_liveness_changes() -> None:
         task.cancel()
 
 
+async def test_watch_readiness_sets_the_overall_status_alone() -> None:
+    """A router's overall health follows readiness (set at the first look, then on each
+    change); an error asking (Redis out of reach) counts as not ready."""
+    answers: list[bool | Exception] = [False, False, True, True, RuntimeError("redis"), True]
+    health = RecordingHealth()
+
+    def is_ready() -> bool:
+        answer = answers.pop(0) if len(answers) > 1 else answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    task = asyncio.create_task(
+        watch_readiness(is_ready, health, logging.getLogger("test"), period_s=0.01)
+    )
+    try:
+        while len(answers) > 1:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+    assert health.sets == [("", NOT_SERVING), ("", SERVING), ("", NOT_SERVING), ("", SERVING)]
+
+
 def test_workers_report_their_engine_and_the_router_its_server() -> None:
     import argparse
 
@@ -97,7 +122,11 @@ def test_workers_report_their_engine_and_the_router_its_server() -> None:
     from prefill_worker import cli as prefill_cli
     from router import cli as router_cli
 
-    assert router_cli.role().is_alive is None  # no engine: health follows the server
+    router = router_cli.role()
+    assert router.is_alive is None  # no engine: health follows its workers
+    for ready in (True, False):  # the GenerationService's answer
+        component = SimpleNamespace(service=SimpleNamespace(is_ready=lambda r=ready: r))
+        assert router.is_ready is not None and router.is_ready(component) is ready
     for cli in (prefill_cli, decode_cli):
         role = cli.role()
         parser = argparse.ArgumentParser()
