@@ -22,7 +22,7 @@ class ExitCode(IntEnum):
     OK = 0
     ERROR = 1  # anything else: the router failed the request, two plugins claim a name...
     USAGE = 2  # a wrong command line (argparse's own code), or a command needing tandem-server
-    UNAVAILABLE = 3  # the router cannot be reached, has no worker, or is not SERVING
+    UNAVAILABLE = 3  # the router cannot be reached, is not SERVING, or had no worker
     INVALID_REQUEST = 4  # the router refused the request (its message names the field)
     TIMEOUT = 5  # no answer within --timeout
     OVERLOADED = 6  # the cluster has no room now
@@ -35,7 +35,7 @@ exit codes:
   0    success (`tandem health`: the router is SERVING)
   1    any other error
   2    wrong command line, or a command that needs the tandem-server distribution
-  3    the router is unreachable, has no worker, or is not SERVING
+  3    the router is unreachable, not SERVING (workers starting, lost, or a drain)
   4    the router refused the request (the message names the field)
   5    timed out (--timeout)
   6    the cluster is overloaded; retry later

@@ -30,9 +30,12 @@ def register_health(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "health",
         help="is the router SERVING? (exit 0 only then)",
-        description="Ask a router's gRPC health service whether it serves requests and "
-        "print its status: SERVING, or NOT_SERVING while it starts or drains. The exit code "
-        "is 0 only when SERVING; 3 when NOT_SERVING or unreachable.",
+        description="Ask a router's gRPC health service whether it can serve requests now "
+        "and print its status: SERVING once a warm prefill and decode worker (or a warm "
+        "co-located worker) is registered for its model; NOT_SERVING while its workers "
+        "start (a decode worker compiles for minutes at its first start), after it lost "
+        "them, or while it drains. The exit code is 0 only when SERVING; 3 when NOT_SERVING "
+        "or unreachable.",
         epilog=EXAMPLES,
         formatter_class=HelpFormatter,
     )
