@@ -71,6 +71,7 @@ def main() -> None:
                 kv_cache_memory=1 << 30,
                 torch_compile=True,
                 max_num_seqs=max(batch, 3),
+                cpu_gemm="kernel",  # the layouts compared, at every row count
             )
             steps[name] = stepper(llm, batch, args.context, max_k)
         os.environ.pop(bf16_gemm.DOT_ENV)

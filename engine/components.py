@@ -64,8 +64,8 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
         config.model, dtype=config.dtype, max_length=config.max_model_len, device=device
     )
     packed: list[torch.nn.Module] = []  # models whose products use_packed_gemm prepared
-    if device.type == "cpu" and config.cpu_packed_gemm_min_rows is not None:
-        use_packed_gemm(model, config.cpu_packed_gemm_min_rows)
+    if device.type == "cpu" and config.cpu_gemm != "aten":
+        use_packed_gemm(model, config.cpu_gemm)
         packed.append(model)
     eos = eos_token_ids(Path(config.model), model_config)
     grammars = Grammars(
@@ -81,15 +81,15 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
     drafter, lookahead = None, 0
     if config.speculative is not None:
         drafter = load_speculator(config.speculative, model, device)
-        if device.type == "cpu" and config.cpu_packed_gemm_min_rows is not None:
+        if device.type == "cpu" and config.cpu_gemm != "aten":
             assert isinstance(drafter, torch.nn.Module)
-            use_packed_gemm(drafter, config.cpu_packed_gemm_min_rows)
+            use_packed_gemm(drafter, config.cpu_gemm)
             packed.append(drafter)
         plan_params.append(KVCacheParams.from_config(drafter.config, config.block_size))
         lookahead = num_lookahead_slots(num_draft_tokens(config.speculative, drafter), drafter)
     if packed:
         freed = release_packed_weights(*packed)
-        logger.info("weights on the bf16 kernel's panels: %.0f MB of copies freed", freed / 1e6)
+        logger.info("native weights no product uses: %.0f MB freed", freed / 1e6)
     num_blocks = plan_num_blocks(
         plan_params,
         device,

@@ -8,6 +8,7 @@ from engine.spec.config import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "hand_back")
 KERNELS = ("auto", "torch", "triton")  # EngineConfig.kernels
+CPU_GEMM = ("measured", "kernel", "onednn", "aten")  # EngineConfig.cpu_gemm
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,11 @@ class EngineConfig:
     # (the triton or flash_attn backend, also as auto's pick on CUDA), else torch.
     kernels: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
-    # CPU: bf16 products run on the bf16 kernel (kernels/cpu) where it builds; other
-    # products with at least this many rows on prepacked fp32 weights (a single row is
-    # faster on plain weights). None: neither.
-    cpu_packed_gemm_min_rows: int | None = 2
+    # CPU: the product each Linear runs (engine/models/layers.py): "measured" picks the
+    # fastest per weight shape and row bucket from timings taken once per machine and
+    # cached (kernels/cpu/gemm_timings.py); "kernel", "onednn" or "aten" runs one
+    # wherever it can. "aten" prepares nothing.
+    cpu_gemm: str = "measured"
     # CPU: build the C++ kernels (kernels/cpu/extension.py) where missing or stale. False
     # (serving workers): load a prebuilt one only, else run on aten (logged in one line).
     build_cpu_kernels: bool = True
@@ -72,6 +74,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels: {self.kernels!r} is not one of {', '.join(KERNELS)}")
+        if self.cpu_gemm not in CPU_GEMM:
+            raise ValueError(f"cpu_gemm: {self.cpu_gemm!r} is not one of {', '.join(CPU_GEMM)}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption: {self.preemption!r} is not one of {', '.join(PREEMPTION_MODES)}"

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from engine.config import Llama3RopeScaling
-from kernels.cpu import bf16_gemm
+from kernels.cpu import bf16_gemm, gemm_timings, onednn_linear
+from kernels.cpu.gemm_plan import ATEN, KERNEL, ONEDNN, GemmPlan, planned_linear, run_product
+from kernels.cpu.onednn_linear import OneDnnWeight
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -104,111 +110,124 @@ class RotaryEmbedding(nn.Module):
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` with CPU products prepared for decode and verify steps (``use_packed_gemm``).
+    """``nn.Linear`` whose CPU products follow a plan per row count (``use_packed_gemm``).
 
-    CPUs without native bf16 dot products (AVX2) make aten's bf16 GEMM convert the weight
-    once per row, so a product of M rows costs about M matrix-vector products. Two remedies:
+    Three products compute it, each from its own layout of the weight: the bf16 kernel
+    (``kernels.cpu.bf16_gemm``, bf16 weights packed in 16-column panels; it reads each
+    weight element once per call, so a few rows cost about what one does), aten's
+    ``F.linear`` on the weight as it is, and oneDNN on a blocked copy (bf16 where oneDNN
+    runs bf16 here, with AMX tiles where the CPU has them; else an fp32 copy, twice a bf16
+    weight's memory). Their costs grow differently with the rows, so a ``GemmPlan`` per
+    weight shape names the fastest per row bucket, from timings taken once per machine
+    (``kernels.cpu.gemm_timings``). Only the layouts a plan uses are made, and the native
+    weight is released where no bucket uses aten (``release_packed_weights``).
 
-    - bf16 weights, when ``kernels.cpu.bf16_gemm`` is built: every product runs on it,
-      from a copy of the weight packed in 16-column panels. It reads each weight element
-      once per call, so 6 rows cost about what 2 do (AVX2) or 1 does (AVX512-BF16), and 1
-      row half of aten's time.
-    - otherwise, from ``packed_min_rows`` rows on, the product runs on an fp32 copy of the
-      weight in oneDNN's blocked layout, about 1.8x aten's sgemm for few rows (what a bf16
-      GEMM accumulates in anyway, rounded back to bf16). It costs twice a bf16 weight's
-      memory (one more fp32 weight when serving fp32); matrix-vector products keep the
-      native weight.
+    Compiled graphs fix one row and leave more as a symbol: a plan with one product from
+    2 rows on calls it directly; a plan that changes product past 2 rows chooses when
+    the op runs (``tandem::planned_linear``), so that row counts add no graphs.
     """
 
-    packed_min_rows: int = 0  # set with _fp32 by use_packed_gemm
-    _fp32: _PackedFp32Linear | None = None
-    _panels: torch.Tensor | None = None  # set by use_packed_gemm: the bf16 kernel's layout
+    _plan: GemmPlan | None = None  # set by use_packed_gemm; None: aten on the native weight
+    _panels: torch.Tensor | None = None  # the bf16 kernel's layout, where the plan uses it
+    _onednn: OneDnnWeight | None = None  # oneDNN's blocked copy, where the plan uses it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._panels is not None:
-            return bf16_gemm.linear(x, self._panels, self.bias, self.out_features)
-        if self._fp32 is None or x.shape[0] < self.packed_min_rows:
+        plan = self._plan
+        if plan is None:
             return F.linear(x, self.weight, self.bias)
-        return self._fp32(x.float()).to(x.dtype)
+        product = self._product_for(x)
+        if product is None:  # compiled, and the product changes past 2 rows
+            return planned_linear(
+                x, plan, self.weight, self.bias, self._panels, self._onednn, self.out_features
+            )
+        return self._product(product, x)
+
+    def _product_for(self, x: torch.Tensor) -> str | None:
+        """The plan's product for x's rows; None where only the op can choose it. Compiled
+        graphs fix one row and leave more as a symbol: no branch on it (a guard each)."""
+        assert self._plan is not None
+        rows = x.numel() // x.shape[-1]
+        if not torch.compiler.is_compiling():
+            return self._plan.product(rows)
+        if statically_known_true(rows == 1):
+            return self._plan.products[0]
+        return self._plan.from_two
+
+    def _product(self, product: str, x: torch.Tensor) -> torch.Tensor:
+        return run_product(
+            product, x, self.weight, self.bias, self._panels, self._onednn, self.out_features
+        )
+
+    def prepare(self, plan: GemmPlan) -> None:
+        """Makes the layouts ``plan`` uses (a plan of aten alone needs none)."""
+        self._plan = None if plan == GemmPlan.uniform(ATEN) else plan
+        self._panels = bf16_gemm.pack(self.weight) if plan.uses(KERNEL) else None
+        self._onednn = None
+        if plan.uses(ONEDNN):
+            self._onednn = onednn_linear.pack(self.weight, self.bias)
+            if self._onednn is None:
+                raise RuntimeError(f"oneDNN cannot pack a {self.weight.dtype} weight here")
 
     def forward_rows(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """The output features from ``start`` on: ``x @ weight[start:].T + bias[start:]``
         (DFlash's context K/V from a fused qkv projection), also once the native weight
         was released (``release_packed_weights``)."""
         bias = None if self.bias is None else self.bias[start:]
-        if self._panels is None:
+        product = ATEN if self._plan is None else self._product_for(x)
+        if product == ATEN:
             return F.linear(x, self.weight[start:], bias)
-        if start % bf16_gemm.PANEL == 0:
+        if product == KERNEL and start % bf16_gemm.PANEL == 0:
+            assert self._panels is not None
             panels = self._panels[start // bf16_gemm.PANEL :]
             return bf16_gemm.linear(x, panels, bias, self.out_features - start)
         return self(x)[..., start:]
 
 
-class _PackedFp32Linear:
-    """An fp32 copy of a weight, in oneDNN's blocked layout when oneDNN can pack it."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, is_packed: bool) -> None:
-        self.weight, self.bias, self.is_packed = weight, bias, is_packed
-
-    @classmethod
-    def create(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> _PackedFp32Linear | None:
-        """None when it would only duplicate the weight: fp32 already and no oneDNN packing."""
-        w32 = weight.detach().float()
-        b32 = None if bias is None else bias.detach().float()
-        if torch.backends.mkldnn.is_available():
-            try:
-                return cls(torch.ops.mkldnn._reorder_linear_weight(w32, 8), b32, is_packed=True)
-            except RuntimeError:
-                pass
-        if weight.dtype == torch.float32:
-            return None
-        return cls(w32, b32, is_packed=False)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_packed:
-            return packed_fp32_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+PRODUCT_CHOICES = ("measured", KERNEL, ATEN, ONEDNN)
 
 
-@torch.library.custom_op("tandem::packed_fp32_linear", mutates_args=())
-def packed_fp32_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``x @ weight.T + bias`` with ``weight`` in oneDNN's blocked layout. An opaque op, so
-    that torch.compile calls it as it is (inductor's own lowering of the oneDNN op expects
-    weights it packed itself)."""
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return out
-
-
-@packed_fp32_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-def use_packed_gemm(model: nn.Module, min_rows: int) -> None:
+def use_packed_gemm(model: nn.Module, products: str = "measured") -> None:
     """Prepares every ``Linear`` of an inference model for fast CPU products (see ``Linear``).
 
-    bf16 weights go to the bf16 kernel when it is available (it builds on first
-    use); other weights run products of at least ``min_rows`` rows on packed fp32 copies.
-    Packs now (about 2 s for SmolLM2), so that the first request does not pay for it. The
+    ``products``: "measured" plans each weight shape from this machine's timings (timed
+    now where not cached: about a second for SmolLM2); a product's name runs it
+    everywhere it can (aten where it cannot: the kernel takes bf16 weights only). Packs
+    now (about 2 s for SmolLM2), so that the first request does not pay for it. The
     packed copies are not updated if the weights change afterwards.
     """
-    for module in model.modules():
-        if not isinstance(module, Linear):
-            continue
-        if module.weight.dtype == torch.bfloat16 and bf16_gemm.available():
-            module._panels = bf16_gemm.pack(module.weight)
-            continue
-        module.packed_min_rows = min_rows
-        module._fp32 = _PackedFp32Linear.create(module.weight, module.bias)
+    if products not in PRODUCT_CHOICES:
+        raise ValueError(f"products: one of {PRODUCT_CHOICES}, got {products!r}")
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight.numel() > 0]
+    shapes = {(m.out_features, m.in_features, m.weight.dtype) for m in linears}
+    if products == "measured":
+        plans = gemm_timings.plans(shapes)
+    else:
+        plans = {
+            shape: GemmPlan.uniform(
+                products if products in gemm_timings.candidates(shape[2]) else ATEN
+            )
+            for shape in shapes
+        }
+    layout_bytes = {KERNEL: 0, ONEDNN: 0}
+    for module in linears:
+        module.prepare(plans[module.out_features, module.in_features, module.weight.dtype])
+        if module._panels is not None:
+            layout_bytes[KERNEL] += module._panels.numel() * module._panels.element_size()
+        if module._onednn is not None:
+            layout_bytes[ONEDNN] += module._onednn.nbytes
+    logger.info(
+        "packed weights: %.0f MB of kernel panels, %.0f MB of oneDNN copies",
+        layout_bytes[KERNEL] / 1e6,
+        layout_bytes[ONEDNN] / 1e6,
+    )
 
 
 def release_packed_weights(*models: nn.Module) -> int:
-    """Frees the native weight of every ``Linear`` whose products all run on the bf16
-    kernel's panels, unless another parameter slot shares it (a tied lm_head keeps the
-    embedding's). Call once the target and its drafter are both packed. Returns the bytes
-    freed: the panels hold the same bf16 values, so this halves the weights' memory."""
+    """Frees the native weight of every ``Linear`` whose plan never uses aten, unless
+    another parameter slot shares it (a tied lm_head keeps the embedding's). Call once the
+    target and its drafter are both packed. Returns the bytes freed: the other layouts
+    hold the same values, so this halves the weights' memory where the kernel's panels,
+    or a bf16 oneDNN copy, serve every row count."""
     uses: dict[int, int] = {}
     for model in models:
         for _, param in model.named_parameters(remove_duplicate=False):
@@ -216,10 +235,10 @@ def release_packed_weights(*models: nn.Module) -> int:
     freed = 0
     for model in models:
         for module in model.modules():
-            if not isinstance(module, Linear) or module._panels is None:
+            if not isinstance(module, Linear) or module._plan is None:
                 continue
             weight = module.weight
-            if uses.get(id(weight), 0) != 1 or weight.numel() == 0:
+            if module._plan.uses(ATEN) or uses.get(id(weight), 0) != 1 or weight.numel() == 0:
                 continue
             freed += weight.numel() * weight.element_size()
             # An empty stand-in keeps the attribute (and the dtype) for code that looks.

@@ -181,7 +181,7 @@ def test_bf16_keeps_routers_in_fp32_and_the_latent_up_projection(tmp_path: Path)
     the correction bias); kv_b_proj is read as W_UK and W_UV, so releasing packed weights
     must not take it. The rest runs in bf16 on the CPU kernel where it is built."""
     hf = build_tiny_deepseek(tmp_path, "qlora_yarn_mscale_interleaved", num_layers=2)
-    engine = make_engine(tmp_path, dtype="bfloat16", cpu_packed_gemm_min_rows=2)
+    engine = make_engine(tmp_path, dtype="bfloat16", cpu_gemm="kernel")
     model = engine.runner.model
     assert isinstance(model, DeepseekV3Model)
     moe = model.layers[1].mlp

@@ -161,13 +161,8 @@ def test_bf16_logits_on_the_cpu_kernel_are_as_close_to_fp32_as_aten_bf16(tiny_ll
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 23)]
     continuations = [torch.randint(3, vocab, (8,), generator=gen).tolist() for _ in prompts]
     errors = {}
-    for name, packed_rows in (("kernel", 2), ("aten", None)):
-        engine = make_engine(
-            model_dir,
-            dtype="bfloat16",
-            max_num_batched_tokens=12,
-            cpu_packed_gemm_min_rows=packed_rows,
-        )
+    for name in ("kernel", "aten"):
+        engine = make_engine(model_dir, dtype="bfloat16", max_num_batched_tokens=12, cpu_gemm=name)
         linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
         assert all((m._panels is not None) == (name == "kernel") for m in linears)
         got, _, _ = run_teacher_forced(engine, prompts, continuations)

@@ -148,7 +148,7 @@ def test_compiled_callers_see_one_graph_for_every_row_count_from_two(dot: bool) 
 def packed_linear(out_features: int, in_features: int, seed: int) -> Linear:
     torch.manual_seed(seed)
     linear = Linear(in_features, out_features, bias=True).bfloat16()
-    use_packed_gemm(linear, min_rows=2)
+    use_packed_gemm(linear, "kernel")
     return linear
 
 
@@ -179,8 +179,8 @@ def test_release_keeps_weights_shared_with_another_parameter() -> None:
     model.proj = Linear(40, 48, bias=False).bfloat16()
     other = nn.Module()  # a drafter, packed and released together with the target
     other.fc = Linear(80, 40, bias=True).bfloat16()
-    use_packed_gemm(model, min_rows=2)
-    use_packed_gemm(other, min_rows=2)
+    use_packed_gemm(model, "kernel")
+    use_packed_gemm(other, "kernel")
     x = torch.randn(3, 40).bfloat16()
     before = (model.head(x), model.proj(x), other.fc(torch.cat([x, x], dim=-1)))
     assert release_packed_weights(model, other) == (48 * 40 + 40 * 80) * 2

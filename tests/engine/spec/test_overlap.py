@@ -69,7 +69,7 @@ def engine_for(model_dir: Path, tokenizer, spec: SpeculativeConfig, **kw) -> LLM
         max_model_len=MAX_LEN,
         max_num_seqs=8,
         cuda_graphs=True,  # the graph runner's path, uncaptured on CPU
-        cpu_packed_gemm_min_rows=None,  # plain products: prepacking tiny weights costs more
+        cpu_gemm="aten",  # plain products: prepacking tiny weights costs more
     )
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg, speculative=spec), tokenizer=tokenizer)  # type: ignore[arg-type]
@@ -106,7 +106,7 @@ def stop_requests(model_dir: Path, tokenizer) -> Requests:
             dtype="float32",
             block_size=4,
             max_model_len=MAX_LEN,
-            cpu_packed_gemm_min_rows=None,
+            cpu_gemm="aten",
         ),
         tokenizer=tokenizer,
     )
