@@ -11,8 +11,11 @@
 
 Fairness: the cluster's processes share the cores (one torch thread each on 2 cores),
 so the in-process engine runs with the same number of threads as one worker; both use
-the same dtype, block size and KV budget, no drafter, greedy, ``--max-tokens`` each.
-Prompts are distinct windows of the committed held-out texts (no prefix-cache hits).
+the same dtype, block size and KV budget, no drafter, greedy, ``--max-tokens`` each, and
+both compile their decode steps (``--eager``: neither), warmed up alike. Prompts are
+distinct windows of the committed held-out texts (no prefix-cache hits). The two sides
+run in turn, ``--repeats`` times (5), each setting once per turn; a figure is the median
+over the turns of each run's median.
 
 Prints a table per setting; the last line is one JSON object:
 ``{"grpc_gbps", "raw_socket_gbps", "grpc_ratio", "shm_gbps", "memcpy_gbps", "shm_ratio",
@@ -80,35 +83,31 @@ def prompt_windows(model_dir: str, length: int, count: int) -> list[list[int]]:
     return [stream[i * length : (i + 1) * length] for i in range(count)]
 
 
-def run_in_process(
-    model: str,
-    dtype: str,
-    threads: int,
-    batches: list[list[list[int]]],
-    max_tokens: int,
-    compiled: bool,
-) -> list[Timing]:
-    """Each batch submitted at once, drained, then the next; token arrival = the end of
-    the step that produced it. ``compiled``: decode steps through torch.compile, as the
-    cluster's decode worker runs them by default."""
-    engine = LLMEngine(
+def in_process_engine(model: str, dtype: str, threads: int, compiled: bool) -> LLMEngine:
+    """The baseline: one engine in this process, warmed up as a worker's is (``compiled``:
+    decode steps through torch.compile, as the cluster's decode worker runs them)."""
+    return LLMEngine(
         EngineConfig(
             model=model,
             dtype=dtype,
             kv_cache_memory=KV_CACHE_MEMORY,
             num_threads=threads,
             torch_compile=compiled,
+            warm_up=True,
         )
     )
+
+
+def run_in_process(
+    engine: LLMEngine, batches: list[list[list[int]]], max_tokens: int
+) -> list[Timing]:
+    """Each batch submitted at once, drained, then the next; token arrival = the end of
+    the step that produced it."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    warm = f"warm-{time.monotonic()}"
-    engine.add_request(warm, batches[0][0][:16], params)
-    while engine.has_unfinished_requests():
-        engine.step()
     timings: list[Timing] = []
     for b, batch in enumerate(batches):
         now = time.perf_counter()
-        mine = {f"{b}-{i}": Timing(now, []) for i in range(len(batch))}
+        mine = {f"{time.monotonic_ns()}-{b}-{i}": Timing(now, []) for i in range(len(batch))}
         for (rid, _), prompt in zip(mine.items(), batch, strict=True):
             engine.add_request(rid, prompt, params)
         while engine.has_unfinished_requests():
@@ -132,11 +131,16 @@ async def run_cluster(
             timing.arrivals += [time.perf_counter()] * len(chunk.token_ids)
         return timing
 
-    await one(batches[0][0][:16])  # warm-up: channels, first steps
+    await one([1] * 8)  # warm-up: channels; under one block, so nothing for prefix caching
     timings: list[Timing] = []
     for batch in batches:
         timings += await asyncio.gather(*(one(p) for p in batch))
     return timings
+
+
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over runs."""
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 def summary(timings: list[Timing]) -> dict[str, float]:
@@ -167,6 +171,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="prompts 128 and 512, fewer runs")
     parser.add_argument("--skip-transfer", action="store_true", help="latency part only")
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="alternating runs of the engine and the cluster; figures are medians (default 5)",
+    )
+    parser.add_argument(
         "--eager",
         action="store_true",
         help="the in-process engine and the cluster's workers both eager (default: both "
@@ -181,12 +191,11 @@ def main() -> None:
     lengths = (128, 512) if args.quick else (128, 2048)
     rounds = {1: 3 if args.quick else 4, 8: 1}  # batches per concurrency
     settings = [(n, c) for n in lengths for c in rounds]
-    windows = {
-        n: prompt_windows(model, n, 2 * sum(c * r for c, r in rounds.items())) for n in lengths
-    }
+    per_run = sum(c * r for c, r in rounds.items())  # prompts of one side's run
+    windows = {n: prompt_windows(model, n, 2 * args.repeats * per_run) for n in lengths}
 
     def batches_for(n: int, c: int, offset: int) -> list[list[list[int]]]:
-        """Distinct prompts: the cluster's run takes the second half of the windows."""
+        """Distinct prompts: each side's run takes windows of its own from ``offset``."""
         start = offset + sum(cc * rounds[cc] for cc in rounds if cc < c)
         flat = windows[n][start : start + c * rounds[c]]
         return [flat[i : i + c] for i in range(0, len(flat), c)]
@@ -205,33 +214,30 @@ def main() -> None:
     )
     threads = spec.threads_per_process()
     torch.set_num_threads(threads)
-    half = sum(c * r for c, r in rounds.items())
-    print(f"\nin-process engine ({args.dtype}, {threads} thread(s))", flush=True)
-    ours = {
-        s: summary(
-            run_in_process(
-                model, args.dtype, threads, batches_for(*s, 0), args.max_tokens, not args.eager
-            )
-        )
-        for s in settings
-    }
-    print("cluster: router + 1 prefill + 1 decode", flush=True)
+    print(f"in-process engine ({args.dtype}, {threads} thread(s)), then the cluster", flush=True)
+    engine = in_process_engine(model, args.dtype, threads, compiled=not args.eager)
+    # Alternating runs, each on prompts of its own; a figure is the median of the runs'
+    # medians, so that drift on a shared machine hits both sides alike.
+    ours: dict[tuple[int, int], list[dict[str, float]]] = {s: [] for s in settings}
+    theirs: dict[tuple[int, int], list[dict[str, float]]] = {s: [] for s in settings}
     with Cluster(spec) as cluster:
-        theirs = {
-            s: summary(
-                asyncio.run(
-                    run_cluster(cluster.router_address, batches_for(*s, half), args.max_tokens)
+        for r in range(args.repeats):
+            for s in settings:
+                mine, its = batches_for(*s, 2 * r * per_run), batches_for(*s, (2 * r + 1) * per_run)
+                ours[s].append(summary(run_in_process(engine, mine, args.max_tokens)))
+                theirs[s].append(
+                    summary(asyncio.run(run_cluster(cluster.router_address, its, args.max_tokens)))
                 )
-            )
-            for s in settings
-        }
+            print(f"run {r + 1} of {args.repeats} done", flush=True)
+    ours_p50 = {s: medians(runs) for s, runs in ours.items()}
+    theirs_p50 = {s: medians(runs) for s, runs in theirs.items()}
     rows = []
     print(
         f"\n{'prompt':>6} {'conc':>4} | {'TTFT ms engine':>14} {'cluster':>8} {'+':>7} | "
         f"{'ITL ms engine':>13} {'cluster':>8} {'+':>6}"
     )
     for n, c in settings:
-        a, b = ours[(n, c)], theirs[(n, c)]
+        a, b = ours_p50[(n, c)], theirs_p50[(n, c)]
         row = {
             "prompt_len": n,
             "concurrency": c,
@@ -248,15 +254,19 @@ def main() -> None:
         )
     base = (lengths[0], 1)
     result["ttft_overhead_ms_p50"] = round(
-        theirs[base]["ttft_ms_p50"] - ours[base]["ttft_ms_p50"], 2
+        theirs_p50[base]["ttft_ms_p50"] - ours_p50[base]["ttft_ms_p50"], 2
     )
-    result["itl_overhead_ms_p50"] = round(theirs[base]["itl_ms_p50"] - ours[base]["itl_ms_p50"], 2)
+    result["itl_overhead_ms_p50"] = round(
+        theirs_p50[base]["itl_ms_p50"] - ours_p50[base]["itl_ms_p50"], 2
+    )
     result["latency"] = rows
     result["setup"] = {
         "model": args.model,
         "dtype": args.dtype,
         "threads": threads,
         "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "compiled": not args.eager,
         "cores": os.cpu_count(),
     }
     print(json.dumps(result))
