@@ -30,8 +30,9 @@ PRODUCTS = (KERNEL, ATEN, ONEDNN)
 # multiply-adds and their order no longer changes (prefill chunks).
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Another product takes over from the previous bucket's only when it is this much faster:
-# timing noise does not flip plans, and each extra layout costs a copy of the weight.
-SWITCH_GAIN = 0.1
+# timing noise does not flip plans, and each extra layout costs a copy of the weight (on
+# AMX the issue measured oneDNN 2-5x faster from 32 rows; here 10-30 % from 16).
+SWITCH_GAIN = 0.2
 
 Timings = Mapping[int, Mapping[str, float]]  # bucket -> product -> time (any unit)
 

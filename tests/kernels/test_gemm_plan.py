@@ -36,7 +36,7 @@ def test_each_bucket_takes_its_fastest_product() -> None:
         {
             KERNEL: [30, 60, 100, 136, 260, 521, 1000, 2008, 4000],
             ATEN: [153, 150, 130, 100, 140, 200, 330, 600, 1200],
-            ONEDNN: [160, 150, 140, 119, 120, 187, 300, 411, 800],
+            ONEDNN: [160, 150, 140, 119, 110, 187, 300, 411, 800],
         }
     )
     plan = choose(timings, PRODUCTS)
@@ -47,11 +47,11 @@ def test_each_bucket_takes_its_fastest_product() -> None:
     assert plan.from_two is None
 
 
-def test_another_product_takes_over_only_when_a_tenth_faster() -> None:
+def test_another_product_takes_over_only_when_a_fifth_faster() -> None:
     """Noise must not flip plans, nor make a copy of the weight for a few percent."""
-    timings = timings_of({KERNEL: [10.0] * 9, ONEDNN: [11.0, 9.5, 9.2, 8.0, 9.5] + [5.0] * 4})
+    timings = timings_of({KERNEL: [10.0] * 9, ONEDNN: [11.0, 9.5, 8.7, 8.0, 9.5] + [5.0] * 4})
     plan = choose(timings, PRODUCTS)
-    # 9.5 and 9.2 gain less than a tenth on 10; 8.0 does; then 9.5 does not win back
+    # 9.5 and 8.7 gain less than a fifth on 10; 8.0 does; then 10 does not win back
     assert plan.products == (KERNEL,) * 3 + (ONEDNN,) * 6
 
 
