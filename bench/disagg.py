@@ -14,8 +14,8 @@ so the in-process engine runs with the same number of threads as one worker; bot
 the same dtype, block size and KV budget, no drafter, greedy, ``--max-tokens`` each, and
 both compile their decode steps (``--eager``: neither), warmed up alike. Prompts are
 distinct windows of the committed held-out texts (no prefix-cache hits). The two sides
-run in turn, ``--repeats`` times (5), each setting once per turn; a figure is the median
-over the turns of each run's median.
+run in turn, ``--repeats`` times (5), each setting once per turn and the first side
+alternating; a figure is the median over the turns of each run's median.
 
 Prints a table per setting; the last line is one JSON object:
 ``{"grpc_gbps", "raw_socket_gbps", "grpc_ratio", "shm_gbps", "memcpy_gbps", "shm_ratio",
@@ -224,10 +224,14 @@ def main() -> None:
         for r in range(args.repeats):
             for s in settings:
                 mine, its = batches_for(*s, 2 * r * per_run), batches_for(*s, (2 * r + 1) * per_run)
-                ours[s].append(summary(run_in_process(engine, mine, args.max_tokens)))
-                theirs[s].append(
-                    summary(asyncio.run(run_cluster(cluster.router_address, its, args.max_tokens)))
-                )
+                for side in ("cluster", "engine") if r % 2 else ("engine", "cluster"):  # ABBA
+                    if side == "engine":
+                        ours[s].append(summary(run_in_process(engine, mine, args.max_tokens)))
+                    else:
+                        timings = asyncio.run(
+                            run_cluster(cluster.router_address, its, args.max_tokens)
+                        )
+                        theirs[s].append(summary(timings))
             print(f"run {r + 1} of {args.repeats} done", flush=True)
     ours_p50 = {s: medians(runs) for s, runs in ours.items()}
     theirs_p50 = {s: medians(runs) for s, runs in theirs.items()}

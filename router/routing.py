@@ -39,6 +39,7 @@ MAX_LOAD_FOR_AFFINITY = 0.8  # a fuller worker is not preferred for its cached p
 MIN_MATCH_FRACTION = 0.5  # of the prompt's blocks, for a worker to count as warm
 MAX_AFFINITY_IMBALANCE = 2  # in-flight requests a warm worker may have over the least busy
 UNREACHABLE_S = 30.0  # a worker whose connection broke is passed over this long (same epoch)
+WORKER_WAIT_S = 5.0  # a request's wait for a live pair, once the router has had one
 
 
 def is_colocated(worker: WorkerInfo) -> bool:
@@ -66,7 +67,7 @@ def prefix_hashes(token_ids: Sequence[int], block_tokens: int = PREFIX_BLOCK_TOK
 
 class WorkerPicker:
     def __init__(
-        self, ledger: Ledger, model: str, *, refresh_s: float = 0.25, wait_s: float = 5.0
+        self, ledger: Ledger, model: str, *, refresh_s: float = 0.25, wait_s: float = WORKER_WAIT_S
     ) -> None:
         self.ledger = ledger
         self.model = model
@@ -76,6 +77,7 @@ class WorkerPicker:
         # the cluster warms up, a request waits up to its deadline.
         self.wait_s = wait_s
         self.has_been_ready = False  # a live pair was seen: the cluster has warmed up
+        self.is_closed = False  # draining: no request waits for workers any more
         self.in_flight: Counter[str] = Counter()
         self._turn = itertools.count()
         self._workers: list[WorkerInfo] = []
@@ -217,10 +219,18 @@ class WorkerPicker:
                 self.has_been_ready = True
                 return pair
             except Unavailable:
+                if self.is_closed:
+                    raise Unavailable("router: draining; retry on another router") from None
                 if time.monotonic() + self.refresh_s > give_up:
                     raise
-            self.forget_stale()
+            # No forget_stale() here: the registry is read again after refresh_s anyway,
+            # once for all the requests waiting, not once each.
             await asyncio.sleep(self.refresh_s)
+
+    def close(self) -> None:
+        """Requests waiting for workers stop waiting (UNAVAILABLE: the router drains);
+        those that find a pair still take it."""
+        self.is_closed = True
 
     def _least_loaded(self, workers: list[WorkerInfo], role: WorkerRole) -> WorkerInfo:
         if not workers:

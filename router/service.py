@@ -447,6 +447,7 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     async def drain(self, timeout_s: float) -> None:
         self.is_draining = True
+        self.picker.close()  # requests waiting for workers go to another router now
         deadline = time.monotonic() + timeout_s
         while (self.num_in_flight or self._cleanups) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -159,12 +159,14 @@ async def _serve(role: Role, args: argparse.Namespace, make_service: MakeService
     if membership is None:
         raise RuntimeError(f"{role.name}: make_service made no membership")
     membership.attach(service)
-    membership.register()
     service.add_to(server)
     service.start()
     if role.is_ready is not None:
         await health.set("", NOT_SERVING)  # grpc's health servicer starts SERVING
     await server.start()
+    # Registered once the port listens: a router waiting for workers picks one the moment
+    # it appears in the registry, and must not find its port closed.
+    membership.register()
     membership.start()
     housekeeping = asyncio.create_task(service.housekeeping(), name=f"{role.name}-housekeeping")
     watcher = None  # the task that keeps health true: readiness, or the engine's life

@@ -67,6 +67,8 @@ async def watch_readiness(
         if ready != was_ready:
             if ready:
                 log.info("a warm worker pair is live: SERVING")
+            elif was_ready is None:  # starting: the workers may be compiling
+                log.info("waiting for a warm worker pair: NOT_SERVING (requests wait)")
             else:
                 log.warning("no warm worker pair for the model: NOT_SERVING (requests wait)")
             await health.set("", SERVING if ready else NOT_SERVING)

@@ -1,4 +1,4 @@
-"""bf16 products on AVX2 and AVX512-BF16 CPUs: ``bf16_linear.cpp``, built on first use.
+"""bf16 products on AVX2 and AVX512-BF16 CPUs: ``bf16_linear.cpp`` (built by ``extension``).
 
 aten's bf16 GEMM for few rows converts the weight to fp32 once per row, so a 6-row verify
 step costs about six 1-row steps. The kernel here reads each weight element once per

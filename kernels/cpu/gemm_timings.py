@@ -35,13 +35,15 @@ from kernels.cpu.gemm_plan import ATEN, BUCKETS, KERNEL, ONEDNN, GemmPlan, choos
 logger = logging.getLogger(__name__)
 
 VERSION = 1  # of the file's layout and of how timings are taken
-# Variables that change which instructions the products use: a cap re-measures.
-ISA_ENV = (
+# Variables that change the timings: which instructions the products use (a cap
+# re-measures), and how OpenMP's threads wait between parallel regions.
+TIMING_ENV = (
     "ONEDNN_MAX_CPU_ISA",
     "DNNL_MAX_CPU_ISA",
     "ATEN_CPU_CAPABILITY",
     bf16_gemm.DOT_ENV,
     extension.DISABLE_ENV,
+    "OMP_WAIT_POLICY",
 )
 MAX_TIMED_N = 8192  # output features timed; wider weights (LM heads) cost proportionally
 SHAPE_BUDGET_S = 0.25  # a shape's buckets are timed until this much time has gone
@@ -50,6 +52,10 @@ MIN_ROUNDS, MAX_ROUNDS = 3, 20
 # A parallel region of a few us that takes longer than this: other processes hold the
 # cores, and every timing is a scheduler's time slice (4-8 ms measured here) instead.
 BUSY_MS = 0.5
+# While it times, the process keeps at least one thread running: CPU time under this
+# share of the wall time means it waited for a core (one thread cannot show it above).
+MIN_CPU_SHARE = 0.8
+MIN_CHECKED_S = 0.05  # timings shorter than this are too short to judge the share by
 
 Shape = tuple[int, int, torch.dtype]  # (out_features, in_features, weight dtype)
 Timings = dict[int, dict[str, float]]  # bucket -> product -> us
@@ -82,13 +88,15 @@ def machine_key() -> dict[str, object]:
         "cpu_flags": cpu_flags(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "env": {name: os.environ.get(name) for name in ISA_ENV},
+        "env": {name: os.environ.get(name) for name in TIMING_ENV},
+        "kernels": extension.KERNELS.stamp()[:16],  # a rebuilt kernel is timed again
     }
 
 
 def default_cache_dir() -> Path:
+    """``$TANDEM_CACHE/gemm``, else ``~/.cache/tandem/gemm`` (engine.model_store's root)."""
     root = os.environ.get("TANDEM_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "tandem") / "gemm"
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "tandem") / "gemm"
 
 
 def cache_path(key: dict[str, object], cache_dir: Path) -> Path:
@@ -123,6 +131,12 @@ def parallel_region_ms() -> float:
 
 def is_busy() -> bool:
     return torch.get_num_threads() > 1 and parallel_region_ms() > BUSY_MS
+
+
+def waited_for_a_core(wall_s: float, cpu_s: float) -> bool:
+    """Whether a timing run of ``wall_s`` got less than MIN_CPU_SHARE of it as CPU time:
+    other processes held the cores (a one-thread engine's only sign of it)."""
+    return wall_s >= MIN_CHECKED_S and cpu_s < MIN_CPU_SHARE * wall_s
 
 
 def measure(n: int, k: int, dtype: torch.dtype, products: Sequence[str]) -> Timings:
@@ -177,10 +191,12 @@ def plans(
             if not set(candidates(shape[2]))
             <= set(entries.get(timed_shape(shape), {}).get(BUCKETS[0], {}))
         }
-        started, timed = time.perf_counter(), {}
+        started, cpu_started, timed = time.perf_counter(), time.process_time(), {}
         if missing and not is_busy():
             for name, (n, k, dtype) in missing.items():
                 timed[name] = (timer or measure)(min(n, MAX_TIMED_N), k, dtype, candidates(dtype))
+            if waited_for_a_core(time.perf_counter() - started, time.process_time() - cpu_started):
+                timed = {}
         if missing and (not timed or is_busy()):
             logger.warning(
                 "this machine is too busy to time products (other processes hold the cores: "

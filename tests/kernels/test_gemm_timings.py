@@ -43,7 +43,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeMeasure:
         "candidates",
         lambda dtype: (KERNEL, ATEN, ONEDNN) if dtype == BF16 else (ATEN, ONEDNN),
     )
-    for name in gemm_timings.ISA_ENV:
+    for name in gemm_timings.TIMING_ENV:
         monkeypatch.delenv(name, raising=False)
     return FakeMeasure()
 
@@ -146,8 +146,23 @@ def test_a_busy_machine_runs_the_default_products_and_caches_nothing(
     assert plans[960, 576, FP32].describe() == "aten 1, onednn 2+"
 
 
-def test_measure_times_every_product_at_the_first_buckets() -> None:
-    """The one real timing here: a tiny weight, a few ms."""
+def test_timings_taken_without_a_core_of_their_own_are_not_kept(
+    tmp_path: Path, fake: FakeMeasure, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At one thread the parallel-region check cannot see a busy machine; CPU time under
+    0.8 of the wall time does (the process waited for a core)."""
+    waited = gemm_timings.waited_for_a_core
+    assert waited(1.0, 0.5) and not waited(1.0, 0.95) and not waited(0.01, 0.0)
+    monkeypatch.setattr(gemm_timings, "waited_for_a_core", lambda wall_s, cpu_s: True)
+    plans = gemm_timings.plans(SHAPES, cache_dir=tmp_path, timer=fake)
+    assert fake.calls and not list(tmp_path.glob("*.json"))
+    assert plans[960, 576, BF16] == GemmPlan.uniform(KERNEL)
+
+
+def test_measure_times_every_product_at_the_first_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one real timing here: a tiny weight, a few ms (with time for three buckets
+    however slow the machine is)."""
+    monkeypatch.setattr(gemm_timings, "SHAPE_BUDGET_S", 5.0)
     products = gemm_timings.candidates(BF16)
     timings = gemm_timings.measure(16, 8, BF16, products)
     assert list(timings)[:3] == [1, 2, 4] and set(timings) <= set(BUCKETS)

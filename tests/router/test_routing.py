@@ -131,6 +131,16 @@ async def test_a_router_that_never_had_workers_waits_until_the_deadline(ledger: 
     assert 0.7 < time.monotonic() - start < 1.5 and not lonely.has_been_ready
 
 
+async def test_a_drain_ends_the_wait_for_workers(ledger: Ledger) -> None:
+    picker = WorkerPicker(ledger, "m", refresh_s=0.05)
+    waiting = asyncio.create_task(picker.pick_waiting(time.monotonic() + 60))
+    await asyncio.sleep(0.1)  # it has looked, found no pair, and waits
+    assert not waiting.done()
+    picker.close()
+    with pytest.raises(Unavailable, match="draining; retry on another router"):
+        await asyncio.wait_for(waiting, timeout=1.0)
+
+
 def test_ready_takes_a_matching_pair_or_a_colocated_worker(ledger: Ledger) -> None:
     picker = WorkerPicker(ledger, "m", refresh_s=0.0)
     join(ledger, "p0", WorkerRole.PREFILL, 0.1, fp="a")

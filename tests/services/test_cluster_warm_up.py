@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ledger.ledger import Ledger, WorkerRole
 from ledger.redis_connect import connect
+from router.routing import WORKER_WAIT_S
 from serving.launcher import Cluster, Component
 from tests.services.cluster_helpers import (
     build_tiny_target,
@@ -99,18 +100,19 @@ async def test_health_follows_the_workers_and_requests_wait_for_them(
     expected = engine_greedy(target, [PROMPT], MAX_TOKENS)[0]
     assert await health(address) == "SERVING" and await http_health(cluster) == 200
 
-    # Workers lost: the decode worker killed (its heartbeat stops), the prefill worker
-    # drained. The router turns NOT_SERVING; its service still says the process works.
+    # The decode worker lost (killed: its heartbeat stops, its registration expires): the
+    # router turns NOT_SERVING, though its prefill worker lives; its service still says
+    # the process works. Then the prefill worker goes too (drained).
     (prefill,), (decode,) = cluster.prefill, cluster.decode
     stop(decode, signal.SIGKILL)
-    stop(prefill, signal.SIGTERM)
 
     async def is_not_serving() -> bool:
         return await health(address) == "NOT_SERVING"
 
-    await wait_for(10, is_not_serving, "NOT_SERVING once the workers are gone")
+    await wait_for(10, is_not_serving, "NOT_SERVING once the decode worker is gone")
     assert await health(address, SERVICE) == "SERVING"  # liveness: the process is fine
     assert await http_health(cluster) == 503
+    stop(prefill, signal.SIGTERM)
 
     # A router that has never had a worker (a cold start): NOT_SERVING from its first
     # answer, and requests wait for workers within their deadline.
@@ -151,6 +153,9 @@ async def test_health_follows_the_workers_and_requests_wait_for_them(
         return await asyncio.to_thread(router_in_flight, cluster) == 2
 
     await wait_for(30, both_waiting, "both requests waiting in the router")
+    # Longer than a request waits once the router has had workers: these wait on.
+    await asyncio.sleep(WORKER_WAIT_S + 1)
+    assert not by_grpc.done() and not http_task.done()
     assert await health(address) == "NOT_SERVING"
 
     cluster.restart(prefill)

@@ -68,7 +68,9 @@ def test_the_compile_cache_is_kept_under_tandems_cache(
 ) -> None:
     from engine.model_store import use_compile_cache
 
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    # set, then removed: monkeypatch undoes use_compile_cache's setdefault at teardown
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset below")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
     assert use_compile_cache() == tmp_path / "compile"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
