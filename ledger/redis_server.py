@@ -284,6 +284,11 @@ class RedisServer:
         try:
             while True:
                 if self.process.poll() is not None:
+                    holder = _server_pid(client)  # it failed to bind a port another holds?
+                    if holder is not None:
+                        raise RedisServerError(
+                            f"port {self.port}: another redis-server (pid {holder})"
+                        )
                     raise RedisServerError(
                         f"redis-server exited with {self.process.returncode}: {self._log_tail()}"
                     )
@@ -408,3 +413,11 @@ class LocalRedisCluster:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _server_pid(client: redis.Redis) -> int | None:
+    """The pid of the redis-server answering ``client``; None if none answers."""
+    try:
+        return int(client.info("server")["process_id"])
+    except (redis.ConnectionError, redis.TimeoutError, FileNotFoundError):
+        return None

@@ -40,6 +40,7 @@ MIN_MATCH_FRACTION = 0.5  # of the prompt's blocks, for a worker to count as war
 MAX_AFFINITY_IMBALANCE = 2  # in-flight requests a warm worker may have over the least busy
 UNREACHABLE_S = 30.0  # a worker whose connection broke is passed over this long (same epoch)
 WORKER_WAIT_S = 5.0  # a request's wait for a live pair, once the router has had one
+REGISTRY_REFRESH_S = 0.25  # how long the router keeps one read of the worker registry
 
 
 def is_colocated(worker: WorkerInfo) -> bool:
@@ -67,7 +68,12 @@ def prefix_hashes(token_ids: Sequence[int], block_tokens: int = PREFIX_BLOCK_TOK
 
 class WorkerPicker:
     def __init__(
-        self, ledger: Ledger, model: str, *, refresh_s: float = 0.25, wait_s: float = WORKER_WAIT_S
+        self,
+        ledger: Ledger,
+        model: str,
+        *,
+        refresh_s: float = REGISTRY_REFRESH_S,
+        wait_s: float = WORKER_WAIT_S,
     ) -> None:
         self.ledger = ledger
         self.model = model

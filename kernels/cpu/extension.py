@@ -70,11 +70,12 @@ class Extension:
         return self.build_dir / f"{self.name}.stamp"
 
     def stamp(self) -> str:
-        """What a built library must match: sources and headers, flags, torch, Python and
-        the compiler torch builds with (``$CXX``)."""
+        """What a built library must match: sources and headers, flags, torch and Python.
+        Not the compiler (``$CXX``): a worker started without the installer's environment
+        must still find the library current."""
         digest = hashlib.sha256()
         parts = [self.name, *self.cflags, "|", *self.ldflags, "|", torch.__version__]
-        parts += [sys.version.split()[0], os.environ.get("CXX", "c++")]
+        parts += [sys.version.split()[0]]
         for part in parts:
             digest.update(part.encode() + b"\0")
         for path in (*self.sources, *self.headers):

@@ -25,6 +25,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from ledger.ledger import Ledger
+from router.routing import REGISTRY_REFRESH_S
 from serving.launcher import Cluster, ClusterSpec, Component
 from tandem_client import AsyncTandemClient
 from tests.comparator import compare_greedy
@@ -99,7 +100,12 @@ def start(model: Path, draft: Path | None, n: int, log_dir: Path) -> Cluster:
         log_dir=log_dir,
         grace_s=5.0,
     )
-    return Cluster(spec).start(timeout_s=180)
+    cluster = Cluster(spec).start(timeout_s=180)
+    # The router is SERVING once one worker pair is registered, and it reads the registry
+    # every 0.25 s: the test spreads its prompts over every worker, so it waits until the
+    # router has read the registry again after the last worker joined.
+    time.sleep(2 * REGISTRY_REFRESH_S)
+    return cluster
 
 
 def scrape(component: Component, name: str, label: str = "") -> float:
