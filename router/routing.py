@@ -229,8 +229,8 @@ class WorkerPicker:
                     raise Unavailable("router: draining; retry on another router") from None
                 if time.monotonic() + self.refresh_s > give_up:
                     raise
-            # No forget_stale() here: the registry is read again after refresh_s anyway,
-            # once for all the requests waiting, not once each.
+            # The registry is read again once refresh_s has passed: one read serves every
+            # request waiting.
             await asyncio.sleep(self.refresh_s)
 
     def close(self) -> None:

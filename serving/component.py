@@ -179,12 +179,12 @@ async def _serve(role: Role, args: argparse.Namespace, make_service: MakeService
         )
     else:
         await set_serving(health, role.service_names)
-    if role.is_alive is not None:
-        is_alive = role.is_alive
-        watcher = asyncio.create_task(
-            watch_engine(lambda: is_alive(service, args), health, role.service_names, log),
-            name=f"{role.name}-liveness",
-        )
+        if role.is_alive is not None:
+            is_alive = role.is_alive
+            watcher = asyncio.create_task(
+                watch_engine(lambda: is_alive(service, args), health, role.service_names, log),
+                name=f"{role.name}-liveness",
+            )
     name = service.served_name
     log.info("%s %s serving %s at %s", role.title, membership.worker_id, name, address)
     reason = await wait_for_shutdown(args.parent_pid)

@@ -215,7 +215,7 @@ def make_app(service: GenerationService, *, auth_token: str | None = None) -> Fa
         if service.is_draining:
             return error_response(HttpError(503, "draining; use another router"))
         try:
-            is_ready = service.picker.is_ready()
+            is_ready = service.is_ready()
         except redis.RedisError as e:
             return error_response(HttpError(503, f"the ledger's Redis is out of reach: {e}"))
         if not is_ready:
