@@ -1,8 +1,9 @@
-"""Pushes a request's KV while its prefill runs: each layer's blocks leave as soon as the
-engine has written them, so the transfer overlaps the compute of the next layers.
+"""Pushes a request's KV while its prefill runs: written layers leave in groups while the
+engine computes the next ones, so the transfer overlaps the compute.
 
-Engine thread: ``LayerRelay`` is the engine's layer listener; it hands "layer i of pool p
-is written for these rows" to the event loop and never blocks. Event loop: one
+Engine thread: ``LayerRelay`` is the engine's layer listener; it hands "layers i..j of pool
+p are written for these rows" to the event loop (a group of at least a transfer chunk's
+bytes, or the pool's last layers of the step) and never blocks. Event loop: one
 ``LayerPush`` per request opens the push when Prefill arrives, sends each written layer's
 newly complete blocks in order, and finishes after the last layer of the last chunk.
 
@@ -55,7 +56,7 @@ class _Written:
     pool: KvPool
     layer: int
     row: RowKv
-    event: Any  # torch.cuda.Event recorded after the layer's kernels; None on a CPU
+    event: Any  # torch.cuda.Event recorded after the layer's kernels (or later); None on a CPU
 
 
 class LayerPush:
@@ -187,34 +188,71 @@ class LayerPush:
 
 
 class LayerRelay:
-    """The engine's layer listener: hands each written layer to the pushes of the step's
-    requests through the event loop, never blocking the engine thread."""
+    """The engine's layer listener: hands written layers to the pushes of the step's
+    requests through the event loop, never blocking the engine thread.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, device: torch.device) -> None:
+    Layers go over in groups of at least ``group_bytes`` of KV written (0: each layer on
+    its own), and a pool's last layer always ends a group. Each hand-over wakes the event
+    loop, whose Python then holds the GIL that the engine thread needs between its ops:
+    with a hand-over per layer, a 128-token prompt (SmolLM2, 30 layers, 96 KiB a layer)
+    computed 10-15 ms slower than in the engine alone (paired runs, `bench/RESULTS.md`,
+    session 25), where the whole step's KV is about 3 MB. Grouped, short prompts leave at
+    the end of their step, and long ones still overlap their push with their compute."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        device: torch.device,
+        pools: Mapping[str, PagedPools] | None = None,
+        group_bytes: int = 0,
+    ) -> None:
+        if group_bytes and pools is None:
+            raise ValueError("pools: needed to group layers by bytes")
         # Written by the event loop, read by the engine thread (single dict operations).
         self.pushes: dict[str, LayerPush] = {}
         # When the engine last wrote a layer, for any request (time.monotonic; written by
         # the engine thread, read by the event loop): the pushes' engine clock.
         self.last_written_at = time.monotonic()
+        self.num_hand_overs = 0  # wake-ups of the event loop (engine thread only)
         self._loop = loop
         self._is_cuda = device.type == "cuda"
+        self._group_bytes = group_bytes
+        # Per pool: its number of layers, and the KV bytes one token takes in one layer.
+        self._shapes = {
+            name: (len(cache.layers), sum(t[0, 0].nbytes for t in cache.layers[0]))
+            for name, cache in (pools or {}).items()
+        }
+        self._held: list[tuple[KvPool, int, list[tuple[LayerPush, RowKv]]]] = []
+        self._held_bytes = 0
 
     def __call__(self, pool: str, layer: int, step: StepKv) -> None:
         self.last_written_at = time.monotonic()
-        if not self.pushes:
+        if layer == 0:
+            self._held.clear()  # layers of a step that failed before its pool's last one
+            self._held_bytes = 0
+        if not self.pushes and not self._held:
             return
         rows = []
         for row in step.rows:  # one get each: the event loop may drop a push meanwhile
             if (push := self.pushes.get(row.request_id)) is not None:
                 rows.append((push, row))
         if rows:
-            # On a GPU the layer's kernels are only queued: the reader waits for this event.
+            self._held.append((KvPool(pool), layer, rows))
+        if self._group_bytes:
+            num_layers, token_bytes = self._shapes[pool]
+            self._held_bytes += token_bytes * sum(row.end - row.start for _, row in rows)
+        is_pool_done = not self._group_bytes or layer == num_layers - 1
+        if self._held and (is_pool_done or self._held_bytes >= self._group_bytes):
+            # On a GPU the layers' kernels are only queued: the reader waits for this event.
             event = torch.cuda.Event() if self._is_cuda else None
             if event is not None:
                 event.record()
-            self._loop.call_soon_threadsafe(_hand_over, KvPool(pool), layer, rows, event)
+            held, self._held, self._held_bytes = self._held, [], 0
+            self.num_hand_overs += 1
+            self._loop.call_soon_threadsafe(_hand_over, held, event)
 
 
-def _hand_over(pool: KvPool, layer: int, rows: list[tuple[LayerPush, RowKv]], event: Any) -> None:
-    for push, row in rows:
-        push.on_written(_Written(pool, layer, row, event))
+def _hand_over(held: list[tuple[KvPool, int, list[tuple[LayerPush, RowKv]]]], event: Any) -> None:
+    for pool, layer, rows in held:
+        for push, row in rows:
+            push.on_written(_Written(pool, layer, row, event))

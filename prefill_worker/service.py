@@ -102,7 +102,12 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         self._waiting: dict[str, asyncio.Future[_Prefilled]] = {}
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._channels = channels or ChannelPool()  # to decode workers (cluster secret)
-        self._relay = LayerRelay(asyncio.get_running_loop(), engine.device)
+        self._relay = LayerRelay(
+            asyncio.get_running_loop(),
+            engine.device,
+            engine.kv_pools,
+            group_bytes=self.transfer_options.chunk_bytes,
+        )
         engine.set_layer_listener(self._relay)  # before the engine thread starts
         self.engine_loop: EngineLoop[list[_Prefilled]] = EngineLoop(
             engine,

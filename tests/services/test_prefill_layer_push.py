@@ -294,6 +294,68 @@ async def test_layers_leave_while_the_step_runs(
     assert finish_on(decode, "r", pushed.prefilled) == reference(target, draft, chunk, PROMPT)
 
 
+@pytest.mark.parametrize("with_draft", [False, True], ids=["target", "eagle3"])
+@pytest.mark.parametrize(
+    ("chunk", "group_layers"), [(1024, 2), (1024, None), (6, None)], ids=["2", "step", "chunked"]
+)
+async def test_layers_leave_in_groups(
+    dirs: tuple[Path, Path], with_draft: bool, chunk: int, group_layers: int | None
+) -> None:
+    """Grouped by bytes, as the prefill worker relays them: a group of target layers goes
+    over once it holds ``group_bytes`` of KV, and a pool's last layer of a step ends its
+    group (None: a group larger than any step, so one hand-over per pool and step). The
+    decode side gets the same bits, and decoding from them equals one engine."""
+    target, draft_dir = dirs
+    draft = draft_dir if with_draft else None
+    prefill, decode = make_engine(target, draft, chunk), make_engine(target, draft, chunk)
+    receiver = KvReceiver()
+    dst, _ = decode.reserve("r", PROMPT, GREEDY)
+    receiver.reserve(KvReservation("r", dst, decode.kv_pools, layout_of(decode)))
+    layers = prefill.kv_pools["target"].layers
+    token_bytes = sum(t[0, 0].nbytes for t in layers[0])
+    group_bytes = (group_layers or 1000) * len(PROMPT) * token_bytes
+    relay = LayerRelay(
+        asyncio.get_running_loop(), torch.device("cpu"), prefill.kv_pools, group_bytes
+    )
+    calls: list[tuple[str, int]] = []
+
+    def listener(pool: str, layer: int, step: StepKv) -> None:
+        calls.append((pool, layer))
+        relay(pool, layer, step)
+
+    push = LayerPush(
+        LoopbackTransport(receiver).sender(),
+        Handshake("r", layout_of(prefill)),
+        prefill.kv_pools,
+        dst,
+        0,
+        BLOCK_SIZE,
+        asyncio.Semaphore(1),
+    )
+    relay.pushes["r"] = push
+    prefill.set_layer_listener(listener)
+    prefill.add_request("r", PROMPT, GREEDY, is_prefill_only=True)
+
+    def run() -> None:
+        while prefill.has_unfinished_requests():
+            prefill.step()
+
+    await asyncio.to_thread(run)
+    await asyncio.wait_for(push.wait(), 30)
+    assert receiver.state("r") is TransferState.DONE
+    last_layers = sum(1 for pool, layer in calls if layer == len(prefill.kv_pools[pool].layers) - 1)
+    # Three target layers in groups of two: layers 0-1 fill one, layer 2 ends the step's.
+    expected = last_layers + (1 if group_layers == 2 else 0)
+    assert len(layers) == 3 and relay.num_hand_overs == expected
+    prefilled = prefill.take_prefilled("r")
+    assert prefilled is not None
+    pushed = Pushed([], [], prefilled, dst, 0, push.sender.num_bytes_sent)
+    check_bits(pushed, prefill, decode)
+    receiver.release("r")
+    prefill.release("r")
+    assert finish_on(decode, "r", prefilled) == reference(target, draft, chunk, PROMPT)
+
+
 async def test_grpc_chunks_and_prefix_caches(dirs: tuple[Path, Path]) -> None:
     """Through the gRPC stream with chunks of about one layer's blocks: the same bits. The
     second request has its prefix cached on the prefill side (those blocks go with its
