@@ -181,6 +181,11 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             )
         if handle.slot is not None:
             raise ValueError(f"request_id: {rid!r} is already decoding")
+        if request.is_first_token_sent and (request.prefill_here or request.is_finished_on_prefill):
+            raise ValueError(
+                "is_first_token_sent: not with prefill_here or is_finished_on_prefill (no "
+                "first token was sampled elsewhere to stream ahead)"
+            )
         if request.prefill_here and not self.is_colocated:
             raise PreconditionFailed(
                 "prefill_here: this decode worker does not prefill (start it with --colocate)"
@@ -193,7 +198,9 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
                 self._record_prefilled_here(rid)
                 await self.engine_loop.call(self.engine.prefill_reserved, rid)
             else:
-                await self._start_decoding(handle, request, context)
+                first = await self._start_decoding(handle, request, context)
+                if request.is_first_token_sent:
+                    stream.sent_by_router(first)
             while True:
                 output = await slot.next()
                 if output.finish_reason == PREEMPTED:
@@ -224,9 +231,9 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
 
     async def _start_decoding(
         self, handle: RequestHandle, request: pb.DecodeRequest, context: Any
-    ) -> None:
+    ) -> RequestOutput:
         """Waits for the pushed KV, then joins the request to the batch with the first
-        token (and drafts) the prefill worker sampled."""
+        token (and drafts) the prefill worker sampled; the output that token makes."""
         timeout = None
         if not request.is_finished_on_prefill:
             remaining = context.time_remaining()
@@ -241,6 +248,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         )
         assert handle.slot is not None
         handle.slot.update(first)
+        return first
 
     def _record_prefilled_here(self, rid: str) -> None:
         """PREFILLING -> TRANSFERRING -> DECODING, this worker the owner throughout (the
@@ -474,6 +482,13 @@ class _ChunkStream:
             if self.is_prefilled_here:  # else the router adds the prefill worker's figure
                 chunk.usage.cached_tokens = output.num_cached_tokens
         return chunk
+
+    def sent_by_router(self, first: RequestOutput) -> None:
+        """The router streamed the first token, and the text it completes, from the prefill
+        worker's reply: chunks start after them (the same detokenizer on both workers makes
+        the same text of the same tokens)."""
+        self.num_sent = len(first.token_ids)
+        self.num_text_sent = len(first.text)
 
     def preempted(self) -> gen.GenerateChunk:
         """The last chunk of a request handed back: the router resumes it elsewhere, and

@@ -359,6 +359,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         output = result.output
         reply = pb.PrefillReply(
             first_token_id=output.token_ids[-1] if output.token_ids else 0,  # 0: max_tokens 0
+            first_text=output.text,
             draft_tokens=result.prefilled.draft_token_ids if result.prefilled else [],
             num_cached_tokens=output.num_cached_tokens,
             num_bytes_pushed=num_bytes,

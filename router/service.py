@@ -1,8 +1,10 @@
 """tandem.v1.Generation: validate, pick P and D, record the request in the ledger, then
 D.Reserve -> P.Prefill (P pushes the KV into D's blocks) -> D.Decode, streaming D's
-chunks to the client. A co-located worker is P and D at once: D.Reserve -> D.Decode
-(``prefill_here``), with no prefill hop. Cancellation and deadlines reach P and D (Abort);
-every way a request ends leaves it terminal in the ledger and its blocks freed.
+chunks to the client. The first token goes to the client from P's reply, before D.Decode
+is called (a first attempt's; D's stream then starts after it). A co-located worker is P
+and D at once: D.Reserve -> D.Decode (``prefill_here``), with no prefill hop. Cancellation
+and deadlines reach P and D (Abort); every way a request ends leaves it terminal in the
+ledger and its blocks freed.
 """
 
 from __future__ import annotations
@@ -172,8 +174,16 @@ class GenerationService(gen_grpc.GenerationServicer):
                     continue
                 if not attempt:
                     timing.queued(prefill_called + prefilled.timing.queue_s)
+                first = self._first_chunk(route, prefilled)
+                if first is not None:
+                    route.sent.extend(first.token_ids)
+                    timing.sent(first)
+                    yield first
+                    num_sent_before = len(route.sent)  # what D's stream has to add
                 try:
-                    async for chunk in self._decode(route, reserve, prefilled):
+                    async for chunk in self._decode(
+                        route, reserve, prefilled, is_first_token_sent=first is not None
+                    ):
                         if chunk.finish_reason == gen.FINISH_REASON_PREEMPTED:
                             route.count_attempt(chunk.usage)
                             continue  # the stream's last chunk: resume it below
@@ -373,8 +383,33 @@ class GenerationService(gen_grpc.GenerationServicer):
                 f"not reachable within {PREFILL_CONNECT_S:g} s"
             ) from None
 
+    def _first_chunk(self, route: Route, prefilled: pb.PrefillReply) -> gen.GenerateChunk | None:
+        """Chunk 0 from P's reply, sent before D starts: on a first attempt that P
+        prefilled and that goes on after its first token (else None: D streams it)."""
+        if route.is_colocated or prefilled.is_finished or route.sent:
+            return None
+        token = prefilled.first_token_id
+        chunk = gen.GenerateChunk(
+            request_id=route.request.request_id,
+            index=0,
+            token_ids=[token],
+            text=prefilled.first_text,
+            prompt_logprobs=prefilled.prompt_logprobs,
+        )
+        if route.request.sampling.HasField("logprobs"):
+            if prefilled.HasField("first_token_logprob"):
+                chunk.logprobs.append(prefilled.first_token_logprob)
+            else:
+                chunk.logprobs.append(gen.TokenLogprob(token_id=token))
+        return chunk
+
     async def _decode(
-        self, route: Route, reserve: pb.ReserveReply, prefilled: pb.PrefillReply
+        self,
+        route: Route,
+        reserve: pb.ReserveReply,
+        prefilled: pb.PrefillReply,
+        *,
+        is_first_token_sent: bool = False,
     ) -> AsyncIterator[gen.GenerateChunk]:
         """D's chunks, checked to be contiguous, up to and including the last one."""
         request = pb.DecodeRequest(
@@ -384,6 +419,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             draft_tokens=prefilled.draft_tokens,
             is_finished_on_prefill=prefilled.is_finished,
             prefill_here=route.is_colocated,
+            is_first_token_sent=is_first_token_sent,
         )
         if prefilled.HasField("first_token_logprob"):
             request.first_token_logprob.CopyFrom(prefilled.first_token_logprob)

@@ -173,6 +173,7 @@ class DecodeRequest(_message.Message):
     DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     IS_FINISHED_ON_PREFILL_FIELD_NUMBER: _builtins.int
     PREFILL_HERE_FIELD_NUMBER: _builtins.int
+    IS_FIRST_TOKEN_SENT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request, as reserved."""
     epoch: _builtins.int
@@ -188,6 +189,11 @@ class DecodeRequest(_message.Message):
     prefill worker ran and no KV was pushed; this worker computes the prompt into the
     reserved blocks itself and streams from the first token on. first_token_id,
     first_token_logprob, draft_tokens and is_finished_on_prefill are then unset.
+    """
+    is_first_token_sent: _builtins.bool
+    """The router already streamed first_token_id as chunk 0, with its text
+    (PrefillReply.first_text), its logprob and the prompt logprobs: this worker's stream
+    starts after it. Never with prefill_here or is_finished_on_prefill.
     """
     @_builtins.property
     def first_token_logprob(self) -> _generation_pb2.TokenLogprob:
@@ -209,10 +215,11 @@ class DecodeRequest(_message.Message):
         draft_tokens: _abc.Iterable[_builtins.int] | None = ...,
         is_finished_on_prefill: _builtins.bool = ...,
         prefill_here: _builtins.bool = ...,
+        is_first_token_sent: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "first_token_logprob", b"first_token_logprob"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "epoch", b"epoch", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "is_finished_on_prefill", b"is_finished_on_prefill", "prefill_here", b"prefill_here", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "epoch", b"epoch", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "is_finished_on_prefill", b"is_finished_on_prefill", "is_first_token_sent", b"is_first_token_sent", "prefill_here", b"prefill_here", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_logprob: _TypeAlias = _typing.Literal["first_token_logprob"]  # noqa: Y015
     _WhichOneofArgType__first_token_logprob: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob"]  # noqa: Y015
@@ -515,6 +522,7 @@ class PrefillReply(_message.Message):
     TIMING_FIELD_NUMBER: _builtins.int
     IS_FINISHED_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    FIRST_TEXT_FIELD_NUMBER: _builtins.int
     first_token_id: _builtins.int
     """x[n]: the first generated token."""
     num_cached_tokens: _builtins.int
@@ -524,6 +532,12 @@ class PrefillReply(_message.Message):
     is_finished: _builtins.bool
     """The first token ended the request (stop token or string, or max_tokens 1): no KV was
     pushed; the decode worker is told so with DecodeRequest.is_finished_on_prefill.
+    """
+    first_text: _builtins.str
+    """The output's text so far (characters held back as GenerateChunk.text holds them): on
+    a request's first attempt, what the first token completes. The router streams it with
+    the first token as chunk 0, before the decode worker starts (DecodeRequest.
+    is_first_token_sent).
     """
     @_builtins.property
     def first_token_logprob(self) -> _generation_pb2.TokenLogprob:
@@ -554,10 +568,11 @@ class PrefillReply(_message.Message):
         timing: Global___PrefillTiming | None = ...,
         is_finished: _builtins.bool = ...,
         prompt_logprobs: _abc.Iterable[_generation_pb2.TokenLogprob] | None = ...,
+        first_text: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "first_token_logprob", b"first_token_logprob", "timing", b"timing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "is_finished", b"is_finished", "num_bytes_pushed", b"num_bytes_pushed", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "timing", b"timing"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "first_text", b"first_text", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "is_finished", b"is_finished", "num_bytes_pushed", b"num_bytes_pushed", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "timing", b"timing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_logprob: _TypeAlias = _typing.Literal["first_token_logprob"]  # noqa: Y015
     _WhichOneofArgType__first_token_logprob: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob"]  # noqa: Y015
