@@ -24,11 +24,13 @@ the run, TTFT p50.
 ``llama-server`` is built once by ``scripts/build_llama_server`` (about 10 minutes on 2
 cores); without it this exits 2 saying so. The last line is one JSON object:
 ``{<side>_tok_s_c<N>, <side>_ttft_ms_p50_c<N>, ..., tandem_best_over_llamacpp_bf16_c<N>,
-"failed", "sweep", "threads", "setup"}`` with sides tandem, tandem_eagle3, tandem_colocated,
-tandem_colocated_eagle3, llamacpp_bf16, llamacpp_q4 (null where not run); "best" is the
-best of Tandem's four. A request that fails (a dropped connection, an error status) is
-counted, as a load tester counts it, in "failed" (``<side>_c<N>``: errors by kind) and left
-out of that level's figures; a level where every request fails stops the run.
+tandem_plain_over_llamacpp_bf16_c<N>, "failed", "sweep", "threads", "setup"}`` with sides
+tandem, tandem_eagle3, tandem_colocated, tandem_colocated_eagle3, llamacpp_bf16,
+llamacpp_q4 (null where not run); "best" is the best of Tandem's four that ran, "plain" the
+better of the two without a draft (tandem, tandem_colocated). A request that fails (a
+dropped connection, an error status) is counted, as a load tester counts it, in "failed"
+(``<side>_c<N>``: errors by kind) and left out of that level's figures; a level where every
+request fails stops the run.
 
     python bench/serving.py            # concurrency 1, 8, 32; both GGUFs; a rate sweep
     python bench/serving.py --quick    # concurrency 1, 8; 16 requests; tandem, tandem_eagle3
@@ -46,7 +48,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,7 @@ LLAMA_CACHE = Path(os.environ.get("TANDEM_LLAMA_CACHE", "~/.cache/tandem/llama.c
 CTX_PER_SLOT = 1024  # a built-in chat (< 100 tokens with the template) + 128 new tokens
 KV_CACHE_MEMORY = 512 << 20  # Tandem's per worker: 512 MiB holds 32 such requests
 TANDEM_SIDES = ("tandem", "tandem_eagle3", "tandem_colocated", "tandem_colocated_eagle3")
+PLAIN_SIDES = ("tandem", "tandem_colocated")  # no draft: what every request pays
 SIDES = (*TANDEM_SIDES, "llamacpp_bf16", "llamacpp_q4")
 QUICK_SIDES = ("tandem", "tandem_eagle3", "llamacpp_bf16")
 
@@ -306,14 +309,7 @@ def main() -> None:
         print(f"{side:<22}{cells}", file=sys.stderr)
     for name, text in threads.items():
         print(f"threads, {name}: {text}", file=sys.stderr)
-    for c in levels:
-        tandem_best = max(
-            (result[f"{s}_tok_s_c{c}"] for s in TANDEM_SIDES if s in sides),
-            default=None,
-        )
-        peer = result[f"llamacpp_bf16_tok_s_c{c}"]
-        if tandem_best is not None and peer:
-            result[f"tandem_best_over_llamacpp_bf16_c{c}"] = round(tandem_best / peer, 3)
+    result.update(ratios_to_llamacpp(result, sides, levels))
     result.update(
         sweep=sweep,
         threads=threads,
@@ -338,6 +334,23 @@ def main() -> None:
         for path in write_plots(plot_dir, result, sides, levels):
             print(f"[serving] plot: {path}", file=sys.stderr)
     print(json.dumps(result))
+
+
+def ratios_to_llamacpp(
+    result: dict[str, Any], sides: Sequence[str], levels: Sequence[int]
+) -> dict[str, float]:
+    """Tandem's best side, and its better side without a draft, over llama.cpp bf16, at
+    each concurrency where both ran."""
+    ratios = {}
+    for c in levels:
+        peer = result.get(f"llamacpp_bf16_tok_s_c{c}")
+        if not peer:
+            continue
+        for key, group in (("best", TANDEM_SIDES), ("plain", PLAIN_SIDES)):
+            tandem = max((result[f"{s}_tok_s_c{c}"] for s in group if s in sides), default=None)
+            if tandem is not None:
+                ratios[f"tandem_{key}_over_llamacpp_bf16_c{c}"] = round(tandem / peer, 3)
+    return ratios
 
 
 def record(result: dict[str, Any], side: str, concurrency: int, run: dict[str, Any]) -> None:

@@ -82,3 +82,27 @@ def test_a_level_where_every_request_failed_stops_the_run(
     fake_tandem(tmp_path, run_json, monkeypatch)
     with pytest.raises(RuntimeError, match=r"tandem: every request failed: \{'503': 16\}"):
         serving.loadtest("http://127.0.0.1:1/v1", [], "tandem")
+
+
+def test_the_plain_ratio_leaves_the_eagle3_sides_out() -> None:
+    """``best`` takes every Tandem side that ran, ``plain`` only those without a draft;
+    a level without llama.cpp bf16 gets neither."""
+    serving = load_serving_module()
+    sides = ("tandem", "tandem_eagle3", "tandem_colocated", "llamacpp_bf16")
+    result = {
+        "tandem_tok_s_c1": 40.0,
+        "tandem_eagle3_tok_s_c1": 60.0,
+        "tandem_colocated_tok_s_c1": 30.0,
+        "llamacpp_bf16_tok_s_c1": 50.0,
+        "tandem_tok_s_c8": 90.0,
+        "tandem_eagle3_tok_s_c8": 80.0,
+        "tandem_colocated_tok_s_c8": 120.0,
+        "llamacpp_bf16_tok_s_c8": 100.0,
+        "llamacpp_bf16_tok_s_c32": None,
+    }
+    assert serving.ratios_to_llamacpp(result, sides, [1, 8, 32]) == {
+        "tandem_best_over_llamacpp_bf16_c1": 1.2,
+        "tandem_plain_over_llamacpp_bf16_c1": 0.8,
+        "tandem_best_over_llamacpp_bf16_c8": 1.2,
+        "tandem_plain_over_llamacpp_bf16_c8": 1.2,
+    }
