@@ -181,10 +181,13 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             )
         if handle.slot is not None:
             raise ValueError(f"request_id: {rid!r} is already decoding")
-        if request.is_first_token_sent and (request.prefill_here or request.is_finished_on_prefill):
+        if request.is_first_token_sent and (
+            request.prefill_here or request.is_finished_on_prefill or handle.num_resumed
+        ):
             raise ValueError(
-                "is_first_token_sent: not with prefill_here or is_finished_on_prefill (no "
-                "first token was sampled elsewhere to stream ahead)"
+                "is_first_token_sent: only on a first attempt prefilled elsewhere that goes on "
+                "after its first token (not with prefill_here, is_finished_on_prefill or a "
+                "resumed request)"
             )
         if request.prefill_here and not self.is_colocated:
             raise PreconditionFailed(
@@ -200,7 +203,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             else:
                 first = await self._start_decoding(handle, request, context)
                 if request.is_first_token_sent:
-                    stream.sent_by_router(first)
+                    stream.sent_by_router(first, request.first_text)
             while True:
                 output = await slot.next()
                 if output.finish_reason == PREEMPTED:
@@ -328,6 +331,8 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             "num_requests": len(self._requests),
             "draining": int(self.is_draining),
             "colocated": int(self.is_colocated),
+            # Streams after a first token the router sent (DecodeRequest.is_first_token_sent).
+            "first_token_from_router": 1,
             **draft_figures(self.draft),
         }
         return stats.load, figures
@@ -483,12 +488,18 @@ class _ChunkStream:
                 chunk.usage.cached_tokens = output.num_cached_tokens
         return chunk
 
-    def sent_by_router(self, first: RequestOutput) -> None:
-        """The router streamed the first token, and the text it completes, from the prefill
-        worker's reply: chunks start after them (the same detokenizer on both workers makes
-        the same text of the same tokens)."""
+    def sent_by_router(self, first: RequestOutput, text: str) -> None:
+        """The router streamed the first token with ``text`` from the prefill worker's
+        reply: chunks start after them. ``text`` is a prefix of this worker's text of the
+        token where both workers detokenize alike (empty where the prefill worker has no
+        tokenizer: this worker's text of it then comes with the next chunk)."""
+        if not first.text.startswith(text):
+            raise RuntimeError(
+                f"first_text: the router sent {text!r}, this worker makes {first.text!r} of "
+                "the same token: the prefill and decode workers' tokenizers differ"
+            )
         self.num_sent = len(first.token_ids)
-        self.num_text_sent = len(first.text)
+        self.num_text_sent = len(text)
 
     def preempted(self) -> gen.GenerateChunk:
         """The last chunk of a request handed back: the router resumes it elsewhere, and

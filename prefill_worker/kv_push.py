@@ -187,17 +187,16 @@ class LayerPush:
         return self._window[pool]
 
 
+# A layer the relay holds for the event loop: its pool, its index, the pushes it is for.
+_HeldLayer = tuple[KvPool, int, list[tuple[LayerPush, RowKv]]]
+
+
 class LayerRelay:
     """The engine's layer listener: hands written layers to the pushes of the step's
-    requests through the event loop, never blocking the engine thread.
-
-    Layers go over in groups of at least ``group_bytes`` of KV written (0: each layer on
-    its own), and a pool's last layer always ends a group. Each hand-over wakes the event
-    loop, whose Python then holds the GIL that the engine thread needs between its ops:
-    with a hand-over per layer, a 128-token prompt (SmolLM2, 30 layers, 96 KiB a layer)
-    computed 10-15 ms slower than in the engine alone (paired runs, `bench/RESULTS.md`,
-    session 25), where the whole step's KV is about 3 MB. Grouped, short prompts leave at
-    the end of their step, and long ones still overlap their push with their compute."""
+    requests through the event loop, never blocking the engine thread. Layers go over in
+    groups of at least ``group_bytes`` of KV (0: one by one), a pool's last layer ending
+    its group: each hand-over runs the loop's Python, which holds the GIL the engine thread
+    needs between its ops (a hand-over per layer slowed prefill, `bench/RESULTS.md`)."""
 
     def __init__(
         self,
@@ -222,7 +221,7 @@ class LayerRelay:
             name: (len(cache.layers), sum(t[0, 0].nbytes for t in cache.layers[0]))
             for name, cache in (pools or {}).items()
         }
-        self._held: list[tuple[KvPool, int, list[tuple[LayerPush, RowKv]]]] = []
+        self._held: list[_HeldLayer] = []
         self._held_bytes = 0
 
     def __call__(self, pool: str, layer: int, step: StepKv) -> None:
@@ -252,7 +251,7 @@ class LayerRelay:
             self._loop.call_soon_threadsafe(_hand_over, held, event)
 
 
-def _hand_over(held: list[tuple[KvPool, int, list[tuple[LayerPush, RowKv]]]], event: Any) -> None:
+def _hand_over(held: list[_HeldLayer], event: Any) -> None:
     for pool, layer, rows in held:
         for push, row in rows:
             push.on_written(_Written(pool, layer, row, event))

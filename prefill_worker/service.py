@@ -2,9 +2,10 @@
 decode worker's reserved blocks as it is computed), Abort, Stats.
 
 One Prefill: push opened (handshake) and the request queued in the engine thread -> each
-step's target layers pushed as the forward writes them, its draft layers at the end of the
-step (kv_push.py) -> first token (and drafts) sampled, blocks kept (PREFILLED) -> the last
-layers sent and acknowledged -> blocks released -> reply.
+step's target layers pushed in groups as the forward writes them (a short prompt's at the
+end of its step), its draft layers at the end of the step (kv_push.py) -> first token (and
+drafts) sampled, blocks kept (PREFILLED) -> the last layers sent and acknowledged ->
+blocks released -> reply.
 Ledger: PREFILLING -> TRANSFERRING (this worker) -> DECODING (handed to the decode worker).
 """
 
@@ -359,7 +360,8 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         output = result.output
         reply = pb.PrefillReply(
             first_token_id=output.token_ids[-1] if output.token_ids else 0,  # 0: max_tokens 0
-            first_text=output.text,
+            # A resumed request's output holds its earlier tokens too: its text is not sent.
+            first_text=output.text if len(output.token_ids) == 1 else "",
             draft_tokens=result.prefilled.draft_token_ids if result.prefilled else [],
             num_cached_tokens=output.num_cached_tokens,
             num_bytes_pushed=num_bytes,

@@ -385,9 +385,12 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     def _first_chunk(self, route: Route, prefilled: pb.PrefillReply) -> gen.GenerateChunk | None:
         """Chunk 0 from P's reply, sent before D starts: on a first attempt that P
-        prefilled and that goes on after its first token (else None: D streams it)."""
+        prefilled, that goes on after its first token, and whose D streams after it (its
+        heartbeat says so); else None: D streams it."""
         if route.is_colocated or prefilled.is_finished or route.sent:
             return None
+        if route.decode.stats.get("first_token_from_router", "0") != "1":
+            return None  # a decode worker from before this (a rolling update) streams it
         token = prefilled.first_token_id
         chunk = gen.GenerateChunk(
             request_id=route.request.request_id,
@@ -420,6 +423,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             is_finished_on_prefill=prefilled.is_finished,
             prefill_here=route.is_colocated,
             is_first_token_sent=is_first_token_sent,
+            first_text=prefilled.first_text if is_first_token_sent else "",
         )
         if prefilled.HasField("first_token_logprob"):
             request.first_token_logprob.CopyFrom(prefilled.first_token_logprob)

@@ -1,8 +1,9 @@
 """The first token leaves the router with the prefill worker's reply, before the decode
-worker streams (router/service.py): chunk 0 carries the token, its text, its logprob and
+worker is called (router/service.py): chunk 0 carries the token, its text, its logprob and
 the prompt logprobs, and the decode worker is told to start after it. A first token that
-ends the request, and a co-located worker, keep the decode worker's stream whole. The
-router runs on a real Redis ledger; the workers are stand-ins for its three hops."""
+ends the request, and a decode worker whose heartbeat does not say it streams after the
+router's token (one from before, in a rolling update), get the decode worker's stream
+whole. The router runs on a real Redis ledger; the workers are stand-ins for its hops."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from router.service import GenerationService
 from router.validation import ModelInfo, RequestValidator
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import worker_pb2 as pb
-from tests.router.test_retry_elsewhere import REFUSED, two_pairs
+from tests.router.test_retry_elsewhere import REFUSED
 
 FIRST = 7
 PROMPT_LOGPROBS = [gen.TokenLogprob(token_id=2, logprob=-1.5), gen.TokenLogprob(token_id=3)]
@@ -78,10 +79,20 @@ class _Context:
         return 30.0
 
 
+def join(ledger: Ledger, worker_id: str, role: WorkerRole, **stats: int) -> None:
+    epoch = ledger.register_worker(worker_id, role=role, address=REFUSED, capacity=1, ttl_ms=60_000)
+    stats = {"model": "m", "draining": 0, "draft_fingerprint": "", "colocated": 0, **stats}
+    ledger.heartbeat(worker_id, epoch=epoch, ttl_ms=60_000, load=0.1, stats=stats)
+
+
 def make_router(
-    ledger: Ledger, prefilled: pb.PrefillReply, decoded: list[gen.GenerateChunk]
+    ledger: Ledger,
+    prefilled: pb.PrefillReply,
+    decoded: list[gen.GenerateChunk],
+    first_token_from_router: int = 1,
 ) -> _Router:
-    two_pairs(ledger)
+    join(ledger, "p0", WorkerRole.PREFILL)
+    join(ledger, "d0", WorkerRole.DECODE, first_token_from_router=first_token_from_router)
     membership = Membership(
         ledger, "router-0", role=WorkerRole.ROUTER, address=REFUSED, capacity=0, timing=Timing()
     )
@@ -128,8 +139,8 @@ async def test_the_first_token_leaves_before_the_decode_worker_streams(ledger: L
     router = make_router(ledger, prefilled, decoded)
     stream = router.Generate(request(logprobs=0, prompt_logprobs=0), _Context())
     try:
-        first = await asyncio.wait_for(anext(stream), 10)  # the Decode stream is held
-        assert not router.release.is_set()
+        first = await asyncio.wait_for(anext(stream), 10)
+        assert router.decode_requests == []  # D not called yet
         assert (first.index, list(first.token_ids), first.text) == (0, [FIRST], " seven")
         assert [(e.token_id, e.logprob) for e in first.logprobs] == [(FIRST, -0.25)]
         assert list(first.prompt_logprobs) == PROMPT_LOGPROBS
@@ -144,28 +155,34 @@ async def test_the_first_token_leaves_before_the_decode_worker_streams(ledger: L
         assert rest[-1].usage.cached_tokens == 2
         (decode,) = router.decode_requests
         assert decode.is_first_token_sent and decode.first_token_id == FIRST
+        assert decode.first_text == " seven"
     finally:
         await router.close()
 
 
-@pytest.mark.parametrize("case", ["finished_on_prefill", "no_logprobs"])
-async def test_what_the_decode_worker_streams_whole(ledger: Ledger, case: str) -> None:
-    """A first token that ends the request is D's one chunk; without logprobs asked for,
-    chunk 0 carries none."""
+@pytest.mark.parametrize("case", ["early", "finished_on_prefill", "older_decode_worker"])
+async def test_who_streams_the_first_token(ledger: Ledger, case: str) -> None:
+    """Without logprobs asked for, the router's chunk 0 carries none. A first token that
+    ends the request, or a decode worker that does not announce it streams after the
+    router's token, leave chunk 0 to the decode worker."""
+    is_early = case == "early"
     is_finished = case == "finished_on_prefill"
     prefilled = pb.PrefillReply(first_token_id=FIRST, first_text=" seven", is_finished=is_finished)
-    if is_finished:
+    if is_early:
+        decoded = [chunk(1, [8, 9], " eight nine", finish_reason=gen.FINISH_REASON_LENGTH)]
+    elif is_finished:
         decoded = [chunk(0, [FIRST], " seven", finish_reason=gen.FINISH_REASON_STOP)]
     else:
-        decoded = [chunk(1, [8, 9], " eight nine", finish_reason=gen.FINISH_REASON_LENGTH)]
-    router = make_router(ledger, prefilled, decoded)
+        decoded = [chunk(0, [FIRST, 8, 9], " seven eight nine", finish_reason=2)]
+    router = make_router(ledger, prefilled, decoded, int(case != "older_decode_worker"))
     router.release.set()
     try:
         got = [c async for c in router.Generate(request(), _Context())]
         (decode,) = router.decode_requests
-        assert decode.is_first_token_sent is not is_finished
-        assert [c.index for c in got] == ([0] if is_finished else [0, 1])
+        assert decode.is_first_token_sent is is_early
+        assert [c.index for c in got] == ([0, 1] if is_early else [0])
         assert [t for c in got for t in c.token_ids] == ([FIRST] if is_finished else [FIRST, 8, 9])
+        assert "".join(c.text for c in got) == (" seven" if is_finished else " seven eight nine")
         assert not any(c.logprobs for c in got)
     finally:
         await router.close()

@@ -174,12 +174,15 @@ class DecodeRequest(_message.Message):
     IS_FINISHED_ON_PREFILL_FIELD_NUMBER: _builtins.int
     PREFILL_HERE_FIELD_NUMBER: _builtins.int
     IS_FIRST_TOKEN_SENT_FIELD_NUMBER: _builtins.int
+    FIRST_TEXT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request, as reserved."""
     epoch: _builtins.int
     """ReserveReply.epoch; a restarted worker (new epoch) answers FAILED_PRECONDITION."""
     first_token_id: _builtins.int
-    """x[n]: the first token, sampled by the prefill worker (streamed as index 0)."""
+    """x[n]: the first token, sampled by the prefill worker (this worker streams it as index
+    0 unless is_first_token_sent).
+    """
     is_finished_on_prefill: _builtins.bool
     """PrefillReply.is_finished: the first token already ended the request and no KV was
     pushed; the decode worker streams that token as the last chunk without waiting.
@@ -191,9 +194,14 @@ class DecodeRequest(_message.Message):
     first_token_logprob, draft_tokens and is_finished_on_prefill are then unset.
     """
     is_first_token_sent: _builtins.bool
-    """The router already streamed first_token_id as chunk 0, with its text
-    (PrefillReply.first_text), its logprob and the prompt logprobs: this worker's stream
-    starts after it. Never with prefill_here or is_finished_on_prefill.
+    """The router already streamed first_token_id as chunk 0, with its text (first_text),
+    its logprob and the prompt logprobs: this worker's stream starts after it. Only on a
+    request's first attempt, never with prefill_here or is_finished_on_prefill; only to a
+    decode worker whose heartbeat says it streams after the router's first token.
+    """
+    first_text: _builtins.str
+    """With is_first_token_sent: the text sent with it (PrefillReply.first_text). It must be
+    a prefix of this worker's text of that token (the same tokenizer on both workers).
     """
     @_builtins.property
     def first_token_logprob(self) -> _generation_pb2.TokenLogprob:
@@ -216,10 +224,11 @@ class DecodeRequest(_message.Message):
         is_finished_on_prefill: _builtins.bool = ...,
         prefill_here: _builtins.bool = ...,
         is_first_token_sent: _builtins.bool = ...,
+        first_text: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "first_token_logprob", b"first_token_logprob"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "epoch", b"epoch", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "is_finished_on_prefill", b"is_finished_on_prefill", "is_first_token_sent", b"is_first_token_sent", "prefill_here", b"prefill_here", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "epoch", b"epoch", "first_text", b"first_text", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "is_finished_on_prefill", b"is_finished_on_prefill", "is_first_token_sent", b"is_first_token_sent", "prefill_here", b"prefill_here", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_logprob: _TypeAlias = _typing.Literal["first_token_logprob"]  # noqa: Y015
     _WhichOneofArgType__first_token_logprob: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob"]  # noqa: Y015
@@ -534,9 +543,9 @@ class PrefillReply(_message.Message):
     pushed; the decode worker is told so with DecodeRequest.is_finished_on_prefill.
     """
     first_text: _builtins.str
-    """The output's text so far (characters held back as GenerateChunk.text holds them): on
-    a request's first attempt, what the first token completes. The router streams it with
-    the first token as chunk 0, before the decode worker starts (DecodeRequest.
+    """On a request's first attempt, the text the first token completes (characters held
+    back as GenerateChunk.text holds them); empty on later attempts. The router streams it
+    with the first token as chunk 0, before the decode worker starts (DecodeRequest.
     is_first_token_sent).
     """
     @_builtins.property
