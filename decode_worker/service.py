@@ -27,10 +27,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from decode_worker.chunk_stream import ChunkStream
 from decode_worker.request import Aborted, CloseReason, Holders, OutputSlot, RequestHandle
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.outputs import NON_FINITE_LOGITS, RequestFailed
-from engine.sequence import SpecCounts
 from kv_transfer import KvLayout, KvReceiver, TransferState, add_kv_transfer_servicer, host_id
 from ledger.ledger import LedgerConflict, RequestState
 from ledger.membership import HeldRequest, Membership
@@ -38,19 +38,12 @@ from serving.engine_loop import BlockTableWatch, EngineLoop, block_tables
 from serving.engine_setup import draft_figures
 from serving.metrics import DecodeFigures, DecodeMetrics
 from serving.rpc import NotFound, PreconditionFailed, Unavailable
-from serving.sampling import params_from_proto, token_logprob_to_proto
+from serving.sampling import params_from_proto
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import worker_pb2 as pb
 from tandem.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-FINISH_REASONS: dict[str, gen.FinishReason.ValueType] = {
-    "stop": gen.FINISH_REASON_STOP,
-    "length": gen.FINISH_REASON_LENGTH,
-    "abort": gen.FINISH_REASON_ABORT,
-}
-
 
 PREEMPTED = "preempted"  # RequestOutput.finish_reason of a request handed back (hand_back)
 EXPIRY_PERIOD_S = 0.25  # how often reservations are looked at
@@ -195,7 +188,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             )
         slot = handle.slot = OutputSlot()
         try:
-            stream = _ChunkStream(handle, request)
+            stream = ChunkStream(handle, request)
             if request.prefill_here:
                 await handle.wait_for_kv(None)  # nothing is pushed: forget the reservation
                 self._record_prefilled_here(rid)
@@ -439,116 +432,3 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
     def _on_engine_error(self, error: BaseException) -> None:
         for handle in list(self._requests.values()):
             handle.close(CloseReason.FAILED, f"engine step failed: {error}")
-
-
-class _ChunkStream:
-    """Turns one request's cumulative outputs into consecutive chunks."""
-
-    def __init__(self, req: RequestHandle, request: pb.DecodeRequest) -> None:
-        self.req = req
-        # Chunks continue where an earlier attempt's stream stopped, text included.
-        self.num_sent = req.num_resumed  # tokens already in chunks (by any attempt)
-        self.num_text_sent = req.num_text_resumed  # characters already in chunks
-        self.first_logprob = (
-            request.first_token_logprob if request.HasField("first_token_logprob") else None
-        )
-        # Prefilled here: every output token was sampled by this engine, and the prompt's
-        # logprobs (asked for on a first attempt) come with the first chunk from here.
-        self.is_prefilled_here = request.prefill_here
-        self.is_prompt_logprobs_due = request.prefill_here and not req.num_resumed
-        # This attempt's speculative counters so far; None without a draft. A preempted
-        # attempt reports its own on its last chunk, and the router adds them up.
-        self.spec_counts: SpecCounts | None = None
-
-    def chunk(self, output: RequestOutput) -> gen.GenerateChunk:
-        tokens = output.token_ids[self.num_sent :]
-        chunk = gen.GenerateChunk(
-            request_id=self.req.request_id,
-            index=self.num_sent,
-            token_ids=tokens,
-            text=output.text[self.num_text_sent :],
-        )
-        if self.req.logprobs is not None:
-            chunk.logprobs.extend(self._logprobs(output, self.num_sent, len(tokens)))
-        if self.is_prompt_logprobs_due and output.prompt_logprobs is not None:
-            chunk.prompt_logprobs.extend(map(token_logprob_to_proto, output.prompt_logprobs))
-            self.is_prompt_logprobs_due = False
-        self.num_sent += len(tokens)
-        self.num_text_sent = len(output.text)
-        self.spec_counts = output.spec_counts
-        if output.finished:
-            reason = FINISH_REASONS.get(output.finish_reason or "", gen.FINISH_REASON_ABORT)
-            chunk.finish_reason = reason
-            if isinstance(output.stop_reason, int):
-                chunk.stop_token_id = output.stop_reason
-            elif isinstance(output.stop_reason, str):
-                chunk.stop_string = output.stop_reason
-            chunk.usage.CopyFrom(self._usage(len(output.token_ids)))
-            if self.is_prefilled_here:  # else the router adds the prefill worker's figure
-                chunk.usage.cached_tokens = output.num_cached_tokens
-        return chunk
-
-    def sent_by_router(self, first: RequestOutput, text: str) -> None:
-        """The router streamed the first token with ``text`` from the prefill worker's
-        reply: chunks start after them. ``text`` is a prefix of this worker's text of the
-        token where both workers detokenize alike (empty where the prefill worker has no
-        tokenizer: this worker's text of it then comes with the next chunk)."""
-        if not first.text.startswith(text):
-            raise RuntimeError(
-                f"first_text: the router sent {text!r}, this worker makes {first.text!r} of "
-                "the same token: the prefill and decode workers' tokenizers differ"
-            )
-        self.num_sent = len(first.token_ids)
-        self.num_text_sent = len(text)
-
-    def preempted(self) -> gen.GenerateChunk:
-        """The last chunk of a request handed back: the router resumes it elsewhere, and
-        adds this attempt's speculative counters to the next ones'."""
-        return gen.GenerateChunk(
-            request_id=self.req.request_id,
-            index=self.num_sent,
-            finish_reason=gen.FINISH_REASON_PREEMPTED,
-            usage=self._usage(self.num_sent),
-        )
-
-    def aborted(self) -> gen.GenerateChunk:
-        """The last chunk of a request aborted here."""
-        return gen.GenerateChunk(
-            request_id=self.req.request_id,
-            index=self.num_sent,
-            finish_reason=gen.FINISH_REASON_ABORT,
-            usage=self._usage(self.num_sent),
-        )
-
-    def _usage(self, num_completion_tokens: int) -> gen.Usage:
-        """Token counts, with the speculative counters when a draft ran."""
-        usage = gen.Usage(
-            prompt_tokens=self.req.num_prompt_tokens, completion_tokens=num_completion_tokens
-        )
-        counts = self.spec_counts
-        if counts is not None:
-            usage.speculative.CopyFrom(
-                gen.SpeculativeUsage(
-                    num_drafts=counts.num_drafts,
-                    num_draft_tokens=counts.num_draft_tokens,
-                    num_accepted_tokens=counts.num_accepted_tokens,
-                )
-            )
-        return usage
-
-    def _logprobs(self, output: RequestOutput, start: int, count: int) -> list[gen.TokenLogprob]:
-        """Index r (the tokens resumed before it) was sampled by the prefill worker; index
-        i > r is output.logprobs[i - r - 1]. Prefilled here: index i >= r is
-        output.logprobs[i - r]."""
-        entries = []
-        first = self.req.num_resumed
-        by_prefill = 0 if self.is_prefilled_here else 1  # tokens sampled elsewhere
-        for i in range(start, start + count):
-            token = output.token_ids[i]
-            if i == first and by_prefill:
-                entries.append(self.first_logprob or gen.TokenLogprob(token_id=token))
-            elif 0 <= i - first - by_prefill < len(output.logprobs):
-                entries.append(token_logprob_to_proto(output.logprobs[i - first - by_prefill]))
-            else:
-                entries.append(gen.TokenLogprob(token_id=token))
-        return entries

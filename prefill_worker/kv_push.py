@@ -202,11 +202,9 @@ class LayerRelay:
         self,
         loop: asyncio.AbstractEventLoop,
         device: torch.device,
-        pools: Mapping[str, PagedPools] | None = None,
+        pools: Mapping[str, PagedPools],
         group_bytes: int = 0,
     ) -> None:
-        if group_bytes and pools is None:
-            raise ValueError("pools: needed to group layers by bytes")
         # Written by the event loop, read by the engine thread (single dict operations).
         self.pushes: dict[str, LayerPush] = {}
         # When the engine last wrote a layer, for any request (time.monotonic; written by
@@ -219,7 +217,7 @@ class LayerRelay:
         # Per pool: its number of layers, and the KV bytes one token takes in one layer.
         self._shapes = {
             name: (len(cache.layers), sum(t[0, 0].nbytes for t in cache.layers[0]))
-            for name, cache in (pools or {}).items()
+            for name, cache in pools.items()
         }
         self._held: list[_HeldLayer] = []
         self._held_bytes = 0
@@ -237,9 +235,8 @@ class LayerRelay:
                 rows.append((push, row))
         if rows:
             self._held.append((KvPool(pool), layer, rows))
-        if self._group_bytes:
-            num_layers, token_bytes = self._shapes[pool]
-            self._held_bytes += token_bytes * sum(row.end - row.start for _, row in rows)
+        num_layers, token_bytes = self._shapes[pool]
+        self._held_bytes += token_bytes * sum(row.end - row.start for _, row in rows)
         is_pool_done = not self._group_bytes or layer == num_layers - 1
         if self._held and (is_pool_done or self._held_bytes >= self._group_bytes):
             # On a GPU the layers' kernels are only queued: the reader waits for this event.

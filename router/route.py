@@ -13,7 +13,9 @@ from ledger.ledger import RequestState, WorkerInfo
 from ledger.membership import Membership
 from router.routing import WorkerPicker
 from router.validation import ValidRequest
+from serving.metrics import RouterMetrics
 from tandem.v1 import generation_pb2 as gen
+from tandem.v1 import worker_pb2 as pb
 
 DEADLINE_SLACK_S = 0.05  # errors this close to the deadline are the deadline's doing
 
@@ -51,6 +53,29 @@ class Route:
             _add(chunk.usage.speculative, self.earlier_drafts)
         return chunk
 
+    def first_chunk(self, prefilled: pb.PrefillReply) -> gen.GenerateChunk | None:
+        """Chunk 0 from P's reply, sent before D starts: on a first attempt that P
+        prefilled, that goes on after its first token, and whose D streams after it (its
+        heartbeat says so); else None: D streams it."""
+        if self.is_colocated or prefilled.is_finished or self.sent:
+            return None
+        if self.decode.stats.get("first_token_from_router", "0") != "1":
+            return None  # a decode worker from before this (a rolling update) streams it
+        token = prefilled.first_token_id
+        chunk = gen.GenerateChunk(
+            request_id=self.request.request_id,
+            index=0,
+            token_ids=[token],
+            text=prefilled.first_text,
+            prompt_logprobs=prefilled.prompt_logprobs,
+        )
+        if self.request.sampling.HasField("logprobs"):
+            if prefilled.HasField("first_token_logprob"):
+                chunk.logprobs.append(prefilled.first_token_logprob)
+            else:
+                chunk.logprobs.append(gen.TokenLogprob(token_id=token))
+        return chunk
+
     @property
     def is_colocated(self) -> bool:
         """Served whole by one co-located worker: no prefill worker, no KV transfer."""
@@ -84,6 +109,35 @@ def count_in_flight(picker: WorkerPicker, route: Route, delta: int) -> None:
     """The picker's count of requests on the route's P and D (it prefers idle workers)."""
     for worker in (route.decode,) if route.is_colocated else (route.prefill, route.decode):
         picker.in_flight[worker.worker_id] += delta
+
+
+class StreamTiming:
+    """One request's latencies, into the router's histograms."""
+
+    def __init__(self, metrics: RouterMetrics, arrived: float) -> None:
+        self.metrics = metrics
+        self.arrived = arrived
+        self.last_sent: float | None = None
+
+    def queued(self, computing_since: float) -> None:
+        self.metrics.queue_seconds.labels(self.metrics.role).observe(
+            max(0.0, computing_since - self.arrived)
+        )
+
+    def sent(self, chunk: gen.GenerateChunk) -> None:
+        if not chunk.token_ids:
+            return
+        now, role = time.monotonic(), self.metrics.role
+        if self.last_sent is None:
+            self.metrics.ttft_seconds.labels(role).observe(now - self.arrived)
+        else:
+            self.metrics.inter_token_seconds.labels(role).observe(now - self.last_sent)
+        self.last_sent = now
+
+    def ended(self, status: str) -> None:
+        role = self.metrics.role
+        self.metrics.e2e_seconds.labels(role).observe(time.monotonic() - self.arrived)
+        self.metrics.requests.labels(role, status).inc()
 
 
 def record_in_ledger(membership: Membership, route: Route, model_name: str) -> None:

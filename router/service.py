@@ -1,11 +1,8 @@
 """tandem.v1.Generation: validate, pick P and D, record the request in the ledger, then
 D.Reserve -> P.Prefill (P pushes the KV into D's blocks) -> D.Decode, streaming D's
-chunks to the client. The first token goes to the client from P's reply, before D.Decode
-is called (a first attempt's; D's stream then starts after it). A co-located worker is P
-and D at once: D.Reserve -> D.Decode (``prefill_here``), with no prefill hop. Cancellation
-and deadlines reach P and D (Abort); every way a request ends leaves it terminal in the
-ledger and its blocks freed.
-"""
+chunks to the client; a first attempt's first token leaves with P's reply, before D.Decode.
+Co-located, one worker is P and D: D.Reserve -> D.Decode (``prefill_here``). Cancels and
+deadlines abort it on P and D; however it ends, it is terminal in the ledger, blocks freed."""
 
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ import redis
 from ledger.ledger import Ledger, LedgerConflict, RequestState, WorkerRole
 from ledger.membership import Membership
 from router.migration import ABORT_TIMEOUT_S, Migration
-from router.route import Route, count_in_flight, how_it_ended, record_in_ledger
+from router.route import Route, StreamTiming, count_in_flight, how_it_ended, record_in_ledger
 from router.routing import WorkerPicker, prefix_hashes
 from router.validation import RequestValidator
 from serving.metrics import RouterMetrics
@@ -46,35 +43,6 @@ LOST_RESERVATION = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITI
 # A request that fails with these may be sent again, under the same id (the SDK retries
 # UNAVAILABLE; RESOURCE_EXHAUSTED says when to).
 RETRIED_BY_CLIENTS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-
-
-class _StreamTiming:
-    """One request's latencies, into the router's histograms."""
-
-    def __init__(self, metrics: RouterMetrics, arrived: float) -> None:
-        self.metrics = metrics
-        self.arrived = arrived
-        self.last_sent: float | None = None
-
-    def queued(self, computing_since: float) -> None:
-        self.metrics.queue_seconds.labels(self.metrics.role).observe(
-            max(0.0, computing_since - self.arrived)
-        )
-
-    def sent(self, chunk: gen.GenerateChunk) -> None:
-        if not chunk.token_ids:
-            return
-        now, role = time.monotonic(), self.metrics.role
-        if self.last_sent is None:
-            self.metrics.ttft_seconds.labels(role).observe(now - self.arrived)
-        else:
-            self.metrics.inter_token_seconds.labels(role).observe(now - self.last_sent)
-        self.last_sent = now
-
-    def ended(self, status: str) -> None:
-        role = self.metrics.role
-        self.metrics.e2e_seconds.labels(role).observe(time.monotonic() - self.arrived)
-        self.metrics.requests.labels(role, status).inc()
 
 
 class GenerationService(gen_grpc.GenerationServicer):
@@ -146,7 +114,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         count_in_flight(self.picker, route, +1)
         is_finished = is_ended = False
         end_state, reason = RequestState.FAILED, ""
-        timing = _StreamTiming(self.metrics, arrived)
+        timing = StreamTiming(self.metrics, arrived)
         try:
             for attempt in range(MAX_ATTEMPTS):
                 if attempt:  # D handed it back: resume it, prompt + tokens sent so far
@@ -174,7 +142,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                     continue
                 if not attempt:
                     timing.queued(prefill_called + prefilled.timing.queue_s)
-                first = self._first_chunk(route, prefilled)
+                first = route.first_chunk(prefilled)
                 if first is not None:
                     route.sent.extend(first.token_ids)
                     timing.sent(first)
@@ -382,29 +350,6 @@ class GenerationService(gen_grpc.GenerationServicer):
                 f"prefill worker {route.prefill.worker_id} at {route.prefill.address}: "
                 f"not reachable within {PREFILL_CONNECT_S:g} s"
             ) from None
-
-    def _first_chunk(self, route: Route, prefilled: pb.PrefillReply) -> gen.GenerateChunk | None:
-        """Chunk 0 from P's reply, sent before D starts: on a first attempt that P
-        prefilled, that goes on after its first token, and whose D streams after it (its
-        heartbeat says so); else None: D streams it."""
-        if route.is_colocated or prefilled.is_finished or route.sent:
-            return None
-        if route.decode.stats.get("first_token_from_router", "0") != "1":
-            return None  # a decode worker from before this (a rolling update) streams it
-        token = prefilled.first_token_id
-        chunk = gen.GenerateChunk(
-            request_id=route.request.request_id,
-            index=0,
-            token_ids=[token],
-            text=prefilled.first_text,
-            prompt_logprobs=prefilled.prompt_logprobs,
-        )
-        if route.request.sampling.HasField("logprobs"):
-            if prefilled.HasField("first_token_logprob"):
-                chunk.logprobs.append(prefilled.first_token_logprob)
-            else:
-                chunk.logprobs.append(gen.TokenLogprob(token_id=token))
-        return chunk
 
     async def _decode(
         self,

@@ -9,16 +9,16 @@ from typing import Any
 
 import pytest
 
-from decode_worker.service import _ChunkStream
+from decode_worker.chunk_stream import ChunkStream
 from engine.outputs import RequestOutput
 from tandem.v1 import worker_pb2 as pb
 
 
-def stream(**request: Any) -> _ChunkStream:
+def stream(**request: Any) -> ChunkStream:
     handle = SimpleNamespace(
         request_id="r", num_resumed=0, num_text_resumed=0, logprobs=None, num_prompt_tokens=3
     )
-    return _ChunkStream(handle, pb.DecodeRequest(request_id="r", **request))  # type: ignore[arg-type]
+    return ChunkStream(handle, pb.DecodeRequest(request_id="r", **request))  # type: ignore[arg-type]
 
 
 def output(tokens: list[int], text: str, finished: bool = False) -> RequestOutput:

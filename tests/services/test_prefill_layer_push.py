@@ -170,7 +170,7 @@ async def prefill_pushing(
     first = num_cached // BLOCK_SIZE
     receiver.reserve(KvReservation(rid, dst[first:], decode.kv_pools, layout_of(decode)))
     log: list[tuple[Any, ...]] = []
-    relay = LayerRelay(asyncio.get_running_loop(), torch.device("cpu"))
+    relay = LayerRelay(asyncio.get_running_loop(), torch.device("cpu"), prefill.kv_pools)
     gate = Gate(relay, dst, first, log)
     sender = RecordingSender(make_sender(), log, gate.started)
     handshake = Handshake(rid, layout_of(prefill))
@@ -262,6 +262,24 @@ def reference(target: Path, draft: Path | None, chunk: int, prompt: list[int]) -
     return out
 
 
+def loopback_push(
+    relay: LayerRelay, prefill: LLMEngine, receiver: KvReceiver, dst: list[int]
+) -> LayerPush:
+    """Request "r"'s push into ``dst`` through a loopback sender, registered with ``relay``
+    (no engine clock)."""
+    push = LayerPush(
+        LoopbackTransport(receiver).sender(),
+        Handshake("r", layout_of(prefill)),
+        prefill.kv_pools,
+        dst,
+        0,
+        BLOCK_SIZE,
+        asyncio.Semaphore(1),
+    )
+    relay.pushes["r"] = push
+    return push
+
+
 def loopback(receiver: KvReceiver) -> Callable[[], KvSender]:
     return LoopbackTransport(receiver).sender
 
@@ -323,16 +341,7 @@ async def test_layers_leave_in_groups(
         calls.append((pool, layer))
         relay(pool, layer, step)
 
-    push = LayerPush(
-        LoopbackTransport(receiver).sender(),
-        Handshake("r", layout_of(prefill)),
-        prefill.kv_pools,
-        dst,
-        0,
-        BLOCK_SIZE,
-        asyncio.Semaphore(1),
-    )
-    relay.pushes["r"] = push
+    push = loopback_push(relay, prefill, receiver, dst)
     prefill.set_layer_listener(listener)
     prefill.add_request("r", PROMPT, GREEDY, is_prefill_only=True)
 
@@ -404,17 +413,8 @@ async def test_stop_mid_prefill_fails_the_receiver_and_frees(dirs: tuple[Path, P
     receiver = KvReceiver()
     dst, _ = decode.reserve("r", PROMPT, GREEDY)
     receiver.reserve(KvReservation("r", dst, decode.kv_pools, layout_of(decode)))
-    relay = LayerRelay(asyncio.get_running_loop(), torch.device("cpu"))
-    push = LayerPush(
-        LoopbackTransport(receiver).sender(),
-        Handshake("r", layout_of(prefill)),
-        prefill.kv_pools,
-        dst,
-        0,
-        BLOCK_SIZE,
-        asyncio.Semaphore(1),
-    )
-    relay.pushes["r"] = push
+    relay = LayerRelay(asyncio.get_running_loop(), torch.device("cpu"), prefill.kv_pools)
+    push = loopback_push(relay, prefill, receiver, dst)
     prefill.set_layer_listener(relay)
     prefill.add_request("r", PROMPT, GREEDY, is_prefill_only=True)
     await asyncio.to_thread(prefill.step)  # the first of three chunks

@@ -99,7 +99,7 @@ def start_push(
     and clocked by the engine's, as the prefill worker's Prefill does."""
     dst, _ = decode.reserve("r", PROMPT, GREEDY)
     receiver.reserve(KvReservation("r", dst, decode.kv_pools, layout_of(decode)))
-    relay = LayerRelay(asyncio.get_running_loop(), torch.device("cpu"))
+    relay = LayerRelay(asyncio.get_running_loop(), torch.device("cpu"), prefill.kv_pools)
     # The engine's deadline is under test: the transport's is far beyond it.
     options = TransferOptions(chunk_bytes=2048, window=2, timeout_s=30, stall_s=30)
     push = LayerPush(
