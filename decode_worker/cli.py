@@ -93,10 +93,15 @@ def make_service(runtime: Runtime) -> DecodeWorkerService:
     from decode_worker.service import DecodeWorkerService
     from kv_transfer import KvReceiver, SharedKvPools, ShmAttacher
     from serving import engine_setup
+    from serving.engine_loop import TorchThread, confine_torch
 
     args = runtime.args
     spec = engine_setup.ModelSpec.from_args(args)
-    engine = engine_setup.build_engine(spec, args, is_decoding=True, preemption="hand_back")
+    thread = TorchThread("decode-engine")  # builds the engine, then steps it
+    engine = thread.call(
+        engine_setup.build_engine, spec, args, is_decoding=True, preemption="hand_back"
+    )
+    confine_torch()
     draft = engine_setup.draft_config(engine, spec)
     layout = engine_setup.kv_layout(engine, spec.served_name, draft.fingerprint if draft else "")
     membership = runtime.new_membership(capacity=engine.block_manager.num_blocks)
@@ -107,6 +112,7 @@ def make_service(runtime: Runtime) -> DecodeWorkerService:
     receiver = KvReceiver(attach_segment=attach, shared_pools=shared, stall_s=args.transfer_stall_s)
     return DecodeWorkerService(
         engine,
+        torch_thread=thread,
         served_name=spec.served_name,
         layout=layout,
         draft=draft,

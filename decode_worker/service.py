@@ -34,7 +34,7 @@ from engine.outputs import NON_FINITE_LOGITS, RequestFailed
 from kv_transfer import KvLayout, KvReceiver, TransferState, add_kv_transfer_servicer, host_id
 from ledger.ledger import LedgerConflict, RequestState
 from ledger.membership import HeldRequest, Membership
-from serving.engine_loop import BlockTableWatch, EngineLoop, block_tables
+from serving.engine_loop import BlockTableWatch, EngineLoop, TorchThread, block_tables
 from serving.engine_setup import draft_figures
 from serving.metrics import DecodeFigures, DecodeMetrics
 from serving.rpc import NotFound, PreconditionFailed, Unavailable
@@ -75,6 +75,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         accepts_shm: bool = True,
         metrics: DecodeMetrics | None = None,
         is_colocated: bool = False,
+        torch_thread: TorchThread | None = None,
     ) -> None:
         self.engine = engine
         self.served_name = served_name
@@ -98,6 +99,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             deliver=self._deliver,
             on_error=self._on_engine_error,
             name="decode-engine",
+            thread=torch_thread,  # the thread that built the engine
         )
         self.holders = Holders(engine, self.engine_loop, receiver, layout, membership)
         self._requests = self.holders.handles  # request id -> its handle, until closed

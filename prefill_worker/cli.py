@@ -79,14 +79,18 @@ def make_service(runtime: Runtime) -> PrefillWorkerService:
     from kv_transfer import TransferOptions
     from prefill_worker.service import PrefillWorkerService
     from serving import engine_setup
+    from serving.engine_loop import TorchThread, confine_torch
 
     args = runtime.args
     spec = engine_setup.ModelSpec.from_args(args)
-    engine = engine_setup.build_engine(spec, args, is_decoding=False)
+    thread = TorchThread("prefill-engine")  # builds the engine, then steps it
+    engine = thread.call(engine_setup.build_engine, spec, args, is_decoding=False)
+    confine_torch()
     draft = engine_setup.draft_config(engine, spec)
     layout = engine_setup.kv_layout(engine, spec.served_name, draft.fingerprint if draft else "")
     return PrefillWorkerService(
         engine,
+        torch_thread=thread,
         served_name=spec.served_name,
         layout=layout,
         draft=draft,

@@ -28,7 +28,7 @@ from kv_transfer import Handshake, KvLayout, ShmRingPool, TransferOptions, make_
 from ledger.ledger import LedgerConflict, RequestState, WorkerRole
 from ledger.membership import HeldRequest, Membership
 from prefill_worker.kv_push import LayerPush, LayerRelay
-from serving.engine_loop import EngineLoop
+from serving.engine_loop import EngineLoop, TorchThread
 from serving.engine_setup import draft_figures
 from serving.metrics import PrefillMetrics
 from serving.rpc import ChannelPool, Overloaded, PreconditionFailed, Unavailable
@@ -86,6 +86,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         use_shm: bool = True,
         metrics: PrefillMetrics | None = None,
         channels: ChannelPool | None = None,
+        torch_thread: TorchThread | None = None,
     ) -> None:
         self.engine = engine
         self.served_name = served_name
@@ -118,6 +119,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             on_error=self._on_engine_error,
             max_queued_calls=max_queued,
             name="prefill-engine",
+            thread=torch_thread,  # the thread that built the engine
         )
 
     # ---- RPCs

@@ -1,6 +1,14 @@
 """One thread owns a worker's LLMEngine: calls arrive through a bounded queue, ``step()``
 runs while any request runs, and results go back to the asyncio loop.
 
+That thread also builds the engine (``TorchThread``), and it is the only thread of a
+worker that runs torch's parallel regions. libgomp keeps a team of threads for each
+thread that starts one, and once the teams of a process hold more threads than there are
+cores it lets them sleep at the end of every region, so that each of a step's hundreds of
+regions then waits for a wake-up. A model loaded on the main thread and stepped on this
+one ran at 60 tok/s against 96 with both on one thread (SmolLM2 bf16, 2 threads, batch 1,
+2 cores; bench/RESULTS.md, 2026-11-29).
+
 The engine has no threads and no locks, so nothing but this thread touches it. KV pools
 are the exception by design: transports read or write blocks that a request holds and
 the engine leaves alone until the request moves on (PREFILLED or RESERVED), or, on a
@@ -10,7 +18,9 @@ prefill worker, blocks whose layers the engine has finished writing (kv_push.py)
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -109,6 +119,67 @@ class BlockTableWatch:
         return changed
 
 
+class TorchThread:
+    """A worker's one torch thread: ``call`` runs functions on it (building the engine),
+    ``run_forever`` hands it its last one (the engine loop). After the engine is built,
+    ``confine_torch`` keeps the calling thread's own torch work (KV transports' copies)
+    out of parallel regions."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[
+            tuple[Callable[[], Any], concurrent.futures.Future[Any] | None]
+        ] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on this thread; blocks until it returns or raises."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((lambda: fn(*args, **kwargs), future))
+        return future.result()
+
+    def run_forever(self, fn: Callable[[], None]) -> None:
+        """Hands ``fn`` to the thread, which ends when ``fn`` returns."""
+        self._jobs.put((fn, None))
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _serve(self) -> None:
+        while True:
+            fn, future = self._jobs.get()
+            if future is None:
+                fn()
+                return
+            try:
+                result = fn()
+                _settle_thread_count()
+            except BaseException as e:  # handed to the caller
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+
+def _settle_thread_count() -> None:
+    """ATen reads a thread's count once, lazily, from its process-wide one: read it now,
+    while that is still this thread's (``confine_torch`` elsewhere changes it)."""
+    import torch
+
+    torch.get_num_threads()
+
+
+def confine_torch() -> None:
+    """The calling thread's parallel regions run on it alone from now on (OpenMP's
+    thread count is per thread: the torch thread keeps its own). Call it on the asyncio
+    thread once the engine is built on its TorchThread."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @dataclass
 class _Call:
     fn: Callable[..., Any]
@@ -117,7 +188,8 @@ class _Call:
 
 
 class EngineLoop(Generic[Payload]):
-    """Runs ``engine`` in a thread of its own.
+    """Runs ``engine`` in a thread of its own: ``thread``, the one that built it, else a
+    new one.
 
     ``on_step(engine, outputs)`` runs in the engine thread after each step (it may call
     the engine) and its result is handed to ``deliver`` on the asyncio loop; a step that
@@ -134,6 +206,7 @@ class EngineLoop(Generic[Payload]):
         on_error: Callable[[BaseException], None],
         max_queued_calls: int = 256,
         name: str = "engine",
+        thread: TorchThread | None = None,
     ) -> None:
         self.engine = engine
         self.stats = engine_stats(engine)
@@ -145,15 +218,19 @@ class EngineLoop(Generic[Payload]):
         self._cv = threading.Condition()
         self._is_stopping = False
         self._busy_since: float | None = None  # monotonic start of the calls or step running
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = thread if thread is not None else TorchThread(name)
+        self._is_started = False
 
     def start(self) -> None:
-        self._thread.start()
+        self._is_started = True
+        self._thread.run_forever(self._run)
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cv:
             self._is_stopping = True
             self._cv.notify()
+        if not self._is_started:  # the loop runs what is queued, then ends
+            self.start()
         self._thread.join(timeout)
 
     def is_alive(self, stall_s: float) -> bool:
@@ -161,7 +238,7 @@ class EngineLoop(Generic[Payload]):
         batch of calls or one step (a kernel that never returns, a deadlock): what the
         worker's liveness reports."""
         busy_since = self._busy_since
-        if not self._thread.is_alive():
+        if not self._is_started or not self._thread.is_alive():
             return False
         return busy_since is None or time.monotonic() - busy_since < stall_s
 

@@ -69,3 +69,74 @@ async def test_a_caller_and_a_stream_never_see_figures_from_before_what_they_got
         assert seen_on_delivery == [(5, 5), (8, 8)]
     finally:
         loop.stop()
+
+
+async def test_the_thread_that_builds_the_engine_steps_it_and_keeps_its_torch_threads() -> None:
+    """A worker builds its engine on a TorchThread and steps it there; the thread that
+    asked (the asyncio loop's, in a worker) then runs its own torch work on one thread,
+    while the torch thread keeps its own count (OpenMP's is per thread)."""
+    import threading
+
+    import torch
+
+    from serving.engine_loop import TorchThread, confine_torch
+
+    thread = TorchThread("test-engine")
+    ran_on: list[int] = []
+
+    def build() -> Any:
+        torch.set_num_threads(2)
+        ran_on.append(threading.get_ident())
+        steps = [5]
+        engine = engine_with(SlowBlocks(), steps)
+        engine.step = lambda: ran_on.append(threading.get_ident()) or [steps.pop()]
+        return engine
+
+    def asker() -> tuple[int, int]:  # stands for the asyncio thread, not pytest's own
+        engine = thread.call(build)
+        confine_torch()
+        here = torch.get_num_threads()
+        there = thread.call(torch.get_num_threads)
+        torch.set_num_threads(there)  # as it was, for the tests after this one
+        asked.append(engine)
+        return here, there
+
+    asked: list[Any] = []
+    counts: list[tuple[int, int]] = []
+    other = threading.Thread(target=lambda: counts.append(asker()))
+    other.start()
+    other.join()
+    assert counts == [(1, 2)]
+    delivered = asyncio.Event()
+    loop = EngineLoop(
+        asked[0],
+        asyncio.get_running_loop(),
+        on_step=lambda engine, outputs: outputs,
+        deliver=lambda payload: delivered.set(),
+        on_error=lambda error: None,
+        thread=thread,
+    )
+    loop.start()
+    try:
+        await asyncio.wait_for(delivered.wait(), 10)
+    finally:
+        loop.stop()
+    assert len(ran_on) == 2 and ran_on[0] == ran_on[1] != threading.get_ident()
+    assert not thread.is_alive()  # the loop was its last job
+
+
+def test_a_build_that_raises_raises_in_the_caller() -> None:
+    from serving.engine_loop import TorchThread
+
+    thread = TorchThread("test-engine")
+
+    def build() -> None:
+        raise ValueError("no such model")
+
+    try:
+        thread.call(build)
+    except ValueError as e:
+        assert str(e) == "no such model"
+    else:
+        raise AssertionError("the build's error did not reach the caller")
+    assert thread.call(lambda: 7) == 7  # and the thread goes on
