@@ -144,7 +144,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         "--duration",
         type=positive_float,
         metavar="SECONDS",
-        help="start no request after this long in a run (requests in flight finish)",
+        help="a run's length: at a --request-rate, every arrival planned within it is sent "
+        "(late, if the machine or --concurrency holds it back); in a closed loop, none starts "
+        "after it. Requests in flight finish",
     )
     load.add_argument(
         "--warmup",

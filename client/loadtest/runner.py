@@ -25,7 +25,10 @@ class LoadShape:
     burstiness: float  # the gamma shape of the gaps; 1 is Poisson
     concurrency: int | None  # at most this many in flight; None: no limit
     num_requests: int | None  # stop after this many (None: by duration only)
-    duration_s: float | None  # start none after this many seconds (None: by count only)
+    # Start none planned after this many seconds (None: by count only). At a finite rate,
+    # every arrival planned before it is sent, however late a busy machine or the
+    # concurrency cap makes it; a closed loop (infinite rate) starts none after it.
+    duration_s: float | None
     seed: int  # of the arrival times
 
     def __post_init__(self) -> None:
@@ -102,7 +105,12 @@ async def run_load(
             await asyncio.sleep(delay)
         if limit is not None:
             await limit.acquire()
-        if shape.duration_s is not None and time.perf_counter() - t0 >= shape.duration_s:
+        closed_loop = not math.isfinite(shape.rate)  # no planned times: the clock decides
+        if (
+            closed_loop
+            and shape.duration_s is not None
+            and time.perf_counter() - t0 >= shape.duration_s
+        ):
             if limit is not None:
                 limit.release()
             break
