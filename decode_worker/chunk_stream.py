@@ -108,6 +108,7 @@ class ChunkStream:
                     num_drafts=counts.num_drafts,
                     num_draft_tokens=counts.num_draft_tokens,
                     num_accepted_tokens=counts.num_accepted_tokens,
+                    num_steps_without_drafts=counts.num_steps_without_drafts,
                 )
             )
         return usage

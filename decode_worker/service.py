@@ -419,6 +419,8 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             num_drafts=stats.num_drafts or 0,
             num_draft_tokens=stats.num_draft_tokens,
             num_accepted_tokens=stats.num_accepted_tokens,
+            steps_per_k=stats.steps_per_k,
+            max_k=self.draft.num_draft_tokens if self.draft is not None else 0,
         )
 
     def _deliver(self, step: _Step) -> None:

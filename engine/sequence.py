@@ -32,11 +32,13 @@ class SpecCounts:
     num_drafts: int = 0  # decode steps that verified at least one of its draft tokens
     num_draft_tokens: int = 0  # its draft tokens verified
     num_accepted_tokens: int = 0  # of those, accepted
+    num_steps_without_drafts: int = 0  # decode steps that verified none (K = 0)
 
     def record(self, k: int, num_accepted: int) -> None:
-        """One step that verified ``k`` of its drafts and accepted ``num_accepted``; a step
-        without drafts (k = 0) counts nothing, as in SpecDecodeStats.record."""
-        if k > 0:
+        """One step that verified ``k`` of its drafts and accepted ``num_accepted``."""
+        if k == 0:
+            self.num_steps_without_drafts += 1
+        else:
             self.num_drafts += 1
             self.num_draft_tokens += k
             self.num_accepted_tokens += num_accepted

@@ -67,9 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from serving.component import run_component
-    from serving.engine_setup import check_compile_arguments
+    from serving.engine_setup import check_engine_arguments
 
-    if not check_compile_arguments(args, "prefill worker"):
+    if not check_engine_arguments(args, "prefill worker"):
         return 2
     return run_component(role(), args, make_service)
 

@@ -161,3 +161,4 @@ def _add(total: gen.SpeculativeUsage, more: gen.SpeculativeUsage) -> None:
     total.num_drafts += more.num_drafts
     total.num_draft_tokens += more.num_draft_tokens
     total.num_accepted_tokens += more.num_accepted_tokens
+    total.num_steps_without_drafts += more.num_steps_without_drafts

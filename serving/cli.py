@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ledger.redis_connect import add_redis_arguments
 from serving.auth import add_auth_token_argument, add_cluster_secret_argument
+from serving.engine_setup import add_speculation_arguments
 
 if TYPE_CHECKING:
     from ledger.audit import AllocatorReport
@@ -34,8 +35,7 @@ def register_serve(subparsers: Any) -> None:
         "their environment).",
     )
     parser.add_argument("--model", required=True, help="HF model directory or a prepared name")
-    parser.add_argument("--draft", metavar="DIR", help="EAGLE / EAGLE-3 / DFlash draft directory")
-    parser.add_argument("--num-draft-tokens", type=int, default=5, help="K, drafts per step")
+    add_speculation_arguments(parser)
     parser.add_argument(
         "--prefill", type=int, help="prefill worker processes (default: 1; 0 with --colocate)"
     )
@@ -126,7 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.model_store import ModelNotFoundError, resolve_model
     from ledger.redis_connect import RedisConnectError, RedisSettings
     from serving.auth import AuthConfigError, cluster_secret_from_args, read_secret_file
-    from serving.engine_setup import check_compile_arguments
+    from serving.engine_setup import check_engine_arguments
     from serving.launcher import Cluster, ClusterError, ClusterSpec
     from serving.supervisor import RestartPolicy, Supervisor
 
@@ -142,7 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tandem serve: error: --max-restarts, --restart-window-s: {e}", file=sys.stderr)
         return 2
-    if not check_compile_arguments(args, "tandem serve"):
+    if not check_engine_arguments(args, "tandem serve"):
         return 2
     if args.colocate and args.prefill:
         print(
@@ -181,6 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
         model=model,
         draft=args.draft,
         num_draft_tokens=args.num_draft_tokens,
+        adaptive_speculation=args.adaptive_speculation,
         num_prefill=num_prefill,
         num_decode=args.decode,
         colocate=args.colocate,

@@ -51,6 +51,7 @@ class EngineStats:
     num_drafts: int | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    steps_per_k: tuple[int, ...] = ()  # [k]: decode steps that verified k drafts
 
     @property
     def num_used_blocks(self) -> int:
@@ -75,6 +76,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         num_drafts=spec.num_drafts if spec is not None else None,
         num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
         num_accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
+        steps_per_k=tuple(spec.steps_per_k) if spec is not None else (),
     )
 
 

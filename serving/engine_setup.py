@@ -50,8 +50,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="RMSNorm, RoPE, SiLU-and-mul and sampling: auto: the Triton kernels beside the "
         "triton or flash_attn attention backend, torch ops otherwise (default: auto)",
     )
-    group.add_argument("--draft", metavar="DIR", help="EAGLE / EAGLE-3 / DFlash draft directory")
-    group.add_argument("--num-draft-tokens", type=int, default=5, help="K, drafts per step")
+    add_speculation_arguments(group)
     group.add_argument(
         "--grammar-compile-timeout-s",
         type=float,
@@ -75,9 +74,40 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_compile_arguments(args: argparse.Namespace, prog: str) -> bool:
-    """False (with the error on stderr) for ``--eager`` with ``--torch-compile``; a lone
-    ``--torch-compile`` gets a note."""
+def add_speculation_arguments(group: argparse._ActionsContainer) -> None:
+    """The draft and how deep it drafts: `tandem serve`'s and both workers'."""
+    group.add_argument("--draft", metavar="DIR", help="EAGLE / EAGLE-3 / DFlash draft directory")
+    group.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=5,
+        metavar="K",
+        help="the most draft tokens a decode step verifies (default: 5); with adaptive "
+        "speculation, the default, each step drafts 0 to K",
+    )
+    group.add_argument(
+        "--no-adaptive-speculation",
+        dest="adaptive_speculation",
+        action="store_false",
+        help="draft exactly --num-draft-tokens every step. By default a decode worker with a "
+        "draft measures its step costs at start-up and chooses K per step (0 to "
+        "--num-draft-tokens) from them and the acceptance it observes, so that speculating "
+        "never makes a batch slower than plain decoding; prefill workers draft the most "
+        "either way",
+    )
+
+
+def check_engine_arguments(args: argparse.Namespace, prog: str) -> bool:
+    """False (with the error on stderr) for ``--eager`` with ``--torch-compile``, or
+    ``--no-adaptive-speculation`` without ``--draft``; a lone ``--torch-compile`` gets a
+    note."""
+    if not args.adaptive_speculation and not args.draft:
+        print(
+            f"{prog}: error: --no-adaptive-speculation: needs --draft (without a draft there "
+            "is no speculation to fix)",
+            file=sys.stderr,
+        )
+        return False
     if args.torch_compile and args.eager:
         print(
             f"{prog}: error: --torch-compile, --eager: give one (compiling is the default)",
@@ -143,7 +173,12 @@ def build_engine(
     use_compile_cache()  # before anything compiles
     speculative = None
     if spec.draft_dir is not None:
-        speculative = SpeculativeConfig(str(spec.draft_dir), num_draft_tokens=spec.num_draft_tokens)
+        speculative = SpeculativeConfig(
+            str(spec.draft_dir),
+            num_draft_tokens=spec.num_draft_tokens,
+            # a decode worker's steps; a prefill worker's first drafts are always K deep
+            adaptive=is_decoding and args.adaptive_speculation,
+        )
     config = EngineConfig(
         model=str(spec.model_dir),
         dtype=args.dtype,

@@ -38,6 +38,10 @@ STOP_SLACK_S = 5.0
 WORKERS_STOP_S = 3.0
 STARTUP_TIMEOUT_S = 180.0
 COMPILE_STARTUP_S = 300.0  # more, per decode worker on a shared core, unless eager
+# More per decode worker with a draft, unless --no-adaptive-speculation: its step costs,
+# measured before it reports SERVING (SmolLM2 and EAGLE-3 at K = 3, 9 batch buckets up
+# to 64 rows: 95 s on a busy 2-core machine).
+ADAPTIVE_STARTUP_S = 240.0
 
 
 class ClusterError(RuntimeError):
@@ -48,7 +52,8 @@ class ClusterError(RuntimeError):
 class ClusterSpec:
     model: str
     draft: str | None = None
-    num_draft_tokens: int = 5
+    num_draft_tokens: int = 5  # the most; decode workers choose 0..K per step
+    adaptive_speculation: bool = True  # False: --no-adaptive-speculation (K every step)
     num_prefill: int = 1  # 0 with colocate
     num_decode: int = 1
     colocate: bool = False  # decode workers prefill their own requests (--colocate)
@@ -88,8 +93,11 @@ class ClusterSpec:
 
     def startup_timeout_s(self) -> float:
         """How long the cluster may take to be SERVING: more for each decode worker that
-        compiles (they share the cores)."""
-        return STARTUP_TIMEOUT_S + (0.0 if self.eager else COMPILE_STARTUP_S * self.num_decode)
+        compiles or measures its step costs (they share the cores)."""
+        per_decode = 0.0 if self.eager else COMPILE_STARTUP_S
+        if self.draft and self.adaptive_speculation:
+            per_decode += ADAPTIVE_STARTUP_S
+        return STARTUP_TIMEOUT_S + per_decode * self.num_decode
 
     def engine_args(self) -> list[str]:
         """The options both worker kinds take: the model, the draft, --eager, worker_args."""
@@ -98,6 +106,8 @@ class ClusterSpec:
             args.append("--eager")
         if self.draft:
             args += ["--draft", self.draft, "--num-draft-tokens", str(self.num_draft_tokens)]
+            if not self.adaptive_speculation:
+                args.append("--no-adaptive-speculation")
         return args
 
     @property

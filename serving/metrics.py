@@ -8,14 +8,21 @@ ledger call (scripts included) goes.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from serving.loop_watchdog import LoopWatchdog
 
@@ -158,6 +165,8 @@ class DecodeFigures:
     num_drafts: int = 0  # speculative steps' draft rows, since start
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    steps_per_k: tuple[int, ...] = ()  # [k]: decode steps that verified k drafts
+    max_k: int = 0  # the deepest a step may draft (--num-draft-tokens); 0 without a draft
 
 
 class _DecodeCollector(Collector):
@@ -191,6 +200,23 @@ class _DecodeCollector(Collector):
             counter = CounterMetricFamily(name, documentation, labels=["role"])
             counter.add_metric([self.role], value)
             yield counter
+        if f.max_k:
+            yield _k_histogram(self.role, f.steps_per_k, f.max_k)
+
+
+def _k_histogram(role: str, steps_per_k: Sequence[int], max_k: int) -> HistogramMetricFamily:
+    """``tandem_spec_k``: the draft tokens each decode step verified (0 to --num-draft-tokens),
+    one observation per step; with adaptive speculation, the depths the worker chose."""
+    counts = [*steps_per_k, *[0] * (max_k + 1 - len(steps_per_k))]
+    cumulative = list(itertools.accumulate(counts))
+    buckets = [(floatToGoString(k), float(cumulative[k])) for k in range(max_k + 1)]
+    buckets.append(("+Inf", float(cumulative[-1])))
+    histogram = HistogramMetricFamily(
+        "tandem_spec_k", "Draft tokens verified per decode step (K as chosen)", labels=["role"]
+    )
+    total = float(sum(k * n for k, n in enumerate(counts)))
+    histogram.add_metric([role], buckets, total)
+    return histogram
 
 
 class DecodeMetrics(Metrics):

@@ -18,6 +18,7 @@ class SpeculativeUsage:
     num_drafts: int  # decode steps that verified at least one draft token
     num_draft_tokens: int  # draft tokens verified
     num_accepted_tokens: int  # of those, accepted
+    num_steps_without_drafts: int = 0  # decode steps run with K = 0 (adaptive speculation)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -40,7 +41,9 @@ class Usage:
         spec = None
         if usage.HasField("speculative"):
             s = usage.speculative
-            spec = SpeculativeUsage(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+            spec = SpeculativeUsage(
+                s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.num_steps_without_drafts
+            )
         return cls(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, spec)
 
 

@@ -14,9 +14,13 @@ class SpecDecodeStats:
     num_caught_up_positions: int = 0  # draft KV written late, for steps that left it idle
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: drafts accepted at j
     verified_per_position: list[int] = field(default_factory=list)  # [j]: drafts verified at j
+    steps_per_k: list[int] = field(default_factory=list)  # [k]: decode steps that verified k
 
     def record(self, k: int, num_accepted: list[int]) -> None:
         """One step of ``len(num_accepted)`` rows that verified ``k`` drafts each."""
+        if k >= len(self.steps_per_k):
+            self.steps_per_k += [0] * (k + 1 - len(self.steps_per_k))
+        self.steps_per_k[k] += 1
         if k == 0:
             self.num_steps_without_drafts += len(num_accepted)
             return
@@ -47,5 +51,6 @@ class SpecDecodeStats:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "accepted_per_position": list(self.accepted_per_position),
+            "steps_per_k": list(self.steps_per_k),
             "mean_accepted_length": self.mean_accepted_length,
         }

@@ -66,7 +66,12 @@ def cluster(
     target, draft = model_dirs
     log_dir = tmp_path_factory.mktemp("cli_logs")
     spec = tiny_cluster_spec(
-        target, log_dir, draft=str(draft), num_draft_tokens=K, worker_args=WORKER_ARGS
+        target,
+        log_dir,
+        draft=str(draft),
+        num_draft_tokens=K,
+        adaptive_speculation=False,  # K every step: drafts are counted
+        worker_args=WORKER_ARGS,
     )
     started = Cluster(spec).start(timeout_s=120)
     try:

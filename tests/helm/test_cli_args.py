@@ -11,8 +11,9 @@ import io
 from typing import Any
 
 import pytest
+import yaml
 
-from tests.helm.chart import FIELD_VALUES, VALUE_SETS, expand_args, objects
+from tests.helm.chart import FIELD_VALUES, VALUE_SETS, expand_args, objects, render_raw
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) is not installed")
 
@@ -124,6 +125,37 @@ def test_eagle3_draft_settings_under_prefill_and_decode() -> None:
         assert args.draft == "/models/drafts/eagle3"  # the router names it in ListModels
         if args.command != "router":
             assert args.num_draft_tokens == 4 and args.kv_cache_memory == 40 << 30
+
+
+def test_adaptive_speculation_by_default_and_a_fixed_k_when_asked() -> None:
+    """Decode workers with a draft choose K per step unless ``decode.draft.adaptive`` is
+    false, which reaches the decode container alone as --no-adaptive-speculation."""
+    adaptive = {}
+    for name, values in (
+        ("default", VALUE_SETS["gpu-eagle3"]),
+        (
+            "fixed",
+            {
+                **VALUE_SETS["gpu-eagle3"],
+                "decode": {
+                    **VALUE_SETS["gpu-eagle3"]["decode"],
+                    "draft": {**VALUE_SETS["gpu-eagle3"]["decode"]["draft"], "adaptive": False},
+                },
+            },
+        ),
+    ):
+        texts = [t for p, t in render_raw(values).items() if not p.endswith("NOTES.txt")]
+        objs = [d for t in texts for d in yaml.safe_load_all(t) if d]
+        for _, container in tandem_containers(objs):
+            args = parse(expand_args(container, config_maps(objs)))
+            if args.command in ("prefill", "decode"):
+                adaptive[name, args.command] = args.adaptive_speculation
+    assert adaptive == {
+        ("default", "prefill"): True,
+        ("default", "decode"): True,
+        ("fixed", "prefill"): True,
+        ("fixed", "decode"): False,
+    }
 
 
 def test_eager_reaches_the_decode_worker_alone() -> None:

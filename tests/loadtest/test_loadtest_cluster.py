@@ -44,7 +44,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # Seed and scale as tests/services/test_cluster_tiny.py: some drafts are accepted.
     draft = build_random_draft(target, out / "eagle3", "eagle3", seed=1, std=0.3)
     spec = tiny_cluster_spec(
-        target, tmp_path_factory.mktemp("loadtest_logs"), draft=str(draft), num_draft_tokens=3
+        target,
+        tmp_path_factory.mktemp("loadtest_logs"),
+        draft=str(draft),
+        num_draft_tokens=3,
+        adaptive_speculation=False,  # K every step: drafts are counted
     )
     with Cluster(spec) as started:
         yield started

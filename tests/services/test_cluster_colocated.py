@@ -86,6 +86,7 @@ def cluster(
         tmp_path_factory.mktemp("logs_colocated"),
         draft=str(draft),
         num_draft_tokens=K,
+        adaptive_speculation=False,  # K every step: counters as one engine's
         num_prefill=0,
         colocate=True,
         worker_args=(*TINY_WORKER_ARGS, "--kv-cache-memory", str(NUM_BLOCKS * block_bytes)),

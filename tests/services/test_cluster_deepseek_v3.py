@@ -72,6 +72,7 @@ def clusters(
             tmp_path_factory.mktemp(f"logs_{variant}"),
             draft=str(model_dirs[variant]),
             num_draft_tokens=K,
+            adaptive_speculation=False,  # K every step: counters as one engine's
             worker_args=(
                 *("--dtype", "float32", "--block-size", str(BLOCK_SIZE)),
                 *("--kv-cache-memory", str(4 << 20), "--kv-transport", transport),

@@ -76,6 +76,7 @@ def cluster(dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -
         tmp_path_factory.mktemp("logs"),
         draft=str(draft),
         num_draft_tokens=K,
+        adaptive_speculation=False,  # K every step: counters as one engine's
         decode_args=("--kv-cache-memory", str(NUM_DECODE_BLOCKS * block_bytes(target, draft))),
     )
     with Cluster(spec) as started:

@@ -91,6 +91,7 @@ def start(model: Path, draft: Path | None, n: int, log_dir: Path) -> Cluster:
         model=str(model),
         draft=str(draft) if draft else None,
         num_draft_tokens=K,
+        adaptive_speculation=False,  # K every step: counters as one engine's
         num_prefill=n,
         num_decode=n,
         port=0,

@@ -85,6 +85,7 @@ def start_cluster(target: Path, draft: Path | None, log_dir: Path) -> Cluster:
         log_dir,
         draft=str(draft) if draft else None,
         num_draft_tokens=K,
+        adaptive_speculation=False,  # K every step: counters as one engine's
         worker_args=(*WORKER_ARGS, *transport),
     )
     return Cluster(spec).start(timeout_s=120)

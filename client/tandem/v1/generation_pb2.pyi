@@ -569,22 +569,28 @@ class SpeculativeUsage(_message.Message):
     NUM_DRAFTS_FIELD_NUMBER: _builtins.int
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_STEPS_WITHOUT_DRAFTS_FIELD_NUMBER: _builtins.int
     num_drafts: _builtins.int
     """Decode steps that verified at least one draft token."""
     num_draft_tokens: _builtins.int
     """Draft tokens verified."""
     num_accepted_tokens: _builtins.int
     """Draft tokens accepted; mean accepted length = 1 + num_accepted_tokens / num_drafts."""
+    num_steps_without_drafts: _builtins.int
+    """Decode steps that verified none: adaptive speculation chose K = 0 (plain decoding)
+    for them. The K chosen for the others averages num_draft_tokens / num_drafts.
+    """
     def __init__(
         self,
         *,
         num_drafts: _builtins.int = ...,
         num_draft_tokens: _builtins.int = ...,
         num_accepted_tokens: _builtins.int = ...,
+        num_steps_without_drafts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_drafts", b"num_drafts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_drafts", b"num_drafts", "num_steps_without_drafts", b"num_steps_without_drafts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

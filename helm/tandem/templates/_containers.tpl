@@ -56,6 +56,9 @@ ConfigMap ($(TANDEM_...) is expanded by the kubelet), probes and the drain. dict
     {{- if $v.draft.enabled }}
     - --draft=$({{ $env }}DRAFT)
     - --num-draft-tokens=$({{ $env }}NUM_DRAFT_TOKENS)
+    {{- if not $v.draft.adaptive }}
+    - --no-adaptive-speculation
+    {{- end }}
     {{- end }}
     {{- include "tandem.serviceArgs" (dict "root" $root "role" $role) | trim | nindent 4 }}
     {{- if eq $role "prefill" }}

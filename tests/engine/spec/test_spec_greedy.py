@@ -220,6 +220,26 @@ def test_adaptive_k_is_lossless_and_measures_every_bucket(target, tmp_path):
     assert adaptive.overhead > 0  # the engine's time between decode steps was seen
 
 
+def test_a_cost_table_where_drafts_never_pay_runs_plain_steps_and_says_so(target, tmp_path):
+    """Injected costs, not timings: where every K > 0 costs more per expected token than a
+    plain step, every step, the prompt's proposal included, runs at K = 0. The output
+    stays the target's; the request's counters and the engine's steps per K say so."""
+    model_dir, _ = target
+    draft = build_random_draft(model_dir, tmp_path / "eagle3", "eagle3")
+    requests = {"0": (PROMPTS[0], greedy(12))}
+    base = run(engine_for(model_dir), requests)
+    engine = engine_for(model_dir, SpeculativeConfig(str(draft), num_draft_tokens=3))
+    assert engine.spec is not None
+    dear = {0: StepCost(1.0), 1: StepCost(3.0), 2: StepCost(4.0), 3: StepCost(5.0)}
+    engine.spec.adaptive = AdaptiveK([0, 1, 2, 3], {1: dear}, probe_budget=0.0)
+    out = run(engine, requests)
+    assert out["0"].token_ids == base["0"].token_ids
+    counts = out["0"].spec_counts
+    assert counts is not None and (counts.num_drafts, counts.num_draft_tokens) == (0, 0)
+    assert counts.num_steps_without_drafts == 12 - 1  # the prompt's step made the first
+    assert engine.spec.stats.steps_per_k == [11]
+
+
 class ScriptedK(AdaptiveK):
     """K per step from a fixed cycle: a stand-in for the cost model in a test of the runner."""
 

@@ -1,0 +1,122 @@
+"""Adaptive speculation is the workers' default with a draft: --num-draft-tokens bounds K,
+--no-adaptive-speculation fixes it; `tandem serve` and both workers take both flags, and
+refuse --no-adaptive-speculation without a draft; scripts/demo starts adaptive."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from decode_worker import cli as decode_cli
+from prefill_worker import cli as prefill_cli
+from serving import engine_setup
+from serving.cli import register_serve
+from serving.launcher import (
+    ADAPTIVE_STARTUP_S,
+    COMPILE_STARTUP_S,
+    STARTUP_TIMEOUT_S,
+    ClusterError,
+    ClusterSpec,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+REQUIRED = ["--model", "m", "--redis-url", "redis://127.0.0.1:1/0"]
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem")
+    register_serve(parser.add_subparsers())
+    return parser
+
+
+@pytest.mark.parametrize(
+    ("is_decoding", "argv", "adaptive"),
+    [
+        (True, [], True),
+        (True, ["--no-adaptive-speculation"], False),
+        (False, [], False),  # a prefill worker's first drafts are K deep either way
+        (False, ["--no-adaptive-speculation"], False),
+    ],
+)
+def test_decode_workers_choose_k_unless_told_not_to(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    is_decoding: bool,
+    argv: list[str],
+    adaptive: bool,
+) -> None:
+    built: list[Any] = []
+    monkeypatch.setattr(
+        "engine.llm_engine.LLMEngine", lambda config, tokenizer: built.append(config)
+    )
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    parser = argparse.ArgumentParser()
+    (decode_cli if is_decoding else prefill_cli).add_arguments(parser)
+    args = parser.parse_args(
+        [*REQUIRED, "--draft", str(tmp_path), "--num-draft-tokens", "4", *argv]
+    )
+    spec = engine_setup.ModelSpec(tmp_path, "m", Path(args.draft), args.num_draft_tokens)
+    engine_setup.build_engine(spec, args, is_decoding=is_decoding)
+    (config,) = built
+    assert config.speculative.adaptive is adaptive
+    assert config.speculative.num_draft_tokens == 4  # the bound, or the fixed K
+
+
+@pytest.mark.parametrize("cli", [prefill_cli, decode_cli], ids=["prefill", "decode"])
+def test_workers_refuse_a_fixed_k_without_a_draft(
+    cli: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert parser.parse_args(REQUIRED).adaptive_speculation
+    assert cli.run(parser.parse_args([*REQUIRED, "--no-adaptive-speculation"])) == 2
+    assert "--no-adaptive-speculation: needs --draft" in capsys.readouterr().err
+
+
+def test_serve_hands_the_choice_to_its_workers(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    specs: list[ClusterSpec] = []
+
+    class Captured:
+        def __init__(self, spec: ClusterSpec) -> None:
+            specs.append(spec)
+
+        def start(self) -> None:
+            raise ClusterError("captured")
+
+    monkeypatch.setattr("serving.launcher.Cluster", Captured)
+    monkeypatch.setattr("engine.model_store.resolve_model", lambda name: Path("/models/m"))
+    parser = serve_parser()
+    for argv, adaptive in (([], True), (["--no-adaptive-speculation"], False)):
+        args = parser.parse_args(["serve", "--model", "m", "--draft", "/d", *argv])
+        assert args.func(args) == 1  # the captured start's error
+        assert specs[-1].adaptive_speculation is adaptive
+        worker_args = specs[-1].engine_args()
+        assert ("--no-adaptive-speculation" in worker_args) is not adaptive
+        assert worker_args[worker_args.index("--num-draft-tokens") + 1] == "5"
+    alone = parser.parse_args(["serve", "--model", "m", "--no-adaptive-speculation"])
+    assert alone.func(alone) == 2 and len(specs) == 2
+    assert "--no-adaptive-speculation: needs --draft" in capsys.readouterr().err
+
+
+def test_decode_workers_that_measure_their_costs_get_more_time_to_start() -> None:
+    adaptive = ClusterSpec(model="m", draft="/d", num_decode=2)
+    fixed = ClusterSpec(model="m", draft="/d", num_decode=2, adaptive_speculation=False)
+    plain = ClusterSpec(model="m", num_decode=2)
+    assert plain.startup_timeout_s() == fixed.startup_timeout_s()
+    assert adaptive.startup_timeout_s() == STARTUP_TIMEOUT_S + 2 * (
+        COMPILE_STARTUP_S + ADAPTIVE_STARTUP_S
+    )
+
+
+def test_the_demo_starts_adaptive() -> None:
+    text = (REPO / "scripts" / "demo").read_text().replace('"$port"', "50051")
+    line = next(line for line in text.replace("\\\n", " ").splitlines() if "tandem serve" in line)
+    words = shlex.split(line.strip().rstrip("&"))
+    args = serve_parser().parse_args(words[words.index("serve") :])
+    assert args.draft and args.adaptive_speculation
