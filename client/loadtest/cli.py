@@ -21,6 +21,7 @@ from loadtest.data import (
     RequestSpec,
     builtin_requests,
     cycle_prompts,
+    edit_requests,
     random_requests,
     read_jsonl,
 )
@@ -70,6 +71,8 @@ def request_source(
         parser.error("argument --prefix-len: only with --dataset random")
     if args.dataset == "builtin":
         return lambda seed: builtin_requests(output_len, seed=seed)
+    if args.dataset == "edit":
+        return lambda seed: edit_requests(output_len, seed=seed)
     try:
         items = read_jsonl(Path(args.dataset))
     except (OSError, ValueError, UnicodeDecodeError) as e:

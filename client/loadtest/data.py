@@ -1,17 +1,22 @@
 """What the requests of a load test ask: random prompts of chosen token lengths (token
 ids for Tandem, text of about that many tokens for an HTTP server), shared-prefix groups
-(for prefix caching), a JSONL file of prompts or chats, or a built-in chat set.
+(for prefix caching), a JSONL file of prompts or chats, a built-in chat set, or a built-in
+set of code edits.
 
-The built-in set and the word list come from Python's own module docstrings (``BUILTIN_MODULES``):
-every client has them, they need no download, no torch and no server package (the server's
-held-out prompts, training/heldout/, are the server's package data)."""
+The built-in sets and the word list come from Python's own standard library: the chats
+from its module docstrings (``BUILTIN_MODULES``), the edits from its functions' sources
+(``EDIT_MODULES``). Every client has them, they need no download, no torch and no server
+package (the server's held-out prompts, training/heldout/, are the server's package data);
+they are the same text for one Python version."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import random
 import re
+import textwrap
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +29,12 @@ BUILTIN_MODULES = (
     "difflib", "email", "fractions", "functools", "heapq", "json", "logging", "pickle",
     "random", "sqlite3", "statistics", "string", "textwrap", "threading", "unittest",
 )  # fmt: skip
+# Stdlib modules of plain Python functions, short enough to quote whole in a prompt.
+EDIT_MODULES = (
+    "base64", "bisect", "calendar", "colorsys", "difflib", "fnmatch", "fractions", "glob",
+    "heapq", "html", "posixpath", "quopri", "shlex", "statistics", "string", "textwrap",
+)  # fmt: skip
+EDIT_LINES = (5, 40)  # a function's source lines, first and last included
 QUESTIONS = (
     "Explain this in simple words: {}",
     "Summarize the following text in one sentence: {}",
@@ -86,6 +97,50 @@ def builtin_chats() -> list[list[dict[str, str]]]:
             if 8 <= len(sentence.split()) <= 60 and "::" not in sentence:
                 question = QUESTIONS[(i + len(chats)) % len(QUESTIONS)].format(sentence)
                 chats.append([{"role": "user", "content": question}])
+    return chats
+
+
+def _edit(name: str, params: list[str], turn: int) -> str:
+    """One small change to ask of a function, in turn: rename a parameter, rename the
+    function, or add a docstring."""
+    if turn % 3 == 0 and params:
+        old = params[turn // 3 % len(params)]
+        return f"rename the parameter `{old}` to `{old}_value` everywhere it is used"
+    if turn % 3 == 1:
+        return f"rename the function `{name}` to `{name}_v2`"
+    return "add a one-line docstring that says what it returns, or replace the one it has"
+
+
+def builtin_edits() -> list[list[dict[str, str]]]:
+    """One-turn chats, each asking for one function of the standard library back whole
+    with one small change: the answer mostly repeats the prompt's code, as code edits,
+    answers that quote and agent loops do."""
+    chats: list[list[dict[str, str]]] = []
+    for module_name in EDIT_MODULES:
+        module = importlib.import_module(module_name)
+        for name, function in sorted(vars(module).items()):
+            if name.startswith("_") or not inspect.isfunction(function):
+                continue
+            if function.__module__ != module.__name__:
+                continue
+            try:
+                source = textwrap.dedent(inspect.getsource(function))
+            except (OSError, TypeError):  # no source file (a trimmed install)
+                continue
+            if not EDIT_LINES[0] <= source.count("\n") <= EDIT_LINES[1] or not source.isascii():
+                continue
+            params = [
+                p.name
+                for p in inspect.signature(function).parameters.values()
+                if p.name not in ("self", "cls") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            ]
+            change = _edit(name, params, len(chats))
+            content = (
+                f"Here is `{name}` from Python's `{module_name}` module:\n\n```python\n"
+                f"{source}```\n\nRewrite it with one change: {change}. Reply with the whole "
+                "function in one code block, and nothing else changed."
+            )
+            chats.append([{"role": "user", "content": content}])
     return chats
 
 
@@ -163,3 +218,8 @@ def cycle_prompts(
 def builtin_requests(output_len: Lengths, *, seed: int = 0) -> Iterator[RequestSpec]:
     """Endless requests from the built-in chat set."""
     return cycle_prompts([(chat, None) for chat in builtin_chats()], output_len, seed=seed)
+
+
+def edit_requests(output_len: Lengths, *, seed: int = 0) -> Iterator[RequestSpec]:
+    """Endless requests from the built-in code edits."""
+    return cycle_prompts([(chat, None) for chat in builtin_edits()], output_len, seed=seed)

@@ -163,11 +163,13 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--dataset",
         default="random",
-        metavar="random|builtin|FILE.jsonl",
+        metavar="random|builtin|edit|FILE.jsonl",
         help="random: prompts of --input-len random tokens (token ids over gRPC, text of "
         "about as many words over HTTP); builtin: one-turn chats about Python's own module "
-        "docstrings (no download); a JSONL file: one object a line with 'prompt' (text) or "
-        "'messages' (a chat), and optionally 'max_tokens' (default: random)",
+        "docstrings (no download); edit: one-turn chats asking for a function of Python's "
+        "standard library back with one small change (answers that repeat the prompt, "
+        "where model-free drafts win); a JSONL file: one object a line with 'prompt' (text) "
+        "or 'messages' (a chat), and optionally 'max_tokens' (default: random)",
     )
     data.add_argument(
         "--input-len", type=positive_int, default=128, help="prompt tokens (default: 128)"

@@ -1,5 +1,6 @@
 """What the load test asks: random lengths within their ranges, shared prefixes in groups,
-JSONL prompts and chats, and the built-in chat set (from Python's own docstrings)."""
+JSONL prompts and chats, the built-in chat set (from Python's own docstrings) and the
+built-in code edits (from its functions' sources)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 from loadtest.data import (
     Lengths,
     builtin_chats,
+    builtin_edits,
     builtin_requests,
+    edit_requests,
     jsonl_requests,
     random_requests,
     word_list,
@@ -119,3 +122,33 @@ def test_builtin_chats() -> None:
         assert chat[0]["role"] == "user" and len(chat[0]["content"].split()) >= 8
     spec = next(builtin_requests(Lengths(9)))
     assert spec.output_len == 9 and spec.prompt in chats
+
+
+def test_builtin_edits_quote_a_whole_function_and_ask_one_change() -> None:
+    """Each edit quotes a public function of the standard library whole (its source
+    compiles and defines that name) and asks for one of three kinds of change, in turn."""
+    import ast
+    import re
+
+    edits = builtin_edits()
+    assert len(edits) >= 40
+    kinds = {"rename the parameter": 0, "rename the function": 0, "add a one-line docstring": 0}
+    for chat in edits:
+        [message] = chat
+        text = message["content"]
+        name = re.match(r"Here is `(\w+)` from Python's `[\w.]+` module", text)
+        assert name and not name.group(1).startswith("_")
+        code = text.split("```python\n", 1)[1].split("```", 1)[0]
+        [tree] = ast.parse(code).body
+        assert isinstance(tree, ast.FunctionDef) and tree.name == name.group(1)
+        change = text.split("Rewrite it with one change: ", 1)[1]
+        kind = next(k for k in kinds if change.startswith(k))
+        kinds[kind] += 1
+        if kind == "rename the parameter":
+            param = re.match(r"rename the parameter `(\w+)`", change)
+            assert param and param.group(1) in {
+                a.arg for a in tree.args.args + tree.args.kwonlyargs
+            }
+    assert all(n >= 10 for n in kinds.values()), kinds
+    spec = next(edit_requests(Lengths(200), seed=1))
+    assert spec.output_len == 200 and spec.prompt in edits
