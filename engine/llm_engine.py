@@ -252,8 +252,10 @@ class LLMEngine:
         else:
             seq.token_ids.append(first_token)
             seq.grammar and seq.grammar.commit([first_token])  # rebuilt from the tokens
-            if self.spec is not None and draft_token_ids:
-                seq.draft_token_ids = list(draft_token_ids)
+            if self.spec is not None and (draft_token_ids or not seq.params.speculative):
+                # One that does not speculate came with none: a decode row from its first
+                # step (the prefill worker's drafter wrote its draft KV all the same).
+                seq.draft_token_ids = list(draft_token_ids or [])
             self._check_stop(seq, first_token)
         output = self._output(seq)
         if seq.finish_reason is not None:

@@ -60,10 +60,12 @@ class TorchSampling:
             # Sampled drafts x ~ q: accept x with probability min(1, p(x)/q(x)), i.e. when a
             # keyed uniform r satisfies r * q(x) < p(x). At the first rejection emit a draw
             # from norm(max(0, p - q)); if all K drafts are accepted, the bonus is from p.
-            p_x = probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
-            q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+            # A draft of -1 is padding (acceptance.accept's draft_lengths): never accepted.
+            x = draft_tokens.clamp(min=0)[..., None]
+            p_x = probs[:, :k].gather(-1, x).squeeze(-1)  # [B, K]
+            q_x = draft_probs.gather(-1, x).squeeze(-1)
             r = uniform(keys.view(b, s)[:, :k].reshape(-1) ^ ACCEPT_SALT, 1).view(b, k)
-            accepted = r * q_x < p_x
+            accepted = (r * q_x < p_x) & (draft_tokens >= 0)
             residual = (probs[:, :k] - draft_probs).clamp(min=0)  # [B, K, V]
             # A zero residual means p == q, where a rejection cannot happen: fall back to p.
             has_mass = residual.sum(dim=-1, keepdim=True) > 0

@@ -96,6 +96,9 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] = field(default=())
     # Output restricted to a JSON schema, regex or grammar (engine.structured); None: free.
     structured_output: StructuredOutput | None = None
+    # False: this request's rows verify no drafts (K = 0) in whatever batch they run, and
+    # emit exactly what decoding without a draft would (the same draws, seeded or not).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists from callers, keep tuples (frozen, hashable).

@@ -38,6 +38,7 @@ def params_from_proto(message: gen.SamplingParams) -> SamplingParams:
         ),
         logit_bias=dict(message.logit_bias),
         structured_output=structured_from_proto(message),
+        speculative=message.speculative if message.HasField("speculative") else True,
     )
 
 

@@ -50,16 +50,35 @@ def accept(
     first_positions: torch.Tensor,  # [B] int64: position of the token after the pending one
     draft_probs: torch.Tensor | None = None,  # [B, K, V] what each draft was sampled from
     kernels: SamplingKernels = TORCH_SAMPLING,  # where filters and rejection sampling run
+    draft_lengths: torch.Tensor | None = None,  # [B] int64: drafts row b has (<= K); None: K
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``num_accepted`` [B] and ``next_tokens`` [B] (the bonus or recovered token);
     a row whose logits were not finite up to there accepts nothing and gets ``FAULT``.
-    Sampled rows follow ``SamplingKernels.accept_sampled``'s rule (written there)."""
+    Sampled rows follow ``SamplingKernels.accept_sampled``'s rule (written there).
+
+    A row with ``draft_lengths[b] = L < K`` verifies its first L drafts as a row of L
+    would: the entries past them are padding, never accepted, and where all L are accepted
+    its next token is drawn from the target's distribution at L, as the bonus token is
+    (with argmax drafts: the very draw plain decoding makes there)."""
     b, s, v = logits.shape
     k = s - 1
+    if draft_lengths is not None and draft_probs is not None:
+        # Sampled drafts: padding gets q = 0, so the residual there is p itself.
+        is_real = torch.arange(k, device=logits.device)[None, :] < draft_lengths[:, None]
+        draft_probs = draft_probs * is_real[..., None]
     # Position i's distribution follows the output and drafts[:i]: [B, K+1, V]
     logits = penalized(logits, sampling.penalties, draft_tokens)
     greedy = logits.argmax(dim=-1)  # [B, K+1]
     greedy_accepted = draft_tokens == greedy[:, :k]
+    if draft_lengths is not None:
+        # Padding is never accepted; penalties above counted it, but only at positions past
+        # it, whose distributions are never used.
+        draft_tokens = torch.where(
+            torch.arange(k, device=logits.device)[None, :] < draft_lengths[:, None],
+            draft_tokens,
+            -1,
+        )
+        greedy_accepted = draft_tokens == greedy[:, :k]
     faulty = is_faulty(logits, greedy)  # [B, K+1]
     if sampling.all_greedy:
         num = first_rejection(greedy_accepted)
@@ -69,6 +88,8 @@ def accept(
     flat = per_position(sampling, positions)
     probs = kernels.filtered_probs(logits.reshape(b * s, v), flat).view(b, s, v)  # p
     keys = row_keys(flat.seeds, flat.positions)  # [B*(K+1)]
+    if draft_lengths is not None and kernels is not TORCH_SAMPLING:
+        kernels = TORCH_SAMPLING  # padded drafts (-1): the torch rule handles them
     sampled_num, sampled_next = kernels.accept_sampled(probs, draft_tokens, keys, draft_probs)
 
     is_sampled = sampling.temperature > 0  # [B]
@@ -93,6 +114,7 @@ def accept_synthetic(
     first_positions: torch.Tensor,  # [B]
     rates: torch.Tensor,  # [K] probability of accepting the draft at each position
     kernels: SamplingKernels = TORCH_SAMPLING,
+    draft_lengths: torch.Tensor | None = None,  # [B]: as ``accept``'s, padding never accepted
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NOT LOSSLESS, for benchmarks with random weights only: accept the draft at position j
     with probability ``rates[j]`` whatever it is, then emit the target's own choice."""
@@ -101,7 +123,10 @@ def accept_synthetic(
     positions = first_positions[:, None] + torch.arange(s, device=logits.device)
     keys = row_keys(per_position(sampling, positions).seeds, positions.reshape(-1))
     r = uniform(keys.view(b, s)[:, :-1].reshape(-1) ^ _ACCEPT_SALT, 1).view(b, s - 1)
-    num = first_rejection(r < rates[None, :])
+    is_accepted = r < rates[None, :]
+    if draft_lengths is not None:
+        is_accepted &= torch.arange(s - 1, device=r.device)[None, :] < draft_lengths[:, None]
+    num = first_rejection(is_accepted)
     at = logits.gather(1, num[:, None, None].expand(-1, 1, logits.shape[-1])).squeeze(1)
     greedy = at.argmax(dim=-1)
     if sampling.all_greedy:

@@ -65,6 +65,7 @@ def can_overlap(seq: Sequence, k: int) -> bool:
         and p.logprobs is None
         and not p.uses_penalties
         and seq.draft_probs is None
+        and p.speculative  # a row of K = 0 among rows of K: the eager step's padding
         and not seq.undrafted_features
         and (drafts is None or len(drafts) == k)
     )

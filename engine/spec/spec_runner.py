@@ -161,8 +161,11 @@ class SpecRunner:
         sampling = self._sampling(seqs, penalties=False)
         drafts, probs = self.step.propose(state, args, sampling, k, StepGrammar.of(seqs))
         for i, (seq, row_drafts) in enumerate(zip(seqs, drafts.tolist(), strict=True)):
-            seq.draft_token_ids = row_drafts
-            seq.draft_probs = None if probs is None else probs[i]
+            if seq.params.speculative:
+                seq.draft_token_ids = row_drafts
+                seq.draft_probs = None if probs is None else probs[i]
+            else:  # its steps verify none; the drafter still writes its draft KV
+                seq.draft_token_ids, seq.draft_probs = [], None
         return result
 
     # -- decode ------------------------------------------------------------------------
@@ -171,9 +174,13 @@ class SpecRunner:
     def decode(self, seqs: list[Sequence]) -> list[DecodeResult]:
         """One unified step over rows whose target KV covers all but their pending token."""
         started = time.perf_counter()
-        k = min(len(s.draft_token_ids or []) for s in seqs)
-        k_next, context = self.k, 0.0  # context: the rows' mean KV length
-        if self.adaptive is not None:
+        # The batch verifies as deep as its shallowest speculating row; a request that does
+        # not speculate has none, and its row is padding past its pending token.
+        speculating = [len(s.draft_token_ids or []) for s in seqs if s.params.speculative]
+        k = min(speculating, default=0)
+        lengths = [k if s.params.speculative else 0 for s in seqs]
+        k_next, context = (self.k if speculating else 0), 0.0  # context: mean KV length
+        if self.adaptive is not None and speculating:
             context = sum(s.num_computed_tokens for s in seqs) / len(seqs)
             if self._decode_ended is not None:
                 self.adaptive.observe_overhead(len(seqs), started - self._decode_ended, context)
@@ -189,9 +196,9 @@ class SpecRunner:
             if self.adaptive is not None:  # a cost of having left the drafter idle
                 self.adaptive.charge(time.perf_counter() - started)
             started = time.perf_counter()
-        inputs = self._step_inputs(seqs, k, k_next)
+        inputs = self._step_inputs(seqs, k, k_next, lengths)
         if (
-            self.graphs is not None and inputs.grammar is None
+            self.graphs is not None and inputs.grammar is None and inputs.draft_lengths is None
         ):  # one wait, for the tokens' pinned host copies
             pending = self.graphs.launch(inputs, k_next, defer_drafter=defer)
             out, host = pending.outputs, pending.host()
@@ -199,11 +206,14 @@ class SpecRunner:
             out = self.step(inputs, k_next, defer_drafter=defer)
             host = (out.num_accepted, out.emitted, out.next_draft_tokens)
         num_accepted, emitted, drafts = (t.tolist() for t in host)  # completed: time it
-        self.stats.record(k, num_accepted)
-        for seq, a in zip(seqs, num_accepted, strict=True):
-            seq.spec_counts.record(k, a)
-        if self.adaptive is not None:
-            self.adaptive.observe(k, num_accepted)
+        verifying = [a for a, n in zip(num_accepted, lengths, strict=True) if n == k]
+        self.stats.record(k, verifying)
+        if k > 0:
+            self.stats.num_steps_without_drafts += len(seqs) - len(verifying)
+        for seq, a, n in zip(seqs, num_accepted, lengths, strict=True):
+            seq.spec_counts.record(n, a)
+        if self.adaptive is not None and verifying:
+            self.adaptive.observe(k, verifying)
             if k == k_next:  # a step at one depth, as the costs are measured
                 self.adaptive.observe_cost(len(seqs), k, time.perf_counter() - started, context)
         logprobs = self._logprobs(seqs, out.logits, out.emitted)
@@ -214,8 +224,12 @@ class SpecRunner:
             committed = kept.split([a + 1 for a in num_accepted])
         results = []
         for i, seq in enumerate(seqs):
-            seq.draft_token_ids = drafts[i]
-            seq.draft_probs = None if out.next_draft_probs is None else out.next_draft_probs[i]
+            if seq.params.speculative:
+                seq.draft_token_ids = drafts[i]
+                probs = out.next_draft_probs
+                seq.draft_probs = None if probs is None else probs[i]
+            else:
+                seq.draft_token_ids, seq.draft_probs = [], None
             if committed is not None:
                 seq.defer_drafting(committed[i])
             tokens = emitted[i][: num_accepted[i] + 1]
@@ -243,7 +257,11 @@ class SpecRunner:
             seq.clear_undrafted()
         self.stats.num_caught_up_positions += len(tokens)
 
-    def _step_inputs(self, seqs: list[Sequence], k: int, k_next: int) -> SpecStepInputs:
+    def _step_inputs(
+        self, seqs: list[Sequence], k: int, k_next: int, lengths: list[int] | None = None
+    ) -> SpecStepInputs:
+        """``lengths``: each row's drafts (k, or 0 for a request that does not speculate);
+        None: k for every row."""
         device = self.runner.device
 
         def t(values: list[int] | list[list[int]]) -> torch.Tensor:
@@ -251,10 +269,19 @@ class SpecRunner:
 
         kv_lens = [s.num_computed_tokens for s in seqs]
         width = max(len(s.block_table) for s in seqs)
-        drafts = [(s.draft_token_ids or [])[:k] for s in seqs]
+        lengths = lengths if lengths is not None else [k] * len(seqs)
+        drafts = [
+            (s.draft_token_ids or [])[:n] + [0] * (k - n)
+            for s, n in zip(seqs, lengths, strict=True)
+        ]
         draft_probs = None
-        if self.config.sample_drafts and all(s.draft_probs is not None for s in seqs):
-            draft_probs = torch.stack([s.draft_probs[:k] for s in seqs])
+        real = [s for s, n in zip(seqs, lengths, strict=True) if n > 0]
+        if self.config.sample_drafts and real and all(s.draft_probs is not None for s in real):
+            probs = [s.draft_probs[:k] for s in real]
+            empty = probs[0].new_zeros(probs[0].shape)  # padding rows: q = 0, never read
+            draft_probs = torch.stack(
+                [s.draft_probs[:k] if n > 0 else empty for s, n in zip(seqs, lengths, strict=True)]
+            )
         return SpecStepInputs(
             tokens=t([s.token_ids[-1] for s in seqs]),
             draft_tokens=t(drafts).view(len(seqs), k),
@@ -263,6 +290,7 @@ class SpecRunner:
             sampling=self._sampling(seqs),
             max_context_len=self._context_bound(max(kv_lens), k, k_next),
             draft_probs=draft_probs,
+            draft_lengths=t(lengths) if min(lengths, default=k) < k else None,
             **step_fields(seqs, drafts, device, self.runner.mask_worker),  # rows with a grammar
         )
 

@@ -64,6 +64,9 @@ class SpecStepInputs:
     sampling: SamplingTensors  # [B] per-row parameters (``positions`` is not used)
     max_context_len: int  # host bound >= n + 2K + 3 for every row
     draft_probs: torch.Tensor | None = None  # [B, K, V] when drafts were sampled
+    # [B] int64: rows with fewer drafts than K (a request that does not speculate has 0)
+    # verify only theirs, the rest of their row being padding; None: every row has K.
+    draft_lengths: torch.Tensor | None = None
     bitmask: torch.Tensor | None = None  # [B, K+1, ceil(V/32)] int32, bit set = allowed
     # [B] bool: rows in a thinking phase are not masked; acceptance is the same for them.
     in_thinking_phase: torch.Tensor | None = None
@@ -164,7 +167,12 @@ class UnifiedStep:
                 rates = torch.tensor(self.synthetic_rates[:k], device=device)
                 self._rates[(device, k)] = rates
             num_accepted, next_tokens = accept_synthetic(
-                logits, inputs.sampling, first_positions, rates, self.sampling_kernels
+                logits,
+                inputs.sampling,
+                first_positions,
+                rates,
+                self.sampling_kernels,
+                inputs.draft_lengths,
             )
         else:
             num_accepted, next_tokens = accept(
@@ -174,6 +182,7 @@ class UnifiedStep:
                 first_positions,
                 inputs.draft_probs,
                 self.sampling_kernels,
+                inputs.draft_lengths,
             )
 
         # Accepted drafts, then the next token: what the row emits, and (shifted by one)

@@ -47,6 +47,8 @@ def sampling(body: SamplingFields, choice: int, max_tokens: int | None) -> gen.S
         stop_token_ids=body.stop_token_ids or (),
         ignore_eos=body.ignore_eos,
     )
+    if not body.speculative:
+        params.speculative = False
     if max_tokens is not None:
         params.max_tokens = max_tokens
     if body.temperature is not None:

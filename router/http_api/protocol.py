@@ -2,7 +2,8 @@
 
 Fields follow OpenAI's API reference; the extras vLLM accepts at the top level of a body
 (``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``) are
-accepted the same way (the ``openai`` client sends them with ``extra_body``). Types are
+accepted the same way (the ``openai`` client sends them with ``extra_body``), and so is
+Tandem's own ``speculative`` (false: the request verifies no drafts). Types are
 strict: a string where a number belongs is refused, not converted. Fields other clients
 send and that change nothing here (``user``, ``metadata``, ``store``, ...) are ignored;
 fields that would change the answer and are not supported yet get a 400 naming them.
@@ -85,6 +86,8 @@ class SamplingFields(BaseModel):
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # Tandem's: false, this request verifies no drafts (what decoding without one samples)
+    speculative: bool = True
     repetition_penalty: float | None = None
     # vLLM's structured-output extras (at most one constraint per request)
     guided_json: str | dict[str, Any] | None = None  # a JSON schema

@@ -38,3 +38,25 @@ def test_a_body_error_names_the_field_path() -> None:
     assert (error.param, error.message) == ("messages.0.role", "messages.0.role: too short")
     invalid_json = body_error([{"loc": ("body", 5), "type": "json_invalid", "msg": "x"}])
     assert invalid_json.param is None and invalid_json.message.startswith("body: not valid JSON")
+
+
+def test_speculative_false_reaches_the_sampling_params_and_a_non_bool_is_refused() -> None:
+    """Tandem's extra body field: false reaches the worker (the proto's optional field set);
+    left out, the field stays unset (the worker's default, true); strict types refuse "no"."""
+    import pydantic
+
+    from router.http_api.convert import sampling
+    from router.http_api.protocol import CompletionRequest
+
+    off = CompletionRequest.model_validate({"model": "m", "prompt": "x", "speculative": False})
+    params = sampling(off, 0, 4)
+    assert params.HasField("speculative") and params.speculative is False
+    assert not sampling(
+        CompletionRequest.model_validate({"model": "m", "prompt": "x"}), 0, 4
+    ).HasField("speculative")
+    try:
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "speculative": "no"})
+    except pydantic.ValidationError as e:
+        assert body_error(e.errors()).param == "speculative"
+    else:
+        raise AssertionError("a string for speculative was accepted")

@@ -104,3 +104,31 @@ async def test_greedy_with_adaptive_k_equals_the_target_alone(
     # one observation per decode step of the batch, which carries 1 to 6 of the rows
     assert row_steps / 6 <= count <= row_steps
     assert 0 <= total <= K * count
+
+
+async def test_a_request_that_does_not_speculate_verifies_no_drafts(
+    cluster: tuple[Cluster, Path],
+) -> None:
+    """``speculative=False`` on the wire: beside a request that speculates, its rows verify
+    no drafts, its usage says so, and both outputs are the target's."""
+    running, target = cluster
+    assert running.router is not None
+    token_prompts = prompts(2, seed=12)
+    results = await asyncio.gather(
+        *(
+            run(
+                running.router.address,
+                p,
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                ignore_eos=True,
+                speculative=on,
+            )
+            for p, on in zip(token_prompts, (True, False), strict=True)
+        )
+    )
+    ours = [check_stream(chunks, MAX_TOKENS) for chunks in results]
+    assert ours == engine_greedy(target, token_prompts, MAX_TOKENS)
+    off = results[1][-1].usage.speculative
+    assert (off.num_drafts, off.num_draft_tokens, off.num_accepted_tokens) == (0, 0, 0)
+    assert off.num_steps_without_drafts == MAX_TOKENS - 1  # the prefill worker sampled one

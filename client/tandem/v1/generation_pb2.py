@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\"\xce\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParamsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\xdf\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x04\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x06\x88\x01\x01\x12\x36\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\x82\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x14\n\x0cthinking_end\x18\x05 \x01(\tB\x06\n\x04kind\"\xc0\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x1f\n\x05usage\x18\t \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x30\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x17.tandem.v1.TokenLogprobB\r\n\x0bstop_reason\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x97\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x35\n\x0bspeculative\x18\x04 \x01(\x0b\x32\x1b.tandem.v1.SpeculativeUsageH\x00\x88\x01\x01\x42\x0e\n\x0c_speculative\"\x7f\n\x10SpeculativeUsage\x12\x12\n\nnum_drafts\x18\x01 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\x12 \n\x18num_steps_without_drafts\x18\x04 \x01(\r\"\x13\n\x11ListModelsRequest\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"Y\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x03 \x01(\t\x12\x12\n\ndraft_kind\x18\x04 \x01(\t*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1b\n\x17\x46INISH_REASON_PREEMPTED\x10\x04\x32\x9b\x01\n\nGeneration\x12\x42\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x18.tandem.v1.GenerateChunk0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\"\xce\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParamsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x89\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x04\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x06\x88\x01\x01\x12\x36\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x12\x18\n\x0bspeculative\x18\x11 \x01(\x08H\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x0e\n\x0c_speculative\"\x82\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x14\n\x0cthinking_end\x18\x05 \x01(\tB\x06\n\x04kind\"\xc0\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x1f\n\x05usage\x18\t \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x30\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x17.tandem.v1.TokenLogprobB\r\n\x0bstop_reason\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x97\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x35\n\x0bspeculative\x18\x04 \x01(\x0b\x32\x1b.tandem.v1.SpeculativeUsageH\x00\x88\x01\x01\x42\x0e\n\x0c_speculative\"\x7f\n\x10SpeculativeUsage\x12\x12\n\nnum_drafts\x18\x01 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\x12 \n\x18num_steps_without_drafts\x18\x04 \x01(\r\"\x13\n\x11ListModelsRequest\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"Y\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x03 \x01(\t\x12\x12\n\ndraft_kind\x18\x04 \x01(\t*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1b\n\x17\x46INISH_REASON_PREEMPTED\x10\x04\x32\x9b\x01\n\nGeneration\x12\x42\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x18.tandem.v1.GenerateChunk0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2037
-  _globals['_FINISHREASON']._serialized_end=2186
+  _globals['_FINISHREASON']._serialized_start=2079
+  _globals['_FINISHREASON']._serialized_end=2228
   _globals['_GENERATEREQUEST']._serialized_start=42
   _globals['_GENERATEREQUEST']._serialized_end=248
   _globals['_TOKENIDS']._serialized_start=250
@@ -44,27 +44,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=321
   _globals['_CHATMESSAGES']._serialized_end=377
   _globals['_SAMPLINGPARAMS']._serialized_start=380
-  _globals['_SAMPLINGPARAMS']._serialized_end=987
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=833
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=881
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=990
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1120
-  _globals['_GENERATECHUNK']._serialized_start=1123
-  _globals['_GENERATECHUNK']._serialized_end=1443
-  _globals['_TOKENLOGPROB']._serialized_start=1445
-  _globals['_TOKENLOGPROB']._serialized_end=1530
-  _globals['_TOPLOGPROB']._serialized_start=1532
-  _globals['_TOPLOGPROB']._serialized_end=1579
-  _globals['_USAGE']._serialized_start=1582
-  _globals['_USAGE']._serialized_end=1733
-  _globals['_SPECULATIVEUSAGE']._serialized_start=1735
-  _globals['_SPECULATIVEUSAGE']._serialized_end=1862
-  _globals['_LISTMODELSREQUEST']._serialized_start=1864
-  _globals['_LISTMODELSREQUEST']._serialized_end=1883
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1885
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1943
-  _globals['_MODELINFO']._serialized_start=1945
-  _globals['_MODELINFO']._serialized_end=2034
-  _globals['_GENERATION']._serialized_start=2189
-  _globals['_GENERATION']._serialized_end=2344
+  _globals['_SAMPLINGPARAMS']._serialized_end=1029
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=859
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=907
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1032
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1162
+  _globals['_GENERATECHUNK']._serialized_start=1165
+  _globals['_GENERATECHUNK']._serialized_end=1485
+  _globals['_TOKENLOGPROB']._serialized_start=1487
+  _globals['_TOKENLOGPROB']._serialized_end=1572
+  _globals['_TOPLOGPROB']._serialized_start=1574
+  _globals['_TOPLOGPROB']._serialized_end=1621
+  _globals['_USAGE']._serialized_start=1624
+  _globals['_USAGE']._serialized_end=1775
+  _globals['_SPECULATIVEUSAGE']._serialized_start=1777
+  _globals['_SPECULATIVEUSAGE']._serialized_end=1904
+  _globals['_LISTMODELSREQUEST']._serialized_start=1906
+  _globals['_LISTMODELSREQUEST']._serialized_end=1925
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1927
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1985
+  _globals['_MODELINFO']._serialized_start=1987
+  _globals['_MODELINFO']._serialized_end=2076
+  _globals['_GENERATION']._serialized_start=2231
+  _globals['_GENERATION']._serialized_end=2386
 # @@protoc_insertion_point(module_scope)

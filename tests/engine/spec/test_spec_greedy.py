@@ -240,6 +240,44 @@ def test_a_cost_table_where_drafts_never_pay_runs_plain_steps_and_says_so(target
     assert engine.spec.stats.steps_per_k == [11]
 
 
+@pytest.mark.parametrize("sample_drafts", [False, True], ids=["argmax_drafts", "sampled_drafts"])
+def test_a_request_that_does_not_speculate_emits_what_plain_decoding_does(
+    target, tmp_path, sample_drafts
+):
+    """Rows of requests with ``speculative=False`` verify no drafts in the same batches as
+    rows that do: greedy ones emit the target's tokens, seeded sampled ones the very tokens
+    decoding without a draft samples (with sampled drafts, speculating rows draw otherwise,
+    so only this says the padding rows took the plain path). Their counters say so."""
+    model_dir, _ = target
+    draft = build_random_draft(model_dir, tmp_path / "eagle3", "eagle3", std=0.3)
+
+    def sampled(n: int, **kw: object) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=n, temperature=0.9, top_k=20, seed=7, ignore_eos=True, **kw
+        )
+
+    requests = {
+        "greedy-on": (PROMPTS[0], greedy(16)),
+        "greedy-off": (PROMPTS[1], greedy(16, speculative=False)),
+        "sampled-on": (PROMPTS[2], sampled(16)),
+        "sampled-off": (PROMPTS[3], sampled(16, speculative=False)),
+    }
+    base = run(engine_for(model_dir), requests)
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=3, sample_drafts=sample_drafts)
+    engine = engine_for(model_dir, spec)
+    out = run(engine, requests)
+    for rid in ("greedy-on", "greedy-off", "sampled-off"):
+        assert out[rid].token_ids == base[rid].token_ids, rid
+    if not sample_drafts:  # argmax drafts draw exactly what plain sampling draws
+        assert out["sampled-on"].token_ids == base["sampled-on"].token_ids
+    for rid in ("greedy-off", "sampled-off"):
+        counts = out[rid].spec_counts
+        assert counts is not None and (counts.num_drafts, counts.num_draft_tokens) == (0, 0)
+        assert counts.num_steps_without_drafts == 16 - 1, rid  # the prompt's step made one
+    assert out["greedy-on"].spec_counts.num_drafts > 0  # type: ignore[union-attr]
+    assert_counts_add_up(engine, out)
+
+
 class ScriptedK(AdaptiveK):
     """K per step from a fixed cycle: a stand-in for the cost model in a test of the runner."""
 
