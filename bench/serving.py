@@ -17,13 +17,19 @@ EOS ignored, temperature 0, seeded), one server at a time:
   batching, ``--ctx-size`` = slots x ``CTX_PER_SLOT``; everything else at its defaults.
 
 Each concurrency is a closed loop of that many requests in flight (``--warmup`` requests
-first, not counted); then one open-loop Poisson rate sweep (``--rates``) with at most
-``max(concurrency)`` in flight. Figures are the loadtest's: output tokens per second of
-the run, TTFT p50.
+first, not counted), on each of ``--datasets`` (the chat set, ``builtin``, and the code
+edits, ``edit``, whose keys end in ``_edit``); then one open-loop Poisson rate sweep
+(``--rates``) with at most ``max(concurrency)`` in flight. Figures are the loadtest's:
+output tokens per second of the run, TTFT p50. Each Tandem side's cluster is started once
+and kept; each level and dataset runs every Tandem side ``--pairs`` times in turn, a
+speculative side right after its plain one, and reports medians, with
+``<spec>_over_<plain>_c<N>[_edit]`` the median of the pairs' ratios (single runs here
+spread by about 10 %).
 
 ``llama-server`` is built once by ``scripts/build_llama_server`` (about 10 minutes on 2
 cores); without it this exits 2 saying so. The last line is one JSON object:
-``{<side>_tok_s_c<N>, <side>_ttft_ms_p50_c<N>, ..., tandem_best_over_llamacpp_bf16_c<N>,
+``{<side>_tok_s_c<N>[_edit], <side>_ttft_ms_p50_c<N>[_edit], ...,
+tandem_eagle3_over_tandem_c<N>[_edit], tandem_best_over_llamacpp_bf16_c<N>,
 tandem_plain_over_llamacpp_bf16_c<N>, "failed", "sweep", "threads", "setup"}`` with sides
 tandem, tandem_eagle3, tandem_colocated, tandem_colocated_eagle3, llamacpp_bf16,
 llamacpp_q4 (null where not run); "best" is the best of Tandem's four that ran, "plain" the
@@ -33,8 +39,8 @@ dropped connection, an error status) is counted, as a load tester counts it, in 
 request fails stops the run.
 
     python bench/serving.py            # concurrency 1, 8, 32; both GGUFs; a rate sweep
-    python bench/serving.py --quick    # concurrency 1, 8; 16 requests; tandem, tandem_eagle3
-                                       # and llamacpp_bf16 (--sides to change); no sweep
+    python bench/serving.py --quick    # concurrency 1, 8; 16 requests; 3 pairs; tandem,
+                                       # tandem_eagle3 and llamacpp_bf16 (--sides to change)
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,6 +71,10 @@ TANDEM_SIDES = ("tandem", "tandem_eagle3", "tandem_colocated", "tandem_colocated
 PLAIN_SIDES = ("tandem", "tandem_colocated")  # no draft: what every request pays
 SIDES = (*TANDEM_SIDES, "llamacpp_bf16", "llamacpp_q4")
 QUICK_SIDES = ("tandem", "tandem_eagle3", "llamacpp_bf16")
+# Each speculative side and the plain side it is paired with, run back to back.
+PAIRED = {"tandem_eagle3": "tandem", "tandem_colocated_eagle3": "tandem_colocated"}
+# `tandem loadtest --dataset` -> the suffix of its keys: the chat set's have none.
+DATASETS = {"builtin": "", "edit": "_edit"}
 
 
 def cores() -> int:
@@ -154,14 +165,16 @@ def tandem_cluster(
         yield cluster.router.base_url, shape
 
 
-def loadtest(base_url: str, extra: list[str], label: str) -> list[dict[str, Any]]:
+def loadtest(
+    base_url: str, extra: list[str], label: str, dataset: str = "builtin"
+) -> list[dict[str, Any]]:
     """One ``tandem loadtest`` over HTTP; its runs (one per rate)."""
     tandem = shutil.which("tandem")
     if tandem is None:
         raise SystemExit("bench/serving.py: the `tandem` command is not installed")
     command = [
         tandem, "loadtest", "--target", "openai", "--base-url", base_url,
-        "--endpoint", "chat", "--dataset", "builtin", "--seed", "0", "--no-progress", *extra,
+        "--endpoint", "chat", "--dataset", dataset, "--seed", "0", "--no-progress", *extra,
     ]  # fmt: skip
     print(f"[serving] {label}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=1800)
@@ -216,6 +229,20 @@ def main() -> None:
         action="store_true",
         help="concurrency 1, 8; 16 requests; no sweep; the bf16 GGUF only",
     )
+    parser.add_argument(
+        "--datasets",
+        default="builtin,edit",
+        help="`tandem loadtest --dataset`s, comma-separated: builtin (the chat set; its keys "
+        "have no suffix) and edit (keys ending in _edit) (default: both)",
+    )
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="runs of each Tandem side per level and dataset, a speculative side right after "
+        "its plain one; figures are medians, and <spec>_over_<plain>_c<N> the median of the "
+        "pairs' ratios (default: 3 with --quick, else 1)",
+    )
     parser.add_argument("--log-dir", type=Path, help="servers' logs (default: a temporary dir)")
     parser.add_argument(
         "--plot-dir",
@@ -229,9 +256,13 @@ def main() -> None:
     if unknown := set(sides) - set(SIDES):
         parser.error(f"--sides: unknown {sorted(unknown)}; choose from {', '.join(SIDES)}")
     rates = args.rates
+    datasets = args.datasets.split(",")
+    if unknown := set(datasets) - set(DATASETS):
+        parser.error(f"--datasets: unknown {sorted(unknown)}; choose from {', '.join(DATASETS)}")
     if args.quick:
         levels, args.requests, rates = [1, 8], 16, ""
         sides = tuple(s for s in sides if s != "llamacpp_q4")
+    pairs = args.pairs or (3 if args.quick else 1)
 
     binary = args.llama_dir / "bin" / "llama-server"
     ggufs = {
@@ -256,7 +287,13 @@ def main() -> None:
 
     model_dir = resolve_model_dir(args.model)
     warmup = 4
-    keys = [f"{s}_{k}_c{c}" for c in levels for s in SIDES for k in ("tok_s", "ttft_ms_p50")]
+    keys = [
+        f"{s}_{k}_c{c}{DATASETS[d]}"
+        for d in datasets
+        for c in levels
+        for s in SIDES
+        for k in ("tok_s", "ttft_ms_p50")
+    ]
     result: dict[str, Any] = dict.fromkeys(keys)
     result["failed"] = {}  # side_cN -> errors by kind, for levels where requests failed
     sweep: dict[str, list[dict[str, Any]]] = {}
@@ -265,23 +302,33 @@ def main() -> None:
     with ExitStack() as stack:
         log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         log_dir.mkdir(parents=True, exist_ok=True)
-        for side in sides:
-            sweep_on = bool(rates) and side != "llamacpp_q4"
-            if side in TANDEM_SIDES:
-                draft = args.draft if side.endswith("eagle3") else None
-                colocate = "colocated" in side
-                print(f"[serving] {side}: starting the cluster", file=sys.stderr, flush=True)
-                with tandem_cluster(
+        # Every Tandem side's cluster started once, one after another, and kept for all
+        # datasets and levels: a speculative side runs right after its plain one.
+        urls: dict[str, str] = {}
+        for side in (s for s in TANDEM_SIDES if s in sides):
+            draft = args.draft if side.endswith("eagle3") else None
+            colocate = "colocated" in side
+            print(f"[serving] {side}: starting the cluster", file=sys.stderr, flush=True)
+            urls[side], shape = stack.enter_context(
+                tandem_cluster(
                     model_dir, draft, args.tandem_threads, not args.eager, colocate, log_dir
-                ) as (url, shape):
-                    threads["tandem_colocated" if colocate else "tandem"] = shape
-                    for c in levels:
-                        n = args.requests or max(32, 2 * c)
-                        [run] = loadtest(url, closed_loop(c, n, warmup, args.output_len), side)
-                        record(result, side, c, run)
-                    if sweep_on:
-                        sweep[side] = sweep_runs(url, rates, args, max(levels), side)
-                continue
+                )
+            )
+            threads["tandem_colocated" if colocate else "tandem"] = shape
+        for dataset in datasets:
+            for c in levels:
+                n = args.requests or max(32, 2 * c)
+                runs: dict[str, list[dict[str, Any]]] = {side: [] for side in urls}
+                for _ in range(pairs):
+                    for side, url in urls.items():
+                        extra = closed_loop(c, n, warmup, args.output_len)
+                        runs[side] += loadtest(url, extra, f"{side} {dataset}", dataset)
+                record_pairs(result, runs, c, DATASETS[dataset])
+        for side, url in urls.items():
+            if rates:
+                sweep[side] = sweep_runs(url, rates, args, max(levels), side)
+        for side in (s for s in sides if s not in TANDEM_SIDES):
+            sweep_on = bool(rates) and side != "llamacpp_q4"
             for c in levels:
                 with llama_server(binary, ggufs[side], c, args.llama_threads, log_dir) as url:
                     threads["llamacpp"] = (
@@ -289,8 +336,10 @@ def main() -> None:
                         f"-np = concurrency, continuous batching"
                     )
                     n = args.requests or max(32, 2 * c)
-                    [run] = loadtest(url, closed_loop(c, n, warmup, args.output_len), side)
-                    record(result, side, c, run)
+                    for dataset in datasets:
+                        extra = closed_loop(c, n, warmup, args.output_len)
+                        [run] = loadtest(url, extra, f"{side} {dataset}", dataset)
+                        record(result, side, c, run, DATASETS[dataset])
             if sweep_on:
                 slots = max(levels)
                 with llama_server(binary, ggufs[side], slots, args.llama_threads, log_dir) as url:
@@ -316,7 +365,9 @@ def main() -> None:
         setup={
             "model": args.model,
             "dtype": "bfloat16 (Tandem, llamacpp_bf16), Q4_1 (llamacpp_q4)",
-            "endpoint": "chat, streaming, builtin chats, ignore_eos, temperature 0",
+            "endpoint": "chat, streaming, ignore_eos, temperature 0",
+            "datasets": datasets,
+            "pairs": pairs,
             "output_len": args.output_len,
             "concurrency": levels,
             "requests": args.requests or "max(32, 2 N)",
@@ -353,11 +404,43 @@ def ratios_to_llamacpp(
     return ratios
 
 
-def record(result: dict[str, Any], side: str, concurrency: int, run: dict[str, Any]) -> None:
-    result[f"{side}_tok_s_c{concurrency}"] = round(run["output_throughput"], 1)
-    result[f"{side}_ttft_ms_p50_c{concurrency}"] = round(run["ttft_ms"]["p50"], 1)
+def record(
+    result: dict[str, Any], side: str, concurrency: int, run: dict[str, Any], suffix: str = ""
+) -> None:
+    at = f"c{concurrency}{suffix}"
+    result[f"{side}_tok_s_{at}"] = round(run["output_throughput"], 1)
+    result[f"{side}_ttft_ms_p50_{at}"] = round(run["ttft_ms"]["p50"], 1)
     if run["num_failed"]:  # e.g. {"llamacpp_bf16_c1": {"connection": 1}}
-        result["failed"][f"{side}_c{concurrency}"] = run["errors"]
+        result["failed"][f"{side}_{at}"] = run["errors"]
+
+
+def record_pairs(
+    result: dict[str, Any], runs: dict[str, list[dict[str, Any]]], concurrency: int, suffix: str
+) -> None:
+    """Each side's median run (tok/s and TTFT p50 medians of its runs), tau where it drafted,
+    and per speculative side the median of its pairs' ratios to its plain side."""
+    at = f"c{concurrency}{suffix}"
+    for side, side_runs in runs.items():
+        if not side_runs:
+            continue
+        ranked = sorted(side_runs, key=lambda r: r["output_throughput"])
+        record(result, side, concurrency, ranked[len(ranked) // 2], suffix)
+        result[f"{side}_tok_s_{at}"] = round(
+            statistics.median(r["output_throughput"] for r in side_runs), 1
+        )
+        result[f"{side}_ttft_ms_p50_{at}"] = round(
+            statistics.median(r["ttft_ms"]["p50"] for r in side_runs), 1
+        )
+        taus = [t for r in side_runs if (t := (r.get("speculative") or {}).get("tokens_per_step"))]
+        if taus:
+            result[f"{side}_tau_{at}"] = round(statistics.median(taus), 3)
+    for spec_side, plain_side in PAIRED.items():
+        if runs.get(spec_side) and runs.get(plain_side):
+            ratios = [
+                a["output_throughput"] / b["output_throughput"]
+                for a, b in zip(runs[spec_side], runs[plain_side], strict=True)
+            ]
+            result[f"{spec_side}_over_{plain_side}_{at}"] = round(statistics.median(ratios), 3)
 
 
 def sweep_runs(

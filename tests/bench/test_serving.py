@@ -106,3 +106,25 @@ def test_the_plain_ratio_leaves_the_eagle3_sides_out() -> None:
         "tandem_best_over_llamacpp_bf16_c8": 1.2,
         "tandem_plain_over_llamacpp_bf16_c8": 1.2,
     }
+
+
+def test_paired_runs_give_medians_and_the_median_of_the_pairs_ratios() -> None:
+    serving = load_serving_module()
+
+    def run(tok_s: float, ttft: float) -> dict[str, object]:
+        return {"output_throughput": tok_s, "ttft_ms": {"p50": ttft}, "num_failed": 0, "errors": {}}
+
+    runs = {
+        "tandem": [run(100, 50), run(80, 70), run(90, 60)],
+        "tandem_eagle3": [run(110, 40), run(72, 90), run(99, 65)],  # 1.1, 0.9, 1.1
+    }
+    result: dict[str, object] = {"failed": {}}
+    serving.record_pairs(result, runs, 8, "_edit")
+    assert result["tandem_tok_s_c8_edit"] == 90 and result["tandem_ttft_ms_p50_c8_edit"] == 60
+    assert result["tandem_eagle3_tok_s_c8_edit"] == 99
+    # the median of the pairs' ratios, not the ratio of the medians (99 / 90 = 1.1 too)
+    assert result["tandem_eagle3_over_tandem_c8_edit"] == 1.1
+    runs["tandem_eagle3"][2] = run(81, 65)  # 0.9: the pairs now say 1.1, 0.9, 0.9
+    serving.record_pairs(result, runs, 8, "")
+    assert result["tandem_eagle3_over_tandem_c8"] == 0.9
+    assert "tandem_eagle3_tau_c8" not in result  # no speculative figures in these runs
