@@ -77,6 +77,13 @@ PAIRED = {"tandem_eagle3": "tandem", "tandem_colocated_eagle3": "tandem_colocate
 DATASETS = {"builtin": "", "edit": "_edit"}
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -237,7 +244,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--pairs",
-        type=int,
+        type=positive_int,
         default=0,
         help="runs of each Tandem side per level and dataset, a speculative side right after "
         "its plain one; figures are medians, and <spec>_over_<plain>_c<N> the median of the "
@@ -303,30 +310,32 @@ def main() -> None:
         log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         log_dir.mkdir(parents=True, exist_ok=True)
         # Every Tandem side's cluster started once, one after another, and kept for all
-        # datasets and levels: a speculative side runs right after its plain one.
-        urls: dict[str, str] = {}
-        for side in (s for s in TANDEM_SIDES if s in sides):
-            draft = args.draft if side.endswith("eagle3") else None
-            colocate = "colocated" in side
-            print(f"[serving] {side}: starting the cluster", file=sys.stderr, flush=True)
-            urls[side], shape = stack.enter_context(
-                tandem_cluster(
-                    model_dir, draft, args.tandem_threads, not args.eager, colocate, log_dir
+        # datasets and levels: a speculative side runs right after its plain one. All of
+        # them stop before llama-server starts.
+        with ExitStack() as clusters:
+            urls: dict[str, str] = {}
+            for side in (s for s in TANDEM_SIDES if s in sides):
+                draft = args.draft if side.endswith("eagle3") else None
+                colocate = "colocated" in side
+                print(f"[serving] {side}: starting the cluster", file=sys.stderr, flush=True)
+                urls[side], shape = clusters.enter_context(
+                    tandem_cluster(
+                        model_dir, draft, args.tandem_threads, not args.eager, colocate, log_dir
+                    )
                 )
-            )
-            threads["tandem_colocated" if colocate else "tandem"] = shape
-        for dataset in datasets:
-            for c in levels:
-                n = args.requests or max(32, 2 * c)
-                runs: dict[str, list[dict[str, Any]]] = {side: [] for side in urls}
-                for _ in range(pairs):
-                    for side, url in urls.items():
-                        extra = closed_loop(c, n, warmup, args.output_len)
-                        runs[side] += loadtest(url, extra, f"{side} {dataset}", dataset)
-                record_pairs(result, runs, c, DATASETS[dataset])
-        for side, url in urls.items():
-            if rates:
-                sweep[side] = sweep_runs(url, rates, args, max(levels), side)
+                threads["tandem_colocated" if colocate else "tandem"] = shape
+            for dataset in datasets:
+                for c in levels:
+                    n = args.requests or max(32, 2 * c)
+                    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in urls}
+                    for _ in range(pairs):
+                        for side, url in urls.items():
+                            extra = closed_loop(c, n, warmup, args.output_len)
+                            runs[side] += loadtest(url, extra, f"{side} {dataset}", dataset)
+                    record_pairs(result, runs, c, DATASETS[dataset])
+            for side, url in urls.items():
+                if rates:
+                    sweep[side] = sweep_runs(url, rates, args, max(levels), side)
         for side in (s for s in sides if s not in TANDEM_SIDES):
             sweep_on = bool(rates) and side != "llamacpp_q4"
             for c in levels:
@@ -346,16 +355,20 @@ def main() -> None:
                     sweep[side] = sweep_runs(url, rates, args, max(levels), side)
     elapsed = time.monotonic() - started
 
-    print(
-        f"\n{'tok/s (TTFT p50 ms)':<22}" + "".join(f"{'c' + str(c):>20}" for c in levels),
-        file=sys.stderr,
-    )
-    for side in sides:
-        cells = "".join(
-            f"{result[f'{side}_tok_s_c{c}']:>10.1f} ({result[f'{side}_ttft_ms_p50_c{c}']:>6.0f})"
-            for c in levels
+    for dataset in datasets:
+        print(
+            f"\n{'tok/s (TTFT p50 ms), ' + dataset:<30}"
+            + "".join(f"{'c' + str(c):>20}" for c in levels),
+            file=sys.stderr,
         )
-        print(f"{side:<22}{cells}", file=sys.stderr)
+        for side in sides:
+            cells = ""
+            for c in levels:
+                at = f"c{c}{DATASETS[dataset]}"
+                tok_s, ttft = result[f"{side}_tok_s_{at}"], result[f"{side}_ttft_ms_p50_{at}"]
+                cells += f"{'-' if tok_s is None else f'{tok_s:.1f}':>10} "
+                cells += f"({'-' if ttft is None else f'{ttft:.0f}':>6})"
+            print(f"{side:<30}{cells}", file=sys.stderr)
     for name, text in threads.items():
         print(f"threads, {name}: {text}", file=sys.stderr)
     result.update(ratios_to_llamacpp(result, sides, levels))
@@ -425,6 +438,13 @@ def record_pairs(
             continue
         ranked = sorted(side_runs, key=lambda r: r["output_throughput"])
         record(result, side, concurrency, ranked[len(ranked) // 2], suffix)
+        errors: dict[str, int] = {}  # every run's failures, not the median run's alone
+        for run in side_runs:
+            for kind, count in run["errors"].items():
+                errors[kind] = errors.get(kind, 0) + count
+        result["failed"].pop(f"{side}_{at}", None)
+        if errors:
+            result["failed"][f"{side}_{at}"] = errors
         result[f"{side}_tok_s_{at}"] = round(
             statistics.median(r["output_throughput"] for r in side_runs), 1
         )

@@ -212,7 +212,7 @@ class SpecRunner:
             self.stats.num_steps_without_drafts += len(seqs) - len(verifying)
         for seq, a, n in zip(seqs, num_accepted, lengths, strict=True):
             seq.spec_counts.record(n, a)
-        if self.adaptive is not None and verifying:
+        if self.adaptive is not None and speculating:  # a batch that chose its K
             self.adaptive.observe(k, verifying)
             if k == k_next:  # a step at one depth, as the costs are measured
                 self.adaptive.observe_cost(len(seqs), k, time.perf_counter() - started, context)

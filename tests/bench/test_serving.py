@@ -128,3 +128,8 @@ def test_paired_runs_give_medians_and_the_median_of_the_pairs_ratios() -> None:
     serving.record_pairs(result, runs, 8, "")
     assert result["tandem_eagle3_over_tandem_c8"] == 0.9
     assert "tandem_eagle3_tau_c8" not in result  # no speculative figures in these runs
+    # a failure in any of the runs is counted, not only the median run's
+    runs["tandem"][0] = {**run(100, 50), "num_failed": 1, "errors": {"connection": 1}}
+    runs["tandem"][1] = {**run(80, 70), "num_failed": 2, "errors": {"connection": 2}}
+    serving.record_pairs(result, runs, 1, "")
+    assert result["failed"] == {"tandem_c1": {"connection": 3}}
