@@ -41,6 +41,7 @@ class SamplingKwargs(TypedDict, total=False):
     # What the output must match, one of {"json_object": True}, {"json_schema": a dict or
     # JSON text}, {"regex": ...}, {"grammar": GBNF with a root rule} (or the message)
     structured_output: Mapping[str, Any] | gen.StructuredOutput
+    speculative: bool  # False: verify no drafts (what decoding without one samples)
 
 
 def sampling_params(params: Mapping[str, Any]) -> gen.SamplingParams:

@@ -138,7 +138,7 @@ def test_unset_fields_are_accepted_and_defaults_agree() -> None:
 
 
 def test_every_field_of_the_message_has_edges() -> None:
-    checked = {"ignore_eos"}  # a bool: nothing to refuse
+    checked = {"ignore_eos", "speculative"}  # bools: nothing to refuse
     fields = {f.name for f in gen.SamplingParams.DESCRIPTOR.fields}
     assert fields == set(EDGES) | checked
 
