@@ -62,23 +62,18 @@ def accept(
     (with argmax drafts: the very draw plain decoding makes there)."""
     b, s, v = logits.shape
     k = s - 1
-    if draft_lengths is not None and draft_probs is not None:
-        # Sampled drafts: padding gets q = 0, so the residual there is p itself.
-        is_real = torch.arange(k, device=logits.device)[None, :] < draft_lengths[:, None]
-        draft_probs = draft_probs * is_real[..., None]
-    # Position i's distribution follows the output and drafts[:i]: [B, K+1, V]
+    # Position i's distribution follows the output and drafts[:i]: [B, K+1, V]. Padding
+    # counts there only at positions past it, whose distributions are never used.
     logits = penalized(logits, sampling.penalties, draft_tokens)
+    if draft_lengths is not None:
+        # Padding becomes -1, which no draw or argmax equals; sampled drafts' q there is 0,
+        # so the residual at the first padding position is p itself.
+        is_real = torch.arange(k, device=logits.device)[None, :] < draft_lengths[:, None]
+        draft_tokens = draft_tokens.masked_fill(~is_real, -1)
+        if draft_probs is not None:
+            draft_probs = draft_probs * is_real[..., None]
     greedy = logits.argmax(dim=-1)  # [B, K+1]
     greedy_accepted = draft_tokens == greedy[:, :k]
-    if draft_lengths is not None:
-        # Padding is never accepted; penalties above counted it, but only at positions past
-        # it, whose distributions are never used.
-        draft_tokens = torch.where(
-            torch.arange(k, device=logits.device)[None, :] < draft_lengths[:, None],
-            draft_tokens,
-            -1,
-        )
-        greedy_accepted = draft_tokens == greedy[:, :k]
     faulty = is_faulty(logits, greedy)  # [B, K+1]
     if sampling.all_greedy:
         num = first_rejection(greedy_accepted)

@@ -28,6 +28,22 @@ def serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def capture_cluster_specs(monkeypatch: pytest.MonkeyPatch) -> list[ClusterSpec]:
+    """The specs `tandem serve` builds, each start refused (exit 1) before anything runs."""
+    specs: list[ClusterSpec] = []
+
+    class Captured:
+        def __init__(self, spec: ClusterSpec) -> None:
+            specs.append(spec)
+
+        def start(self) -> None:
+            raise ClusterError("captured")
+
+    monkeypatch.setattr("serving.launcher.Cluster", Captured)
+    monkeypatch.setattr("engine.model_store.resolve_model", lambda name: Path("/models/m"))
+    return specs
+
+
 @pytest.mark.parametrize("cli", WORKER_CLIS, ids=["prefill", "decode"])
 def test_workers_take_eager_and_refuse_it_beside_torch_compile(
     cli: Any, capsys: pytest.CaptureFixture[str]
@@ -80,17 +96,7 @@ def test_the_compile_cache_is_kept_under_tandems_cache(
 def test_serve_passes_eager_to_the_workers_and_notes_torch_compile(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    specs: list[ClusterSpec] = []
-
-    class Captured:
-        def __init__(self, spec: ClusterSpec) -> None:
-            specs.append(spec)
-
-        def start(self) -> None:
-            raise ClusterError("captured")
-
-    monkeypatch.setattr("serving.launcher.Cluster", Captured)
-    monkeypatch.setattr("engine.model_store.resolve_model", lambda name: Path("/models/m"))
+    specs = capture_cluster_specs(monkeypatch)
     parser = serve_parser()
     for argv, eager in ((["--eager"], True), ([], False), (["--torch-compile"], False)):
         args = parser.parse_args(["serve", "--model", "m", *argv])

@@ -14,23 +14,16 @@ import pytest
 from decode_worker import cli as decode_cli
 from prefill_worker import cli as prefill_cli
 from serving import engine_setup
-from serving.cli import register_serve
 from serving.launcher import (
     ADAPTIVE_STARTUP_S,
     COMPILE_STARTUP_S,
     STARTUP_TIMEOUT_S,
-    ClusterError,
     ClusterSpec,
 )
+from tests.serving.test_compile_flags import capture_cluster_specs, serve_parser
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED = ["--model", "m", "--redis-url", "redis://127.0.0.1:1/0"]
-
-
-def serve_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem")
-    register_serve(parser.add_subparsers())
-    return parser
 
 
 @pytest.mark.parametrize(
@@ -80,17 +73,7 @@ def test_workers_refuse_a_fixed_k_without_a_draft(
 def test_serve_hands_the_choice_to_its_workers(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    specs: list[ClusterSpec] = []
-
-    class Captured:
-        def __init__(self, spec: ClusterSpec) -> None:
-            specs.append(spec)
-
-        def start(self) -> None:
-            raise ClusterError("captured")
-
-    monkeypatch.setattr("serving.launcher.Cluster", Captured)
-    monkeypatch.setattr("engine.model_store.resolve_model", lambda name: Path("/models/m"))
+    specs = capture_cluster_specs(monkeypatch)
     parser = serve_parser()
     for argv, adaptive in (([], True), (["--no-adaptive-speculation"], False)):
         args = parser.parse_args(["serve", "--model", "m", "--draft", "/d", *argv])
