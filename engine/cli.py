@@ -61,6 +61,12 @@ def add_in_process_generate(parser: Any) -> Callable[[argparse.Namespace], int]:
         "--draft", metavar="DIR", help="an EAGLE, EAGLE-3 or DFlash draft directory for the model"
     )
     parser.add_argument(
+        "--draft-method",
+        choices=("suffix",),
+        help="suffix: drafts matched from the prompt and output so far, no draft model "
+        "(instead of --draft)",
+    )
+    parser.add_argument(
         "--num-draft-tokens", type=int, default=5, help="K, drafts per step (DFlash: its block)"
     )
     parser.add_argument(
@@ -127,11 +133,14 @@ def _generate(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
         )
         speculative = None
-        if args.draft:
+        if args.draft or args.draft_method:
             from engine.spec.config import SpeculativeConfig
 
             speculative = SpeculativeConfig(
-                args.draft, num_draft_tokens=args.num_draft_tokens, adaptive=args.adaptive
+                args.draft or "",
+                num_draft_tokens=args.num_draft_tokens,
+                kind=args.draft_method,
+                adaptive=args.adaptive,
             )
         start = time.perf_counter()
         llm = LLM(
@@ -164,7 +173,7 @@ def _generate(args: argparse.Namespace) -> int:
     if llm.engine.spec is not None:
         stats = llm.engine.spec.stats
         print(
-            f"speculation ({llm.engine.spec.drafter.kind}): mean accepted length "
+            f"speculation ({llm.engine.spec.kind}): mean accepted length "
             f"{stats.mean_accepted_length:.2f}, {stats.num_accepted_tokens} of "
             f"{stats.num_draft_tokens} drafts accepted"
         )

@@ -26,6 +26,7 @@ from engine.spec.spec_runner import (
     num_draft_tokens,
     num_lookahead_slots,
 )
+from engine.spec.suffix_runner import SuffixSpecRunner
 from engine.structured.grammars import Grammars
 from kernels.cpu import extension as cpu_kernels
 
@@ -50,7 +51,7 @@ class EngineComponents:
     scheduler: Scheduler
     kernels: str  # "torch" or "triton"
     runner: ModelRunner
-    spec: SpecRunner | None  # with a draft model (config.speculative)
+    spec: SpecRunner | None  # with speculation (config.speculative): a draft model, or suffix
     num_blocks: int  # in each KV pool, the CUDA graphs' padding block included
 
 
@@ -81,11 +82,12 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
     drafter, lookahead = None, 0
     if config.speculative is not None:
         drafter = load_speculator(config.speculative, model, device)
-        if device.type == "cpu" and config.cpu_gemm != "aten":
+        if drafter is not None and device.type == "cpu" and config.cpu_gemm != "aten":
             assert isinstance(drafter, torch.nn.Module)
             use_packed_gemm(drafter, config.cpu_gemm)
             packed.append(drafter)
-        plan_params.append(KVCacheParams.from_config(drafter.config, config.block_size))
+        if drafter is not None:
+            plan_params.append(KVCacheParams.from_config(drafter.config, config.block_size))
         lookahead = num_lookahead_slots(num_draft_tokens(config.speculative, drafter), drafter)
     if packed:
         freed = release_packed_weights(*packed)
@@ -125,8 +127,10 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
         compile_decode=config.torch_compile,
         sampling_kernels=sampling_kernels(kernels),
     )
-    spec = None
-    if config.speculative is not None and drafter is not None:
+    spec: SpecRunner | None = None
+    if config.speculative is not None and config.speculative.is_model_free:
+        spec = SuffixSpecRunner(config.speculative, runner, num_blocks)  # eager: ragged drafts
+    elif config.speculative is not None and drafter is not None:
         spec = SpecRunner(config.speculative, runner, drafter, num_blocks)
         if config.uses_cuda_graphs:
             spec.enable_graphs(config.max_num_seqs, model_config.max_seq_len, num_blocks - 1)

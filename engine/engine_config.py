@@ -69,7 +69,7 @@ class EngineConfig:
     @property
     def uses_cuda_graphs(self) -> bool:
         on = self.device.startswith("cuda") if self.cuda_graphs is None else self.cuda_graphs
-        return on and self.speculative is not None
+        return on and self.speculative is not None and not self.speculative.is_model_free
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
@@ -88,6 +88,8 @@ class EngineConfig:
         spec, why = self.speculative, ""
         if spec is None:
             why = "needs speculative decoding (a draft model)"
+        elif spec.is_model_free:
+            why = f"does not support {spec.kind} drafts (their lengths vary per row)"
         elif not self.uses_cuda_graphs:
             why = "needs the graph runner (cuda_graphs: on by default on CUDA, True on CPU)"
         elif spec.adaptive:

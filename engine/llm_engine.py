@@ -24,7 +24,6 @@ from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from engine.spec import overlap
 from engine.spec.overlap import AheadStep
 from engine.spec.spec_runner import DecodeResult
-from engine.spec.stats import SpecDecodeStats
 
 
 class RequestError(ValueError):
@@ -95,7 +94,7 @@ class LLMEngine:
                 while self.has_unfinished_requests():
                     self.step()
         if self.spec is not None:
-            self.spec.stats = SpecDecodeStats()
+            self.spec.forget()
         self.block_manager.reset_prefix_cache()
         logger.info("warmed up in %.1f s", time.perf_counter() - started)
 
@@ -168,7 +167,7 @@ class LLMEngine:
     def kv_pools(self) -> dict[str, PagedKVCache]:
         """The KV pools a transfer reads or writes, by name; one block id indexes each."""
         pools = {"target": self.kv_cache}
-        if self.spec is not None:
+        if self.spec is not None and self.spec.draft_kv is not None:
             pools["draft"] = self.spec.draft_kv
         return pools
 
@@ -252,9 +251,12 @@ class LLMEngine:
         else:
             seq.token_ids.append(first_token)
             seq.grammar and seq.grammar.commit([first_token])  # rebuilt from the tokens
-            if self.spec is not None and (draft_token_ids or not seq.params.speculative):
-                # One that does not speculate came with none: a decode row from its first
-                # step (the prefill worker's drafter wrote its draft KV all the same).
+            if self.spec is not None and (
+                draft_token_ids or not seq.params.speculative or self.spec.drafter is None
+            ):
+                # One that does not speculate came with none, as do all without a draft
+                # model: a decode row from its first step (a prefill worker's drafter wrote
+                # its draft KV all the same).
                 seq.draft_token_ids = list(draft_token_ids or [])
             self._check_stop(seq, first_token)
         output = self._output(seq)
@@ -460,6 +462,8 @@ class LLMEngine:
         )
 
     def _finish(self, seq: Sequence) -> None:
+        if self.spec is not None:
+            self.spec.finished(seq)
         self._release(seq)
         del self._seqs[seq.request_id]
         self._detok.pop(seq.request_id, None)

@@ -71,6 +71,7 @@ class Sequence:
     undrafted_features: list[Any] = field(default_factory=list)
     num_undrafted_tokens: int = 0
     spec_counts: SpecCounts = field(default_factory=SpecCounts)
+    suffix_index: Any = None  # suffix decoding: its tokens indexed (engine.spec.suffix)
     # Structured output: an engine.structured.rows.RowGrammar committed through the last
     # token. A row in a thinking phase (the seeds' flag) is neither masked nor advanced.
     grammar: Any = None

@@ -116,17 +116,32 @@ class AdaptiveK:
         bucket = self.bucket(batch_size)
         return self.scales[bucket] * self.costs[bucket][k].at(context)
 
-    def choose(self, batch_size: int, context: float = 0.0) -> int:
-        """K for a step of ``batch_size`` rows whose mean KV length is ``context``."""
+    def choose(
+        self, batch_size: int, context: float = 0.0, lengths: Sequence[int] | None = None
+    ) -> int:
+        """K for a step of ``batch_size`` rows whose mean KV length is ``context``.
+
+        ``lengths``: drafts each row has to offer (suffix decoding proposes as many as its
+        match supports): a row contributes ``tau(min(K, its length))`` to a step of depth
+        K, and K goes no deeper than the longest; None: every row drafts as deep as K."""
         bucket = self.bucket(batch_size)
-        cost = {k: self.cost(bucket, k, context) for k in self.choices if k in self.costs[bucket]}
-        best = max(cost, key=lambda k: self.expected_tokens(k) / (cost[k] + self.overhead))
-        if best < self.max_k and self.max_k in cost:
+        deepest = self.max_k if lengths is None else min(self.max_k, max(lengths, default=0))
+        cost = {
+            k: self.cost(bucket, k, context)
+            for k in self.choices
+            if k in self.costs[bucket] and k <= deepest
+        }
+        if lengths is None:
+            gain = {k: self.expected_tokens(k) for k in cost}
+        else:
+            gain = {k: sum(self.expected_tokens(min(k, n)) for n in lengths) for k in cost}
+        best = max(cost, key=lambda k: gain[k] / (cost[k] + self.overhead))
+        if best < deepest and deepest in cost:
             self._probe_credit += self.probe_budget * cost[best]
-            extra = cost[self.max_k] - cost[best]
+            extra = cost[deepest] - cost[best]
             if self._probe_credit >= extra:  # refresh what deeper drafts achieve
                 self._probe_credit -= extra
-                return self.max_k
+                return deepest
         return best
 
     def charge(self, seconds: float) -> None:
@@ -158,11 +173,14 @@ class AdaptiveK:
 
     def observe(self, k: int, num_accepted: Sequence[int]) -> None:
         """Conditional acceptance per position from one step of ``k`` drafts per row."""
-        if k == 0:
-            return
-        for j in range(k):
-            reached = sum(1 for a in num_accepted if a >= j)
-            passed = sum(1 for a in num_accepted if a > j)
+        self.observe_rows([k] * len(num_accepted), num_accepted)
+
+    def observe_rows(self, lengths: Sequence[int], num_accepted: Sequence[int]) -> None:
+        """The same from one step whose rows verified ``lengths`` drafts each."""
+        for j in range(min(self.max_k, max(lengths, default=0))):
+            rows = [a for a, n in zip(num_accepted, lengths, strict=True) if n > j]
+            reached = sum(1 for a in rows if a >= j)
+            passed = sum(1 for a in rows if a > j)
             self._verified[j] = self.decay * self._verified[j] + reached
             self._accepted[j] = self.decay * self._accepted[j] + passed
 

@@ -2,24 +2,44 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from engine.spec.suffix import SuffixConfig
 
 MAX_DRAFT_TOKENS = 16  # bounded by the RoPE slack past max_seq_len (2K + 3 positions)
 ACCEPTANCE_MODES = ("lossless", "synthetic")
+MODEL_FREE_KINDS = ("suffix",)  # drafts without a draft model (engine.spec.suffix)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    draft_model: str  # HF-format draft directory (EAGLE, EAGLE-3 or DFlash layout)
+    draft_model: str  # HF-format draft directory (EAGLE, EAGLE-3 or DFlash layout); "" for suffix
     num_draft_tokens: int = 5  # K; a DFlash draft forces its block_size - 1
-    kind: str | None = None  # "eagle" | "eagle3" | "dflash"; None: read from the draft config
+    # "eagle" | "eagle3" | "dflash" | "suffix"; None: read from the draft config
+    kind: str | None = None
     target_layer_ids: tuple[int, ...] | None = None  # EAGLE-3 taps, overriding the config
     adaptive: bool = False  # choose K per step (0..K) from measured costs and acceptance
     sample_drafts: bool = False  # sampled rows draft by sampling q instead of its argmax
     acceptance: str = "lossless"  # "synthetic": benchmark mode, NOT lossless
     synthetic_acceptance_rates: tuple[float, ...] = ()  # per position, for "synthetic"
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)  # kind "suffix": its matching
+
+    @property
+    def is_model_free(self) -> bool:
+        return self.kind in MODEL_FREE_KINDS
 
     def __post_init__(self) -> None:
+        if self.is_model_free and self.draft_model:
+            raise ValueError(
+                f"draft_model: kind {self.kind!r} drafts without a model; combining it with "
+                f"the draft {self.draft_model!r} is not built yet"
+            )
+        if not self.is_model_free and not self.draft_model:
+            raise ValueError(f"draft_model: kind {self.kind!r} needs a draft directory")
+        if self.is_model_free and self.sample_drafts:
+            raise ValueError(
+                f"sample_drafts: kind {self.kind!r} proposes tokens, not a distribution"
+            )
         if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(
                 f"num_draft_tokens: must be in 1..{MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"

@@ -306,7 +306,8 @@ class StepGraphRunner:
         block as well: the engine pads a table with 0, which is some request's real block.
         A step reaches the positions below n + k + max(k_next, DFlash block) + 3."""
         b, k = inputs.draft_tokens.shape
-        fixed = self.step.drafter.fixed_num_draft_tokens or 0
+        drafter = self.step.drafter
+        fixed = (drafter.fixed_num_draft_tokens if drafter is not None else None) or 0
         reach = k + max(k_next, fixed) + 3
         tables = self.buffers.block_tables[:b]
         last = (inputs.kv_lens + reach - 1) // self.step.block_size  # [B] last column used

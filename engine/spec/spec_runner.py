@@ -38,17 +38,26 @@ class DecodeResult:
     logprobs: list[RowLogprobs] | None  # one per emitted token, when asked for
 
 
-def load_speculator(config: SpeculativeConfig, target: nn.Module, device: torch.device) -> Drafter:
+def load_speculator(
+    config: SpeculativeConfig, target: nn.Module, device: torch.device
+) -> Drafter | None:
+    """The draft model; None for a kind that drafts without one (suffix decoding)."""
+    if config.is_model_free:
+        return None
     return load_drafter(config.draft_model, target, device, config.kind, config.target_layer_ids)  # type: ignore[arg-type]
 
 
-def num_draft_tokens(config: SpeculativeConfig, drafter: Drafter) -> int:
-    return drafter.fixed_num_draft_tokens or config.num_draft_tokens
+def num_draft_tokens(config: SpeculativeConfig, drafter: Drafter | None) -> int:
+    fixed = drafter.fixed_num_draft_tokens if drafter is not None else None
+    return fixed or config.num_draft_tokens
 
 
-def num_lookahead_slots(k: int, drafter: Drafter) -> int:
+def num_lookahead_slots(k: int, drafter: Drafter | None) -> int:
     """Slots past a row's next token that a step may write: verify up to n+K, drafts up to
-    n+K+max(K, block) (rejected positions are overwritten later)."""
+    n+K+max(K, block) (rejected positions are overwritten later); without a draft model,
+    verify alone."""
+    if drafter is None:
+        return k + 2
     return k + max(k, drafter.fixed_num_draft_tokens or 0) + 2
 
 
@@ -57,13 +66,15 @@ class SpecRunner:
         self,
         config: SpeculativeConfig,
         runner: ModelRunner,
-        drafter: Drafter,
+        drafter: Drafter | None,  # None: drafts without a model (SuffixSpecRunner)
         num_blocks: int,
     ) -> None:
         self.config, self.runner, self.drafter = config, runner, drafter
         self.k = num_draft_tokens(config, drafter)
-        params = KVCacheParams.from_config(drafter.config, runner.block_size)
-        self.draft_kv = PagedKVCache(params, num_blocks, runner.device)
+        self.draft_kv: PagedKVCache | None = None
+        if drafter is not None:
+            params = KVCacheParams.from_config(drafter.config, runner.block_size)
+            self.draft_kv = PagedKVCache(params, num_blocks, runner.device)
         self.step = UnifiedStep(
             runner.decode_model,
             drafter,
@@ -112,12 +123,13 @@ class SpecRunner:
         K drafts for rows that sampled their first token."""
         self._decode_ended = None
         result = self._prefill(batch)
-        if result.kv_step is not None:  # the drafter is done: every draft layer is written
+        if result.kv_step is not None and self.draft_kv is not None:  # every layer written
             for layer in range(len(self.draft_kv.layers)):
                 self.runner.notify_layer("draft", layer, step=result.kv_step)
         return result
 
     def _prefill(self, batch: ScheduledBatch) -> StepOutput:
+        assert self.drafter is not None and self.draft_kv is not None
         result = self.runner.execute(batch, self.drafter.target_hidden)
         inputs, out = result.inputs, result.outputs
         assert inputs is not None and out is not None
@@ -168,6 +180,19 @@ class SpecRunner:
                 seq.draft_token_ids, seq.draft_probs = [], None
         return result
 
+    @property
+    def kind(self) -> str:
+        """What drafts: the draft model's kind, or the model-free method's."""
+        return self.drafter.kind if self.drafter is not None else str(self.config.kind)
+
+    def forget(self) -> None:
+        """Drops what runs so far taught it (the engine's warm-up's): counters, outputs."""
+        self.stats = SpecDecodeStats()
+
+    def finished(self, seq: Sequence) -> None:
+        """``seq`` ended with its output final; a drafter that learns from outputs (suffix
+        decoding's shared index) takes it here."""
+
     # -- decode ------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -207,9 +232,7 @@ class SpecRunner:
             host = (out.num_accepted, out.emitted, out.next_draft_tokens)
         num_accepted, emitted, drafts = (t.tolist() for t in host)  # completed: time it
         verifying = [a for a, n in zip(num_accepted, lengths, strict=True) if n == k]
-        self.stats.record(k, verifying)
-        if k > 0:
-            self.stats.num_steps_without_drafts += len(seqs) - len(verifying)
+        self.stats.record_rows(k, lengths, num_accepted)
         for seq, a, n in zip(seqs, num_accepted, lengths, strict=True):
             seq.spec_counts.record(n, a)
         if self.adaptive is not None and speculating:  # a batch that chose its K
@@ -240,6 +263,7 @@ class SpecRunner:
     def _catch_up(self, seqs: list[Sequence]) -> None:
         """Writes the draft KV that steps without drafts left out, in one ragged extend over
         each row's undrafted positions (up to its pending token, which the step verifies)."""
+        assert self.drafter is not None and self.draft_kv is not None
         spans = [(seq, seq.num_drafted_tokens, seq.num_computed_tokens) for seq in seqs]
         layout = self.runner.layout(spans)
         # Feature i pairs with the token after it, up to the pending token at ``end``.
@@ -298,7 +322,8 @@ class SpecRunner:
         """Host bound on the KV length of a step from ``position`` (the pending token, or the
         last prompt token at prefill) that verifies ``k`` drafts and proposes ``k_next``:
         verify reaches position + k, the drafts at most k + max(k_next, block) further."""
-        return position + k + max(k_next, self.drafter.fixed_num_draft_tokens or 0) + 3
+        fixed = self.drafter.fixed_num_draft_tokens if self.drafter is not None else None
+        return position + k + max(k_next, fixed or 0) + 3
 
     def _sampling(self, seqs: list[Sequence], *, penalties: bool = True) -> SamplingTensors:
         """Per-row parameters; ``penalties`` False for draft proposals, which go without."""

@@ -18,21 +18,25 @@ class SpecDecodeStats:
 
     def record(self, k: int, num_accepted: list[int]) -> None:
         """One step of ``len(num_accepted)`` rows that verified ``k`` drafts each."""
+        self.record_rows(k, [k] * len(num_accepted), num_accepted)
+
+    def record_rows(self, k: int, lengths: list[int], num_accepted: list[int]) -> None:
+        """One step of depth ``k`` whose rows verified ``lengths`` drafts each (<= k)."""
         if k >= len(self.steps_per_k):
             self.steps_per_k += [0] * (k + 1 - len(self.steps_per_k))
         self.steps_per_k[k] += 1
-        if k == 0:
-            self.num_steps_without_drafts += len(num_accepted)
-            return
         grow = k - len(self.accepted_per_position)
         if grow > 0:
             self.accepted_per_position += [0] * grow
             self.verified_per_position += [0] * grow
-        for a in num_accepted:
+        for n, a in zip(lengths, num_accepted, strict=True):
+            if n == 0:
+                self.num_steps_without_drafts += 1
+                continue
             self.num_drafts += 1
-            self.num_draft_tokens += k
+            self.num_draft_tokens += n
             self.num_accepted_tokens += a
-            for j in range(k):
+            for j in range(n):
                 self.verified_per_position[j] += 1
                 self.accepted_per_position[j] += j < a
 

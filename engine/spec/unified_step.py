@@ -34,6 +34,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.kv_cache import PagedKVCache
+from engine.models.llama3 import NO_HIDDEN_STATES
 from engine.sampler import SamplingTensors, row_keys
 from engine.sampling_kernels import TORCH_SAMPLING, SamplingKernels
 from engine.spec.acceptance import DRAFT_SALT, accept, accept_synthetic
@@ -86,14 +87,16 @@ class SpecStepOutputs:
 
 
 class UnifiedStep:
-    """Target + drafter in one step; ``acceptance`` is "lossless" or "synthetic"."""
+    """Target + drafter in one step; ``acceptance`` is "lossless" or "synthetic". Without a
+    drafter (``drafter`` None: drafts that cost no forward, as suffix decoding's) the step
+    verifies and accepts, then ends: steps 5 and 6 are the drafter's."""
 
     def __init__(
         self,
         target: nn.Module,
-        drafter: Drafter,
+        drafter: Drafter | None,
         target_kv: PagedKVCache,
-        draft_kv: PagedKVCache,
+        draft_kv: PagedKVCache | None,
         backend: AttentionBackend,
         *,
         acceptance: str = "lossless",
@@ -141,7 +144,7 @@ class UnifiedStep:
             self.backend,
             metadata,
             torch.arange(b * s, device=device),
-            self.drafter.target_hidden,
+            NO_HIDDEN_STATES if self.drafter is None else self.drafter.target_hidden,
         )
         logits = out.logits.view(b, s, -1)  # [B, K+1, V]
 
@@ -196,6 +199,15 @@ class UnifiedStep:
         )
         if inputs.grammar is not None:
             inputs.grammar.accept(num_accepted, emitted)
+        if self.drafter is None:
+            return SpecStepOutputs(
+                num_accepted=num_accepted,
+                next_tokens=next_tokens,
+                emitted=emitted,
+                next_draft_tokens=next_tokens.new_zeros((b, 0)),
+                next_draft_probs=None,
+                logits=logits,
+            )
         if defer_drafter:
             return SpecStepOutputs(
                 num_accepted=num_accepted,
@@ -213,6 +225,7 @@ class UnifiedStep:
         shifted = torch.where(is_accepted, padded, next_tokens[:, None])
 
         # 6. propose
+        assert self.draft_kv is not None  # with a drafter
         state = self.drafter.extend(
             shifted.reshape(-1),
             self.drafter.features(out),
@@ -253,6 +266,8 @@ class UnifiedStep:
         ``grammar`` masks each draft with its rows' state after the drafts before it."""
         if k == 0:
             return args.next_tokens.new_zeros((args.next_tokens.shape[0], 0)), None
+        if self.drafter is None or self.draft_kv is None:
+            raise ValueError("propose: this step has no drafter")
         sample = self.sample_drafts and not sampling.all_greedy
         probs: list[torch.Tensor] = []
 

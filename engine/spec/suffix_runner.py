@@ -1,0 +1,97 @@
+"""Speculation with suffix decoding's drafts (engine.spec.suffix): no draft model, no draft
+KV; each decode step verifies what each row's match proposes.
+
+Rows propose different numbers of tokens, from none (no match) to K. The step verifies as
+deep as the longest proposal it keeps (``k``); each row verifies its own
+(``SpecStepInputs.draft_lengths``), the rest of its row being padding. With adaptive
+speculation, ``AdaptiveK.choose`` weighs each depth by what every row's proposal would
+add at it against the measured cost of a step that deep, and cuts the proposals there.
+
+Proposals are made on the host before the step, from the tokens the rows already hold,
+so the step runs eagerly (its rows' lengths differ from step to step): no CUDA graph, and
+no overlap scheduling.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.model_runner import ModelRunner, StepOutput
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+from engine.spec.config import SpeculativeConfig
+from engine.spec.spec_runner import DecodeResult, SpecRunner
+from engine.spec.suffix import SuffixProposer
+
+
+class SuffixSpecRunner(SpecRunner):
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, num_blocks: int) -> None:
+        super().__init__(config, runner, None, num_blocks)
+        self.proposer = SuffixProposer(config.suffix)
+        self.defer_drafter = False  # nothing to defer: there is no drafter
+
+    def enable_graphs(self, max_batch: int, max_model_len: int, scratch_block: int) -> None:
+        raise ValueError("cuda_graphs: suffix decoding verifies ragged drafts eagerly")
+
+    @torch.inference_mode()
+    def prefill(self, batch: ScheduledBatch) -> StepOutput:
+        """The target's prefill; each row that sampled its first token decodes from now on
+        (its drafts are proposed at each step)."""
+        self._decode_ended = None
+        result = self.runner.execute(batch)
+        for row in result.rows:
+            batch.seqs[row].draft_token_ids, batch.seqs[row].draft_probs = [], None
+        return result
+
+    def forget(self) -> None:
+        super().forget()
+        self.proposer = SuffixProposer(self.config.suffix)
+
+    def finished(self, seq: Sequence) -> None:
+        """A request's output, for the shared index: what later requests may repeat."""
+        if seq.finish_reason in ("stop", "length"):
+            self.proposer.finished(seq.output_token_ids)
+
+    def propose(self, seq: Sequence) -> list[int]:
+        """Up to K tokens after ``seq``'s pending one, from its own tokens or the shared
+        index; none for a request that does not speculate."""
+        if not seq.params.speculative:
+            return []
+        if seq.suffix_index is None:
+            seq.suffix_index = self.proposer.request_index(seq.token_ids)
+        return self.proposer.propose(seq.suffix_index, self.k).tokens
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> list[DecodeResult]:
+        """One verify step over rows whose target KV covers all but their pending token."""
+        proposals = [self.propose(s) for s in seqs]
+        lengths = [len(p) for p in proposals]
+        started = time.perf_counter()  # proposing is the same work at every K: overhead
+        context = sum(s.num_computed_tokens for s in seqs) / len(seqs)
+        if self.adaptive is not None:
+            if self._decode_ended is not None:
+                self.adaptive.observe_overhead(len(seqs), started - self._decode_ended, context)
+            if any(lengths):
+                chosen = self.adaptive.choose(len(seqs), context, lengths)
+                lengths = [min(n, chosen) for n in lengths]
+        k = max(lengths, default=0)
+        for seq, proposal, n in zip(seqs, proposals, lengths, strict=True):
+            seq.draft_token_ids = proposal[:n]
+        out = self.step(self._step_inputs(seqs, k, 0, lengths), 0)
+        num_accepted, emitted = out.num_accepted.tolist(), out.emitted.tolist()  # completed
+        self.stats.record_rows(k, lengths, num_accepted)
+        for seq, a, n in zip(seqs, num_accepted, lengths, strict=True):
+            seq.spec_counts.record(n, a)
+        if self.adaptive is not None:
+            self.adaptive.observe_rows(lengths, num_accepted)
+            self.adaptive.observe_cost(len(seqs), k, time.perf_counter() - started, context)
+        logprobs = self._logprobs(seqs, out.logits, out.emitted)
+        results = []
+        for i, seq in enumerate(seqs):
+            seq.draft_token_ids = []  # the next step proposes anew
+            tokens = emitted[i][: num_accepted[i] + 1]
+            results.append(DecodeResult(tokens, None if logprobs is None else logprobs[i]))
+        self._decode_ended = time.perf_counter()
+        return results

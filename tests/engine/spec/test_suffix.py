@@ -1,0 +1,156 @@
+"""Suffix decoding: what a match proposes (exact tokens), the shared index's memory cap over
+1,000 requests, and through the engine on a tiny random target: greedy output equals
+target-only output with fixed and adaptive K, beside rows that opt out and rows with
+logprobs; a cost table where drafts never pay runs plain steps."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import pytest
+
+from engine.spec.adaptive import AdaptiveK, StepCost
+from engine.spec.config import SpeculativeConfig
+from engine.spec.suffix import RequestIndex, SharedIndex, SuffixConfig, SuffixProposer
+from tests.engine.spec.test_spec_greedy import (
+    PROMPTS,
+    assert_counts_add_up,
+    engine_for,
+    greedy,
+    run,
+)
+from tests.engine.spec.test_spec_greedy import target as target  # noqa: F401 (fixture)
+
+# Prompts that repeat themselves, as code edits do, and the tiny target's own loops.
+REPEATING = [
+    [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 8],
+    [20, 21, 22, 23, 24, 20, 21],
+    [30, 31, 32, 33, 34, 35, 36, 37, 38, 30, 31, 32, 33],
+]
+
+
+def test_a_match_proposes_what_followed_it_as_far_as_it_supports():
+    config = SuffixConfig(key_len=2, spec_factor=1.0)
+    tokens = [5, 6, 7, 8, 9, 10, 11, 1, 2, 5, 6, 7]
+    index = RequestIndex(tokens, config)
+    proposal = index.propose(tokens, 5)
+    # [5, 6, 7] matched: three tokens supported, and three follow it
+    assert (proposal.tokens, proposal.match_len) == ([8, 9, 10], 3)
+    tokens.append(8)  # the index reads the live list as it grows
+    assert index.propose(tokens, 5).tokens == [9, 10, 11, 1]
+    assert index.propose(tokens, 2).tokens == [9, 10]  # K bounds it
+    assert index.propose([4, 4, 4], 5).tokens == []  # no key: nothing
+
+
+def test_the_longest_match_wins_and_shares_end_a_proposal():
+    config = SuffixConfig(key_len=1, spec_factor=4.0, min_token_prob=0.3)
+    # After "0 1 2": "3 4" twice, "3 9" once; after "7 2": "8"
+    tokens = [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2, 3, 9, 0, 7, 2, 8, 0, 1, 2]
+    proposal = RequestIndex(tokens, config).propose(tokens, 8)
+    assert proposal.match_len == 3  # "0 1 2", not "7 2"
+    # 3 (all three agree), then 4 (2 of 3), then 0 (both of those): 1 * 2/3 * 1 >= 0.3
+    assert proposal.tokens[:3] == [3, 4, 0]
+    assert proposal.probs[:3] == [1.0, pytest.approx(2 / 3), 1.0]
+    strict = RequestIndex(tokens, SuffixConfig(key_len=1, spec_factor=4.0, min_token_prob=0.7))
+    assert strict.propose(tokens, 8).tokens == [3]  # 2/3 < 0.7 stops at the split
+
+
+def test_the_shared_index_proposes_from_earlier_outputs_and_the_longer_match_wins():
+    proposer = SuffixProposer(SuffixConfig(key_len=2))
+    proposer.finished([40, 41, 42, 43, 44, 45, 46, 47])
+    own = proposer.request_index([1, 2, 3, 40, 41, 42, 43])  # matches 4 of the output
+    assert proposer.propose(own, 3).tokens == [44, 45, 46]
+    mine = proposer.request_index([42, 43, 9, 9, 42, 43])  # its own match is as long: its own
+    # "42 43" matches 2 tokens in both: its own proposes, 2 tokens
+    assert proposer.propose(mine, 3).tokens == [9, 9]
+    assert proposer.propose(proposer.request_index([7, 8]), 3).tokens == []
+
+
+def test_the_shared_index_stays_under_its_cap_over_1000_requests():
+    """Its tokens never pass the cap, its entries are exactly its documents' keys, and its
+    memory, measured, stays what a cap's worth of outputs costs."""
+    cap = 20_000
+    shared = SharedIndex(SuffixConfig(key_len=2, shared_tokens=cap))
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        peak_after_full = 0
+        for i in range(1000):
+            # 100 to 400 tokens, a vocabulary of 5,000: keys mostly distinct
+            output = [(i * 7919 + j * 104729) % 5000 for j in range(100 + (i * 37) % 300)]
+            shared.add(output)
+            assert shared.num_tokens <= cap
+            if i == 199:
+                full, _ = tracemalloc.get_traced_memory()
+            if i >= 200:
+                peak_after_full = max(peak_after_full, tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
+    assert shared.num_tokens == sum(len(d) for d in shared.docs.values()) > cap - 400
+    # one entry per indexed position of the kept documents: dropped ones left none behind
+    assert shared.num_entries == sum(len(d) - 2 for d in shared.docs.values())
+    # 800 more requests after it filled: memory stays what the first 200 filled it to
+    assert peak_after_full - base < 1.25 * (full - base)
+    assert (full - base) / cap < 400  # bytes per token kept
+
+
+def test_proposing_from_a_shared_output_keeps_it_longest():
+    shared = SharedIndex(SuffixConfig(key_len=2, shared_tokens=30))
+    shared.add(list(range(100, 110)))
+    shared.add(list(range(200, 210)))
+    proposal = shared.propose([100, 101, 102], 3)
+    assert proposal.tokens == [103, 104, 105]  # "100 101 102" matched: 3 tokens
+    shared.touch(proposal.source)
+    shared.add(list(range(300, 315)))  # 35 tokens: the least recently used goes
+    assert sorted(d[0] for d in shared.docs.values()) == [100, 300]
+
+
+def suffix(k: int = 4, **kw) -> SpeculativeConfig:
+    return SpeculativeConfig("", num_draft_tokens=k, kind="suffix", **kw)
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_greedy_with_suffix_drafts_equals_target_only(target, adaptive):  # noqa: F811
+    model_dir, _ = target
+    prompts = PROMPTS + REPEATING
+    requests = {str(i): (p, greedy(40)) for i, p in enumerate(prompts)}
+    requests["logprobs"] = (REPEATING[0], greedy(30, logprobs=2))
+    requests["opted_out"] = (REPEATING[1], greedy(30, speculative=False))
+    base = run(engine_for(model_dir), requests)
+    engine = engine_for(model_dir, suffix(adaptive=adaptive), max_num_seqs=16)
+    assert engine.spec is not None and engine.spec.kind == "suffix"
+    assert "draft" not in engine.kv_pools  # no draft model, no draft KV
+    out = run(engine, requests)
+    assert {r: o.token_ids for r, o in out.items()} == {r: o.token_ids for r, o in base.items()}
+    assert [t.logprob for t in out["logprobs"].logprobs] == pytest.approx(
+        [t.logprob for t in base["logprobs"].logprobs], abs=1e-4
+    )
+    stats = engine.spec.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert_counts_add_up(engine, out)
+    off = out["opted_out"].spec_counts
+    assert off is not None and (off.num_drafts, off.num_steps_without_drafts) == (0, 30 - 1)
+    # each decode step verifies as deep as its longest proposal, at most K
+    assert len(stats.steps_per_k) <= 5
+    # the requests' outputs were kept for later ones; the warm-up's were forgotten
+    assert engine.spec.proposer.shared.num_tokens == sum(  # type: ignore[attr-defined]
+        len(o.token_ids) for o in out.values() if len(o.token_ids) > 2
+    )
+
+
+def test_a_cost_table_where_suffix_drafts_never_pay_runs_plain_steps(target):  # noqa: F811
+    """Injected costs, not timings: every row has a proposal, and none is verified."""
+    model_dir, _ = target
+    requests = {"0": (REPEATING[0], greedy(16))}
+    base = run(engine_for(model_dir), requests)
+    engine = engine_for(model_dir, suffix(k=3))
+    assert engine.spec is not None
+    # the prompt alone supports drafts from the first step
+    assert RequestIndex(REPEATING[0], SuffixConfig()).propose(REPEATING[0], 3).tokens == [9, 10, 11]
+    dear = {0: StepCost(1.0), 1: StepCost(3.0), 2: StepCost(4.0), 3: StepCost(5.0)}
+    engine.spec.adaptive = AdaptiveK([0, 1, 2, 3], {1: dear}, probe_budget=0.0)
+    out = run(engine, requests)
+    assert out["0"].token_ids == base["0"].token_ids
+    counts = out["0"].spec_counts
+    assert counts is not None and (counts.num_drafts, counts.num_draft_tokens) == (0, 0)
+    assert engine.spec.stats.steps_per_k == [16 - 1]
