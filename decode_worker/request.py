@@ -127,12 +127,16 @@ class RequestHandle:
     def __post_init__(self) -> None:
         self.holders.handles[self.request_id] = self
 
-    def hold(self, table: list[int], num_cached_blocks: int, pools: Any) -> None:
-        """The engine reserved ``table``: the receiver expects KV in its uncached blocks,
-        the ledger records the blocks as this worker's (both pools share the ids)."""
+    def hold(
+        self, table: list[int], num_cached_blocks: int, num_kv_blocks: int, pools: Any
+    ) -> None:
+        """The engine reserved ``table``: the receiver expects KV in its uncached blocks up
+        to ``num_kv_blocks`` (the prompt's; the rest are lookahead slots), the ledger
+        records all of them as this worker's (both pools share the ids)."""
         h = self.holders
         self.block_ids = table
-        reservation = KvReservation(self.request_id, table[num_cached_blocks:], pools, h.layout)
+        kv_blocks = table[num_cached_blocks:num_kv_blocks]
+        reservation = KvReservation(self.request_id, kv_blocks, pools, h.layout)
         h.receiver.reserve(reservation)
         h.membership.claim(self.request_id, table, has_draft=h.layout.draft is not None)
 

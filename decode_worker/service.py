@@ -149,7 +149,8 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         try:  # cancelled after the engine reserved: close's abort follows it in the queue
             table, num_cached, handle.num_text_resumed = await self.engine_loop.call(reserve)
             num_cached_blocks = num_cached // self.block_size
-            handle.hold(table, num_cached_blocks, self._pools)
+            num_kv_blocks = -(-len(prompt) // self.block_size)  # what a push fills
+            handle.hold(table, num_cached_blocks, num_kv_blocks, self._pools)
         except BaseException as e:
             is_cancelled = isinstance(e, asyncio.CancelledError)
             handle.close(CloseReason.CANCELLED if is_cancelled else CloseReason.FAILED, str(e))

@@ -175,13 +175,16 @@ class LayerPush:
         if layer == 0:
             if row.start < self._end[pool]:  # cannot happen for a prefill-only request
                 raise RuntimeError(f"{pool} KV recomputed from {row.start}: preempted mid-push")
-            if len(row.block_table) < len(self._dst):
+            # Blocks past the prompt's KV (a decode worker's lookahead slots, more than a
+            # prefill worker's where only the decode worker drafts) have nothing to send.
+            filled = -(-row.end // self._block_size)
+            if len(self._dst) < filled:
                 raise PreconditionFailed(
-                    f"decode_block_ids: {len(self._dst)} blocks, but the prefill holds "
-                    f"{len(row.block_table)}"
+                    f"decode_block_ids: {len(self._dst)} blocks, but the prompt's KV fills "
+                    f"{filled}"
                 )
             lo = self._next_block[pool]
-            end = len(self._dst) if row.is_last else row.end // self._block_size
+            end = filled if row.is_last else row.end // self._block_size
             hi = max(lo, min(end, len(self._dst)))
             self._end[pool], self._next_block[pool], self._window[pool] = row.end, hi, (lo, hi)
         return self._window[pool]

@@ -180,6 +180,7 @@ def _serve(args: argparse.Namespace) -> int:
     spec = ClusterSpec(
         model=model,
         draft=args.draft,
+        draft_method=args.draft_method,
         num_draft_tokens=args.num_draft_tokens,
         adaptive_speculation=args.adaptive_speculation,
         num_prefill=num_prefill,

@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # torch: imported by the functions that need it, so `--help` 
     from kv_transfer import KvLayout
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+MODEL_DRAFT_KINDS = ("eagle", "eagle3", "dflash")  # engine.spec.drafters.DRAFTERS
+DRAFT_METHODS = (*MODEL_DRAFT_KINDS, "suffix")  # suffix: engine.spec.config.MODEL_FREE_KINDS
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +78,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_speculation_arguments(group: argparse._ActionsContainer) -> None:
     """The draft and how deep it drafts: `tandem serve`'s and both workers'."""
-    group.add_argument("--draft", metavar="DIR", help="EAGLE / EAGLE-3 / DFlash draft directory")
+    group.add_argument(
+        "--draft",
+        metavar="DIR",
+        help="EAGLE / EAGLE-3 / DFlash draft directory (its kind is read from its config)",
+    )
+    group.add_argument(
+        "--draft-method",
+        choices=DRAFT_METHODS,
+        help="how decode workers draft: suffix: from the request's own prompt and output and "
+        "recent outputs, with no draft model (wins where text repeats: code edits, quoting, "
+        "JSON); eagle, eagle3, dflash: the --draft model's kind, checked against its config "
+        "(default: the --draft model's kind, else no speculation)",
+    )
     group.add_argument(
         "--num-draft-tokens",
         type=int,
@@ -98,13 +112,17 @@ def add_speculation_arguments(group: argparse._ActionsContainer) -> None:
 
 
 def check_engine_arguments(args: argparse.Namespace, prog: str) -> bool:
-    """False (with the error on stderr) for ``--eager`` with ``--torch-compile``, or
-    ``--no-adaptive-speculation`` without ``--draft``; a lone ``--torch-compile`` gets a
-    note."""
-    if not args.adaptive_speculation and not args.draft:
+    """False (with the error on stderr) for ``--eager`` with ``--torch-compile``, a
+    ``--draft-method`` that does not fit ``--draft``, or ``--no-adaptive-speculation``
+    without any draft; a lone ``--torch-compile`` gets a note."""
+    why = draft_method_error(args.draft, args.draft_method)
+    if why:
+        print(f"{prog}: error: {why}", file=sys.stderr)
+        return False
+    if not args.adaptive_speculation and not (args.draft or args.draft_method):
         print(
-            f"{prog}: error: --no-adaptive-speculation: needs --draft (without a draft there "
-            "is no speculation to fix)",
+            f"{prog}: error: --no-adaptive-speculation: needs --draft or --draft-method "
+            "(without a draft there is no speculation to fix)",
             file=sys.stderr,
         )
         return False
@@ -123,6 +141,31 @@ def check_engine_arguments(args: argparse.Namespace, prog: str) -> bool:
     return True
 
 
+def draft_method_error(draft: str | None, method: str | None) -> str | None:
+    """Why ``--draft-method`` does not fit ``--draft``, naming both; None where it does."""
+    if method == "suffix" and draft:
+        return (
+            "--draft-method suffix, --draft: combining suffix drafts with a draft model is "
+            "not built yet; give one of them"
+        )
+    if method in MODEL_DRAFT_KINDS and not draft:
+        return f"--draft-method {method}: needs --draft DIR (a {method} draft model)"
+    if method in MODEL_DRAFT_KINDS and draft:
+        from engine.config import read_hf_config
+        from engine.spec.drafters import detect_kind
+
+        try:
+            kind = detect_kind(read_hf_config(draft))
+        except (OSError, ValueError) as e:  # a DraftConfigError is a ValueError
+            return f"--draft: {draft} has no readable draft config ({e})"
+        if kind != method:
+            return (
+                f"--draft-method {method}: the draft {draft} is a {kind} draft (its "
+                f"config.json says so); give --draft-method {kind} or leave it out"
+            )
+    return None
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The served model as every component names it."""
@@ -131,6 +174,7 @@ class ModelSpec:
     served_name: str
     draft_dir: Path | None
     num_draft_tokens: int
+    draft_method: str | None = None  # --draft-method: "suffix" drafts without a draft_dir
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSpec:
@@ -143,6 +187,7 @@ class ModelSpec:
             served_name=args.served_model_name or model_dir.name,
             draft_dir=draft_dir,
             num_draft_tokens=args.num_draft_tokens,
+            draft_method=args.draft_method,
         )
 
 
@@ -176,8 +221,16 @@ def build_engine(
         speculative = SpeculativeConfig(
             str(spec.draft_dir),
             num_draft_tokens=spec.num_draft_tokens,
+            kind=spec.draft_method,
             # a decode worker's steps; a prefill worker's first drafts are always K deep
             adaptive=is_decoding and args.adaptive_speculation,
+        )
+    elif spec.draft_method == "suffix" and is_decoding:  # a prefill worker has none to make
+        speculative = SpeculativeConfig(
+            "",
+            num_draft_tokens=spec.num_draft_tokens,
+            kind="suffix",
+            adaptive=args.adaptive_speculation,
         )
     config = EngineConfig(
         model=str(spec.model_dir),

@@ -52,6 +52,7 @@ class ClusterError(RuntimeError):
 class ClusterSpec:
     model: str
     draft: str | None = None
+    draft_method: str | None = None  # --draft-method; "suffix" drafts without a draft model
     num_draft_tokens: int = 5  # the most; decode workers choose 0..K per step
     adaptive_speculation: bool = True  # False: --no-adaptive-speculation (K every step)
     num_prefill: int = 1  # 0 with colocate
@@ -95,7 +96,7 @@ class ClusterSpec:
         """How long the cluster may take to be SERVING: more for each decode worker that
         compiles or measures its step costs (they share the cores)."""
         per_decode = 0.0 if self.eager else COMPILE_STARTUP_S
-        if self.draft and self.adaptive_speculation:
+        if self.speculates and self.adaptive_speculation:
             per_decode += ADAPTIVE_STARTUP_S
         return STARTUP_TIMEOUT_S + per_decode * self.num_decode
 
@@ -105,10 +106,18 @@ class ClusterSpec:
         if self.eager:
             args.append("--eager")
         if self.draft:
-            args += ["--draft", self.draft, "--num-draft-tokens", str(self.num_draft_tokens)]
+            args += ["--draft", self.draft]
+        if self.draft_method:
+            args += ["--draft-method", self.draft_method]
+        if self.speculates:
+            args += ["--num-draft-tokens", str(self.num_draft_tokens)]
             if not self.adaptive_speculation:
                 args.append("--no-adaptive-speculation")
         return args
+
+    @property
+    def speculates(self) -> bool:
+        return bool(self.draft or self.draft_method)
 
     @property
     def is_auth_on(self) -> bool:

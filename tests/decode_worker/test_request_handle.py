@@ -76,7 +76,7 @@ def _decoding(holders: Holders, request_id: str = "r1", pools: Any = None) -> Re
     if pools is None:
         params = KVCacheParams(2, 2, 8, 4, torch.float32)
         pools = {KvPool.TARGET: PagedKVCache(params, 8, torch.device("cpu"))}
-    handle.hold([1, 2, 3], 1, pools)
+    handle.hold([1, 2, 3], 1, 3, pools)
     handle.slot = OutputSlot()
     return handle
 

@@ -103,3 +103,80 @@ def test_the_demo_starts_adaptive() -> None:
     words = shlex.split(line.strip().rstrip("&"))
     args = serve_parser().parse_args(words[words.index("serve") :])
     assert args.draft and args.adaptive_speculation
+
+
+@pytest.mark.parametrize(
+    ("is_decoding", "argv", "kind", "adaptive"),
+    [
+        (True, [], "suffix", True),
+        (True, ["--no-adaptive-speculation"], "suffix", False),
+        (False, [], None, None),  # a prefill worker has no drafts to make for suffix decoding
+    ],
+)
+def test_suffix_decoding_needs_no_draft_directory(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    is_decoding: bool,
+    argv: list[str],
+    kind: str | None,
+    adaptive: bool | None,
+) -> None:
+    built: list[Any] = []
+    monkeypatch.setattr(
+        "engine.llm_engine.LLMEngine", lambda config, tokenizer: built.append(config)
+    )
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    parser = argparse.ArgumentParser()
+    (decode_cli if is_decoding else prefill_cli).add_arguments(parser)
+    args = parser.parse_args([*REQUIRED, "--draft-method", "suffix", *argv])
+    assert engine_setup.check_engine_arguments(args, "worker")
+    spec = engine_setup.ModelSpec(tmp_path, "m", None, args.num_draft_tokens, args.draft_method)
+    engine_setup.build_engine(spec, args, is_decoding=is_decoding)
+    (config,) = built
+    speculative = config.speculative
+    assert (speculative and speculative.kind, speculative and speculative.adaptive) == (
+        kind,
+        adaptive,
+    )
+
+
+def write_draft_config(directory: Path, architecture: str) -> Path:
+    directory.mkdir()
+    (directory / "config.json").write_text(f'{{"architectures": ["{architecture}"]}}')
+    return directory
+
+
+@pytest.mark.parametrize("cli", [prefill_cli, decode_cli], ids=["prefill", "decode"])
+def test_a_draft_method_that_does_not_fit_the_draft_is_refused(
+    cli: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    eagle3 = str(write_draft_config(tmp_path / "eagle3", "LlamaForCausalLMEagle3"))
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    cases = [
+        (["--draft", eagle3, "--draft-method", "eagle"], "--draft-method eagle: the draft"),
+        (["--draft", eagle3, "--draft-method", "suffix"], "--draft-method suffix, --draft:"),
+        (["--draft-method", "dflash"], "--draft-method dflash: needs --draft DIR"),
+    ]
+    for argv, error in cases:
+        assert cli.run(parser.parse_args([*REQUIRED, *argv])) == 2
+        assert error in capsys.readouterr().err
+    matching = parser.parse_args([*REQUIRED, "--draft", eagle3, "--draft-method", "eagle3"])
+    assert engine_setup.check_engine_arguments(matching, "worker")
+
+
+def test_serve_hands_suffix_decoding_to_its_workers(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    specs = capture_cluster_specs(monkeypatch)
+    parser = serve_parser()
+    args = parser.parse_args(["serve", "--model", "m", "--draft-method", "suffix"])
+    assert args.func(args) == 1  # the captured start's error
+    (spec,) = specs
+    assert spec.draft is None and spec.speculates
+    worker_args = spec.engine_args()
+    assert worker_args[worker_args.index("--draft-method") + 1] == "suffix"
+    assert "--draft" not in worker_args and "--num-draft-tokens" in worker_args
+    both = parser.parse_args(["serve", "--model", "m", "--draft", "/d", "--draft-method", "suffix"])
+    assert both.func(both) == 2 and len(specs) == 1
+    assert "--draft-method suffix, --draft:" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """Sampled losslessness: the joint distribution of the first three generated tokens with
 speculation equals target-only sampling (chi-square against the exact distribution,
-enumerated with transformers; logit bias and penalties by a plain reference), and a wrong
-rule that accepts every draft fails the test."""
+enumerated with transformers; logit bias and penalties by a plain reference), for model
+drafts and suffix decoding's, and a wrong rule that accepts every draft fails the test."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampler import SamplingTensors, filtered_probs
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
+from engine.spec.suffix import SuffixConfig
 from tests.engine.penalty_reference import reference_penalized
 from tests.engine.spec.test_spec_greedy import markov_target
 from tests.engine.tiny_drafts import build_random_draft
@@ -157,3 +158,29 @@ def test_joint_with_penalties_and_bias_matches_target_only(markov):
     assert engine.spec is not None and 0.3 < engine.spec.stats.acceptance_rate < 1
     assert chi_square_p(counts, exact) > 1e-3
     assert chi_square_p(repeats(counts), repeats(exact)) > 1e-3
+
+
+@pytest.mark.slow
+def test_joint_with_suffix_drafts_matches_target_only(target):
+    """Suffix decoding's proposals are point masses: with one-token keys and each request's
+    output kept for the next ones, most steps verify two drafts that earlier samples made
+    likely. The same rule that accepts every draft must fail."""
+    model_dir, _, hf_model = target
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0, top_k=8)
+    exact = exact_joint(hf_model, params)
+    matching = SuffixConfig(key_len=1, spec_factor=2.0, min_token_prob=0.0)
+    spec = SpeculativeConfig("", num_draft_tokens=2, kind="suffix", suffix=matching)
+    engine = engine_for(model_dir, spec)
+    counts = sample_joint(engine, params)
+    stats = engine.spec.stats  # type: ignore[union-attr]
+    assert stats.num_drafts > NUM_SAMPLES // 2 and 0 < stats.acceptance_rate < 1
+    assert chi_square_p(counts, exact) > 1e-3
+    wrong = SpeculativeConfig(
+        "",
+        num_draft_tokens=2,
+        kind="suffix",
+        suffix=matching,
+        acceptance="synthetic",
+        synthetic_acceptance_rates=(1.0, 1.0),
+    )
+    assert chi_square_p(sample_joint(engine_for(model_dir, wrong), params), exact) < 1e-6
