@@ -180,8 +180,7 @@ class LayerPush:
             filled = -(-row.end // self._block_size)
             if len(self._dst) < filled:
                 raise PreconditionFailed(
-                    f"decode_block_ids: {len(self._dst)} blocks, but the prompt's KV fills "
-                    f"{filled}"
+                    f"decode_block_ids: {len(self._dst)} blocks, but the prompt's KV fills {filled}"
                 )
             lo = self._next_block[pool]
             end = filled if row.is_last else row.end // self._block_size

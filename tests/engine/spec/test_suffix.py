@@ -19,7 +19,7 @@ from tests.engine.spec.test_spec_greedy import (
     greedy,
     run,
 )
-from tests.engine.spec.test_spec_greedy import target as target  # noqa: F401 (fixture)
+from tests.engine.spec.test_spec_greedy import target as target
 
 # Prompts that repeat themselves, as code edits do, and the tiny target's own loops.
 REPEATING = [
@@ -110,7 +110,7 @@ def suffix(k: int = 4, **kw) -> SpeculativeConfig:
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
-def test_greedy_with_suffix_drafts_equals_target_only(target, adaptive):  # noqa: F811
+def test_greedy_with_suffix_drafts_equals_target_only(target, adaptive):
     model_dir, _ = target
     prompts = PROMPTS + REPEATING
     requests = {str(i): (p, greedy(40)) for i, p in enumerate(prompts)}
@@ -138,7 +138,7 @@ def test_greedy_with_suffix_drafts_equals_target_only(target, adaptive):  # noqa
     )
 
 
-def test_a_cost_table_where_suffix_drafts_never_pay_runs_plain_steps(target):  # noqa: F811
+def test_a_cost_table_where_suffix_drafts_never_pay_runs_plain_steps(target):
     """Injected costs, not timings: every row has a proposal, and none is verified."""
     model_dir, _ = target
     requests = {"0": (REPEATING[0], greedy(16))}
