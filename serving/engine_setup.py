@@ -253,8 +253,9 @@ def build_engine(
 
 
 def draft_config(engine: LLMEngine, spec: ModelSpec) -> worker_pb2.DraftConfig | None:
-    """The engine's drafter as the wire describes it, with its fingerprint; None without."""
-    if engine.spec is None or spec.draft_dir is None:
+    """The engine's draft model as the wire describes it, with its fingerprint; None
+    without one (suffix decoding has none: its KV and drafts are the decode worker's own)."""
+    if engine.spec is None or engine.spec.drafter is None or spec.draft_dir is None:
         return None
     signature = engine.spec.drafter.signature()
     message = worker_pb2.DraftConfig(
