@@ -6,7 +6,9 @@ EOS ignored, temperature 0, seeded), one server at a time:
 
 - ``tandem``: ``serving.launcher.Cluster`` (router + 1 prefill + 1 decode worker, embedded
   Redis), bf16, no draft; ``tandem_eagle3``: the same with the EAGLE-3 draft
-  (``drafts/smollm2/eagle3``). ``tandem_colocated`` and ``tandem_colocated_eagle3``: the
+  (``drafts/smollm2/eagle3``); ``tandem_suffix``: with suffix decoding's drafts
+  (``--draft-method suffix``, no draft model); all three at the workers' defaults
+  (adaptive K up to 5 with a draft). ``tandem_colocated`` and ``tandem_colocated_eagle3``: the
   same, co-located (``tandem serve --colocate``: router + 1 worker that prefills and
   decodes, no KV transfer). The workers share the cores: each gets ``--tandem-threads``
   torch threads (default: the launcher's share, cores // workers; the router runs no torch).
@@ -29,10 +31,11 @@ spread by about 10 %).
 ``llama-server`` is built once by ``scripts/build_llama_server`` (about 10 minutes on 2
 cores); without it this exits 2 saying so. The last line is one JSON object:
 ``{<side>_tok_s_c<N>[_edit], <side>_ttft_ms_p50_c<N>[_edit], ...,
-tandem_eagle3_over_tandem_c<N>[_edit], tandem_best_over_llamacpp_bf16_c<N>,
+tandem_eagle3_over_tandem_c<N>[_edit], tandem_suffix_over_tandem_c<N>[_edit],
+tandem_best_over_llamacpp_bf16_c<N>,
 tandem_plain_over_llamacpp_bf16_c<N>, "failed", "sweep", "threads", "setup"}`` with sides
-tandem, tandem_eagle3, tandem_colocated, tandem_colocated_eagle3, llamacpp_bf16,
-llamacpp_q4 (null where not run); "best" is the best of Tandem's four that ran, "plain" the
+tandem, tandem_eagle3, tandem_suffix, tandem_colocated, tandem_colocated_eagle3,
+llamacpp_bf16, llamacpp_q4 (null where not run); "best" is the best of Tandem's sides that ran, "plain" the
 better of the two without a draft (tandem, tandem_colocated). A request that fails (a
 dropped connection, an error status) is counted, as a load tester counts it, in "failed"
 (``<side>_c<N>``: errors by kind) and left out of that level's figures; a level where every
@@ -40,7 +43,8 @@ request fails stops the run.
 
     python bench/serving.py            # concurrency 1, 8, 32; both GGUFs; a rate sweep
     python bench/serving.py --quick    # concurrency 1, 8; 16 requests; 3 pairs; tandem,
-                                       # tandem_eagle3 and llamacpp_bf16 (--sides to change)
+                                       # tandem_eagle3, tandem_suffix and llamacpp_bf16
+                                       # (--sides to change)
 """
 
 from __future__ import annotations
@@ -67,12 +71,22 @@ LLAMA_VERSION = "0.3.36"  # the llama-cpp-python sdist that scripts/build_llama_
 LLAMA_CACHE = Path(os.environ.get("TANDEM_LLAMA_CACHE", "~/.cache/tandem/llama.cpp")).expanduser()
 CTX_PER_SLOT = 1024  # a built-in chat (< 100 tokens with the template) + 128 new tokens
 KV_CACHE_MEMORY = 512 << 20  # Tandem's per worker: 512 MiB holds 32 such requests
-TANDEM_SIDES = ("tandem", "tandem_eagle3", "tandem_colocated", "tandem_colocated_eagle3")
+TANDEM_SIDES = (
+    "tandem",
+    "tandem_eagle3",
+    "tandem_suffix",
+    "tandem_colocated",
+    "tandem_colocated_eagle3",
+)
 PLAIN_SIDES = ("tandem", "tandem_colocated")  # no draft: what every request pays
 SIDES = (*TANDEM_SIDES, "llamacpp_bf16", "llamacpp_q4")
-QUICK_SIDES = ("tandem", "tandem_eagle3", "llamacpp_bf16")
+QUICK_SIDES = ("tandem", "tandem_eagle3", "tandem_suffix", "llamacpp_bf16")
 # Each speculative side and the plain side it is paired with, run back to back.
-PAIRED = {"tandem_eagle3": "tandem", "tandem_colocated_eagle3": "tandem_colocated"}
+PAIRED = {
+    "tandem_eagle3": "tandem",
+    "tandem_suffix": "tandem",
+    "tandem_colocated_eagle3": "tandem_colocated",
+}
 # `tandem loadtest --dataset` -> the suffix of its keys: the chat set's have none.
 DATASETS = {"builtin": "", "edit": "_edit"}
 
@@ -139,6 +153,7 @@ def llama_server(
 
 @contextmanager
 def tandem_cluster(
+    side: str,
     model_dir: Path,
     draft: Path | None,
     threads: int | None,
@@ -152,6 +167,7 @@ def tandem_cluster(
     spec = ClusterSpec(
         model=str(model_dir),
         draft=str(draft) if draft is not None else None,
+        draft_method="suffix" if side.endswith("suffix") else None,
         num_prefill=0 if colocate else 1,
         colocate=colocate,
         port=0,
@@ -159,7 +175,7 @@ def tandem_cluster(
         worker_args=("--dtype", "bfloat16", "--kv-cache-memory", str(KV_CACHE_MEMORY)),
         eager=not compile_,
         service_args=("--log-level", "WARNING"),
-        log_dir=log_dir / f"tandem{'-colocated' if colocate else ''}{'-eagle3' if draft else ''}",
+        log_dir=log_dir / side,
         is_metrics_served=False,
     )
     workers = "1 co-located worker" if colocate else "1 prefill, 1 decode worker"
@@ -320,7 +336,13 @@ def main() -> None:
                 print(f"[serving] {side}: starting the cluster", file=sys.stderr, flush=True)
                 urls[side], shape = clusters.enter_context(
                     tandem_cluster(
-                        model_dir, draft, args.tandem_threads, not args.eager, colocate, log_dir
+                        side,
+                        model_dir,
+                        draft,
+                        args.tandem_threads,
+                        not args.eager,
+                        colocate,
+                        log_dir,
                     )
                 )
                 threads["tandem_colocated" if colocate else "tandem"] = shape

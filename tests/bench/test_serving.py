@@ -35,7 +35,7 @@ def test_an_unknown_side_is_refused_naming_the_choices() -> None:
     done = run("--sides", "tandem,vllm")
     assert done.returncode == 2
     assert "--sides: unknown ['vllm']" in done.stderr
-    choices = "tandem, tandem_eagle3, tandem_colocated, tandem_colocated_eagle3, llamacpp_bf16"
+    choices = "tandem, tandem_eagle3, tandem_suffix, tandem_colocated, tandem_colocated_eagle3"
     assert choices in done.stderr
 
 

@@ -227,3 +227,18 @@ def test_the_commands_notes_print_parse() -> None:
         if line.startswith("  tandem "):
             args = parse(shlex.split(line)[1:])
             assert args.router == "127.0.0.1:50050"
+
+
+def test_suffix_decoding_reaches_the_decode_worker_without_a_draft() -> None:
+    """``decode.draft.method: suffix`` with no draft model: the decode container drafts by
+    suffix decoding, adaptive, K up to numDraftTokens; prefill runs plain."""
+    values = {"decode": {"draft": {"method": "suffix", "numDraftTokens": 8}}}
+    texts = [t for p, t in render_raw(values).items() if not p.endswith("NOTES.txt")]
+    objs = [d for t in texts for d in yaml.safe_load_all(t) if d]
+    seen = {}
+    for _, container in tandem_containers(objs):
+        args = parse(expand_args(container, config_maps(objs)))
+        if args.command in ("prefill", "decode"):
+            seen[args.command] = (args.draft, args.draft_method, args.num_draft_tokens)
+            assert args.adaptive_speculation
+    assert seen == {"prefill": (None, None, 5), "decode": (None, "suffix", 8)}

@@ -19,7 +19,8 @@
 {{- if .root.Values.engine.maxModelLen }}{{ $keys = append $keys (printf "%s.max-model-len" .role) }}{{ end }}
 {{- if $v.engine.kvCacheMemory }}{{ $keys = append $keys (printf "%s.kv-cache-memory" .role) }}{{ end }}
 {{- if $v.engine.threads }}{{ $keys = append $keys (printf "%s.threads" .role) }}{{ end }}
-{{- if $v.draft.enabled }}{{ $keys = concat $keys (list (printf "%s.draft" .role) (printf "%s.num-draft-tokens" .role)) }}{{ end }}
+{{- if $v.draft.enabled }}{{ $keys = append $keys (printf "%s.draft" .role) }}{{ end }}
+{{- if or $v.draft.enabled $v.draft.method }}{{ $keys = append $keys (printf "%s.num-draft-tokens" .role) }}{{ end }}
 {{- toJson $keys }}
 {{- end }}
 
@@ -55,6 +56,11 @@ ConfigMap ($(TANDEM_...) is expanded by the kubelet), probes and the drain. dict
     {{- end }}
     {{- if $v.draft.enabled }}
     - --draft=$({{ $env }}DRAFT)
+    {{- end }}
+    {{- with $v.draft.method }}
+    - --draft-method={{ . }}
+    {{- end }}
+    {{- if or $v.draft.enabled $v.draft.method }}
     - --num-draft-tokens=$({{ $env }}NUM_DRAFT_TOKENS)
     {{- if not $v.draft.adaptive }}
     - --no-adaptive-speculation

@@ -65,6 +65,8 @@ spec:
 {{- end }}
 {{- if $v.draft.enabled }}
 {{ $role }}.draft: {{ include "tandem.draftPath" $root | quote }}
+{{- end }}
+{{- if or $v.draft.enabled $v.draft.method }}
 {{ $role }}.num-draft-tokens: {{ $v.draft.numDraftTokens | quote }}
 {{- end }}
 {{- end }}
