@@ -35,8 +35,11 @@ tandem_eagle3_over_tandem_c<N>[_edit], tandem_suffix_over_tandem_c<N>[_edit],
 tandem_best_over_llamacpp_bf16_c<N>,
 tandem_plain_over_llamacpp_bf16_c<N>, "failed", "sweep", "threads", "setup"}`` with sides
 tandem, tandem_eagle3, tandem_suffix, tandem_colocated, tandem_colocated_eagle3,
-llamacpp_bf16, llamacpp_q4 (null where not run); "best" is the best of Tandem's sides that ran, "plain" the
-better of the two without a draft (tandem, tandem_colocated). A request that fails (a
+llamacpp_bf16, llamacpp_q4 (null where not run); "best" is the best of Tandem's sides that
+ran, "plain" the better of the two without a draft (tandem, tandem_colocated); per
+speculative side ``<side>_tau_c<N>[_edit]`` (tokens per verifying step, from the decode
+worker's counters) and ``<side>_steps_per_k_c<N>[_edit]`` (its decode steps by the K they
+verified, warm-up requests included). A request that fails (a
 dropped connection, an error status) is counted, as a load tester counts it, in "failed"
 (``<side>_c<N>``: errors by kind) and left out of that level's figures; a level where every
 request fails stops the run.
@@ -52,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -160,8 +164,9 @@ def tandem_cluster(
     compile_: bool,
     colocate: bool,
     log_dir: Path,
-) -> Iterator[tuple[str, str]]:
-    """A running Tandem cluster: (its OpenAI base URL, its processes and threads)."""
+) -> Iterator[tuple[str, str, str]]:
+    """A running Tandem cluster: (its OpenAI base URL, its processes and threads, its decode
+    worker's /metrics URL or "")."""
     from serving.launcher import Cluster, ClusterSpec
 
     spec = ClusterSpec(
@@ -176,7 +181,8 @@ def tandem_cluster(
         eager=not compile_,
         service_args=("--log-level", "WARNING"),
         log_dir=log_dir / side,
-        is_metrics_served=False,
+        # Speculative sides: the decode worker's counters and K histogram around each run.
+        is_metrics_served=bool(draft) or side.endswith("suffix"),
     )
     workers = "1 co-located worker" if colocate else "1 prefill, 1 decode worker"
     shape = (
@@ -185,7 +191,7 @@ def tandem_cluster(
     )
     with Cluster(spec) as cluster:
         assert cluster.router is not None
-        yield cluster.router.base_url, shape
+        yield cluster.router.base_url, shape, cluster.decode[0].metrics_url
 
 
 def loadtest(
@@ -330,11 +336,12 @@ def main() -> None:
         # them stop before llama-server starts.
         with ExitStack() as clusters:
             urls: dict[str, str] = {}
+            metrics: dict[str, str] = {}  # speculative sides' decode worker /metrics
             for side in (s for s in TANDEM_SIDES if s in sides):
                 draft = args.draft if side.endswith("eagle3") else None
                 colocate = "colocated" in side
                 print(f"[serving] {side}: starting the cluster", file=sys.stderr, flush=True)
-                urls[side], shape = clusters.enter_context(
+                urls[side], shape, metrics[side] = clusters.enter_context(
                     tandem_cluster(
                         side,
                         model_dir,
@@ -350,11 +357,22 @@ def main() -> None:
                 for c in levels:
                     n = args.requests or max(32, 2 * c)
                     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in urls}
+                    k_steps: dict[str, list[int]] = {}
                     for _ in range(pairs):
                         for side, url in urls.items():
                             extra = closed_loop(c, n, warmup, args.output_len)
+                            if metrics[side]:  # tau from its counters, K from its histogram
+                                extra += ["--metrics-url", metrics[side]]
+                                before = steps_per_k(metrics[side])
                             runs[side] += loadtest(url, extra, f"{side} {dataset}", dataset)
+                            if metrics[side]:
+                                after = steps_per_k(metrics[side])
+                                total = k_steps.setdefault(side, [0] * len(after))
+                                for k, (a, b) in enumerate(zip(after, before, strict=True)):
+                                    total[k] += a - b
                     record_pairs(result, runs, c, DATASETS[dataset])
+                    for side, counts in k_steps.items():  # warm-up requests included
+                        result[f"{side}_steps_per_k_c{c}{DATASETS[dataset]}"] = counts
             for side, url in urls.items():
                 if rates:
                     sweep[side] = sweep_runs(url, rates, args, max(levels), side)
@@ -437,6 +455,16 @@ def ratios_to_llamacpp(
             if tandem is not None:
                 ratios[f"tandem_{key}_over_llamacpp_bf16_c{c}"] = round(tandem / peer, 3)
     return ratios
+
+
+def steps_per_k(metrics_url: str) -> list[int]:
+    """The decode worker's ``tandem_spec_k`` histogram: decode steps by the K they verified
+    (0, 1, ...), from its cumulative buckets."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    buckets = re.findall(r'^tandem_spec_k_bucket\{[^}]*le="([0-9.]+)"[^}]*\} (\S+)$', text, re.M)
+    cumulative = [int(float(count)) for _, count in sorted(buckets, key=lambda b: float(b[0]))]
+    return [b - a for a, b in zip([0, *cumulative], cumulative, strict=False)]
 
 
 def record(

@@ -296,6 +296,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
                     num_drafts=stats.num_drafts,
                     num_draft_tokens=stats.num_draft_tokens,
                     num_accepted_tokens=stats.num_accepted_tokens,
+                    num_steps_without_drafts=stats.num_steps_without_drafts,
                 )
             )
         if request.include_block_ids:
@@ -421,7 +422,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             num_draft_tokens=stats.num_draft_tokens,
             num_accepted_tokens=stats.num_accepted_tokens,
             steps_per_k=stats.steps_per_k,
-            max_k=self.draft.num_draft_tokens if self.draft is not None else 0,
+            max_k=stats.max_k,  # suffix decoding has no DraftConfig, but a K
         )
 
     def _deliver(self, step: _Step) -> None:

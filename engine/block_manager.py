@@ -72,6 +72,15 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._clean) + len(self._evictable)
 
+    @property
+    def num_clean_blocks(self) -> int:
+        return len(self._clean)
+
+    @property
+    def clean_block_ids(self) -> list[int]:
+        """Free blocks that hold no cached prefix: writing them loses nothing."""
+        return list(self._clean)
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

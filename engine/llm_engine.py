@@ -291,6 +291,20 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or self._ahead is not None
 
+    def wants_cost_refresh(self) -> bool:
+        """Adaptive speculation has step costs to time again (``refresh_costs``)."""
+        refresh = self.spec.refresh if self.spec is not None else None
+        has_room = self.block_manager.num_clean_blocks > 0  # else it would wait for none
+        return refresh is not None and has_room and refresh.is_wanted()
+
+    def refresh_costs(self) -> float:
+        """While no request runs: times one K of a bucket whose steps ran at longer contexts
+        than its costs were measured at, on free blocks (engine.spec.adaptive.CostRefresh);
+        seconds taken, 0 when there was nothing to do."""
+        if self.spec is None or self.has_unfinished_requests():
+            return 0.0
+        return self.spec.refresh_costs(self.block_manager.clean_block_ids)
+
     def _validate(
         self, request_id: str, token_ids: list[int], params: SamplingParams, num_prompt_tokens: int
     ) -> None:

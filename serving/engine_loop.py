@@ -51,7 +51,9 @@ class EngineStats:
     num_drafts: int | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_steps_without_drafts: int = 0  # row-steps that verified none
     steps_per_k: tuple[int, ...] = ()  # [k]: decode steps that verified k drafts
+    max_k: int = 0  # the most drafts a step verifies (--num-draft-tokens); 0 without drafts
 
     @property
     def num_used_blocks(self) -> int:
@@ -76,7 +78,9 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         num_drafts=spec.num_drafts if spec is not None else None,
         num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
         num_accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
+        num_steps_without_drafts=spec.num_steps_without_drafts if spec is not None else 0,
         steps_per_k=tuple(spec.steps_per_k) if spec is not None else (),
+        max_k=engine.spec.k if engine.spec is not None else 0,
     )
 
 
@@ -277,12 +281,19 @@ class EngineLoop(Generic[Payload]):
         while True:
             with self._cv:
                 while not self._calls and not self._is_stopping and not self._is_busy():
+                    if engine.wants_cost_refresh():
+                        break
                     self._cv.wait()
                 calls = list(self._calls)
                 self._calls.clear()
                 self._num_bounded = 0
                 if self._is_stopping and not calls:
                     return
+            if not calls and not self._is_busy():
+                # Idle: adaptive speculation times a stale cost bucket, one K (a short
+                # pause, within its budget), then looks for work again.
+                engine.refresh_costs()
+                continue
             # The stats snapshot is taken before anything leaves this thread, so that a
             # client who saw a request end never reads figures from before its end.
             done: list[tuple[Callable[..., None], Any, Any]] = []

@@ -35,6 +35,11 @@ little more (batch 1), that is a probe every few dozen steps; where it costs sev
 plain steps and a catch-up (batch 32), one every few hundred. Probes at a fixed interval
 would cost a large batch more than speculation gains it.
 
+Start-up measures at contexts up to 512 tokens; a bucket whose steps run at contexts
+``refresh_factor`` times longer than it was measured at is stale (``stale``), and
+``CostRefresh`` measures it again at such a context while the engine is idle, one K at a
+time, within a budget of time.
+
 The measurements behind these choices are in ``bench/RESULTS.md`` ("Adaptive K and draft
 training: measurements moved out of docstrings").
 """
@@ -42,6 +47,7 @@ training: measurements moved out of docstrings").
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -59,7 +65,7 @@ class StepCost:
         return self.base + self.per_token * max(context, self.min_context)
 
     @classmethod
-    def fit(cls, short: tuple[int, float], long: tuple[int, float]) -> StepCost:
+    def fit(cls, short: tuple[float, float], long: tuple[float, float]) -> StepCost:
         """The line through two (context, seconds) measurements, never falling with context
         and not extended below the short one: where a slow spell of the machine inflated the
         long measurement, the line crosses zero at a short context, and a step there would
@@ -81,6 +87,8 @@ class AdaptiveK:
         probe_budget: float = 0.02,  # share of the step time that probes may spend
         cost_weight: float = 0.2,  # weight of one observed step in its cost estimate
         max_cost_rise: float = 2.0,  # an observed cost counts as at most this x the estimate
+        measured_context: float = float("inf"),  # the longest context the costs were timed at
+        refresh_factor: float = 1.5,  # steps this much longer than measured make a bucket stale
     ) -> None:
         self.choices = sorted(set(choices) | {0})
         self.max_k = self.choices[-1]
@@ -93,6 +101,9 @@ class AdaptiveK:
         self._verified = [1.0] * self.max_k
         self._probe_credit = 0.0  # seconds
         self.overhead = 0.0  # seconds of engine time per step outside the step, every K alike
+        self.measured = dict.fromkeys(costs, measured_context)  # bucket -> longest timed context
+        self.refresh_factor = refresh_factor
+        self.stale: dict[int, float] = {}  # bucket -> the longest context its steps ran at
 
     def alphas(self) -> list[float]:
         return [
@@ -125,6 +136,8 @@ class AdaptiveK:
         match supports): a row contributes ``tau(min(K, its length))`` to a step of depth
         K, and K goes no deeper than the longest; None: every row drafts as deep as K."""
         bucket = self.bucket(batch_size)
+        if context > self.refresh_factor * self.measured[bucket]:
+            self.stale[bucket] = max(context, self.stale.get(bucket, 0.0))
         deepest = self.max_k if lengths is None else min(self.max_k, max(lengths, default=0))
         cost = {
             k: self.cost(bucket, k, context)
@@ -143,6 +156,17 @@ class AdaptiveK:
                 self._probe_credit -= extra
                 return deepest
         return best
+
+    def remeasured(self, bucket: int, context: float, seconds: dict[int, float]) -> None:
+        """Steps of ``bucket`` rows at KV length ``context`` took ``seconds`` per K, timed now:
+        each K's line runs from its short end through them (in the start-up lines' units:
+        the bucket's scale says how much faster or slower the machine runs now)."""
+        for k, taken in seconds.items():
+            line = self.costs[bucket][k]
+            short = (line.min_context, line.at(line.min_context))
+            self.costs[bucket][k] = StepCost.fit(short, (context, taken / self.scales[bucket]))
+        self.measured[bucket] = max(self.measured[bucket], context)
+        self.stale.pop(bucket, None)
 
     def charge(self, seconds: float) -> None:
         """Time spent for speculation outside the modelled steps: probes wait for it."""
@@ -211,3 +235,66 @@ def measure_costs(
                 points[k].append((context, min(times[k])))
         costs[b] = {k: StepCost.fit(points[k][0], points[k][1]) for k in ks}
     return costs
+
+
+class CostRefresh:
+    """Times stale buckets again (``AdaptiveK.stale``) while the engine is idle: one K's
+    steps per call of ``run_one``, so that a request arriving meanwhile waits at most
+    about ``max_pause_s``, and the bucket's lines change together once every K is timed.
+    All of it within ``share`` of the time since start, plus ``allowance_s``. A bucket whose
+    steps would pause longer than ``max_pause_s`` is not timed: the scale its steps keep
+    (``observe_cost``) is all it gets."""
+
+    def __init__(
+        self,
+        adaptive: AdaptiveK,
+        run_step: Callable[[int, int, int], float],  # (batch, k, context) -> seconds
+        max_context: int,  # the longest KV length a scratch step may reach
+        *,
+        share: float = 0.02,
+        allowance_s: float = 2.0,
+        max_pause_s: float = 0.25,
+        repeats: int = 3,  # steps per K, the first a warm-up
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.adaptive, self.run_step, self.max_context = adaptive, run_step, max_context
+        self.share, self.allowance_s, self.max_pause_s = share, allowance_s, max_pause_s
+        self.repeats, self.clock = repeats, clock
+        self.started = clock()
+        self.spent = 0.0  # seconds of steps run
+        self.num_refreshed = 0  # buckets timed again
+        self._pending: tuple[int, int, list[int], dict[int, float]] | None = None
+
+    def is_wanted(self) -> bool:
+        """A bucket to time, and budget left for it."""
+        if self._pending is None and not self.adaptive.stale:
+            return False
+        return self.spent < self.share * (self.clock() - self.started) + self.allowance_s
+
+    def run_one(self) -> float:
+        """Times one K of the bucket being refreshed (choosing one first); seconds taken."""
+        adaptive = self.adaptive
+        if self._pending is None:
+            if not adaptive.stale:
+                return 0.0
+            bucket, seen = next(iter(adaptive.stale.items()))
+            # Longer than seen, as contexts grow: the line is then interpolated.
+            context = int(min(self.max_context, adaptive.refresh_factor * seen))
+            pause = self.repeats * max(adaptive.cost(bucket, k, context) for k in adaptive.choices)
+            if context <= adaptive.measured[bucket] or pause > self.max_pause_s:
+                adaptive.stale.pop(bucket)
+                adaptive.measured[bucket] = max(adaptive.measured[bucket], context)
+                return 0.0
+            self._pending = (bucket, context, list(adaptive.choices), {})
+        bucket, context, ks, timed = self._pending
+        k = ks.pop(0)
+        started = self.clock()
+        times = [self.run_step(bucket, k, context) for _ in range(self.repeats)]
+        timed[k] = min(times[1:] or times)
+        if not ks:
+            adaptive.remeasured(bucket, context, timed)
+            self.num_refreshed += 1
+            self._pending = None
+        taken = self.clock() - started
+        self.spent += taken
+        return taken

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ from engine.sampler import SamplingTensors, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
-from engine.spec.adaptive import AdaptiveK, StepCost, measure_costs
+from engine.spec.adaptive import AdaptiveK, CostRefresh, StepCost, measure_costs
 from engine.spec.config import SpeculativeConfig
 from engine.spec.drafters import Drafter, ProposeArgs, load_drafter
 from engine.spec.grammar import StepGrammar, step_fields
@@ -88,6 +89,8 @@ class SpecRunner:
         )
         self.stats = SpecDecodeStats()
         self.adaptive: AdaptiveK | None = None
+        self.refresh: CostRefresh | None = None  # with adaptive: stale buckets timed again
+        self._refresh_blocks: list[int] = []
         # A step that drafts nothing leaves the drafter idle and keeps the target features;
         # the drafter catches up in one batched extend when drafting resumes, or when a row
         # has kept ``max_undrafted`` positions (the features' memory stays bounded). False
@@ -355,17 +358,49 @@ class SpecRunner:
     ) -> dict[int, dict[int, StepCost]]:
         """Measures a step cost line per batch bucket and K on scratch blocks (free at
         start-up) at a short and a long context. Rows share the blocks where there are too
-        few for each its own: what the KV holds does not change what a step costs."""
-        bs = self.runner.block_size
-        slots = num_lookahead_slots(self.k, self.drafter) + self.k + 2
+        few for each its own: what the KV holds does not change what a step costs. Later,
+        ``refresh`` times buckets again whose steps run at longer contexts."""
+        slots = self._scratch_slots()
         long = max(1, min(512, max_context - slots))
         contexts = (min(32, long), long)
-        per_row = -(-(contexts[1] + slots) // bs)
         buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64) if b <= max_batch] or [1]
         choices = list(range(self.k + 1))
+        started = time.perf_counter()
+        costs = measure_costs(self._scratch_steps(scratch_blocks), buckets, choices, contexts)
+        logger.info(
+            "adaptive speculation: step costs of batch buckets %s, K up to %d, at contexts %s, "
+            "measured in %.1f s",
+            buckets,
+            self.k,
+            contexts,
+            time.perf_counter() - started,
+        )
+        self.adaptive = AdaptiveK(choices, costs, measured_context=contexts[1])
+        self.refresh = CostRefresh(self.adaptive, self._refresh_step, max(1, max_context - slots))
+        return costs
+
+    def refresh_costs(self, free_blocks: list[int]) -> float:
+        """An idle engine's turn: times one K of a stale bucket on ``free_blocks`` (blocks
+        no request holds nor a cached prefix), within the refresh's budget; seconds taken."""
+        if self.refresh is None or not free_blocks or not self.refresh.is_wanted():
+            return 0.0
+        self._refresh_blocks = free_blocks
+        return self.refresh.run_one()
+
+    def _refresh_step(self, b: int, k: int, context: int) -> float:
+        return self._scratch_steps(self._refresh_blocks)(b, k, context)
+
+    def _scratch_slots(self) -> int:
+        return num_lookahead_slots(self.k, self.drafter) + self.k + 2
+
+    def _scratch_steps(self, scratch_blocks: list[int]) -> Callable[[int, int, int], float]:
+        """(batch, K, context) -> seconds of one step on ``scratch_blocks``, as decode runs
+        it (K = 0 defers the drafter where decode would)."""
+        bs, slots = self.runner.block_size, self._scratch_slots()
         blocks = torch.tensor(scratch_blocks, dtype=torch.int64)
 
         def run_step(b: int, k: int, context: int) -> float:
+            per_row = -(-(context + slots) // bs)
             tables = blocks[torch.arange(b * per_row) % len(blocks)].view(b, per_row)
             return self.time_scratch_step(
                 tables,
@@ -375,18 +410,7 @@ class SpecRunner:
                 defer_drafter=k == 0 and self.defer_drafter,  # as decode runs K=0
             )
 
-        started = time.perf_counter()
-        costs = measure_costs(run_step, buckets, choices, contexts)
-        logger.info(
-            "adaptive speculation: step costs of batch buckets %s, K up to %d, at contexts %s, "
-            "measured in %.1f s",
-            buckets,
-            self.k,
-            contexts,
-            time.perf_counter() - started,
-        )
-        self.adaptive = AdaptiveK(choices, costs)
-        return costs
+        return run_step
 
     @torch.inference_mode()
     def time_scratch_step(

@@ -53,7 +53,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
         running.stop()
 
 
-def k_histogram(text: str) -> tuple[list[float], float, float]:
+def k_histogram(text: str, max_k: int = K) -> tuple[list[float], float, float]:
     """The decode worker's ``tandem_spec_k``: cumulative counts at le=0..K, count, sum."""
 
     def sample(name: str, labels: str = "") -> float:
@@ -63,7 +63,7 @@ def k_histogram(text: str) -> tuple[list[float], float, float]:
         assert found, f"tandem_spec_k_{name}{{{labels}...}} missing"
         return float(found.group(1))
 
-    buckets = [sample("bucket", f'le="{float(k)}",') for k in range(K + 1)]
+    buckets = [sample("bucket", f'le="{float(k)}",') for k in range(max_k + 1)]
     assert sample("bucket", 'le="+Inf",') == buckets[-1]
     return buckets, sample("count"), sample("sum")
 

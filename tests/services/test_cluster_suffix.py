@@ -6,6 +6,7 @@ and greedy output equals the target alone, token for token."""
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from tests.services.cluster_helpers import (
     run,
     tiny_cluster_spec,
 )
+from tests.services.test_cluster_adaptive import k_histogram
 from tests.services.test_cluster_tiny import prompts
 
 K = 4
@@ -75,6 +77,13 @@ async def test_greedy_with_suffix_drafts_equals_the_target_alone(
         assert spec.num_accepted_tokens <= spec.num_draft_tokens <= K * spec.num_drafts
         accepted += spec.num_accepted_tokens
     assert accepted > 0  # the matches paid somewhere
+
+    # The decode worker's steps by the K they verified: 0 (no row had a match) to K.
+    [decode] = running.decode
+    with urllib.request.urlopen(decode.metrics_url, timeout=5) as response:
+        buckets, count, total = k_histogram(response.read().decode(), K)
+    assert buckets == sorted(buckets) and buckets[-1] == count > 0
+    assert 0 < total <= K * count
 
 
 async def test_a_later_request_drafts_from_an_earlier_ones_output(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.spec.adaptive import AdaptiveK, StepCost
+from engine.spec.adaptive import AdaptiveK, CostRefresh, StepCost
 
 
 def flat(costs: dict[int, dict[int, float]]) -> dict[int, dict[int, StepCost]]:
@@ -142,3 +142,67 @@ def test_the_engine_time_every_step_pays_makes_deep_drafts_pay_sooner() -> None:
     assert adaptive.choose(1) == 3
     adaptive.observe_overhead(1, 30.0)
     assert adaptive.overhead == pytest.approx(1.0)
+
+
+def test_ragged_rows_weigh_each_rows_drafts_and_k_goes_no_deeper_than_the_longest() -> None:
+    """Suffix decoding's rows offer different numbers of drafts: a depth's gain is each
+    row's tau at min(depth, its drafts)."""
+    costs = flat({4: {0: 1.0, 1: 1.1, 2: 1.2, 3: 3.0}})
+    adaptive = AdaptiveK([0, 1, 2, 3], costs, prior_acceptance=0.9, probe_budget=0)
+    assert adaptive.choose(4, 0.0, [2, 2, 0, 0]) == 2  # 3 would cost more and add nothing
+    assert adaptive.choose(4, 0.0, [0, 0, 0, 0]) == 0
+    assert adaptive.choose(4, 0.0, [3, 3, 3, 3]) == 2  # K=3 costs 3 plain steps
+    adaptive.observe_rows([2, 1, 0, 0], [2, 0, 0, 0])
+    # position 0: two rows verified it, one passed; position 1: one verified, one passed
+    assert adaptive._verified[:2] == pytest.approx([0.98 + 2, 0.98 + 1])
+    assert adaptive._accepted[:2] == pytest.approx([0.98 * 0.9 + 1, 0.98 * 0.9 + 1])
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_bucket_whose_steps_run_longer_is_timed_again_one_k_at_a_time_within_budget():
+    """Costs measured up to 512 tokens; steps at 2,000 make the bucket stale. While idle,
+    each call times one K (3 steps, at 1.5x the context seen), and the bucket's lines
+    change together once every K is timed; the budget (share of the time since start,
+    plus an allowance) stops it, and a bucket whose steps would pause too long is left to
+    its observed scale."""
+    costs = {8: {k: StepCost.fit((32, 0.01 * (k + 1)), (512, 0.02 * (k + 1))) for k in (0, 1)}}
+    adaptive = AdaptiveK([0, 1], costs, measured_context=512, probe_budget=0)
+    adaptive.choose(8, 600.0)
+    assert adaptive.stale == {}  # within 1.5x of what was measured
+    adaptive.choose(8, 2000.0)
+    assert adaptive.stale == {8: 2000.0}
+    clock, timed = FakeClock(), []
+
+    def run_step(b: int, k: int, context: int) -> float:
+        timed.append((b, k, context))
+        clock.now += 0.05
+        return 0.1 * (k + 1)  # the truth: far dearer than the line's 0.06 (k=0) at 3,000
+
+    refresh = CostRefresh(
+        adaptive, run_step, 4000, share=0.02, allowance_s=0.2, max_pause_s=1.0, clock=clock
+    )
+    assert refresh.is_wanted()
+    before = adaptive.costs[8][1]
+    assert refresh.run_one() == pytest.approx(0.15)  # K = 0: three steps
+    assert timed == [(8, 0, 3000)] * 3
+    assert adaptive.costs[8][1] == before and 8 in adaptive.stale  # not yet: K = 1 next
+    refresh.run_one()
+    assert adaptive.stale == {} and adaptive.measured[8] == 3000 and refresh.num_refreshed == 1
+    for k in (0, 1):
+        assert adaptive.costs[8][k].at(3000) == pytest.approx(0.1 * (k + 1))
+        assert adaptive.costs[8][k].at(32) == pytest.approx(0.01 * (k + 1))  # short end kept
+    # Stale again at 10,000: the budget (0.2 s + 2% of 0.3 s) is spent.
+    adaptive.choose(8, 10000.0)
+    assert not refresh.is_wanted()
+    clock.now += 100.0  # two seconds of budget more
+    assert refresh.is_wanted()
+    # At 4,000 (the longest scratch context) three K=1 steps would take 0.6 s or more.
+    refresh.max_pause_s = 0.5
+    assert refresh.run_one() == 0.0 and adaptive.stale == {} and len(timed) == 6

@@ -154,3 +154,28 @@ def test_a_cost_table_where_suffix_drafts_never_pay_runs_plain_steps(target):
     counts = out["0"].spec_counts
     assert counts is not None and (counts.num_drafts, counts.num_draft_tokens) == (0, 0)
     assert engine.spec.stats.steps_per_k == [16 - 1]
+
+
+def test_an_idle_engine_times_a_stale_bucket_again_on_blocks_nothing_needs(target):
+    """Steps at contexts longer than the costs were measured at make the bucket stale; the
+    idle engine times it again, one K per call, on clean free blocks only: a cached prefix
+    still serves a later request exactly."""
+    model_dir, _ = target
+    requests = {"0": (REPEATING[2] * 2, greedy(24))}
+    base = run(engine_for(model_dir), requests)
+    engine = engine_for(model_dir, suffix(k=2, adaptive=True), max_num_seqs=2)
+    assert engine.spec is not None and engine.spec.adaptive is not None
+    adaptive, refresh = engine.spec.adaptive, engine.spec.refresh
+    assert refresh is not None and not engine.wants_cost_refresh()
+    adaptive.measured = dict.fromkeys(adaptive.measured, 8.0)  # as if timed at 8 tokens only
+    assert run(engine, requests)["0"].token_ids == base["0"].token_ids
+    assert adaptive.stale.get(1, 0) > 12  # its steps ran at 26 tokens and more
+    cached = engine.block_manager.num_free_blocks - engine.block_manager.num_clean_blocks
+    assert cached > 0  # the request's prefix stays cached
+    spent = []
+    while engine.wants_cost_refresh():
+        spent.append(engine.refresh_costs())
+    assert len(spent) == 3 and all(s > 0 for s in spent)  # K = 0, 1, 2
+    assert refresh.num_refreshed == 1 and adaptive.measured[1] > 12 and 1 not in adaptive.stale
+    again = run(engine, {"1": requests["0"]})
+    assert again["1"].token_ids == base["0"].token_ids and again["1"].num_cached_tokens > 0
