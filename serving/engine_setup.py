@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # torch: imported by the functions that need it, so `--help` 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 MODEL_DRAFT_KINDS = ("eagle", "eagle3", "dflash")  # engine.spec.drafters.DRAFTERS
 DRAFT_METHODS = (*MODEL_DRAFT_KINDS, "suffix")  # suffix: engine.spec.config.MODEL_FREE_KINDS
+SUFFIX_CACHE_TOKENS = 1 << 18  # engine.spec.suffix.SuffixConfig.shared_tokens
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +101,15 @@ def add_speculation_arguments(group: argparse._ActionsContainer) -> None:
         "speculation, the default, each step drafts 0 to K",
     )
     group.add_argument(
+        "--suffix-cache-tokens",
+        type=int,
+        default=SUFFIX_CACHE_TOKENS,
+        metavar="N",
+        help="suffix decoding: tokens of recent requests' outputs kept to draft from, the "
+        f"least recently used dropped first; 0: each request drafts from its own tokens only "
+        f"(default: {SUFFIX_CACHE_TOKENS})",
+    )
+    group.add_argument(
         "--no-adaptive-speculation",
         dest="adaptive_speculation",
         action="store_false",
@@ -116,6 +126,8 @@ def check_engine_arguments(args: argparse.Namespace, prog: str) -> bool:
     ``--draft-method`` that does not fit ``--draft``, or ``--no-adaptive-speculation``
     without any draft; a lone ``--torch-compile`` gets a note."""
     why = draft_method_error(args.draft, args.draft_method)
+    if args.suffix_cache_tokens < 0:
+        why = f"--suffix-cache-tokens: must be 0 or more, got {args.suffix_cache_tokens}"
     if why:
         print(f"{prog}: error: {why}", file=sys.stderr)
         return False
@@ -214,6 +226,7 @@ def build_engine(
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.model_store import use_compile_cache
     from engine.spec.config import SpeculativeConfig
+    from engine.spec.suffix import SuffixConfig
 
     use_compile_cache()  # before anything compiles
     speculative = None
@@ -231,6 +244,7 @@ def build_engine(
             num_draft_tokens=spec.num_draft_tokens,
             kind="suffix",
             adaptive=args.adaptive_speculation,
+            suffix=SuffixConfig(shared_tokens=args.suffix_cache_tokens),
         )
     config = EngineConfig(
         model=str(spec.model_dir),
