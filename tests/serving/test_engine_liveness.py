@@ -30,6 +30,7 @@ def blocking_engine(release: threading.Event, steps: list[int]) -> Any:
         spec=None,
         has_unfinished_requests=lambda: bool(steps),
         step=step,
+        wants_cost_refresh=lambda: False,
     )
 
 

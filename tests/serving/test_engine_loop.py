@@ -37,6 +37,7 @@ def engine_with(blocks: SlowBlocks, steps: list[int]) -> Any:
         spec=None,
         has_unfinished_requests=lambda: bool(steps),
         step=step,
+        wants_cost_refresh=lambda: False,
     )
 
 
@@ -67,6 +68,39 @@ async def test_a_caller_and_a_stream_never_see_figures_from_before_what_they_got
         while len(seen_on_delivery) < 2:
             await asyncio.sleep(0.01)
         assert seen_on_delivery == [(5, 5), (8, 8)]
+    finally:
+        loop.stop()
+
+
+async def test_an_idle_loop_refreshes_costs_while_wanted_then_waits_and_serves_calls() -> None:
+    """With nothing to step, the loop gives adaptive speculation's cost refresh one turn
+    at a time while it is wanted, then waits (no spinning); a call is served between."""
+    import threading
+
+    turns: list[float] = []
+    done = threading.Event()
+    engine = engine_with(SlowBlocks(), [])
+    engine.wants_cost_refresh = lambda: len(turns) < 3
+
+    def refresh_costs() -> float:
+        turns.append(time.monotonic())
+        if len(turns) == 3:
+            done.set()
+        return 0.01
+
+    engine.refresh_costs = refresh_costs
+    loop = EngineLoop(
+        engine,
+        asyncio.get_running_loop(),
+        on_step=lambda engine, outputs: outputs,
+        deliver=lambda payload: None,
+        on_error=lambda error: None,
+    )
+    loop.start()
+    try:
+        assert await asyncio.to_thread(done.wait, 10)
+        assert await loop.call(lambda: "served") == "served"  # the loop waits for calls
+        assert len(turns) == 3  # and turned no more once the refresh was not wanted
     finally:
         loop.stop()
 
