@@ -177,7 +177,7 @@ def tandem_cluster(
         draft_method="suffix" if side.endswith("suffix") else None,
         # Each prompt comes back in every pair and level (the datasets have 64 and 79):
         # outputs kept across requests would draft the very answers again.
-        decode_args=("--suffix-cache-tokens", "0") if side.endswith("suffix") else (),
+        suffix_cache_tokens=0 if side.endswith("suffix") else None,
         num_prefill=0 if colocate else 1,
         colocate=colocate,
         port=0,

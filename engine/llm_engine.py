@@ -297,6 +297,10 @@ class LLMEngine:
         has_room = self.block_manager.num_clean_blocks > 0  # else it would wait for none
         return refresh is not None and has_room and refresh.is_wanted()
 
+    def stop_cost_refresh(self) -> None:
+        if self.spec is not None:
+            self.spec.refresh = None
+
     def refresh_costs(self) -> float:
         """While no request runs: times one K of a bucket whose steps ran at longer contexts
         than its costs were measured at, on free blocks (engine.spec.adaptive.CostRefresh);

@@ -10,7 +10,8 @@ newly complete blocks in order, and finishes after the last layer of the last ch
 Which blocks a step sends, and why the loop may read them while the engine thread runs on:
 - A chunk that does not end the prompt sends the blocks its tokens completed, from the
   first block not sent yet up to ``end // block_size``; the chunk that ends it sends the
-  rest of the reservation (the partial last block, lookahead blocks). Later chunks write
+  rest of the prompt's blocks, its partial last one included (the reservation's lookahead
+  blocks hold no KV yet and are not sent). Later chunks write
   only positions from ``end`` on, all in blocks this step does not send: a block that
   straddles a chunk boundary leaves with the chunk that completes it (never twice), so no
   block is read while the engine may still write it, in this layer or any other.

@@ -181,6 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
         model=model,
         draft=args.draft,
         draft_method=args.draft_method,
+        suffix_cache_tokens=args.suffix_cache_tokens,
         num_draft_tokens=args.num_draft_tokens,
         adaptive_speculation=args.adaptive_speculation,
         num_prefill=num_prefill,

@@ -292,7 +292,13 @@ class EngineLoop(Generic[Payload]):
             if not calls and not self._is_busy():
                 # Idle: adaptive speculation times a stale cost bucket, one K (a short
                 # pause, within its budget), then looks for work again.
-                engine.refresh_costs()
+                self._busy_since = time.monotonic()
+                try:
+                    engine.refresh_costs()
+                except Exception:  # the step costs stay as they are; serving goes on
+                    log.exception("refreshing step costs failed; not refreshing them again")
+                    engine.stop_cost_refresh()
+                self._busy_since = None
                 continue
             # The stats snapshot is taken before anything leaves this thread, so that a
             # client who saw a request end never reads figures from before its end.

@@ -53,6 +53,7 @@ class ClusterSpec:
     model: str
     draft: str | None = None
     draft_method: str | None = None  # --draft-method; "suffix" drafts without a draft model
+    suffix_cache_tokens: int | None = None  # --suffix-cache-tokens; None: the workers' default
     num_draft_tokens: int = 5  # the most; decode workers choose 0..K per step
     adaptive_speculation: bool = True  # False: --no-adaptive-speculation (K every step)
     num_prefill: int = 1  # 0 with colocate
@@ -109,6 +110,8 @@ class ClusterSpec:
             args += ["--draft", self.draft]
         if self.draft_method:
             args += ["--draft-method", self.draft_method]
+        if self.suffix_cache_tokens is not None:
+            args += ["--suffix-cache-tokens", str(self.suffix_cache_tokens)]
         if self.speculates:
             args += ["--num-draft-tokens", str(self.num_draft_tokens)]
             if not self.adaptive_speculation:

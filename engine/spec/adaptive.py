@@ -166,7 +166,8 @@ class AdaptiveK:
             short = (line.min_context, line.at(line.min_context))
             self.costs[bucket][k] = StepCost.fit(short, (context, taken / self.scales[bucket]))
         self.measured[bucket] = max(self.measured[bucket], context)
-        self.stale.pop(bucket, None)
+        if self.stale.get(bucket, 0.0) <= self.refresh_factor * self.measured[bucket]:
+            self.stale.pop(bucket, None)  # else steps ran longer still while it was timed
 
     def charge(self, seconds: float) -> None:
         """Time spent for speculation outside the modelled steps: probes wait for it."""

@@ -43,6 +43,7 @@ class SuffixConfig:
     min_token_prob: float = 0.1  # stop where the proposal's estimated probability drops below
     max_occurrences: int = 32  # per key, the most recent kept
     shared_tokens: int = 1 << 18  # the shared index's cap, in tokens of output
+    request_tokens: int = 1 << 13  # a request's own index covers its last this many tokens
 
     def __post_init__(self) -> None:
         if not 1 <= self.key_len <= self.max_match:
@@ -54,10 +55,10 @@ class SuffixConfig:
                 f"spec_factor, min_token_prob: need > 0 and in [0, 1], got "
                 f"{self.spec_factor} and {self.min_token_prob}"
             )
-        if self.max_occurrences < 1 or self.shared_tokens < 0:
+        if self.max_occurrences < 1 or self.shared_tokens < 0 or self.request_tokens < 1:
             raise ValueError(
-                f"max_occurrences, shared_tokens: need >= 1 and >= 0, got "
-                f"{self.max_occurrences} and {self.shared_tokens}"
+                f"max_occurrences, shared_tokens, request_tokens: need >= 1, >= 0 and >= 1, "
+                f"got {self.max_occurrences}, {self.shared_tokens} and {self.request_tokens}"
             )
 
 
@@ -152,12 +153,15 @@ class _Index:
 
 class RequestIndex(_Index):
     """One request's tokens (the live list, read as it grows), indexed up to the token
-    before its last: the last key is the context itself, with nothing after it yet."""
+    before its last: the last key is the context itself, with nothing after it yet. A long
+    prompt is indexed from its last ``config.request_tokens`` tokens on: the index's memory
+    (a few hundred bytes a token) and the first step's work stay bounded."""
 
     def __init__(self, tokens: list[int], config: SuffixConfig) -> None:
         super().__init__(config)
         self.tokens = tokens
-        self.num_indexed = config.key_len - 1  # continuations from key_len on
+        # continuations from key_len on, within the last request_tokens of the prompt
+        self.num_indexed = max(config.key_len, len(tokens) - config.request_tokens) - 1
 
     def sync(self) -> None:
         for start in range(self.num_indexed + 1, len(self.tokens)):

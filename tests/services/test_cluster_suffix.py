@@ -89,8 +89,10 @@ async def test_greedy_with_suffix_drafts_equals_the_target_alone(
 async def test_a_later_request_drafts_from_an_earlier_ones_output(
     cluster: tuple[Cluster, Path],
 ) -> None:
-    """The shared index: a prompt ending in the start of an earlier output is continued
-    from that output, so the later request's first decode steps verify its drafts."""
+    """A prompt ending in the start of an earlier output continues as that output did,
+    and most of it is drafted and accepted (through the decode worker's shared index; its
+    own tokens may match too where the tiny target loops: tests/engine/spec/test_suffix.py
+    isolates the shared index)."""
     running, target = cluster
     assert running.router is not None
     [prompt] = prompts(1, seed=22)

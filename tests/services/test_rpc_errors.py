@@ -149,6 +149,7 @@ def idle_engine() -> Any:
         scheduler=SimpleNamespace(running=[], waiting=[], config=SimpleNamespace(max_num_seqs=4)),
         spec=None,
         has_unfinished_requests=lambda: False,
+        wants_cost_refresh=lambda: False,
     )
 
 

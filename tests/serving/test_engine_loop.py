@@ -74,21 +74,31 @@ async def test_a_caller_and_a_stream_never_see_figures_from_before_what_they_got
 
 async def test_an_idle_loop_refreshes_costs_while_wanted_then_waits_and_serves_calls() -> None:
     """With nothing to step, the loop gives adaptive speculation's cost refresh one turn
-    at a time while it is wanted, then waits (no spinning); a call is served between."""
+    at a time while it is wanted, then waits (no spinning). A call that arrives during a
+    turn is served before the next turn; a turn that raises ends the refresh, not the
+    loop."""
     import threading
 
-    turns: list[float] = []
-    done = threading.Event()
+    events: list[str] = []
+    in_first_turn, release_first, done = threading.Event(), threading.Event(), threading.Event()
     engine = engine_with(SlowBlocks(), [])
-    engine.wants_cost_refresh = lambda: len(turns) < 3
+    engine.wants_cost_refresh = lambda: engine.refresh is not None and events.count("turn") < 3
+    engine.refresh = True
 
     def refresh_costs() -> float:
-        turns.append(time.monotonic())
-        if len(turns) == 3:
+        events.append("turn")
+        if len(events) == 1:
+            in_first_turn.set()
+            release_first.wait(10)
+        if events.count("turn") == 3:
             done.set()
+            raise RuntimeError("out of memory")  # the last turn fails
         return 0.01
 
-    engine.refresh_costs = refresh_costs
+    def stop_cost_refresh() -> None:
+        engine.refresh = None
+
+    engine.refresh_costs, engine.stop_cost_refresh = refresh_costs, stop_cost_refresh
     loop = EngineLoop(
         engine,
         asyncio.get_running_loop(),
@@ -98,9 +108,13 @@ async def test_an_idle_loop_refreshes_costs_while_wanted_then_waits_and_serves_c
     )
     loop.start()
     try:
+        assert await asyncio.to_thread(in_first_turn.wait, 10)
+        call = loop.submit(lambda: events.append("call"))
+        release_first.set()
+        await call
         assert await asyncio.to_thread(done.wait, 10)
-        assert await loop.call(lambda: "served") == "served"  # the loop waits for calls
-        assert len(turns) == 3  # and turned no more once the refresh was not wanted
+        assert await loop.call(lambda: "served") == "served"  # the loop still serves
+        assert events == ["turn", "call", "turn", "turn"] and engine.refresh is None
     finally:
         loop.stop()
 

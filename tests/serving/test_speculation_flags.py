@@ -109,7 +109,7 @@ def test_the_demo_starts_adaptive() -> None:
     ("is_decoding", "argv", "kind", "adaptive"),
     [
         (True, [], "suffix", True),
-        (True, ["--no-adaptive-speculation"], "suffix", False),
+        (True, ["--no-adaptive-speculation", "--suffix-cache-tokens", "0"], "suffix", False),
         (False, [], None, None),  # a prefill worker has no drafts to make for suffix decoding
     ],
 )
@@ -138,6 +138,17 @@ def test_suffix_decoding_needs_no_draft_directory(
         kind,
         adaptive,
     )
+    if speculative is not None:  # the shared index's cap, as given
+        assert speculative.suffix.shared_tokens == args.suffix_cache_tokens
+        assert args.suffix_cache_tokens == (0 if "--suffix-cache-tokens" in argv else 1 << 18)
+
+
+def test_a_negative_suffix_cache_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    decode_cli.add_arguments(parser)
+    argv = [*REQUIRED, "--draft-method", "suffix", "--suffix-cache-tokens", "-1"]
+    assert decode_cli.run(parser.parse_args(argv)) == 2
+    assert "--suffix-cache-tokens: must be 0 or more, got -1" in capsys.readouterr().err
 
 
 def write_draft_config(directory: Path, architecture: str) -> Path:
@@ -170,12 +181,14 @@ def test_serve_hands_suffix_decoding_to_its_workers(
 ) -> None:
     specs = capture_cluster_specs(monkeypatch)
     parser = serve_parser()
-    args = parser.parse_args(["serve", "--model", "m", "--draft-method", "suffix"])
+    argv = ["serve", "--model", "m", "--draft-method", "suffix", "--suffix-cache-tokens", "64"]
+    args = parser.parse_args(argv)
     assert args.func(args) == 1  # the captured start's error
     (spec,) = specs
     assert spec.draft is None and spec.speculates
     worker_args = spec.engine_args()
     assert worker_args[worker_args.index("--draft-method") + 1] == "suffix"
+    assert worker_args[worker_args.index("--suffix-cache-tokens") + 1] == "64"
     assert "--draft" not in worker_args and "--num-draft-tokens" in worker_args
     both = parser.parse_args(["serve", "--model", "m", "--draft", "/d", "--draft-method", "suffix"])
     assert both.func(both) == 2 and len(specs) == 1

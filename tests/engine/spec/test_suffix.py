@@ -76,8 +76,8 @@ def test_the_shared_index_stays_under_its_cap_over_1000_requests():
         base, _ = tracemalloc.get_traced_memory()
         peak_after_full = 0
         for i in range(1000):
-            # 100 to 400 tokens, a vocabulary of 5,000: keys mostly distinct
-            output = [(i * 7919 + j * 104729) % 5000 for j in range(100 + (i * 37) % 300)]
+            # 100 to 400 tokens over a vocabulary of 49,999: keys mostly distinct
+            output = [(i * 7919 + j * 104729) % 49999 for j in range(100 + (i * 37) % 300)]
             shared.add(output)
             assert shared.num_tokens <= cap
             if i == 199:
@@ -92,6 +92,32 @@ def test_the_shared_index_stays_under_its_cap_over_1000_requests():
     # 800 more requests after it filled: memory stays what the first 200 filled it to
     assert peak_after_full - base < 1.25 * (full - base)
     assert (full - base) / cap < 400  # bytes per token kept
+
+
+def test_dropped_outputs_leave_no_occurrence_behind_when_keys_repeat():
+    """A vocabulary of 7: every key recurs far more than ``max_occurrences`` times, so
+    lists are truncated as outputs come and go; every occurrence left is of a kept
+    output, and proposals still come from them."""
+    config = SuffixConfig(key_len=2, shared_tokens=500, max_occurrences=4)
+    shared = SharedIndex(config)
+    for i in range(300):
+        shared.add([(i + j * j) % 7 for j in range(40 + i % 30)])
+        assert shared.num_tokens <= 500
+    kept = {id(d) for d in shared.docs.values()}
+    found = [o for occurrences in shared.entries.values() for o in occurrences]
+    assert found and all(id(tokens) in kept for tokens, _ in found)
+    assert all(len(occurrences) <= 4 for occurrences in shared.entries.values())
+    assert shared.propose([0, 1, 4, 2], 3).tokens  # "4 2" recurs
+
+
+def test_a_long_prompt_is_indexed_over_its_last_tokens_only():
+    config = SuffixConfig(key_len=2, request_tokens=100)
+    tokens = [1, 2, 3, 4, 5] + [9] * 995 + [1, 2]  # "1 2 3 ..." is 1,000 tokens back
+    index = RequestIndex(tokens, config)
+    assert index.propose(tokens, 3).tokens == []  # out of reach
+    assert sum(len(o) for o in index.entries.values()) <= 100
+    whole = RequestIndex(tokens, SuffixConfig(key_len=2))
+    assert whole.propose(tokens, 3).tokens == [3, 4]  # "1 2" matched: two tokens
 
 
 def test_proposing_from_a_shared_output_keeps_it_longest():
@@ -136,6 +162,25 @@ def test_greedy_with_suffix_drafts_equals_target_only(target, adaptive):
     assert engine.spec.proposer.shared.num_tokens == sum(  # type: ignore[attr-defined]
         len(o.token_ids) for o in out.values() if len(o.token_ids) > 2
     )
+
+
+def test_a_later_request_drafts_from_an_earlier_ones_output_through_the_shared_index(target):
+    """A prompt that ends where an earlier output began continues as that output did: with
+    the shared index its drafts come from it, and more of them are accepted than from its
+    own tokens alone (``shared_tokens=0``). Output stays the target's either way."""
+    model_dir, _ = target
+    first = {"first": (PROMPTS[3], greedy(40))}
+    output = run(engine_for(model_dir), first)["first"].token_ids
+    later = {"later": (PROMPTS[3] + output[:8], greedy(24))}
+    base = run(engine_for(model_dir), later)["later"].token_ids
+    accepted = {}
+    for cap in (0, 1 << 18):
+        engine = engine_for(model_dir, suffix(k=4, suffix=SuffixConfig(shared_tokens=cap)))
+        assert run(engine, first)["first"].token_ids == output
+        before = engine.spec.stats.num_accepted_tokens  # type: ignore[union-attr]
+        assert run(engine, later)["later"].token_ids == base
+        accepted[cap] = engine.spec.stats.num_accepted_tokens - before  # type: ignore[union-attr]
+    assert accepted[1 << 18] > accepted[0]
 
 
 def test_a_cost_table_where_suffix_drafts_never_pay_runs_plain_steps(target):
