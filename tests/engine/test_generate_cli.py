@@ -49,3 +49,22 @@ def test_unknown_model_says_what_to_run(tmp_path):
     assert "tandem generate: error:" in result.stderr
     assert "tandem models prepare smollm2" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.usefixtures("smollm2_dir")
+def test_generate_with_suffix_drafts_says_what_they_did():
+    result = tandem(
+        "generate",
+        "--model",
+        "smollm2",
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "12",
+        "--draft-method",
+        "suffix",
+        "What is the capital of France?",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout  # the same answer as without drafts
+    assert "speculation (suffix): mean accepted length" in result.stdout
