@@ -93,9 +93,10 @@ class LLMEngine:
                     self.add_request(rid, [1 + row] * length, params)
                 while self.has_unfinished_requests():
                     self.step()
-        if self.spec is not None:
-            self.spec.forget()
         self.block_manager.reset_prefix_cache()
+        if self.spec is not None:
+            self.spec.warm_up(self.block_manager.clean_block_ids)
+            self.spec.forget()
         logger.info("warmed up in %.1f s", time.perf_counter() - started)
 
     # -- requests ----------------------------------------------------------------------

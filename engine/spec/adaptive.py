@@ -127,23 +127,46 @@ class AdaptiveK:
         bucket = self.bucket(batch_size)
         return self.scales[bucket] * self.costs[bucket][k].at(context)
 
+    def cost_at(self, batch_size: int, depth: float, context: float = 0.0) -> float:
+        """``cost`` at a fractional depth, between the two Ks around it: what a packed step
+        of ``batch_size * (1 + depth)`` tokens costs (a uniform step of that many does)."""
+        bucket = self.bucket(batch_size)
+        known = sorted(self.costs[bucket])
+        lo = max((k for k in known if k <= depth), default=known[0])
+        hi = min((k for k in known if k >= depth), default=known[-1])
+        if hi == lo:
+            return self.cost(bucket, lo, context)
+        share = (depth - lo) / (hi - lo)
+        low, high = self.cost(bucket, lo, context), self.cost(bucket, hi, context)
+        return low + share * (high - low)
+
     def choose(
-        self, batch_size: int, context: float = 0.0, lengths: Sequence[int] | None = None
+        self,
+        batch_size: int,
+        context: float = 0.0,
+        lengths: Sequence[int] | None = None,
+        *,
+        packed: bool = False,
     ) -> int:
         """K for a step of ``batch_size`` rows whose mean KV length is ``context``.
 
         ``lengths``: drafts each row has to offer (suffix decoding proposes as many as its
         match supports): a row contributes ``tau(min(K, its length))`` to a step of depth
-        K, and K goes no deeper than the longest; None: every row drafts as deep as K."""
+        K, and K goes no deeper than the longest; None: every row drafts as deep as K.
+        ``packed``: the step verifies each row's own drafts only, so K caps each row, and
+        the step costs what its tokens cost (``cost_at`` the rows' mean depth)."""
         bucket = self.bucket(batch_size)
         if context > self.refresh_factor * self.measured[bucket]:
             self.stale[bucket] = max(context, self.stale.get(bucket, 0.0))
         deepest = self.max_k if lengths is None else min(self.max_k, max(lengths, default=0))
-        cost = {
-            k: self.cost(bucket, k, context)
-            for k in self.choices
-            if k in self.costs[bucket] and k <= deepest
-        }
+        choices = [k for k in self.choices if k in self.costs[bucket] and k <= deepest]
+        if packed and lengths:
+            cost = {
+                k: self.cost_at(bucket, sum(min(k, n) for n in lengths) / len(lengths), context)
+                for k in choices
+            }
+        else:
+            cost = {k: self.cost(bucket, k, context) for k in choices}
         if lengths is None:
             gain = {k: self.expected_tokens(k) for k in cost}
         else:
@@ -173,16 +196,17 @@ class AdaptiveK:
         """Time spent for speculation outside the modelled steps: probes wait for it."""
         self._probe_credit -= seconds
 
-    def observe_cost(self, batch_size: int, k: int, seconds: float, context: float = 0.0) -> None:
-        """One step of ``batch_size`` rows at depth ``k`` and mean KV length ``context`` took
-        ``seconds``: its bucket's scale moves towards what that shows (scaled to the
-        bucket's size, since rows cost about alike within a bucket)."""
+    def observe_cost(self, batch_size: int, k: float, seconds: float, context: float = 0.0) -> None:
+        """One step of ``batch_size`` rows at depth ``k`` (a packed step's: its rows' mean)
+        and mean KV length ``context`` took ``seconds``: its bucket's scale moves towards
+        what that shows (scaled to the bucket's size, since rows cost about alike within a
+        bucket)."""
         if batch_size <= 0:
             return
         bucket = self.bucket(batch_size)
-        if k not in self.costs[bucket]:
+        if not 0 <= k <= max(self.costs[bucket]):
             return
-        estimate = self.cost(bucket, k, context)
+        estimate = self.cost_at(bucket, k, context)
         # At most twice the estimate: a step that compiled a graph (seconds, not
         # milliseconds) or lost the CPU says little of what steps cost. A real rise still
         # lifts the estimate 20% a step.

@@ -188,6 +188,9 @@ class SpecRunner:
         """What drafts: the draft model's kind, or the model-free method's."""
         return self.drafter.kind if self.drafter is not None else str(self.config.kind)
 
+    def warm_up(self, scratch_blocks: list[int]) -> None:
+        """After the engine's warm-up: compiles what its requests may not have reached."""
+
     def forget(self) -> None:
         """Drops what runs so far taught it (the engine's warm-up's): counters, outputs."""
         self.stats = SpecDecodeStats()
@@ -421,12 +424,17 @@ class SpecRunner:
         params: SamplingParams,
         *,
         defer_drafter: bool = False,
+        packed_lengths: list[int] | None = None,
     ) -> float:
         """Seconds of one unified step of B rows at KV length ``context`` that verifies k
         (zero) drafts and proposes k (``defer_drafter``, with k = 0: a plain step); what
-        the KV holds does not change its cost."""
+        the KV holds does not change its cost. ``packed_lengths``: a packed verify of that
+        many drafts per row (a step without a drafter)."""
         b = tables.shape[0]
         device = self.runner.device
+        lengths = None
+        if packed_lengths is not None:
+            lengths = torch.tensor(packed_lengths, dtype=torch.int64, device=device)
         inputs = SpecStepInputs(
             tokens=torch.zeros(b, dtype=torch.int64, device=device),
             draft_tokens=torch.zeros(b, k, dtype=torch.int64, device=device),
@@ -434,6 +442,8 @@ class SpecRunner:
             block_tables=tables.to(device),
             sampling=SamplingTensors.build([params] * b, [0] * b, [context] * b, device),
             max_context_len=self._context_bound(context, k, self.k),
+            draft_lengths=lengths,
+            packed_lengths=packed_lengths,
         )
         start = time.perf_counter()
         self.step(inputs, k, defer_drafter=defer_drafter)

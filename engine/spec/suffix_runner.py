@@ -1,11 +1,12 @@
 """Speculation with suffix decoding's drafts (engine.spec.suffix): no draft model, no draft
 KV; each decode step verifies what each row's match proposes.
 
-Rows propose different numbers of tokens, from none (no match) to K. The step verifies as
-deep as the longest proposal it keeps (``k``); each row verifies its own
-(``SpecStepInputs.draft_lengths``), the rest of its row being padding. With adaptive
-speculation, ``AdaptiveK.choose`` weighs each depth by what every row's proposal would
-add at it against the measured cost of a step that deep, and cuts the proposals there.
+Rows propose different numbers of tokens, from none (no match) to K. Where they differ,
+the step packs each row's pending token and its own drafts into one ragged batch
+(``SpecStepInputs.packed_lengths``), so it costs the tokens proposed, not the longest
+proposal times the rows. With adaptive speculation, ``AdaptiveK.choose`` weighs each cap
+on the rows' proposals by what every row's proposal would add under it against the
+measured cost of a step of that many tokens, and cuts the proposals there.
 
 Proposals are made on the host before the step, from the tokens the rows already hold,
 so the step runs eagerly (its rows' lengths differ from step to step): no CUDA graph, and
@@ -19,6 +20,7 @@ import time
 import torch
 
 from engine.model_runner import ModelRunner, StepOutput
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.spec.config import SpeculativeConfig
@@ -44,6 +46,25 @@ class SuffixSpecRunner(SpecRunner):
         for row in result.rows:
             batch.seqs[row].draft_token_ids, batch.seqs[row].draft_probs = [], None
         return result
+
+    @torch.inference_mode()
+    def warm_up(self, scratch_blocks: list[int]) -> None:
+        """Compiles the packed verify (rows of different draft lengths) before a request
+        needs it: traced at 3 rows, it serves every batch from 2 on."""
+        if not scratch_blocks:
+            return
+        bs, width = self.runner.block_size, 2 * self.k + 8
+        per_row = -(-(width + self._scratch_slots()) // bs)
+        blocks = torch.tensor(scratch_blocks, dtype=torch.int64)
+        for lengths in ([self.k, 0, 1], [1, self.k, 0, 2]):
+            tables = blocks[torch.arange(len(lengths) * per_row) % len(blocks)]
+            self.time_scratch_step(
+                tables.view(len(lengths), per_row),
+                self.k,
+                width,
+                SamplingParams(max_tokens=1),
+                packed_lengths=lengths,
+            )
 
     def forget(self) -> None:
         super().forget()
@@ -74,19 +95,23 @@ class SuffixSpecRunner(SpecRunner):
             if self._decode_ended is not None:
                 self.adaptive.observe_overhead(len(seqs), started - self._decode_ended, context)
             if any(lengths):
-                chosen = self.adaptive.choose(len(seqs), context, lengths)
+                chosen = self.adaptive.choose(len(seqs), context, lengths, packed=True)
                 lengths = [min(n, chosen) for n in lengths]
         k = max(lengths, default=0)
         for seq, proposal, n in zip(seqs, proposals, lengths, strict=True):
             seq.draft_token_ids = proposal[:n]
-        out = self.step(self._step_inputs(seqs, k, 0, lengths), 0)
+        inputs = self._step_inputs(seqs, k, 0, lengths)
+        if min(lengths, default=k) < k:  # each row verifies its own drafts only
+            inputs.packed_lengths = lengths
+        out = self.step(inputs, 0)
         num_accepted, emitted = out.num_accepted.tolist(), out.emitted.tolist()  # completed
         self.stats.record_rows(k, lengths, num_accepted)
         for seq, a, n in zip(seqs, num_accepted, lengths, strict=True):
             seq.spec_counts.record(n, a)
         if self.adaptive is not None:
             self.adaptive.observe_rows(lengths, num_accepted)
-            self.adaptive.observe_cost(len(seqs), k, time.perf_counter() - started, context)
+            depth = sum(lengths) / len(lengths)  # what the step cost: its tokens
+            self.adaptive.observe_cost(len(seqs), depth, time.perf_counter() - started, context)
         logprobs = self._logprobs(seqs, out.logits, out.emitted)
         results = []
         for i, seq in enumerate(seqs):

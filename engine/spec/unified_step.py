@@ -34,7 +34,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.kv_cache import PagedKVCache
-from engine.models.llama3 import NO_HIDDEN_STATES
+from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs
 from engine.sampler import SamplingTensors, row_keys
 from engine.sampling_kernels import TORCH_SAMPLING, SamplingKernels
 from engine.spec.acceptance import DRAFT_SALT, accept, accept_synthetic
@@ -73,6 +73,10 @@ class SpecStepInputs:
     in_thinking_phase: torch.Tensor | None = None
     # Rows with a grammar; their bitmask comes from it (not ``bitmask``): the step runs eagerly.
     grammar: StepGrammar | None = None
+    # Host copy of ``draft_lengths``, for a step without a drafter that verifies each row's
+    # own drafts only (``1 + draft_lengths[b]`` tokens in a ragged batch, no padding);
+    # None: every row verifies K+1 tokens (the fixed shapes a CUDA graph captures).
+    packed_lengths: list[int] | None = None
 
 
 @dataclass
@@ -134,19 +138,24 @@ class UnifiedStep:
         layout = BatchLayout.uniform(
             positions, inputs.block_tables, self.block_size, inputs.max_context_len
         )
-        metadata = self.backend.build_metadata(layout)
+        if inputs.packed_lengths is not None:
+            if self.drafter is not None:
+                raise ValueError("packed_lengths: only for a step without a drafter")
+            logits, out = self._verify_packed(inputs, tokens, positions, inputs.packed_lengths)
+        else:
+            metadata = self.backend.build_metadata(layout)
 
-        # 2. verify: every row's K+1 tokens, target KV written for all of them.
-        out = self.target(
-            tokens.reshape(-1),
-            layout.positions,
-            self.target_kv.layers,
-            self.backend,
-            metadata,
-            torch.arange(b * s, device=device),
-            NO_HIDDEN_STATES if self.drafter is None else self.drafter.target_hidden,
-        )
-        logits = out.logits.view(b, s, -1)  # [B, K+1, V]
+            # 2. verify: every row's K+1 tokens, target KV written for all of them.
+            out = self.target(
+                tokens.reshape(-1),
+                layout.positions,
+                self.target_kv.layers,
+                self.backend,
+                metadata,
+                torch.arange(b * s, device=device),
+                NO_HIDDEN_STATES if self.drafter is None else self.drafter.target_hidden,
+            )
+            logits = out.logits.view(b, s, -1)  # [B, K+1, V]
 
         # 3. mask: only the positions whose mask forbids anything, in place (grammar rows'
         # masks were filled on a worker thread while the forward ran; greedy rows' are
@@ -253,6 +262,52 @@ class UnifiedStep:
             next_draft_probs=probs,
             logits=logits,
         )
+
+    def _verify_packed(
+        self,
+        inputs: SpecStepInputs,
+        tokens: torch.Tensor,  # [B, K+1]: the pending token, then the drafts (padded)
+        positions: torch.Tensor,  # [B, K+1]
+        lengths: list[int],  # drafts per row
+    ) -> tuple[torch.Tensor, ModelOutputs]:
+        """Step 2 for rows of different draft lengths: each row's pending token and its own
+        drafts only, as one ragged batch (what a prompt chunk's rows are), so a step costs
+        the tokens proposed, not the longest proposal times the rows. The logits come back
+        padded to [B, K+1, V] (zeros past each row's drafts: never accepted, never read)."""
+        b, s = tokens.shape
+        device = tokens.device
+        counts = torch.tensor(lengths, dtype=torch.int64, device=device) + 1  # [B]
+        total = sum(lengths) + b
+        row = torch.repeat_interleave(torch.arange(b, device=device), counts, output_size=total)
+        offsets = torch.zeros(b + 1, dtype=torch.int64, device=device)
+        offsets[1:] = counts.cumsum(0)
+        local = torch.arange(total, device=device) - offsets[row]  # [T] index within its row
+        flat_positions = positions[row, local]
+        tables = inputs.block_tables
+        bs = self.block_size
+        layout = BatchLayout(
+            input_row_offsets=offsets,
+            positions=flat_positions,
+            slot_mapping=tables[row, flat_positions // bs] * bs + flat_positions % bs,
+            context_lens=inputs.kv_lens + counts,
+            block_tables=tables,
+            block_size=bs,
+            max_query_len=max(lengths) + 1,
+            max_context_len=inputs.max_context_len,
+            is_max_context_exact=False,
+        )
+        out = self.target(
+            tokens[row, local],
+            flat_positions,
+            self.target_kv.layers,
+            self.backend,
+            self.backend.build_metadata(layout),
+            torch.arange(total, device=device),
+            NO_HIDDEN_STATES,
+        )
+        logits = out.logits.new_zeros((b, s, out.logits.shape[-1]))
+        logits[row, local] = out.logits
+        return logits, out
 
     def propose(
         self,

@@ -206,3 +206,16 @@ def test_a_bucket_whose_steps_run_longer_is_timed_again_one_k_at_a_time_within_b
     # At 4,000 (the longest scratch context) three K=1 steps would take 0.6 s or more.
     refresh.max_pause_s = 0.5
     assert refresh.run_one() == 0.0 and adaptive.stale == {} and len(timed) == 6
+
+
+def test_a_packed_step_costs_its_tokens_so_a_few_long_proposals_can_pay() -> None:
+    """At 8 rows a uniform K=4 step costs 3 plain steps: two rows with 4 drafts each do
+    not pay for it. Packed, it verifies 8 + 8 tokens, what a uniform step at depth 1
+    costs, and they do."""
+    costs = flat({8: {0: 1.0, 1: 1.5, 2: 2.0, 3: 2.5, 4: 3.0}})
+    adaptive = AdaptiveK([0, 1, 2, 3, 4], costs, prior_acceptance=0.9, probe_budget=0)
+    lengths = [4, 4, 0, 0, 0, 0, 0, 0]
+    assert adaptive.cost_at(8, 1.0) == 1.5 and adaptive.cost_at(8, 2.5) == pytest.approx(2.25)
+    # tau(4) = 4.095: 6 + 2 * 4.095 = 14.19 tokens; plain: 8 tokens for 1.0
+    assert adaptive.choose(8, 0.0, lengths) == 0  # padded: 14.19 for 3.0
+    assert adaptive.choose(8, 0.0, lengths, packed=True) == 4  # 14.19 for 1.5

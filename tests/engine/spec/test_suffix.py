@@ -146,6 +146,11 @@ def test_greedy_with_suffix_drafts_equals_target_only(target, adaptive):
     engine = engine_for(model_dir, suffix(adaptive=adaptive), max_num_seqs=16)
     assert engine.spec is not None and engine.spec.kind == "suffix"
     assert "draft" not in engine.kv_pools  # no draft model, no draft KV
+    if adaptive:  # measured at start-up; injected costs where drafts pay: no timing decides
+        measured = engine.spec.adaptive
+        assert measured is not None and measured.buckets == [1, 2, 4, 8, 16]
+        cheap = {k: StepCost(1.0 + 0.01 * k) for k in range(5)}
+        engine.spec.adaptive = AdaptiveK(range(5), dict.fromkeys(measured.buckets, cheap))
     out = run(engine, requests)
     assert {r: o.token_ids for r, o in out.items()} == {r: o.token_ids for r, o in base.items()}
     assert [t.logprob for t in out["logprobs"].logprobs] == pytest.approx(
