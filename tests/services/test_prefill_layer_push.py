@@ -136,7 +136,9 @@ class Gate:
         if pool != "target" or layer != 0:
             return
         (row,) = step.rows
-        end = len(self.dst) if row.is_last else min(row.end // BLOCK_SIZE, len(self.dst))
+        # the last chunk: up to the prompt's partial last block (lookahead blocks hold no KV)
+        end = -(-row.end // BLOCK_SIZE) if row.is_last else row.end // BLOCK_SIZE
+        end = min(end, len(self.dst))
         lo, hi = self.next_block, max(self.next_block, end)
         self.windows.append((lo, hi))
         self.next_block = hi
@@ -151,9 +153,14 @@ class Pushed:
     log: list[tuple[Any, ...]]
     windows: list[tuple[int, int]]
     prefilled: PrefilledRequest
-    dst: list[int]
+    dst: list[int]  # the decode table's blocks that hold the prompt's KV
     first_block: int
     num_bytes: int
+
+
+def kv_blocks(prompt: list[int]) -> int:
+    """Blocks a push fills: the prompt's, its partial last one included."""
+    return -(-len(prompt) // BLOCK_SIZE)
 
 
 async def prefill_pushing(
@@ -167,8 +174,8 @@ async def prefill_pushing(
     """Reserves on ``decode``, prefills on ``prefill`` in a thread while a LayerPush sends
     each layer into the reservation (as the prefill worker does)."""
     dst, num_cached = decode.reserve(rid, prompt, GREEDY)
-    first = num_cached // BLOCK_SIZE
-    receiver.reserve(KvReservation(rid, dst[first:], decode.kv_pools, layout_of(decode)))
+    first, filled = num_cached // BLOCK_SIZE, kv_blocks(prompt)
+    receiver.reserve(KvReservation(rid, dst[first:filled], decode.kv_pools, layout_of(decode)))
     log: list[tuple[Any, ...]] = []
     relay = LayerRelay(asyncio.get_running_loop(), torch.device("cpu"), prefill.kv_pools)
     gate = Gate(relay, dst, first, log)
@@ -196,7 +203,7 @@ async def prefill_pushing(
         await push.stop("test ended")
     prefilled = prefill.take_prefilled(rid)
     assert prefilled is not None
-    return Pushed(log, gate.windows, prefilled, dst, first, num_bytes)
+    return Pushed(log, gate.windows, prefilled, dst[:filled], first, num_bytes)
 
 
 def check_overlap(pushed: Pushed, num_steps: int) -> None:
@@ -328,7 +335,8 @@ async def test_layers_leave_in_groups(
     prefill, decode = make_engine(target, draft, chunk), make_engine(target, draft, chunk)
     receiver = KvReceiver()
     dst, _ = decode.reserve("r", PROMPT, GREEDY)
-    receiver.reserve(KvReservation("r", dst, decode.kv_pools, layout_of(decode)))
+    filled = dst[: kv_blocks(PROMPT)]
+    receiver.reserve(KvReservation("r", filled, decode.kv_pools, layout_of(decode)))
     layers = prefill.kv_pools["target"].layers
     token_bytes = sum(t[0, 0].nbytes for t in layers[0])
     group_bytes = (group_layers or 1000) * len(PROMPT) * token_bytes
@@ -358,7 +366,7 @@ async def test_layers_leave_in_groups(
     assert len(layers) == 3 and relay.num_hand_overs == expected
     prefilled = prefill.take_prefilled("r")
     assert prefilled is not None
-    pushed = Pushed([], [], prefilled, dst, 0, push.sender.num_bytes_sent)
+    pushed = Pushed([], [], prefilled, filled, 0, push.sender.num_bytes_sent)
     check_bits(pushed, prefill, decode)
     receiver.release("r")
     prefill.release("r")
@@ -412,7 +420,8 @@ async def test_stop_mid_prefill_fails_the_receiver_and_frees(dirs: tuple[Path, P
     prefill, decode = make_engine(target, draft, 8), make_engine(target, draft, 8)
     receiver = KvReceiver()
     dst, _ = decode.reserve("r", PROMPT, GREEDY)
-    receiver.reserve(KvReservation("r", dst, decode.kv_pools, layout_of(decode)))
+    filled = dst[: kv_blocks(PROMPT)]
+    receiver.reserve(KvReservation("r", filled, decode.kv_pools, layout_of(decode)))
     relay = LayerRelay(asyncio.get_running_loop(), torch.device("cpu"), prefill.kv_pools)
     push = loopback_push(relay, prefill, receiver, dst)
     prefill.set_layer_listener(relay)
