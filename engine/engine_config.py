@@ -80,6 +80,12 @@ class EngineConfig:
             raise ValueError(
                 f"preemption: {self.preemption!r} is not one of {', '.join(PREEMPTION_MODES)}"
             )
+        spec = self.speculative
+        if self.cuda_graphs and spec is not None and spec.is_model_free:
+            raise ValueError(
+                f"cuda_graphs: {spec.kind} drafts verify rows of different lengths eagerly; "
+                "leave cuda_graphs unset"
+            )
         if self.enable_overlap_scheduler:
             self._check_overlap()
 

@@ -9,6 +9,7 @@ import tracemalloc
 
 import pytest
 
+from engine.engine_config import EngineConfig
 from engine.spec.adaptive import AdaptiveK, StepCost
 from engine.spec.config import SpeculativeConfig
 from engine.spec.suffix import RequestIndex, SharedIndex, SuffixConfig, SuffixProposer
@@ -229,3 +230,11 @@ def test_an_idle_engine_times_a_stale_bucket_again_on_blocks_nothing_needs(targe
     assert refresh.num_refreshed == 1 and adaptive.measured[1] > 12 and 1 not in adaptive.stale
     again = run(engine, {"1": requests["0"]})
     assert again["1"].token_ids == base["0"].token_ids and again["1"].num_cached_tokens > 0
+
+
+def test_cuda_graphs_and_overlap_are_refused_with_suffix_drafts():
+    with pytest.raises(ValueError, match="cuda_graphs: suffix drafts verify rows of different"):
+        EngineConfig(model="m", speculative=suffix(), cuda_graphs=True)
+    with pytest.raises(ValueError, match="enable_overlap_scheduler: does not support suffix"):
+        EngineConfig(model="m", speculative=suffix(), enable_overlap_scheduler=True)
+    assert not EngineConfig(model="m", device="cuda", speculative=suffix()).uses_cuda_graphs
