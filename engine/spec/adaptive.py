@@ -273,7 +273,6 @@ class CostRefresh:
     def __init__(
         self,
         adaptive: AdaptiveK,
-        run_step: Callable[[int, int, int], float],  # (batch, k, context) -> seconds
         max_context: int,  # the longest KV length a scratch step may reach
         *,
         share: float = 0.02,
@@ -282,7 +281,7 @@ class CostRefresh:
         repeats: int = 3,  # steps per K, the first a warm-up
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.adaptive, self.run_step, self.max_context = adaptive, run_step, max_context
+        self.adaptive, self.max_context = adaptive, max_context
         self.share, self.allowance_s, self.max_pause_s = share, allowance_s, max_pause_s
         self.repeats, self.clock = repeats, clock
         self.started = clock()
@@ -296,8 +295,9 @@ class CostRefresh:
             return False
         return self.spent < self.share * (self.clock() - self.started) + self.allowance_s
 
-    def run_one(self) -> float:
-        """Times one K of the bucket being refreshed (choosing one first); seconds taken."""
+    def run_one(self, run_step: Callable[[int, int, int], float]) -> float:
+        """Times one K of the bucket being refreshed (choosing one first) with ``run_step``
+        ((batch, k, context) -> seconds of one step); seconds taken."""
         adaptive = self.adaptive
         if self._pending is None:
             if not adaptive.stale:
@@ -314,7 +314,7 @@ class CostRefresh:
         bucket, context, ks, timed = self._pending
         k = ks.pop(0)
         started = self.clock()
-        times = [self.run_step(bucket, k, context) for _ in range(self.repeats)]
+        times = [run_step(bucket, k, context) for _ in range(self.repeats)]
         timed[k] = min(times[1:] or times)
         if not ks:
             adaptive.remeasured(bucket, context, timed)

@@ -90,7 +90,6 @@ class SpecRunner:
         self.stats = SpecDecodeStats()
         self.adaptive: AdaptiveK | None = None
         self.refresh: CostRefresh | None = None  # with adaptive: stale buckets timed again
-        self._refresh_blocks: list[int] = []
         # A step that drafts nothing leaves the drafter idle and keeps the target features;
         # the drafter catches up in one batched extend when drafting resumes, or when a row
         # has kept ``max_undrafted`` positions (the features' memory stays bounded). False
@@ -379,7 +378,7 @@ class SpecRunner:
             time.perf_counter() - started,
         )
         self.adaptive = AdaptiveK(choices, costs, measured_context=contexts[1])
-        self.refresh = CostRefresh(self.adaptive, self._refresh_step, max(1, max_context - slots))
+        self.refresh = CostRefresh(self.adaptive, max(1, max_context - slots))
         return costs
 
     def refresh_costs(self, free_blocks: list[int]) -> float:
@@ -387,11 +386,7 @@ class SpecRunner:
         no request holds nor a cached prefix), within the refresh's budget; seconds taken."""
         if self.refresh is None or not free_blocks or not self.refresh.is_wanted():
             return 0.0
-        self._refresh_blocks = free_blocks
-        return self.refresh.run_one()
-
-    def _refresh_step(self, b: int, k: int, context: int) -> float:
-        return self._scratch_steps(self._refresh_blocks)(b, k, context)
+        return self.refresh.run_one(self._scratch_steps(free_blocks))
 
     def _scratch_slots(self) -> int:
         return num_lookahead_slots(self.k, self.drafter) + self.k + 2

@@ -34,9 +34,6 @@ class SuffixSpecRunner(SpecRunner):
         self.proposer = SuffixProposer(config.suffix)
         self.defer_drafter = False  # nothing to defer: there is no drafter
 
-    def enable_graphs(self, max_batch: int, max_model_len: int, scratch_block: int) -> None:
-        raise ValueError("cuda_graphs: suffix decoding verifies ragged drafts eagerly")
-
     @torch.inference_mode()
     def prefill(self, batch: ScheduledBatch) -> StepOutput:
         """The target's prefill; each row that sampled its first token decodes from now on

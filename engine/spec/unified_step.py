@@ -208,7 +208,7 @@ class UnifiedStep:
         )
         if inputs.grammar is not None:
             inputs.grammar.accept(num_accepted, emitted)
-        if self.drafter is None:
+        if self.drafter is None or defer_drafter:  # no drafts to propose
             return SpecStepOutputs(
                 num_accepted=num_accepted,
                 next_tokens=next_tokens,
@@ -216,16 +216,9 @@ class UnifiedStep:
                 next_draft_tokens=next_tokens.new_zeros((b, 0)),
                 next_draft_probs=None,
                 logits=logits,
-            )
-        if defer_drafter:
-            return SpecStepOutputs(
-                num_accepted=num_accepted,
-                next_tokens=next_tokens,
-                emitted=emitted,
-                next_draft_tokens=next_tokens.new_zeros((b, 0)),
-                next_draft_probs=None,
-                logits=logits,
-                features=self.drafter.features(out).view(b, s, -1),
+                features=None
+                if self.drafter is None
+                else self.drafter.features(out).view(b, s, -1),
             )
 
         # 5. shift: feature j (position n+j) pairs with the token at n+j+1: draft j+1 while

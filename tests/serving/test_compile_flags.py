@@ -22,6 +22,26 @@ REQUIRED = ["--model", "m", "--redis-url", "redis://127.0.0.1:1/0"]
 WORKER_CLIS = [prefill_cli, decode_cli]
 
 
+def built_config(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, is_decoding: bool, argv: list[str]
+) -> tuple[argparse.Namespace, Any]:
+    """A worker's parsed ``argv`` (after REQUIRED) and the EngineConfig it builds from them
+    (LLMEngine replaced by a recorder; the model is ``tmp_path``)."""
+    built: list[Any] = []
+    monkeypatch.setattr(
+        "engine.llm_engine.LLMEngine", lambda config, tokenizer: built.append(config)
+    )
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    parser = argparse.ArgumentParser()
+    (decode_cli if is_decoding else prefill_cli).add_arguments(parser)
+    args = parser.parse_args([*REQUIRED, *argv])
+    draft = Path(args.draft) if args.draft else None
+    spec = engine_setup.ModelSpec(tmp_path, "m", draft, args.num_draft_tokens, args.draft_method)
+    engine_setup.build_engine(spec, args, is_decoding=is_decoding)
+    (config,) = built
+    return args, config
+
+
 def serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem")
     register_serve(parser.add_subparsers())
@@ -64,17 +84,7 @@ def test_workers_take_eager_and_refuse_it_beside_torch_compile(
 def test_decode_workers_compile_unless_eager_and_prefill_workers_never(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, is_decoding: bool, eager: bool, compiles: bool
 ) -> None:
-    built: list[Any] = []
-    monkeypatch.setattr(
-        "engine.llm_engine.LLMEngine", lambda config, tokenizer: built.append(config)
-    )
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    parser = argparse.ArgumentParser()
-    (decode_cli if is_decoding else prefill_cli).add_arguments(parser)
-    args = parser.parse_args([*REQUIRED, *(["--eager"] if eager else [])])
-    spec = engine_setup.ModelSpec(tmp_path, "m", None, 5)
-    engine_setup.build_engine(spec, args, is_decoding=is_decoding)
-    (config,) = built
+    _, config = built_config(monkeypatch, tmp_path, is_decoding, ["--eager"] if eager else [])
     assert config.torch_compile is compiles
     assert config.warm_up and not config.build_cpu_kernels  # warm before SERVING, no C++ build
 

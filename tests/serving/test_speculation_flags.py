@@ -20,7 +20,7 @@ from serving.launcher import (
     STARTUP_TIMEOUT_S,
     ClusterSpec,
 )
-from tests.serving.test_compile_flags import capture_cluster_specs, serve_parser
+from tests.serving.test_compile_flags import built_config, capture_cluster_specs, serve_parser
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED = ["--model", "m", "--redis-url", "redis://127.0.0.1:1/0"]
@@ -42,19 +42,8 @@ def test_decode_workers_choose_k_unless_told_not_to(
     argv: list[str],
     adaptive: bool,
 ) -> None:
-    built: list[Any] = []
-    monkeypatch.setattr(
-        "engine.llm_engine.LLMEngine", lambda config, tokenizer: built.append(config)
-    )
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    parser = argparse.ArgumentParser()
-    (decode_cli if is_decoding else prefill_cli).add_arguments(parser)
-    args = parser.parse_args(
-        [*REQUIRED, "--draft", str(tmp_path), "--num-draft-tokens", "4", *argv]
-    )
-    spec = engine_setup.ModelSpec(tmp_path, "m", Path(args.draft), args.num_draft_tokens)
-    engine_setup.build_engine(spec, args, is_decoding=is_decoding)
-    (config,) = built
+    argv = ["--draft", str(tmp_path), "--num-draft-tokens", "4", *argv]
+    _, config = built_config(monkeypatch, tmp_path, is_decoding, argv)
     assert config.speculative.adaptive is adaptive
     assert config.speculative.num_draft_tokens == 4  # the bound, or the fixed K
 
@@ -121,18 +110,10 @@ def test_suffix_decoding_needs_no_draft_directory(
     kind: str | None,
     adaptive: bool | None,
 ) -> None:
-    built: list[Any] = []
-    monkeypatch.setattr(
-        "engine.llm_engine.LLMEngine", lambda config, tokenizer: built.append(config)
+    args, config = built_config(
+        monkeypatch, tmp_path, is_decoding, ["--draft-method", "suffix", *argv]
     )
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    parser = argparse.ArgumentParser()
-    (decode_cli if is_decoding else prefill_cli).add_arguments(parser)
-    args = parser.parse_args([*REQUIRED, "--draft-method", "suffix", *argv])
     assert engine_setup.check_engine_arguments(args, "worker")
-    spec = engine_setup.ModelSpec(tmp_path, "m", None, args.num_draft_tokens, args.draft_method)
-    engine_setup.build_engine(spec, args, is_decoding=is_decoding)
-    (config,) = built
     speculative = config.speculative
     assert (speculative and speculative.kind, speculative and speculative.adaptive) == (
         kind,

@@ -185,15 +185,13 @@ def test_a_bucket_whose_steps_run_longer_is_timed_again_one_k_at_a_time_within_b
         clock.now += 0.05
         return 0.1 * (k + 1)  # the truth: far dearer than the line's 0.06 (k=0) at 3,000
 
-    refresh = CostRefresh(
-        adaptive, run_step, 4000, share=0.02, allowance_s=0.2, max_pause_s=1.0, clock=clock
-    )
+    refresh = CostRefresh(adaptive, 4000, share=0.02, allowance_s=0.2, max_pause_s=1.0, clock=clock)
     assert refresh.is_wanted()
     before = adaptive.costs[8][1]
-    assert refresh.run_one() == pytest.approx(0.15)  # K = 0: three steps
+    assert refresh.run_one(run_step) == pytest.approx(0.15)  # K = 0: three steps
     assert timed == [(8, 0, 3000)] * 3
     assert adaptive.costs[8][1] == before and 8 in adaptive.stale  # not yet: K = 1 next
-    refresh.run_one()
+    refresh.run_one(run_step)
     assert adaptive.stale == {} and adaptive.measured[8] == 3000 and refresh.num_refreshed == 1
     for k in (0, 1):
         assert adaptive.costs[8][k].at(3000) == pytest.approx(0.1 * (k + 1))
@@ -205,7 +203,7 @@ def test_a_bucket_whose_steps_run_longer_is_timed_again_one_k_at_a_time_within_b
     assert refresh.is_wanted()
     # At 4,000 (the longest scratch context) three K=1 steps would take 0.6 s or more.
     refresh.max_pause_s = 0.5
-    assert refresh.run_one() == 0.0 and adaptive.stale == {} and len(timed) == 6
+    assert refresh.run_one(run_step) == 0.0 and adaptive.stale == {} and len(timed) == 6
 
 
 def test_a_packed_step_costs_its_tokens_so_a_few_long_proposals_can_pay() -> None:

@@ -11,6 +11,7 @@ import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.sequence import SpecCounts
 from engine.spec.adaptive import AdaptiveK, StepCost
 from engine.spec.config import SpeculativeConfig
 from tests.comparator import compare_greedy
@@ -229,6 +230,16 @@ def test_a_cost_table_where_drafts_never_pay_runs_plain_steps_and_says_so(target
     requests = {"0": (PROMPTS[0], greedy(12))}
     base = run(engine_for(model_dir), requests)
     engine = engine_for(model_dir, SpeculativeConfig(str(draft), num_draft_tokens=3))
+    counts = run_where_drafts_never_pay(engine, requests, base)
+    assert counts.num_steps_without_drafts == 12 - 1  # the prompt's step made the first
+    assert engine.spec.stats.steps_per_k == [11]  # type: ignore[union-attr]
+
+
+def run_where_drafts_never_pay(
+    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]], base: dict
+) -> SpecCounts:
+    """Runs request "0" at batch 1 with injected K=0..3 costs where no K > 0 pays: output
+    equals ``base``'s, no draft is verified; the request's counters."""
     assert engine.spec is not None
     dear = {0: StepCost(1.0), 1: StepCost(3.0), 2: StepCost(4.0), 3: StepCost(5.0)}
     engine.spec.adaptive = AdaptiveK([0, 1, 2, 3], {1: dear}, probe_budget=0.0)
@@ -236,8 +247,7 @@ def test_a_cost_table_where_drafts_never_pay_runs_plain_steps_and_says_so(target
     assert out["0"].token_ids == base["0"].token_ids
     counts = out["0"].spec_counts
     assert counts is not None and (counts.num_drafts, counts.num_draft_tokens) == (0, 0)
-    assert counts.num_steps_without_drafts == 12 - 1  # the prompt's step made the first
-    assert engine.spec.stats.steps_per_k == [11]
+    return counts
 
 
 @pytest.mark.parametrize("sample_drafts", [False, True], ids=["argmax_drafts", "sampled_drafts"])

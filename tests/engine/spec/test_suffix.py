@@ -19,6 +19,7 @@ from tests.engine.spec.test_spec_greedy import (
     engine_for,
     greedy,
     run,
+    run_where_drafts_never_pay,
 )
 from tests.engine.spec.test_spec_greedy import target as target
 
@@ -198,12 +199,7 @@ def test_a_cost_table_where_suffix_drafts_never_pay_runs_plain_steps(target):
     assert engine.spec is not None
     # the prompt alone supports drafts from the first step
     assert RequestIndex(REPEATING[0], SuffixConfig()).propose(REPEATING[0], 3).tokens == [9, 10, 11]
-    dear = {0: StepCost(1.0), 1: StepCost(3.0), 2: StepCost(4.0), 3: StepCost(5.0)}
-    engine.spec.adaptive = AdaptiveK([0, 1, 2, 3], {1: dear}, probe_budget=0.0)
-    out = run(engine, requests)
-    assert out["0"].token_ids == base["0"].token_ids
-    counts = out["0"].spec_counts
-    assert counts is not None and (counts.num_drafts, counts.num_draft_tokens) == (0, 0)
+    run_where_drafts_never_pay(engine, requests, base)
     assert engine.spec.stats.steps_per_k == [16 - 1]
 
 
