@@ -155,9 +155,7 @@ class AdaptiveK:
         K, and K goes no deeper than the longest; None: every row drafts as deep as K.
         ``packed``: the step verifies each row's own drafts only, so K caps each row, and
         the step costs what its tokens cost (``cost_at`` the rows' mean depth)."""
-        bucket = self.bucket(batch_size)
-        if context > self.refresh_factor * self.measured[bucket]:
-            self.stale[bucket] = max(context, self.stale.get(bucket, 0.0))
+        bucket = self.note_context(batch_size, context)
         deepest = self.max_k if lengths is None else min(self.max_k, max(lengths, default=0))
         choices = [k for k in self.choices if k in self.costs[bucket] and k <= deepest]
         if packed and lengths:
@@ -179,6 +177,14 @@ class AdaptiveK:
                 self._probe_credit -= extra
                 return deepest
         return best
+
+    def note_context(self, batch_size: int, context: float) -> int:
+        """A step of ``batch_size`` rows runs at mean KV length ``context``: its bucket
+        (returned) is stale if that is much longer than its costs were measured at."""
+        bucket = self.bucket(batch_size)
+        if context > self.refresh_factor * self.measured[bucket]:
+            self.stale[bucket] = max(context, self.stale.get(bucket, 0.0))
+        return bucket
 
     def remeasured(self, bucket: int, context: float, seconds: dict[int, float]) -> None:
         """Steps of ``bucket`` rows at KV length ``context`` took ``seconds`` per K, timed now:

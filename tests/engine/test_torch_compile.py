@@ -123,3 +123,25 @@ def test_each_engine_compiles_its_own_graphs(target, tmp_path, monkeypatch):
     assert counters["stats"]["unique_graphs"] >= 3
     assert not [reason for reason in counters["unimplemented"] if "recompile limit" in reason]
     assert counters["frames"]["total"] == counters["frames"]["ok"]
+
+
+def test_compiled_suffix_drafts_compile_nothing_after_the_warm_up(target):
+    """With suffix drafts at a fixed K no start-up measurement runs the verify steps, so the
+    warm-up itself compiles them: one row verifying drafts over a table wider than a block
+    (it compiled mid-request before, 20 s at one thread on SmolLM2), and packed rows. Then
+    requests alone, and all together, make no new graph; output stays the target's."""
+    model_dir, hf_model = target
+    repeating = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20] * 2 + [5, 6]]
+    prompts = PROMPTS + repeating
+    requests = {str(i): (p, greedy(24)) for i, p in enumerate(prompts)}
+    base = run(engine_for(model_dir), requests)
+    spec = SpeculativeConfig("", num_draft_tokens=3, kind="suffix")
+    counters.clear()
+    engine = engine_for(model_dir, spec, torch_compile=True)
+    graphs = counters["stats"]["unique_graphs"]
+    alone = run(engine, {"alone": requests[str(len(PROMPTS))]})["alone"]
+    assert engine.spec is not None and engine.spec.stats.num_draft_tokens > 0
+    out = run(engine, requests)
+    assert alone.token_ids == out[str(len(PROMPTS))].token_ids
+    assert_same_greedy(hf_model, out, base, requests)
+    assert counters["stats"]["unique_graphs"] == graphs
