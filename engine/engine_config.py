@@ -57,9 +57,10 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     # Overlap scheduling (engine.spec.overlap): a decode step is launched before the
     # previous step's tokens are read, so that the host's postprocessing and scheduling
-    # overlap the device's step. Speculative decode steps on the graph runner (cuda_graphs)
-    # at a fixed K; rows with a grammar, logprobs, penalties or logit bias make the engine
-    # read the step in flight first and run as without it. Same tokens either way.
+    # overlap the device's step. Speculative decode steps on the graph runner (cuda_graphs),
+    # K chosen per launched step with adaptive speculation; rows with a grammar, logprobs,
+    # penalties or logit bias make the engine read the step in flight first and run as
+    # without it. Same tokens either way.
     enable_overlap_scheduler: bool = False
     # Structured output (engine.structured): a constraint that takes longer to compile is
     # refused (INVALID_ARGUMENT); compiled grammars kept, least recently used dropped first.
@@ -90,7 +91,7 @@ class EngineConfig:
             self._check_overlap()
 
     def _check_overlap(self) -> None:
-        """What overlap scheduling covers: the graph runner's decode steps at one K."""
+        """What overlap scheduling covers: the graph runner's decode steps of model drafts."""
         spec, why = self.speculative, ""
         if spec is None:
             why = "needs speculative decoding (a draft model)"
@@ -98,8 +99,6 @@ class EngineConfig:
             why = f"does not support {spec.kind} drafts (their lengths vary per row)"
         elif not self.uses_cuda_graphs:
             why = "needs the graph runner (cuda_graphs: on by default on CUDA, True on CPU)"
-        elif spec.adaptive:
-            why = "does not support adaptive K (speculative.adaptive): K must be fixed"
         elif spec.sample_drafts:
             why = "does not support sampled drafts (speculative.sample_drafts)"
         if why:

@@ -377,7 +377,7 @@ class LLMEngine:
         assert self.spec is not None
         prev, self._ahead = self._ahead, None
         running = self.scheduler.running
-        if not all(overlap.can_overlap(s, self.spec.k) for s in running) or (
+        if not all(overlap.can_overlap(s) for s in running) or (
             prev is not None and not overlap.reserve(self.block_manager, running, prev)
         ):
             return self._read_ahead(prev) + self._step_now()
@@ -390,7 +390,7 @@ class LLMEngine:
             outputs += self._postprocess(prefill, self.spec.prefill(prefill))
         decode = [s for s in decode if prev is None or prev.may_launch(s)]
         if decode:
-            self._ahead = overlap.launch(self.spec, decode, prev)
+            self._ahead = overlap.launch(self.spec, decode, prev, self.spec.launch_depth(decode))
             self.num_steps_ahead += prev is not None and bool(prev.continuing)
         return outputs + self._read_ahead(prev)
 

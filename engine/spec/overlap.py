@@ -12,9 +12,19 @@ a row that may reach ``max_tokens`` at step n is not launched again until step n
 string, error, abort) has its step n+1 tokens discarded, and its blocks are freed once
 step n+1 has been read (the device may still write them until then).
 
-Rows that need the host between steps (a grammar, logprobs, penalties or logit bias,
-drafts of another depth) are not covered: the engine reads the step in flight first and
-runs the step as without overlap. Each row's tokens are the same either way.
+Rows that need the host between steps (a grammar, logprobs, penalties or logit bias) are
+not covered: the engine reads the step in flight first and runs the step as without
+overlap. Each row's tokens are the same either way.
+
+Each step verifies the drafts its rows have (the fewest of any row, as without overlap:
+a row of the step in flight has the ones that step proposes) and proposes ``k_next``: the
+runner's K, or with adaptive speculation the K chosen for each step launched
+(``SpecRunner.launch_depth``), so that the next step verifies it. A steady K runs one
+captured graph per K; the step where K changes (verifying the old K, proposing the new)
+runs uncaptured, launched ahead all the same. Acceptance is observed as each step is
+read, one step late; step costs are not (overlapped steps have no time of their own), and
+a K = 0 step runs the drafter rather than deferring it, which the start-up costs of K = 0
+leave out.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ class AheadStep:
 
     seqs: list[Sequence]  # its rows, in order
     k: int  # drafts verified per row
+    k_next: int  # drafts proposed per row: what its rows' next step verifies at most
     kv_lens: torch.Tensor  # [B] int64 device: each row's KV length (pending position)
     pending: PendingStep  # outputs on the device, tokens on their way to the host
     # Rows of this step that go on into the next one, launched before this one is read.
@@ -55,11 +66,10 @@ class AheadStep:
         return not self.holds(seq) or any(s is seq for s in self.continuing)
 
 
-def can_overlap(seq: Sequence, k: int) -> bool:
+def can_overlap(seq: Sequence) -> bool:
     """Whether a running row's steps can be launched before the previous step is read:
     nothing in it needs the host between steps."""
     p = seq.params
-    drafts = seq.draft_token_ids
     return (
         seq.grammar is None
         and p.logprobs is None
@@ -67,7 +77,6 @@ def can_overlap(seq: Sequence, k: int) -> bool:
         and seq.draft_probs is None
         and p.speculative  # a row of K = 0 among rows of K: the eager step's padding
         and not seq.undrafted_features
-        and (drafts is None or len(drafts) == k)
     )
 
 
@@ -101,15 +110,22 @@ def reserve(blocks: BlockManager, running: list[Sequence], step: AheadStep) -> b
 
 
 @torch.inference_mode()
-def launch(spec: SpecRunner, seqs: list[Sequence], prev: AheadStep | None) -> AheadStep:
-    """Launches one decode step over ``seqs``: rows of ``prev`` (launched, not read) take
+def launch(
+    spec: SpecRunner, seqs: list[Sequence], prev: AheadStep | None, k_next: int
+) -> AheadStep:
+    """Launches one decode step over ``seqs`` that verifies the drafts they have (the
+    fewest of any row) and proposes ``k_next``: rows of ``prev`` (launched, not read) take
     their inputs from its outputs on the device, the others from their host state. Nothing
     here waits for the device."""
     assert spec.graphs is not None
-    k, device = spec.k, spec.runner.device
+    device = spec.runner.device
     where = {id(s): i for i, s in enumerate(prev.seqs)} if prev is not None else {}
     rows = [where.get(id(s), -1) for s in seqs]  # the row in ``prev``, or -1
     reach = prev.k + 1 if prev is not None else 0  # positions a row of ``prev`` may advance
+    k = min(
+        len(s.draft_token_ids or []) if r < 0 else prev.k_next  # type: ignore[union-attr]
+        for s, r in zip(seqs, rows, strict=True)
+    )
 
     def t(values: list[int] | list[list[int]]) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=torch.int64), device)
@@ -126,7 +142,7 @@ def launch(spec: SpecRunner, seqs: list[Sequence], prev: AheadStep | None) -> Ah
         src = t([max(r, 0) for r in rows])
         is_prev = t([int(r >= 0) for r in rows]).bool()
         tokens = torch.where(is_prev, out.next_tokens[src], tokens)
-        drafts = torch.where(is_prev[:, None], out.next_draft_tokens[src], drafts)
+        drafts = torch.where(is_prev[:, None], out.next_draft_tokens[src, :k], drafts)
         kv_lens = torch.where(is_prev, (prev.kv_lens + out.num_accepted + 1)[src], kv_lens)
     bound = max(
         s.num_computed_tokens + (reach if r >= 0 else 0) for s, r in zip(seqs, rows, strict=True)
@@ -150,9 +166,9 @@ def launch(spec: SpecRunner, seqs: list[Sequence], prev: AheadStep | None) -> Ah
         kv_lens=kv_lens,
         block_tables=t([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
         sampling=sampling,
-        max_context_len=spec._context_bound(bound, k, k),
+        max_context_len=spec._context_bound(bound, k, k_next),
     )
-    return AheadStep(seqs, k, kv_lens, spec.graphs.launch(inputs, k))
+    return AheadStep(seqs, k, k_next, kv_lens, spec.graphs.launch(inputs, k_next))
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -179,4 +195,6 @@ def read(spec: SpecRunner, step: AheadStep) -> list[DecodeResult | None]:
         seq.draft_token_ids = drafts[i]  # the next step's (already launched if it goes on)
         results.append(DecodeResult(emitted[i][: a + 1], None))
     spec.stats.record(step.k, kept)
+    if spec.adaptive is not None:
+        spec.adaptive.observe(step.k, kept)
     return results

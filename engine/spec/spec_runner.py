@@ -115,7 +115,10 @@ class SpecRunner:
         self.graphs = StepGraphRunner(self.step, buffers, scratch_block)
         # Sampled drafts' probabilities are kept across steps: not as a graph's outputs.
         modes = (True,) if self.config.sample_drafts else (True, False)
-        self.graphs.capture([StepShape(k, k, False, greedy, False) for greedy in modes])
+        depths = range(k + 1) if self.config.adaptive else (k,)  # adaptive: a graph per K
+        self.graphs.capture(
+            [StepShape(d, d, False, greedy, False) for d in depths for greedy in modes]
+        )
 
     # -- prefill -----------------------------------------------------------------------
 
@@ -264,6 +267,14 @@ class SpecRunner:
             results.append(DecodeResult(tokens, None if logprobs is None else logprobs[i]))
         self._decode_ended = time.perf_counter()
         return results
+
+    def launch_depth(self, seqs: list[Sequence]) -> int:
+        """Overlap scheduling: the drafts that a step launched over ``seqs`` proposes (its
+        rows' next step verifies them): K, or chosen per step with adaptive speculation."""
+        if self.adaptive is None or not seqs:
+            return self.k
+        context = sum(s.num_computed_tokens for s in seqs) / len(seqs)
+        return self.adaptive.choose(len(seqs), context)
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
         """Writes the draft KV that steps without drafts left out, in one ragged extend over

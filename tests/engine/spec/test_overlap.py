@@ -14,6 +14,7 @@ from engine.block_manager import BlockManager
 from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec.adaptive import AdaptiveK, StepCost
 from engine.spec.config import SpeculativeConfig
 from engine.spec.overlap import AheadStep, reserve
 from tests.engine.spec.test_spec_greedy import PROMPTS, markov_target
@@ -234,6 +235,54 @@ def test_rows_it_does_not_cover_run_without_it(markov):
     assert engine.num_steps_ahead >= 5
 
 
+def adaptive_run(
+    engine: LLMEngine, requests: Requests, costs: dict[int, StepCost], probe_budget: float
+) -> dict[str, RequestOutput]:
+    """``requests`` on ``engine`` with injected costs at every batch bucket, in place of
+    the measured ones: no timing decides K."""
+    assert engine.spec is not None and engine.spec.adaptive is not None
+    buckets = engine.spec.adaptive.buckets
+    engine.spec.adaptive = AdaptiveK(
+        range(4), dict.fromkeys(buckets, costs), probe_budget=probe_budget
+    )
+    return run(engine, requests)
+
+
+def test_adaptive_k_is_chosen_for_each_step_launched_ahead(markov):
+    """With the prior's acceptance (1/2) K = 1 pays best under these costs; the exact
+    draft's rows accept everything, and K = 3 comes to pay once probes have seen it. The
+    steps launched ahead verify what the step before proposed, 1 and then 3, and greedy
+    output is the target's."""
+    target_dir, draft_dir, tokenizer = markov
+    requests: Requests = {str(i): (p, greedy(30 + i)) for i, p in enumerate(PROMPTS[:4])}
+    plain = LLMEngine(
+        EngineConfig(model=str(target_dir), dtype="float32", block_size=4, cpu_gemm="aten"),
+        tokenizer=tokenizer,
+    )
+    base = run(plain, requests)
+    spec = SpeculativeConfig(str(draft_dir), num_draft_tokens=3, adaptive=True)
+    engine = engine_for(target_dir, tokenizer, spec, enable_overlap_scheduler=True)
+    costs = {0: StepCost(1.0), 1: StepCost(1.2), 2: StepCost(1.6), 3: StepCost(1.9)}
+    out = adaptive_run(engine, requests, costs, probe_budget=0.3)  # a probe every few steps
+    assert {r: o.token_ids for r, o in out.items()} == {r: o.token_ids for r, o in base.items()}
+    assert engine.spec is not None and engine.num_steps_ahead >= 10
+    steps = engine.spec.stats.steps_per_k
+    assert steps[1] > 0 and steps[3] > steps[1]
+    assert engine.spec.adaptive is not None and engine.spec.adaptive.alphas()[2] > 0.9
+
+
+def test_adaptive_k_launches_plain_steps_ahead_where_drafts_never_pay(markov):
+    target_dir, draft_dir, tokenizer = markov
+    requests: Requests = {str(i): (p, greedy(20)) for i, p in enumerate(PROMPTS[:3])}
+    spec = SpeculativeConfig(str(draft_dir), num_draft_tokens=3, adaptive=True)
+    engine = engine_for(target_dir, tokenizer, spec, enable_overlap_scheduler=True)
+    dear = {0: StepCost(1.0), 1: StepCost(3.0), 2: StepCost(4.0), 3: StepCost(5.0)}
+    out = adaptive_run(engine, requests, dear, probe_budget=0.0)
+    assert all(len(o.token_ids) == 20 for o in out.values())
+    assert engine.spec is not None and engine.num_steps_ahead >= 10
+    assert engine.spec.stats.num_draft_tokens == 0 and len(engine.spec.stats.steps_per_k) == 1
+
+
 def test_an_abort_in_flight_frees_its_blocks_after_the_step(markov):
     target_dir, draft_dir, tokenizer = markov
     requests: Requests = {str(i): (p, greedy(30)) for i, p in enumerate(PROMPTS[:4])}
@@ -258,7 +307,7 @@ def test_reserve_grows_for_the_worst_case_or_reserves_nothing():
     a = running_row(blocks, 5)  # 6 tokens + 2 slots: 2 blocks
     near_end = running_row(blocks, 5, max_tokens=8)  # 5 output tokens + K + 1 >= 8
     fresh = running_row(blocks, 1)  # not in the step in flight: 1 block
-    step = AheadStep([a, near_end], 3, torch.zeros(2), pending=None)  # type: ignore[arg-type]
+    step = AheadStep([a, near_end], 3, 3, torch.zeros(2), pending=None)  # type: ignore[arg-type]
     assert blocks.num_free_blocks == 3
     assert reserve(blocks, [a, near_end, fresh], step)
     assert step.continuing == [a] and len(a.block_table) == 3  # 5 + 5 + 2 = 12 slots
@@ -266,7 +315,7 @@ def test_reserve_grows_for_the_worst_case_or_reserves_nothing():
     assert step.may_launch(a) and step.may_launch(fresh) and not step.may_launch(near_end)
     # The free blocks do not hold both continuing rows' worst case: nothing is reserved.
     b = running_row(blocks, 5)  # 2 blocks: none free after
-    tight = AheadStep([a, b], 3, torch.zeros(2), pending=None)  # type: ignore[arg-type]
+    tight = AheadStep([a, b], 3, 3, torch.zeros(2), pending=None)  # type: ignore[arg-type]
     assert blocks.num_free_blocks == 0
     assert not reserve(blocks, [a, b, near_end, fresh], tight)
     assert len(b.block_table) == 2 and tight.continuing == []
@@ -278,12 +327,11 @@ def test_reserve_grows_for_the_worst_case_or_reserves_nothing():
         (dict(speculative=None), "needs speculative decoding"),
         (dict(cuda_graphs=False), "the graph runner"),
         (dict(cuda_graphs=None), "True on CPU"),
-        (dict(adaptive=True), "adaptive K"),
         (dict(sample_drafts=True), "sampled drafts"),
     ],
 )
 def test_config_refuses_what_it_does_not_cover(change, message):
-    spec_kw = {k: change.pop(k) for k in ("adaptive", "sample_drafts") if k in change}
+    spec_kw = {k: change.pop(k) for k in ("sample_drafts",) if k in change}
     kw = dict(model="m", cuda_graphs=True, speculative=SpeculativeConfig("draft", **spec_kw))
     kw.update(change)
     with pytest.raises(ValueError, match=f"^enable_overlap_scheduler: .*{message}"):
