@@ -132,6 +132,9 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
         spec = SuffixSpecRunner(config.speculative, runner, num_blocks)  # eager: ragged drafts
     elif config.speculative is not None and drafter is not None:
         spec = SpecRunner(config.speculative, runner, drafter, num_blocks)
+        # Overlap scheduling launches steps whose rows the host has not caught up on: a
+        # K = 0 step runs the drafter (and its costs are measured so).
+        spec.defer_drafter = not config.enable_overlap_scheduler
         if config.uses_cuda_graphs:
             spec.enable_graphs(config.max_num_seqs, model_config.max_seq_len, num_blocks - 1)
     return EngineComponents(

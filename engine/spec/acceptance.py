@@ -76,8 +76,7 @@ def accept(
     greedy_accepted = draft_tokens == greedy[:, :k]
     faulty = is_faulty(logits, greedy)  # [B, K+1]
     if sampling.all_greedy:
-        num = first_rejection(greedy_accepted)
-        return _unless_faulty(num, greedy.gather(1, num[:, None]).squeeze(1), faulty)
+        return accept_argmax(greedy, faulty, draft_tokens)
 
     positions = first_positions[:, None] + torch.arange(s, device=logits.device)  # [B, K+1]
     flat = per_position(sampling, positions)
@@ -92,6 +91,23 @@ def accept(
     num = torch.where(is_sampled, sampled_num, greedy_num)
     chosen = torch.where(is_sampled, sampled_next, greedy.gather(1, greedy_num[:, None])[:, 0])
     return _unless_faulty(num, chosen, faulty)
+
+
+def accept_argmax(
+    greedy: torch.Tensor,  # [B, K+1] int64: the target's argmax at each position
+    faulty: torch.Tensor,  # [B, K+1] bool: logits there were not finite (``is_faulty``)
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    draft_lengths: torch.Tensor | None = None,  # [B] int64, as ``accept``'s
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``accept`` returns for rows that are all greedy, from the argmax alone (a
+    packed verify takes it from its unpadded logits). Padding past a row's drafts is
+    never accepted: a draft there becomes -1, which no argmax equals."""
+    k = draft_tokens.shape[1]
+    if draft_lengths is not None:
+        is_real = torch.arange(k, device=greedy.device)[None, :] < draft_lengths[:, None]
+        draft_tokens = draft_tokens.masked_fill(~is_real, -1)
+    num = first_rejection(draft_tokens == greedy[:, :k])
+    return _unless_faulty(num, greedy.gather(1, num[:, None]).squeeze(1), faulty)
 
 
 def _unless_faulty(

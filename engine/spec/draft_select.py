@@ -1,36 +1,23 @@
 """Which of the rows' proposed tokens a packed step verifies: suffix decoding's per-row caps.
 
-Suffix decoding proposes per row as many tokens as its match supports, and how likely
-they are to be accepted differs by row far more than by position: after a match of the
-index's 2-token key alone, about half of the first tokens are accepted; after a match of
-16 tokens or more, nineteen in twenty of every token (bench/RESULTS.md). One cap for the
-whole batch, as ``AdaptiveK.choose`` picks, either verifies the short matches' weak tokens
-or cuts the long ones short.
-
-So each proposed token gets an estimate of the chance that it is accepted, and the step
-verifies the tokens that pay for themselves:
-
-- **Acceptance.** Token j of a proposal is accepted, once tokens 0..j-1 were, at a rate
-  learned per bin (``AcceptanceBins``): the match's length (2, 3-5, 6-15, 16 and more
-  tokens), the position (0..3, and 4 on), and whether every occurrence agreed on the token
-  (``Proposal.probs`` == 1). Decayed counts, with a prior of ``m / (m + 1)`` for a match of
-  ``m`` tokens (halved where the occurrences disagreed), worth two observations.
-- **Selection.** A token's value is the chance that it is emitted: the product of the
-  rates of itself and the tokens before it, which never grows along a proposal. Taking
-  tokens in falling value (each row's in order), the step of ``B`` rows and ``n`` drafts
-  yields ``B`` plus their values in tokens, and costs ``AdaptiveK.cost_at(B, n / B)`` plus
-  the engine's time between steps: ``select`` keeps the prefix with the most tokens per
-  second, none (a plain step) included.
-- **Probes.** A bin whose rate looks too low to verify is never verified again, and would
-  never be seen to improve. Every step earns ``AdaptiveK.probe_budget`` of its cost; when
-  the credit covers what verifying every proposed token costs beyond the selection, the
-  step does so.
+How likely a suffix proposal's tokens are to be accepted depends on the row far more
+than on the position: on how long a match proposed them (bench/RESULTS.md, "acceptance by
+match length"). One cap for the whole batch (``AdaptiveK.choose``) either verifies short
+matches' weak tokens or cuts long ones short. So each proposed token gets the chance that
+it is emitted, the product of learned acceptance rates (``AcceptanceBins``) of itself and
+the tokens before it; taking tokens in falling chance (each row's in order), a step of B
+rows and n drafts yields B plus their chances in tokens and costs ``AdaptiveK.cost_at(B,
+n / B)`` plus the engine's time per step, and ``DraftSelector.select`` keeps the number of
+tokens with the most tokens per second (none included). A bin whose rate looks too low
+to verify would never be seen to improve: probes verify everything now and then, paid
+from ``AdaptiveK.probe_budget`` as K's probes are.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from engine.spec.adaptive import AdaptiveK
 from engine.spec.suffix import Proposal
@@ -39,23 +26,31 @@ MATCH_BUCKETS = (2, 3, 6, 16)  # a bin's match length: at least this many tokens
 MAX_POSITION = 4  # positions from here on share a bin
 
 
+class Bin(NamedTuple):
+    match: int  # the match's length, down to a bucket of MATCH_BUCKETS
+    position: int  # the token's place in the proposal, up to MAX_POSITION
+    agreed: bool  # every occurrence still matching continued with this token
+
+
 class AcceptanceBins:
-    """Per bin (match length, position, agreement), the decayed share of reached proposed
-    tokens that were accepted."""
+    """Per bin, the decayed share of reached proposed tokens that were accepted, starting
+    from a prior worth ``prior_weight`` observations: ``m / (m + 1)`` for the bucket's
+    shortest match m, halved where the occurrences disagreed."""
 
     def __init__(self, *, prior_weight: float = 2.0, decay: float = 0.99) -> None:
         self.prior_weight, self.decay = prior_weight, decay
-        self._accepted: dict[tuple[int, int, bool], float] = {}
-        self._reached: dict[tuple[int, int, bool], float] = {}
+        self._accepted: dict[Bin, float] = {}
+        self._reached: dict[Bin, float] = {}
 
     @staticmethod
-    def bin(match_len: int, position: int, share: float) -> tuple[int, int, bool]:
+    def bin(match_len: int, position: int, share: float) -> Bin:
+        """The bin of a proposal's token ``position`` whose occurrences agreed ``share``."""
         bucket = MATCH_BUCKETS[max(0, bisect.bisect_right(MATCH_BUCKETS, match_len) - 1)]
-        return bucket, min(position, MAX_POSITION), share >= 1.0
+        return Bin(bucket, min(position, MAX_POSITION), share >= 1.0)
 
-    def rate(self, key: tuple[int, int, bool]) -> float:
-        bucket, _, agreed = key
-        prior = bucket / (bucket + 1) * (1.0 if agreed else 0.5)
+    def rate(self, key: Bin) -> float:
+        """The chance that a token of this bin is accepted once the ones before it were."""
+        prior = key.match / (key.match + 1) * (1.0 if key.agreed else 0.5)
         weight = self.prior_weight
         return (self._accepted.get(key, 0.0) + weight * prior) / (
             self._reached.get(key, 0.0) + weight
@@ -79,7 +74,8 @@ class AcceptanceBins:
 
 
 class DraftSelector:
-    """Per-row numbers of drafts to verify (see the module's docstring)."""
+    """Per-row numbers of drafts to verify (see the module's docstring), and the probes'
+    credit: a step that verifies less than was proposed earns its share."""
 
     def __init__(self, bins: AcceptanceBins | None = None) -> None:
         self.bins = bins or AcceptanceBins()
@@ -130,5 +126,6 @@ class DraftSelector:
     def observe(
         self, proposals: Sequence[Proposal], lengths: Sequence[int], num_accepted: Sequence[int]
     ) -> None:
+        """A step verified ``lengths`` of the rows' proposals and accepted ``num_accepted``."""
         for proposal, n, a in zip(proposals, lengths, num_accepted, strict=True):
             self.bins.observe(proposal, n, a)

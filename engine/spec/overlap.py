@@ -22,9 +22,9 @@ runner's K, or with adaptive speculation the K chosen for each step launched
 (``SpecRunner.launch_depth``), so that the next step verifies it. A steady K runs one
 captured graph per K; the step where K changes (verifying the old K, proposing the new)
 runs uncaptured, launched ahead all the same. Acceptance is observed as each step is
-read, one step late; step costs are not (overlapped steps have no time of their own), and
-a K = 0 step runs the drafter rather than deferring it, which the start-up costs of K = 0
-leave out.
+read, one step late; step costs are not (overlapped steps have no time of their own). A
+K = 0 step runs the drafter rather than deferring it (``SpecRunner.defer_drafter`` is off
+with overlap: a row the host has to catch up could not be launched ahead).
 """
 
 from __future__ import annotations
@@ -122,8 +122,9 @@ def launch(
     where = {id(s): i for i, s in enumerate(prev.seqs)} if prev is not None else {}
     rows = [where.get(id(s), -1) for s in seqs]  # the row in ``prev``, or -1
     reach = prev.k + 1 if prev is not None else 0  # positions a row of ``prev`` may advance
+    prev_drafts = prev.k_next if prev is not None else 0
     k = min(
-        len(s.draft_token_ids or []) if r < 0 else prev.k_next  # type: ignore[union-attr]
+        len(s.draft_token_ids or []) if r < 0 else prev_drafts
         for s, r in zip(seqs, rows, strict=True)
     )
 

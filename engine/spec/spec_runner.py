@@ -103,9 +103,10 @@ class SpecRunner:
         self.graphs: StepGraphRunner | None = None  # decode steps through CUDA graphs
 
     def enable_graphs(self, max_batch: int, max_model_len: int, scratch_block: int) -> None:
-        """Decode steps of up to ``max_batch`` rows at this runner's K, greedy or sampled,
-        through CUDA graphs (elsewhere the same padded path, uncaptured); padded rows write
-        ``scratch_block``, a block no request owns."""
+        """Decode steps of up to ``max_batch`` rows at this runner's K (with adaptive
+        speculation, at each K up to it), greedy or sampled, through CUDA graphs (elsewhere
+        the same padded path, uncaptured); padded rows write ``scratch_block``, a block no
+        request owns."""
         k, device = self.k, self.runner.device
         bound = max_model_len + num_lookahead_slots(k, self.drafter) + 1  # _context_bound's
         width = blocks_per_seq(bound, self.runner.block_size)
@@ -117,7 +118,11 @@ class SpecRunner:
         modes = (True,) if self.config.sample_drafts else (True, False)
         depths = range(k + 1) if self.config.adaptive else (k,)  # adaptive: a graph per K
         self.graphs.capture(
-            [StepShape(d, d, False, greedy, False) for d in depths for greedy in modes]
+            [
+                StepShape(d, d, d == 0 and self.defer_drafter, greedy, False)
+                for d in depths
+                for greedy in modes
+            ]
         )
 
     # -- prefill -----------------------------------------------------------------------

@@ -49,15 +49,15 @@ class SuffixSpecRunner(SpecRunner):
 
     @torch.inference_mode()
     def warm_up(self, scratch_blocks: list[int]) -> None:
-        """Compiles the verify steps that the warm-up's generations may not have reached,
-        before a request needs them: rows of different draft lengths (packed) and of the
-        same (traced at 3 rows, each serves every batch from 2 on), and one row of drafts
-        whose block table is more than a block wide (without it, the first such step of a
-        request compiled for 20 s at one thread on SmolLM2, with fixed K)."""
+        """Compiles the verify steps that the warm-up's generations may not reach (their
+        prompts repeat one token: few matches) before a request needs them: rows of
+        different draft lengths (packed) and of the same (traced at 3 rows, each serves
+        every batch from 2 on), and one row of drafts whose block table is more than a
+        block wide (bench/RESULTS.md: with K fixed, it compiled in a request's step)."""
         if not scratch_blocks:
             return
         bs, width = self.runner.block_size, 2 * self.k + 8
-        per_row = -(-(width + self._scratch_slots()) // bs)
+        per_row = max(2, -(-(width + self._scratch_slots()) // bs))
         blocks = torch.tensor(scratch_blocks, dtype=torch.int64)
         for lengths in ([self.k, 0, 1], [1, self.k, 0, 2], [self.k] * 3, [self.k]):
             tables = blocks[torch.arange(len(lengths) * per_row) % len(blocks)]
@@ -106,6 +106,7 @@ class SuffixSpecRunner(SpecRunner):
         inputs = self._step_inputs(seqs, k, 0, lengths)
         if min(lengths, default=k) < k:  # each row verifies its own drafts only
             inputs.packed_lengths = lengths
+        inputs.return_logits = any(s.params.logprobs is not None for s in seqs)
         out = self.step(inputs, 0)
         num_accepted, emitted = out.num_accepted.tolist(), out.emitted.tolist()  # completed
         self.stats.record_rows(k, lengths, num_accepted)

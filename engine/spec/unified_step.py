@@ -35,9 +35,9 @@ from torch import nn
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.kv_cache import PagedKVCache
 from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs
-from engine.sampler import SamplingTensors, row_keys
+from engine.sampler import SamplingTensors, is_faulty, row_keys
 from engine.sampling_kernels import TORCH_SAMPLING, SamplingKernels
-from engine.spec.acceptance import DRAFT_SALT, accept, accept_synthetic
+from engine.spec.acceptance import DRAFT_SALT, accept, accept_argmax, accept_synthetic
 from engine.spec.drafters import Drafter, DraftLogits, ProposeArgs
 from engine.structured.bitmask import apply_bitmask, apply_bitmask_rows
 
@@ -77,6 +77,9 @@ class SpecStepInputs:
     # own drafts only (``1 + draft_lengths[b]`` tokens in a ragged batch, no padding);
     # None: every row verifies K+1 tokens (the fixed shapes a CUDA graph captures).
     packed_lengths: list[int] | None = None
+    # False: no row reads the step's logits (no logprobs); a packed verify of greedy rows
+    # then decides from its unpadded logits' argmax and returns logits of shape [B, 0, V].
+    return_logits: bool = True
 
 
 @dataclass
@@ -138,10 +141,17 @@ class UnifiedStep:
         layout = BatchLayout.uniform(
             positions, inputs.block_tables, self.block_size, inputs.max_context_len
         )
+        decided: tuple[torch.Tensor, torch.Tensor] | None = None  # accepted, next tokens
         if inputs.packed_lengths is not None:
             if self.drafter is not None:
                 raise ValueError("packed_lengths: only for a step without a drafter")
-            logits, out = self._verify_packed(inputs, tokens, positions, inputs.packed_lengths)
+            packed, out, at = self._verify_packed(inputs, tokens, positions, inputs.packed_lengths)
+            if self._decides_from_argmax(inputs):
+                decided = self._accept_packed(packed, at, inputs)
+                logits = packed.new_empty((b, 0, packed.shape[-1]))
+            else:
+                logits = packed.new_zeros((b, s, packed.shape[-1]))  # padding: never read
+                logits[at] = packed
         else:
             metadata = self.backend.build_metadata(layout)
 
@@ -173,7 +183,9 @@ class UnifiedStep:
 
         # 4. accept
         first_positions = inputs.kv_lens + 1
-        if self.acceptance == "synthetic":
+        if decided is not None:
+            num_accepted, next_tokens = decided
+        elif self.acceptance == "synthetic":
             rates = self._rates.get((device, k))
             if rates is None:
                 rates = torch.tensor(self.synthetic_rates[:k], device=device)
@@ -262,12 +274,13 @@ class UnifiedStep:
         tokens: torch.Tensor,  # [B, K+1]: the pending token, then the drafts (padded)
         positions: torch.Tensor,  # [B, K+1]
         lengths: list[int],  # drafts per row
-    ) -> tuple[torch.Tensor, ModelOutputs]:
+    ) -> tuple[torch.Tensor, ModelOutputs, tuple[torch.Tensor, torch.Tensor]]:
         """Step 2 for rows of different draft lengths: each row's pending token and its own
         drafts only, as one ragged batch (what a prompt chunk's rows are), so a step costs
-        the tokens proposed, not the longest proposal times the rows. The logits come back
-        padded to [B, K+1, V] (zeros past each row's drafts: never accepted, never read)."""
-        b, s = tokens.shape
+        the tokens proposed, not the longest proposal times the rows. Returns the logits
+        [T, V] of the T tokens, the outputs, and where each token sits in [B, K+1] (row,
+        step)."""
+        b = tokens.shape[0]
         device = tokens.device
         counts = torch.tensor(lengths, dtype=torch.int64, device=device) + 1  # [B]
         total = sum(lengths) + b
@@ -298,9 +311,36 @@ class UnifiedStep:
             torch.arange(total, device=device),
             NO_HIDDEN_STATES,
         )
-        logits = out.logits.new_zeros((b, s, out.logits.shape[-1]))
-        logits[row, local] = out.logits
-        return logits, out
+        return out.logits, out, (row, local)
+
+    def _decides_from_argmax(self, inputs: SpecStepInputs) -> bool:
+        """Whether a packed step's acceptance needs nothing but each position's argmax:
+        greedy rows, nothing that changes their logits, and no row reading them."""
+        return (
+            inputs.sampling.all_greedy
+            and inputs.sampling.penalties is None
+            and inputs.bitmask is None
+            and inputs.grammar is None
+            and self.acceptance == "lossless"
+            and not inputs.return_logits
+        )
+
+    def _accept_packed(
+        self,
+        packed: torch.Tensor,  # [T, V] the packed verify's logits
+        at: tuple[torch.Tensor, torch.Tensor],  # [T] row and step of each
+        inputs: SpecStepInputs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy acceptance from the argmax of the tokens verified, without padding their
+        logits to [B, K+1, V] (at 32 rows, the padding cost a fifth of the step: bench/
+        RESULTS.md). Padding positions hold -2, which neither a draft nor its -1 equals."""
+        b, k = inputs.draft_tokens.shape
+        argmax = packed.argmax(dim=-1)  # [T]
+        greedy = argmax.new_full((b, k + 1), -2)
+        greedy[at] = argmax
+        faulty = torch.zeros((b, k + 1), dtype=torch.bool, device=packed.device)
+        faulty[at] = is_faulty(packed, argmax)
+        return accept_argmax(greedy, faulty, inputs.draft_tokens, inputs.draft_lengths)
 
     def propose(
         self,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.spec.adaptive import AdaptiveK, StepCost
-from engine.spec.draft_select import AcceptanceBins, DraftSelector
+from engine.spec.draft_select import AcceptanceBins, Bin, DraftSelector
 from engine.spec.suffix import Proposal
 
 
@@ -32,12 +32,12 @@ def test_bins_start_from_the_match_length_and_learn_from_reached_tokens():
     # 3 verified, the first accepted: positions 0 and 1 reached, 2 not
     bins.observe(Proposal([4, 5, 7], [1.0, 1.0, 1.0], 2), verified=3, accepted=1)
     first, second = (1 + 2 * 2 / 3) / 3, (0 + 2 * 2 / 3) / 3
-    assert bins.rate((2, 0, True)) == pytest.approx(first)
-    assert bins.rate((2, 1, True)) == pytest.approx(second)
-    assert bins.rate((2, 2, True)) == pytest.approx(2 / 3)  # not reached: the prior
+    assert bins.rate(Bin(2, 0, True)) == pytest.approx(first)
+    assert bins.rate(Bin(2, 1, True)) == pytest.approx(second)
+    assert bins.rate(Bin(2, 2, True)) == pytest.approx(2 / 3)  # not reached: the prior
     # a second observation decays the first by 0.99
     bins.observe(SHORT, verified=1, accepted=0)
-    assert bins.rate((2, 0, True)) == pytest.approx((0.99 + 4 / 3) / (1.99 + 2))
+    assert bins.rate(Bin(2, 0, True)) == pytest.approx((0.99 + 4 / 3) / (1.99 + 2))
 
 
 def test_a_step_verifies_the_tokens_that_pay_for_what_they_cost():

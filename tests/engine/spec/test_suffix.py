@@ -8,11 +8,14 @@ from __future__ import annotations
 import tracemalloc
 
 import pytest
+import torch
 
 from engine.engine_config import EngineConfig
+from engine.sampler import SamplingTensors
 from engine.spec.adaptive import AdaptiveK, StepCost
 from engine.spec.config import SpeculativeConfig
 from engine.spec.suffix import RequestIndex, SharedIndex, SuffixConfig, SuffixProposer
+from engine.spec.unified_step import SpecStepInputs
 from tests.engine.spec.test_spec_greedy import (
     PROMPTS,
     assert_counts_add_up,
@@ -234,3 +237,46 @@ def test_cuda_graphs_and_overlap_are_refused_with_suffix_drafts():
     with pytest.raises(ValueError, match="enable_overlap_scheduler: does not support suffix"):
         EngineConfig(model="m", speculative=suffix(), enable_overlap_scheduler=True)
     assert not EngineConfig(model="m", device="cuda", speculative=suffix()).uses_cuda_graphs
+
+
+def test_a_packed_greedy_step_decides_from_the_argmax_as_from_padded_logits(target):
+    """Rows of 3, 0, 2 and 1 drafts, each accepted up to a chosen point (drafts built one
+    position at a time from the target's own argmax, then one wrong): the step that skips
+    padding the logits (no row reads them) accepts and emits exactly what the padded one
+    does, and returns no logits."""
+    model_dir, _ = target
+    engine = engine_for(model_dir, suffix(k=3))
+    spec = engine.spec
+    assert spec is not None
+    lengths, keep = [3, 0, 2, 1], [2, 0, 2, 0]  # drafts per row; how many to make right
+    b, k = len(lengths), max(lengths)
+    blocks = torch.tensor(engine.block_manager.clean_block_ids[: b * 4]).view(b, 4)
+
+    def step(drafts: torch.Tensor, return_logits: bool):
+        inputs = SpecStepInputs(
+            tokens=torch.tensor([5, 9, 13, 17]),
+            draft_tokens=drafts,
+            kv_lens=torch.zeros(b, dtype=torch.int64),
+            block_tables=blocks,
+            sampling=SamplingTensors.build([greedy(1)] * b, [0] * b, [1] * b, torch.device("cpu")),
+            max_context_len=12,
+            draft_lengths=torch.tensor(lengths),
+            packed_lengths=lengths,
+            return_logits=return_logits,
+        )
+        return spec.step(inputs, 0)
+
+    drafts = torch.full((b, k), 7, dtype=torch.int64)
+    for j in range(k):  # position j's argmax becomes draft j where it is kept right
+        argmax = step(drafts, True).logits.argmax(dim=-1)
+        for row in range(b):
+            if j < keep[row]:
+                drafts[row, j] = argmax[row, j]
+            elif j < lengths[row]:
+                drafts[row, j] = (argmax[row, j] + 1) % 64  # wrong
+    padded, lean = step(drafts, True), step(drafts, False)
+    assert padded.num_accepted.tolist() == keep
+    assert lean.num_accepted.tolist() == keep
+    assert torch.equal(lean.next_tokens, padded.next_tokens)
+    assert torch.equal(lean.emitted, padded.emitted)
+    assert lean.logits.shape == (b, 0, padded.logits.shape[-1])
