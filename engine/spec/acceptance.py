@@ -73,7 +73,6 @@ def accept(
         if draft_probs is not None:
             draft_probs = draft_probs * is_real[..., None]
     greedy = logits.argmax(dim=-1)  # [B, K+1]
-    greedy_accepted = draft_tokens == greedy[:, :k]
     faulty = is_faulty(logits, greedy)  # [B, K+1]
     if sampling.all_greedy:
         return accept_argmax(greedy, faulty, draft_tokens)
@@ -87,7 +86,7 @@ def accept(
     sampled_num, sampled_next = kernels.accept_sampled(probs, draft_tokens, keys, draft_probs)
 
     is_sampled = sampling.temperature > 0  # [B]
-    greedy_num = first_rejection(greedy_accepted)
+    greedy_num = first_rejection(draft_tokens == greedy[:, :k])
     num = torch.where(is_sampled, sampled_num, greedy_num)
     chosen = torch.where(is_sampled, sampled_next, greedy.gather(1, greedy_num[:, None])[:, 0])
     return _unless_faulty(num, chosen, faulty)

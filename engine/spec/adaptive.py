@@ -140,36 +140,12 @@ class AdaptiveK:
         low, high = self.cost(bucket, lo, context), self.cost(bucket, hi, context)
         return low + share * (high - low)
 
-    def choose(
-        self,
-        batch_size: int,
-        context: float = 0.0,
-        lengths: Sequence[int] | None = None,
-        *,
-        packed: bool = False,
-    ) -> int:
-        """K for a step of ``batch_size`` rows whose mean KV length is ``context``.
-
-        ``lengths``: drafts each row has to offer (suffix decoding proposes as many as its
-        match supports): a row contributes ``tau(min(K, its length))`` to a step of depth
-        K, and K goes no deeper than the longest; None: every row drafts as deep as K.
-        ``packed``: the step verifies each row's own drafts only, so K caps each row, and
-        the step costs what its tokens cost (``cost_at`` the rows' mean depth)."""
+    def choose(self, batch_size: int, context: float = 0.0) -> int:
+        """K for a step of ``batch_size`` rows whose mean KV length is ``context``."""
         bucket = self.note_context(batch_size, context)
-        deepest = self.max_k if lengths is None else min(self.max_k, max(lengths, default=0))
-        choices = [k for k in self.choices if k in self.costs[bucket] and k <= deepest]
-        if packed and lengths:
-            cost = {
-                k: self.cost_at(bucket, sum(min(k, n) for n in lengths) / len(lengths), context)
-                for k in choices
-            }
-        else:
-            cost = {k: self.cost(bucket, k, context) for k in choices}
-        if lengths is None:
-            gain = {k: self.expected_tokens(k) for k in cost}
-        else:
-            gain = {k: sum(self.expected_tokens(min(k, n)) for n in lengths) for k in cost}
-        best = max(cost, key=lambda k: gain[k] / (cost[k] + self.overhead))
+        deepest = self.max_k
+        cost = {k: self.cost(bucket, k, context) for k in self.choices if k in self.costs[bucket]}
+        best = max(cost, key=lambda k: self.expected_tokens(k) / (cost[k] + self.overhead))
         if best < deepest and deepest in cost:
             self._probe_credit += self.probe_budget * cost[best]
             extra = cost[deepest] - cost[best]

@@ -2,8 +2,8 @@
 
 How likely a suffix proposal's tokens are to be accepted depends on the row far more
 than on the position: on how long a match proposed them (bench/RESULTS.md, "acceptance by
-match length"). One cap for the whole batch (``AdaptiveK.choose``) either verifies short
-matches' weak tokens or cuts long ones short. So each proposed token gets the chance that
+match length"). One cap for the whole batch would either verify short matches' weak
+tokens or cut long ones short. So each proposed token gets the chance that
 it is emitted, the product of learned acceptance rates (``AcceptanceBins``) of itself and
 the tokens before it; taking tokens in falling chance (each row's in order), a step of B
 rows and n drafts yields B plus their chances in tokens and costs ``AdaptiveK.cost_at(B,

@@ -332,8 +332,8 @@ class UnifiedStep:
         inputs: SpecStepInputs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy acceptance from the argmax of the tokens verified, without padding their
-        logits to [B, K+1, V] (at 32 rows, the padding cost a fifth of the step: bench/
-        RESULTS.md). Padding positions hold -2, which neither a draft nor its -1 equals."""
+        logits to [B, K+1, V] (a copy of B x (K+1) x V that the step's cost model does not
+        see). Padding positions hold -2, which neither a draft nor its -1 equals."""
         b, k = inputs.draft_tokens.shape
         argmax = packed.argmax(dim=-1)  # [T]
         greedy = argmax.new_full((b, k + 1), -2)
