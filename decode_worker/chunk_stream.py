@@ -5,16 +5,10 @@ from __future__ import annotations
 
 from decode_worker.request import RequestHandle
 from engine.llm_engine import RequestOutput
-from engine.sequence import SpecCounts
-from serving.sampling import token_logprob_to_proto
+from engine.sequence import FinishReason, SpecCounts
+from serving.sampling import finish_reason_to_proto, token_logprob_to_proto
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import worker_pb2 as pb
-
-FINISH_REASONS: dict[str, gen.FinishReason.ValueType] = {
-    "stop": gen.FINISH_REASON_STOP,
-    "length": gen.FINISH_REASON_LENGTH,
-    "abort": gen.FINISH_REASON_ABORT,
-}
 
 
 class ChunkStream:
@@ -53,8 +47,7 @@ class ChunkStream:
         self.num_text_sent = len(output.text)
         self.spec_counts = output.spec_counts
         if output.finished:
-            reason = FINISH_REASONS.get(output.finish_reason or "", gen.FINISH_REASON_ABORT)
-            chunk.finish_reason = reason
+            chunk.finish_reason = finish_reason_to_proto(output.finish_reason)
             if isinstance(output.stop_reason, int):
                 chunk.stop_token_id = output.stop_reason
             elif isinstance(output.stop_reason, str):
@@ -83,7 +76,7 @@ class ChunkStream:
         return gen.GenerateChunk(
             request_id=self.req.request_id,
             index=self.num_sent,
-            finish_reason=gen.FINISH_REASON_PREEMPTED,
+            finish_reason=finish_reason_to_proto(FinishReason.PREEMPTED),
             usage=self._usage(self.num_sent),
         )
 
@@ -92,7 +85,7 @@ class ChunkStream:
         return gen.GenerateChunk(
             request_id=self.req.request_id,
             index=self.num_sent,
-            finish_reason=gen.FINISH_REASON_ABORT,
+            finish_reason=finish_reason_to_proto(FinishReason.ABORT),
             usage=self._usage(self.num_sent),
         )
 

@@ -9,7 +9,6 @@ receiver says that it stopped; only then do they go back to the allocator.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import time
@@ -17,11 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-
+from decode_worker.transitions import DecodeTransitions
 from engine.llm_engine import LLMEngine, RequestOutput
 from kv_transfer import KvLayout, KvReceiver, KvReservation
-from ledger.ledger import LedgerConflict, RequestState
 from ledger.membership import HeldRequest, Membership
 from serving.engine_loop import EngineLoop
 from serving.rpc import Overloaded, Unavailable
@@ -89,6 +86,7 @@ class Holders:
     receiver: KvReceiver  # reservations the prefill workers push KV into
     layout: KvLayout
     membership: Membership  # block claims and leases; its ledger holds the records
+    transitions: DecodeTransitions  # the records' moves
     handles: dict[str, RequestHandle] = field(default_factory=dict)  # the live requests
     # Closed requests whose blocks wait for a same-host push into them to stop.
     quarantined: dict[str, RequestHandle] = field(default_factory=dict)
@@ -181,9 +179,11 @@ class RequestHandle:
             h.quarantined[rid] = self
             stopping.add_done_callback(lambda _: self._free(reason))
         if reason is CloseReason.FINISHED:
-            self._record_finished()
+            h.transitions.finish(rid)
         elif reason is CloseReason.PREEMPTED:
-            self._record_handed_back()
+            log.info("preempted %s: handed back to %s", rid, self.router_id)
+            if self.router_id:
+                h.transitions.hand_back(rid, self.router_id, self.router_epoch)
 
     def _release_kv(self) -> asyncio.Future[None] | None:
         """Lets the receiver forget the reservation; a future (kept for ``close``) while a
@@ -204,38 +204,6 @@ class RequestHandle:
         if reason is not CloseReason.FINISHED:  # a finished request the engine freed itself
             h.engine_loop.submit(h.engine.abort_request, rid, bounded=False)
         h.membership.release(rid)
-
-    def _record_finished(self) -> None:
-        """DECODING -> FINISHED. The client gets its last chunk even when Redis cannot be
-        reached (the record, if it survives, expires)."""
-        ledger, state = self.holders.membership.ledger, RequestState.FINISHED
-        try:
-            ledger.transition(
-                self.request_id,
-                state,
-                expected=RequestState.DECODING,
-                epoch=self.holders.membership.epoch,
-            )
-        except LedgerConflict:  # cancelled meanwhile: the router decided
-            pass
-        except redis.RedisError as e:
-            log.warning("%s %s, not recorded in the ledger: redis: %s", self.request_id, state, e)
-
-    def _record_handed_back(self) -> None:
-        """DECODING -> QUEUED, owned by the router that sent it, which resumes it."""
-        log.info("preempted %s: handed back to %s", self.request_id, self.router_id)
-        if not self.router_id:
-            return
-        membership = self.holders.membership
-        with contextlib.suppress(LedgerConflict):  # cancelled meanwhile: the router decided
-            membership.ledger.transition(
-                self.request_id,
-                RequestState.QUEUED,
-                expected=RequestState.DECODING,
-                epoch=membership.epoch,
-                new_owner=self.router_id,
-                new_epoch=self.router_epoch,
-            )
 
 
 def _stream_error(reason: CloseReason, detail: str, worker_id: str) -> BaseException | None:

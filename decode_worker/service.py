@@ -29,10 +29,10 @@ from typing import Any
 
 from decode_worker.chunk_stream import ChunkStream
 from decode_worker.request import Aborted, CloseReason, Holders, OutputSlot, RequestHandle
+from decode_worker.transitions import DecodeTransitions
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.outputs import NON_FINITE_LOGITS, RequestFailed
+from engine.outputs import NON_FINITE_LOGITS, FinishReason, RequestFailed
 from kv_transfer import KvLayout, KvReceiver, TransferState, add_kv_transfer_servicer, host_id
-from ledger.ledger import LedgerConflict, RequestState
 from ledger.membership import HeldRequest, Membership
 from serving.engine_loop import BlockTableWatch, EngineLoop, TorchThread, block_tables
 from serving.engine_setup import draft_figures
@@ -45,7 +45,6 @@ from tandem.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-PREEMPTED = "preempted"  # RequestOutput.finish_reason of a request handed back (hand_back)
 EXPIRY_PERIOD_S = 0.25  # how often reservations are looked at
 FAILED_PUSH_GRACE_S = 0.5  # a reservation whose push failed: freed after this
 
@@ -101,7 +100,14 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             name="decode-engine",
             thread=torch_thread,  # the thread that built the engine
         )
-        self.holders = Holders(engine, self.engine_loop, receiver, layout, membership)
+        self.holders = Holders(
+            engine,
+            self.engine_loop,
+            receiver,
+            layout,
+            membership,
+            DecodeTransitions(membership),
+        )
         self._requests = self.holders.handles  # request id -> its handle, until closed
         self.metrics = metrics or DecodeMetrics()
         self.metrics.read_figures_from(self._figures)
@@ -194,7 +200,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             stream = ChunkStream(handle, request)
             if request.prefill_here:
                 await handle.wait_for_kv(None)  # nothing is pushed: forget the reservation
-                self._record_prefilled_here(rid)
+                self.holders.transitions.prefilled_here(rid)
                 await self.engine_loop.call(self.engine.prefill_reserved, rid)
             else:
                 first = await self._start_decoding(handle, request, context)
@@ -202,14 +208,14 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
                     stream.sent_by_router(first, request.first_text)
             while True:
                 output = await slot.next()
-                if output.finish_reason == PREEMPTED:
+                if output.finish_reason is FinishReason.PREEMPTED:
                     chunk = stream.chunk(dataclasses.replace(output, finished=False))
                     if chunk.token_ids or chunk.text:
                         yield chunk
                     handle.close(CloseReason.PREEMPTED)  # before the router re-queues it
                     yield stream.preempted()
                     return
-                if output.finish_reason == "error":
+                if output.finish_reason is FinishReason.ERROR:
                     raise RequestFailed(NON_FINITE_LOGITS)
                 chunk = stream.chunk(output)
                 if output.finished:
@@ -248,22 +254,6 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         assert handle.slot is not None
         handle.slot.update(first)
         return first
-
-    def _record_prefilled_here(self, rid: str) -> None:
-        """PREFILLING -> TRANSFERRING -> DECODING, this worker the owner throughout (the
-        router handed it to this worker as its prefill worker)."""
-        epoch = self.membership.epoch
-        ledger = self.membership.ledger
-        try:
-            ledger.transition(
-                rid, RequestState.TRANSFERRING, expected=RequestState.PREFILLING, epoch=epoch
-            )
-            ledger.transition(
-                rid, RequestState.DECODING, expected=RequestState.TRANSFERRING, epoch=epoch
-            )
-        except LedgerConflict:
-            log.info("%s: ledger refused the hand-over to decoding (cancelled meanwhile?)", rid)
-            raise
 
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortReply:
         handle = self._requests.get(request.request_id)

@@ -41,7 +41,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # draft model and how to speculate
     # When blocks run out mid-decode, the newest request is preempted: "recompute" keeps it
     # waiting here to be prefilled again; "hand_back" (decode workers) ends it with
-    # finish_reason "preempted" so that the router re-prefills it elsewhere and resumes it.
+    # FinishReason.PREEMPTED so that the router re-prefills it elsewhere and resumes it.
     preemption: str = "recompute"
     # Decode steps (and speculative verification) through torch.compile: faster at small
     # batches (bench/RESULTS.md). Compiling is paid at start-up by a short warm-up

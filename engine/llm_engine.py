@@ -20,7 +20,7 @@ from engine.outputs import PrefilledRequest, RequestOutput
 from engine.sampler import FAULT
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
 from engine.spec import overlap
 from engine.spec.overlap import AheadStep
 from engine.spec.spec_runner import DecodeResult
@@ -34,6 +34,14 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
+    """One model on one device, serving many requests: ``add_request`` queues one,
+    ``step`` runs one scheduled batch (prefill chunks and decode rows together, through
+    the ``ModelRunner``, or the ``SpecRunner`` with a draft) and returns the outputs of
+    the requests that produced tokens. Disaggregated, a prefill worker adds requests
+    prefill-only and hands their blocks on (``take_prefilled``); a decode worker
+    ``reserve``s blocks for a pushed KV, and ``start_decoding`` joins the request to the
+    batch. Not thread-safe: one thread (a service's engine thread) calls everything."""
+
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -248,7 +256,7 @@ class LLMEngine:
             raise RequestError(f"first_token: {first_token} is outside the vocabulary")
         seq.num_computed_tokens = seq.num_tokens  # the prompt (and resumed output) arrived
         if seq.params.max_tokens == 0:  # the prefill worker only scored the prompt
-            seq.finish_reason = "length"
+            seq.finish_reason = FinishReason.LENGTH
         else:
             seq.token_ids.append(first_token)
             seq.grammar and seq.grammar.commit([first_token])  # rebuilt from the tokens
@@ -430,11 +438,11 @@ class LLMEngine:
 
     def _hand_back(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Ends the requests this step preempted (their blocks are already free) with
-        finish_reason "preempted": whoever sent them resumes them elsewhere."""
+        FinishReason.PREEMPTED: whoever sent them resumes them elsewhere."""
         outputs = []
         for seq in batch.preempted:
             self.scheduler.finish(seq)  # out of the waiting queue
-            seq.finish_reason = "preempted"
+            seq.finish_reason = FinishReason.PREEMPTED
             outputs.append(self._output(seq))
             self._seqs.pop(seq.request_id, None)
             self._detok.pop(seq.request_id, None)
@@ -459,7 +467,7 @@ class LLMEngine:
             seq.num_computed_tokens += len(result.tokens)
             for i, token in enumerate(result.tokens):
                 if token == FAULT:  # this row's logits were not finite: it alone fails
-                    seq.finish_reason = "error"
+                    seq.finish_reason = FinishReason.ERROR
                     break
                 seq.token_ids.append(token)
                 if result.logprobs is not None and seq.params.logprobs is not None:
@@ -509,9 +517,9 @@ class LLMEngine:
         for i, (row, token) in enumerate(zip(result.rows, result.tokens, strict=True)):
             seq = batch.seqs[row]
             if seq.params.max_tokens == 0:  # prompt logprobs only: the token is dropped
-                seq.finish_reason = "length"
+                seq.finish_reason = FinishReason.LENGTH
             elif token == FAULT:  # this row's logits were not finite: it alone fails
-                seq.finish_reason = "error"
+                seq.finish_reason = FinishReason.ERROR
             else:
                 seq.token_ids.append(token)
                 if result.logprobs is not None and seq.params.logprobs is not None:
@@ -534,14 +542,14 @@ class LLMEngine:
         is_grammar_end = seq.grammar is not None and not seq.grammar.is_thinking
         is_eos = (not params.ignore_eos or is_grammar_end) and token in self.eos_token_ids
         if token in params.stop_token_ids or is_eos:
-            seq.finish_reason, seq.stop_reason = "stop", token
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
         elif seq.num_output_tokens >= params.max_tokens:
-            seq.finish_reason = "length"
+            seq.finish_reason = FinishReason.LENGTH
         detok = self._detok.get(seq.request_id)
         if detok is not None:
             detok.add([token], final=seq.finish_reason is not None)
             if detok.stopped_on is not None and seq.finish_reason is None:
-                seq.finish_reason, seq.stop_reason = "stop", detok.stopped_on
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, detok.stopped_on
 
     def _output(self, seq: Sequence) -> RequestOutput:
         detok = self._detok.get(seq.request_id)

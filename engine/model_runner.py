@@ -98,6 +98,13 @@ class StepOutput:
 
 
 class ModelRunner:
+    """The target model's forward over a scheduled batch: ``prepare`` lays the batch out
+    as ``ModelInputs`` (packed rows, ``input_row_offsets``, block tables), ``forward``
+    runs it against the paged KV cache through an attention backend, and ``execute``
+    samples each row's next token (with logprobs, penalties and grammar masks where its
+    request asks). It knows nothing of requests' lifetimes: the engine's scheduler and
+    block manager decide what runs."""
+
     def __init__(
         self,
         model: nn.Module,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sequence import SpecCounts, TokenLogprobs
+from engine.sequence import FinishReason, SpecCounts, TokenLogprobs
 
-# finish_reason "error": why the engine ended a request alone (the rest of its batch went on)
+# FinishReason.ERROR: why the engine ended a request alone (the rest of its batch went on)
 NON_FINITE_LOGITS = (
     "engine: the model's logits for this request were not finite (NaN or inf), so no token "
     "could be sampled; the request was ended (the other requests in its batch went on)"
@@ -14,7 +14,7 @@ NON_FINITE_LOGITS = (
 
 
 class RequestFailed(Exception):
-    """The engine ended this one request with finish_reason "error" (INTERNAL, with this
+    """The engine ended this one request with FinishReason.ERROR (INTERNAL, with this
     message: it says what failed, and holds nothing of another request)."""
 
 
@@ -37,8 +37,7 @@ class RequestOutput:
     token_ids: list[int]  # all output tokens so far
     text: str  # all output text so far (stop string and partial characters held back)
     finished: bool
-    # "stop" | "length" | "abort" | "preempted" (hand_back) | "error" (NON_FINITE_LOGITS)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)

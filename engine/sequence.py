@@ -9,6 +9,17 @@ from typing import Any
 from engine.sampling_params import SamplingParams
 
 
+class FinishReason(enum.StrEnum):
+    """Why a request's output ended: the engine's one vocabulary for it
+    (``serving.sampling.finish_reason_to_proto`` maps it to the wire)."""
+
+    STOP = "stop"  # an EOS or stop token id, or a stop string (``stop_reason`` says which)
+    LENGTH = "length"  # max_tokens, or the model's length
+    ABORT = "abort"  # its caller aborted it
+    PREEMPTED = "preempted"  # handed back for lack of KV blocks (``hand_back``): resumed elsewhere
+    ERROR = "error"  # ended alone, its batch going on (``outputs.NON_FINITE_LOGITS``)
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RESERVED = "reserved"  # decode side of disaggregation: blocks held, KV on its way
@@ -56,7 +67,7 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "error" (RequestOutput's)
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # params.prompt_logprobs: entry i scores prompt token i + 1, filled chunk by chunk.

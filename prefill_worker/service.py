@@ -22,12 +22,13 @@ from typing import Any, TypeVar
 import redis
 
 from engine.llm_engine import LLMEngine, PrefilledRequest, RequestOutput
-from engine.outputs import NON_FINITE_LOGITS, RequestFailed
+from engine.outputs import NON_FINITE_LOGITS, FinishReason, RequestFailed
 from engine.sampling_params import SamplingParams
 from kv_transfer import Handshake, KvLayout, ShmRingPool, TransferOptions, make_sender
-from ledger.ledger import LedgerConflict, RequestState, WorkerRole
+from ledger.ledger import WorkerRole
 from ledger.membership import HeldRequest, Membership
 from prefill_worker.kv_push import LayerPush, LayerRelay
+from prefill_worker.transitions import PrefillTransitions
 from serving.engine_loop import EngineLoop, TorchThread
 from serving.engine_setup import draft_figures
 from serving.metrics import PrefillMetrics
@@ -93,6 +94,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         self.layout = layout
         self.draft = draft
         self.membership = membership
+        self.transitions = PrefillTransitions(membership)
         self.max_queued = max_queued
         self.metrics = metrics or PrefillMetrics()
         self.transfer_options = transfer_options or TransferOptions()
@@ -151,12 +153,12 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             await _unless_push_failed(self.engine_loop.submit(add, rid, prompt, params), push)
             queued = time.monotonic()
             result = await _unless_push_failed(future, push)
-            if result.output.finish_reason == "error":
+            if result.output.finish_reason is FinishReason.ERROR:
                 raise RequestFailed(NON_FINITE_LOGITS)
             computed = time.monotonic()
             role = self.metrics.role
             self.metrics.prefill_seconds.labels(role).observe(computed - queued)
-            self._transition(rid, RequestState.PREFILLING, RequestState.TRANSFERRING)
+            self.transitions.start_transfer(rid)
             num_bytes = 0
             if result.prefilled is not None:
                 self.membership.claim(
@@ -167,13 +169,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
                 self.metrics.kv_transfer_bytes.labels(role).inc(num_bytes)
             else:
                 await push.stop("the first token ended the request: no KV to hand on")
-            self._transition(
-                rid,
-                RequestState.TRANSFERRING,
-                RequestState.DECODING,
-                new_owner=request.decode_worker_id,
-                new_epoch=request.decode_epoch,
-            )
+            self.transitions.hand_to_decode(rid, request.decode_worker_id, request.decode_epoch)
             return self._reply(result, params.logprobs, num_bytes, start, queued, computed)
         finally:
             self._waiting.pop(rid, None)
@@ -327,28 +323,6 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
     def _unrelay(self, rid: str, push: LayerPush) -> None:
         if self._relay.pushes.get(rid) is push:  # never a later attempt's push
             self._relay.pushes.pop(rid, None)
-
-    def _transition(
-        self,
-        rid: str,
-        expected: RequestState,
-        to: RequestState,
-        *,
-        new_owner: str | None = None,
-        new_epoch: int | None = None,
-    ) -> None:
-        try:
-            self.membership.ledger.transition(
-                rid,
-                to,
-                expected=expected,
-                epoch=self.membership.epoch,
-                new_owner=new_owner,
-                new_epoch=new_epoch,
-            )
-        except LedgerConflict:
-            log.info("%s: ledger refused %s -> %s (cancelled meanwhile?)", rid, expected, to)
-            raise
 
     def _reply(
         self,

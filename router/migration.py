@@ -3,21 +3,22 @@ the ledger has it QUEUED and this router's again, for the service's attempt loop
 it on a new P and D (prompt + tokens already sent, as after a preemption).
 
 One vocabulary for how a request leaves a component: on a decode worker its handle is
-closed (``RequestHandle.close(CloseReason)``); on the router it is requeued (here, for
-another attempt) or ended (``GenerationService._end``, in the ledger)."""
+closed (``RequestHandle.close(CloseReason)``); on the router it is taken back (here, for
+another attempt: ``RouterTransitions.take_back``) or ended (``GenerationService._end``).
+Either way its workers are told to drop it (``abort_on``)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+from collections.abc import Iterable
 
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 
-from ledger.ledger import LedgerConflict, RequestState, WorkerInfo, WorkerRole
-from ledger.membership import Membership
-from router.route import Route, count_in_flight, record_in_ledger
+from ledger.ledger import WorkerInfo, WorkerRole
+from router.route import Route
 from router.routing import WorkerPicker, prefix_hashes
+from router.transitions import RouterTransitions
 from serving.metrics import RouterMetrics
 from serving.rpc import ChannelPool, Unavailable, kv_push_status
 from tandem.v1 import kv_transfer_pb2 as kv_pb
@@ -54,29 +55,26 @@ class Migration:
     def __init__(
         self,
         *,
-        membership: Membership,
+        transitions: RouterTransitions,
         picker: WorkerPicker,
         channels: ChannelPool,
         metrics: RouterMetrics,
-        model_name: str,
     ) -> None:
-        self.membership = membership
-        self.ledger = membership.ledger
+        self.transitions = transitions
         self.picker = picker
         self.channels = channels
         self.metrics = metrics
-        self.model_name = model_name
 
     async def repick(self, route: Route) -> None:
         """New P and D for a request its decode worker handed back (the ledger has it
         QUEUED and owned by this router again); waits up to RESUME_WAIT_S for them."""
-        count_in_flight(self.picker, route, -1)
+        self.picker.count_in_flight(route.workers, -1)
         self.picker.forget_stale()
         hashes = prefix_hashes(route.token_ids)
         route.prefill, route.decode = await self.picker.pick_waiting(
             route.deadline, hashes, wait_s=RESUME_WAIT_S, avoid=route.avoid
         )
-        count_in_flight(self.picker, route, +1)
+        self.picker.count_in_flight(route.workers, +1)
 
     async def requeue_after_lost_decode(self, route: Route, error: grpc.aio.AioRpcError) -> None:
         """The decode stream broke (D died or is unreachable): D is passed over from now
@@ -98,8 +96,8 @@ class Migration:
             error.details(),
         )
         self.picker.mark_unreachable(lost)
-        abort = pb.AbortRequest(request_id=rid, reason="migrated: the router lost its stream")
-        await self.abort_quietly(lost, abort)  # a dead process refuses it at once
+        # A dead process refuses it at once.
+        await abort_on(self.channels, [lost], rid, "migrated: the router lost its stream")
         self._requeue(route, error)
 
     async def requeue_after_lost_reservation(
@@ -120,8 +118,8 @@ class Migration:
         )
         self.picker.forget_stale()  # D may be known under an epoch it has left
         route.avoid.add(route.decode.worker_id)
-        abort = pb.AbortRequest(request_id=rid, reason="reservation lost: prefilling it again")
-        await self.abort_quietly(route.decode, abort)  # whatever D still has of it
+        reason = "reservation lost: prefilling it again"
+        await abort_on(self.channels, [route.decode], rid, reason)  # what D still has of it
         self._requeue(route, error)
 
     async def requeue_after_failed_prefill(
@@ -155,68 +153,35 @@ class Migration:
         if push_status is None:  # P itself failed, not P's push into D
             self.picker.mark_unreachable(route.prefill)
         route.avoid.update(w.worker_id for w in avoided)
-        abort = pb.AbortRequest(request_id=rid, reason="prefill failed: prefilling it again")
-        await asyncio.gather(
-            self.abort_quietly(route.prefill, abort), self.abort_quietly(route.decode, abort)
-        )
+        reason = "prefill failed: prefilling it again"
+        await abort_on(self.channels, route.workers, rid, reason)
         self._requeue(route, error)
 
     def _requeue(self, route: Route, error: grpc.aio.AioRpcError | Unavailable) -> None:
-        """The request, wherever P or D left it, becomes QUEUED and this router's again,
-        for the attempt loop to prefill it anew (prompt + tokens sent). A request the
-        ledger forgot (its Redis restarted empty, and D did not record it again) is
-        recorded anew; one that ended meanwhile is not resumed (``error`` is raised)."""
-        rid = route.request.request_id
-        record = self.ledger.get_request(rid)
-        if record is None:
-            log.warning("%s: not in the ledger any more (Redis restarted?); recorded again", rid)
-            record_in_ledger(self.membership, route, self.model_name)
-        elif record.state is RequestState.QUEUED and record.owner == self.membership.worker_id:
-            route.owner_epoch = record.epoch  # handed back to this router already
-        elif record.state in (
-            RequestState.PREFILLING,
-            RequestState.TRANSFERRING,
-            RequestState.DECODING,
-        ):
-            self._requeue_from(route, record.state, record.epoch, error)
-        else:
-            raise error  # ended, or not P's or D's: nothing to resume
+        """QUEUED and this router's again, for the next attempt; ``error`` is raised if it
+        ended meanwhile."""
+        self.transitions.take_back(route, error)
         self.metrics.migrations.labels(self.metrics.role).inc()
 
-    def _requeue_from(
-        self,
-        route: Route,
-        state: RequestState,
-        epoch: int,
-        error: grpc.aio.AioRpcError | Unavailable,
-    ) -> None:
-        """``state`` (its holder's, P or D, at ``epoch``) -> QUEUED, owned by this router again."""
-        rid = route.request.request_id
-        try:
-            self.ledger.transition(
-                rid,
-                RequestState.QUEUED,
-                expected=state,
-                epoch=epoch,
-                new_owner=self.membership.worker_id,
-                new_epoch=self.membership.epoch,
-            )
-            route.owner_epoch = self.membership.epoch
-        except LedgerConflict:  # D moved it meanwhile: fine if it handed it back to us
-            record = self.ledger.get_request(rid)
-            if record is None or record.owner != self.membership.worker_id:
-                raise error from None
-            if record.state is not RequestState.QUEUED:
-                raise error from None
-            route.owner_epoch = record.epoch
 
-    async def abort_quietly(self, worker: WorkerInfo, abort: pb.AbortRequest) -> None:
-        """Aborts on a prefill or decode worker that may well be dead."""
-        channel = self.channels.get(worker.address)
+async def abort_on(
+    channels: ChannelPool, workers: Iterable[WorkerInfo], rid: str, reason: str
+) -> None:
+    """Tells each of ``workers`` (prefill or decode; a co-located one once) to drop the
+    request, all at once. Aborts are idempotent there; a worker that does not answer
+    (dead, as may be expected) is logged, not raised."""
+    abort = pb.AbortRequest(request_id=rid, reason=reason[:200])
+    unique = list({w.worker_id: w for w in workers}.values())
+    calls = []
+    for worker in unique:
+        channel = channels.get(worker.address)
         stub = (
             pb_grpc.PrefillWorkerStub(channel)
             if worker.role is WorkerRole.PREFILL
             else pb_grpc.DecodeWorkerStub(channel)
         )
-        with contextlib.suppress(grpc.aio.AioRpcError):  # dead, as expected
-            await stub.Abort(abort, timeout=ABORT_TIMEOUT_S)
+        calls.append(stub.Abort(abort, timeout=ABORT_TIMEOUT_S))
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for worker, result in zip(unique, results, strict=True):
+        if isinstance(result, BaseException):
+            log.info("%s: abort on %s failed: %s", rid, worker.worker_id, result)

@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 
 from ledger.ledger import RequestState, WorkerInfo
-from ledger.membership import Membership
-from router.routing import WorkerPicker
 from router.validation import ValidRequest
 from serving.metrics import RouterMetrics
 from tandem.v1 import generation_pb2 as gen
@@ -77,6 +75,11 @@ class Route:
         return chunk
 
     @property
+    def workers(self) -> tuple[WorkerInfo, ...]:
+        """Its P and D; a co-located worker once."""
+        return (self.decode,) if self.is_colocated else (self.prefill, self.decode)
+
+    @property
     def is_colocated(self) -> bool:
         """Served whole by one co-located worker: no prefill worker, no KV transfer."""
         return self.prefill.worker_id == self.decode.worker_id
@@ -103,12 +106,6 @@ def how_it_ended(error: BaseException, route: Route) -> tuple[RequestState, str]
     if isinstance(error, grpc.aio.AioRpcError):
         return RequestState.FAILED, f"{error.code().name}: {error.details()}"
     return RequestState.FAILED, f"{type(error).__name__}: {error}"
-
-
-def count_in_flight(picker: WorkerPicker, route: Route, delta: int) -> None:
-    """The picker's count of requests on the route's P and D (it prefers idle workers)."""
-    for worker in (route.decode,) if route.is_colocated else (route.prefill, route.decode):
-        picker.in_flight[worker.worker_id] += delta
 
 
 class StreamTiming:
@@ -138,23 +135,6 @@ class StreamTiming:
         role = self.metrics.role
         self.metrics.e2e_seconds.labels(role).observe(time.monotonic() - self.arrived)
         self.metrics.requests.labels(role, status).inc()
-
-
-def record_in_ledger(membership: Membership, route: Route, model_name: str) -> None:
-    """Records the request, QUEUED and owned by this router (at its current epoch)."""
-    valid = route.request
-    route.owner_epoch = membership.epoch
-    membership.ledger.create_request(
-        valid.request_id,
-        owner=membership.worker_id,
-        epoch=route.owner_epoch,
-        fields={
-            "model": model_name,
-            "num_prompt_tokens": len(valid.prompt_token_ids),
-            "prefill_worker": route.prefill.worker_id,
-            "decode_worker": route.decode.worker_id,
-        },
-    )
 
 
 def _add(total: gen.SpeculativeUsage, more: gen.SpeculativeUsage) -> None:

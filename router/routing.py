@@ -24,9 +24,10 @@ import itertools
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
+import redis
 import xxhash
 
 from ledger.ledger import Ledger, WorkerInfo, WorkerRole
@@ -67,6 +68,11 @@ def prefix_hashes(token_ids: Sequence[int], block_tokens: int = PREFIX_BLOCK_TOK
 
 
 class WorkerPicker:
+    """Picks a request's prefill and decode worker (see the module's docstring) from the
+    ledger's worker registry, which it reads at most every ``refresh_s``; passes over
+    workers marked unreachable, waits for a live pair (``pick_waiting``), and counts the
+    requests this router has in flight on each (``count_in_flight``)."""
+
     def __init__(
         self,
         ledger: Ledger,
@@ -84,7 +90,7 @@ class WorkerPicker:
         self.wait_s = wait_s
         self.has_been_ready = False  # a live pair was seen: the cluster has warmed up
         self.is_closed = False  # draining: no request waits for workers any more
-        self.in_flight: Counter[str] = Counter()
+        self._in_flight: Counter[str] = Counter()  # worker id -> requests sent to it
         self._turn = itertools.count()
         self._workers: list[WorkerInfo] = []
         self._fetched_at = -1e9
@@ -92,6 +98,12 @@ class WorkerPicker:
         # stream broke is gone, or soon will be from the registry; a restarted one has a new
         # epoch and is picked again at once.
         self._unreachable: dict[tuple[str, int], float] = {}
+
+    def count_in_flight(self, workers: Iterable[WorkerInfo], delta: int) -> None:
+        """A request was sent to ``workers`` (its P and D; ``delta`` +1) or left them (-1):
+        picks prefer the workers with the fewest of this router's requests."""
+        for worker in workers:
+            self._in_flight[worker.worker_id] += delta
 
     def mark_unreachable(self, worker: WorkerInfo, for_s: float = UNREACHABLE_S) -> None:
         """Passes ``worker`` over for ``for_s`` (its connection broke)."""
@@ -112,6 +124,20 @@ class WorkerPicker:
 
     def workers(self, role: WorkerRole) -> list[WorkerInfo]:
         """Live workers of ``role`` serving this model, not draining (cached briefly)."""
+        return [w for w in self._serving(role) if self._is_reachable(w)]
+
+    def num_workers(self, role: WorkerRole) -> int:
+        """How many ``workers(role)`` there are; safe from another thread (a metrics
+        scrape): it changes nothing but the cache."""
+        now = time.monotonic()
+        try:
+            serving = self._serving(role)
+        except redis.RedisError:  # the count as last fetched
+            self._fetched_at = now
+            serving = self._serving(role)
+        return sum(now >= self._unreachable.get((w.worker_id, w.epoch), now) for w in serving)
+
+    def _serving(self, role: WorkerRole) -> list[WorkerInfo]:
         if time.monotonic() - self._fetched_at > self.refresh_s:
             self._workers = self.ledger.list_workers()
             self._fetched_at = time.monotonic()
@@ -121,7 +147,6 @@ class WorkerPicker:
             if w.role is role
             and w.stats.get("model") == self.model
             and w.stats.get("draining", "0") == "0"
-            and self._is_reachable(w)
         ]
 
     def is_ready(self) -> bool:
@@ -175,13 +200,13 @@ class WorkerPicker:
     ) -> WorkerInfo:
         if not workers or not matched:
             return self._least_loaded(workers, role)
-        least_busy = min(self.in_flight[w.worker_id] for w in workers)
+        least_busy = min(self._in_flight[w.worker_id] for w in workers)
         warm = [
             w
             for w in workers
             if matched.get(w.worker_id, 0)
             and w.load < MAX_LOAD_FOR_AFFINITY
-            and self.in_flight[w.worker_id] - least_busy <= MAX_AFFINITY_IMBALANCE
+            and self._in_flight[w.worker_id] - least_busy <= MAX_AFFINITY_IMBALANCE
         ]
         if warm:
             longest = max(matched[w.worker_id] for w in warm)
@@ -244,7 +269,7 @@ class WorkerPicker:
         turn = next(self._turn)
         n = len(workers)
         scored = [
-            (w.load + IN_FLIGHT_WEIGHT * self.in_flight[w.worker_id], (i - turn) % n, w)
+            (w.load + IN_FLIGHT_WEIGHT * self._in_flight[w.worker_id], (i - turn) % n, w)
             for i, w in enumerate(workers)
         ]
         return min(scored, key=lambda s: (s[0], s[1]))[2]

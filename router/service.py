@@ -7,6 +7,7 @@ deadlines abort it on P and D; however it ends, it is terminal in the ledger, bl
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
@@ -15,11 +16,12 @@ from typing import Any
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 import redis
 
-from ledger.ledger import Ledger, LedgerConflict, RequestState, WorkerRole
+from ledger.ledger import Ledger, RequestState, WorkerRole
 from ledger.membership import Membership
-from router.migration import ABORT_TIMEOUT_S, Migration
-from router.route import Route, StreamTiming, count_in_flight, how_it_ended, record_in_ledger
+from router.migration import Migration, abort_on
+from router.route import Route, StreamTiming, how_it_ended
 from router.routing import WorkerPicker, prefix_hashes
+from router.transitions import RouterTransitions
 from router.validation import RequestValidator
 from serving.metrics import RouterMetrics
 from serving.rpc import ChannelPool, Overloaded, Unavailable, status_of
@@ -46,6 +48,12 @@ RETRIED_BY_CLIENTS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHA
 
 
 class GenerationService(gen_grpc.GenerationServicer):
+    """The router's ``tandem.v1.Generation``: admits a request (or refuses it: draining,
+    overloaded, invalid), picks its P and D (``WorkerPicker``), then runs the three hops
+    (see the module's docstring) as attempts: a request preempted on D, or whose P or D
+    fails, is taken back and resumed on new ones (``Migration``), up to MAX_ATTEMPTS.
+    Its ledger transitions go through ``RouterTransitions``."""
+
     def __init__(
         self,
         *,
@@ -72,14 +80,22 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.metrics = metrics or RouterMetrics()
         self.is_draining = False
         self.num_in_flight = 0
+        role = self.metrics.role  # both counts read when scraped
+        self.metrics.in_flight.labels(role).set_function(lambda: self.num_in_flight)
+        self.metrics.waiting.labels(role).set_function(lambda: self.num_waiting)
+        for gauge, worker_role in (
+            (self.metrics.prefill_workers, WorkerRole.PREFILL),
+            (self.metrics.decode_workers, WorkerRole.DECODE),
+        ):
+            gauge.labels(role).set_function(functools.partial(picker.num_workers, worker_role))
         self._channels = channels or ChannelPool()  # to workers (with the cluster secret)
         self._cleanups: set[asyncio.Task[None]] = set()
+        self.transitions = RouterTransitions(membership, validator.model.name)
         self.migration = Migration(
-            membership=membership,
+            transitions=self.transitions,
             picker=picker,
             channels=self._channels,
             metrics=self.metrics,
-            model_name=validator.model.name,
         )
 
     # ---- RPCs
@@ -106,12 +122,12 @@ class GenerationService(gen_grpc.GenerationServicer):
             prefill, decode = await self.picker.pick_waiting(arrived + timeout, hashes)
             route = Route(valid, prefill, decode, arrived + timeout)
             rid = valid.request_id
-            record_in_ledger(self.membership, route, self.validator.model.name)
+            self.transitions.record(route)
         except BaseException:
             self.num_in_flight -= admitted
             self.metrics.requests.labels(self.metrics.role, "rejected").inc()
             raise
-        count_in_flight(self.picker, route, +1)
+        self.picker.count_in_flight(route.workers, +1)
         is_finished = is_ended = False
         end_state, reason = RequestState.FAILED, ""
         timing = StreamTiming(self.metrics, arrived)
@@ -186,7 +202,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         except BaseException as e:
             end_state, reason = how_it_ended(e, route)
             error: BaseException = e
-            if end_state is RequestState.FAILED and self._is_forgotten(rid):
+            if end_state is RequestState.FAILED and self.transitions.is_forgotten(rid):
                 error = Unavailable(
                     f"request {rid}: the ledger lost its record while it ran (its Redis "
                     f"restarted?); retry. ({reason})"
@@ -205,7 +221,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             raise error from e
         finally:
             self.num_in_flight -= 1
-            count_in_flight(self.picker, route, -1)
+            self.picker.count_in_flight(route.workers, -1)
             if not is_finished and not is_ended:
                 # A task of its own: this one may be cancelled again while it cleans up.
                 self._spawn(self._end(route, end_state, reason))
@@ -273,22 +289,15 @@ class GenerationService(gen_grpc.GenerationServicer):
                     self.picker.forget_stale()
                     others = self.picker.decoders_for(route.prefill)
                 if others:
-                    count_in_flight(self.picker, route, -1)
+                    self.picker.count_in_flight(route.workers, -1)
                     is_colocated = route.is_colocated
                     route.decode = self.picker.least_loaded(others, route.avoid)
                     if is_colocated:  # another co-located worker serves it whole
                         route.prefill = route.decode
-                    count_in_flight(self.picker, route, +1)
+                    self.picker.count_in_flight(route.workers, +1)
         finally:
             self.num_waiting -= is_waiting
-        self.ledger.transition(
-            valid.request_id,
-            RequestState.PREFILLING,
-            expected=RequestState.QUEUED,
-            epoch=route.owner_epoch,
-            new_owner=route.prefill.worker_id,
-            new_epoch=route.prefill.epoch,
-        )
+        self.transitions.hand_to_prefill(route)
         return reply
 
     def _start_waiting(self) -> None:
@@ -421,7 +430,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                 log.warning("listing workers: redis: %s", e)
             await asyncio.sleep(period_s)
             try:
-                for reclaimed in self.ledger.reap_expired():
+                for reclaimed in self.transitions.reclaim_expired():
                     log.warning(
                         "lease of %s on %s expired: its blocks were reclaimed",
                         reclaimed.worker_id,
@@ -445,9 +454,6 @@ class GenerationService(gen_grpc.GenerationServicer):
     def _decoder(self, route: Route) -> pb_grpc.DecodeWorkerStub:
         return pb_grpc.DecodeWorkerStub(self._channels.get(route.decode.address))
 
-    def _prefiller(self, route: Route) -> pb_grpc.PrefillWorkerStub:
-        return pb_grpc.PrefillWorkerStub(self._channels.get(route.prefill.address))
-
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._cleanups.add(task)
@@ -460,40 +466,5 @@ class GenerationService(gen_grpc.GenerationServicer):
         ``retryable``: its client was told to retry, so the id may be used again."""
         rid = route.request.request_id
         log.info("%s %s: %s", rid, state.value.lower(), reason)
-        abort = pb.AbortRequest(request_id=rid, reason=reason[:200])
-        aborts = [self._decoder(route).Abort(abort, timeout=ABORT_TIMEOUT_S)]
-        if not route.is_colocated:
-            aborts.append(self._prefiller(route).Abort(abort, timeout=ABORT_TIMEOUT_S))
-        results = await asyncio.gather(*aborts, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                log.warning("%s: abort failed: %s", rid, result)
-        self._end_in_ledger(rid, state, reason, retryable)
-
-    def _is_forgotten(self, rid: str) -> bool:
-        """Whether the ledger has no record of this (recorded) request: its Redis restarted
-        empty. False when Redis cannot be asked (that error speaks for itself)."""
-        try:
-            return self.ledger.get_request(rid) is None
-        except redis.RedisError:
-            return False
-
-    def _end_in_ledger(self, rid: str, state: RequestState, error: str, retryable: bool) -> None:
-        """Moves the request to ``state`` from wherever it is (its owner may be moving it)."""
-        for _ in range(5):
-            record = self.ledger.get_request(rid)
-            if record is None or record.state.is_terminal:
-                return
-            try:
-                self.ledger.transition(
-                    rid,
-                    state,
-                    expected=record.state,
-                    epoch=record.epoch,
-                    error=error[:500],
-                    retryable=retryable,
-                )
-                return
-            except LedgerConflict:
-                continue
-        log.warning("%s: could not record %s in the ledger", rid, state)
+        await abort_on(self._channels, route.workers, rid, reason)
+        self.transitions.end(rid, state, reason, retryable=retryable)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -78,6 +78,9 @@ class Metrics:
     def _counter(self, name: str, documentation: str, labels: list[str] | None = None) -> Counter:
         return Counter(name, documentation, ["role", *(labels or [])], registry=self.registry)
 
+    def _gauge(self, name: str, documentation: str) -> Gauge:
+        return Gauge(name, documentation, ["role"], registry=self.registry)
+
     def instrument_redis(self, client: Any) -> Any:
         """Times every command ``client`` (a redis-py client) sends; returns the client."""
         execute = client.execute_command
@@ -138,6 +141,20 @@ class RouterMetrics(Metrics):
         self.migrations = self._counter(
             "tandem_migrations",
             "Requests resumed on another decode worker after losing the stream of theirs",
+        )
+        self.in_flight = self._gauge(
+            "tandem_requests_in_flight", "Requests admitted and not ended (--max-in-flight)"
+        )
+        self.waiting = self._gauge(
+            "tandem_requests_waiting",
+            "Of those, requests waiting for KV room on a decode worker (--max-waiting)",
+        )
+        self.prefill_workers = self._gauge(
+            "tandem_prefill_workers", "Live prefill workers of the model this router picks from"
+        )
+        self.decode_workers = self._gauge(
+            "tandem_decode_workers",
+            "Live decode workers (co-located ones too) of the model this router picks from",
         )
 
 

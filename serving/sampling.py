@@ -9,7 +9,7 @@ checks the same limits without the engine (router/validation.py, tandem_client.w
 from __future__ import annotations
 
 from engine.sampling_params import GrammarError, SamplingParams, StructuredOutput
-from engine.sequence import TokenLogprobs
+from engine.sequence import FinishReason, TokenLogprobs
 from tandem.v1 import generation_pb2 as gen
 
 
@@ -63,3 +63,20 @@ def token_logprob_to_proto(lp: TokenLogprobs) -> gen.TokenLogprob:
         logprob=lp.logprob,
         top=[gen.TopLogprob(token_id=t, logprob=v) for t, v in top],
     )
+
+
+# FinishReason.ERROR has no wire name: the request fails with INTERNAL (RequestFailed).
+FINISH_REASONS: dict[FinishReason, gen.FinishReason.ValueType] = {
+    FinishReason.STOP: gen.FINISH_REASON_STOP,
+    FinishReason.LENGTH: gen.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: gen.FINISH_REASON_ABORT,
+    FinishReason.PREEMPTED: gen.FINISH_REASON_PREEMPTED,
+}
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> gen.FinishReason.ValueType:
+    """The wire's name of why an output ended: the one place the engine's FinishReason is
+    mapped. A finished output without a reason, or with ERROR, is a bug here."""
+    if reason is None or reason not in FINISH_REASONS:
+        raise ValueError(f"finish_reason: {reason!r} is not sent as a chunk's reason")
+    return FINISH_REASONS[reason]

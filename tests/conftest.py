@@ -22,6 +22,19 @@ if TYPE_CHECKING:
     from ledger.redis_server import RedisServer
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``last`` run after the other tests of their module, in file order: they
+    check what all the others left, or change the module's cluster for good."""
+    modules: dict[str, int] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], len(modules))
+
+    def place(item: pytest.Item) -> tuple[int, bool]:
+        return modules[item.nodeid.split("::", 1)[0]], item.get_closest_marker("last") is not None
+
+    items.sort(key=place)  # stable: file order otherwise
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The prepared SmolLM2-135M-Instruct directory (converted on first use, then cached)."""

@@ -119,6 +119,7 @@ def self_instruct_prompts(
         if json.loads(header) == {"recipe": _as_json(recipe)}:
             log(f"self-instruct: reusing {len(rows)} messages from {cache}")
             return [Prompt(SOURCE, json.loads(row)["prompt"]) for row in rows]
+    from engine.outputs import FinishReason
     from engine.sampling_params import SamplingParams
 
     prefix = user_turn_prefix(tokenizer)
@@ -154,7 +155,7 @@ def self_instruct_prompts(
         )
         attempts += batch
         for start, out in zip(starts, outputs, strict=True):
-            if out.finish_reason != "stop" or out.token_ids[-1:] != [eos]:
+            if out.finish_reason != FinishReason.STOP or out.token_ids[-1:] != [eos]:
                 continue
             ids = start + list(out.token_ids[:-1])
             text = tokenizer.decode(ids, skip_special_tokens=True).strip()

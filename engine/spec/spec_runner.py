@@ -63,6 +63,12 @@ def num_lookahead_slots(k: int, drafter: Drafter | None) -> int:
 
 
 class SpecRunner:
+    """Speculative decoding for the engine, over its ``ModelRunner``: after a prompt's
+    target prefill, the drafter's (``prefill``); then for decode rows one unified step
+    each (``decode``: verify the drafts, accept, propose the next), with K chosen per step
+    when adaptive (``AdaptiveK``, from costs measured at start-up). Subclassed by
+    ``SuffixSpecRunner``, whose drafts come from no model."""
+
     def __init__(
         self,
         config: SpeculativeConfig,

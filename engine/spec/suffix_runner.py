@@ -23,7 +23,7 @@ import torch
 from engine.model_runner import ModelRunner, StepOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from engine.sequence import FinishReason, Sequence
 from engine.spec.config import SpeculativeConfig
 from engine.spec.draft_select import DraftSelector
 from engine.spec.spec_runner import DecodeResult, SpecRunner
@@ -76,7 +76,7 @@ class SuffixSpecRunner(SpecRunner):
 
     def finished(self, seq: Sequence) -> None:
         """A request's output, for the shared index: what later requests may repeat."""
-        if seq.finish_reason in ("stop", "length"):
+        if seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.proposer.finished(seq.output_token_ids)
 
     def propose(self, seq: Sequence) -> Proposal:

@@ -28,10 +28,12 @@ from tests.services.cluster_helpers import (
     build_tiny_target,
     check_stream,
     engine_greedy,
+    non_final_requests,
     router_counter,
     run,
     start_streams,
     tiny_cluster_spec,
+    until,
     wait_audit_clean,
     worker_stats,
 )
@@ -148,7 +150,10 @@ async def test_request_whose_prefill_worker_dies_mid_prefill_is_prefilled_again(
                     ignore_eos=True,
                 )
             )
-            await asyncio.sleep(0.5)  # the router has picked P and waits on its Prefill
+            ledger = Ledger(client)
+            await until(  # the router handed it to P and waits on its Prefill
+                lambda: "PREFILLING" in non_final_requests(ledger).values(), "PREFILLING"
+            )
             assert not stream.done()
             prefill.process.send_signal(signal.SIGKILL)
             chunks = await asyncio.wait_for(stream, timeout=60)

@@ -30,7 +30,9 @@ from tests.services.cluster_helpers import (
     build_tiny_target,
     check_stream,
     engine_greedy,
+    metric,
     tiny_cluster_spec,
+    until,
     wait_audit_clean,
 )
 
@@ -67,6 +69,12 @@ def cluster(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield cluster
 
 
+def router_gauge(cluster: Cluster, name: str) -> float:
+    """The router's tandem_requests_{in_flight,waiting} gauge."""
+    assert cluster.router is not None
+    return metric(cluster.router, f"tandem_requests_{name}", "router")
+
+
 async def stream(
     address: str, prompt: list[int], max_tokens: int, started: asyncio.Event
 ) -> list[gen.GenerateChunk]:
@@ -92,7 +100,7 @@ async def test_beyond_the_router_bounds_requests_are_refused_with_a_retry_hint(
     short = asyncio.create_task(stream(address, SHORT, SHORT_TOKENS, started[1]))
     await asyncio.wait_for(asyncio.gather(started[0].wait(), started[1].wait()), timeout=60)
     big = asyncio.create_task(stream(address, BIG, BIG_TOKENS, started[2]))
-    await asyncio.sleep(0.2)  # `big` finds the decode worker full and waits for room
+    await until(lambda: router_gauge(cluster, "waiting") == 1, "big waits for KV room")
 
     # 3 in flight (long, short, big): one more is refused at once, over HTTP.
     async with httpx.AsyncClient(timeout=60) as http:
@@ -106,7 +114,7 @@ async def test_beyond_the_router_bounds_requests_are_refused_with_a_retry_hint(
     assert not short.done(), "short ended before the bound was tried: make it longer"
 
     await asyncio.wait_for(short, timeout=120)  # 2 in flight now
-    await asyncio.sleep(0.3)  # the router has counted `short` out
+    await until(lambda: router_gauge(cluster, "in_flight") == 2, "short counted out")
     assert not started[2].is_set(), "big got room while long ran"
     # Admitted (2 < 3), but `big` already waits for room (1 of --max-waiting 1).
     async with AsyncTandemClient(address, timeout=60, max_retries=0) as client:

@@ -38,9 +38,11 @@ from tests.services.cluster_helpers import (
     check_stream,
     engine_greedy,
     generate_all,
+    metric,
     router_counter,
     start_streams,
     tiny_cluster_spec,
+    until,
     wait_audit_clean,
     worker_stats,
 )
@@ -224,7 +226,14 @@ async def wait_serving(cluster: Cluster, worker: Component) -> None:
         assert worker.process.poll() is None, worker.log_tail()
         assert time.monotonic() < deadline, f"{worker.name} did not start"
         await asyncio.sleep(0.2)
-    await asyncio.sleep(1.0)  # the router re-reads the registry every 0.25 s
+    role, live = (
+        ("decode", cluster.decode) if worker in cluster.decode else ("prefill", cluster.prefill)
+    )
+    assert cluster.router is not None
+    await until(
+        lambda: metric(cluster.router, f"tandem_{role}_workers", "router") == len(live),
+        f"the router picks from {worker.name} again",
+    )
 
 
 async def generate_until_logged(
@@ -283,10 +292,11 @@ async def ledger_audit_command(cluster: Cluster, cwd: Path) -> str:
     return done.stdout
 
 
+@pytest.mark.last  # decode-1 stays held until the cluster stops
 async def test_a_push_stalled_on_its_decode_worker_is_retried_on_the_other(
     cluster: Cluster, target: Path, tmp_path: Path
 ) -> None:
-    """Runs last (decode-1 stays held until the cluster stops). decode-1 takes each push's
+    """decode-1 takes each push's
     handshake and then nothing: its prefill worker fails the push after --transfer-stall-s
     (INCOMPLETE), and the router prefills the request again on decode-0, never on decode-1
     (each request is held there at most once). Every stream has the engine's greedy

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from decode_worker.request import Aborted, CloseReason, Holders, OutputSlot, RequestHandle
+from decode_worker.transitions import DecodeTransitions
 from engine.kv_cache import KVCacheParams, PagedKVCache
 from kv_transfer import KvLayout, KvPool, KvReceiver, PoolShape, TransferState
 from ledger.ledger import Ledger, RequestState, WorkerRole
@@ -53,7 +54,8 @@ def holders(ledger: Ledger) -> Holders:
     membership.register()
     receiver = KvReceiver(epoch=membership.epoch)
     loop: Any = _EngineLoop()
-    return Holders(_Engine(), loop, receiver, LAYOUT, membership)  # type: ignore[arg-type]
+    transitions = DecodeTransitions(membership)
+    return Holders(_Engine(), loop, receiver, LAYOUT, membership, transitions)  # type: ignore[arg-type]
 
 
 def _decoding(holders: Holders, request_id: str = "r1", pools: Any = None) -> RequestHandle:

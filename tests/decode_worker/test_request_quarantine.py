@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from decode_worker.request import CloseReason, Holders, RequestHandle
+from decode_worker.transitions import DecodeTransitions
 from engine.kv_cache import KVCacheParams, PagedKVCache
 from kv_transfer import (
     ChunkedKvSender,
@@ -77,7 +78,8 @@ async def worker(ledger: Ledger) -> AsyncIterator[SharedWorker]:
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     loop: Any = _EngineLoop()
-    holders = Holders(_Engine(), loop, receiver, LAYOUT, membership)  # type: ignore[arg-type]
+    transitions = DecodeTransitions(membership)
+    holders = Holders(_Engine(), loop, receiver, LAYOUT, membership, transitions)  # type: ignore[arg-type]
     src = PagedKVCache(params, 8, torch.device("cpu"))
     for k, v in src.layers:
         k.normal_(), v.normal_()

@@ -18,9 +18,10 @@ import redis
 from ledger.ledger import Ledger, LedgerConflict, RequestState, WorkerInfo, WorkerRole
 from ledger.membership import Membership, Timing
 from router.migration import Migration
-from router.route import Route, record_in_ledger
+from router.route import Route
 from router.routing import WorkerPicker, prefix_hashes
 from router.service import GenerationService
+from router.transitions import RouterTransitions
 from router.validation import ModelInfo, RequestValidator, ValidRequest
 from serving.metrics import RouterMetrics
 from serving.rpc import ChannelPool, Unavailable
@@ -107,25 +108,15 @@ async def test_a_failed_prefill_is_requeued_away_from_the_side_at_fault(
     membership.register()
     picker = WorkerPicker(ledger, "m", refresh_s=0.0)
     channels = ChannelPool()
+    transitions = RouterTransitions(membership, "m")
     migration = Migration(
-        membership=membership,
-        picker=picker,
-        channels=channels,
-        metrics=RouterMetrics(),
-        model_name="m",
+        transitions=transitions, picker=picker, channels=channels, metrics=RouterMetrics()
     )
     valid = ValidRequest("r1", [1, 2, 3], gen.SamplingParams(), max_tokens=4)
     p0, d0 = workers["p0"], workers["d0"]
     route = Route(valid, p0, d0, time.monotonic() + 30)
-    record_in_ledger(membership, route, "m")
-    ledger.transition(  # as the router hands it to P before the Prefill call
-        "r1",
-        RequestState.PREFILLING,
-        expected=RequestState.QUEUED,
-        epoch=route.owner_epoch,
-        new_owner="p0",
-        new_epoch=p0.epoch,
-    )
+    transitions.record(route)
+    transitions.hand_to_prefill(route)  # as before the Prefill call
     try:
         await migration.requeue_after_failed_prefill(route, error)
         assert route.avoid == avoided

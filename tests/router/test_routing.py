@@ -58,15 +58,15 @@ def test_prefix_affinity_then_least_loaded(ledger: Ledger) -> None:
     picker.remember([by_id["d0"]], hashes[:2])
     assert picker.pick(hashes)[1].worker_id == "d1"  # the longest match wins
     assert picker.pick(prefix_hashes([5] * 64))[1].worker_id == "d0"  # unseen prompt
-    picker.in_flight["d1"] = 3  # 3 more in flight than d0: affinity yields to balance
+    picker.count_in_flight([by_id["d1"]], +3)  # 3 more in flight than d0: balance wins
     assert picker.pick(hashes)[1].worker_id == "d0"
-    picker.in_flight["d1"] = 2
+    picker.count_in_flight([by_id["d1"]], -1)
     assert picker.pick(hashes)[1].worker_id == "d1"
     join(ledger, "d1", WorkerRole.DECODE, 0.95)  # nearly full: affinity yields to load
     assert picker.pick(hashes)[1].worker_id == "d0"
     picker.remember([by_id["d0"]], hashes[:2])
     join(ledger, "d1", WorkerRole.DECODE, 0.3)
-    picker.in_flight["d1"] = 0
+    picker.count_in_flight([by_id["d1"]], -2)
     few = hashes[:2] + prefix_hashes([1] * 80)[2:]  # 2 of 5 blocks seen: not warm
     assert picker.pick(few)[1].worker_id == "d0"
 

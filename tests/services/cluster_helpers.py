@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import urllib.request
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +112,15 @@ def metric(component: Component, name: str, role: str) -> float:
         text = response.read().decode()
     found = re.search(rf'^{name}\{{role="{role}"\}} (\S+)$', text, re.M)
     return float(found.group(1)) if found else 0.0
+
+
+async def until(condition: Callable[[], bool], what: str, within_s: float = 30.0) -> None:
+    """Waits for ``condition`` (state another process changes: a metric, a ledger record),
+    looking every 20 ms; fails naming ``what`` after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while not await asyncio.to_thread(condition):
+        assert time.monotonic() < deadline, f"not within {within_s} s: {what}"
+        await asyncio.sleep(0.02)
 
 
 async def run(address: str, prompt: list[int] | str, **params: object) -> list[gen.GenerateChunk]:

@@ -14,8 +14,11 @@ GRACE_S = 2.0
 
 
 def stubborn(name: str) -> Component:
-    """A real process that ignores SIGTERM, as a component stuck in its drain would."""
-    process = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 120 & wait"])
+    """A real process that ignores SIGTERM, as a component stuck in its drain would;
+    returned once it says that its trap is set."""
+    script = "trap '' TERM; echo trapped; sleep 120 & wait"
+    process = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline() == "trapped\n"
     return Component(name, "127.0.0.1:1", process, log_path=None)
 
 
@@ -25,7 +28,6 @@ def test_a_stuck_cluster_stops_within_grace_and_slack(tmp_path: Path) -> None:
     cluster.prefill = [stubborn("prefill-0")]
     cluster.decode = [stubborn("decode-0")]
     processes = [c.process for c in cluster.components]
-    time.sleep(0.2)  # the traps are set
     start = time.monotonic()
     cluster.stop()
     took = time.monotonic() - start

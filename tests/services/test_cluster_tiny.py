@@ -403,8 +403,9 @@ async def test_list_models(cluster: Cluster, model_dirs: tuple[Path, Path]) -> N
     assert model.draft_model == model_dirs[1].name
 
 
+@pytest.mark.last
 async def test_ledger_audit_is_clean_at_the_end(cluster: Cluster, ledger: Ledger) -> None:
-    """Runs last: every request of the module ended, nothing is held anywhere."""
+    """Every request of the module ended, nothing is held anywhere."""
     await assert_audit_clean(cluster, ledger)
 
 
@@ -437,8 +438,9 @@ def test_router_metrics_count_the_requests(cluster: Cluster) -> None:
     assert finished is not None and float(finished.group(1)) > 0, text[:2000]
 
 
+@pytest.mark.last  # stops the router
 async def test_router_drains_on_sigterm(cluster: Cluster, ledger: Ledger) -> None:
-    """Runs last (stops the router): an in-flight stream finishes, new requests are refused."""
+    """An in-flight stream finishes, new requests are refused."""
     assert cluster.router is not None
     async with grpc.aio.insecure_channel(cluster.router_address) as channel:
         stub = gen_grpc.GenerationStub(channel)
@@ -446,10 +448,11 @@ async def test_router_drains_on_sigterm(cluster: Cluster, ledger: Ledger) -> Non
         call = stub.Generate(request, timeout=60)
         first = await call.read()
         cluster.router.process.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 10
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in stub.Generate(build_request([4], max_tokens=2), timeout=5):
-                pass
+            while time.monotonic() < deadline:  # served until the router takes the signal
+                async for _ in stub.Generate(build_request([4], max_tokens=2), timeout=5):
+                    pass
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         rest = []
         while (chunk := await call.read()) != grpc.aio.EOF:

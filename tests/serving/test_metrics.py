@@ -22,6 +22,10 @@ EXPECTED: dict[type[Metrics], set[str]] = {
         "tandem_queue_seconds",
         "tandem_requests",  # exposed as tandem_requests_total
         "tandem_migrations",  # requests resumed after losing their decode worker
+        "tandem_requests_in_flight",  # gauges: admitted, waiting for KV room
+        "tandem_requests_waiting",
+        "tandem_prefill_workers",  # live workers the router picks from
+        "tandem_decode_workers",
     },
     PrefillMetrics: COMMON
     | {"tandem_prefill_seconds", "tandem_kv_transfer_bytes", "tandem_kv_transfer_seconds"},
