@@ -27,6 +27,7 @@ from tandem_client import (
     plugins,
 )
 from tandem_client.exit_codes import ExitCode, error_line, exit_code
+from tests.doc_pages import page
 
 
 def _run_python(code: str) -> subprocess.CompletedProcess[str]:
@@ -232,13 +233,13 @@ def test_each_failure_is_one_line_and_its_exit_code(
 
 
 def test_exit_codes_are_documented() -> None:
-    """Every ExitCode is in the table `--help` prints, with its number."""
+    """Every ExitCode is in the table `--help` prints, with its number, and in docs/cli.md's."""
     table = exit_codes.EXIT_CODES_HELP.splitlines()[1:]
     assert [int(line.split()[0]) for line in table] == [int(c) for c in ExitCode]
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    docs = page("cli.md")
     for line in table:
         number, words = line.split(maxsplit=1)
-        assert f"| {number} | {words} |" in readme, line
+        assert f"| {number} | {words} |" in docs, line
 
 
 def test_broken_plugin_is_skipped(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,7 +3,8 @@ processes, a real redis-server, an EAGLE-3 draft), sync and async: greedy output
 the in-process engine; streams are contiguous and end with usage; leaving a stream early
 cancels the request and frees its blocks; deadlines, bad requests and a stopped router
 raise their exceptions; usage's speculative counters add up to the decode worker's; the
-SDK needs no torch; the README's examples run. Fakes for the rest: test_sdk_fakes.py."""
+SDK needs no torch; the examples of docs/sdk.md and of the README's quick start run. Fakes
+for the rest: test_sdk_fakes.py."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from tandem_client import (
     TandemClient,
     Unavailable,
 )
+from tests.doc_pages import README, code_blocks, page, section
 from tests.engine.tiny_drafts import build_random_draft
 from tests.services.cluster_helpers import (
     TINY_WORKER_ARGS,
@@ -301,18 +303,17 @@ print(json.dumps(list(answer.token_ids)))
     assert len(json.loads(result.stdout.splitlines()[-1])) == 4
 
 
-def readme_examples() -> list[str]:
-    """The ```python blocks of the README's "Python SDK" section."""
-    readme = (REPO / "README.md").read_text()
-    section = re.search(r"^## Python SDK\n(.*?)(?=^## )", readme, re.M | re.S)
-    assert section, "README.md: no '## Python SDK' section"
-    blocks = re.findall(r"^```python\n(.*?)^```", section.group(1), re.M | re.S)
-    assert blocks
-    return blocks
+def sdk_examples() -> list[str]:
+    """The ```python blocks of docs/sdk.md and of the README's "Quick start"."""
+    on_page = code_blocks(page("sdk.md"))
+    quick_start = code_blocks(section(README.read_text(), "Quick start"))
+    assert on_page, "docs/sdk.md: no ```python block"
+    assert quick_start, "README.md: no ```python block in its quick start"
+    return on_page + quick_start
 
 
-async def test_readme_examples_run(cluster: Cluster) -> None:
-    for block in readme_examples():
+async def test_sdk_examples_run(cluster: Cluster) -> None:
+    for block in sdk_examples():
         code, count = re.subn(
             r'^ROUTER = "[^"]*"', f"ROUTER = {cluster.router_address!r}", block, flags=re.M
         )

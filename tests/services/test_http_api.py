@@ -23,6 +23,7 @@ from transformers import LlamaForCausalLM
 from ledger.ledger import Ledger, RequestState
 from serving.launcher import Cluster, ClusterError
 from tandem_client import InvalidRequest, TandemClient
+from tests.doc_pages import code_blocks, page
 from tests.services.cluster_helpers import (
     assert_greedy_equal,
     build_tiny_target,
@@ -305,15 +306,12 @@ def requests_in(ledger: Ledger, state: RequestState) -> set[str]:
     return found
 
 
-def test_the_readme_example_runs(base_url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """The ```python block of the README's HTTP section, against this cluster."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = re.search(r"^## OpenAI-compatible HTTP API\n(.*?)(?=^## )", readme, re.M | re.S)
-    assert section is not None
-    (block,) = re.findall(r"^```python\n(.*?)^```", section.group(1), re.M | re.S)
+def test_the_docs_example_runs(base_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The ```python block of docs/http-api.md, against this cluster."""
+    (block,) = code_blocks(page("http-api.md"))
     assert "http://127.0.0.1:8000/v1" in block and '"smollm2"' in block
     code = block.replace("http://127.0.0.1:8000/v1", base_url).replace('"smollm2"', f'"{MODEL}"')
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/http-api.md", "exec"), {})
     # 32 sampled tokens, EOS ignored: one character each, or none for a special token
     assert 16 <= len(capsys.readouterr().out) <= 32
 
