@@ -163,7 +163,7 @@ class Prefill:
             await sender.finish()
         done = time.perf_counter()
         self.relay.pushes.pop(rid, None)
-        await self.loop.call(engine.abort_request, rid, bounded=False)
+        await self.loop.call(engine.drop_request, rid, bounded=False)
         return done - start, computed - start
 
     def close(self) -> None:

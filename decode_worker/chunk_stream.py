@@ -17,15 +17,15 @@ class ChunkStream:
     def __init__(self, req: RequestHandle, request: pb.DecodeRequest) -> None:
         self.req = req
         # Chunks continue where an earlier attempt's stream stopped, text included.
-        self.num_sent = req.num_resumed  # tokens already in chunks (by any attempt)
-        self.num_text_sent = req.num_text_resumed  # characters already in chunks
+        self.num_sent = req.num_output_tokens_sent  # tokens already in chunks (by any attempt)
+        self.num_text_sent = req.num_output_chars_sent  # characters already in chunks
         self.first_logprob = (
             request.first_token_logprob if request.HasField("first_token_logprob") else None
         )
         # Prefilled here: every output token was sampled by this engine, and the prompt's
         # logprobs (asked for on a first attempt) come with the first chunk from here.
         self.is_prefilled_here = request.prefill_here
-        self.is_prompt_logprobs_due = request.prefill_here and not req.num_resumed
+        self.is_prompt_logprobs_due = request.prefill_here and not req.num_output_tokens_sent
         # This attempt's speculative counters so far; None without a draft. A preempted
         # attempt reports its own on its last chunk, and the router adds them up.
         self.spec_counts: SpecCounts | None = None
@@ -111,7 +111,7 @@ class ChunkStream:
         i > r is output.logprobs[i - r - 1]. Prefilled here: index i >= r is
         output.logprobs[i - r]."""
         entries = []
-        first = self.req.num_resumed
+        first = self.req.num_output_tokens_sent
         by_prefill = 0 if self.is_prefilled_here else 1  # tokens sampled elsewhere
         for i in range(start, start + count):
             token = output.token_ids[i]

@@ -1,6 +1,6 @@
 """One request on a decode worker: a ``RequestHandle`` holds its state here and references
 everything else it holds (its sequence in the engine, its reservation in the KV receiver,
-its block claims and record in the ledger); ``close(reason)`` releases all of it, once,
+its block claims and record in the ledger); ``close(reason)`` drops all of it, once,
 whichever way the request ends. Blocks that a same-host prefill worker may still be writing
 in place stay the request's (quarantined: held in the engine and the ledger) until the KV
 receiver says that it stopped; only then do they go back to the allocator.
@@ -111,11 +111,11 @@ class RequestHandle:
     request_id: str
     num_prompt_tokens: int  # the client's prompt (without output resumed from a preemption)
     logprobs: int | None
-    num_resumed: int  # output tokens an earlier attempt already streamed (a preemption)
+    num_output_tokens_sent: int  # output tokens an earlier attempt already streamed (a preemption)
     router_id: str  # who gets the request back on a preemption
     router_epoch: int
     block_ids: list[int] = field(default_factory=list)  # as reserved, then as grown
-    num_text_resumed: int = 0  # characters of the resumed output already streamed
+    num_output_chars_sent: int = 0  # characters of the resumed output already streamed
     reserved_at: float = field(default_factory=time.monotonic)
     push_failed_at: float | None = None  # when its KV push was seen refused or aborted
     slot: OutputSlot | None = None  # set once Decode started
@@ -144,7 +144,7 @@ class RequestHandle:
         forget the reservation."""
         if timeout_s is not None:
             await self.holders.receiver.wait_done(self.request_id, timeout_s)
-        stopping = self._release_kv()
+        stopping = self._drop_reservation()
         if stopping is not None:
             await asyncio.shield(stopping)
 
@@ -171,7 +171,7 @@ class RequestHandle:
         error = _stream_error(reason, detail, h.membership.worker_id)
         if self.slot is not None and error is not None:
             self.slot.fail(error)
-        stopping = self._release_kv()
+        stopping = self._drop_reservation()
         if stopping is None:
             self._free(reason)
         else:
@@ -185,10 +185,10 @@ class RequestHandle:
             if self.router_id:
                 h.transitions.hand_back(rid, self.router_id, self.router_epoch)
 
-    def _release_kv(self) -> asyncio.Future[None] | None:
+    def _drop_reservation(self) -> asyncio.Future[None] | None:
         """Lets the receiver forget the reservation; a future (kept for ``close``) while a
         same-host push may still be writing the blocks."""
-        stopping = self.holders.receiver.release(self.request_id)
+        stopping = self.holders.receiver.drop(self.request_id)
         if stopping is not None:
             self._kv_stopping = stopping
         if self._kv_stopping is None or self._kv_stopping.done():
@@ -202,8 +202,8 @@ class RequestHandle:
         if h.quarantined.get(rid) is self:
             del h.quarantined[rid]
         if reason is not CloseReason.FINISHED:  # a finished request the engine freed itself
-            h.engine_loop.submit(h.engine.abort_request, rid, bounded=False)
-        h.membership.release(rid)
+            h.engine_loop.submit(h.engine.drop_request, rid, bounded=False)
+        h.membership.free(rid)
 
 
 def _stream_error(reason: CloseReason, detail: str, worker_id: str) -> BaseException | None:

@@ -136,24 +136,28 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
                 f"num_prompt_tokens: {request.num_prompt_tokens}, but {len(prompt)} prompt ids"
             )
         params = params_from_proto(request.sampling)
-        num_resumed = request.num_output_tokens_sent
+        num_output_tokens_sent = request.num_output_tokens_sent
         handle = RequestHandle(
             self.holders,
             rid,
-            len(prompt) - num_resumed,
+            len(prompt) - num_output_tokens_sent,
             params.logprobs,
-            num_resumed,
+            num_output_tokens_sent,
             request.router_id,
             request.router_epoch,
         )
 
         def reserve() -> tuple[list[int], int, int]:
             """Engine thread: the blocks, and the characters of resumed output already sent."""
-            table, num_cached = self.engine.reserve(rid, prompt, params, num_resumed)
-            return table, num_cached, len(self.engine.output_text(rid)) if num_resumed else 0
+            table, num_cached = self.engine.reserve(rid, prompt, params, num_output_tokens_sent)
+            return (
+                table,
+                num_cached,
+                len(self.engine.output_text(rid)) if num_output_tokens_sent else 0,
+            )
 
         try:  # cancelled after the engine reserved: close's abort follows it in the queue
-            table, num_cached, handle.num_text_resumed = await self.engine_loop.call(reserve)
+            table, num_cached, handle.num_output_chars_sent = await self.engine_loop.call(reserve)
             num_cached_blocks = num_cached // self.block_size
             num_kv_blocks = -(-len(prompt) // self.block_size)  # what a push fills
             handle.hold(table, num_cached_blocks, num_kv_blocks, self._pools)
@@ -184,7 +188,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         if handle.slot is not None:
             raise ValueError(f"request_id: {rid!r} is already decoding")
         if request.is_first_token_sent and (
-            request.prefill_here or request.is_finished_on_prefill or handle.num_resumed
+            request.prefill_here or request.is_finished_on_prefill or handle.num_output_tokens_sent
         ):
             raise ValueError(
                 "is_first_token_sent: only on a first attempt prefilled elsewhere that goes on "

@@ -116,14 +116,14 @@ class LLMEngine:
         params: SamplingParams,
         *,
         is_prefill_only: bool = False,
-        num_generated_tokens: int = 0,
+        num_output_tokens_sent: int = 0,
     ) -> None:
         """Queues a request. ``is_prefill_only`` (a prefill worker): stop after the first
-        token and keep the blocks until ``release``; ``take_prefilled`` returns the result.
-        ``num_generated_tokens``: the last ids of ``prompt_token_ids`` are output an earlier
-        attempt generated (a preempted request resumed); they count towards max_tokens and
-        stop strings, and the output starts with them."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, num_generated_tokens)
+        token and keep the blocks until ``drop_request``; ``take_prefilled`` returns the
+        result. ``num_output_tokens_sent``: the last ids of ``prompt_token_ids`` are output
+        an earlier attempt generated and sent (a preempted request resumed); they count
+        towards max_tokens and stop strings, and the output starts with them."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, num_output_tokens_sent)
         seq.is_prefill_only = is_prefill_only
         self.scheduler.add(seq)
 
@@ -132,15 +132,17 @@ class LLMEngine:
         request_id: str,
         token_ids: list[int],
         params: SamplingParams,
-        num_generated_tokens: int = 0,
+        num_output_tokens_sent: int = 0,
     ) -> Sequence:
         limit = min(len(token_ids), params.max_tokens)
-        if num_generated_tokens < 0 or (num_generated_tokens and num_generated_tokens >= limit):
+        if num_output_tokens_sent < 0 or (
+            num_output_tokens_sent and num_output_tokens_sent >= limit
+        ):
             raise RequestError(
-                f"num_generated_tokens: {num_generated_tokens}, must be at least 0 and below "
+                f"num_output_tokens_sent: {num_output_tokens_sent}, must be at least 0 and below "
                 f"both the number of ids ({len(token_ids)}) and max_tokens ({params.max_tokens})"
             )
-        num_prompt_tokens = len(token_ids) - num_generated_tokens
+        num_prompt_tokens = len(token_ids) - num_output_tokens_sent
         self._validate(request_id, token_ids, params, num_prompt_tokens)
         generated = token_ids[num_prompt_tokens:]
         seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -159,7 +161,7 @@ class LLMEngine:
                 detok.add(generated)
         return seq
 
-    def abort_request(self, request_id: str) -> None:
+    def drop_request(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return
@@ -167,7 +169,7 @@ class LLMEngine:
             self.block_manager.free(seq)
             seq.status = SequenceStatus.FINISHED
         else:
-            self._release(seq)
+            self._free_blocks(seq)
         self._detok.pop(request_id, None)
 
     # -- disaggregation ----------------------------------------------------------------
@@ -187,7 +189,7 @@ class LLMEngine:
 
     def take_prefilled(self, request_id: str) -> PrefilledRequest | None:
         """A prefill-only request whose first token (and drafts) are ready, or None (also
-        when the first token ended it: nothing to hand on, ``release`` it all the same)."""
+        when the first token ended it: nothing to hand on, ``drop_request`` it all the same)."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.status is not SequenceStatus.PREFILLED:
             return None
@@ -202,16 +204,12 @@ class LLMEngine:
             seed=seq.seed,
         )
 
-    def release(self, request_id: str) -> None:
-        """Frees a prefilled request's blocks once its KV has been sent."""
-        self.abort_request(request_id)
-
     def reserve(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        num_generated_tokens: int = 0,
+        num_output_tokens_sent: int = 0,
     ) -> tuple[list[int], int]:
         """Decode worker: holds blocks for a request whose KV another worker computes.
 
@@ -219,7 +217,7 @@ class LLMEngine:
         (prefix reuse: their blocks need no transfer). Raises ``KVCacheCapacityError`` when
         the cache cannot hold it now.
         """
-        seq = self._new_sequence(request_id, prompt_token_ids, params, num_generated_tokens)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, num_output_tokens_sent)
         if not self.block_manager.can_allocate(seq):
             del self._seqs[request_id]
             self._detok.pop(request_id, None)
@@ -270,9 +268,9 @@ class LLMEngine:
             self._check_stop(seq, first_token)
         output = self._output(seq)
         if seq.finish_reason is not None:
-            self.abort_request(request_id)
+            self.drop_request(request_id)
         elif not has_kv:
-            self.abort_request(request_id)
+            self.drop_request(request_id)
             raise RequestError(
                 f"first_token: {first_token} ended request {request_id!r} on the prefill "
                 "worker (no KV sent), but does not end it here"
@@ -409,7 +407,7 @@ class LLMEngine:
             return []
         assert self.spec is not None
         results = overlap.read(self.spec, step)
-        for seq in step.release_after:
+        for seq in step.free_after:
             self.block_manager.free(seq)
         kept = [(s, r) for s, r in zip(step.seqs, results, strict=True) if r is not None]
         return self._postprocess_spec([s for s, _ in kept], [r for _, r in kept])
@@ -491,11 +489,11 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> None:
         if self.spec is not None:
             self.spec.finished(seq)
-        self._release(seq)
+        self._free_blocks(seq)
         del self._seqs[seq.request_id]
         self._detok.pop(seq.request_id, None)
 
-    def _release(self, seq: Sequence) -> None:
+    def _free_blocks(self, seq: Sequence) -> None:
         """Ends a request in the scheduler; a step in flight may still write its blocks:
         they are freed once that step is read."""
         ahead = self._ahead
@@ -504,7 +502,7 @@ class LLMEngine:
             return
         self.scheduler.detach(seq)
         seq.status = SequenceStatus.FINISHED
-        ahead.release_after.append(seq)
+        ahead.free_after.append(seq)
 
     def _postprocess(self, batch: ScheduledBatch, result: StepOutput) -> list[RequestOutput]:
         for row, entries in result.prompt_logprobs or ():
@@ -527,7 +525,7 @@ class LLMEngine:
                 self._check_stop(seq, token)
             outputs.append(self._output(seq))
             if seq.is_prefill_only:
-                # Blocks stay until release(), even when the first token ended it: a layer
+                # Blocks stay until drop_request(), even when the first token ended it: a layer
                 # listener's transfer may still be reading this step's KV from them.
                 self.scheduler.detach(seq)
                 seq.status = SequenceStatus.PREFILLED

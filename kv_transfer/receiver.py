@@ -8,9 +8,9 @@ wrong (checksum, layout, block outside the reservation, sequence gap or repeat, 
 fails the request with a message (session.py).
 
 A same-host sender writing in place may be partway through a chunk when its push is
-refused or released, so its blocks are reused only once it has provably stopped: the
+refused or dropped, so its blocks are reused only once it has provably stopped: the
 receiver fences them, reads the stream until the sender half-closes (it checks the fence
-before each chunk), and only then lets ``release``'s future finish. A call that ends
+before each chunk), and only then lets ``drop``'s future finish. A call that ends
 otherwise (cancelled, broken, timed out) keeps them a grace period longer.
 """
 
@@ -112,15 +112,15 @@ class KvReceiver:
             raise KvTransferError(record.status, record.message)
         return record.extra
 
-    def release(self, request_id: str) -> asyncio.Future[None] | None:
+    def drop(self, request_id: str) -> asyncio.Future[None] | None:
         """Forgets the request (done, failed or aborted); a push still running is refused
         before its next write. None: its blocks may go to another request now. Else they
         must wait for the future: a same-host sender may still be writing them in place."""
         record = self._records.pop(request_id, None)
         if record is None:
             return None
-        record.is_released = True
-        record.end(TransferState.FAILED, pb.KV_PUSH_STATUS_UNKNOWN_REQUEST, "released")
+        record.is_dropped = True
+        record.end(TransferState.FAILED, pb.KV_PUSH_STATUS_UNKNOWN_REQUEST, "dropped")
         writer = record.writer
         if writer is None or writer.stopped.done() or record.state is TransferState.DONE:
             return None  # done: every block was written before the last message
@@ -211,7 +211,7 @@ class KvReceiver:
                 if source is not None:
                     stream = push.ring_stream = _with_ring_chunks(push.messages, session, source)
                 elif session.placement is not None:
-                    stream = push.ring_stream = _until_released(push.messages, session)
+                    stream = push.ring_stream = _until_dropped(push.messages, session)
                 async for raw in stream:
                     if session.is_finished:
                         raise KvTransferError(
@@ -345,11 +345,11 @@ def _placement(session: ReceiveSession) -> list[tuple[str, str | bytes]]:
     ]
 
 
-async def _until_released(
+async def _until_dropped(
     messages: _Messages, session: ReceiveSession
 ) -> AsyncGenerator[bytes, None]:
     """The stream's messages, ended early (refusing the push) once the reservation is
-    released; the read under way is kept for whoever reads the stream to its end."""
+    dropped; the read under way is kept for whoever reads the stream to its end."""
     ended = asyncio.ensure_future(session.ended())
     try:
         while True:
@@ -357,7 +357,7 @@ async def _until_released(
             waits: set[asyncio.Future[Any]] = {read, ended}
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if not read.done() and not session.is_finished:
-                session.check_live()  # raises: released or failed
+                session.check_live()  # raises: dropped or failed
             raw = await messages.next()
             if raw is None:
                 return

@@ -147,7 +147,7 @@ class TransferRecord:
     status: int = pb.KV_PUSH_STATUS_UNSPECIFIED
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    is_released: bool = False
+    is_dropped: bool = False
     writer: InPlaceWriter | None = None  # set once a same-host sender is told to write in place
     epoch: int | None = None  # the receiver's epoch when it was reserved
 
@@ -204,7 +204,7 @@ class ReceiveSession:
         return self._record.writer
 
     async def ended(self) -> None:
-        """Until the request is done, failed or released."""
+        """Until the request is done, failed or dropped."""
         await self._record.done.wait()
 
     def check_handshake(
@@ -428,8 +428,8 @@ class ReceiveSession:
         self.is_finished = True
 
     def check_live(self) -> None:
-        if self._record.is_released:
-            raise KvTransferError(pb.KV_PUSH_STATUS_UNKNOWN_REQUEST, "the reservation was released")
+        if self._record.is_dropped:
+            raise KvTransferError(pb.KV_PUSH_STATUS_UNKNOWN_REQUEST, "the reservation was dropped")
         if self.is_finished:
             raise KvTransferError(pb.KV_PUSH_STATUS_OUT_OF_ORDER, "data after is_last")
         if self._record.state is not TransferState.TRANSFERRING:

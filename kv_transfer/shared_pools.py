@@ -8,7 +8,7 @@ each block once, straight into its destination block; the receiver then checks e
 chunk's checksum over the destination before it admits the request. Tensors lie in the
 segment in a fixed order (target then draft pool, each layer's K then V, page aligned),
 then one fence byte per block, so both ends derive every offset from the layout and the
-number of blocks alone. The receiver fences the blocks of a push it refused or released:
+number of blocks alone. The receiver fences the blocks of a push it refused or dropped:
 the sender, which checks them before each chunk, then half-closes the call, and the
 receiver reuses the blocks only after that (receiver.py).
 """
@@ -168,7 +168,7 @@ class SharedKvPools:
         )
 
     def fence(self, block_ids: Sequence[int], *, is_fenced: bool = True) -> None:
-        """Marks blocks whose push was refused or released (False: clears the marks), so
+        """Marks blocks whose push was refused or dropped (False: clears the marks), so
         that the sender writing them stops before its next chunk."""
         self._fences[torch.as_tensor(list(block_ids), dtype=torch.int64)] = int(is_fenced)
 

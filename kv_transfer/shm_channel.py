@@ -132,7 +132,7 @@ class ShmChannel:
             self.stream.cancel()
 
     async def _stop(self) -> KvTransferError:
-        """The receiver fenced the blocks (it refused or released the push): half-closes,
+        """The receiver fenced the blocks (it refused or dropped the push): half-closes,
         which it waits for before reusing them, and returns why from its reply."""
         await self._half_close()
         if self.stream.call.cancelled():  # no reply within timeout_s: cancelled here

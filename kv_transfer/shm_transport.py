@@ -19,7 +19,7 @@ copies chunk i out).
 
 gRPC carries the rest of the push: the handshake (ShmSegment: the ring's descriptors and
 geometry), the last message (is_last, extra tensors) after every chunk in the ring, and
-the reply, which is also how a refusal (checksum mismatch, malformed slot, released
+the reply, which is also how a refusal (checksum mismatch, malformed slot, dropped
 reservation) reaches the sender, whether it is packing or waiting for a slot.
 
 No file has a name: a ring is a memfd and its wake-ups are pipes, which the receiver opens

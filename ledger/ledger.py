@@ -300,7 +300,7 @@ class Ledger:
         )
         return int(held)
 
-    def release_blocks(
+    def free_blocks(
         self,
         request_id: str,
         worker_id: str,
@@ -321,7 +321,7 @@ class Ledger:
         _, holders, lease, target, draft = self._request_keys(request_id, worker_id)
         pool_arg = "" if pool is None else str(Pool(pool))
         released, _remaining = self._run(
-            lua.RELEASE_BLOCKS,
+            lua.FREE_BLOCKS,
             [holders, lease, target, draft],
             [request_id, worker_id, epoch, pool_arg, *(ids or [])],
         )

@@ -217,15 +217,16 @@ class Membership:
             self._is_sync_due = True
             asyncio.get_running_loop().call_soon(self._sync_soon)
 
-    def release(self, request_id: str) -> None:
-        """Forgets a request's blocks in the ledger. Idempotent; never raises."""
+    def free(self, request_id: str) -> None:
+        """Frees a request's blocks in the ledger (this worker's holding ends). Idempotent;
+        never raises."""
         self._tables.pop(request_id, None)
         if self._held.pop(request_id, None) is None:
             return
         try:
-            self.ledger.release_blocks(request_id, self.worker_id, epoch=self.epoch)
+            self.ledger.free_blocks(request_id, self.worker_id, epoch=self.epoch)
         except (redis.RedisError, LedgerConflict) as e:
-            log.warning("release %s: %s", request_id, e)
+            log.warning("free %s: %s", request_id, e)
 
     def is_holding(self, request_id: str) -> bool:
         return request_id in self._held
@@ -394,7 +395,7 @@ class Membership:
         for request_id, table in list(self._tables.items()):
             held = self._held.get(request_id)
             if held is None:
-                continue  # not recorded again (yet) after a restart: kept until released
+                continue  # not recorded again (yet) after a restart: kept until freed
             block_ids = frozenset(table)
             if block_ids != held.block_ids:
                 try:
@@ -411,7 +412,7 @@ class Membership:
                     if self._is_ledger_new():
                         return
                     log.warning("blocks of %s not recorded, dropping it: %s", request_id, e)
-                    self.release(request_id)  # what the ledger still has this worker hold
+                    self.free(request_id)  # what the ledger still has this worker hold
                     self.component.on_lease_lost(request_id)
                     continue
                 held.block_ids = block_ids

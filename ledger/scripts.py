@@ -160,7 +160,7 @@ for _, key in ipairs(sets) do
   end
 end
 num_held = redis.call('SCARD', KEYS[4])
-if num_held == 0 then  -- as RELEASE_BLOCKS: holding nothing ends the holding
+if num_held == 0 then  -- as FREE_BLOCKS: holding nothing ends the holding
   redis.call('HDEL', KEYS[2], ARGV[2])
   redis.call('DEL', KEYS[3])
 end
@@ -211,7 +211,7 @@ return redis.call('HGETALL', KEYS[1])
 
 # KEYS: holders, lease, target set, draft set. ARGV: request_id, worker, epoch,
 # pool ('' for both), block ids... (none: all of the pool). Returns {released, remaining}.
-RELEASE_BLOCKS = (
+FREE_BLOCKS = (
     _PRELUDE
     + """
 local held = redis.call('HGET', KEYS[1], ARGV[2])

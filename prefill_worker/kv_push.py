@@ -19,7 +19,7 @@ Which blocks a step sends, and why the loop may read them while the engine threa
   the draft pool only at the end of the step, once the drafter's proposals (which write
   draft KV past the prompt) are done.
 - A prefill-only request is given blocks for its whole prompt when it is admitted (it
-  never grows, so it is never preempted) and keeps them until Prefill releases them, after
+  never grows, so it is never preempted) and keeps them until Prefill frees them, after
   its push stopped: LLMEngine holds them even when the first token ends the request. No
   other request writes them meanwhile (prefix-cache sharers only read full blocks).
 - Blocks the decode worker already caches (``num_cached_blocks``) are never sent; blocks

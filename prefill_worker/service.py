@@ -5,7 +5,7 @@ One Prefill: push opened (handshake) and the request queued in the engine thread
 step's target layers pushed in groups as the forward writes them (a short prompt's at the
 end of its step), its draft layers at the end of the step (kv_push.py) -> first token (and
 drafts) sampled, blocks kept (PREFILLED) -> the last layers sent and acknowledged ->
-blocks released -> reply.
+blocks freed -> reply.
 Ledger: PREFILLING -> TRANSFERRING (this worker) -> DECODING (handed to the decode worker).
 """
 
@@ -148,7 +148,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             add = functools.partial(
                 self._add_relayed,
                 push=push,
-                num_generated_tokens=request.num_output_tokens_sent,
+                num_output_tokens_sent=request.num_output_tokens_sent,
             )
             await _unless_push_failed(self.engine_loop.submit(add, rid, prompt, params), push)
             queued = time.monotonic()
@@ -179,7 +179,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             finally:
                 self._tasks.pop(rid, None)
                 self.engine_loop.submit(self._abort_unrelayed, rid, push, bounded=False)
-                self.membership.release(rid)
+                self.membership.free(rid)
 
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortReply:
         task = self._tasks.get(request.request_id)
@@ -302,7 +302,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         params: SamplingParams,
         *,
         push: LayerPush,
-        num_generated_tokens: int,
+        num_output_tokens_sent: int,
     ) -> None:
         """Engine thread, between steps: queues the request and hands the relay its push.
         Registered here, not on the event loop, so that the push sees only this attempt's
@@ -310,14 +310,14 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         this call) may still be in the step the engine is running while the event loop
         starts this one, and its layers must not reach this push."""
         self.engine.add_request(
-            rid, prompt, params, is_prefill_only=True, num_generated_tokens=num_generated_tokens
+            rid, prompt, params, is_prefill_only=True, num_output_tokens_sent=num_output_tokens_sent
         )
         self._relay.pushes[rid] = push
 
     def _abort_unrelayed(self, rid: str, push: LayerPush) -> None:
         """Engine thread: ends the request, and its push's relay entry if an add that the
         event loop stopped waiting for registered it after all."""
-        self.engine.abort_request(rid)
+        self.engine.drop_request(rid)
         self._unrelay(rid, push)
 
     def _unrelay(self, rid: str, push: LayerPush) -> None:

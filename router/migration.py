@@ -91,7 +91,7 @@ class Migration:
             "%s: lost decode worker %s after %d tokens (%s: %s); migrating",
             rid,
             lost.worker_id,
-            len(route.sent),
+            len(route.output_tokens_sent),
             error.code().name,
             error.details(),
         )
@@ -106,7 +106,7 @@ class Migration:
         """D refused the Decode call: it no longer holds the reservation that P filled
         (it restarted or registered again since the Reserve, or let the reservation go).
         D is alive, so it is not marked unreachable, only avoided for this request's next
-        attempts; P's blocks were released when its push ended. The request becomes QUEUED
+        attempts; P's blocks were freed when its push ended. The request becomes QUEUED
         and this router's again, to be prefilled anew."""
         rid = route.request.request_id
         log.warning(

@@ -26,7 +26,7 @@ class Route:
     prefill: WorkerInfo
     decode: WorkerInfo
     deadline: float  # time.monotonic()
-    sent: list[int] = field(default_factory=list)  # completion ids streamed to the client
+    output_tokens_sent: list[int] = field(default_factory=list)  # streamed to the client
     # This router's epoch in the ledger record while the router owns it, and the one a
     # decode worker hands a preempted request back at; kept when the router registers
     # again after a Redis restart (a record the decode worker rebuilt carries it on).
@@ -55,7 +55,7 @@ class Route:
         """Chunk 0 from P's reply, sent before D starts: on a first attempt that P
         prefilled, that goes on after its first token, and whose D streams after it (its
         heartbeat says so); else None: D streams it."""
-        if self.is_colocated or prefilled.is_finished or self.sent:
+        if self.is_colocated or prefilled.is_finished or self.output_tokens_sent:
             return None
         if self.decode.stats.get("first_token_from_router", "0") != "1":
             return None  # a decode worker from before this (a rolling update) streams it
@@ -88,7 +88,7 @@ class Route:
     def token_ids(self) -> list[int]:
         """What P prefills and D holds: the prompt, then any output already sent (a request
         resumed after a preemption)."""
-        return self.request.prompt_token_ids + self.sent
+        return self.request.prompt_token_ids + self.output_tokens_sent
 
     def remaining(self) -> float:
         left = self.deadline - time.monotonic()

@@ -141,7 +141,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                 except redis.RedisError as e:  # a routing hint lost, not the request
                     log.warning("prefix index: redis: %s", e)
                 prefill_called = time.monotonic()
-                num_sent_before = len(route.sent)
+                num_sent_before = len(route.output_tokens_sent)
                 try:
                     prefilled = await self._prefill(route, reserve)  # nothing when co-located
                 except (grpc.aio.AioRpcError, Unavailable) as e:
@@ -160,10 +160,10 @@ class GenerationService(gen_grpc.GenerationServicer):
                     timing.queued(prefill_called + prefilled.timing.queue_s)
                 first = route.first_chunk(prefilled)
                 if first is not None:
-                    route.sent.extend(first.token_ids)
+                    route.output_tokens_sent.extend(first.token_ids)
                     timing.sent(first)
                     yield first
-                    num_sent_before = len(route.sent)  # what D's stream has to add
+                    num_sent_before = len(route.output_tokens_sent)  # what D's stream has to add
                 try:
                     async for chunk in self._decode(
                         route, reserve, prefilled, is_first_token_sent=first is not None
@@ -171,7 +171,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                         if chunk.finish_reason == gen.FINISH_REASON_PREEMPTED:
                             route.count_attempt(chunk.usage)
                             continue  # the stream's last chunk: resume it below
-                        route.sent.extend(chunk.token_ids)
+                        route.output_tokens_sent.extend(chunk.token_ids)
                         is_finished = chunk.finish_reason != gen.FINISH_REASON_UNSPECIFIED
                         if is_finished:
                             route.with_earlier_attempts(chunk)
@@ -182,7 +182,10 @@ class GenerationService(gen_grpc.GenerationServicer):
                         raise
                     if e.code() == grpc.StatusCode.UNAVAILABLE:
                         await self.migration.requeue_after_lost_decode(route, e)  # elsewhere
-                    elif e.code() in LOST_RESERVATION and len(route.sent) == num_sent_before:
+                    elif (
+                        e.code() in LOST_RESERVATION
+                        and len(route.output_tokens_sent) == num_sent_before
+                    ):
                         await self.migration.requeue_after_lost_reservation(route, e)
                     else:
                         raise
@@ -193,7 +196,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                     "%s preempted on %s after %d tokens",
                     rid,
                     route.decode.worker_id,
-                    len(route.sent),
+                    len(route.output_tokens_sent),
                 )
             raise Overloaded(
                 f"request interrupted {MAX_ATTEMPTS} times (preempted for lack of KV blocks, "
@@ -256,7 +259,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             prompt_token_ids=ids,
             sampling=valid.sampling,
             draft_fingerprint=route.prefill.stats.get("draft_fingerprint", ""),
-            num_output_tokens_sent=len(route.sent),
+            num_output_tokens_sent=len(route.output_tokens_sent),
             router_id=self.membership.worker_id,
             router_epoch=route.owner_epoch,  # a preempted request comes back to it
         )
@@ -332,7 +335,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                 decode_epoch=reserve.epoch,
                 decode_worker_id=route.decode.worker_id,
                 decode_host_id=reserve.host_id,
-                num_output_tokens_sent=len(route.sent),
+                num_output_tokens_sent=len(route.output_tokens_sent),
             ),
             timeout=route.remaining(),
         )
@@ -382,7 +385,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         if prefilled.HasField("first_token_logprob"):
             request.first_token_logprob.CopyFrom(prefilled.first_token_logprob)
         call = self._decoder(route).Decode(request, timeout=route.remaining())
-        num_sent = len(route.sent)
+        num_sent = len(route.output_tokens_sent)
         # max_tokens 0 (prompt logprobs only) takes this same path: D reserved, P scores the
         # prompt and ends the request (is_finished), D answers one LENGTH chunk and frees the
         # reservation at once. Reserving a prompt's blocks for nothing is the price of one

@@ -251,7 +251,7 @@ class EngineLoop(Generic[Payload]):
     def submit(self, fn: Callable[..., T], *args: Any, bounded: bool = True) -> asyncio.Future[T]:
         """Queues ``fn(*args)`` for the engine thread. ``bounded`` calls (new work) are
         refused with Overloaded when ``max_queued_calls`` of them wait or when stopping;
-        cleanup calls (abort, release) are never refused (the thread runs what is queued
+        cleanup calls (drop_request) are never refused (the thread runs what is queued
         before it exits)."""
         future: asyncio.Future[T] = self._loop.create_future()
         with self._cv:

@@ -56,7 +56,7 @@ class AheadStep:
     # Rows of this step that go on into the next one, launched before this one is read.
     continuing: list[Sequence] = field(default_factory=list)
     # Rows that ended before this step was read: their blocks are freed once it is.
-    release_after: list[Sequence] = field(default_factory=list)
+    free_after: list[Sequence] = field(default_factory=list)
 
     def holds(self, seq: Sequence) -> bool:
         return any(s is seq for s in self.seqs)

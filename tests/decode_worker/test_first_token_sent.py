@@ -16,7 +16,11 @@ from tandem.v1 import worker_pb2 as pb
 
 def stream(**request: Any) -> ChunkStream:
     handle = SimpleNamespace(
-        request_id="r", num_resumed=0, num_text_resumed=0, logprobs=None, num_prompt_tokens=3
+        request_id="r",
+        num_output_tokens_sent=0,
+        num_output_chars_sent=0,
+        logprobs=None,
+        num_prompt_tokens=3,
     )
     return ChunkStream(handle, pb.DecodeRequest(request_id="r", **request))  # type: ignore[arg-type]
 

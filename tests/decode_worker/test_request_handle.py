@@ -23,9 +23,9 @@ LAYOUT = KvLayout("tiny", torch.float32, 4, PoolShape(num_layers=2, num_kv_heads
 
 
 class _Engine:
-    """Stands in for LLMEngine: the handle only hands ``abort_request`` to the loop."""
+    """Stands in for LLMEngine: the handle only hands ``drop_request`` to the loop."""
 
-    def abort_request(self, request_id: str) -> None:
+    def drop_request(self, request_id: str) -> None:
         raise AssertionError("runs on the engine thread, not here")
 
 
@@ -110,7 +110,7 @@ def test_close_releases_everything_once(holders: Holders, reason: CloseReason) -
     handle.close(reason, "why")
     num_aborts, state, owner, raised = EXPECTED[reason]
     assert handle.closed_by is reason and holders.handles == {}
-    assert loop.calls == [(holders.engine.abort_request, ("r1",))] * num_aborts  # type: ignore[attr-defined]
+    assert loop.calls == [(holders.engine.drop_request, ("r1",))] * num_aborts  # type: ignore[attr-defined]
     assert holders.receiver.state("r1") is None
     assert not holders.membership.is_holding("r1") and ledger.holdings() == []
     record = ledger.get_request("r1")

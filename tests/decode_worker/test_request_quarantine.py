@@ -132,13 +132,13 @@ async def test_blocks_written_in_place_are_freed_once_the_push_stopped(
     handle.close(CloseReason.ABORTED)  # a second close changes nothing
     assert worker.aborts == []
 
-    with pytest.raises(KvTransferError, match="released"):
+    with pytest.raises(KvTransferError, match="dropped"):
         await sender.send_layer(KvPool.TARGET, 1, worker.src.layers[1], SRC_IDS, [2, 3])
     for _ in range(100):  # its half-close: freed at once, long before the grace period
         if worker.aborts:
             break
         await asyncio.sleep(0.02)
-    assert worker.aborts == [(h.engine.abort_request, ("r1",))]
+    assert worker.aborts == [(h.engine.drop_request, ("r1",))]
     assert not h.membership.is_holding("r1") and h.membership.ledger.holdings() == []
     assert h.quarantined == {}
     h.check_new("r1")  # reservable again
@@ -152,7 +152,7 @@ async def test_a_request_closed_with_no_push_under_way_is_freed_at_once(
     h = worker.holders
     handle = _decoding_in(worker)
     handle.close(CloseReason.ABORTED)
-    assert worker.aborts == [(h.engine.abort_request, ("r1",))]
+    assert worker.aborts == [(h.engine.drop_request, ("r1",))]
     assert h.quarantined == {} and not h.membership.is_holding("r1")
 
 
@@ -164,7 +164,7 @@ async def test_a_finished_push_frees_at_once_when_the_request_ends(worker: Share
     await sender.finish()
     await handle.wait_for_kv(5)
     handle.close(CloseReason.CANCELLED)
-    assert worker.aborts == [(h.engine.abort_request, ("r1",))]
+    assert worker.aborts == [(h.engine.drop_request, ("r1",))]
     assert h.quarantined == {}
 
 
@@ -182,11 +182,11 @@ async def test_a_decode_with_nothing_pushed_waits_for_an_opened_push_to_stop(
     decode.cancel()  # the router ended the stream meanwhile
     handle.close(CloseReason.CANCELLED)
     assert worker.aborts == [] and h.quarantined == {"r1": handle}
-    with pytest.raises(KvTransferError, match="released"):
+    with pytest.raises(KvTransferError, match="dropped"):
         await sender.send_layer(KvPool.TARGET, 1, worker.src.layers[1], SRC_IDS, [2, 3])
     for _ in range(100):
         if worker.aborts:
             break
         await asyncio.sleep(0.02)
-    assert worker.aborts == [(h.engine.abort_request, ("r1",))]
+    assert worker.aborts == [(h.engine.drop_request, ("r1",))]
     assert h.quarantined == {}

@@ -139,7 +139,7 @@ async def test_mla_blocks_pushed_to_a_decode_engine_give_the_same_tokens(tmp_pat
             await sender.send_layer(KvPool.TARGET, layer, pools, done.block_table, table)
         await sender.finish({})
         await receiver.wait_done(rid, timeout=5)
-        prefill.release(rid)
+        prefill.drop_request(rid)
         decode.start_decoding(rid, done.first_token, done.draft_token_ids)
     assert _drain(decode) == expected
 

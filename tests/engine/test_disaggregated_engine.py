@@ -90,7 +90,7 @@ def test_prefill_here_decode_there_equals_one_engine(dirs, with_draft, penalized
             for (k_src, v_src), (k_dst, v_dst) in zip(pool.layers, dst.layers, strict=True):
                 k_dst[table] = k_src[done.block_table]
                 v_dst[table] = v_src[done.block_table]
-        prefill.release(rid)
+        prefill.drop_request(rid)
         first = decode.start_decoding(rid, done.first_token, done.draft_token_ids)
         assert first.token_ids == [done.first_token]
     assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
@@ -106,7 +106,7 @@ def test_reserve_refuses_when_full_and_abort_frees(dirs):
     assert len(table) == 10
     with pytest.raises(KVCacheCapacityError, match="retry later"):
         e.reserve("b", list(range(1, 20)), SamplingParams(max_tokens=4))
-    e.abort_request("a")
+    e.drop_request("a")
     assert e.block_manager.num_free_blocks == 12
     with pytest.raises(RequestError, match="not reserved"):
         e.start_decoding("a", 5)
@@ -141,7 +141,7 @@ def test_preempted_requests_hand_back_and_resume_where_they_stopped(dirs):
                     out.request_id,
                     p + out.token_ids,
                     params(int(out.request_id)),
-                    num_generated_tokens=len(out.token_ids),
+                    num_output_tokens_sent=len(out.token_ids),
                 )
                 done.update(drain(resumed))
             elif out.finished:
@@ -155,10 +155,10 @@ def test_preempted_requests_hand_back_and_resume_where_they_stopped(dirs):
 def test_resume_is_validated(dirs):
     target, _ = dirs
     e = engine(target)
-    with pytest.raises(RequestError, match="num_generated_tokens"):
-        e.add_request("a", [5, 6], SamplingParams(max_tokens=3), num_generated_tokens=3)
-    with pytest.raises(RequestError, match="num_generated_tokens"):
-        e.add_request("b", [5, 6, 7, 8], SamplingParams(max_tokens=3), num_generated_tokens=3)
+    with pytest.raises(RequestError, match="num_output_tokens_sent"):
+        e.add_request("a", [5, 6], SamplingParams(max_tokens=3), num_output_tokens_sent=3)
+    with pytest.raises(RequestError, match="num_output_tokens_sent"):
+        e.add_request("b", [5, 6, 7, 8], SamplingParams(max_tokens=3), num_output_tokens_sent=3)
     with pytest.raises(ValueError, match="preemption"):
         EngineConfig(model=str(target), preemption="drop")
 
@@ -224,7 +224,7 @@ def test_blocks_of_a_request_ended_by_its_first_token_are_not_cached(dirs):
         for (k_src, v_src), (k_dst, v_dst) in zip(pool.layers, dst.layers, strict=True):
             k_dst[table] = k_src[done.block_table]
             v_dst[table] = v_src[done.block_table]
-    prefill.release("s")
+    prefill.drop_request("s")
     decode.start_decoding("s", done.first_token, done.draft_token_ids)
     assert drain(decode) == {"s": expected}
 

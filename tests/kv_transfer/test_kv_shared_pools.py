@@ -148,7 +148,7 @@ async def test_a_sender_cannot_write_outside_its_reservation(shared: SharedRecei
     assert torch.equal(bits(shared.pools[KvPool.TARGET].layers[0][0][outside]), before)
     with pytest.raises(KvTransferError, match="INCOMPLETE"):
         await shared.receiver.wait_done("r1", timeout=5)
-    assert shared.receiver.release("r1") is None  # it stopped with a half-close
+    assert shared.receiver.drop("r1") is None  # it stopped with a half-close
 
 
 async def test_a_corrupted_block_is_refused_and_the_request_not_admitted(
@@ -170,7 +170,7 @@ async def test_a_corrupted_block_is_refused_and_the_request_not_admitted(
     with pytest.raises(KvTransferError, match="CHECKSUM_MISMATCH"):
         await shared.receiver.wait_done("r1", timeout=1)
     # the sender learnt it from the reply to its half-close: nothing writes the blocks now
-    assert shared.receiver.release("r1") is None
+    assert shared.receiver.drop("r1") is None
 
 
 async def test_pools_not_in_the_segment_go_through_the_ring(shared: SharedReceiving) -> None:
@@ -205,26 +205,26 @@ async def test_blocks_released_mid_push_wait_for_the_sender_to_stop(
     shared: SharedReceiving,
 ) -> None:
     sender, src = await _midway(shared)
-    stopping = shared.receiver.release("r1")
+    stopping = shared.receiver.drop("r1")
     assert stopping is not None and _fenced(shared) == list(DST_IDS)
     await asyncio.sleep(0.3)  # the sender is paused between chunks: it has not stopped
     assert not stopping.done()
     k1 = shared.pools[KvPool.TARGET].layers[1][0]
     before = bits(k1).clone()
-    with pytest.raises(KvTransferError, match="UNKNOWN_REQUEST: the reservation was released"):
+    with pytest.raises(KvTransferError, match="UNKNOWN_REQUEST: the reservation was dropped"):
         await sender.send_layer(KvPool.TARGET, 1, src[KvPool.TARGET].layers[1], SRC_IDS, DST_IDS)
     assert torch.equal(bits(k1), before)  # the fence stopped it before it wrote
     assert sender.state is TransferState.FAILED
     await asyncio.wait_for(stopping, 5)  # its half-close, well before the 60 s grace
     assert _fenced(shared) == []
-    assert shared.receiver.release("r1") is None
+    assert shared.receiver.drop("r1") is None
 
 
 async def test_releases_with_no_push_writing_in_place_free_at_once(
     shared: SharedReceiving,
 ) -> None:
     shared.reserve("idle")
-    assert shared.receiver.release("idle") is None
+    assert shared.receiver.drop("idle") is None
     private = make_pools(LAYOUT, DST_SEED)  # not in the segment: the push goes by the ring
     shared.receiver.reserve(KvReservation("ring", DST_IDS, private, LAYOUT))
     src = make_pools(LAYOUT, SRC_SEED)
@@ -232,11 +232,11 @@ async def test_releases_with_no_push_writing_in_place_free_at_once(
     await sender.begin(Handshake("ring", LAYOUT))
     await sender.send_layer(KvPool.TARGET, 0, src[KvPool.TARGET].layers[0], SRC_IDS, DST_IDS)
     assert not sender.is_placed
-    assert shared.receiver.release("ring") is None  # the receiver writes ring chunks itself
+    assert shared.receiver.drop("ring") is None  # the receiver writes ring chunks itself
     shared.reserve("done")
     await push_all(shm_sender(shared.channel, shared.rings, SMALL_CHUNKS), "done", LAYOUT, src)
     await shared.receiver.wait_done("done", timeout=5)
-    assert shared.receiver.release("done") is None  # written, all of it, before is_last
+    assert shared.receiver.drop("done") is None  # written, all of it, before is_last
     assert _fenced(shared) == []
 
 
@@ -250,7 +250,7 @@ async def test_a_call_ended_without_a_half_close_keeps_the_blocks_a_grace_period
         await shared.receiver.wait_done("r1", timeout=5)
     loop = asyncio.get_running_loop()
     start = loop.time()
-    stopping = shared.receiver.release("r1")
+    stopping = shared.receiver.drop("r1")
     assert stopping is not None  # a copy under way may still land
     await asyncio.wait_for(stopping, 5)
     assert loop.time() - start > 0.5
@@ -260,12 +260,12 @@ async def test_a_call_ended_without_a_half_close_keeps_the_blocks_a_grace_period
 @pytest.mark.parametrize("shared", [{"fence_timeout_s": 0.3, "write_grace_s": 0.3}], indirect=True)
 async def test_a_fenced_sender_that_never_stops_is_cut_off(shared: SharedReceiving) -> None:
     sender, src = await _midway(shared)
-    stopping = shared.receiver.release("r1")
+    stopping = shared.receiver.drop("r1")
     assert stopping is not None
     await asyncio.wait_for(stopping, 5)  # the call ended after 0.3 s, then the grace
     k1 = shared.pools[KvPool.TARGET].layers[1][0]
     before = bits(k1).clone()
-    with pytest.raises(KvTransferError, match="the reservation was released"):
+    with pytest.raises(KvTransferError, match="the reservation was dropped"):
         await sender.send_layer(KvPool.TARGET, 1, src[KvPool.TARGET].layers[1], SRC_IDS, DST_IDS)
     assert torch.equal(bits(k1), before)  # it saw the call's end before writing
 
@@ -316,7 +316,7 @@ async def test_a_sender_process_paused_mid_push(shared: SharedReceiving, end: st
     assert proc.stdin is not None and proc.stdout is not None
     try:
         assert await asyncio.wait_for(proc.stdout.readline(), 30) == b"placed\n"
-        stopping = shared.receiver.release("r1")
+        stopping = shared.receiver.drop("r1")
         assert stopping is not None
         await asyncio.sleep(0.5)  # alive and paused: the blocks stay its
         assert not stopping.done()
@@ -327,7 +327,7 @@ async def test_a_sender_process_paused_mid_push(shared: SharedReceiving, end: st
             proc.stdin.write(b"go\n")
             await proc.stdin.drain()
             said = await asyncio.wait_for(proc.stdout.readline(), 30)
-            assert said.endswith(b"UNKNOWN_REQUEST: the reservation was released\n"), said
+            assert said.endswith(b"UNKNOWN_REQUEST: the reservation was dropped\n"), said
         await asyncio.wait_for(stopping, 10)
         assert _fenced(shared) == []
         if end == "resumed":

@@ -164,8 +164,8 @@ async def test_release_stops_a_running_shm_push(receiving: Receiving, rings: Shm
     sender = shm_sender(receiving.channel, rings, ONE_BLOCK_CHUNKS)
     await sender.begin(Handshake("r1", layout))
     await sender.send_layer(KvPool.TARGET, 0, src[KvPool.TARGET].layers[0], SRC_IDS, DST_IDS)
-    receiving.receiver.release("r1")
-    with pytest.raises(KvTransferError, match="UNKNOWN_REQUEST: the reservation was released"):
+    receiving.receiver.drop("r1")
+    with pytest.raises(KvTransferError, match="UNKNOWN_REQUEST: the reservation was dropped"):
         for layer in range(1, 3):
             await sender.send_layer(
                 KvPool.TARGET, layer, src[KvPool.TARGET].layers[layer], SRC_IDS, DST_IDS

@@ -272,7 +272,7 @@ async def test_a_sender_stalled_writing_in_place_keeps_the_blocks_until_it_stopp
             assert sender.is_placed
             message = await server.failed_within("r1", within_s=STALL_S + 2.0)
             assert message.startswith("stalled: nothing moved for") and "next chunk" in message
-            stopped = server.receiver.release("r1")  # the decode worker's expiry
+            stopped = server.receiver.drop("r1")  # the decode worker's expiry
             assert stopped is not None and not stopped.done()
             released = time.monotonic()
             if resumes:

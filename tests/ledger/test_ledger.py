@@ -167,7 +167,7 @@ def test_stale_epoch_is_refused(ledger: Ledger) -> None:
             "r1", "decode-0", epoch=e.decode, pool=Pool.TARGET, block_ids=[3], lease_ms=LEASE_MS
         ),
         lambda: ledger.renew_lease("r1", "decode-0", epoch=e.decode, lease_ms=LEASE_MS),
-        lambda: ledger.release_blocks("r1", "decode-0", epoch=e.decode),
+        lambda: ledger.free_blocks("r1", "decode-0", epoch=e.decode),
     ):
         with pytest.raises(
             LedgerConflict,
@@ -224,14 +224,14 @@ def test_claim_release_and_ended_requests(ledger: Ledger) -> None:
     assert ledger.holdings("prefill-0")[0].blocks[Pool.TARGET] == frozenset(many)
 
     assert (
-        ledger.release_blocks("r1", "decode-0", epoch=e.decode, pool=Pool.TARGET, block_ids=[4, 99])
+        ledger.free_blocks("r1", "decode-0", epoch=e.decode, pool=Pool.TARGET, block_ids=[4, 99])
         == 1
     )
-    assert ledger.release_blocks("r1", "decode-0", epoch=e.decode, pool=Pool.DRAFT) == 4
-    assert ledger.release_blocks("r1", "decode-0", epoch=e.decode) == 3
-    assert ledger.release_blocks("r1", "decode-0", epoch=e.decode) == 0  # idempotent
+    assert ledger.free_blocks("r1", "decode-0", epoch=e.decode, pool=Pool.DRAFT) == 4
+    assert ledger.free_blocks("r1", "decode-0", epoch=e.decode) == 3
+    assert ledger.free_blocks("r1", "decode-0", epoch=e.decode) == 0  # idempotent
     assert (
-        ledger.release_blocks("r1", "prefill-0", epoch=e.prefill, pool=Pool.TARGET, block_ids=many)
+        ledger.free_blocks("r1", "prefill-0", epoch=e.prefill, pool=Pool.TARGET, block_ids=many)
         == 2500
     )
     assert ledger.holdings() == []
@@ -294,7 +294,7 @@ def test_resize_follows_the_owners_allocator(ledger: Ledger) -> None:
     assert resize([], many, num_held=2503, has_draft=False) == 3  # the draft pool is kept
     r1 = {h.request_id: h for h in ledger.holdings()}["r1"]
     assert r1.blocks == {Pool.TARGET: {5, 6, 7}, Pool.DRAFT: {5, 6, 7, *many}}
-    ledger.release_blocks("r1", "decode-0", epoch=e.decode, pool=Pool.DRAFT, block_ids=many)
+    ledger.free_blocks("r1", "decode-0", epoch=e.decode, pool=Pool.DRAFT, block_ids=many)
     assert ledger.audit({"decode-0": {5, 6, 7, 20, 21}}) == []
 
     with pytest.raises(LedgerConflict, match="expected 4 blocks held by worker decode-0, found 3"):
@@ -348,7 +348,7 @@ def test_expired_lease_is_reaped(ledger: Ledger) -> None:
     assert [h.request_id for h in ledger.holdings()] == ["kept"]
     assert record_of(ledger, "lost").state is S.DECODING
     # Once "kept" is released, its index entry goes at the next reap after its lease.
-    ledger.release_blocks("kept", "decode-0", epoch=e.decode)
+    ledger.free_blocks("kept", "decode-0", epoch=e.decode)
     time.sleep(0.55)
     assert ledger.reap_expired() == []
     assert ledger.client.zcard(ledger._holdings_key) == 0

@@ -72,7 +72,7 @@ def test_ledger_on_redis_cluster(redis_cluster: LocalRedisCluster) -> None:
     assert {_record(ledger, rid).state for rid in request_ids} == {S.FINISHED}
     assert len(ledger.holdings("decode-0")) == len(request_ids)
 
-    ledger.release_blocks(request_ids[0], "decode-0", epoch=decode)
+    ledger.free_blocks(request_ids[0], "decode-0", epoch=decode)
     time.sleep(0.3)
     reclaimed = ledger.reap_expired()
     assert sorted(r.request_id for r in reclaimed) == sorted(request_ids[1:])
@@ -88,7 +88,7 @@ def test_ledger_on_redis_cluster(redis_cluster: LocalRedisCluster) -> None:
     [restored] = ledger.holdings("decode-0")
     assert restored.blocks == {Pool.TARGET: {7, 8}, Pool.DRAFT: {7, 8}}
     assert restored.request_state is S.DECODING
-    ledger.release_blocks("restored", "decode-0", epoch=decode)
+    ledger.free_blocks("restored", "decode-0", epoch=decode)
     ledger.transition("restored", S.FINISHED, expected=S.DECODING, epoch=decode)
 
     ledger.heartbeat("decode-0", epoch=decode, ttl_ms=60_000, load=0.5)

@@ -192,7 +192,7 @@ def test_restore_decoding_after_a_restart(ledger: Ledger) -> None:
         )  # fmt: skip
 
     # Preempted: handed back to the router at the epoch the router used for it.
-    assert ledger.release_blocks("r1", "decode-0", epoch=new_epoch) == 6
+    assert ledger.free_blocks("r1", "decode-0", epoch=new_epoch) == 6
     ledger.transition(
         "r1",
         S.QUEUED,
@@ -205,7 +205,7 @@ def test_restore_decoding_after_a_restart(ledger: Ledger) -> None:
     ledger.restore_decoding(
         "r3", "decode-0", epoch=new_epoch, block_ids=[1], has_draft=False, lease_ms=LEASE_MS
     )
-    ledger.release_blocks("r3", "decode-0", epoch=new_epoch)
+    ledger.free_blocks("r3", "decode-0", epoch=new_epoch)
     assert ledger.transition("r3", S.FINISHED, expected=S.DECODING, epoch=new_epoch).version == 1
     assert ledger.holdings() == [] and ledger.audit({"decode-0": set()}) == []
 

@@ -149,7 +149,7 @@ async def test_rebuilds_decoding_requests_when_redis_restarts_empty(ledger: Ledg
         await asyncio.sleep(0.7)  # past the lease: the heartbeat renews the rebuilt one
         assert ledger.holdings()[0].lease_ttl_ms > 0 and lost == ["r2"]
 
-        membership.release("r1")  # finished: the new epoch ends it
+        membership.free("r1")  # finished: the new epoch ends it
         ledger.transition(
             "r1", RequestState.FINISHED, expected=RequestState.DECODING, epoch=membership.epoch
         )
@@ -253,7 +253,7 @@ async def test_grown_tables_are_recorded_after_the_step_one_script_each(ledger: 
     await asyncio.sleep(0)
     assert lost == ["r1"] and not membership.is_holding("r1") and membership.is_holding("r2")
     assert _target_blocks(ledger) == {"r2": {5, 6}}  # d0's holding of r1 released
-    membership.release("r2")
+    membership.free("r2")
     assert ledger.holdings() == [] and ledger.audit({"d0": set()}) == []
 
 

@@ -109,7 +109,7 @@ def _round_trip(client: redis.Redis, namespace: str) -> None:
         new_owner="decode-0",
         new_epoch=decode,
     )
-    assert ledger.release_blocks(rid, "prefill-0", epoch=prefill) == 2
+    assert ledger.free_blocks(rid, "prefill-0", epoch=prefill) == 2
     record = ledger.transition(rid, S.FINISHED, expected=S.DECODING, epoch=decode)
     assert (record.state, record.owner, record.version) == (S.FINISHED, "decode-0", 4)
     assert ledger.get_request(rid) == record
@@ -120,7 +120,7 @@ def _round_trip(client: redis.Redis, namespace: str) -> None:
     ledger.restore_decoding(
         restored, "decode-0", epoch=decode, block_ids=[3], has_draft=False, lease_ms=60_000
     )
-    assert ledger.release_blocks(restored, "decode-0", epoch=decode) == 1
+    assert ledger.free_blocks(restored, "decode-0", epoch=decode) == 1
     ledger.transition(restored, S.FINISHED, expected=S.DECODING, epoch=decode)
 
 

@@ -18,7 +18,7 @@ HOLDING_WRITES = {
     "restore_decoding",  # a record with its holding, rebuilt after Redis lost it
     "claim_blocks",
     "resize_blocks",
-    "release_blocks",
+    "free_blocks",
     "renew_lease",
     "reap_expired",
     "register_worker",

@@ -313,8 +313,8 @@ async def test_layers_leave_while_the_step_runs(
         for c in prefill.kv_pools.values()
     )
     assert pushed.num_bytes == expected_bytes
-    receiver.release("r")
-    prefill.release("r")
+    receiver.drop("r")
+    prefill.drop_request("r")
     assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
     assert finish_on(decode, "r", pushed.prefilled) == reference(target, draft, chunk, PROMPT)
 
@@ -368,8 +368,8 @@ async def test_layers_leave_in_groups(
     assert prefilled is not None
     pushed = Pushed([], [], prefilled, filled, 0, push.sender.num_bytes_sent)
     check_bits(pushed, prefill, decode)
-    receiver.release("r")
-    prefill.release("r")
+    receiver.drop("r")
+    prefill.drop_request("r")
     assert finish_on(decode, "r", prefilled) == reference(target, draft, chunk, PROMPT)
 
 
@@ -405,8 +405,8 @@ async def test_grpc_chunks_and_prefix_caches(dirs: tuple[Path, Path]) -> None:
                 assert pushed.first_block == 0 and pushed.windows[0][0] == 0
             if rid == "c":
                 assert pushed.first_block == 3
-            receiver.release(rid)
-            prefill.release(rid)
+            receiver.drop(rid)
+            prefill.drop_request(rid)
             got = finish_on(decode, rid, pushed.prefilled)
             assert got == reference(target, draft, 6, prompt)
         assert prefill.block_manager.num_prefix_hit_blocks == 6
@@ -432,7 +432,7 @@ async def test_stop_mid_prefill_fails_the_receiver_and_frees(dirs: tuple[Path, P
     assert push.task.cancelled()
     assert receiver.state("r") is TransferState.FAILED
     assert "cancelled by the test" in receiver.failure("r")
-    prefill.abort_request("r")
+    prefill.drop_request("r")
     assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
 
 
@@ -447,7 +447,7 @@ def test_first_token_that_ends_the_request_keeps_blocks_until_release(
     assert output.finished and prefill.take_prefilled("r") is None
     assert not prefill.has_unfinished_requests()
     assert prefill.block_manager.num_free_blocks < prefill.block_manager.num_blocks
-    prefill.release("r")
+    prefill.drop_request("r")
     assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
 
 

@@ -126,9 +126,9 @@ async def drop_request(
     the prefill engine; the decode worker's expiry releases the failed reservation and
     aborts it there. Every block of both engines is free after it."""
     await push.stop("prefill failed or was cancelled")
-    prefill.abort_request("r")
-    assert receiver.release("r") is None  # no same-host writer: the blocks are free now
-    decode.abort_request("r")
+    prefill.drop_request("r")
+    assert receiver.drop("r") is None  # no same-host writer: the blocks are free now
+    decode.drop_request("r")
     for engine in (prefill, decode):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -206,7 +206,7 @@ async def test_a_busy_engine_fails_no_push_queued_behind_others(
     assert await asyncio.wait_for(push.wait(), 5) == push.sender.num_bytes_sent > 0
     assert push.sender.state is TransferState.DONE
     await receiver.wait_done("r", timeout=1.0)
-    prefill.abort_request("busy")
+    prefill.drop_request("busy")
     await drop_request(push, prefill, decode, receiver)
 
 

@@ -133,10 +133,10 @@ async def test_a_retry_of_the_same_id_sees_only_its_own_layers(
         # the decode worker), as here: over loopback on one event loop, gRPC does not
         # always deliver the cancellation (the receiver then waits for a first chunk).
         assert receiver.state("r") is not TransferState.DONE
-        released = receiver.release("r")
+        released = receiver.drop("r")
         if released is not None:
             await asyncio.wait_for(released, 10)
-        decode.abort_request("r")
+        decode.drop_request("r")
 
         second = asyncio.create_task(service.Prefill(attempt(), _Context()))
         while "r" not in service._tasks:  # its push is open: the old step may go on
@@ -145,7 +145,7 @@ async def test_a_retry_of_the_same_id_sees_only_its_own_layers(
         reply = await asyncio.wait_for(second, 30)
         await receiver.wait_done("r", timeout=5.0)
         assert reply.first_token_id == expected[0]
-        receiver.release("r")
+        receiver.drop("r")
         decode.start_decoding("r", reply.first_token_id, None)
         assert run_alone(decode, "r") == expected
     finally:

@@ -176,7 +176,7 @@ def test_prefill_here_decode_there_rebuilds_the_grammar(outputs, spec_engine):
             for k, v in pool.layers:
                 k[table] = k[done.block_table]
                 v[table] = v[done.block_table]
-        engine.release("p-" + rid)
+        engine.drop_request("p-" + rid)
         engine.start_decoding("d-" + rid, done.first_token, done.draft_token_ids)
         out = run(engine, {})
         assert [done.first_token, *out["d-" + rid][1:]] == spec[rid]

@@ -87,7 +87,7 @@ def run(engine: LLMEngine, requests: Requests, abort: tuple[str, int] | None = N
             rid, (prompt, params) = pending.pop(0)
             engine.add_request(rid, prompt, params)
         if abort is not None and steps == abort[1]:
-            engine.abort_request(abort[0])
+            engine.drop_request(abort[0])
         for out in engine.step():
             assert out.request_id not in done, out.request_id  # nothing after the end
             if out.finished:
