@@ -143,7 +143,7 @@ class Prefill:
             push = LayerPush(
                 self.sender(transport), handshake, pools, dst, 0, bs, asyncio.Semaphore(1)
             )
-            self.relay.pushes[rid] = push
+            self.relay.register(rid, push)
         future = self.waiting[rid] = asyncio.get_running_loop().create_future()
         add = functools.partial(engine.add_request, is_prefill_only=True)
         await self.loop.call(add, rid, prompt, SamplingParams(max_tokens=16, temperature=0.0))
@@ -162,7 +162,8 @@ class Prefill:
                     await sender.send_layer(KvPool(name), layer, kv, src, dst)
             await sender.finish()
         done = time.perf_counter()
-        self.relay.pushes.pop(rid, None)
+        if push is not None:
+            self.relay.unregister(rid, push)
         await self.loop.call(engine.drop_request, rid, bounded=False)
         return done - start, computed - start
 

@@ -30,11 +30,12 @@ from typing import Any
 from decode_worker.chunk_stream import ChunkStream
 from decode_worker.request import Aborted, CloseReason, Holders, OutputSlot, RequestHandle
 from decode_worker.transitions import DecodeTransitions
+from engine.engine_figures import BlockTableWatch, block_tables
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.outputs import NON_FINITE_LOGITS, FinishReason, RequestFailed
 from kv_transfer import KvLayout, KvReceiver, TransferState, add_kv_transfer_servicer, host_id
 from ledger.membership import HeldRequest, Membership
-from serving.engine_loop import BlockTableWatch, EngineLoop, TorchThread, block_tables
+from serving.engine_loop import EngineLoop, TorchThread
 from serving.engine_setup import draft_figures
 from serving.metrics import DecodeFigures, DecodeMetrics
 from serving.rpc import NotFound, PreconditionFailed, Unavailable

@@ -7,28 +7,24 @@ import gc
 import logging
 import secrets
 import time
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
 
+from engine.admission import RequestError, check_request
 from engine.components import build_components
-from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheCapacityError, PagedKVCache
-from engine.model_runner import LayerListener, RowLogprobs, StepOutput
+from engine.model_runner import LayerListener, StepOutput
+from engine.output_processor import OutputProcessor
 from engine.outputs import PrefilledRequest, RequestOutput
-from engine.sampler import FAULT
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
-from engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
+from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.spec import overlap
 from engine.spec.overlap import AheadStep
 from engine.spec.spec_runner import DecodeResult
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; the message names what is wrong."""
-
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +47,6 @@ class LLMEngine:
         parts = build_components(config, tokenizer)
         self.model_config = parts.model_config
         self.max_model_len = parts.model_config.max_seq_len
-        self.eos_token_ids = parts.eos_token_ids
         self.grammars = parts.grammars
         self.kv_cache = parts.kv_cache
         self.block_manager = parts.block_manager
@@ -60,7 +55,9 @@ class LLMEngine:
         self.runner = parts.runner
         self.spec = parts.spec
         self._seqs: dict[str, Sequence] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.outputs = OutputProcessor(
+            parts.eos_token_ids, tokenizer, has_spec=self.spec is not None
+        )
         self._ahead: AheadStep | None = None  # overlap scheduling: the step in flight
         self.num_steps_ahead = 0  # decode steps launched before the previous one was read
         if config.torch_compile or config.warm_up:
@@ -77,6 +74,10 @@ class LLMEngine:
         # the cyclic collector, as serving engines do once started.
         gc.collect()
         gc.freeze()
+
+    @property
+    def eos_token_ids(self) -> AbstractSet[int]:
+        return self.outputs.eos_token_ids
 
     def _warm_up(self) -> None:
         """Runs every lazy initialization and compiles the decode graphs now, then forgets
@@ -143,7 +144,17 @@ class LLMEngine:
                 f"both the number of ids ({len(token_ids)}) and max_tokens ({params.max_tokens})"
             )
         num_prompt_tokens = len(token_ids) - num_output_tokens_sent
-        self._validate(request_id, token_ids, params, num_prompt_tokens)
+        if request_id in self._seqs:
+            raise RequestError(f"request_id: {request_id!r} is already running")
+        check_request(
+            token_ids,
+            params,
+            num_prompt_tokens,
+            vocab_size=self.model_config.vocab_size,
+            has_tokenizer=self.tokenizer is not None,
+            max_model_len=self.max_model_len,
+            block_manager=self.block_manager,
+        )
         generated = token_ids[num_prompt_tokens:]
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(
@@ -155,10 +166,7 @@ class LLMEngine:
         )
         seq.grammar = self.grammars.row(params.structured_output, generated)
         self._seqs[request_id] = seq
-        if self.tokenizer is not None:
-            detok = self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
-            if generated:  # an earlier attempt's output: it did not stop there
-                detok.add(generated)
+        self.outputs.start(request_id, params, generated)
         return seq
 
     def drop_request(self, request_id: str) -> None:
@@ -170,7 +178,7 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED
         else:
             self._free_blocks(seq)
-        self._detok.pop(request_id, None)
+        self.outputs.forget(request_id)
 
     # -- disaggregation ----------------------------------------------------------------
 
@@ -220,7 +228,7 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt_token_ids, params, num_output_tokens_sent)
         if not self.block_manager.can_allocate(seq):
             del self._seqs[request_id]
-            self._detok.pop(request_id, None)
+            self.outputs.forget(request_id)
             raise KVCacheCapacityError(
                 f"kv cache: {self.block_manager.num_free_blocks} blocks free, not enough for "
                 f"{len(prompt_token_ids)} prompt tokens; retry later or on another worker"
@@ -265,8 +273,8 @@ class LLMEngine:
                 # model: a decode row from its first step (a prefill worker's drafter wrote
                 # its draft KV all the same).
                 seq.draft_token_ids = list(draft_token_ids or [])
-            self._check_stop(seq, first_token)
-        output = self._output(seq)
+            self.outputs.check_stop(seq, first_token)
+        output = self.outputs.output(seq)
         if seq.finish_reason is not None:
             self.drop_request(request_id)
         elif not has_kv:
@@ -292,8 +300,7 @@ class LLMEngine:
 
     def output_text(self, request_id: str) -> str:
         """The text of a request's output so far (held-back characters excluded)."""
-        detok = self._detok.get(request_id)
-        return detok.text if detok is not None else ""
+        return self.outputs.text(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or self._ahead is not None
@@ -315,43 +322,6 @@ class LLMEngine:
         if self.spec is None or self.has_unfinished_requests():
             return 0.0
         return self.spec.refresh_costs(self.block_manager.clean_block_ids)
-
-    def _validate(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, num_prompt_tokens: int
-    ) -> None:
-        """``token_ids``: the prompt's ``num_prompt_tokens``, then any resumed output."""
-        if request_id in self._seqs:
-            raise RequestError(f"request_id: {request_id!r} is already running")
-        if not num_prompt_tokens:
-            raise RequestError("prompt: is empty; send at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(
-                f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})"
-            )
-        bad = [t for t, _ in params.bias_pairs if not t < vocab]
-        if bad:
-            raise RequestError(
-                f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})"
-            )
-        if params.stop and self.tokenizer is None:
-            raise RequestError("stop: stop strings need a tokenizer; use stop_token_ids")
-        total = num_prompt_tokens + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestError(
-                f"max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens "
-                f"({params.max_tokens}) = {total} exceeds the context length {self.max_model_len}"
-            )
-        needed = self.block_manager.num_blocks_for(total + self.block_manager.num_lookahead_slots)
-        if needed > self.block_manager.num_blocks:
-            raise KVCacheCapacityError(
-                f"kv cache: this request needs {needed} blocks but the cache has only "
-                f"{self.block_manager.num_blocks}; raise kv_cache_memory or shorten the request"
-            )
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -441,9 +411,9 @@ class LLMEngine:
         for seq in batch.preempted:
             self.scheduler.finish(seq)  # out of the waiting queue
             seq.finish_reason = FinishReason.PREEMPTED
-            outputs.append(self._output(seq))
+            outputs.append(self.outputs.output(seq))
             self._seqs.pop(seq.request_id, None)
-            self._detok.pop(seq.request_id, None)
+            self.outputs.forget(seq.request_id)
         batch.preempted.clear()
         return outputs
 
@@ -464,34 +434,22 @@ class LLMEngine:
             # Target KV now covers the pending token and every accepted draft.
             seq.num_computed_tokens += len(result.tokens)
             for i, token in enumerate(result.tokens):
-                if token == FAULT:  # this row's logits were not finite: it alone fails
-                    seq.finish_reason = FinishReason.ERROR
-                    break
-                seq.token_ids.append(token)
-                if result.logprobs is not None and seq.params.logprobs is not None:
-                    self._add_logprobs(seq, token, result.logprobs[i])
-                self._check_stop(seq, token)
+                row = result.logprobs[i] if result.logprobs is not None else None
+                self.outputs.append(seq, token, row)
                 if seq.finish_reason is not None:
                     break
             self.block_manager.cache_computed_blocks(seq, seq.num_drafted_tokens)
-            outputs.append(self._output(seq))
+            outputs.append(self.outputs.output(seq))
             if seq.finish_reason is not None:
                 self._finish(seq)
         return outputs
-
-    def _add_logprobs(self, seq: Sequence, token: int, row: RowLogprobs) -> None:
-        chosen, ids, values = row
-        n = seq.params.logprobs or 0
-        seq.logprobs.append(
-            TokenLogprobs(token, chosen, dict(zip(ids[:n], values[:n], strict=True)))
-        )
 
     def _finish(self, seq: Sequence) -> None:
         if self.spec is not None:
             self.spec.finished(seq)
         self._free_blocks(seq)
         del self._seqs[seq.request_id]
-        self._detok.pop(seq.request_id, None)
+        self.outputs.forget(seq.request_id)
 
     def _free_blocks(self, seq: Sequence) -> None:
         """Ends a request in the scheduler; a step in flight may still write its blocks:
@@ -516,14 +474,10 @@ class LLMEngine:
             seq = batch.seqs[row]
             if seq.params.max_tokens == 0:  # prompt logprobs only: the token is dropped
                 seq.finish_reason = FinishReason.LENGTH
-            elif token == FAULT:  # this row's logits were not finite: it alone fails
-                seq.finish_reason = FinishReason.ERROR
             else:
-                seq.token_ids.append(token)
-                if result.logprobs is not None and seq.params.logprobs is not None:
-                    self._add_logprobs(seq, token, result.logprobs[i])
-                self._check_stop(seq, token)
-            outputs.append(self._output(seq))
+                row_logprobs = result.logprobs[i] if result.logprobs is not None else None
+                self.outputs.append(seq, token, row_logprobs)
+            outputs.append(self.outputs.output(seq))
             if seq.is_prefill_only:
                 # Blocks stay until drop_request(), even when the first token ended it: a layer
                 # listener's transfer may still be reading this step's KV from them.
@@ -532,35 +486,3 @@ class LLMEngine:
             elif seq.finish_reason is not None:
                 self._finish(seq)
         return outputs
-
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        params = seq.params
-        # A grammar allows EOS only where it ends: its rows end there even with ignore_eos
-        # (not while thinking: the grammar does not constrain that part yet).
-        is_grammar_end = seq.grammar is not None and not seq.grammar.is_thinking
-        is_eos = (not params.ignore_eos or is_grammar_end) and token in self.eos_token_ids
-        if token in params.stop_token_ids or is_eos:
-            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
-        elif seq.num_output_tokens >= params.max_tokens:
-            seq.finish_reason = FinishReason.LENGTH
-        detok = self._detok.get(seq.request_id)
-        if detok is not None:
-            detok.add([token], final=seq.finish_reason is not None)
-            if detok.stopped_on is not None and seq.finish_reason is None:
-                seq.finish_reason, seq.stop_reason = FinishReason.STOP, detok.stopped_on
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        detok = self._detok.get(seq.request_id)
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids,
-            text=detok.text if detok is not None else "",
-            finished=seq.finish_reason is not None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=list(seq.logprobs),
-            spec_counts=dataclasses.replace(seq.spec_counts) if self.spec is not None else None,
-            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
-        )

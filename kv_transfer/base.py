@@ -40,7 +40,8 @@ class TransferState(enum.Enum):
 
 
 class KvPool(enum.StrEnum):
-    """Which paged pool; both are indexed by the same block ids (as ledger.ledger.Pool)."""
+    """Which paged pool; both are indexed by the same block ids (as ledger.records.KvPool
+    and the engine's kv_pools keys)."""
 
     TARGET = "target"
     DRAFT = "draft"

@@ -4,20 +4,7 @@ Redis holds soft state with TTLs; workers hold the truth of their memory (see
 ledger.audit). Every state change is one Lua script (ledger.scripts) over the
 keys of one request or one worker, so the ledger runs on one Redis or on Redis Cluster.
 
-Keys, under a namespace ``ns`` (default "td"):
-
-    {ns}:{req:ID}                         hash: state, owner, epoch, version, times, fields
-    {ns}:{req:ID}:holders                 hash: worker id -> epoch of the instance holding blocks
-    {ns}:{req:ID}:blocks:WORKER:POOL      set of block ids held by WORKER in POOL (claimed, then
-                                          resized as the owner's allocator grows its table)
-    {ns}:{req:ID}:lease:WORKER            string (epoch) with the lease TTL
-    {ns}:holdings                         zset "ID/WORKER" -> lease expiry hint (ms), for the reaper
-    {ns}:epoch                            counter of registration epochs (fencing tokens)
-    {ns}:generation                       hash: id, started_ms, tick:WORKER (this lifetime of the
-                                          data, and each component's clock)
-    {ns}:workers                          set of worker ids (index of the records below)
-    {ns}:worker:WORKER                    hash: role, address, capacity, load, epoch (heartbeat TTL)
-    {ns}:prefix:HASH                      the prefix index (ledger.prefix_index)
+Keys: ``ledger.keys``.
 
 Fencing: a request record holds its owner's epoch; a transition must present it. Epochs
 come from one counter, so an epoch names one registration of one worker: a worker that
@@ -41,6 +28,7 @@ from redis.commands.core import Script
 
 from ledger import scripts as lua
 from ledger.audit import AllocatorReport, Discrepancy, find_discrepancies
+from ledger.keys import LedgerKeys
 from ledger.prefix_index import PrefixIndex
 from ledger.records import (
     ALLOWED_TRANSITIONS,
@@ -50,8 +38,8 @@ from ledger.records import (
     WORKER_FIELDS,
     Generation,
     Holding,
+    KvPool,
     LedgerConflict,
-    Pool,
     Reclaimed,
     RedisClient,
     RequestRecord,
@@ -84,34 +72,7 @@ class Ledger:
         self.finished_ttl_ms = finished_ttl_ms
         self._scripts: dict[str, Script] = {}
         self.prefixes = PrefixIndex(client, namespace)
-
-    # ---- keys
-
-    def _record_key(self, request_id: str) -> str:
-        return f"{self.ns}:{{req:{request_id}}}"
-
-    def _request_keys(self, request_id: str, worker_id: str) -> tuple[str, str, str, str, str]:
-        """record, holders, lease, target set, draft set of one (request, worker)."""
-        record = self._record_key(request_id)
-        blocks = f"{record}:blocks:{worker_id}"
-        return (
-            record,
-            f"{record}:holders",
-            f"{record}:lease:{worker_id}",
-            f"{blocks}:{Pool.TARGET}",
-            f"{blocks}:{Pool.DRAFT}",
-        )
-
-    def _worker_key(self, worker_id: str) -> str:
-        return f"{self.ns}:worker:{worker_id}"
-
-    @property
-    def _holdings_key(self) -> str:
-        return f"{self.ns}:holdings"
-
-    @property
-    def _generation_key(self) -> str:
-        return f"{self.ns}:generation"
+        self.keys = LedgerKeys(namespace)
 
     # ---- scripts
 
@@ -150,14 +111,14 @@ class Ledger:
             extra += [name, str(value)]
         flat = self._run(
             lua.CREATE_REQUEST,
-            [self._record_key(request_id)],
+            [self.keys.record(request_id)],
             [request_id, owner, epoch, self.request_ttl_ms, *extra],
         )
         return RequestRecord.from_redis(request_id, pairs_of(flat))
 
     def get_request(self, request_id: str) -> RequestRecord | None:
         check_id("request_id", request_id)
-        flat = self.client.hgetall(self._record_key(request_id))
+        flat = self.client.hgetall(self.keys.record(request_id))
         if not flat:
             return None
         return RequestRecord.from_redis(
@@ -197,7 +158,7 @@ class Ledger:
         ttl = self.finished_ttl_ms if to.is_terminal else self.request_ttl_ms
         args = [request_id, expected, to, epoch, new_owner or "", new_epoch or 0, ttl, error or ""]
         args.append("1" if retryable else "")
-        flat = self._run(lua.TRANSITION, [self._record_key(request_id)], args)
+        flat = self._run(lua.TRANSITION, [self.keys.record(request_id)], args)
         return RequestRecord.from_redis(request_id, pairs_of(flat))
 
     def restore_decoding(
@@ -228,10 +189,10 @@ class Ledger:
             if name in RECORD_FIELDS or name == "restored_ms":
                 raise ValueError(f"fields: {name!r} is reserved ({sorted(RECORD_FIELDS)})")
             extra += [name, str(value)]
-        record, holders, lease, target, draft = self._request_keys(request_id, worker_id)
+        record, holders, lease, target, draft = self.keys.request(request_id, worker_id)
         if ids:  # index first, as claim_blocks does: the reaper must be able to find it
             member = f"{request_id}/{worker_id}"
-            self.client.zadd(self._holdings_key, {member: self._expiry_hint(lease_ms)})
+            self.client.zadd(self.keys.holdings, {member: self._expiry_hint(lease_ms)})
         args = [request_id, worker_id, epoch, self.request_ttl_ms, lease_ms, int(has_draft)]
         flat = self._run(
             lua.RESTORE_DECODING,
@@ -248,7 +209,7 @@ class Ledger:
         worker_id: str,
         *,
         epoch: int,
-        pool: Pool,
+        pool: KvPool,
         block_ids: Iterable[int],
         lease_ms: int,
     ) -> int:
@@ -258,13 +219,13 @@ class Ledger:
         check_id("request_id", request_id)
         check_id("worker_id", worker_id)
         ids = check_block_ids(block_ids)
-        record, holders, lease, target, draft = self._request_keys(request_id, worker_id)
-        pool_set = target if Pool(pool) is Pool.TARGET else draft
+        record, holders, lease, target, draft = self.keys.request(request_id, worker_id)
+        pool_set = target if KvPool(pool) is KvPool.TARGET else draft
         # Index first (NX: a failed claim must not postpone the reaper), then the truth, then
         # the hint: a crash in between leaves an index entry the reaper drops, never a
         # holding the reaper cannot find.
         member = f"{request_id}/{worker_id}"
-        self.client.zadd(self._holdings_key, {member: self._expiry_hint(lease_ms)}, nx=True)
+        self.client.zadd(self.keys.holdings, {member: self._expiry_hint(lease_ms)}, nx=True)
         keys = [record, holders, pool_set, lease, target, draft]
         held = self._run(lua.CLAIM_BLOCKS, keys, [request_id, worker_id, epoch, lease_ms, *ids])
         self._index(request_id, worker_id, lease_ms)
@@ -291,7 +252,7 @@ class Ledger:
         check_id("request_id", request_id)
         check_id("worker_id", worker_id)
         added_ids, removed_ids = check_block_ids(added), check_block_ids(removed)
-        record, holders, lease, target, draft = self._request_keys(request_id, worker_id)
+        record, holders, lease, target, draft = self.keys.request(request_id, worker_id)
         args = [request_id, worker_id, epoch, RequestState(expected), num_held, int(has_draft)]
         held = self._run(
             lua.RESIZE_BLOCKS,
@@ -306,7 +267,7 @@ class Ledger:
         worker_id: str,
         *,
         epoch: int,
-        pool: Pool | None = None,
+        pool: KvPool | None = None,
         block_ids: Iterable[int] | None = None,
     ) -> int:
         """Forgets blocks of a worker for a request: ``block_ids`` of ``pool``, or all of
@@ -318,8 +279,8 @@ class Ledger:
             return 0
         if ids is not None and pool is None:
             raise ValueError("block_ids: give the pool they belong to")
-        _, holders, lease, target, draft = self._request_keys(request_id, worker_id)
-        pool_arg = "" if pool is None else str(Pool(pool))
+        _, holders, lease, target, draft = self.keys.request(request_id, worker_id)
+        pool_arg = "" if pool is None else str(KvPool(pool))
         released, _remaining = self._run(
             lua.FREE_BLOCKS,
             [holders, lease, target, draft],
@@ -334,14 +295,14 @@ class Ledger:
         (the worker must then abort the request: its blocks may be reclaimed)."""
         check_id("request_id", request_id)
         check_id("worker_id", worker_id)
-        _, holders, lease, _, _ = self._request_keys(request_id, worker_id)
+        _, holders, lease, _, _ = self.keys.request(request_id, worker_id)
         self._run(lua.RENEW_LEASE, [holders, lease], [request_id, worker_id, epoch, lease_ms])
         self._index(request_id, worker_id, lease_ms)
 
     def _index(self, request_id: str, worker_id: str, lease_ms: int) -> None:
         """Sets the reaper's expiry hint of a lease just (re)started for ``lease_ms``."""
         member = f"{request_id}/{worker_id}"
-        self.client.zadd(self._holdings_key, {member: self._expiry_hint(lease_ms)})
+        self.client.zadd(self.keys.holdings, {member: self._expiry_hint(lease_ms)})
 
     @staticmethod
     def _expiry_hint(lease_ms: int) -> int:
@@ -353,24 +314,24 @@ class Ledger:
         Request states are left alone: the caller decides (migrate, fail)."""
         now = int(time.time() * 1000)
         due: Any = self.client.zrangebyscore(
-            self._holdings_key, "-inf", now, start=0, num=limit, withscores=True
+            self.keys.holdings, "-inf", now, start=0, num=limit, withscores=True
         )
         reclaimed: list[Reclaimed] = []
         for raw_member, score in due:
             member = text_of(raw_member)
             request_id, worker_id = member.split("/", 1)
-            _, holders, lease, target, draft = self._request_keys(request_id, worker_id)
+            _, holders, lease, target, draft = self.keys.request(request_id, worker_id)
             result = self._run(lua.REAP, [holders, lease, target, draft], [worker_id])
             outcome = text_of(result[0])
             if outcome == "alive":
                 expiry = now + int(result[1])
-                self.client.zadd(self._holdings_key, {member: expiry})
+                self.client.zadd(self.keys.holdings, {member: expiry})
                 continue
-            self._run(lua.UNINDEX_IF_SCORE, [self._holdings_key], [member, int(score)])
+            self._run(lua.UNINDEX_IF_SCORE, [self.keys.holdings], [member, int(score)])
             if outcome == "reclaimed":
                 blocks = {
-                    Pool.TARGET: frozenset(int(b) for b in result[2]),
-                    Pool.DRAFT: frozenset(int(b) for b in result[3]),
+                    KvPool.TARGET: frozenset(int(b) for b in result[2]),
+                    KvPool.DRAFT: frozenset(int(b) for b in result[3]),
                 }
                 reclaimed.append(Reclaimed(request_id, worker_id, int(result[1]), blocks))
         return reclaimed
@@ -378,11 +339,11 @@ class Ledger:
     def holdings(self, worker_id: str | None = None) -> list[Holding]:
         """Every (request, worker) holding in the index, or only ``worker_id``'s."""
         holdings = []
-        for raw_member in self.client.zrange(self._holdings_key, 0, -1):
+        for raw_member in self.client.zrange(self.keys.holdings, 0, -1):
             request_id, holder = text_of(raw_member).split("/", 1)
             if worker_id is not None and holder != worker_id:
                 continue
-            record, holders, lease, target, draft = self._request_keys(request_id, holder)
+            record, holders, lease, target, draft = self.keys.request(request_id, holder)
             epoch, pttl, target_ids, draft_ids, state = self._run(
                 lua.READ_HOLDING, [holders, lease, target, draft, record], [holder]
             )
@@ -394,8 +355,8 @@ class Ledger:
                     worker_id=holder,
                     epoch=int(epoch),
                     blocks={
-                        Pool.TARGET: frozenset(int(b) for b in target_ids),
-                        Pool.DRAFT: frozenset(int(b) for b in draft_ids),
+                        KvPool.TARGET: frozenset(int(b) for b in target_ids),
+                        KvPool.DRAFT: frozenset(int(b) for b in draft_ids),
                     },
                     lease_ttl_ms=int(pttl),
                     request_state=None if state is None else RequestState(text_of(state)),
@@ -416,7 +377,7 @@ class Ledger:
         args = [secrets.token_hex(8), worker_id]
         args += [seen.id, str(seen.tick)] if seen else ["", "0"]
         generation_id, started_ms, tick = self._run(
-            lua.JOIN_GENERATION, [self._generation_key], args
+            lua.JOIN_GENERATION, [self.keys.generation], args
         )
         return Generation(text_of(generation_id), int(started_ms), int(tick))
 
@@ -431,13 +392,13 @@ class Ledger:
     ) -> int:
         """Registers (or re-registers) a worker with a fresh epoch, its fencing token."""
         check_id("worker_id", worker_id)
-        epoch = int(self._run(lua.NEXT_EPOCH, [f"{self.ns}:epoch"], []))
+        epoch = int(self._run(lua.NEXT_EPOCH, [self.keys.epoch], []))
         fields = ["role", str(WorkerRole(role)), "address", address, "capacity", capacity]
         fields += ["load", 0.0]
         self._run(
-            lua.REGISTER_WORKER, [self._worker_key(worker_id)], [worker_id, epoch, ttl_ms, *fields]
+            lua.REGISTER_WORKER, [self.keys.worker(worker_id)], [worker_id, epoch, ttl_ms, *fields]
         )
-        self.client.sadd(f"{self.ns}:workers", worker_id)
+        self.client.sadd(self.keys.workers, worker_id)
         return epoch
 
     def heartbeat(
@@ -457,28 +418,28 @@ class Ledger:
             if name in WORKER_FIELDS:
                 raise ValueError(f"stats: {name!r} is reserved ({sorted(WORKER_FIELDS)})")
             fields += [name, str(value)]
-        self._run(lua.HEARTBEAT, [self._worker_key(worker_id)], [worker_id, epoch, ttl_ms, *fields])
-        self.client.sadd(f"{self.ns}:workers", worker_id)  # repairs a racing prune
+        self._run(lua.HEARTBEAT, [self.keys.worker(worker_id)], [worker_id, epoch, ttl_ms, *fields])
+        self.client.sadd(self.keys.workers, worker_id)  # repairs a racing prune
 
     def deregister_worker(self, worker_id: str, *, epoch: int) -> bool:
         """Removes a registration (graceful shutdown); False if it had already expired."""
         check_id("worker_id", worker_id)
         removed = self._run(
-            lua.DEREGISTER_WORKER, [self._worker_key(worker_id)], [worker_id, epoch]
+            lua.DEREGISTER_WORKER, [self.keys.worker(worker_id)], [worker_id, epoch]
         )
-        self.client.srem(f"{self.ns}:workers", worker_id)
+        self.client.srem(self.keys.workers, worker_id)
         return bool(removed)
 
     def list_workers(self, role: WorkerRole | None = None) -> list[WorkerInfo]:
         """Live registrations (heartbeat TTL not expired), sorted by id."""
         workers = []
-        for worker_id in sorted(text_of(w) for w in self.client.smembers(f"{self.ns}:workers")):
+        for worker_id in sorted(text_of(w) for w in self.client.smembers(self.keys.workers)):
             raw = {
                 text_of(k): text_of(v)
-                for k, v in self.client.hgetall(self._worker_key(worker_id)).items()
+                for k, v in self.client.hgetall(self.keys.worker(worker_id)).items()
             }
             if not raw:
-                self.client.srem(f"{self.ns}:workers", worker_id)  # expired: prune the index
+                self.client.srem(self.keys.workers, worker_id)  # expired: prune the index
                 continue
             info = WorkerInfo(
                 worker_id=worker_id,

@@ -37,7 +37,7 @@ from typing import Protocol
 
 import redis
 
-from ledger.ledger import Generation, Ledger, LedgerConflict, Pool, WorkerRole
+from ledger.ledger import Generation, KvPool, Ledger, LedgerConflict, WorkerRole
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class Membership:
 
     def claim(self, request_id: str, block_ids: Sequence[int], *, has_draft: bool) -> None:
         """Records the blocks this worker holds for a request (both pools share the ids)."""
-        pools = (Pool.TARGET, Pool.DRAFT) if has_draft else (Pool.TARGET,)
+        pools = (KvPool.TARGET, KvPool.DRAFT) if has_draft else (KvPool.TARGET,)
         for pool in pools:
             self.ledger.claim_blocks(
                 request_id,

@@ -63,7 +63,12 @@ ALLOWED_TRANSITIONS: Mapping[RequestState, frozenset[RequestState]] = {
 }
 
 
-class Pool(StrEnum):
+class KvPool(StrEnum):
+    """Which paged KV pool a block id indexes: the same names as ``kv_transfer.KvPool``
+    and the engine's ``LLMEngine.kv_pools`` keys. Three declarations of one vocabulary, as
+    the layering wants: the engine, the KV transfer and the ledger import none of each
+    other (``tests/services/test_vocabulary.py`` keeps them equal)."""
+
     TARGET = "target"
     DRAFT = "draft"
 
@@ -133,7 +138,7 @@ class Holding:
     request_id: str
     worker_id: str
     epoch: int
-    blocks: Mapping[Pool, frozenset[int]]
+    blocks: Mapping[KvPool, frozenset[int]]
     lease_ttl_ms: int  # remaining; -2: expired (reclaimable)
     request_state: RequestState | None  # None: the record is gone (expired)
 
@@ -149,7 +154,7 @@ class Reclaimed:
     request_id: str
     worker_id: str
     epoch: int
-    blocks: Mapping[Pool, frozenset[int]]
+    blocks: Mapping[KvPool, frozenset[int]]
 
 
 def text_of(value: Any) -> str:

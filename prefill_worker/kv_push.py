@@ -36,6 +36,7 @@ on it fails (Unavailable: the router passes this worker over).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -208,8 +209,11 @@ class LayerRelay:
         pools: Mapping[str, PagedPools],
         group_bytes: int = 0,
     ) -> None:
-        # Written by the event loop, read by the engine thread (single dict operations).
-        self.pushes: dict[str, LayerPush] = {}
+        # Request id -> its push: registered by the engine thread as the request is added
+        # (``register``), unregistered from either thread (``unregister``), read by the
+        # engine thread at every layer; the lock makes check-and-pop one step.
+        self._pushes: dict[str, LayerPush] = {}
+        self._lock = threading.Lock()
         # When the engine last wrote a layer, for any request (time.monotonic; written by
         # the engine thread, read by the event loop): the pushes' engine clock.
         self.last_written_at = time.monotonic()
@@ -225,17 +229,31 @@ class LayerRelay:
         self._held: list[_HeldLayer] = []
         self._held_bytes = 0
 
+    def register(self, request_id: str, push: LayerPush) -> None:
+        """The request's layers go to ``push`` from its next step on (engine thread, as
+        the request is added: never an earlier attempt's layers)."""
+        with self._lock:
+            self._pushes[request_id] = push
+
+    def unregister(self, request_id: str, push: LayerPush) -> None:
+        """No more layers to ``push``; a later attempt's push under the same id stays."""
+        with self._lock:
+            if self._pushes.get(request_id) is push:
+                del self._pushes[request_id]
+
     def __call__(self, pool: str, layer: int, step: StepKv) -> None:
         self.last_written_at = time.monotonic()
         if layer == 0:
             self._held.clear()  # layers of a step that failed before its pool's last one
             self._held_bytes = 0
-        if not self.pushes and not self._held:
+        if not self._pushes and not self._held:
             return
-        rows = []
-        for row in step.rows:  # one get each: the event loop may drop a push meanwhile
-            if (push := self.pushes.get(row.request_id)) is not None:
-                rows.append((push, row))
+        with self._lock:
+            rows = [
+                (push, row)
+                for row in step.rows
+                if (push := self._pushes.get(row.request_id)) is not None
+            ]
         if rows:
             self._held.append((KvPool(pool), layer, rows))
         num_layers, token_bytes = self._shapes[pool]

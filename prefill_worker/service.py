@@ -312,7 +312,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         self.engine.add_request(
             rid, prompt, params, is_prefill_only=True, num_output_tokens_sent=num_output_tokens_sent
         )
-        self._relay.pushes[rid] = push
+        self._relay.register(rid, push)
 
     def _abort_unrelayed(self, rid: str, push: LayerPush) -> None:
         """Engine thread: ends the request, and its push's relay entry if an add that the
@@ -321,8 +321,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
         self._unrelay(rid, push)
 
     def _unrelay(self, rid: str, push: LayerPush) -> None:
-        if self._relay.pushes.get(rid) is push:  # never a later attempt's push
-            self._relay.pushes.pop(rid, None)
+        self._relay.unregister(rid, push)  # never a later attempt's push
 
     def _reply(
         self,

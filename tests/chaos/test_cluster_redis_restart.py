@@ -22,7 +22,7 @@ import pytest
 import redis
 import torch
 
-from ledger.ledger import Holding, Ledger, Pool, RequestRecord, RequestState
+from ledger.ledger import Holding, KvPool, Ledger, RequestRecord, RequestState
 from ledger.redis_server import RedisServer, free_port
 from serving.launcher import Cluster
 from tests.services.cluster_helpers import (
@@ -158,7 +158,7 @@ async def check_rebuilt(
         holding = rebuilt[rid]
         assert holding.epoch == new_epoch and holding.lease_ttl_ms > 0
     owned = set(stats.owned_block_ids)
-    assert set().union(*(h.blocks[Pool.TARGET] for h in rebuilt.values())) <= owned
+    assert set().union(*(h.blocks[KvPool.TARGET] for h in rebuilt.values())) <= owned
     assert await audit_live(cluster, ledger) == []  # blocks grown since: recorded
     assert max(streams.counts) < MAX_TOKENS, "a stream ended before the checks: raise MAX_TOKENS"
     await wait_registered_again(ledger, before)
@@ -196,7 +196,7 @@ async def test_decoding_streams_survive_an_empty_redis_restart(
 
     rebuilt = await check_rebuilt(cluster, ledger, streams, records, before)
     for rid, holding in rebuilt.items():  # at least what was claimed: the tables grew
-        assert holding.blocks[Pool.TARGET] >= claimed[rid].blocks[Pool.TARGET]
+        assert holding.blocks[KvPool.TARGET] >= claimed[rid].blocks[KvPool.TARGET]
     results = await streams.results()
     ours = [check_stream(c, MAX_TOKENS) for c in results]
     assert_greedy_equal(target, PROMPTS, ours, expected[: len(PROMPTS)])
@@ -236,7 +236,7 @@ async def test_decoding_streams_survive_a_redis_restored_from_a_snapshot(
     )
     grown = decode_holdings(ledger)
     for rid in records:
-        assert grown[rid].blocks[Pool.TARGET] > at_snapshot[rid].blocks[Pool.TARGET]
+        assert grown[rid].blocks[KvPool.TARGET] > at_snapshot[rid].blocks[KvPool.TARGET]
     await kill_redis_and_refuse(cluster, redis_server)
     redis_server.start(rdb=snapshot)  # as it was at the snapshot, on the same port
     assert ledger.get_request(served[0].request_id) is None  # served after it: forgotten

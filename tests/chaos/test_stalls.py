@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from tandem.v1 import worker_pb2_grpc as pb_grpc
 from tests.services.cluster_helpers import (
     SERVICE_ARGS,
     TINY_WORKER_ARGS,
+    audit_command,
     build_tiny_target,
     check_stream,
     engine_greedy,
@@ -281,17 +281,6 @@ def start_held(worker: Component, held_log: Path) -> None:
     )
 
 
-async def ledger_audit_command(cluster: Cluster, cwd: Path) -> str:
-    """`tandem ledger audit` on the cluster: asks every registered worker itself."""
-    command = [sys.executable, "-m", "tandem_client", "ledger", "audit"]
-    command += ["--redis-url", cluster.redis_url]
-    done = await asyncio.to_thread(
-        subprocess.run, command, capture_output=True, text=True, timeout=60, cwd=cwd
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
-
-
 @pytest.mark.last  # decode-1 stays held until the cluster stops
 async def test_a_push_stalled_on_its_decode_worker_is_retried_on_the_other(
     cluster: Cluster, target: Path, tmp_path: Path
@@ -315,7 +304,9 @@ async def test_a_push_stalled_on_its_decode_worker_is_retried_on_the_other(
         assert len(set(request_ids)) == len(request_ids), "a request went back to it"
         assert router_counter(cluster, "tandem_migrations_total") - migrated == len(request_ids)
         await wait_audit_clean(cluster, ledger, within_s=5)  # decode-1's blocks among them
-        report = await ledger_audit_command(cluster, tmp_path)
+        done = await audit_command(cluster, tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        report = done.stdout
         num_workers = len(cluster.prefill) + len(cluster.decode)
         assert f"0 discrepancies, {num_workers} of {num_workers} workers audited" in report
     finally:

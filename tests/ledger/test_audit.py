@@ -9,13 +9,13 @@ from ledger.audit import (
     find_discrepancies,
     seen_in_every_look,
 )
-from ledger.ledger import Holding, Ledger, Pool, RequestState, WorkerRole
+from ledger.ledger import Holding, KvPool, Ledger, RequestState, WorkerRole
 
 K = DiscrepancyKind
 
 
 def _holding(request_id: str, worker_id: str, ids: set[int], state: RequestState | None) -> Holding:
-    blocks = {Pool.TARGET: frozenset(ids), Pool.DRAFT: frozenset()}
+    blocks = {KvPool.TARGET: frozenset(ids), KvPool.DRAFT: frozenset()}
     return Holding(request_id, worker_id, 1, blocks, 1000, state)
 
 
@@ -63,9 +63,11 @@ def test_audit_through_the_ledger(ledger: Ledger) -> None:
     )
     ledger.create_request("r1", owner="router-0", epoch=7)
     ledger.claim_blocks(
-        "r1", "d0", epoch=epoch, pool=Pool.TARGET, block_ids=[0, 1], lease_ms=60_000
+        "r1", "d0", epoch=epoch, pool=KvPool.TARGET, block_ids=[0, 1], lease_ms=60_000
     )
-    ledger.claim_blocks("r1", "d0", epoch=epoch, pool=Pool.DRAFT, block_ids=[0, 1], lease_ms=60_000)
+    ledger.claim_blocks(
+        "r1", "d0", epoch=epoch, pool=KvPool.DRAFT, block_ids=[0, 1], lease_ms=60_000
+    )
     assert ledger.audit({"d0": {0, 1}}) == []
     [leak] = ledger.audit({"d0": {0}})
     assert (leak.kind, leak.block_ids, leak.request_ids) == (K.LEDGER_ONLY, (1,), ("r1",))

@@ -9,9 +9,9 @@ import pytest
 
 from ledger.ledger import (
     ALLOWED_TRANSITIONS,
+    KvPool,
     Ledger,
     LedgerConflict,
-    Pool,
     WorkerRole,
 )
 from tests.ledger.ledger_helpers import LEASE_MS, S, drive, record_of, register, step
@@ -72,9 +72,9 @@ def test_happy_path_through_every_state(ledger: Ledger) -> None:
     assert ledger.get_request("r1") == rec
     assert ledger.get_request("nope") is None
     # Ended records keep a short TTL; live ones the long one.
-    assert 0 < ledger.client.pttl(ledger._record_key("r1")) <= 5000
+    assert 0 < ledger.client.pttl(ledger.keys.record("r1")) <= 5000
     live = ledger.create_request("r2", owner="router-0", epoch=e.router)
-    assert ledger.client.pttl(ledger._record_key(live.request_id)) > 5000
+    assert ledger.client.pttl(ledger.keys.record(live.request_id)) > 5000
 
 
 def test_an_id_is_used_again_only_after_a_retryable_failure(ledger: Ledger) -> None:
@@ -151,20 +151,20 @@ def test_stale_epoch_is_refused(ledger: Ledger) -> None:
         ledger.deregister_worker("prefill-0", epoch=e.prefill)
     # Block claims: a newer instance supersedes an older one, never the reverse.
     ledger.claim_blocks(
-        "r1", "decode-0", epoch=e.decode, pool=Pool.TARGET, block_ids=[1, 2], lease_ms=LEASE_MS
+        "r1", "decode-0", epoch=e.decode, pool=KvPool.TARGET, block_ids=[1, 2], lease_ms=LEASE_MS
     )
     new_decode = ledger.register_worker(
         "decode-0", role=WorkerRole.DECODE, address="127.0.0.1:3", capacity=128, ttl_ms=60_000
     )
     assert (
         ledger.claim_blocks(
-            "r1", "decode-0", epoch=new_decode, pool=Pool.TARGET, block_ids=[7], lease_ms=LEASE_MS
+            "r1", "decode-0", epoch=new_decode, pool=KvPool.TARGET, block_ids=[7], lease_ms=LEASE_MS
         )
         == 1
     )
     for stale_call in (
         lambda: ledger.claim_blocks(
-            "r1", "decode-0", epoch=e.decode, pool=Pool.TARGET, block_ids=[3], lease_ms=LEASE_MS
+            "r1", "decode-0", epoch=e.decode, pool=KvPool.TARGET, block_ids=[3], lease_ms=LEASE_MS
         ),
         lambda: ledger.renew_lease("r1", "decode-0", epoch=e.decode, lease_ms=LEASE_MS),
         lambda: ledger.free_blocks("r1", "decode-0", epoch=e.decode),
@@ -175,7 +175,7 @@ def test_stale_epoch_is_refused(ledger: Ledger) -> None:
         ):
             stale_call()
     [holding] = ledger.holdings()
-    assert (holding.epoch, holding.blocks[Pool.TARGET]) == (new_decode, frozenset({7}))
+    assert (holding.epoch, holding.blocks[KvPool.TARGET]) == (new_decode, frozenset({7}))
 
 
 def test_claim_release_and_ended_requests(ledger: Ledger) -> None:
@@ -186,7 +186,7 @@ def test_claim_release_and_ended_requests(ledger: Ledger) -> None:
             "r1",
             "decode-0",
             epoch=e.decode,
-            pool=Pool.TARGET,
+            pool=KvPool.TARGET,
             block_ids=[4, 5, 6],
             lease_ms=LEASE_MS,
         )
@@ -194,7 +194,12 @@ def test_claim_release_and_ended_requests(ledger: Ledger) -> None:
     )
     assert (
         ledger.claim_blocks(
-            "r1", "decode-0", epoch=e.decode, pool=Pool.TARGET, block_ids=[6, 7], lease_ms=LEASE_MS
+            "r1",
+            "decode-0",
+            epoch=e.decode,
+            pool=KvPool.TARGET,
+            block_ids=[6, 7],
+            lease_ms=LEASE_MS,
         )
         == 4
     )
@@ -203,7 +208,7 @@ def test_claim_release_and_ended_requests(ledger: Ledger) -> None:
             "r1",
             "decode-0",
             epoch=e.decode,
-            pool=Pool.DRAFT,
+            pool=KvPool.DRAFT,
             block_ids=range(4, 8),
             lease_ms=LEASE_MS,
         )
@@ -212,26 +217,31 @@ def test_claim_release_and_ended_requests(ledger: Ledger) -> None:
     many = range(100, 100 + 2500)  # more than one Lua unpack() batch
     assert (
         ledger.claim_blocks(
-            "r1", "prefill-0", epoch=e.prefill, pool=Pool.TARGET, block_ids=many, lease_ms=LEASE_MS
+            "r1",
+            "prefill-0",
+            epoch=e.prefill,
+            pool=KvPool.TARGET,
+            block_ids=many,
+            lease_ms=LEASE_MS,
         )
         == 2500
     )
     by_worker = {h.worker_id: h for h in ledger.holdings()}
-    assert by_worker["decode-0"].blocks == {Pool.TARGET: {4, 5, 6, 7}, Pool.DRAFT: {4, 5, 6, 7}}
+    assert by_worker["decode-0"].blocks == {KvPool.TARGET: {4, 5, 6, 7}, KvPool.DRAFT: {4, 5, 6, 7}}
     assert (
         by_worker["decode-0"].is_request_live and 0 < by_worker["decode-0"].lease_ttl_ms <= LEASE_MS
     )
-    assert ledger.holdings("prefill-0")[0].blocks[Pool.TARGET] == frozenset(many)
+    assert ledger.holdings("prefill-0")[0].blocks[KvPool.TARGET] == frozenset(many)
 
     assert (
-        ledger.free_blocks("r1", "decode-0", epoch=e.decode, pool=Pool.TARGET, block_ids=[4, 99])
+        ledger.free_blocks("r1", "decode-0", epoch=e.decode, pool=KvPool.TARGET, block_ids=[4, 99])
         == 1
     )
-    assert ledger.free_blocks("r1", "decode-0", epoch=e.decode, pool=Pool.DRAFT) == 4
+    assert ledger.free_blocks("r1", "decode-0", epoch=e.decode, pool=KvPool.DRAFT) == 4
     assert ledger.free_blocks("r1", "decode-0", epoch=e.decode) == 3
     assert ledger.free_blocks("r1", "decode-0", epoch=e.decode) == 0  # idempotent
     assert (
-        ledger.free_blocks("r1", "prefill-0", epoch=e.prefill, pool=Pool.TARGET, block_ids=many)
+        ledger.free_blocks("r1", "prefill-0", epoch=e.prefill, pool=KvPool.TARGET, block_ids=many)
         == 2500
     )
     assert ledger.holdings() == []
@@ -241,15 +251,15 @@ def test_claim_release_and_ended_requests(ledger: Ledger) -> None:
     ledger.transition("r1", S.CANCELLED, expected=S.QUEUED, epoch=e.router)
     with pytest.raises(LedgerConflict, match="expected a live request, found CANCELLED"):
         ledger.claim_blocks(
-            "r1", "decode-0", epoch=e.decode, pool=Pool.TARGET, block_ids=[1], lease_ms=LEASE_MS
+            "r1", "decode-0", epoch=e.decode, pool=KvPool.TARGET, block_ids=[1], lease_ms=LEASE_MS
         )
     with pytest.raises(LedgerConflict, match="found no record"):
         ledger.claim_blocks(
-            "nope", "decode-0", epoch=e.decode, pool=Pool.TARGET, block_ids=[1], lease_ms=LEASE_MS
+            "nope", "decode-0", epoch=e.decode, pool=KvPool.TARGET, block_ids=[1], lease_ms=LEASE_MS
         )
     with pytest.raises(ValueError, match="block_ids"):
         ledger.claim_blocks(
-            "r1", "decode-0", epoch=e.decode, pool=Pool.TARGET, block_ids=[-1], lease_ms=LEASE_MS
+            "r1", "decode-0", epoch=e.decode, pool=KvPool.TARGET, block_ids=[-1], lease_ms=LEASE_MS
         )
     with pytest.raises(ValueError, match="request_id"):
         ledger.create_request("a{b}", owner="router-0", epoch=e.router)
@@ -262,7 +272,7 @@ def test_resize_follows_the_owners_allocator(ledger: Ledger) -> None:
     e = register(ledger)
     for rid, block_ids in (("r1", [4, 5]), ("r2", [20, 21])):
         drive(ledger, rid, S.DECODING, e)
-        for pool in Pool:
+        for pool in KvPool:
             ledger.claim_blocks(
                 rid, "decode-0", epoch=e.decode, pool=pool, block_ids=block_ids, lease_ms=LEASE_MS
             )
@@ -290,11 +300,11 @@ def test_resize_follows_the_owners_allocator(ledger: Ledger) -> None:
     many = range(100, 100 + 2500)  # more than one Lua unpack() batch
     assert resize(many, [4], num_held=4) == 2503
     r1 = {h.request_id: h for h in ledger.holdings()}["r1"]
-    assert r1.blocks == {Pool.TARGET: {5, 6, 7, *many}, Pool.DRAFT: {5, 6, 7, *many}}
+    assert r1.blocks == {KvPool.TARGET: {5, 6, 7, *many}, KvPool.DRAFT: {5, 6, 7, *many}}
     assert resize([], many, num_held=2503, has_draft=False) == 3  # the draft pool is kept
     r1 = {h.request_id: h for h in ledger.holdings()}["r1"]
-    assert r1.blocks == {Pool.TARGET: {5, 6, 7}, Pool.DRAFT: {5, 6, 7, *many}}
-    ledger.free_blocks("r1", "decode-0", epoch=e.decode, pool=Pool.DRAFT, block_ids=many)
+    assert r1.blocks == {KvPool.TARGET: {5, 6, 7}, KvPool.DRAFT: {5, 6, 7, *many}}
+    ledger.free_blocks("r1", "decode-0", epoch=e.decode, pool=KvPool.DRAFT, block_ids=many)
     assert ledger.audit({"decode-0": {5, 6, 7, 20, 21}}) == []
 
     with pytest.raises(LedgerConflict, match="expected 4 blocks held by worker decode-0, found 3"):
@@ -308,10 +318,10 @@ def test_resize_follows_the_owners_allocator(ledger: Ledger) -> None:
     ledger.transition("r1", S.FINISHED, expected=S.DECODING, epoch=e.decode)
     with pytest.raises(LedgerConflict, match="r1: expected state DECODING, found FINISHED"):
         resize([8], num_held=0)
-    ledger.client.delete(ledger._request_keys("r2", "decode-0")[2])  # r2's lease expired
+    ledger.client.delete(ledger.keys.request("r2", "decode-0")[2])  # r2's lease expired
     with pytest.raises(LedgerConflict, match="lease of worker decode-0 expected alive"):
         resize([8], num_held=2, rid="r2")
-    assert {h.request_id: h.blocks[Pool.TARGET] for h in ledger.holdings()} == {"r2": {20, 21}}
+    assert {h.request_id: h.blocks[KvPool.TARGET] for h in ledger.holdings()} == {"r2": {20, 21}}
 
 
 def test_expired_lease_is_reaped(ledger: Ledger) -> None:
@@ -319,10 +329,10 @@ def test_expired_lease_is_reaped(ledger: Ledger) -> None:
     for rid in ("kept", "lost"):
         drive(ledger, rid, S.DECODING, e)
         ledger.claim_blocks(
-            rid, "decode-0", epoch=e.decode, pool=Pool.TARGET, block_ids=[1, 2], lease_ms=500
+            rid, "decode-0", epoch=e.decode, pool=KvPool.TARGET, block_ids=[1, 2], lease_ms=500
         )
         ledger.claim_blocks(
-            rid, "decode-0", epoch=e.decode, pool=Pool.DRAFT, block_ids=[1], lease_ms=500
+            rid, "decode-0", epoch=e.decode, pool=KvPool.DRAFT, block_ids=[1], lease_ms=500
         )
     assert ledger.reap_expired() == []
     for _ in range(5):  # "kept" is renewed past its first lease, "lost" is not
@@ -334,7 +344,7 @@ def test_expired_lease_is_reaped(ledger: Ledger) -> None:
         ledger.renew_lease("lost", "decode-0", epoch=e.decode, lease_ms=300)
     with pytest.raises(LedgerConflict, match="found expired"):
         ledger.claim_blocks(
-            "lost", "decode-0", epoch=e.decode, pool=Pool.TARGET, block_ids=[3], lease_ms=300
+            "lost", "decode-0", epoch=e.decode, pool=KvPool.TARGET, block_ids=[3], lease_ms=300
         )
 
     [reclaimed] = ledger.reap_expired()
@@ -343,7 +353,7 @@ def test_expired_lease_is_reaped(ledger: Ledger) -> None:
         "decode-0",
         e.decode,
     )
-    assert reclaimed.blocks == {Pool.TARGET: {1, 2}, Pool.DRAFT: {1}}
+    assert reclaimed.blocks == {KvPool.TARGET: {1, 2}, KvPool.DRAFT: {1}}
     assert ledger.reap_expired() == []
     assert [h.request_id for h in ledger.holdings()] == ["kept"]
     assert record_of(ledger, "lost").state is S.DECODING
@@ -351,4 +361,4 @@ def test_expired_lease_is_reaped(ledger: Ledger) -> None:
     ledger.free_blocks("kept", "decode-0", epoch=e.decode)
     time.sleep(0.55)
     assert ledger.reap_expired() == []
-    assert ledger.client.zcard(ledger._holdings_key) == 0
+    assert ledger.client.zcard(ledger.keys.holdings) == 0

@@ -9,9 +9,9 @@ import pytest
 from redis.cluster import RedisCluster
 
 from ledger.ledger import (
+    KvPool,
     Ledger,
     LedgerConflict,
-    Pool,
     RequestRecord,
     RequestState,
     WorkerRole,
@@ -43,8 +43,8 @@ def test_ledger_on_redis_cluster(redis_cluster: LocalRedisCluster) -> None:
         "decode-0", role=WorkerRole.DECODE, address="127.0.0.1:3", capacity=64, ttl_ms=60_000
     )
     request_ids = [f"req-{i}" for i in range(12)]
-    slots = {client.keyslot(ledger._record_key(rid)) for rid in request_ids}
-    nodes = {client.get_node_from_key(ledger._record_key(rid)).name for rid in request_ids}
+    slots = {client.keyslot(ledger.keys.record(rid)) for rid in request_ids}
+    nodes = {client.get_node_from_key(ledger.keys.record(rid)).name for rid in request_ids}
     assert len(slots) == len(request_ids) and len(nodes) == 3  # spread over every node
 
     for rid in request_ids:
@@ -58,10 +58,10 @@ def test_ledger_on_redis_cluster(redis_cluster: LocalRedisCluster) -> None:
             new_epoch=decode,
         )
         ledger.claim_blocks(
-            rid, "decode-0", epoch=decode, pool=Pool.TARGET, block_ids=[1, 2], lease_ms=60_000
+            rid, "decode-0", epoch=decode, pool=KvPool.TARGET, block_ids=[1, 2], lease_ms=60_000
         )
         ledger.claim_blocks(
-            rid, "decode-0", epoch=decode, pool=Pool.DRAFT, block_ids=[1, 2], lease_ms=250
+            rid, "decode-0", epoch=decode, pool=KvPool.DRAFT, block_ids=[1, 2], lease_ms=250
         )
         ledger.renew_lease(rid, "decode-0", epoch=decode, lease_ms=250)
         with pytest.raises(LedgerConflict, match="stale epoch"):
@@ -76,7 +76,7 @@ def test_ledger_on_redis_cluster(redis_cluster: LocalRedisCluster) -> None:
     time.sleep(0.3)
     reclaimed = ledger.reap_expired()
     assert sorted(r.request_id for r in reclaimed) == sorted(request_ids[1:])
-    assert all(r.blocks == {Pool.TARGET: {1, 2}, Pool.DRAFT: {1, 2}} for r in reclaimed)
+    assert all(r.blocks == {KvPool.TARGET: {1, 2}, KvPool.DRAFT: {1, 2}} for r in reclaimed)
     assert ledger.holdings() == []
 
     # After a restart: the generation key, and a rebuilt record with its blocks.
@@ -86,7 +86,7 @@ def test_ledger_on_redis_cluster(redis_cluster: LocalRedisCluster) -> None:
         "restored", "decode-0", epoch=decode, block_ids=[7, 8], has_draft=True, lease_ms=60_000
     )
     [restored] = ledger.holdings("decode-0")
-    assert restored.blocks == {Pool.TARGET: {7, 8}, Pool.DRAFT: {7, 8}}
+    assert restored.blocks == {KvPool.TARGET: {7, 8}, KvPool.DRAFT: {7, 8}}
     assert restored.request_state is S.DECODING
     ledger.free_blocks("restored", "decode-0", epoch=decode)
     ledger.transition("restored", S.FINISHED, expected=S.DECODING, epoch=decode)

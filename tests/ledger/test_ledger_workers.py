@@ -14,9 +14,9 @@ import pytest
 from ledger.ledger import (
     ALLOWED_TRANSITIONS,
     Generation,
+    KvPool,
     Ledger,
     LedgerConflict,
-    Pool,
     RequestState,
     WorkerRole,
 )
@@ -96,7 +96,12 @@ def test_a_redis_restored_from_a_snapshot_starts_a_new_generation(tmp_path: Path
         decode_seen = ledger.join_generation("decode-0")
         drive(ledger, "r1", S.DECODING, e)
         ledger.claim_blocks(
-            "r1", "decode-0", epoch=e.decode, pool=Pool.TARGET, block_ids=[1, 2], lease_ms=LEASE_MS
+            "r1",
+            "decode-0",
+            epoch=e.decode,
+            pool=KvPool.TARGET,
+            block_ids=[1, 2],
+            lease_ms=LEASE_MS,
         )
         drive(ledger, "r2", S.TRANSFERRING, e)
         drive(ledger, "r5", S.FINISHED, e)
@@ -139,7 +144,7 @@ def test_a_redis_restored_from_a_snapshot_starts_a_new_generation(tmp_path: Path
                 ledger.restore_decoding(
                     rid, "decode-0", block_ids=[8], stale_before_ms=restored.started_ms, **restore
                 )
-        assert {h.request_id: (h.epoch, h.blocks[Pool.TARGET]) for h in ledger.holdings()} == {
+        assert {h.request_id: (h.epoch, h.blocks[KvPool.TARGET]) for h in ledger.holdings()} == {
             "r1": (new_epoch, {1, 2, 3, 4}),
             "r2": (new_epoch, {7}),
             "r3": (new_epoch, {9}),
@@ -177,7 +182,7 @@ def test_restore_decoding_after_a_restart(ledger: Ledger) -> None:
     [holding] = ledger.holdings()
     assert (holding.request_id, holding.epoch) == ("r1", new_epoch)
     assert holding.request_state is S.DECODING
-    assert holding.blocks == {Pool.TARGET: {4, 5, 6}, Pool.DRAFT: {4, 5, 6}}
+    assert holding.blocks == {KvPool.TARGET: {4, 5, 6}, KvPool.DRAFT: {4, 5, 6}}
     assert 0 < holding.lease_ttl_ms <= LEASE_MS
     with pytest.raises(LedgerConflict, match="expected no record to restore, found one"):
         ledger.restore_decoding(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ledger import scripts as lua
-from ledger.ledger import Ledger, Pool, RequestState, WorkerRole
+from ledger.ledger import KvPool, Ledger, RequestState, WorkerRole
 from ledger.membership import HeldRequest, Membership, Timing
 from ledger.redis_server import RedisServer, free_port
 
@@ -145,7 +145,7 @@ async def test_rebuilds_decoding_requests_when_redis_restarts_empty(ledger: Ledg
             "d0",
             membership.epoch,
         )
-        assert holding.blocks == {Pool.TARGET: {1, 2, 3, 9, 10}, Pool.DRAFT: {1, 2, 3, 9, 10}}
+        assert holding.blocks == {KvPool.TARGET: {1, 2, 3, 9, 10}, KvPool.DRAFT: {1, 2, 3, 9, 10}}
         await asyncio.sleep(0.7)  # past the lease: the heartbeat renews the rebuilt one
         assert ledger.holdings()[0].lease_ttl_ms > 0 and lost == ["r2"]
 
@@ -228,7 +228,7 @@ async def test_grown_tables_are_recorded_after_the_step_one_script_each(ledger: 
     await asyncio.sleep(0)
     assert _script_calls(ledger) == calls + 1
     assert _target_blocks(ledger) == {"r1": {1, 2, 3, 4}, "r2": {5}}
-    assert {h.request_id: h.blocks[Pool.DRAFT] for h in ledger.holdings()} == {
+    assert {h.request_id: h.blocks[KvPool.DRAFT] for h in ledger.holdings()} == {
         "r1": {1, 2, 3, 4},
         "r2": {5},
     }
@@ -279,7 +279,7 @@ def _script_calls(ledger: Ledger) -> int:
 
 
 def _target_blocks(ledger: Ledger) -> dict[str, frozenset[int]]:
-    return {h.request_id: h.blocks[Pool.TARGET] for h in ledger.holdings()}
+    return {h.request_id: h.blocks[KvPool.TARGET] for h in ledger.holdings()}
 
 
 async def test_a_stall_past_the_registration_drops_what_was_held(ledger: Ledger) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from ledger.ledger import Ledger, Pool, RequestState, WorkerRole
+from ledger.ledger import KvPool, Ledger, RequestState, WorkerRole
 from ledger.redis_connect import (
     PASSWORD_ENV,
     RedisConnectError,
@@ -96,7 +96,7 @@ def _round_trip(client: redis.Redis, namespace: str) -> None:
     )
     assert (
         ledger.claim_blocks(
-            rid, "prefill-0", epoch=prefill, pool=Pool.TARGET, block_ids=[1, 2], lease_ms=60_000
+            rid, "prefill-0", epoch=prefill, pool=KvPool.TARGET, block_ids=[1, 2], lease_ms=60_000
         )
         == 2
     )

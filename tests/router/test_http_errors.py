@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 
-from router.http_api.app import body_error, http_error
+from router.http_api.errors import body_error, http_error
 from router.validation import ValidationError
 from serving.rpc import Overloaded, Unavailable
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -121,6 +123,17 @@ async def until(condition: Callable[[], bool], what: str, within_s: float = 30.0
     while not await asyncio.to_thread(condition):
         assert time.monotonic() < deadline, f"not within {within_s} s: {what}"
         await asyncio.sleep(0.02)
+
+
+async def audit_command(cluster: Cluster, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`tandem ledger audit` on the cluster, as a command (in a thread): it asks every
+    registered worker itself."""
+    command = [sys.executable, "-m", "tandem_client", "ledger", "audit"]
+    command += ["--redis-url", cluster.redis_url]
+    # Not from the checkout: a stale in-tree *.egg-info there would hide new entry points.
+    return await asyncio.to_thread(
+        subprocess.run, command, capture_output=True, text=True, timeout=60, cwd=cwd
+    )
 
 
 async def run(address: str, prompt: list[int] | str, **params: object) -> list[gen.GenerateChunk]:

@@ -12,8 +12,6 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -29,7 +27,7 @@ from transformers import AutoTokenizer
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
-from ledger.ledger import Ledger, Pool, RequestState, WorkerRole
+from ledger.ledger import KvPool, Ledger, RequestState, WorkerRole
 from serving.launcher import Cluster
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import generation_pb2_grpc as gen_grpc
@@ -43,6 +41,7 @@ from tests.services.cluster_helpers import (
     TINY_WORKER_ARGS,
     assert_audit_clean,
     assert_greedy_equal,
+    audit_command,
     check_stream,
     generate_all,
     non_final_requests,
@@ -209,8 +208,8 @@ async def test_ledger_follows_the_decode_workers_allocator_mid_decode(
         holdings = ledger.holdings(decode.name)
         after = await worker_stats(decode, include_block_ids=True)
         owned = set(after.owned_block_ids)
-        held = [h.blocks[Pool.TARGET] for h in holdings]
-        assert all(h.blocks[Pool.DRAFT] == h.blocks[Pool.TARGET] for h in holdings)
+        held = [h.blocks[KvPool.TARGET] for h in holdings]
+        assert all(h.blocks[KvPool.DRAFT] == h.blocks[KvPool.TARGET] for h in holdings)
         assert set().union(*held) <= owned
         if set(before.owned_block_ids) == owned and set().union(*held) == owned:
             agreed.add(tuple(sorted(len(b) for b in held)))
@@ -407,16 +406,6 @@ async def test_list_models(cluster: Cluster, model_dirs: tuple[Path, Path]) -> N
 async def test_ledger_audit_is_clean_at_the_end(cluster: Cluster, ledger: Ledger) -> None:
     """Every request of the module ended, nothing is held anywhere."""
     await assert_audit_clean(cluster, ledger)
-
-
-async def audit_command(cluster: Cluster, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """`tandem ledger audit` on the cluster, as a command (in a thread)."""
-    command = [sys.executable, "-m", "tandem_client", "ledger", "audit"]
-    command += ["--redis-url", cluster.redis_url]
-    # Not from the checkout: a stale in-tree *.egg-info there would hide new entry points.
-    return await asyncio.to_thread(
-        subprocess.run, command, capture_output=True, text=True, timeout=60, cwd=cwd
-    )
 
 
 async def test_tandem_ledger_audit_command_is_clean(cluster: Cluster, tmp_path: Path) -> None:

@@ -29,7 +29,6 @@ from kv_transfer import (
     KvReceiver,
     KvReservation,
     KvSender,
-    KvTransferError,
     LoopbackTransport,
     TransferOptions,
     TransferState,
@@ -37,12 +36,9 @@ from kv_transfer import (
     grpc_sender,
     server_options,
 )
-from kv_transfer.chunking import ChunkedKvSender, Destination
 from prefill_worker.kv_push import LayerPush, LayerRelay
-from tandem.v1 import kv_transfer_pb2 as pb
 from tests.engine.tiny_drafts import build_random_draft
 from tests.engine.tiny_models import build_tiny_llama
-from tests.kv_transfer.kv_pools import DST_IDS, DST_SEED, SRC_IDS, SRC_SEED, layout_for, make_pools
 
 BLOCK_SIZE = 4
 PROMPT = [(7 * i + 3) % 61 + 2 for i in range(21)]  # 21 tokens: 5 full blocks and 1 token
@@ -184,7 +180,7 @@ async def prefill_pushing(
     push = LayerPush(
         sender, handshake, prefill.kv_pools, dst, first, BLOCK_SIZE, asyncio.Semaphore(1)
     )
-    relay.pushes[rid] = push
+    relay.register(rid, push)
     prefill.set_layer_listener(gate)
     prefill.add_request(rid, prompt, GREEDY, is_prefill_only=True)
 
@@ -283,7 +279,7 @@ def loopback_push(
         BLOCK_SIZE,
         asyncio.Semaphore(1),
     )
-    relay.pushes["r"] = push
+    relay.register("r", push)
     return push
 
 
@@ -449,69 +445,3 @@ def test_first_token_that_ends_the_request_keeps_blocks_until_release(
     assert prefill.block_manager.num_free_blocks < prefill.block_manager.num_blocks
     prefill.drop_request("r")
     assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
-
-
-async def test_the_receiver_still_refuses_a_block_sent_twice() -> None:
-    """The push never repeats a block (a straddling block waits for the chunk that
-    completes it), so the receiver keeps refusing repeats as a broken sender's sign."""
-    layout = layout_for(torch.float32)
-    src, dst = make_pools(layout, SRC_SEED), make_pools(layout, DST_SEED)
-    receiver = KvReceiver()
-    pools = {pool.value: cache for pool, cache in dst.items()}
-    receiver.reserve(KvReservation("r", DST_IDS, pools, layout))
-    sender = LoopbackTransport(receiver).sender()
-    await sender.begin(Handshake("r", layout))
-    kv = src[KvPool.TARGET].layers[0]
-    await sender.send_layer(KvPool.TARGET, 0, kv, SRC_IDS[:2], DST_IDS[:2])
-    with pytest.raises(KvTransferError, match=f"target layer 0 block {DST_IDS[1]} repeated"):
-        await sender.send_layer(KvPool.TARGET, 0, kv, SRC_IDS[1:3], DST_IDS[1:3])
-    assert receiver.state("r") is TransferState.FAILED
-
-
-class _NullChannel:
-    """A channel that drops every chunk."""
-
-    groups_layers = True
-
-    async def open(self, handshake: pb.KvHandshake, layout: KvLayout) -> Destination | None:
-        return None
-
-    async def acquire(self, num_bytes: int) -> torch.Tensor:
-        return torch.empty(num_bytes, dtype=torch.uint8)
-
-    async def send(self, header: pb.KvChunk, data: torch.Tensor | None) -> None:
-        pass
-
-    async def close(self, last: pb.KvChunk) -> pb.KvPushReply:
-        return pb.KvPushReply(status=pb.KV_PUSH_STATUS_OK)
-
-    def on_failed(self, status: int, message: str) -> None:
-        pass
-
-
-class _SlowPack(ChunkedKvSender):
-    """A chunked sender whose block copies take 0.3 s (in a thread, with offload)."""
-
-    def __init__(self) -> None:
-        super().__init__(_NullChannel(), TransferOptions(offload=True))
-        self.num_packed = 0
-
-    def _pack(self, *args: Any) -> None:  # type: ignore[override]
-        time.sleep(0.3)
-        ChunkedKvSender._pack(*args)
-        self.num_packed += 1
-
-
-async def test_a_cancelled_send_returns_after_its_offloaded_copy() -> None:
-    """LayerPush.stop frees the blocks once the send returned: an offloaded copy must not
-    still be reading them then."""
-    layout = layout_for(torch.float32)
-    kv = make_pools(layout, SRC_SEED)[KvPool.TARGET].layers[0]
-    sender = _SlowPack()
-    await sender.begin(Handshake("r", layout))
-    task = asyncio.create_task(sender.send_layer(KvPool.TARGET, 0, kv, SRC_IDS, DST_IDS))
-    await asyncio.sleep(0.05)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert sender.num_packed == 1

@@ -113,7 +113,7 @@ def start_push(
         stall_s,
         engine_progress=lambda: relay.last_written_at,
     )
-    relay.pushes["r"] = push
+    relay.register("r", push)
     prefill.set_layer_listener(relay)
     prefill.add_request("r", PROMPT, GREEDY, is_prefill_only=True)
     return push

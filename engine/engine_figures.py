@@ -1,0 +1,98 @@
+"""What the services read of an engine besides its outputs: its figures (for Stats and
+heartbeats), which blocks requests own (for audits), and their block tables (for the
+ledger's holdings). The engine package is the one place that reads its scheduler's and
+block manager's state for them; each runs on the engine thread."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Figures for Stats and heartbeats, taken by the engine thread after every iteration."""
+
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    max_num_seqs: int = 1
+    # Speculative decoding counters since start (engine.spec.stats); None without a draft.
+    num_drafts: int | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_steps_without_drafts: int = 0  # row-steps that verified none
+    steps_per_k: tuple[int, ...] = ()  # [k]: decode steps that verified k drafts
+    max_k: int = 0  # the most drafts a step verifies (--num-draft-tokens); 0 without drafts
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def load(self) -> float:
+        """The larger of block usage and batch-slot usage, in [0, 1]."""
+        blocks = self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+        return min(1.0, max(blocks, (self.num_running + self.num_waiting) / self.max_num_seqs))
+
+
+def engine_stats(engine: LLMEngine) -> EngineStats:
+    bm = engine.block_manager
+    spec = engine.spec.stats if engine.spec is not None else None
+    return EngineStats(
+        num_blocks=bm.num_blocks,
+        num_free_blocks=bm.num_free_blocks,
+        num_running=len(engine.scheduler.running),
+        num_waiting=len(engine.scheduler.waiting),
+        max_num_seqs=engine.scheduler.config.max_num_seqs,
+        num_drafts=spec.num_drafts if spec is not None else None,
+        num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
+        num_accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
+        num_steps_without_drafts=spec.num_steps_without_drafts if spec is not None else 0,
+        steps_per_k=tuple(spec.steps_per_k) if spec is not None else (),
+        max_k=engine.spec.k if engine.spec is not None else 0,
+    )
+
+
+def owned_block_ids(engine: LLMEngine) -> tuple[list[int], list[int]]:
+    """Block ids held by requests, and free ones holding a cached prefix (for audits)."""
+    blocks = engine.block_manager.blocks
+    owned = [b.block_id for b in blocks if b.ref_count > 0]
+    cached = [b.block_id for b in blocks if b.ref_count == 0 and b.hash is not None]
+    return owned, cached
+
+
+def block_tables(engine: LLMEngine, request_ids: Collection[str]) -> dict[str, list[int]]:
+    """The block tables of those of ``request_ids`` in the engine's batch (running or
+    waiting); a request reserved but not started, or already ended, is not there."""
+    wanted = set(request_ids)
+    scheduler = engine.scheduler
+    return {
+        seq.request_id: list(seq.block_table)
+        for seq in (*scheduler.running, *scheduler.waiting)
+        if seq.request_id in wanted
+    }
+
+
+class BlockTableWatch:
+    """The block tables of running requests that changed since the last look: how a decode
+    worker learns, once per step, which of its requests grew (engine thread only)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, list[int]] = {}
+
+    def changed(self, engine: LLMEngine) -> dict[str, list[int]]:
+        """Request id -> a copy of its table, for those that differ from the last look
+        (a request seen for the first time included)."""
+        changed: dict[str, list[int]] = {}
+        tables: dict[str, list[int]] = {}
+        for seq in engine.scheduler.running:
+            table = self._tables.get(seq.request_id)
+            if table != seq.block_table:
+                table = changed[seq.request_id] = list(seq.block_table)
+            tables[seq.request_id] = table
+        self._tables = tables  # ended requests drop out
+        return changed
