@@ -32,7 +32,8 @@ from decode_worker.request import Aborted, CloseReason, Holders, OutputSlot, Req
 from decode_worker.transitions import DecodeTransitions
 from engine.engine_figures import BlockTableWatch, block_tables
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.outputs import NON_FINITE_LOGITS, FinishReason, RequestFailed
+from engine.outputs import NON_FINITE_LOGITS, RequestFailed
+from engine.sequence import FinishReason
 from kv_transfer import KvLayout, KvReceiver, TransferState, add_kv_transfer_servicer, host_id
 from ledger.membership import HeldRequest, Membership
 from serving.engine_loop import EngineLoop, TorchThread

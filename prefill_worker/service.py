@@ -22,8 +22,9 @@ from typing import Any, TypeVar
 import redis
 
 from engine.llm_engine import LLMEngine, PrefilledRequest, RequestOutput
-from engine.outputs import NON_FINITE_LOGITS, FinishReason, RequestFailed
+from engine.outputs import NON_FINITE_LOGITS, RequestFailed
 from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason
 from kv_transfer import Handshake, KvLayout, ShmRingPool, TransferOptions, make_sender
 from ledger.ledger import WorkerRole
 from ledger.membership import HeldRequest, Membership

@@ -169,7 +169,7 @@ async def abort_on(
 ) -> None:
     """Tells each of ``workers`` (prefill or decode; a co-located one once) to drop the
     request, all at once. Aborts are idempotent there; a worker that does not answer
-    (dead, as may be expected) is logged, not raised."""
+    (dead, as may be expected) is logged, not raised, whatever the error."""
     abort = pb.AbortRequest(request_id=rid, reason=reason[:200])
     unique = list({w.worker_id: w for w in workers}.values())
     calls = []
@@ -184,4 +184,4 @@ async def abort_on(
     results = await asyncio.gather(*calls, return_exceptions=True)
     for worker, result in zip(unique, results, strict=True):
         if isinstance(result, BaseException):
-            log.info("%s: abort on %s failed: %s", rid, worker.worker_id, result)
+            log.warning("%s: abort on %s failed: %s", rid, worker.worker_id, result)

@@ -127,27 +127,33 @@ class WorkerPicker:
         return [w for w in self._serving(role) if self._is_reachable(w)]
 
     def num_workers(self, role: WorkerRole) -> int:
-        """How many ``workers(role)`` there are; safe from another thread (a metrics
-        scrape): it changes nothing but the cache."""
-        now = time.monotonic()
+        """How many workers of ``role`` a pick could choose now, read afresh from the
+        registry (as last read while Redis cannot be reached). For a metrics scrape, on
+        its own thread: the picker's cache is left alone."""
         try:
-            serving = self._serving(role)
-        except redis.RedisError:  # the count as last fetched
-            self._fetched_at = now
-            serving = self._serving(role)
-        return sum(now >= self._unreachable.get((w.worker_id, w.epoch), now) for w in serving)
+            registry = self.ledger.list_workers()
+        except redis.RedisError:
+            registry = self._workers
+        now = time.monotonic()
+        return sum(
+            self._serves(w, role) and now >= self._unreachable.get((w.worker_id, w.epoch), now)
+            for w in registry
+        )
 
     def _serving(self, role: WorkerRole) -> list[WorkerInfo]:
         if time.monotonic() - self._fetched_at > self.refresh_s:
             self._workers = self.ledger.list_workers()
             self._fetched_at = time.monotonic()
-        return [
-            w
-            for w in self._workers
-            if w.role is role
-            and w.stats.get("model") == self.model
-            and w.stats.get("draining", "0") == "0"
-        ]
+        return [w for w in self._workers if self._serves(w, role)]
+
+    def _serves(self, worker: WorkerInfo, role: WorkerRole) -> bool:
+        """Of ``role``, serving this model, not draining."""
+        stats = worker.stats
+        return (
+            worker.role is role
+            and stats.get("model") == self.model
+            and stats.get("draining", "0") == "0"
+        )
 
     def is_ready(self) -> bool:
         """Whether a request could be served now: a live prefill worker with a live decode

@@ -23,16 +23,29 @@ if TYPE_CHECKING:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked ``last`` run after the other tests of their module, in file order: they
-    check what all the others left, or change the module's cluster for good."""
-    modules: dict[str, int] = {}
+    """A test marked ``last`` runs right after the last unmarked test of its module (in
+    file order among the marked ones): it checks what all the others left, or changes the
+    module's cluster for good. Every other test keeps the place pytest gave it."""
+
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    def is_last(item: pytest.Item) -> bool:
+        return item.get_closest_marker("last") is not None
+
+    final = {module(item): i for i, item in enumerate(items) if not is_last(item)}
+    held: dict[str, list[pytest.Item]] = {}
     for item in items:
-        modules.setdefault(item.nodeid.split("::", 1)[0], len(modules))
-
-    def place(item: pytest.Item) -> tuple[int, bool]:
-        return modules[item.nodeid.split("::", 1)[0]], item.get_closest_marker("last") is not None
-
-    items.sort(key=place)  # stable: file order otherwise
+        if is_last(item) and module(item) in final:
+            held.setdefault(module(item), []).append(item)
+    ordered = []
+    for i, item in enumerate(items):
+        if is_last(item) and module(item) in final:
+            continue
+        ordered.append(item)
+        if final.get(module(item)) == i:
+            ordered.extend(held.pop(module(item), []))
+    items[:] = ordered
 
 
 @pytest.fixture(scope="session")

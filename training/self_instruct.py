@@ -119,8 +119,8 @@ def self_instruct_prompts(
         if json.loads(header) == {"recipe": _as_json(recipe)}:
             log(f"self-instruct: reusing {len(rows)} messages from {cache}")
             return [Prompt(SOURCE, json.loads(row)["prompt"]) for row in rows]
-    from engine.outputs import FinishReason
     from engine.sampling_params import SamplingParams
+    from engine.sequence import FinishReason
 
     prefix = user_turn_prefix(tokenizer)
     openers = [tokenizer.encode(o, add_special_tokens=False) for o in recipe.openers] or [[]]

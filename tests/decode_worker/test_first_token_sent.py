@@ -11,6 +11,7 @@ import pytest
 
 from decode_worker.chunk_stream import ChunkStream
 from engine.outputs import RequestOutput
+from engine.sequence import FinishReason
 from tandem.v1 import worker_pb2 as pb
 
 
@@ -26,7 +27,7 @@ def stream(**request: Any) -> ChunkStream:
 
 
 def output(tokens: list[int], text: str, finished: bool = False) -> RequestOutput:
-    reason = "length" if finished else None
+    reason = FinishReason.LENGTH if finished else None
     return RequestOutput("r", [1, 2, 3], tokens, text, finished, finish_reason=reason)
 
 

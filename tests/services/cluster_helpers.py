@@ -118,9 +118,15 @@ def metric(component: Component, name: str, role: str) -> float:
 
 async def until(condition: Callable[[], bool], what: str, within_s: float = 30.0) -> None:
     """Waits for ``condition`` (state another process changes: a metric, a ledger record),
-    looking every 20 ms; fails naming ``what`` after ``within_s``."""
+    looking every 20 ms (a look that cannot connect counts as not yet); fails naming
+    ``what`` after ``within_s``."""
     deadline = time.monotonic() + within_s
-    while not await asyncio.to_thread(condition):
+    while True:
+        try:
+            if await asyncio.to_thread(condition):
+                return
+        except OSError:  # the metrics endpoint not reachable yet
+            pass
         assert time.monotonic() < deadline, f"not within {within_s} s: {what}"
         await asyncio.sleep(0.02)
 

@@ -19,6 +19,7 @@ def stubborn(name: str) -> Component:
     script = "trap '' TERM; echo trapped; sleep 120 & wait"
     process = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None and process.stdout.readline() == "trapped\n"
+    process.stdout.close()
     return Component(name, "127.0.0.1:1", process, log_path=None)
 
 
