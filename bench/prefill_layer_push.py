@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import os
 import statistics
@@ -63,6 +62,7 @@ from kv_transfer import (
 )
 from kv_transfer.base import KvPool
 from prefill_worker.kv_push import LayerPush, LayerRelay
+from serving.engine_commands import AddRequest, DropRequest
 from serving.engine_loop import EngineLoop
 
 MODES = ("compute", "after", "layered")
@@ -145,8 +145,8 @@ class Prefill:
             )
             self.relay.register(rid, push)
         future = self.waiting[rid] = asyncio.get_running_loop().create_future()
-        add = functools.partial(engine.add_request, is_prefill_only=True)
-        await self.loop.call(add, rid, prompt, SamplingParams(max_tokens=16, temperature=0.0))
+        params = SamplingParams(max_tokens=16, temperature=0.0)
+        await self.loop.call(AddRequest(rid, prompt, params, is_prefill_only=True))
         await future
         computed = time.perf_counter()
         if push is not None:
@@ -164,7 +164,7 @@ class Prefill:
         done = time.perf_counter()
         if push is not None:
             self.relay.unregister(rid, push)
-        await self.loop.call(engine.drop_request, rid, bounded=False)
+        await self.loop.call(DropRequest(rid))
         return done - start, computed - start
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ from decode_worker.transitions import DecodeTransitions
 from engine.llm_engine import LLMEngine, RequestOutput
 from kv_transfer import KvLayout, KvReceiver, KvReservation
 from ledger.membership import HeldRequest, Membership
+from serving.engine_commands import DropRequest
 from serving.engine_loop import EngineLoop
 from serving.rpc import Overloaded, Unavailable
 
@@ -202,7 +203,7 @@ class RequestHandle:
         if h.quarantined.get(rid) is self:
             del h.quarantined[rid]
         if reason is not CloseReason.FINISHED:  # a finished request the engine freed itself
-            h.engine_loop.submit(h.engine.drop_request, rid, bounded=False)
+            h.engine_loop.submit(DropRequest(rid))
         h.membership.free(rid)
 
 

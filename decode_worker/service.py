@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -30,12 +29,13 @@ from typing import Any
 from decode_worker.chunk_stream import ChunkStream
 from decode_worker.request import Aborted, CloseReason, Holders, OutputSlot, RequestHandle
 from decode_worker.transitions import DecodeTransitions
-from engine.engine_figures import BlockTableWatch, block_tables
+from engine.engine_figures import BlockTableWatch
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.outputs import NON_FINITE_LOGITS, RequestFailed
 from engine.sequence import FinishReason
 from kv_transfer import KvLayout, KvReceiver, TransferState, add_kv_transfer_servicer, host_id
 from ledger.membership import HeldRequest, Membership
+from serving.engine_commands import PrefillReserved, ReadBlockTables, Reserve, StartDecoding
 from serving.engine_loop import EngineLoop, TorchThread
 from serving.engine_setup import draft_figures
 from serving.metrics import DecodeFigures, DecodeMetrics
@@ -148,17 +148,8 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             request.router_id,
             request.router_epoch,
         )
-
-        def reserve() -> tuple[list[int], int, int]:
-            """Engine thread: the blocks, and the characters of resumed output already sent."""
-            table, num_cached = self.engine.reserve(rid, prompt, params, num_output_tokens_sent)
-            return (
-                table,
-                num_cached,
-                len(self.engine.output_text(rid)) if num_output_tokens_sent else 0,
-            )
-
-        try:  # cancelled after the engine reserved: close's abort follows it in the queue
+        reserve = Reserve(rid, prompt, params, num_output_tokens_sent)
+        try:  # cancelled after the engine reserved: close's drop follows it in the queue
             table, num_cached, handle.num_output_chars_sent = await self.engine_loop.call(reserve)
             num_cached_blocks = num_cached // self.block_size
             num_kv_blocks = -(-len(prompt) // self.block_size)  # what a push fills
@@ -207,7 +198,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             if request.prefill_here:
                 await handle.wait_for_kv(None)  # nothing is pushed: forget the reservation
                 self.holders.transitions.prefilled_here(rid)
-                await self.engine_loop.call(self.engine.prefill_reserved, rid)
+                await self.engine_loop.call(PrefillReserved(rid))
             else:
                 first = await self._start_decoding(handle, request, context)
                 if request.is_first_token_sent:
@@ -251,12 +242,13 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             timeout = self.decode_timeout_s if remaining is None else remaining
         await handle.wait_for_kv(timeout)
         # Finished on prefill: no KV was pushed (or only part), so none is cached here.
-        start = functools.partial(
-            self.engine.start_decoding, has_kv=not request.is_finished_on_prefill
+        start = StartDecoding(
+            request.request_id,
+            request.first_token_id,
+            list(request.draft_tokens),
+            has_kv=not request.is_finished_on_prefill,
         )
-        first = await self.engine_loop.call(
-            start, request.request_id, request.first_token_id, list(request.draft_tokens)
-        )
+        first = await self.engine_loop.call(start)
         assert handle.slot is not None
         handle.slot.update(first)
         return first
@@ -338,7 +330,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         out and dropped: their records were at the prefill worker's stage, not this
         worker's to vouch for."""
         decoding = [rid for rid, handle in self._requests.items() if handle.slot is not None]
-        tables = await self.engine_loop.call(block_tables, self.engine, decoding, bounded=False)
+        tables = await self.engine_loop.call(ReadBlockTables(decoding))
         held = []
         for rid in decoding:
             handle = self._requests.get(rid)

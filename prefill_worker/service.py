@@ -23,13 +23,13 @@ import redis
 
 from engine.llm_engine import LLMEngine, PrefilledRequest, RequestOutput
 from engine.outputs import NON_FINITE_LOGITS, RequestFailed
-from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason
 from kv_transfer import Handshake, KvLayout, ShmRingPool, TransferOptions, make_sender
 from ledger.ledger import WorkerRole
 from ledger.membership import HeldRequest, Membership
 from prefill_worker.kv_push import LayerPush, LayerRelay
 from prefill_worker.transitions import PrefillTransitions
+from serving.engine_commands import AddRequest, DropRequest
 from serving.engine_loop import EngineLoop, TorchThread
 from serving.engine_setup import draft_figures
 from serving.metrics import PrefillMetrics
@@ -146,12 +146,19 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             params = params_from_proto(request.sampling)
             prompt = list(request.prompt_token_ids)
             future = self._waiting[rid] = asyncio.get_running_loop().create_future()
-            add = functools.partial(
-                self._add_relayed,
-                push=push,
+            # The push is registered on the engine thread, right after the add, so that it
+            # sees only this attempt's layers: an earlier attempt of the same request id
+            # (failed, its drop queued before this add) may still be in the step the
+            # engine is running while the event loop starts this one.
+            add = AddRequest(
+                rid,
+                prompt,
+                params,
+                is_prefill_only=True,
                 num_output_tokens_sent=request.num_output_tokens_sent,
+                then=functools.partial(self._relay.register, rid, push),
             )
-            await _unless_push_failed(self.engine_loop.submit(add, rid, prompt, params), push)
+            await _unless_push_failed(self.engine_loop.submit(add), push)
             queued = time.monotonic()
             result = await _unless_push_failed(future, push)
             if result.output.finish_reason is FinishReason.ERROR:
@@ -179,7 +186,10 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
                 await push.stop("prefill failed or was cancelled")
             finally:
                 self._tasks.pop(rid, None)
-                self.engine_loop.submit(self._abort_unrelayed, rid, push, bounded=False)
+                # Also its push's relay entry, if an add that the event loop stopped
+                # waiting for registered it after all.
+                drop = DropRequest(rid, then=functools.partial(self._unrelay, rid, push))
+                self.engine_loop.submit(drop)
                 self.membership.free(rid)
 
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortReply:
@@ -295,31 +305,6 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             engine_progress=lambda: self._relay.last_written_at,
         )
         return push
-
-    def _add_relayed(
-        self,
-        rid: str,
-        prompt: list[int],
-        params: SamplingParams,
-        *,
-        push: LayerPush,
-        num_output_tokens_sent: int,
-    ) -> None:
-        """Engine thread, between steps: queues the request and hands the relay its push.
-        Registered here, not on the event loop, so that the push sees only this attempt's
-        layers: an earlier attempt of the same request id (failed, its abort queued before
-        this call) may still be in the step the engine is running while the event loop
-        starts this one, and its layers must not reach this push."""
-        self.engine.add_request(
-            rid, prompt, params, is_prefill_only=True, num_output_tokens_sent=num_output_tokens_sent
-        )
-        self._relay.register(rid, push)
-
-    def _abort_unrelayed(self, rid: str, push: LayerPush) -> None:
-        """Engine thread: ends the request, and its push's relay entry if an add that the
-        event loop stopped waiting for registered it after all."""
-        self.engine.drop_request(rid)
-        self._unrelay(rid, push)
 
     def _unrelay(self, rid: str, push: LayerPush) -> None:
         self._relay.unregister(rid, push)  # never a later attempt's push

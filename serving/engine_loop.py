@@ -1,5 +1,6 @@
-"""One thread owns a worker's LLMEngine: calls arrive through a bounded queue, ``step()``
-runs while any request runs, and results go back to the asyncio loop.
+"""One thread owns a worker's LLMEngine: commands (``serving.engine_commands``) arrive
+through a bounded queue, ``step()`` runs while any request runs, and results go back to the
+asyncio loop.
 
 That thread also builds the engine (``TorchThread``), and it is the only thread of a
 worker that runs torch's parallel regions. libgomp keeps a team of threads for each
@@ -28,8 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from engine.engine_figures import engine_stats, owned_block_ids
+from engine.engine_figures import engine_stats
 from engine.llm_engine import LLMEngine, RequestOutput
+from serving.engine_commands import EngineCommand, ReadOwnedBlocks
 from serving.rpc import Overloaded
 from tandem.v1.worker_pb2 import StatsReply
 
@@ -102,8 +104,7 @@ def confine_torch() -> None:
 
 @dataclass
 class _Call:
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
+    command: EngineCommand[Any]
     future: asyncio.Future[Any]
 
 
@@ -162,31 +163,31 @@ class EngineLoop(Generic[Payload]):
             return False
         return busy_since is None or time.monotonic() - busy_since < stall_s
 
-    def submit(self, fn: Callable[..., T], *args: Any, bounded: bool = True) -> asyncio.Future[T]:
-        """Queues ``fn(*args)`` for the engine thread. ``bounded`` calls (new work) are
-        refused with Overloaded when ``max_queued_calls`` of them wait or when stopping;
-        cleanup calls (drop_request) are never refused (the thread runs what is queued
-        before it exits)."""
+    def submit(self, command: EngineCommand[T]) -> asyncio.Future[T]:
+        """Queues ``command`` (serving.engine_commands) for the engine thread. New work is
+        refused with Overloaded when ``max_queued_calls`` of it waits or when stopping;
+        cleanup and reads are never refused (the thread runs what is queued before it
+        exits)."""
         future: asyncio.Future[T] = self._loop.create_future()
         with self._cv:
-            if bounded and self._is_stopping:
-                raise Overloaded("engine: shutting down")
-            if bounded:
+            if command.is_new_work:
+                if self._is_stopping:
+                    raise Overloaded("engine: shutting down")
                 if self._num_bounded >= self._max_queued_calls:
                     raise Overloaded(
                         f"engine queue: {self._max_queued_calls} calls waiting; retry later"
                     )
                 self._num_bounded += 1
-            self._calls.append(_Call(fn, args, future))
+            self._calls.append(_Call(command, future))
             self._cv.notify()
         return future
 
-    async def call(self, fn: Callable[..., T], *args: Any, bounded: bool = True) -> T:
-        return await self.submit(fn, *args, bounded=bounded)
+    async def call(self, command: EngineCommand[T]) -> T:
+        return await self.submit(command)
 
     async def report_block_ids(self, reply: StatsReply) -> None:
         """Fills a Stats reply's block ids held by requests and count of cached ones."""
-        owned, cached = await self.call(owned_block_ids, self.engine, bounded=False)
+        owned, cached = await self.call(ReadOwnedBlocks())
         reply.owned_block_ids.extend(owned)
         reply.num_kv_blocks_cached = len(cached)
 
@@ -220,7 +221,7 @@ class EngineLoop(Generic[Payload]):
             self._busy_since = time.monotonic()
             for call in calls:
                 try:
-                    result = call.fn(*call.args)
+                    result = call.command.run(engine)
                 except BaseException as e:  # handed to the caller
                     done.append((_reject, call.future, e))
                 else:

@@ -5,7 +5,6 @@ stream where the reason says so; only the first close acts."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ from engine.kv_cache import KVCacheParams, PagedKVCache
 from kv_transfer import KvLayout, KvPool, KvReceiver, PoolShape, TransferState
 from ledger.ledger import Ledger, RequestState, WorkerRole
 from ledger.membership import Membership, Timing
+from serving.engine_commands import DropRequest, EngineCommand
 from serving.rpc import Unavailable
 
 LAYOUT = KvLayout("tiny", torch.float32, 4, PoolShape(num_layers=2, num_kv_heads=2, head_dim=8))
@@ -33,11 +33,11 @@ class _EngineLoop:
     """Stands in for the engine thread: records what is submitted to it."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        self.calls: list[EngineCommand[Any]] = []
 
-    def submit(self, fn: Callable[..., Any], *args: Any, bounded: bool = True) -> None:
-        assert not bounded  # a close must not wait for room in the queue
-        self.calls.append((fn, args))
+    def submit(self, command: EngineCommand[Any]) -> None:
+        assert not command.is_new_work  # a close must not wait for room in the queue
+        self.calls.append(command)
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ def test_close_releases_everything_once(holders: Holders, reason: CloseReason) -
     handle.close(reason, "why")
     num_aborts, state, owner, raised = EXPECTED[reason]
     assert handle.closed_by is reason and holders.handles == {}
-    assert loop.calls == [(holders.engine.drop_request, ("r1",))] * num_aborts  # type: ignore[attr-defined]
+    assert loop.calls == [DropRequest("r1")] * num_aborts  # type: ignore[attr-defined]
     assert holders.receiver.state("r1") is None
     assert not holders.membership.is_holding("r1") and ledger.holdings() == []
     record = ledger.get_request("r1")

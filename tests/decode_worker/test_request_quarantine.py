@@ -31,6 +31,7 @@ from kv_transfer import (
 )
 from ledger.ledger import Ledger, WorkerRole
 from ledger.membership import Membership, Timing
+from serving.engine_commands import DropRequest
 from serving.rpc import Overloaded
 from tests.decode_worker.test_request_handle import LAYOUT, _decoding, _Engine, _EngineLoop
 
@@ -51,7 +52,7 @@ class SharedWorker:
         return shm_sender(self.channel, self.rings, OPTIONS)
 
     @property
-    def aborts(self) -> list[tuple[Any, ...]]:
+    def aborts(self) -> list[Any]:
         return self.holders.engine_loop.calls  # type: ignore[attr-defined,no-any-return]
 
 
@@ -138,7 +139,7 @@ async def test_blocks_written_in_place_are_freed_once_the_push_stopped(
         if worker.aborts:
             break
         await asyncio.sleep(0.02)
-    assert worker.aborts == [(h.engine.drop_request, ("r1",))]
+    assert worker.aborts == [DropRequest("r1")]
     assert not h.membership.is_holding("r1") and h.membership.ledger.holdings() == []
     assert h.quarantined == {}
     h.check_new("r1")  # reservable again
@@ -152,7 +153,7 @@ async def test_a_request_closed_with_no_push_under_way_is_freed_at_once(
     h = worker.holders
     handle = _decoding_in(worker)
     handle.close(CloseReason.ABORTED)
-    assert worker.aborts == [(h.engine.drop_request, ("r1",))]
+    assert worker.aborts == [DropRequest("r1")]
     assert h.quarantined == {} and not h.membership.is_holding("r1")
 
 
@@ -164,7 +165,7 @@ async def test_a_finished_push_frees_at_once_when_the_request_ends(worker: Share
     await sender.finish()
     await handle.wait_for_kv(5)
     handle.close(CloseReason.CANCELLED)
-    assert worker.aborts == [(h.engine.drop_request, ("r1",))]
+    assert worker.aborts == [DropRequest("r1")]
     assert h.quarantined == {}
 
 
@@ -188,5 +189,5 @@ async def test_a_decode_with_nothing_pushed_waits_for_an_opened_push_to_stop(
         if worker.aborts:
             break
         await asyncio.sleep(0.02)
-    assert worker.aborts == [(h.engine.drop_request, ("r1",))]
+    assert worker.aborts == [DropRequest("r1")]
     assert h.quarantined == {}

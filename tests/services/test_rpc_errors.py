@@ -22,6 +22,7 @@ from serving.rpc import Overloaded, Unavailable, kv_push_status, new_server, sta
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import generation_pb2_grpc as gen_grpc
 from tandem.v1 import kv_transfer_pb2 as kv_pb
+from tests.serving.commands import Cleanup, Do
 
 RAISED: list[tuple[BaseException, grpc.StatusCode]] = [
     (ValueError("prompt: is empty"), grpc.StatusCode.INVALID_ARGUMENT),
@@ -162,11 +163,11 @@ async def test_engine_loop_bounds_new_work_but_never_cleanup() -> None:
         on_error=lambda error: None,
         max_queued_calls=2,
     )
-    futures = [loop.submit(SamplingParams, bounded=True) for _ in range(2)]  # not started yet
+    futures = [loop.submit(Do(SamplingParams)) for _ in range(2)]  # not started yet
     with pytest.raises(Overloaded, match="2 calls waiting"):
-        loop.submit(SamplingParams)
-    cleanup = loop.submit(lambda: "freed", bounded=False)
-    failing = loop.submit(SamplingParams, 0, bounded=False)  # max_tokens 0: refused
+        loop.submit(Do(SamplingParams))
+    cleanup = loop.submit(Cleanup(lambda: "freed"))
+    failing = loop.submit(Cleanup(lambda: SamplingParams(0)))  # max_tokens 0: refused
     loop.start()
     try:
         assert isinstance(await futures[0], SamplingParams)

@@ -14,6 +14,7 @@ from typing import Any
 from serving.engine_loop import EngineLoop
 from serving.liveness import watch_engine, watch_readiness
 from serving.rpc import NOT_SERVING, SERVING
+from tests.serving.commands import Do
 
 
 def blocking_engine(release: threading.Event, steps: list[int]) -> Any:
@@ -50,7 +51,7 @@ async def test_is_alive_while_steps_move_not_when_one_stalls_or_the_thread_is_go
         assert loop.is_alive(stall_s=0.2)  # idle: alive however long it waits
         await asyncio.sleep(0.3)
         assert loop.is_alive(stall_s=0.2)
-        await loop.call(steps.append, 1)  # one step to run, which blocks
+        await loop.call(Do(lambda: steps.append(1)))  # one step to run, which blocks
         await asyncio.sleep(0.3)
         assert loop.is_alive(stall_s=60) and not loop.is_alive(stall_s=0.2)
         release.set()

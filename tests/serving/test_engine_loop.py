@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from serving.engine_loop import EngineLoop
+from tests.serving.commands import Do
 
 
 class SlowBlocks:
@@ -63,7 +64,7 @@ async def test_a_caller_and_a_stream_never_see_figures_from_before_what_they_got
             blocks.free = 3
             steps.extend([5, 8])
 
-        await loop.call(reserve)
+        await loop.call(Do(reserve))
         assert loop.stats.num_free_blocks == 3
         while len(seen_on_delivery) < 2:
             await asyncio.sleep(0.01)
@@ -109,11 +110,11 @@ async def test_an_idle_loop_refreshes_costs_while_wanted_then_waits_and_serves_c
     loop.start()
     try:
         assert await asyncio.to_thread(in_first_turn.wait, 10)
-        call = loop.submit(lambda: events.append("call"))
+        call = loop.submit(Do(lambda: events.append("call")))
         release_first.set()
         await call
         assert await asyncio.to_thread(done.wait, 10)
-        assert await loop.call(lambda: "served") == "served"  # the loop still serves
+        assert await loop.call(Do(lambda: "served")) == "served"  # the loop still serves
         assert events == ["turn", "call", "turn", "turn"] and engine.refresh is None
     finally:
         loop.stop()

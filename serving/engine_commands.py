@@ -1,0 +1,134 @@
+"""What a worker's services may ask of their engine: typed commands that the engine thread
+runs (``EngineLoop.submit``), one class each, in one place.
+
+A command names its engine call and its arguments, and says whether it is new work,
+refused with Overloaded while the queue is full (``is_new_work``), or cleanup and reads,
+which are never refused. A command that must happen together with its engine call on the
+engine thread takes a hook (``AddRequest.then``, ``DropRequest.then``): a prefill worker
+hands a request's KV push to the layer relay there, so that the push sees exactly this
+attempt's layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import ClassVar, Generic, TypeVar
+
+from engine.engine_figures import block_tables, owned_block_ids
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class EngineCommand(Generic[T]):
+    """One call of the engine on its thread; ``run`` returns its result."""
+
+    is_new_work: ClassVar[bool] = True
+
+    def run(self, engine: LLMEngine) -> T:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AddRequest(EngineCommand[None]):
+    """Queues a request (``LLMEngine.add_request``); ``then`` runs right after, on the
+    engine thread, before any step."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    is_prefill_only: bool = False
+    num_output_tokens_sent: int = 0
+    then: Callable[[], None] | None = None
+
+    def run(self, engine: LLMEngine) -> None:
+        engine.add_request(
+            self.request_id,
+            self.prompt,
+            self.params,
+            is_prefill_only=self.is_prefill_only,
+            num_output_tokens_sent=self.num_output_tokens_sent,
+        )
+        if self.then is not None:
+            self.then()
+
+
+@dataclass(frozen=True)
+class Reserve(EngineCommand[tuple[list[int], int, int]]):
+    """Blocks for a request whose KV is pushed here (``LLMEngine.reserve``): its block
+    table, how many prompt tokens were cached here, and how many characters of its resumed
+    output were already sent (0 unless ``num_output_tokens_sent``)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    num_output_tokens_sent: int = 0
+
+    def run(self, engine: LLMEngine) -> tuple[list[int], int, int]:
+        rid, num_sent = self.request_id, self.num_output_tokens_sent
+        table, num_cached = engine.reserve(rid, self.prompt, self.params, num_sent)
+        return table, num_cached, len(engine.output_text(rid)) if num_sent else 0
+
+
+@dataclass(frozen=True)
+class StartDecoding(EngineCommand[RequestOutput]):
+    """Joins a reserved request to the batch with its first token and drafts
+    (``LLMEngine.start_decoding``); the output that token makes."""
+
+    request_id: str
+    first_token: int
+    draft_tokens: list[int]
+    has_kv: bool = True
+
+    def run(self, engine: LLMEngine) -> RequestOutput:
+        return engine.start_decoding(
+            self.request_id, self.first_token, self.draft_tokens, has_kv=self.has_kv
+        )
+
+
+@dataclass(frozen=True)
+class PrefillReserved(EngineCommand[None]):
+    """A co-located worker prefills a request it reserved (``LLMEngine.prefill_reserved``)."""
+
+    request_id: str
+
+    def run(self, engine: LLMEngine) -> None:
+        engine.prefill_reserved(self.request_id)
+
+
+@dataclass(frozen=True)
+class DropRequest(EngineCommand[None]):
+    """Ends a request in the engine (``LLMEngine.drop_request``); ``then`` runs right
+    after, on the engine thread. Cleanup: never refused."""
+
+    is_new_work: ClassVar[bool] = False
+    request_id: str
+    then: Callable[[], None] | None = None
+
+    def run(self, engine: LLMEngine) -> None:
+        engine.drop_request(self.request_id)
+        if self.then is not None:
+            self.then()
+
+
+@dataclass(frozen=True)
+class ReadBlockTables(EngineCommand[dict[str, list[int]]]):
+    """The block tables of those of ``request_ids`` in the batch (``block_tables``)."""
+
+    is_new_work: ClassVar[bool] = False
+    request_ids: Collection[str]
+
+    def run(self, engine: LLMEngine) -> dict[str, list[int]]:
+        return block_tables(engine, self.request_ids)
+
+
+@dataclass(frozen=True)
+class ReadOwnedBlocks(EngineCommand[tuple[list[int], list[int]]]):
+    """Block ids held by requests, and free ones holding a cached prefix (for audits)."""
+
+    is_new_work: ClassVar[bool] = False
+
+    def run(self, engine: LLMEngine) -> tuple[list[int], list[int]]:
+        return owned_block_ids(engine)
