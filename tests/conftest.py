@@ -17,6 +17,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+# The suite's own process runs gRPC and forks children (pexpect's pty, subprocesses): with
+# gRPC's fork support on, a forked child restarts gRPC's poller before it execs, and that
+# poller can die on the epoll descriptor the child no longer has ("Epoll1Poller ...
+# epoll_wait error: Bad file descriptor", grpc/grpc#43055), ending the child at birth.
+# Every child here execs a new program, so none needs gRPC's fork handlers.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 if TYPE_CHECKING:
     from ledger.ledger import Ledger
     from ledger.redis_server import RedisServer
