@@ -248,7 +248,7 @@ class Ledger:
         and, if ``has_draft``, the draft pool. LedgerConflict unless the request is in
         ``expected`` and owned by the worker at ``epoch``, its lease is alive and the ledger
         holds ``num_held`` target blocks for it (what the worker recorded last). Returns
-        the number of target blocks now held; none ends the holding, as a release."""
+        the number of target blocks now held; none ends the holding, as ``free_blocks`` does."""
         check_id("request_id", request_id)
         check_id("worker_id", worker_id)
         added_ids, removed_ids = check_block_ids(added), check_block_ids(removed)
@@ -271,7 +271,7 @@ class Ledger:
         block_ids: Iterable[int] | None = None,
     ) -> int:
         """Forgets blocks of a worker for a request: ``block_ids`` of ``pool``, or all of
-        ``pool``, or all (pool None). Returns how many were released. Idempotent."""
+        ``pool``, or all (pool None). Returns how many were freed. Idempotent."""
         check_id("request_id", request_id)
         check_id("worker_id", worker_id)
         ids = None if block_ids is None else check_block_ids(block_ids)
@@ -281,14 +281,14 @@ class Ledger:
             raise ValueError("block_ids: give the pool they belong to")
         _, holders, lease, target, draft = self.keys.request(request_id, worker_id)
         pool_arg = "" if pool is None else str(KvPool(pool))
-        released, _remaining = self._run(
+        freed, _remaining = self._run(
             lua.FREE_BLOCKS,
             [holders, lease, target, draft],
             [request_id, worker_id, epoch, pool_arg, *(ids or [])],
         )
         # The holdings index entry stays: only the reaper drops entries (race-free, see
         # UNINDEX_IF_SCORE), once their expiry hint has passed.
-        return int(released)
+        return int(freed)
 
     def renew_lease(self, request_id: str, worker_id: str, *, epoch: int, lease_ms: int) -> None:
         """Extends a worker's lease on a request's blocks; LedgerConflict once it expired
@@ -348,7 +348,7 @@ class Ledger:
                 lua.READ_HOLDING, [holders, lease, target, draft, record], [holder]
             )
             if epoch is None:
-                continue  # released, index entry not yet dropped
+                continue  # freed, index entry not yet dropped
             holdings.append(
                 Holding(
                     request_id=request_id,

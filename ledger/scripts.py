@@ -210,7 +210,7 @@ return redis.call('HGETALL', KEYS[1])
 )
 
 # KEYS: holders, lease, target set, draft set. ARGV: request_id, worker, epoch,
-# pool ('' for both), block ids... (none: all of the pool). Returns {released, remaining}.
+# pool ('' for both), block ids... (none: all of the pool). Returns {freed, remaining}.
 FREE_BLOCKS = (
     _PRELUDE
     + """
@@ -222,17 +222,17 @@ if held ~= ARGV[3] then
   return conflict('request ' .. ARGV[1] .. ': stale epoch for worker ' .. ARGV[2] ..
     ': expected ' .. held .. ', got ' .. ARGV[3])
 end
-local released = 0
+local freed = 0
 local sets = {}
 if ARGV[4] == '' or ARGV[4] == 'target' then table.insert(sets, KEYS[3]) end
 if ARGV[4] == '' or ARGV[4] == 'draft' then table.insert(sets, KEYS[4]) end
 for _, key in ipairs(sets) do
   if #ARGV == 4 then
-    released = released + redis.call('SCARD', key)
+    freed = freed + redis.call('SCARD', key)
     redis.call('DEL', key)
   else
     for i = 5, #ARGV, 1000 do
-      released = released + redis.call('SREM', key, unpack(ARGV, i, math.min(i + 999, #ARGV)))
+      freed = freed + redis.call('SREM', key, unpack(ARGV, i, math.min(i + 999, #ARGV)))
     end
   end
 end
@@ -241,7 +241,7 @@ if remaining == 0 then
   redis.call('HDEL', KEYS[1], ARGV[2])
   redis.call('DEL', KEYS[2])
 end
-return {released, remaining}
+return {freed, remaining}
 """
 )
 
