@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from decode_worker.transitions import DecodeTransitions
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.output_processor import OutputBuilder
+from engine.outputs import RequestDelta, RequestOutput
 from kv_transfer import KvLayout, KvReceiver, KvReservation
 from ledger.membership import HeldRequest, Membership
 from serving.engine_commands import DropRequest
@@ -50,39 +52,39 @@ class CloseReason(enum.Enum):
         return self.value if is_own else "aborted"
 
 
-class OutputSlot:
-    """The newest output of one request. Outputs are cumulative (all tokens so far), so
-    keeping only the newest loses nothing and bounds what a slow reader can pile up."""
+class DeltaSlot:
+    """The deltas of one request that its stream has not read yet, in order. The reader
+    assembles them (``OutputBuilder``) in its own turn of the event loop, all it finds
+    at once: a slow reader makes one output of many steps."""
 
     def __init__(self) -> None:
-        self.output: RequestOutput | None = None
+        self.deltas: list[RequestDelta] = []
         self.error: BaseException | None = None
         self._event = asyncio.Event()
 
-    def update(self, output: RequestOutput) -> None:
-        current = self.output
-        if current is None or output.finished or len(output.token_ids) > len(current.token_ids):
-            self.output = output
-            self._event.set()
+    def put(self, delta: RequestDelta) -> None:
+        self.deltas.append(delta)
+        self._event.set()
 
     def fail(self, error: BaseException) -> None:
         self.error = error
         self._event.set()
 
-    async def next(self) -> RequestOutput:
+    async def take(self) -> list[RequestDelta]:
+        """Waits for deltas; all of them, oldest first."""
         await self._event.wait()
         self._event.clear()
         if self.error is not None:
             raise self.error
-        assert self.output is not None
-        return self.output
+        deltas, self.deltas = self.deltas, []
+        return deltas
 
 
 @dataclass(frozen=True)
 class Holders:
     """Where a decode worker's requests are held besides their handles (one per worker)."""
 
-    engine: LLMEngine  # sequences and detokenizers; touched on the engine thread only
+    engine: LLMEngine  # sequences; touched on the engine thread only
     engine_loop: EngineLoop[Any]
     receiver: KvReceiver  # reservations the prefill workers push KV into
     layout: KvLayout
@@ -110,6 +112,7 @@ class RequestHandle:
 
     holders: Holders = field(repr=False)
     request_id: str
+    outputs: OutputBuilder  # its output, assembled from its deltas
     num_prompt_tokens: int  # the client's prompt (without output resumed from a preemption)
     logprobs: int | None
     num_output_tokens_sent: int  # output tokens an earlier attempt already streamed (a preemption)
@@ -119,7 +122,7 @@ class RequestHandle:
     num_output_chars_sent: int = 0  # characters of the resumed output already streamed
     reserved_at: float = field(default_factory=time.monotonic)
     push_failed_at: float | None = None  # when its KV push was seen refused or aborted
-    slot: OutputSlot | None = None  # set once Decode started
+    slot: DeltaSlot | None = None  # set once Decode started
     closed_by: CloseReason | None = None
     _kv_stopping: asyncio.Future[None] | None = field(default=None, init=False, repr=False)
 
@@ -148,6 +151,16 @@ class RequestHandle:
         stopping = self._drop_reservation()
         if stopping is not None:
             await asyncio.shield(stopping)
+
+    async def next_output(self) -> RequestOutput:
+        """The request's output once more deltas arrived (all that did, assembled)."""
+        assert self.slot is not None
+        while True:
+            output = None
+            for delta in await self.slot.take():
+                output = self.outputs.add(delta) or output
+            if output is not None:
+                return output
 
     def resize(self, table: list[int]) -> None:
         """The engine grew (or shrank) the request's table: the ledger follows, later."""
@@ -202,8 +215,8 @@ class RequestHandle:
         h, rid = self.holders, self.request_id
         if h.quarantined.get(rid) is self:
             del h.quarantined[rid]
-        if reason is not CloseReason.FINISHED:  # a finished request the engine freed itself
-            h.engine_loop.submit(DropRequest(rid))
+        # Also when finished: a stop string ends a request that the engine still runs.
+        h.engine_loop.submit(DropRequest(rid))
         h.membership.free(rid)
 
 

@@ -27,11 +27,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from decode_worker.chunk_stream import ChunkStream
-from decode_worker.request import Aborted, CloseReason, Holders, OutputSlot, RequestHandle
+from decode_worker.request import Aborted, CloseReason, DeltaSlot, Holders, RequestHandle
 from decode_worker.transitions import DecodeTransitions
+from engine.admission import RequestError
 from engine.engine_figures import BlockTableWatch
-from engine.llm_engine import LLMEngine, RequestOutput
-from engine.outputs import NON_FINITE_LOGITS, RequestFailed
+from engine.llm_engine import LLMEngine
+from engine.output_processor import OutputBuilder
+from engine.outputs import (
+    NON_FINITE_LOGITS,
+    RequestDelta,
+    RequestFailed,
+    RequestOutput,
+    RequestStart,
+)
 from engine.sequence import FinishReason
 from kv_transfer import KvLayout, KvReceiver, TransferState, add_kv_transfer_servicer, host_id
 from ledger.membership import HeldRequest, Membership
@@ -55,7 +63,7 @@ FAILED_PUSH_GRACE_S = 0.5  # a reservation whose push failed: freed after this
 class _Step:
     """What one engine step hands the event loop."""
 
-    outputs: list[RequestOutput]
+    deltas: list[RequestDelta]
     tables: dict[str, list[int]]  # request id -> its block table, where the step changed it
 
 
@@ -96,7 +104,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         self.engine_loop: EngineLoop[_Step] = EngineLoop(
             engine,
             asyncio.get_running_loop(),
-            on_step=lambda engine, outputs: _Step(outputs, watch.changed(engine)),
+            on_step=lambda engine, deltas: _Step(deltas, watch.changed(engine)),
             deliver=self._deliver,
             on_error=self._on_engine_error,
             name="decode-engine",
@@ -139,10 +147,13 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             )
         params = params_from_proto(request.sampling)
         num_output_tokens_sent = request.num_output_tokens_sent
+        num_prompt_tokens = len(prompt) - num_output_tokens_sent
+        start = RequestStart(prompt[:num_prompt_tokens], params, prompt[num_prompt_tokens:])
         handle = RequestHandle(
             self.holders,
             rid,
-            len(prompt) - num_output_tokens_sent,
+            OutputBuilder(rid, start, self.engine.tokenizer),
+            num_prompt_tokens,
             params.logprobs,
             num_output_tokens_sent,
             request.router_id,
@@ -150,7 +161,8 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         )
         reserve = Reserve(rid, prompt, params, num_output_tokens_sent)
         try:  # cancelled after the engine reserved: close's drop follows it in the queue
-            table, num_cached, handle.num_output_chars_sent = await self.engine_loop.call(reserve)
+            table, num_cached = await self.engine_loop.call(reserve)
+            handle.num_output_chars_sent = len(handle.outputs.text)  # of the resumed output
             num_cached_blocks = num_cached // self.block_size
             num_kv_blocks = -(-len(prompt) // self.block_size)  # what a push fills
             handle.hold(table, num_cached_blocks, num_kv_blocks, self._pools)
@@ -192,19 +204,21 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             raise PreconditionFailed(
                 "prefill_here: this decode worker does not prefill (start it with --colocate)"
             )
-        slot = handle.slot = OutputSlot()
+        handle.slot = DeltaSlot()
         try:
             stream = ChunkStream(handle, request)
+            output: RequestOutput | None = None
             if request.prefill_here:
                 await handle.wait_for_kv(None)  # nothing is pushed: forget the reservation
                 self.holders.transitions.prefilled_here(rid)
                 await self.engine_loop.call(PrefillReserved(rid))
             else:
-                first = await self._start_decoding(handle, request, context)
+                output = await self._start_decoding(handle, request, context)
                 if request.is_first_token_sent:
-                    stream.sent_by_router(first, request.first_text)
+                    stream.sent_by_router(output, request.first_text)
             while True:
-                output = await slot.next()
+                if output is None:
+                    output = await handle.next_output()
                 if output.finish_reason is FinishReason.PREEMPTED:
                     chunk = stream.chunk(dataclasses.replace(output, finished=False))
                     if chunk.token_ids or chunk.text:
@@ -221,6 +235,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
                     return
                 if chunk.token_ids or chunk.text:
                     yield chunk
+                output = None
         except Aborted:
             yield stream.aborted()
         except Exception as e:
@@ -235,7 +250,8 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         self, handle: RequestHandle, request: pb.DecodeRequest, context: Any
     ) -> RequestOutput:
         """Waits for the pushed KV, then joins the request to the batch with the first
-        token (and drafts) the prefill worker sampled; the output that token makes."""
+        token (and drafts) the prefill worker sampled; the output that token makes. A
+        request that the first token ended on the prefill worker must end with it here."""
         timeout = None
         if not request.is_finished_on_prefill:
             remaining = context.time_remaining()
@@ -248,10 +264,14 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             list(request.draft_tokens),
             has_kv=not request.is_finished_on_prefill,
         )
-        first = await self.engine_loop.call(start)
-        assert handle.slot is not None
-        handle.slot.update(first)
-        return first
+        output = handle.outputs.add(await self.engine_loop.call(start))
+        assert output is not None  # its first delta
+        if request.is_finished_on_prefill and not output.finished:
+            raise RequestError(
+                f"first_token: {request.first_token_id} ended request {request.request_id!r} "
+                "on the prefill worker (no KV sent), but does not end it here"
+            )
+        return output
 
     async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortReply:
         handle = self._requests.get(request.request_id)
@@ -414,10 +434,10 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         )
 
     def _deliver(self, step: _Step) -> None:
-        for output in step.outputs:
-            handle = self._requests.get(output.request_id)
+        for delta in step.deltas:
+            handle = self._requests.get(delta.request_id)
             if handle is not None and handle.slot is not None:
-                handle.slot.update(output)
+                handle.slot.put(delta)
         for rid, table in step.tables.items():  # the ledger follows, after this step
             handle = self._requests.get(rid)
             if handle is not None:

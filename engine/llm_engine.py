@@ -18,13 +18,14 @@ from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheCapacityError, PagedKVCache
 from engine.model_runner import LayerListener, StepOutput
 from engine.output_processor import OutputProcessor
-from engine.outputs import PrefilledRequest, RequestOutput
+from engine.outputs import PrefilledRequest, RequestDelta, RequestOutput, hand_out
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.spec import overlap
 from engine.spec.overlap import AheadStep
 from engine.spec.spec_runner import DecodeResult
+from engine.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,11 @@ class LLMEngine:
     the requests that produced tokens. Disaggregated, a prefill worker adds requests
     prefill-only and hands their blocks on (``take_prefilled``); a decode worker
     ``reserve``s blocks for a pushed KV, and ``start_decoding`` joins the request to the
-    batch. Not thread-safe: one thread (a service's engine thread) calls everything."""
+    batch. Not thread-safe: one thread (a service's engine thread) calls everything.
+
+    ``step_deltas`` is the step a service runs: what it added to each request, which the
+    service assembles into outputs (text, stop strings) off this thread. ``step`` is the
+    offline one: it assembles them itself (``engine.output_processor``)."""
 
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
         if config.num_threads:
@@ -55,9 +60,8 @@ class LLMEngine:
         self.runner = parts.runner
         self.spec = parts.spec
         self._seqs: dict[str, Sequence] = {}
-        self.outputs = OutputProcessor(
-            parts.eos_token_ids, tokenizer, has_spec=self.spec is not None
-        )
+        self.stops = StopChecker(parts.eos_token_ids)
+        self._offline_outputs = OutputProcessor(tokenizer)  # step()'s
         self._ahead: AheadStep | None = None  # overlap scheduling: the step in flight
         self.num_steps_ahead = 0  # decode steps launched before the previous one was read
         if config.torch_compile or config.warm_up:
@@ -77,7 +81,7 @@ class LLMEngine:
 
     @property
     def eos_token_ids(self) -> AbstractSet[int]:
-        return self.outputs.eos_token_ids
+        return self.stops.eos_token_ids
 
     def _warm_up(self) -> None:
         """Runs every lazy initialization and compiles the decode graphs now, then forgets
@@ -101,7 +105,7 @@ class LLMEngine:
                     rid = f"warm-up-{num_rows}-{length}-{row}"
                     self.add_request(rid, [1 + row] * length, params)
                 while self.has_unfinished_requests():
-                    self.step()
+                    self.step_deltas()
         self.block_manager.reset_prefix_cache()
         if self.spec is not None:
             self.spec.warm_up(self.block_manager.clean_block_ids)
@@ -123,7 +127,7 @@ class LLMEngine:
         token and keep the blocks until ``drop_request``; ``take_prefilled`` returns the
         result. ``num_output_tokens_sent``: the last ids of ``prompt_token_ids`` are output
         an earlier attempt generated and sent (a preempted request resumed); they count
-        towards max_tokens and stop strings, and the output starts with them."""
+        towards max_tokens, and its first delta's start has them (for stop strings)."""
         seq = self._new_sequence(request_id, prompt_token_ids, params, num_output_tokens_sent)
         seq.is_prefill_only = is_prefill_only
         self.scheduler.add(seq)
@@ -155,7 +159,6 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             block_manager=self.block_manager,
         )
-        generated = token_ids[num_prompt_tokens:]
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(
             request_id=request_id,
@@ -163,10 +166,10 @@ class LLMEngine:
             num_prompt_tokens=num_prompt_tokens,
             params=params,
             seed=seed,
+            num_tokens_handed_out=len(token_ids),  # the prompt, and output already sent
         )
-        seq.grammar = self.grammars.row(params.structured_output, generated)
+        seq.grammar = self.grammars.row(params.structured_output, token_ids[num_prompt_tokens:])
         self._seqs[request_id] = seq
-        self.outputs.start(request_id, params, generated)
         return seq
 
     def drop_request(self, request_id: str) -> None:
@@ -178,7 +181,7 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED
         else:
             self._free_blocks(seq)
-        self.outputs.forget(request_id)
+        self._offline_outputs.forget(request_id)
 
     # -- disaggregation ----------------------------------------------------------------
 
@@ -228,7 +231,6 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt_token_ids, params, num_output_tokens_sent)
         if not self.block_manager.can_allocate(seq):
             del self._seqs[request_id]
-            self.outputs.forget(request_id)
             raise KVCacheCapacityError(
                 f"kv cache: {self.block_manager.num_free_blocks} blocks free, not enough for "
                 f"{len(prompt_token_ids)} prompt tokens; retry later or on another worker"
@@ -244,11 +246,13 @@ class LLMEngine:
         draft_token_ids: list[int] | None = None,
         *,
         has_kv: bool = True,
-    ) -> RequestOutput:
+    ) -> RequestDelta:
         """Joins a reserved request to the running batch once its prompt's KV is in its
-        blocks; ``first_token`` was sampled by the prefill worker. ``has_kv`` False: the
-        first token ended the request there, so its KV was not (or only partly) sent; it
-        must end here too (else RequestError, the reservation freed).
+        blocks; ``first_token`` was sampled by the prefill worker. Returns the request's
+        first delta. ``has_kv`` False: the first token ended the request there, so its KV
+        was not (or only partly) sent; it ends here whatever the delta says (a stop
+        string that ended it is for the caller to find, and to refuse the request if none
+        did).
 
         Only a request that goes on decoding has its blocks cached: one that ends here
         frees them at once, and its KV may never have arrived (a prefill worker pushes
@@ -273,20 +277,14 @@ class LLMEngine:
                 # model: a decode row from its first step (a prefill worker's drafter wrote
                 # its draft KV all the same).
                 seq.draft_token_ids = list(draft_token_ids or [])
-            self.outputs.check_stop(seq, first_token)
-        output = self.outputs.output(seq)
-        if seq.finish_reason is not None:
+            self.stops.check(seq, first_token)
+        delta = hand_out(seq, has_spec=self.spec is not None)
+        if seq.finish_reason is not None or not has_kv:
             self.drop_request(request_id)
-        elif not has_kv:
-            self.drop_request(request_id)
-            raise RequestError(
-                f"first_token: {first_token} ended request {request_id!r} on the prefill "
-                "worker (no KV sent), but does not end it here"
-            )
         else:
             self.block_manager.cache_computed_blocks(seq)
             self.scheduler.join(seq)
-        return output
+        return delta
 
     def prefill_reserved(self, request_id: str) -> None:
         """Co-located (no prefill worker): joins a reserved request to the running batch
@@ -297,10 +295,6 @@ class LLMEngine:
         if seq is None or seq.status is not SequenceStatus.RESERVED:
             raise RequestError(f"request_id: {request_id!r} is not reserved on this worker")
         self.scheduler.join(seq)
-
-    def output_text(self, request_id: str) -> str:
-        """The text of a request's output so far (held-back characters excluded)."""
-        return self.outputs.text(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or self._ahead is not None
@@ -326,12 +320,22 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns outputs of the requests that produced tokens."""
+        """Offline (one thread adds, steps and reads): runs one step; returns the outputs
+        of the requests it changed, assembled here. A request that a stop string ended
+        is dropped at once."""
+        outputs = self._offline_outputs.process(self.step_deltas())
+        for output in outputs:
+            if output.finished and output.request_id in self._seqs:
+                self.drop_request(output.request_id)
+        return outputs
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """Runs one engine step; returns the deltas of the requests it changed."""
         if self.config.enable_overlap_scheduler:
             return self._step_ahead()
         return self._step_now()
 
-    def _step_now(self) -> list[RequestOutput]:
+    def _step_now(self) -> list[RequestDelta]:
         """Schedules, runs and postprocesses one step, reading its tokens at once."""
         batch = self.scheduler.schedule()
         outputs = self._hand_back(batch) if self.config.preemption == "hand_back" else []
@@ -346,7 +350,7 @@ class LLMEngine:
             outputs += self._postprocess_spec(decode, self.spec.decode(decode))
         return outputs
 
-    def _step_ahead(self) -> list[RequestOutput]:
+    def _step_ahead(self) -> list[RequestDelta]:
         """Overlap scheduling (engine.spec.overlap): launches the next decode step, then
         reads the one launched before it. Steps it does not cover run as ``_step_now``, once
         the step in flight is read."""
@@ -370,7 +374,7 @@ class LLMEngine:
             self.num_steps_ahead += prev is not None and bool(prev.continuing)
         return outputs + self._read_ahead(prev)
 
-    def _read_ahead(self, step: AheadStep | None) -> list[RequestOutput]:
+    def _read_ahead(self, step: AheadStep | None) -> list[RequestDelta]:
         """Postprocesses a launched step's rows that are still running, once its tokens are
         on the host, and frees the blocks of rows that ended while it ran."""
         if step is None:
@@ -382,7 +386,7 @@ class LLMEngine:
         kept = [(s, r) for s, r in zip(step.seqs, results, strict=True) if r is not None]
         return self._postprocess_spec([s for s, _ in kept], [r for _, r in kept])
 
-    def _idle(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def _idle(self, outputs: list[RequestDelta]) -> list[RequestDelta]:
         """A step with nothing scheduled: only the requests it handed back, if any."""
         if not outputs and self.scheduler.waiting and not self.scheduler.running:
             raise KVCacheCapacityError(
@@ -404,16 +408,15 @@ class LLMEngine:
         )
         return prefill, [batch.seqs[i] for i in sorted(decode)]
 
-    def _hand_back(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def _hand_back(self, batch: ScheduledBatch) -> list[RequestDelta]:
         """Ends the requests this step preempted (their blocks are already free) with
         FinishReason.PREEMPTED: whoever sent them resumes them elsewhere."""
         outputs = []
         for seq in batch.preempted:
             self.scheduler.finish(seq)  # out of the waiting queue
             seq.finish_reason = FinishReason.PREEMPTED
-            outputs.append(self.outputs.output(seq))
+            outputs.append(hand_out(seq, has_spec=self.spec is not None))
             self._seqs.pop(seq.request_id, None)
-            self.outputs.forget(seq.request_id)
         batch.preempted.clear()
         return outputs
 
@@ -428,18 +431,18 @@ class LLMEngine:
 
     def _postprocess_spec(
         self, seqs: list[Sequence], results: list[DecodeResult]
-    ) -> list[RequestOutput]:
+    ) -> list[RequestDelta]:
         outputs = []
         for seq, result in zip(seqs, results, strict=True):
             # Target KV now covers the pending token and every accepted draft.
             seq.num_computed_tokens += len(result.tokens)
             for i, token in enumerate(result.tokens):
                 row = result.logprobs[i] if result.logprobs is not None else None
-                self.outputs.append(seq, token, row)
+                self.stops.append(seq, token, row)
                 if seq.finish_reason is not None:
                     break
             self.block_manager.cache_computed_blocks(seq, seq.num_drafted_tokens)
-            outputs.append(self.outputs.output(seq))
+            outputs.append(hand_out(seq, has_spec=self.spec is not None))
             if seq.finish_reason is not None:
                 self._finish(seq)
         return outputs
@@ -449,7 +452,6 @@ class LLMEngine:
             self.spec.finished(seq)
         self._free_blocks(seq)
         del self._seqs[seq.request_id]
-        self.outputs.forget(seq.request_id)
 
     def _free_blocks(self, seq: Sequence) -> None:
         """Ends a request in the scheduler; a step in flight may still write its blocks:
@@ -462,7 +464,7 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         ahead.free_after.append(seq)
 
-    def _postprocess(self, batch: ScheduledBatch, result: StepOutput) -> list[RequestOutput]:
+    def _postprocess(self, batch: ScheduledBatch, result: StepOutput) -> list[RequestDelta]:
         for row, entries in result.prompt_logprobs or ():
             seq = batch.seqs[row]  # entries for prompt tokens from num_computed_tokens + 1 on
             seq.prompt_logprobs[seq.num_computed_tokens :] = entries  # a recompute overwrites
@@ -476,8 +478,8 @@ class LLMEngine:
                 seq.finish_reason = FinishReason.LENGTH
             else:
                 row_logprobs = result.logprobs[i] if result.logprobs is not None else None
-                self.outputs.append(seq, token, row_logprobs)
-            outputs.append(self.outputs.output(seq))
+                self.stops.append(seq, token, row_logprobs)
+            outputs.append(hand_out(seq, has_spec=self.spec is not None))
             if seq.is_prefill_only:
                 # Blocks stay until drop_request(), even when the first token ended it: a layer
                 # listener's transfer may still be reading this step's KV from them.

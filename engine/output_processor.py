@@ -1,97 +1,124 @@
-"""What a step's sampled tokens do to their requests, and the output each request gets.
+"""A request's output assembled from the engine's deltas, off the engine's thread.
 
-A token is appended to its sequence, with its logprobs where the request asks for them,
-and checked against what ends the request: a stop token or EOS, max_tokens, and, where the
-engine has a tokenizer, a stop string in the text detokenized so far (each request keeps
-an ``IncrementalDetokenizer``). The engine's loop decides what happens to a request that
-ended (its blocks, its drafter state); this module only says that it ended, and why.
+The engine hands out what each step added to a request (``RequestDelta``). Whoever holds
+the request keeps its ``OutputBuilder``: the whole output so far, its logprobs, and its
+text, made by an ``IncrementalDetokenizer`` where there is a tokenizer. That is also
+where stop strings are found. The engine never sees them, so a request that one ends is
+still running there: its holder drops it (``LLMEngine.drop_request``), a step or two late,
+and the tokens the engine made past the stop string are left out of the output, as are
+any a step made past the token that ended it. On a worker, builders run in the event
+loop; offline, ``OutputProcessor`` keeps one per request for ``LLMEngine.step``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Set as AbstractSet
+from collections.abc import Iterable
 from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.model_runner import RowLogprobs
-from engine.outputs import RequestOutput
-from engine.sampler import FAULT
-from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason, Sequence, TokenLogprobs
+from engine.outputs import RequestDelta, RequestOutput, RequestStart
+from engine.sequence import FinishReason, SpecCounts, TokenLogprobs
+
+
+class OutputBuilder:
+    """One request's output, from its deltas (see the module's docstring)."""
+
+    def __init__(self, request_id: str, start: RequestStart, tokenizer: Any | None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = start.prompt_token_ids
+        self.params = start.params
+        self.token_ids = list(start.output_token_ids_sent)
+        self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.spec_counts: SpecCounts | None = None
+        self.is_ended_here = False  # a stop string ended it: the engine still runs it
+        self._detok: IncrementalDetokenizer | None = None
+        if tokenizer is not None:
+            self._detok = IncrementalDetokenizer(tokenizer, start.params.stop)
+            if self.token_ids:
+                self._detok.add(self.token_ids)  # an earlier attempt's: it did not stop there
+
+    @property
+    def text(self) -> str:
+        """The output's text so far ("" without a tokenizer): whole characters, a stop
+        string and what may begin one held back."""
+        return self._detok.text if self._detok is not None else ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, delta: RequestDelta) -> RequestOutput | None:
+        """Takes one delta of this request; the output so far, or None once it ended (the
+        engine goes on for a step or two after a stop string: those tokens are dropped)."""
+        if self.finished:
+            return None
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.spec_counts = delta.spec_counts
+        last = len(delta.new_token_ids) - 1
+        for i, token in enumerate(delta.new_token_ids):
+            self.token_ids.append(token)
+            if i < len(delta.new_logprobs):
+                self.logprobs.append(delta.new_logprobs[i])
+            is_final = delta.finished and i == last  # the token the engine ended it on
+            if self._detok is None:
+                continue
+            self._detok.add([token], final=is_final)
+            if self._detok.stopped_on is not None and not is_final:
+                self.finish_reason, self.stop_reason = FinishReason.STOP, self._detok.stopped_on
+                self.is_ended_here = True
+                return self.output()
+        if delta.finished:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        return self.output()
+
+    def output(self) -> RequestOutput:
+        """The output so far: every output token and its text (copies)."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.token_ids),
+            text=self.text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            num_cached_tokens=self.num_cached_tokens,
+            logprobs=list(self.logprobs),
+            spec_counts=dataclasses.replace(self.spec_counts) if self.spec_counts else None,
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
 
 class OutputProcessor:
-    """Appends tokens to sequences, ends them, and builds their ``RequestOutput``s (see
-    the module's docstring); holds each live request's detokenizer."""
+    """The builders of many requests, each made from its request's first delta (which
+    carries its start) and forgotten once it ended: what one caller of an engine that
+    steps it itself needs (the offline ``LLMEngine.step``)."""
 
-    def __init__(
-        self, eos_token_ids: AbstractSet[int], tokenizer: Any | None, *, has_spec: bool
-    ) -> None:
-        self.eos_token_ids = eos_token_ids
+    def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
-        self.has_spec = has_spec  # outputs carry speculative counters
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._builders: dict[str, OutputBuilder] = {}
 
-    def start(self, request_id: str, params: SamplingParams, output_ids: list[int]) -> None:
-        """A new request (``output_ids``: output an earlier attempt already generated)."""
-        if self.tokenizer is None:
-            return
-        detok = self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
-        if output_ids:
-            detok.add(output_ids)  # an earlier attempt's output: it did not stop there
+    def process(self, deltas: Iterable[RequestDelta]) -> list[RequestOutput]:
+        """The outputs the deltas make, one per delta of a request not yet ended."""
+        outputs = []
+        for delta in deltas:
+            rid = delta.request_id
+            if delta.start is not None:
+                self._builders[rid] = OutputBuilder(rid, delta.start, self.tokenizer)
+            builder = self._builders.get(rid)
+            output = builder.add(delta) if builder is not None else None
+            if output is None:
+                continue
+            outputs.append(output)
+            if output.finished:
+                del self._builders[rid]
+        return outputs
 
     def forget(self, request_id: str) -> None:
-        self._detok.pop(request_id, None)
-
-    def text(self, request_id: str) -> str:
-        """The request's output text so far ("" without a tokenizer)."""
-        detok = self._detok.get(request_id)
-        return detok.text if detok is not None else ""
-
-    def append(self, seq: Sequence, token: int, logprobs: RowLogprobs | None) -> None:
-        """One sampled token of ``seq`` (FAULT: its logits were not finite, and it alone
-        ends with FinishReason.ERROR), its logprobs where the request asks for them."""
-        if token == FAULT:
-            seq.finish_reason = FinishReason.ERROR
-            return
-        seq.token_ids.append(token)
-        if logprobs is not None and seq.params.logprobs is not None:
-            chosen, ids, values = logprobs
-            n = seq.params.logprobs
-            top = dict(zip(ids[:n], values[:n], strict=True))
-            seq.logprobs.append(TokenLogprobs(token, chosen, top))
-        self.check_stop(seq, token)
-
-    def check_stop(self, seq: Sequence, token: int) -> None:
-        """Ends ``seq`` if its last token ``token`` ends it (see the module's docstring)."""
-        params = seq.params
-        # A grammar allows EOS only where it ends: its rows end there even with ignore_eos
-        # (not while thinking: the grammar does not constrain that part yet).
-        is_grammar_end = seq.grammar is not None and not seq.grammar.is_thinking
-        is_eos = (not params.ignore_eos or is_grammar_end) and token in self.eos_token_ids
-        if token in params.stop_token_ids or is_eos:
-            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
-        elif seq.num_output_tokens >= params.max_tokens:
-            seq.finish_reason = FinishReason.LENGTH
-        detok = self._detok.get(seq.request_id)
-        if detok is not None:
-            detok.add([token], final=seq.finish_reason is not None)
-            if detok.stopped_on is not None and seq.finish_reason is None:
-                seq.finish_reason, seq.stop_reason = FinishReason.STOP, detok.stopped_on
-
-    def output(self, seq: Sequence) -> RequestOutput:
-        """The request's output so far: every output token and its text."""
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids,
-            text=self.text(seq.request_id),
-            finished=seq.finish_reason is not None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=list(seq.logprobs),
-            spec_counts=dataclasses.replace(seq.spec_counts) if self.has_spec else None,
-            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
-        )
+        self._builders.pop(request_id, None)

@@ -1,10 +1,19 @@
-"""What the engine hands out: a request's output so far, and a prefilled request."""
+"""What the engine hands out, and what its callers make of it.
+
+Each step, the engine hands out one ``RequestDelta`` per request that it changed: the
+tokens it added (with their logprobs), and whether and why the request ended there. It
+does not detokenize: whoever holds the request (a worker's event loop, or the offline
+caller) assembles its deltas into a ``RequestOutput`` (``engine.output_processor``), which
+holds the whole output so far, its text, and the stop strings found in it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from engine.sequence import FinishReason, SpecCounts, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason, Sequence, SpecCounts, TokenLogprobs
 
 # FinishReason.ERROR: why the engine ended a request alone (the rest of its batch went on)
 NON_FINITE_LOGITS = (
@@ -31,6 +40,39 @@ class PrefilledRequest:
 
 
 @dataclass
+class RequestStart:
+    """What a request's first delta carries, so that its outputs can be assembled by one
+    who did not add it (the offline ``LLMEngine.step``)."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids_sent: list[int]  # output an earlier attempt generated (a resumed request)
+
+
+@dataclass
+class RequestDelta:
+    """What one engine step did to one request: the output tokens it added, and whether
+    it ended the request. The engine ends a request on a stop token, EOS, max_tokens, a
+    fault, a preemption; never on a stop string, which only its text shows."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs]  # one per new token where the request asks for them
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0
+    spec_counts: SpecCounts | None = None  # a copy; None when the engine runs without a draft
+    # On the request's first delta: its prompt logprobs (SamplingParams.prompt_logprobs),
+    # complete by then, and its start.
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    start: RequestStart | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -45,3 +87,29 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: prompt tokens 1..P-1 (the first has none), complete
     # once the prompt is computed; None when not asked.
     prompt_logprobs: list[TokenLogprobs] | None = None
+
+
+def hand_out(seq: Sequence, *, has_spec: bool) -> RequestDelta:
+    """What ``seq`` gained since its last delta (its speculative counters where
+    ``has_spec``); the first also carries its start and its prompt's logprobs (complete
+    by then)."""
+    params = seq.params
+    delta = RequestDelta(
+        request_id=seq.request_id,
+        new_token_ids=seq.token_ids[seq.num_tokens_handed_out :],
+        new_logprobs=seq.logprobs[seq.num_logprobs_handed_out :],
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+        num_cached_tokens=seq.num_cached_tokens,
+        spec_counts=dataclasses.replace(seq.spec_counts) if has_spec else None,
+    )
+    if not seq.has_handed_out:
+        seq.has_handed_out = True
+        num_prompt = seq.num_prompt_tokens
+        sent = seq.token_ids[num_prompt : seq.num_tokens_handed_out]
+        delta.start = RequestStart(seq.token_ids[:num_prompt], params, sent)
+        if params.prompt_logprobs is not None:
+            delta.prompt_logprobs = seq.prompt_logprobs
+    seq.num_tokens_handed_out = seq.num_tokens
+    seq.num_logprobs_handed_out = len(seq.logprobs)
+    return delta

@@ -68,10 +68,16 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    stop_reason: int | None = None  # the stop token id that ended it (stop strings: not here)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # params.prompt_logprobs: entry i scores prompt token i + 1, filled chunk by chunk.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # What the engine's deltas handed out: tokens up to here (from the start: the prompt
+    # and output an earlier attempt sent), logprobs up to here. The first delta also
+    # carries the request's start.
+    num_tokens_handed_out: int = 0
+    num_logprobs_handed_out: int = 0
+    has_handed_out: bool = False
     is_prefill_only: bool = False  # stop after the first token and keep the blocks (prefill worker)
     # Speculative decoding: drafts proposed after the last token, verified next step.
     draft_token_ids: list[int] | None = None

@@ -21,8 +21,15 @@ from typing import Any, TypeVar
 
 import redis
 
-from engine.llm_engine import LLMEngine, PrefilledRequest, RequestOutput
-from engine.outputs import NON_FINITE_LOGITS, RequestFailed
+from engine.llm_engine import LLMEngine, PrefilledRequest
+from engine.output_processor import OutputBuilder
+from engine.outputs import (
+    NON_FINITE_LOGITS,
+    RequestDelta,
+    RequestFailed,
+    RequestOutput,
+    RequestStart,
+)
 from engine.sequence import FinishReason
 from kv_transfer import Handshake, KvLayout, ShmRingPool, TransferOptions, make_sender
 from ledger.ledger import WorkerRole
@@ -46,18 +53,18 @@ T = TypeVar("T")
 
 @dataclass
 class _Prefilled:
-    output: RequestOutput  # first token (finished: the request ended with it)
+    delta: RequestDelta  # the first token (finished: the engine ended the request with it)
     prefilled: PrefilledRequest | None  # None when finished: no KV to hand on
 
 
-def _collect(engine: LLMEngine, outputs: list[RequestOutput]) -> list[_Prefilled]:
-    """Engine thread: each output of a prefill-only request is its first token."""
+def _collect(engine: LLMEngine, deltas: list[RequestDelta]) -> list[_Prefilled]:
+    """Engine thread: each delta of a prefill-only request is its first token."""
     done = []
-    for output in outputs:
-        if output.finished:
-            done.append(_Prefilled(output, None))
-        elif (prefilled := engine.take_prefilled(output.request_id)) is not None:
-            done.append(_Prefilled(output, prefilled))
+    for delta in deltas:
+        if delta.finished:
+            done.append(_Prefilled(delta, None))
+        elif (prefilled := engine.take_prefilled(delta.request_id)) is not None:
+            done.append(_Prefilled(delta, prefilled))
     return done
 
 
@@ -139,7 +146,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             raise Overloaded(f"prefill queue: {self.max_queued} requests in flight; retry later")
         task = asyncio.current_task()
         assert task is not None
-        start = time.monotonic()
+        started = time.monotonic()
         push = self._start_push(request, context.time_remaining())
         self._tasks[rid] = task
         try:
@@ -161,16 +168,22 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             await _unless_push_failed(self.engine_loop.submit(add), push)
             queued = time.monotonic()
             result = await _unless_push_failed(future, push)
-            if result.output.finish_reason is FinishReason.ERROR:
+            num_prompt = len(prompt) - request.num_output_tokens_sent
+            start = RequestStart(prompt[:num_prompt], params, prompt[num_prompt:])
+            output = OutputBuilder(rid, start, self.engine.tokenizer).add(result.delta)
+            assert output is not None  # its first delta
+            if output.finish_reason is FinishReason.ERROR:
                 raise RequestFailed(NON_FINITE_LOGITS)
+            # A stop string in the first token's text ends the request too.
+            prefilled = None if output.finished else result.prefilled
             computed = time.monotonic()
             role = self.metrics.role
             self.metrics.prefill_seconds.labels(role).observe(computed - queued)
             self.transitions.start_transfer(rid)
             num_bytes = 0
-            if result.prefilled is not None:
+            if prefilled is not None:
                 self.membership.claim(
-                    rid, result.prefilled.block_table, has_draft=self.layout.draft is not None
+                    rid, prefilled.block_table, has_draft=self.layout.draft is not None
                 )
                 num_bytes = await push.wait()  # what compute left: the last layers, finish
                 self.metrics.kv_transfer_seconds.labels(role).observe(push.seconds)
@@ -178,7 +191,12 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
             else:
                 await push.stop("the first token ended the request: no KV to hand on")
             self.transitions.hand_to_decode(rid, request.decode_worker_id, request.decode_epoch)
-            return self._reply(result, params.logprobs, num_bytes, start, queued, computed)
+            timing = pb.PrefillTiming(
+                queue_s=queued - started,
+                compute_s=computed - queued,
+                transfer_s=time.monotonic() - computed,
+            )
+            return self._reply(output, prefilled, params.logprobs, num_bytes, timing)
         finally:
             self._waiting.pop(rid, None)
             self._unrelay(rid, push)
@@ -311,26 +329,20 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
 
     def _reply(
         self,
-        result: _Prefilled,
+        output: RequestOutput,
+        prefilled: PrefilledRequest | None,
         logprobs: int | None,
         num_bytes: int,
-        start: float,
-        queued: float,
-        computed: float,
+        timing: pb.PrefillTiming,
     ) -> pb.PrefillReply:
-        output = result.output
         reply = pb.PrefillReply(
             first_token_id=output.token_ids[-1] if output.token_ids else 0,  # 0: max_tokens 0
             # A resumed request's output holds its earlier tokens too: its text is not sent.
             first_text=output.text if len(output.token_ids) == 1 else "",
-            draft_tokens=result.prefilled.draft_token_ids if result.prefilled else [],
+            draft_tokens=prefilled.draft_token_ids if prefilled else [],
             num_cached_tokens=output.num_cached_tokens,
             num_bytes_pushed=num_bytes,
-            timing=pb.PrefillTiming(
-                queue_s=queued - start,
-                compute_s=computed - queued,
-                transfer_s=time.monotonic() - computed,
-            ),
+            timing=timing,
             is_finished=output.finished,
         )
         if logprobs is not None and output.logprobs:
@@ -341,7 +353,7 @@ class PrefillWorkerService(pb_grpc.PrefillWorkerServicer):
 
     def _deliver(self, results: list[_Prefilled]) -> None:
         for result in results:
-            future = self._waiting.get(result.output.request_id)
+            future = self._waiting.get(result.delta.request_id)
             if future is not None and not future.done():
                 future.set_result(result)
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
 from engine.engine_figures import block_tables, owned_block_ids
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -56,33 +57,31 @@ class AddRequest(EngineCommand[None]):
 
 
 @dataclass(frozen=True)
-class Reserve(EngineCommand[tuple[list[int], int, int]]):
+class Reserve(EngineCommand[tuple[list[int], int]]):
     """Blocks for a request whose KV is pushed here (``LLMEngine.reserve``): its block
-    table, how many prompt tokens were cached here, and how many characters of its resumed
-    output were already sent (0 unless ``num_output_tokens_sent``)."""
+    table, and how many prompt tokens were cached here."""
 
     request_id: str
     prompt: list[int]
     params: SamplingParams
     num_output_tokens_sent: int = 0
 
-    def run(self, engine: LLMEngine) -> tuple[list[int], int, int]:
+    def run(self, engine: LLMEngine) -> tuple[list[int], int]:
         rid, num_sent = self.request_id, self.num_output_tokens_sent
-        table, num_cached = engine.reserve(rid, self.prompt, self.params, num_sent)
-        return table, num_cached, len(engine.output_text(rid)) if num_sent else 0
+        return engine.reserve(rid, self.prompt, self.params, num_sent)
 
 
 @dataclass(frozen=True)
-class StartDecoding(EngineCommand[RequestOutput]):
+class StartDecoding(EngineCommand[RequestDelta]):
     """Joins a reserved request to the batch with its first token and drafts
-    (``LLMEngine.start_decoding``); the output that token makes."""
+    (``LLMEngine.start_decoding``); the request's first delta."""
 
     request_id: str
     first_token: int
     draft_tokens: list[int]
     has_kv: bool = True
 
-    def run(self, engine: LLMEngine) -> RequestOutput:
+    def run(self, engine: LLMEngine) -> RequestDelta:
         return engine.start_decoding(
             self.request_id, self.first_token, self.draft_tokens, has_kv=self.has_kv
         )

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from engine.engine_figures import engine_stats
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestDelta
 from serving.engine_commands import EngineCommand, ReadOwnedBlocks
 from serving.rpc import Overloaded
 from tandem.v1.worker_pb2 import StatsReply
@@ -112,9 +113,11 @@ class EngineLoop(Generic[Payload]):
     """Runs ``engine`` in a thread of its own: ``thread``, the one that built it, else a
     new one.
 
-    ``on_step(engine, outputs)`` runs in the engine thread after each step (it may call
-    the engine) and its result is handed to ``deliver`` on the asyncio loop; a step that
-    raises hands the exception to ``on_error`` there instead.
+    ``on_step(engine, deltas)`` runs in the engine thread after each step (it may call
+    the engine) and its result is handed to ``deliver`` on the asyncio loop, which
+    assembles the deltas into outputs (``engine.output_processor``): the engine thread
+    does not detokenize. A step that raises hands the exception to ``on_error`` there
+    instead.
     """
 
     def __init__(
@@ -122,7 +125,7 @@ class EngineLoop(Generic[Payload]):
         engine: LLMEngine,
         loop: asyncio.AbstractEventLoop,
         *,
-        on_step: Callable[[LLMEngine, list[RequestOutput]], Payload],
+        on_step: Callable[[LLMEngine, list[RequestDelta]], Payload],
         deliver: Callable[[Payload], None],
         on_error: Callable[[BaseException], None],
         max_queued_calls: int = 256,
@@ -232,7 +235,7 @@ class EngineLoop(Generic[Payload]):
             if self._is_busy():
                 self._busy_since = time.monotonic()
                 try:
-                    payload = self._on_step(engine, engine.step())
+                    payload = self._on_step(engine, engine.step_deltas())
                 except Exception as e:
                     log.exception("engine step failed")
                     self.stats = engine_stats(engine)

@@ -10,9 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from decode_worker.request import Aborted, CloseReason, Holders, OutputSlot, RequestHandle
+from decode_worker.request import Aborted, CloseReason, DeltaSlot, Holders, RequestHandle
 from decode_worker.transitions import DecodeTransitions
 from engine.kv_cache import KVCacheParams, PagedKVCache
+from engine.output_processor import OutputBuilder
+from engine.outputs import RequestStart
+from engine.sampling_params import SamplingParams
 from kv_transfer import KvLayout, KvPool, KvReceiver, PoolShape, TransferState
 from ledger.ledger import Ledger, RequestState, WorkerRole
 from ledger.membership import Membership, Timing
@@ -74,22 +77,28 @@ def _decoding(holders: Holders, request_id: str = "r1", pools: Any = None) -> Re
             new_owner="d0",
             new_epoch=epoch,
         )
-    handle = RequestHandle(holders, request_id, 5, None, 0, "router-0", 1)
+    handle = RequestHandle(holders, request_id, _builder(request_id), 5, None, 0, "router-0", 1)
     if pools is None:
         params = KVCacheParams(2, 2, 8, 4, torch.float32)
         pools = {KvPool.TARGET: PagedKVCache(params, 8, torch.device("cpu"))}
     handle.hold([1, 2, 3], 1, 3, pools)
-    handle.slot = OutputSlot()
+    handle.slot = DeltaSlot()
     return handle
+
+
+def _builder(request_id: str) -> OutputBuilder:
+    """The output of a 5-token prompt, without a tokenizer."""
+    return OutputBuilder(request_id, RequestStart([1, 2, 3, 4, 5], SamplingParams(), []), None)
 
 
 def _script_calls(ledger: Ledger) -> int:
     return int(ledger.client.info("commandstats")["cmdstat_evalsha"]["calls"])
 
 
-# reason -> (engine aborts, the record's state and owner after, what the stream raises)
+# reason -> (engine drops, the record's state and owner after, what the stream raises).
+# A finished request is dropped too: a stop string ends it while the engine runs it.
 EXPECTED: dict[CloseReason, tuple[int, RequestState, str, type[BaseException] | None]] = {
-    CloseReason.FINISHED: (0, RequestState.FINISHED, "d0", None),
+    CloseReason.FINISHED: (1, RequestState.FINISHED, "d0", None),
     CloseReason.PREEMPTED: (1, RequestState.QUEUED, "router-0", None),
     CloseReason.CANCELLED: (1, RequestState.DECODING, "d0", None),
     CloseReason.ABORTED: (1, RequestState.DECODING, "d0", Aborted),
@@ -132,7 +141,7 @@ def test_close_releases_everything_once(holders: Holders, reason: CloseReason) -
 def test_closing_a_replaced_handle_leaves_the_new_one(holders: Holders) -> None:
     """The table forgets a handle only while its entry is that handle."""
     old = _decoding(holders)
-    new = RequestHandle(holders, "r1", 5, None, 0, "router-0", 1)
+    new = RequestHandle(holders, "r1", _builder("r1"), 5, None, 0, "router-0", 1)
     old.close(CloseReason.CANCELLED)
     assert holders.handles == {"r1": new}
 

@@ -20,6 +20,7 @@ from engine.sequence import Sequence
 from kv_transfer import Handshake, KvLayout, KvPool, KvReceiver, KvReservation, LoopbackTransport
 from kv_transfer.base import LATENT_LAYOUT
 from tests.comparator import compare_greedy
+from tests.engine.joined import drain_joined
 from tests.engine.test_llama3_logits import hf_logits, run_teacher_forced
 from tests.engine.tiny_deepseek import SHAPES, build_tiny_deepseek
 
@@ -127,6 +128,7 @@ async def test_mla_blocks_pushed_to_a_decode_engine_give_the_same_tokens(tmp_pat
         prefill.add_request(str(i), p, params, is_prefill_only=True)
     while prefill.has_unfinished_requests():
         prefill.step()
+    firsts = []
     for i, p in enumerate(prompts):
         rid = str(i)
         done = prefill.take_prefilled(rid)
@@ -140,8 +142,8 @@ async def test_mla_blocks_pushed_to_a_decode_engine_give_the_same_tokens(tmp_pat
         await sender.finish({})
         await receiver.wait_done(rid, timeout=5)
         prefill.drop_request(rid)
-        decode.start_decoding(rid, done.first_token, done.draft_token_ids)
-    assert _drain(decode) == expected
+        firsts.append(decode.start_decoding(rid, done.first_token, done.draft_token_ids))
+    assert {rid: out.token_ids for rid, out in drain_joined(decode, firsts).items()} == expected
 
 
 def _drain(engine: LLMEngine) -> dict[str, list[int]]:

@@ -8,6 +8,8 @@ import pytest
 
 from engine.kv_cache import KVCacheCapacityError
 from engine.llm_engine import EngineConfig, LLMEngine, RequestError
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from tests.engine.tiny_drafts import build_random_draft
@@ -47,10 +49,15 @@ def params(i: int, penalized: bool = False) -> SamplingParams:
     return SamplingParams(max_tokens=15, temperature=0.0, ignore_eos=True, **extra)
 
 
-def drain(e: LLMEngine) -> dict[str, list[int]]:
+def drain(e: LLMEngine, firsts: list[RequestDelta] | None = None) -> dict[str, list[int]]:
+    """Each request's output once it ended; ``firsts``: the first deltas of requests that
+    ``start_decoding`` joined (their outputs are assembled from them on, as a decode
+    worker does; ``step`` assembles those of requests it saw added)."""
+    outputs = OutputProcessor(e.tokenizer)
+    outputs.process(firsts or [])
     done = {}
     while e.has_unfinished_requests():
-        for out in e.step():
+        for out in outputs.process(e.step_deltas()) if firsts else e.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
     return done
@@ -79,6 +86,7 @@ def test_prefill_here_decode_there_equals_one_engine(dirs, with_draft, penalized
         prefill.add_request(str(i), p, params(i, penalized), is_prefill_only=True)
     while prefill.has_unfinished_requests():
         prefill.step()
+    firsts = []
     for i, p in enumerate(PROMPTS):
         rid = str(i)
         done = prefill.take_prefilled(rid)
@@ -92,9 +100,10 @@ def test_prefill_here_decode_there_equals_one_engine(dirs, with_draft, penalized
                 v_dst[table] = v_src[done.block_table]
         prefill.drop_request(rid)
         first = decode.start_decoding(rid, done.first_token, done.draft_token_ids)
-        assert first.token_ids == [done.first_token]
+        assert first.new_token_ids == [done.first_token] and first.start is not None
+        firsts.append(first)
     assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
-    assert drain(decode) == expected
+    assert drain(decode, firsts) == expected
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
 
 
@@ -209,7 +218,8 @@ def test_blocks_of_a_request_ended_by_its_first_token_are_not_cached(dirs):
     resumed = prompt + expected[:-1]
     assert decode.reserve("r", resumed, p, len(expected) - 1)[1] == 0
     ended = decode.start_decoding("r", expected[-1])  # KV never pushed: blocks unwritten
-    assert ended.finish_reason == "length" and ended.token_ids == expected
+    (output,) = OutputProcessor(None).process([ended])
+    assert output.finish_reason == "length" and output.token_ids == expected
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
 
     table, num_cached = decode.reserve("s", prompt, p)
@@ -225,17 +235,21 @@ def test_blocks_of_a_request_ended_by_its_first_token_are_not_cached(dirs):
             k_dst[table] = k_src[done.block_table]
             v_dst[table] = v_src[done.block_table]
     prefill.drop_request("s")
-    decode.start_decoding("s", done.first_token, done.draft_token_ids)
-    assert drain(decode) == {"s": expected}
+    first = decode.start_decoding("s", done.first_token, done.draft_token_ids)
+    assert drain(decode, [first]) == {"s": expected}
 
 
-def test_a_first_token_that_ended_the_request_on_prefill_must_end_it_here(dirs):
+def test_a_first_token_that_ended_the_request_on_prefill_ends_it_here(dirs):
     """``has_kv`` False (the prefill worker's first token ended the request, so it pushed
-    no KV) with a first token that does not end it here: refused, nothing cached or held."""
+    no KV): the request ends here whatever the token, nothing cached or held. A token
+    that the engine's checks do not end it on says so (its delta is not finished): only a
+    stop string, in the text, may have ended it, and the decode worker refuses it if none
+    did (tests/decode_worker/test_first_token_sent.py)."""
     target, _ = dirs
     decode = engine(target)
     decode.reserve("a", PROMPTS[1], params(0))
-    with pytest.raises(RequestError, match="does not end it here"):
-        decode.start_decoding("a", 5, has_kv=False)
+    delta = decode.start_decoding("a", 5, has_kv=False)
+    assert delta.new_token_ids == [5] and not delta.finished
+    assert not decode.has_unfinished_requests()
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
     assert decode.reserve("b", PROMPTS[1], params(0))[1] == 0

@@ -69,7 +69,7 @@ def test_stop_token_ids_and_eos(tiny):
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
     # EOS (id 2 in the tiny config) ends a request unless ignore_eos is set.
     engine = engine_for(model_dir)
-    engine.outputs.eos_token_ids = frozenset({stop})
+    engine.stops.eos_token_ids = frozenset({stop})
     out = run(engine, {"a": ([5, 6, 7], SamplingParams(max_tokens=12, temperature=0.0))})["a"]
     assert out.token_ids == base[: first + 1] and out.finish_reason == "stop"
 

@@ -491,3 +491,57 @@ async def test_a_refused_push_frees_its_reservation_within_a_second(
     ledger.transition(
         rid, RequestState.FAILED, expected=RequestState.QUEUED, epoch=epoch
     )  # the router's part: it made the record
+
+
+async def test_a_first_token_said_to_end_the_request_must_end_it_here(
+    cluster: Cluster, ledger: Ledger
+) -> None:
+    """A Decode whose first token ended the request on the prefill worker (no KV pushed)
+    with a token that ends it neither by the engine's checks nor by a stop string in its
+    text: INVALID_ARGUMENT naming the token, and the reservation freed. With a stop string
+    that its text holds, the same call ends the request with that string."""
+    decode = cluster.decode[0]
+    decode_info = next(w for w in ledger.list_workers(WorkerRole.DECODE))
+    owner, epoch = "a-router", 1
+    async with grpc.aio.insecure_channel(decode.address) as channel:
+        stub = pb_grpc.DecodeWorkerStub(channel)
+
+        async def decode_first(rid: str, stop: list[str]) -> list[gen.GenerateChunk]:
+            ledger.create_request(rid, owner=owner, epoch=epoch)
+            sampling = gen.SamplingParams(max_tokens=8, temperature=0.0, stop=stop)
+            reserved = await stub.Reserve(
+                pb.ReserveRequest(
+                    request_id=rid,
+                    num_prompt_tokens=3,
+                    prompt_token_ids=[5, 6, 7],
+                    sampling=sampling,
+                    router_id=owner,
+                    router_epoch=epoch,
+                    draft_fingerprint=decode_info.stats["draft_fingerprint"],
+                ),
+                timeout=10,
+            )
+            request = pb.DecodeRequest(
+                request_id=rid,
+                epoch=reserved.epoch,
+                first_token_id=40,  # "L" to the tiny tokenizer: neither EOS nor a stop id
+                is_finished_on_prefill=True,
+            )
+            try:
+                return [chunk async for chunk in stub.Decode(request, timeout=10)]
+            finally:
+                ledger.transition(
+                    rid, RequestState.FAILED, expected=RequestState.QUEUED, epoch=epoch
+                )
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await decode_first("ended-elsewhere", [])
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "first_token: 40 ended request 'ended-elsewhere'" in (info.value.details() or "")
+        chunks = await decode_first("ended-by-its-text", ["L"])
+    assert chunks[-1].finish_reason == gen.FINISH_REASON_STOP and chunks[-1].stop_string == "L"
+    assert list(chunks[-1].token_ids) == [40] and chunks[-1].text == ""
+    ended = time.monotonic()
+    while (await worker_stats(decode)).num_kv_blocks_used:
+        assert time.monotonic() - ended < 5.0, "a request ended on its first token holds blocks"
+        await asyncio.sleep(0.05)

@@ -37,6 +37,7 @@ from kv_transfer import (
     server_options,
 )
 from prefill_worker.kv_push import LayerPush, LayerRelay
+from tests.engine.joined import drain_joined
 from tests.engine.tiny_drafts import build_random_draft
 from tests.engine.tiny_models import build_tiny_llama
 
@@ -245,13 +246,8 @@ def check_bits(pushed: Pushed, prefill: LLMEngine, decode: LLMEngine) -> None:
 
 
 def finish_on(decode: LLMEngine, rid: str, prefilled: PrefilledRequest) -> list[int]:
-    decode.start_decoding(rid, prefilled.first_token, prefilled.draft_token_ids)
-    out: list[int] = []
-    while decode.has_unfinished_requests():
-        for o in decode.step():
-            if o.finished and o.request_id == rid:
-                out = o.token_ids
-    return out
+    first = decode.start_decoding(rid, prefilled.first_token, prefilled.draft_token_ids)
+    return drain_joined(decode, [first])[rid].token_ids
 
 
 def reference(target: Path, draft: Path | None, chunk: int, prompt: list[int]) -> list[int]:

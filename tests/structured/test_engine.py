@@ -13,6 +13,7 @@ import pytest
 
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams, StructuredOutput
+from tests.engine.joined import drain_joined
 from tests.engine.test_smollm2_equality import chat_ids
 from tests.structured.conftest import PERSON, PERSON_SPEC, PHONE, PHONE_SPEC
 
@@ -177,6 +178,6 @@ def test_prefill_here_decode_there_rebuilds_the_grammar(outputs, spec_engine):
                 k[table] = k[done.block_table]
                 v[table] = v[done.block_table]
         engine.drop_request("p-" + rid)
-        engine.start_decoding("d-" + rid, done.first_token, done.draft_token_ids)
-        out = run(engine, {})
-        assert [done.first_token, *out["d-" + rid][1:]] == spec[rid]
+        first = engine.start_decoding("d-" + rid, done.first_token, done.draft_token_ids)
+        out = drain_joined(engine, [first])["d-" + rid]
+        assert out.finish_reason == "stop" and out.token_ids == spec[rid]

@@ -148,7 +148,7 @@ def test_stops_inside_accepted_drafts(markov):
         assert out["max_tokens"].finish_reason == "length"
         assert out["long"].token_ids == base
     engine = engine_for(target_dir, spec)
-    engine.outputs.eos_token_ids = frozenset({stop})
+    engine.stops.eos_token_ids = frozenset({stop})
     out = run(engine, {"eos": (PROMPTS[3], SamplingParams(max_tokens=30, temperature=0.0))})
     assert out["eos"].token_ids == base[: first + 1] and out["eos"].finish_reason == "stop"
 
