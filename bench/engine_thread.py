@@ -1,15 +1,18 @@
-"""The engine thread's time per decode step, and how much of it goes to output processing.
+"""The engine thread's time per decode step, and the output processing that left it.
 
-Output processing (``engine/output_processor.py``) covers appending each token, the stop
-checks, incremental detokenization for stop strings, and building each request's
-``RequestOutput``. That is the work that moving to per-step deltas (issue 36) would take
-off the thread that steps the model.
+A worker's engine thread runs ``LLMEngine.step_deltas``: the step, appending each token and
+the stop checks on token ids, and one ``RequestDelta`` per request. Detokenization, stop
+strings and each request's cumulative ``RequestOutput`` are assembled off that thread,
+where the request is held (``engine/output_processor.py``); before issue 36 the engine
+thread did that too, inside its step.
 
 The run: SmolLM2 bf16 through ``torch.compile`` (as workers run it), one torch thread,
 ``--rows`` greedy requests of ``--tokens`` tokens each, with the tokenizer and a stop
-string, ``--runs`` times. Steps where every row produced a token are timed with and
-without their ``OutputProcessor.append`` / ``output`` calls, and the medians reported.
-The last line is one JSON object: ``{"step_ms": [...], "outputs_ms": [...], "share": ...}``.
+string, ``--runs`` times. Steps where every row produced a token are timed: the engine
+thread's ``step_deltas``, and the ``OutputProcessor.process`` of its deltas (what the
+engine thread would add to its step if it still assembled outputs). The medians are
+reported; the last line is one JSON object:
+``{"step_ms": [...], "outputs_ms": [...], "share": ...}`` (share: outputs / step).
 
     python bench/engine_thread.py                 # 8 rows x 128 tokens, 3 runs
     python bench/engine_thread.py --rows 32 --tokens 512
@@ -18,28 +21,13 @@ The last line is one JSON object: ``{"step_ms": [...], "outputs_ms": [...], "sha
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-
-def timed(spent: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - start
-
-    return wrapper
 
 
 def main() -> None:
@@ -53,9 +41,9 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    import engine.output_processor as output_processor
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.model_store import prepare
+    from engine.output_processor import OutputProcessor
     from engine.sampling_params import SamplingParams
 
     model_dir = prepare(args.model) if not Path(args.model).is_dir() else Path(args.model)
@@ -65,10 +53,7 @@ def main() -> None:
         model=str(model_dir), dtype="bfloat16", num_threads=1, max_num_seqs=args.rows
     )
     engine = LLMEngine(config, tokenizer=tokenizer)
-    spent = [0.0]
-    processor = output_processor.OutputProcessor
-    processor.append = timed(spent, processor.append)  # type: ignore[method-assign]
-    processor.output = timed(spent, processor.output)  # type: ignore[method-assign]
+    processor = OutputProcessor(tokenizer)
     params = SamplingParams(
         max_tokens=args.tokens, temperature=0.0, ignore_eos=True, stop=["\n\n\n\n"]
     )
@@ -79,13 +64,16 @@ def main() -> None:
             engine.add_request(f"r{run}-{row}", prompt, params)
         steps, outputs = [], []
         while engine.has_unfinished_requests():
-            spent[0] = 0.0
             start = time.perf_counter()
-            produced = engine.step()
-            took = time.perf_counter() - start
-            if len(produced) == args.rows:  # every row decoded a token
-                steps.append(took)
-                outputs.append(spent[0])
+            deltas = engine.step_deltas()
+            stepped = time.perf_counter()
+            for output in processor.process(deltas):
+                if output.finished:  # a stop string's is still running (not expected here)
+                    engine.drop_request(output.request_id)
+            processed = time.perf_counter()
+            if len(deltas) == args.rows:  # every row decoded a token
+                steps.append(stepped - start)
+                outputs.append(processed - stepped)
         step_ms.append(round(statistics.median(steps) * 1e3, 2))
         outputs_ms.append(round(statistics.median(outputs) * 1e3, 3))
         print(f"run {run}: {step_ms[-1]} ms a step, {outputs_ms[-1]} ms of it outputs", flush=True)

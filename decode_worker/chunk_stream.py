@@ -22,10 +22,6 @@ class ChunkStream:
         self.first_logprob = (
             request.first_token_logprob if request.HasField("first_token_logprob") else None
         )
-        # Prefilled here: every output token was sampled by this engine, and the prompt's
-        # logprobs (asked for on a first attempt) come with the first chunk from here.
-        self.is_prefilled_here = request.prefill_here
-        self.is_prompt_logprobs_due = request.prefill_here and not req.num_output_tokens_sent
         # This attempt's speculative counters so far; None without a draft. A preempted
         # attempt reports its own on its last chunk, and the router adds them up.
         self.spec_counts: SpecCounts | None = None
@@ -40,9 +36,6 @@ class ChunkStream:
         )
         if self.req.logprobs is not None:
             chunk.logprobs.extend(self._logprobs(output, self.num_sent, len(tokens)))
-        if self.is_prompt_logprobs_due and output.prompt_logprobs is not None:
-            chunk.prompt_logprobs.extend(map(token_logprob_to_proto, output.prompt_logprobs))
-            self.is_prompt_logprobs_due = False
         self.num_sent += len(tokens)
         self.num_text_sent = len(output.text)
         self.spec_counts = output.spec_counts
@@ -52,9 +45,8 @@ class ChunkStream:
                 chunk.stop_token_id = output.stop_reason
             elif isinstance(output.stop_reason, str):
                 chunk.stop_string = output.stop_reason
-            chunk.usage.CopyFrom(self._usage(len(output.token_ids)))
-            if self.is_prefilled_here:  # else the router adds the prefill worker's figure
-                chunk.usage.cached_tokens = output.num_cached_tokens
+            chunk.usage.CopyFrom(self._usage(len(output.token_ids)))  # the router adds
+            # the cached tokens, the prefill worker's figure
         return chunk
 
     def sent_by_router(self, first: RequestOutput, text: str) -> None:
@@ -107,18 +99,16 @@ class ChunkStream:
         return usage
 
     def _logprobs(self, output: RequestOutput, start: int, count: int) -> list[gen.TokenLogprob]:
-        """Index r (the tokens resumed before it) was sampled by the prefill worker; index
-        i > r is output.logprobs[i - r - 1]. Prefilled here: index i >= r is
-        output.logprobs[i - r]."""
+        """Index r (the tokens resumed before it) was sampled by the prefill worker, which
+        sent its logprobs; index i > r is output.logprobs[i - r - 1]."""
         entries = []
         first = self.req.num_output_tokens_sent
-        by_prefill = 0 if self.is_prefilled_here else 1  # tokens sampled elsewhere
         for i in range(start, start + count):
             token = output.token_ids[i]
-            if i == first and by_prefill:
+            if i == first:
                 entries.append(self.first_logprob or gen.TokenLogprob(token_id=token))
-            elif 0 <= i - first - by_prefill < len(output.logprobs):
-                entries.append(token_logprob_to_proto(output.logprobs[i - first - by_prefill]))
+            elif 0 <= i - first - 1 < len(output.logprobs):
+                entries.append(token_logprob_to_proto(output.logprobs[i - first - 1]))
             else:
                 entries.append(gen.TokenLogprob(token_id=token))
         return entries

@@ -39,25 +39,18 @@ def _max_message_bytes(args: argparse.Namespace) -> int:
     return int(dict(server_options())["grpc.max_receive_message_length"])
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, default_port: int = DEFAULT_PORT) -> None:
     from serving.engine_setup import add_engine_arguments
     from serving.liveness import add_engine_stall_argument
     from serving.rpc import add_kv_transport_argument, add_service_arguments
 
     add_engine_arguments(parser)
-    add_service_arguments(parser, default_port=DEFAULT_PORT)
+    add_service_arguments(parser, default_port=default_port)
     parser.add_argument(
         "--reserve-timeout-s", type=float, default=60.0, help="reservations lapse after this"
     )
     add_kv_transport_argument(parser)
     add_engine_stall_argument(parser)
-    parser.add_argument(
-        "--colocate",
-        action="store_true",
-        help="also be this worker's own prefill worker: the router sends it whole requests, "
-        "whose prompts its engine computes beside the batch it decodes, with no KV transfer "
-        "(one machine; `tandem serve --colocate` starts such workers and no prefill workers)",
-    )
 
 
 def register_decode(subparsers: Any) -> None:
@@ -87,9 +80,9 @@ def run(args: argparse.Namespace) -> int:
     return run_component(role(), args, make_service)
 
 
-def make_service(runtime: Runtime) -> DecodeWorkerService:
+def make_service(runtime: Runtime, *, is_colocated: bool = False) -> DecodeWorkerService:
     """The engine (which hands preempted requests back), the KV receiver and the
-    service."""
+    service; ``is_colocated``: the decode side of a co-located worker (colocated_worker)."""
     from decode_worker.service import DecodeWorkerService
     from kv_transfer import KvReceiver, SharedKvPools, ShmAttacher
     from serving import engine_setup
@@ -121,5 +114,5 @@ def make_service(runtime: Runtime) -> DecodeWorkerService:
         reserve_timeout_s=args.reserve_timeout_s,
         accepts_shm=use_shm,
         metrics=runtime.metrics,
-        is_colocated=args.colocate,
+        is_colocated=is_colocated,
     )

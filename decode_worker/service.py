@@ -10,10 +10,10 @@ ledger's Redis restarts empty or is restored from a snapshot, the requests decod
 are recorded again from this worker's memory (``held_requests``, ledger.membership) and
 their streams go on.
 
-Co-located (``--colocate``): the worker is also its own prefill worker. The router reserves
-here and calls Decode with ``prefill_here``, skipping the prefill hop: the engine computes
-the prompt into the reserved blocks in its next steps, beside the batch decoding, and the
-stream starts at the first token. No KV moves between processes.
+Co-located (``colocated_worker``): this service is the decode side of a worker whose
+prefill side (``prefill_worker.in_place``) shares its engine. A request goes the same way;
+its KV is computed into the blocks reserved here, and the in-process hand-over
+(``kv_transfer.in_place``) tells the receiver so.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from engine.outputs import (
 from engine.sequence import FinishReason
 from kv_transfer import KvLayout, KvReceiver, TransferState, add_kv_transfer_servicer, host_id
 from ledger.membership import HeldRequest, Membership
-from serving.engine_commands import PrefillReserved, ReadBlockTables, Reserve, StartDecoding
+from serving.engine_commands import ReadBlockTables, Reserve, StartDecoding
 from serving.engine_loop import EngineLoop, TorchThread
 from serving.engine_setup import draft_figures
 from serving.metrics import DecodeFigures, DecodeMetrics
@@ -95,7 +95,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         self.membership = membership
         self.reserve_timeout_s = reserve_timeout_s
         self.decode_timeout_s = decode_timeout_s
-        self.is_colocated = is_colocated  # prefills its own requests (prefill_here)
+        self.is_colocated = is_colocated  # the decode side of a co-located worker
         self.host_id = host_id() if accepts_shm else ""  # "": senders use gRPC
         self.block_size = engine.config.block_size
         self._pools = engine.kv_pools
@@ -193,29 +193,19 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         if handle.slot is not None:
             raise ValueError(f"request_id: {rid!r} is already decoding")
         if request.is_first_token_sent and (
-            request.prefill_here or request.is_finished_on_prefill or handle.num_output_tokens_sent
+            request.is_finished_on_prefill or handle.num_output_tokens_sent
         ):
             raise ValueError(
-                "is_first_token_sent: only on a first attempt prefilled elsewhere that goes on "
-                "after its first token (not with prefill_here, is_finished_on_prefill or a "
-                "resumed request)"
-            )
-        if request.prefill_here and not self.is_colocated:
-            raise PreconditionFailed(
-                "prefill_here: this decode worker does not prefill (start it with --colocate)"
+                "is_first_token_sent: only on a first attempt that goes on after its first "
+                "token (not with is_finished_on_prefill or a resumed request)"
             )
         handle.slot = DeltaSlot()
         try:
             stream = ChunkStream(handle, request)
-            output: RequestOutput | None = None
-            if request.prefill_here:
-                await handle.wait_for_kv(None)  # nothing is pushed: forget the reservation
-                self.holders.transitions.prefilled_here(rid)
-                await self.engine_loop.call(PrefillReserved(rid))
-            else:
-                output = await self._start_decoding(handle, request, context)
-                if request.is_first_token_sent:
-                    stream.sent_by_router(output, request.first_text)
+            first = await self._start_decoding(handle, request, context)
+            if request.is_first_token_sent:
+                stream.sent_by_router(first, request.first_text)
+            output: RequestOutput | None = first
             while True:
                 if output is None:
                     output = await handle.next_output()

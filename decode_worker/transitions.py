@@ -4,8 +4,8 @@ A prefill worker hands a request to this worker in DECODING. The decode worker e
 FINISHED, or, preempted for lack of KV blocks, hands it back QUEUED to the router that
 sent it, which resumes it elsewhere. A conflict means that the router moved it meanwhile
 (cancelled it, or took it back after losing the stream): the router decided, and the
-worker goes along. A co-located worker prefills its requests itself: it steps them
-PREFILLING -> TRANSFERRING -> DECODING."""
+worker goes along. A co-located worker's prefill side moves its requests as any prefill
+worker does (prefill_worker/transitions.py)."""
 
 from __future__ import annotations
 
@@ -25,17 +25,6 @@ class DecodeTransitions:
 
     def __init__(self, membership: Membership) -> None:
         self.membership = membership
-
-    def prefilled_here(self, rid: str) -> None:
-        """PREFILLING -> TRANSFERRING -> DECODING, this worker the owner throughout (the
-        router handed it to this worker as its prefill worker). LedgerConflict when the
-        router cancelled it meanwhile."""
-        try:
-            self._move(rid, RequestState.PREFILLING, RequestState.TRANSFERRING)
-            self._move(rid, RequestState.TRANSFERRING, RequestState.DECODING)
-        except LedgerConflict:
-            log.info("%s: ledger refused the hand-over to decoding (cancelled meanwhile?)", rid)
-            raise
 
     def finish(self, rid: str) -> None:
         """DECODING -> FINISHED. Not raised: a conflict (the router cancelled it meanwhile)

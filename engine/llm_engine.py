@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import secrets
-import time
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -26,6 +24,7 @@ from engine.spec import overlap
 from engine.spec.overlap import AheadStep
 from engine.spec.spec_runner import DecodeResult
 from engine.stop_checker import StopChecker
+from engine.warm_up import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ class LLMEngine:
         self._ahead: AheadStep | None = None  # overlap scheduling: the step in flight
         self.num_steps_ahead = 0  # decode steps launched before the previous one was read
         if config.torch_compile or config.warm_up:
-            self._warm_up()
+            warm_up(self)
         # After the warm-up: the costs of compiled steps, not of compiling them.
         if self.spec is not None and config.speculative and config.speculative.adaptive:
             self.spec.enable_adaptive(
@@ -82,35 +81,6 @@ class LLMEngine:
     @property
     def eos_token_ids(self) -> AbstractSet[int]:
         return self.stops.eos_token_ids
-
-    def _warm_up(self) -> None:
-        """Runs every lazy initialization and compiles the decode graphs now, then forgets
-        the warm-up's counters and cached prefixes: generations of 1 row and of 3 rows (one
-        of them sampled), each with contexts of one block and of three. Dynamo specializes
-        a dimension of size 1: one row, and a block table one block wide, are graphs of
-        their own; a graph first traced at 2 keeps that size static, one traced at 3 serves
-        every size from 2 on. So a served request never waits for a graph to compile
-        (one takes about 40 s at one thread on SmolLM2)."""
-        started = time.perf_counter()
-        # Contexts within one block (a 1-token prompt and up to block_size - 1 new tokens),
-        # and across three (the table's width may then grow: it stays symbolic).
-        bs = self.block_manager.block_size
-        shapes = ((1, max(1, min(4, bs - 1))), (2 * bs + 8, 4))  # (prompt length, max_tokens)
-        for num_rows in (1, 3):
-            for length, max_tokens in shapes:
-                for row in range(num_rows):
-                    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-                    if row == 2:
-                        params = dataclasses.replace(params, temperature=1.0, seed=0)
-                    rid = f"warm-up-{num_rows}-{length}-{row}"
-                    self.add_request(rid, [1 + row] * length, params)
-                while self.has_unfinished_requests():
-                    self.step_deltas()
-        self.block_manager.reset_prefix_cache()
-        if self.spec is not None:
-            self.spec.warm_up(self.block_manager.clean_block_ids)
-            self.spec.forget()
-        logger.info("warmed up in %.1f s", time.perf_counter() - started)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -259,6 +229,8 @@ class LLMEngine:
         none for a request its first token ends). Cached, such blocks would serve every
         later request with the same prefix KV that is not its own."""
         seq = self._seqs.get(request_id)
+        if seq is not None and seq.status is SequenceStatus.PREFILLED:
+            return self._decode_in_place(seq, first_token, has_kv=has_kv)
         if seq is None or seq.status is not SequenceStatus.RESERVED:
             raise RequestError(f"request_id: {request_id!r} is not reserved on this worker")
         vocab = self.model_config.vocab_size
@@ -286,15 +258,42 @@ class LLMEngine:
             self.scheduler.join(seq)
         return delta
 
-    def prefill_reserved(self, request_id: str) -> None:
-        """Co-located (no prefill worker): joins a reserved request to the running batch
-        with its prompt still to compute. The next steps compute it into the reserved
-        blocks (past the prefix already cached here), sample its first token and drafts,
-        and decode on, as ``add_request`` would; its outputs come from those steps."""
+    def prefill_reserved(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        """A co-located worker's prefill: a reserved request (with this prompt) joins the
+        batch prefill-only. The next steps compute its prompt into the reserved blocks (past
+        the prefix already cached here) and sample its first token and drafts; it is then
+        PREFILLED (``take_prefilled``), and ``start_decoding`` decodes it on in place."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.status is not SequenceStatus.RESERVED:
             raise RequestError(f"request_id: {request_id!r} is not reserved on this worker")
+        if seq.token_ids != prompt_token_ids:
+            raise RequestError(
+                f"prompt_token_ids: not the {seq.num_tokens} ids reserved for {request_id!r}"
+            )
+        seq.is_prefill_only = True
         self.scheduler.join(seq)
+
+    def _decode_in_place(self, seq: Sequence, first_token: int, *, has_kv: bool) -> RequestDelta:
+        """``start_decoding`` of a request this engine prefilled in its reserved blocks
+        (``prefill_reserved``): it decodes on from its first token, already appended. Its
+        first delta is handed out again, for the decode side: the token, without the
+        logprobs the prefill side reported."""
+        has_first = seq.params.max_tokens > 0  # else the prefill only scored the prompt
+        if has_first and seq.token_ids[-1] != first_token:
+            raise RequestError(
+                f"first_token: {first_token} is not the token {seq.request_id!r} was prefilled "
+                "with here"
+            )
+        seq.is_prefill_only = False
+        seq.has_handed_out = False
+        seq.num_tokens_handed_out = seq.num_tokens - has_first
+        seq.num_logprobs_handed_out = len(seq.logprobs)
+        delta = hand_out(seq, has_spec=self.spec is not None)
+        if seq.finish_reason is not None or not has_kv:
+            self.drop_request(seq.request_id)
+        else:
+            self.scheduler.join(seq)
+        return delta
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or self._ahead is not None
@@ -325,8 +324,9 @@ class LLMEngine:
         is dropped at once."""
         outputs = self._offline_outputs.process(self.step_deltas())
         for output in outputs:
-            if output.finished and output.request_id in self._seqs:
-                self.drop_request(output.request_id)
+            seq = self._seqs.get(output.request_id)
+            if output.finished and seq is not None and seq.finish_reason is None:
+                self.drop_request(output.request_id)  # what the engine did not see end
         return outputs
 
     def step_deltas(self) -> list[RequestDelta]:

@@ -75,7 +75,7 @@ class Scheduler:
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_append(seq, num_new):
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
@@ -120,6 +120,14 @@ class Scheduler:
         transfer) straight to the running batch."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+
+    def _victim(self) -> Sequence:
+        """The newest running request, passing over prefill-only ones while there are
+        others: on a co-located worker, such a row computes a prompt into blocks it was
+        reserved, needs no more and hands them to decoding in place; handed back, it would
+        leave its prefill side nothing to hand over."""
+        decoding = [s for s in self.running if not s.is_prefill_only]
+        return (decoding or self.running)[-1]
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -1,5 +1,6 @@
 """KV cache transfer from prefill to decode workers: one chunker composed with a channel per
-transport (loopback, gRPC, same-host shared memory)."""
+transport (loopback, gRPC, same-host shared memory), and the in-process hand-over of a
+co-located worker, whose prefill writes the reserved blocks itself."""
 
 from kv_transfer.base import (
     Handshake,
@@ -18,6 +19,7 @@ from kv_transfer.grpc_transport import (
     grpc_sender,
     server_options,
 )
+from kv_transfer.in_place import InPlaceChannel, InPlaceHandOver
 from kv_transfer.loopback import LoopbackChannel, LoopbackTransport
 from kv_transfer.receiver import KvReceiver, KvReservation
 from kv_transfer.shared_pools import SharedKvPools
@@ -30,6 +32,8 @@ __all__ = [
     "Destination",
     "GrpcChannel",
     "Handshake",
+    "InPlaceChannel",
+    "InPlaceHandOver",
     "KvLayout",
     "KvPool",
     "KvReceiver",

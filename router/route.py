@@ -55,7 +55,7 @@ class Route:
         """Chunk 0 from P's reply, sent before D starts: on a first attempt that P
         prefilled, that goes on after its first token, and whose D streams after it (its
         heartbeat says so); else None: D streams it."""
-        if self.is_colocated or prefilled.is_finished or self.output_tokens_sent:
+        if prefilled.is_finished or self.output_tokens_sent:
             return None
         if self.decode.stats.get("first_token_from_router", "0") != "1":
             return None  # a decode worker from before this (a rolling update) streams it
@@ -76,12 +76,12 @@ class Route:
 
     @property
     def workers(self) -> tuple[WorkerInfo, ...]:
-        """Its P and D; a co-located worker once."""
+        """Its P and D; a co-located worker (both) once."""
         return (self.decode,) if self.is_colocated else (self.prefill, self.decode)
 
     @property
     def is_colocated(self) -> bool:
-        """Served whole by one co-located worker: no prefill worker, no KV transfer."""
+        """Its P and D are one co-located worker: one process, the KV handed over in place."""
         return self.prefill.worker_id == self.decode.worker_id
 
     @property

@@ -11,9 +11,9 @@ comes from the ledger's worker registry (each worker heartbeats the figures its 
 reports); between heartbeats the requests this router has sent a worker count too, and
 equal scores take turns.
 
-Co-located workers (decode workers started with ``--colocate``, figure ``colocated``) are
-their own prefill workers: picked as a prefill worker, one is the request's decode worker
-too, and the request is served whole there, its KV never moving.
+Co-located workers (``tandem colocated``: a decode worker, figure ``colocated``, whose
+process is also its prefill worker) pair only with themselves: picked as a prefill worker,
+one is the request's decode worker too, and its KV never leaves the process.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ REGISTRY_REFRESH_S = 0.25  # how long the router keeps one read of the worker re
 
 
 def is_colocated(worker: WorkerInfo) -> bool:
-    """A decode worker that prefills its own requests (``--colocate``)."""
+    """A decode worker whose process is also its prefill worker (``tandem colocated``)."""
     return worker.role is WorkerRole.DECODE and worker.stats.get("colocated", "0") == "1"
 
 

@@ -1,8 +1,9 @@
 """tandem.v1.Generation: validate, pick P and D, record the request in the ledger, then
 D.Reserve -> P.Prefill (P pushes the KV into D's blocks) -> D.Decode, streaming D's
 chunks to the client; a first attempt's first token leaves with P's reply, before D.Decode.
-Co-located, one worker is P and D: D.Reserve -> D.Decode (``prefill_here``). Cancels and
-deadlines abort it on P and D; however it ends, it is terminal in the ledger, blocks freed."""
+A co-located worker is P and D in one process: the same three hops, its P computing the
+KV into the blocks its D reserved (an in-process channel, no push). Cancels and deadlines
+abort it on P and D; however it ends, it is terminal in the ledger, blocks freed."""
 
 from __future__ import annotations
 
@@ -295,7 +296,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                     self.picker.count_in_flight(route.workers, -1)
                     is_colocated = route.is_colocated
                     route.decode = self.picker.least_loaded(others, route.avoid)
-                    if is_colocated:  # another co-located worker serves it whole
+                    if is_colocated:  # another co-located worker: its own P and D
                         route.prefill = route.decode
                     self.picker.count_in_flight(route.workers, +1)
         finally:
@@ -317,9 +318,7 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     async def _prefill(self, route: Route, reserve: pb.ReserveReply) -> pb.PrefillReply:
         """P computes the prompt and pushes its KV into D's blocks (P hands it to D); a
-        co-located D computes it itself once its Decode starts (an empty reply here)."""
-        if route.is_colocated:
-            return pb.PrefillReply()
+        co-located P computes it into them in place."""
         valid = route.request
         channel = self._channels.get(route.prefill.address)
         await self._connect(channel, route)
@@ -378,7 +377,6 @@ class GenerationService(gen_grpc.GenerationServicer):
             first_token_id=prefilled.first_token_id,
             draft_tokens=prefilled.draft_tokens,
             is_finished_on_prefill=prefilled.is_finished,
-            prefill_here=route.is_colocated,
             is_first_token_sent=is_first_token_sent,
             first_text=prefilled.first_text if is_first_token_sent else "",
         )
@@ -403,8 +401,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                     yield chunk
                     return
                 if chunk.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
-                    if not route.is_colocated:  # else D counted them
-                        chunk.usage.cached_tokens = prefilled.num_cached_tokens
+                    chunk.usage.cached_tokens = prefilled.num_cached_tokens
                     yield chunk
                     return
                 yield chunk

@@ -43,9 +43,11 @@ def register_serve(subparsers: Any) -> None:
     parser.add_argument(
         "--colocate",
         action="store_true",
-        help="one machine: each decode worker also prefills its own requests (no prefill "
-        "workers, no KV transfer), and gets the cores the prefill workers would have had; "
-        "disaggregation, the default, is the cluster's shape across machines",
+        help="one machine: co-located workers (`tandem colocated`: a prefill and a decode "
+        "worker in one process over one engine, the KV computed straight into the blocks "
+        "reserved for decoding) instead of decode workers, and no prefill workers; each gets "
+        "the cores the prefill workers would have had; disaggregation, the default, is the "
+        "cluster's shape across machines",
     )
     add_redis_arguments(
         parser,
@@ -146,8 +148,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if args.colocate and args.prefill:
         print(
-            "tandem serve: error: --prefill: not with --colocate (each co-located decode "
-            "worker prefills its own requests)",
+            "tandem serve: error: --prefill: not with --colocate (each co-located worker "
+            "prefills its own requests)",
             file=sys.stderr,
         )
         return 2

@@ -89,12 +89,14 @@ class StartDecoding(EngineCommand[RequestDelta]):
 
 @dataclass(frozen=True)
 class PrefillReserved(EngineCommand[None]):
-    """A co-located worker prefills a request it reserved (``LLMEngine.prefill_reserved``)."""
+    """A co-located worker prefills, in place, a request its decode side reserved
+    (``LLMEngine.prefill_reserved``)."""
 
     request_id: str
+    prompt: list[int]
 
     def run(self, engine: LLMEngine) -> None:
-        engine.prefill_reserved(self.request_id)
+        engine.prefill_reserved(self.request_id, self.prompt)
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,13 @@ def confine_torch() -> None:
     torch.set_num_threads(1)
 
 
+@dataclass(frozen=True)
+class _Listener:
+    on_step: Callable[[LLMEngine, list[RequestDelta]], Any]
+    deliver: Callable[[Any], None]
+    on_error: Callable[[BaseException], None]
+
+
 @dataclass
 class _Call:
     command: EngineCommand[Any]
@@ -117,7 +124,8 @@ class EngineLoop(Generic[Payload]):
     the engine) and its result is handed to ``deliver`` on the asyncio loop, which
     assembles the deltas into outputs (``engine.output_processor``): the engine thread
     does not detokenize. A step that raises hands the exception to ``on_error`` there
-    instead.
+    instead. ``listen`` adds a further service (a co-located worker's prefill side, over
+    its decode side's engine): each step goes to every listener, in the order they came.
     """
 
     def __init__(
@@ -135,7 +143,7 @@ class EngineLoop(Generic[Payload]):
         self.engine = engine
         self.stats = engine_stats(engine)
         self._loop = loop
-        self._on_step, self._deliver, self._on_error = on_step, deliver, on_error
+        self._listeners = [_Listener(on_step, deliver, on_error)]
         self._max_queued_calls = max_queued_calls
         self._calls: deque[_Call] = deque()
         self._num_bounded = 0
@@ -144,6 +152,17 @@ class EngineLoop(Generic[Payload]):
         self._busy_since: float | None = None  # monotonic start of the calls or step running
         self._thread = thread if thread is not None else TorchThread(name)
         self._is_started = False
+
+    def listen(
+        self,
+        on_step: Callable[[LLMEngine, list[RequestDelta]], T],
+        deliver: Callable[[T], None],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        """Another service's ``on_step``, ``deliver`` and ``on_error`` (as the
+        constructor's); before ``start``."""
+        assert not self._is_started, "listen before start"
+        self._listeners.append(_Listener(on_step, deliver, on_error))
 
     def start(self) -> None:
         self._is_started = True
@@ -235,14 +254,17 @@ class EngineLoop(Generic[Payload]):
             if self._is_busy():
                 self._busy_since = time.monotonic()
                 try:
-                    payload = self._on_step(engine, engine.step_deltas())
+                    deltas = engine.step_deltas()
+                    payloads = [listener.on_step(engine, deltas) for listener in self._listeners]
                 except Exception as e:
                     log.exception("engine step failed")
                     self.stats = engine_stats(engine)
-                    self._loop.call_soon_threadsafe(self._on_error, e)
+                    for listener in self._listeners:
+                        self._loop.call_soon_threadsafe(listener.on_error, e)
                 else:
                     self.stats = engine_stats(engine)
-                    self._loop.call_soon_threadsafe(self._deliver, payload)
+                    for listener, payload in zip(self._listeners, payloads, strict=True):
+                        self._loop.call_soon_threadsafe(listener.deliver, payload)
             self._busy_since = None
 
     def _is_busy(self) -> bool:

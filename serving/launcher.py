@@ -1,7 +1,8 @@
 """The all-in-one cluster: an embedded redis-server (unless given a URL), N prefill and M
 decode workers and the router, each a fresh interpreter (`python -m ...`, never a fork),
-sharing the cores. Co-located (``colocate``): M decode workers that prefill their own
-requests, and no prefill workers. `tandem serve` and the service tests start clusters through here.
+sharing the cores. Co-located (``colocate``): M co-located workers (``python -m
+colocated_worker``: a prefill and a decode worker in one process over one engine), and no
+prefill workers. `tandem serve` and the service tests start clusters through here.
 
 Stopping drains in request order: the router first (no new requests, in-flight ones
 finish), then the workers, each with SIGTERM (health NOT_SERVING, finish, stop), SIGKILL
@@ -58,7 +59,7 @@ class ClusterSpec:
     adaptive_speculation: bool = True  # False: --no-adaptive-speculation (K every step)
     num_prefill: int = 1  # 0 with colocate
     num_decode: int = 1
-    colocate: bool = False  # decode workers prefill their own requests (--colocate)
+    colocate: bool = False  # co-located workers, not decode workers (--colocate)
     redis: RedisSettings | None = None  # None: start an embedded redis-server
     host: str = "127.0.0.1"  # the router's (gRPC and HTTP)
     port: int = 50050  # the router's; 0: a free one
@@ -232,8 +233,12 @@ class Cluster:
                 args = [*engine, *spec.prefill_args]
                 self.prefill.append(self._spawn(f"prefill-{i}", "prefill_worker", args, True))
             for i in range(spec.num_decode):
-                args = [*engine, *spec.decode_args, *(["--colocate"] if spec.colocate else [])]
-                self.decode.append(self._spawn(f"decode-{i}", "decode_worker", args, True))
+                args = [*engine, *spec.decode_args]
+                if spec.colocate:  # a decode worker whose process prefills for it too
+                    worker = self._spawn(f"colocated-{i}", "colocated_worker", args, True)
+                else:
+                    worker = self._spawn(f"decode-{i}", "decode_worker", args, True)
+                self.decode.append(worker)
             router = ["--model", spec.model, *spec.router_args]
             if spec.auth_token_file is not None:
                 router += ["--auth-token-file", str(spec.auth_token_file)]

@@ -250,3 +250,14 @@ class DecodeMetrics(Metrics):
     def read_figures_from(self, figures: Callable[[], DecodeFigures]) -> None:
         """Where scrapes read the gauges and speculative counters (the decode service)."""
         self._figures = figures
+
+
+class ColocatedMetrics(DecodeMetrics):
+    """A co-located worker's: its decode side's, and its prefill side's compute of each
+    prompt (its KV is handed over in place: no transfer to time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefill_seconds = self._histogram(
+            "tandem_prefill_seconds", "Prefill compute of one prompt (target and draft)"
+        )

@@ -21,10 +21,10 @@ chosen steadily is the only one timed, so no step could show that another had be
 better choice.
 
 Every step also pays the engine's own time outside the step: scheduling, the rows'
-tokens, stop checks, detokenizing, the outputs. It is the same for every K, so it adds to
-each K's cost before the ratio is taken (``observe_overhead``: the time between one decode
-step's end and the next one's start). Left out, it makes deep drafts look dearer than
-they are end to end.
+tokens, stop checks, the deltas (and, offline, the outputs assembled from them). It is
+the same for every K, so it adds to each K's cost before the ratio is taken
+(``observe_overhead``: the time between one decode step's end and the next one's start).
+Left out, it makes deep drafts look dearer than they are end to end.
 
 While K stays below the deepest choice, the estimates of the deeper drafts' acceptance
 would go stale, so now and then a probe step drafts ``max_k`` tokens. Probes are paid

@@ -173,10 +173,12 @@ def test_resume_is_validated(dirs):
 
 
 @pytest.mark.parametrize("with_draft", [False, True], ids=["target", "draft"])
-def test_reserved_then_prefilled_here_equals_one_engine(dirs, with_draft):
-    """Co-located: a reserved request whose prompt this engine computes itself
-    (``prefill_reserved``), joining a batch already decoding, gives what one engine doing
-    everything gives, greedy and seeded rows, prefix-cached blocks included."""
+def test_reserved_then_prefilled_in_place_equals_one_engine(dirs, with_draft):
+    """Co-located: a reserved request whose prompt this engine computes into its reserved
+    blocks (``prefill_reserved``), joining a batch already decoding, is PREFILLED after
+    its first token with the reservation's blocks, and ``start_decoding`` decodes it on in
+    place: what one engine doing everything gives, greedy and seeded rows, prefix-cached
+    blocks included."""
     target, draft = dirs
     draft = draft if with_draft else None
     prompts = [*PROMPTS, PROMPTS[1] + [2, 3]]  # the last shares 2 blocks with prompt 1
@@ -186,18 +188,46 @@ def test_reserved_then_prefilled_here_equals_one_engine(dirs, with_draft):
     expected = drain(whole)
 
     here = engine(target, draft)
+    outputs = OutputProcessor(None)
+    done: dict[str, list[int]] = {}
+    tables: dict[str, list[int]] = {}
+
+    def step() -> set[str]:
+        deltas = here.step_deltas()
+        done.update({o.request_id: o.token_ids for o in outputs.process(deltas) if o.finished})
+        return {d.request_id for d in deltas}
+
+    def decode_when_prefilled(pending: set[str]) -> None:
+        while here.has_unfinished_requests() or pending:
+            for rid in sorted(pending):
+                if (prefilled := here.take_prefilled(rid)) is not None:
+                    assert prefilled.block_table == tables[rid]  # the reservation's blocks
+                    first = here.start_decoding(
+                        rid, prefilled.first_token, prefilled.draft_token_ids
+                    )
+                    assert first.start is not None and first.new_token_ids == [
+                        prefilled.first_token
+                    ]
+                    outputs.process([first])  # the decode side's outputs start here
+                    pending.discard(rid)
+            step()
+
     here.add_request("0", prompts[0], params(0))
-    here.step()  # decoding when the others join
+    step()  # decoding when the others join
     for i in (1, 2, 3):
-        assert here.reserve(str(i), prompts[i], params(i))[1] == 0
-        assert str(i) not in {out.request_id for out in here.step()}  # reserved: not computed
-        here.prefill_reserved(str(i))
+        tables[str(i)], num_cached = here.reserve(str(i), prompts[i], params(i))
+        assert num_cached == 0
+        assert str(i) not in step()  # reserved: not computed
+        here.prefill_reserved(str(i), prompts[i])
     with pytest.raises(RequestError, match="not reserved"):
-        here.prefill_reserved("0")
-    done = drain(here)
-    assert here.reserve("4", prompts[4], params(4))[1] == 8  # prompt 1's blocks, cached
-    here.prefill_reserved("4")
-    done.update(drain(here))
+        here.prefill_reserved("0", prompts[0])
+    decode_when_prefilled({"1", "2", "3"})
+    tables["4"], num_cached = here.reserve("4", prompts[4], params(4))
+    assert num_cached == 8  # prompt 1's blocks, cached
+    with pytest.raises(RequestError, match="prompt_token_ids: not the 13 ids reserved"):
+        here.prefill_reserved("4", prompts[1])
+    here.prefill_reserved("4", prompts[4])
+    decode_when_prefilled({"4"})
     assert done == expected
     assert here.block_manager.num_free_blocks == here.block_manager.num_blocks
 

@@ -286,3 +286,31 @@ def test_request_longer_than_budget_alongside_decodes() -> None:
     assert short.num_output_tokens == 5 and short.is_finished
     assert long.num_output_tokens == 1
     sim.check_done()
+
+
+def test_a_prefill_only_row_in_its_reserved_blocks_is_passed_over_for_preemption() -> None:
+    """A co-located worker's prefill row (joined prefill-only with the blocks its decode
+    side reserved) needs no more blocks and hands them on in place: when a decode row
+    needs one and none is free, the newest decode row is preempted instead, though the
+    prefill row is newer."""
+    bm = BlockManager(num_blocks=6, block_size=2)
+    sch = Scheduler(SchedulerConfig(4, 64), bm)
+    decoding = []
+    for rid, prompt in (("a", [1, 2, 3, 4]), ("b", [5, 6, 7, 8])):
+        seq = Sequence(rid, list(prompt), 4, SamplingParams(max_tokens=6), 0)
+        sch.add(seq)
+        decoding.append(seq)
+    first = sch.schedule()
+    assert [s.request_id for s in first.seqs] == ["a", "b"] and bm.num_free_blocks == 2
+    for seq in decoding:  # their prompts computed, their first tokens sampled
+        seq.num_computed_tokens = 4
+        seq.token_ids.append(0)
+    reserved = Sequence("c", [1, 1, 1, 1], 4, SamplingParams(max_tokens=6), 0)
+    bm.allocate(reserved)  # what LLMEngine.reserve holds for it
+    reserved.is_prefill_only = True
+    sch.join(reserved)  # LLMEngine.prefill_reserved
+    assert bm.num_free_blocks == 0
+    batch = sch.schedule()  # a needs a third block
+    assert [s.request_id for s in batch.preempted] == ["b"]
+    rows = [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
+    assert rows == [("a", 1), ("c", 4)]

@@ -1,6 +1,7 @@
 """`tandem serve --colocate` on a tiny random model: a router and one co-located worker
-(a decode worker that prefills its own requests; no prefill worker, no KV transfer), a
-real redis-server, loopback gRPC. Greedy output, the draft's counters, logprobs and
+(`python -m colocated_worker`: a prefill and a decode worker in one process over one
+engine, routed to as a pair, the KV computed into the reserved blocks and handed over in
+process), a real redis-server, loopback gRPC. Greedy output, the draft's counters, logprobs and
 prompt logprobs equal the in-process engine's; requests preempted for lack of KV blocks
 come back to the same worker and resume exactly; cancelling frees every block; the
 ledger ends clean."""

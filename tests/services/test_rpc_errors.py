@@ -158,7 +158,7 @@ async def test_engine_loop_bounds_new_work_but_never_cleanup() -> None:
     loop = EngineLoop(
         idle_engine(),
         asyncio.get_running_loop(),
-        on_step=lambda engine, outputs: outputs,
+        on_step=lambda engine, deltas: deltas,
         deliver=lambda payload: None,
         on_error=lambda error: None,
         max_queued_calls=2,

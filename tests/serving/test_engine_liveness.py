@@ -30,7 +30,7 @@ def blocking_engine(release: threading.Event, steps: list[int]) -> Any:
         scheduler=SimpleNamespace(running=[], waiting=[], config=SimpleNamespace(max_num_seqs=4)),
         spec=None,
         has_unfinished_requests=lambda: bool(steps),
-        step=step,
+        step_deltas=step,
         wants_cost_refresh=lambda: False,
     )
 
@@ -41,7 +41,7 @@ async def test_is_alive_while_steps_move_not_when_one_stalls_or_the_thread_is_go
     loop = EngineLoop(
         blocking_engine(release, steps),
         asyncio.get_running_loop(),
-        on_step=lambda engine, outputs: outputs,
+        on_step=lambda engine, deltas: deltas,
         deliver=lambda payload: None,
         on_error=lambda error: None,
     )

@@ -37,7 +37,7 @@ def engine_with(blocks: SlowBlocks, steps: list[int]) -> Any:
         scheduler=SimpleNamespace(running=[], waiting=[], config=SimpleNamespace(max_num_seqs=4)),
         spec=None,
         has_unfinished_requests=lambda: bool(steps),
-        step=step,
+        step_deltas=step,
         wants_cost_refresh=lambda: False,
     )
 
@@ -53,7 +53,7 @@ async def test_a_caller_and_a_stream_never_see_figures_from_before_what_they_got
     loop = EngineLoop(
         engine_with(blocks, steps),
         asyncio.get_running_loop(),
-        on_step=lambda engine, outputs: outputs[0],
+        on_step=lambda engine, deltas: deltas[0],
         deliver=deliver,
         on_error=lambda error: None,
     )
@@ -103,7 +103,7 @@ async def test_an_idle_loop_refreshes_costs_while_wanted_then_waits_and_serves_c
     loop = EngineLoop(
         engine,
         asyncio.get_running_loop(),
-        on_step=lambda engine, outputs: outputs,
+        on_step=lambda engine, deltas: deltas,
         deliver=lambda payload: None,
         on_error=lambda error: None,
     )
@@ -138,7 +138,7 @@ async def test_the_thread_that_builds_the_engine_steps_it_and_keeps_its_torch_th
         ran_on.append(threading.get_ident())
         steps = [5]
         engine = engine_with(SlowBlocks(), steps)
-        engine.step = lambda: ran_on.append(threading.get_ident()) or [steps.pop()]
+        engine.step_deltas = lambda: ran_on.append(threading.get_ident()) or [steps.pop()]
         return engine
 
     def asker() -> tuple[int, int]:  # stands for the asyncio thread, not pytest's own
@@ -160,7 +160,7 @@ async def test_the_thread_that_builds_the_engine_steps_it_and_keeps_its_torch_th
     loop = EngineLoop(
         asked[0],
         asyncio.get_running_loop(),
-        on_step=lambda engine, outputs: outputs,
+        on_step=lambda engine, deltas: deltas,
         deliver=lambda payload: delivered.set(),
         on_error=lambda error: None,
         thread=thread,

@@ -172,7 +172,6 @@ class DecodeRequest(_message.Message):
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _builtins.int
     DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     IS_FINISHED_ON_PREFILL_FIELD_NUMBER: _builtins.int
-    PREFILL_HERE_FIELD_NUMBER: _builtins.int
     IS_FIRST_TOKEN_SENT_FIELD_NUMBER: _builtins.int
     FIRST_TEXT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
@@ -187,17 +186,11 @@ class DecodeRequest(_message.Message):
     """PrefillReply.is_finished: the first token already ended the request and no KV was
     pushed; the decode worker streams that token as the last chunk without waiting.
     """
-    prefill_here: _builtins.bool
-    """Co-located (a worker started with --colocate, the request's prefill worker too): no
-    prefill worker ran and no KV was pushed; this worker computes the prompt into the
-    reserved blocks itself and streams from the first token on. first_token_id,
-    first_token_logprob, draft_tokens and is_finished_on_prefill are then unset.
-    """
     is_first_token_sent: _builtins.bool
     """The router already streamed first_token_id as chunk 0, with its text (first_text),
     its logprob and the prompt logprobs: this worker's stream starts after it. Only on a
-    request's first attempt, never with prefill_here or is_finished_on_prefill; only to a
-    decode worker whose heartbeat says it streams after the router's first token.
+    request's first attempt, never with is_finished_on_prefill; only to a decode worker
+    whose heartbeat says it streams after the router's first token.
     """
     first_text: _builtins.str
     """With is_first_token_sent: the text sent with it (PrefillReply.first_text). It must be
@@ -222,13 +215,12 @@ class DecodeRequest(_message.Message):
         first_token_logprob: _generation_pb2.TokenLogprob | None = ...,
         draft_tokens: _abc.Iterable[_builtins.int] | None = ...,
         is_finished_on_prefill: _builtins.bool = ...,
-        prefill_here: _builtins.bool = ...,
         is_first_token_sent: _builtins.bool = ...,
         first_text: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "first_token_logprob", b"first_token_logprob"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "epoch", b"epoch", "first_text", b"first_text", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "is_finished_on_prefill", b"is_finished_on_prefill", "is_first_token_sent", b"is_first_token_sent", "prefill_here", b"prefill_here", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob", "draft_tokens", b"draft_tokens", "epoch", b"epoch", "first_text", b"first_text", "first_token_id", b"first_token_id", "first_token_logprob", b"first_token_logprob", "is_finished_on_prefill", b"is_finished_on_prefill", "is_first_token_sent", b"is_first_token_sent", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__first_token_logprob: _TypeAlias = _typing.Literal["first_token_logprob"]  # noqa: Y015
     _WhichOneofArgType__first_token_logprob: _TypeAlias = _typing.Literal["_first_token_logprob", b"_first_token_logprob"]  # noqa: Y015

@@ -1,0 +1,84 @@
+"""The in-process hand-over of a co-located worker (kv_transfer.in_place): it moves a
+reservation through the receiver's states as a push does (RESERVED -> TRANSFERRING ->
+DONE, or FAILED), after the same handshake checks, and touches no block."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kv_transfer import (
+    Handshake,
+    InPlaceChannel,
+    KvPool,
+    KvReceiver,
+    KvReservation,
+    KvTransferError,
+    TransferState,
+)
+from tandem.v1 import kv_transfer_pb2 as pb
+from tests.kv_transfer.kv_pools import DST_IDS, DST_SEED, layout_for, make_pools
+
+LAYOUT = layout_for(torch.float32)
+
+
+def reserved(rid: str = "r", epoch: int = 3) -> tuple[KvReceiver, dict[KvPool, object]]:
+    receiver = KvReceiver(epoch=epoch)
+    pools = make_pools(LAYOUT, DST_SEED)
+    receiver.reserve(KvReservation(rid, list(DST_IDS), pools, LAYOUT))
+    return receiver, pools
+
+
+async def test_written_in_place_is_done_and_leaves_the_blocks_as_they_are() -> None:
+    receiver, pools = reserved()
+    before = {p: [k.clone() for kv in c.layers for k in kv] for p, c in pools.items()}
+    hand_over = InPlaceChannel(receiver).open(Handshake("r", LAYOUT, decode_epoch=3))
+    assert receiver.state("r") is TransferState.TRANSFERRING  # not lapsing while it computes
+    waiting = asyncio.ensure_future(receiver.wait_done("r", timeout=5))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    hand_over.written()
+    assert await waiting == {}
+    assert receiver.state("r") is TransferState.DONE
+    after = {p: [k for kv in c.layers for k in kv] for p, c in pools.items()}
+    assert all(torch.equal(a, b) for p in pools for a, b in zip(before[p], after[p], strict=True))
+    hand_over.fail("too late")  # the first of written and fail acts
+    assert receiver.state("r") is TransferState.DONE
+
+
+@pytest.mark.parametrize(
+    ("handshake", "status", "message"),
+    [
+        (Handshake("other", LAYOUT, 3), pb.KV_PUSH_STATUS_UNKNOWN_REQUEST, "no reservation"),
+        (Handshake("r", LAYOUT, 2), pb.KV_PUSH_STATUS_STALE_EPOCH, "decode_epoch"),
+        (
+            Handshake("r", layout_for(torch.float32, draft_fingerprint="eagle3-xyz"), 3),
+            pb.KV_PUSH_STATUS_INCOMPATIBLE,
+            "draft_fingerprint",
+        ),
+    ],
+    ids=["unknown_request", "stale_epoch", "another_draft"],
+)
+async def test_open_refuses_what_a_push_handshake_is_refused_for(
+    handshake: Handshake, status: int, message: str
+) -> None:
+    receiver, _ = reserved()
+    with pytest.raises(KvTransferError, match=message) as info:
+        InPlaceChannel(receiver).open(handshake)
+    assert info.value.status == status
+
+
+async def test_a_failed_or_dropped_hand_over_fails_the_wait() -> None:
+    receiver, _ = reserved()
+    hand_over = InPlaceChannel(receiver).open(Handshake("r", LAYOUT, 3))
+    hand_over.fail("prefill failed or was cancelled: CancelledError")
+    with pytest.raises(KvTransferError, match="prefill failed or was cancelled"):
+        await receiver.wait_done("r", timeout=5)
+
+    receiver, _ = reserved("s")
+    hand_over = InPlaceChannel(receiver).open(Handshake("s", LAYOUT, 3))
+    assert receiver.drop("s") is None  # nothing writes the blocks but this engine
+    with pytest.raises(KvTransferError, match="dropped"):
+        hand_over.written()
