@@ -7,7 +7,7 @@ channel: the prefill side computes the prompt straight into the blocks the decod
 reserved, and hands them over in process (``kv_transfer.in_place``), as a same-host
 decode worker would take them through shared memory. The two sides share the engine's
 thread and loop (each step's deltas go to both), the registration (one worker id, a
-decode worker whose heartbeat says ``colocated``) and the receiver.
+decode worker whose heartbeat says ``prefills_in_place``) and the receiver.
 """
 
 from __future__ import annotations

@@ -216,7 +216,8 @@ class RequestHandle:
         if h.quarantined.get(rid) is self:
             del h.quarantined[rid]
         # Also when finished: a stop string ends a request that the engine still runs.
-        h.engine_loop.submit(DropRequest(rid))
+        stopped_after = len(self.outputs.token_ids) if self.outputs.is_ended_here else None
+        h.engine_loop.submit(DropRequest(rid, stopped_after=stopped_after))
         h.membership.free(rid)
 
 

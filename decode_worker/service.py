@@ -325,7 +325,9 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             "num_free_blocks": stats.num_free_blocks,
             "num_requests": len(self._requests),
             "draining": int(self.is_draining),
-            "colocated": int(self.is_colocated),
+            # "prefills_in_place", not the "colocated" of decode workers that computed prompts
+            # in Decode themselves (prefill_here): a router of either kind pairs only its own.
+            "prefills_in_place": int(self.is_colocated),
             # Streams after a first token the router sent (DecodeRequest.is_first_token_sent).
             "first_token_from_router": 1,
             **draft_figures(self.draft),
@@ -426,7 +428,9 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
     def _deliver(self, step: _Step) -> None:
         for delta in step.deltas:
             handle = self._requests.get(delta.request_id)
-            if handle is not None and handle.slot is not None:
+            # A request's first delta comes from StartDecoding alone: one with a start
+            # here is a co-located prefill side's, whose outputs are its own.
+            if handle is not None and handle.slot is not None and delta.start is None:
                 handle.slot.put(delta)
         for rid, table in step.tables.items():  # the ledger follows, after this step
             handle = self._requests.get(rid)

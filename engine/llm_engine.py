@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import secrets
@@ -142,10 +143,17 @@ class LLMEngine:
         self._seqs[request_id] = seq
         return seq
 
-    def drop_request(self, request_id: str) -> None:
+    def drop_request(self, request_id: str, *, stopped_after: int | None = None) -> None:
+        """Ends a request here, whatever its state. ``stopped_after``: its holder found a
+        stop string after that many output tokens (resumed ones included), so it ended
+        as a finished one does: a drafter that learns from outputs takes it, cut there."""
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return
+        if stopped_after is not None and seq.finish_reason is None and self.spec is not None:
+            cut = seq.token_ids[: seq.num_prompt_tokens + stopped_after]
+            stopped = dataclasses.replace(seq, token_ids=cut, finish_reason=FinishReason.STOP)
+            self.spec.finished(stopped)
         if seq.status in (SequenceStatus.RESERVED, SequenceStatus.PREFILLED):
             self.block_manager.free(seq)
             seq.status = SequenceStatus.FINISHED
@@ -326,7 +334,8 @@ class LLMEngine:
         for output in outputs:
             seq = self._seqs.get(output.request_id)
             if output.finished and seq is not None and seq.finish_reason is None:
-                self.drop_request(output.request_id)  # what the engine did not see end
+                # A stop string, which the engine does not see.
+                self.drop_request(output.request_id, stopped_after=len(output.token_ids))
         return outputs
 
     def step_deltas(self) -> list[RequestDelta]:

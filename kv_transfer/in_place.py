@@ -38,6 +38,15 @@ class InPlaceHandOver:
         self._session = session
         self._is_ended = False
 
+    async def until_ended(self) -> None:
+        """Returns once the reservation waits for this hand-over no more: it was written,
+        failed, or dropped (the decode side closed the request)."""
+        await self._session.ended()
+
+    def check_live(self) -> None:
+        """Raises KvTransferError once the reservation was dropped or failed."""
+        self._session.check_live()
+
     def written(self) -> None:
         """Raises KvTransferError when the reservation was dropped meanwhile."""
         if not self._is_ended:

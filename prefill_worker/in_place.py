@@ -16,13 +16,14 @@ DECODING (handed to the decode side: this worker again).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.llm_engine import LLMEngine
 from engine.sequence import FinishReason
-from kv_transfer import Handshake, InPlaceChannel, KvLayout
+from kv_transfer import Handshake, InPlaceChannel, InPlaceHandOver, KvLayout
 from ledger.membership import Membership
 from prefill_worker.prefill_calls import PrefillCalls, collect, first_output, prefill_reply
 from prefill_worker.transitions import PrefillTransitions
@@ -34,6 +35,22 @@ from serving.sampling import params_from_proto
 from tandem.v1 import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def _unless_dropped(future: asyncio.Future[T], hand_over: InPlaceHandOver) -> T:
+    """The engine's answer; a reservation that the decode side drops meanwhile (the
+    request closed there: its lease lost, Redis restarted) ends the request in the engine,
+    which then answers nothing: the Prefill fails at once, as a push would."""
+    ended = asyncio.ensure_future(hand_over.until_ended())
+    waits: set[asyncio.Future[Any]] = {future, ended}
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ended.cancel()
+    if not future.done():
+        hand_over.check_live()  # raises KvTransferError: dropped, or failed
+    return await future
 
 
 class InPlacePrefillService(PrefillCalls):
@@ -84,7 +101,7 @@ class InPlacePrefillService(PrefillCalls):
             future = self._first_token(rid)
             await self.engine_loop.call(PrefillReserved(rid, list(request.prompt_token_ids)))
             queued = time.monotonic()
-            result = await future
+            result = await _unless_dropped(future, hand_over)
             output, prefilled = first_output(request, params, result, self.engine.tokenizer)
             if output.finish_reason is FinishReason.PREEMPTED:  # the scheduler spares such
                 raise Overloaded(  # rows while it has others: not expected

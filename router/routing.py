@@ -11,7 +11,7 @@ comes from the ledger's worker registry (each worker heartbeats the figures its 
 reports); between heartbeats the requests this router has sent a worker count too, and
 equal scores take turns.
 
-Co-located workers (``tandem colocated``: a decode worker, figure ``colocated``, whose
+Co-located workers (``tandem colocated``: a decode worker, figure ``prefills_in_place``, whose
 process is also its prefill worker) pair only with themselves: picked as a prefill worker,
 one is the request's decode worker too, and its KV never leaves the process.
 """
@@ -46,7 +46,7 @@ REGISTRY_REFRESH_S = 0.25  # how long the router keeps one read of the worker re
 
 def is_colocated(worker: WorkerInfo) -> bool:
     """A decode worker whose process is also its prefill worker (``tandem colocated``)."""
-    return worker.role is WorkerRole.DECODE and worker.stats.get("colocated", "0") == "1"
+    return worker.role is WorkerRole.DECODE and worker.stats.get("prefills_in_place", "0") == "1"
 
 
 def elsewhere(workers: list[WorkerInfo], avoid: AbstractSet[str]) -> list[WorkerInfo]:

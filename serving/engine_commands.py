@@ -101,15 +101,17 @@ class PrefillReserved(EngineCommand[None]):
 
 @dataclass(frozen=True)
 class DropRequest(EngineCommand[None]):
-    """Ends a request in the engine (``LLMEngine.drop_request``); ``then`` runs right
-    after, on the engine thread. Cleanup: never refused."""
+    """Ends a request in the engine (``LLMEngine.drop_request``; ``stopped_after``: a
+    stop string ended it there); ``then`` runs right after, on the engine thread.
+    Cleanup: never refused."""
 
     is_new_work: ClassVar[bool] = False
     request_id: str
     then: Callable[[], None] | None = None
+    stopped_after: int | None = None
 
     def run(self, engine: LLMEngine) -> None:
-        engine.drop_request(self.request_id)
+        engine.drop_request(self.request_id, stopped_after=self.stopped_after)
         if self.then is not None:
             self.then()
 

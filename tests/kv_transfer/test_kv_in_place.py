@@ -70,7 +70,9 @@ async def test_open_refuses_what_a_push_handshake_is_refused_for(
     assert info.value.status == status
 
 
-async def test_a_failed_or_dropped_hand_over_fails_the_wait() -> None:
+async def test_a_failed_or_dropped_hand_over_fails_the_wait_and_says_so() -> None:
+    """Failed: the decode side's wait fails. Dropped (the decode side closed the request):
+    a prefill waiting for its first token hears it at once (``until_ended``)."""
     receiver, _ = reserved()
     hand_over = InPlaceChannel(receiver).open(Handshake("r", LAYOUT, 3))
     hand_over.fail("prefill failed or was cancelled: CancelledError")
@@ -79,6 +81,13 @@ async def test_a_failed_or_dropped_hand_over_fails_the_wait() -> None:
 
     receiver, _ = reserved("s")
     hand_over = InPlaceChannel(receiver).open(Handshake("s", LAYOUT, 3))
+    ended = asyncio.ensure_future(hand_over.until_ended())  # what a prefill waits beside
+    await asyncio.sleep(0)
+    assert not ended.done()
+    hand_over.check_live()
     assert receiver.drop("s") is None  # nothing writes the blocks but this engine
+    await asyncio.wait_for(ended, 5)
+    with pytest.raises(KvTransferError, match="dropped"):
+        hand_over.check_live()
     with pytest.raises(KvTransferError, match="dropped"):
         hand_over.written()

@@ -33,7 +33,7 @@ REFUSED = "127.0.0.1:1"  # nothing listens: the Aborts the router sends fail at 
 
 def join(ledger: Ledger, worker_id: str, role: WorkerRole) -> None:
     epoch = ledger.register_worker(worker_id, role=role, address=REFUSED, capacity=1, ttl_ms=60_000)
-    stats = {"model": "m", "draining": 0, "draft_fingerprint": "", "colocated": 0}
+    stats = {"model": "m", "draining": 0, "draft_fingerprint": "", "prefills_in_place": 0}
     ledger.heartbeat(worker_id, epoch=epoch, ttl_ms=60_000, load=0.1, stats=stats)
 
 

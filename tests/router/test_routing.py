@@ -25,7 +25,12 @@ def join(
     epoch = ledger.register_worker(
         worker_id, role=role, address=f"{worker_id}:1", capacity=1, ttl_ms=60_000
     )
-    stats = {"model": "m", "draining": 0, "draft_fingerprint": fp, "colocated": int(colocated)}
+    stats = {
+        "model": "m",
+        "draining": 0,
+        "draft_fingerprint": fp,
+        "prefills_in_place": int(colocated),
+    }
     ledger.heartbeat(worker_id, epoch=epoch, ttl_ms=60_000, load=load, stats=stats)
 
 

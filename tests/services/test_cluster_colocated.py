@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 import torch
@@ -24,6 +25,8 @@ from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from ledger.ledger import Ledger, WorkerRole
 from serving.launcher import Cluster
+from tandem.v1 import worker_pb2 as pb
+from tandem.v1 import worker_pb2_grpc as pb_grpc
 from tests.engine.tiny_drafts import build_random_draft
 from tests.engine.tiny_models import build_tiny_llama
 from tests.services.cluster_helpers import (
@@ -120,7 +123,7 @@ async def test_greedy_with_draft_and_logprobs_equal_the_engine(
     target, draft = model_dirs
     assert cluster.prefill == [] and len(cluster.decode) == 1
     (worker,) = ledger.list_workers(WorkerRole.DECODE)
-    assert worker.stats["colocated"] == "1"
+    assert worker.stats["prefills_in_place"] == "1"
     assert ledger.list_workers(WorkerRole.PREFILL) == []
 
     token_prompts = prompts(8, seed=1)  # test_cluster_tiny's: some drafts are accepted
@@ -213,3 +216,31 @@ async def test_cancelled_streams_free_their_blocks(cluster: Cluster) -> None:
 def _metrics_text(cluster: Cluster) -> str:
     with urllib.request.urlopen(cluster.decode[0].metrics_url, timeout=5) as response:
         return str(response.read().decode())
+
+
+async def test_its_prefill_side_serves_only_its_own_decode_side(
+    cluster: Cluster, ledger: Ledger
+) -> None:
+    """The worker serves tandem.v1.PrefillWorker beside its DecodeWorker, for requests its
+    decode side reserved: a Prefill naming another decode worker is refused, naming the
+    field, and one with no reservation here fails as a push would (nothing held after)."""
+    (worker,) = ledger.list_workers(WorkerRole.DECODE)
+    async with grpc.aio.insecure_channel(cluster.decode[0].address) as channel:
+        stub = pb_grpc.PrefillWorkerStub(channel)
+        elsewhere = pb.PrefillRequest(
+            request_id="p-elsewhere", prompt_token_ids=[5, 6, 7], decode_worker_id="decode-9"
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Prefill(elsewhere, timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "decode_worker_id: 'decode-9'" in (info.value.details() or "")
+        unreserved = pb.PrefillRequest(
+            request_id="p-unreserved",
+            prompt_token_ids=[5, 6, 7],
+            decode_worker_id=worker.worker_id,
+            decode_epoch=worker.epoch,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Prefill(unreserved, timeout=10)
+        assert "has no reservation here" in (info.value.details() or "")
+    assert (await worker_stats(cluster.decode[0])).num_kv_blocks_used == 0
