@@ -24,9 +24,20 @@ class WeightError(ValueError):
 
 
 @dataclass(frozen=True)
+class Part:
+    """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, stop)`` of a checkpoint tensor:
+    what one tensor-parallel rank reads of it, and all it reads (engine.parallel.shard)."""
+
+    dim: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
 class Source:
     name: str  # tensor name in the checkpoint
     shape: tuple[int, ...]  # shape the checkpoint must have
+    part: Part | None = None  # None: all of it
 
 
 @dataclass(frozen=True)
@@ -70,9 +81,19 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
-    def get(self, name: str) -> torch.Tensor:
-        tensor: torch.Tensor = self._handle(name).get_tensor(name)
-        return tensor
+    def get(self, name: str, part: Part | None = None) -> torch.Tensor:
+        """The tensor, or only ``part`` of it (read from the file without the rest)."""
+        if part is None:
+            tensor: torch.Tensor = self._handle(name).get_tensor(name)
+            return tensor
+        sliced = self._handle(name).get_slice(name)
+        if part.dim == 0:
+            rows: torch.Tensor = sliced[part.start : part.stop]
+            return rows
+        if part.dim == 1:
+            columns: torch.Tensor = sliced[:, part.start : part.stop]
+            return columns
+        raise ValueError(f"part: dim {part.dim}, must be 0 (rows) or 1 (columns)")
 
     def _handle(self, name: str) -> Any:
         if name not in self.files:
@@ -100,7 +121,15 @@ def load_weights(model: nn.Module, reader: CheckpointReader, rules: Iterable[Ten
                 raise WeightError(
                     f"{src.name}: shape {list(shape)} does not match the config's {list(src.shape)}"
                 )
-            parts.append(reader.get(src.name))
+            if (
+                src.part is not None
+                and not 0 <= src.part.start < src.part.stop <= shape[src.part.dim]
+            ):
+                raise WeightError(
+                    f"{src.name}: part [{src.part.start}, {src.part.stop}) of dim "
+                    f"{src.part.dim} is outside its shape {list(shape)}"
+                )
+            parts.append(reader.get(src.name, src.part))
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         param = params[rule.dst]
         with torch.no_grad():

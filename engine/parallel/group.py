@@ -1,0 +1,78 @@
+"""The process group of one worker's tensor-parallel ranks (torch.distributed: gloo on CPU,
+NCCL on CUDA), and the two collectives a sharded layer needs.
+
+Every collective has a deadline: a rank that died must not leave the others waiting in an
+all-reduce for ever (the group's ``timeout``); they fail, and the worker with them. At size
+1 there is no group, and the collectives return their input.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel.shard import Shard
+
+DEFAULT_TIMEOUT_S = 10.0  # a dead rank takes its worker down within this
+
+
+@dataclass
+class TensorParallelGroup:
+    """This rank's place (``shard``) and its group's collectives."""
+
+    shard: Shard
+    group: dist.ProcessGroup | None  # None at size 1
+
+    @classmethod
+    def single(cls) -> TensorParallelGroup:
+        return cls(Shard(0, 1), None)
+
+    @classmethod
+    def join(
+        cls,
+        rank: int,
+        size: int,
+        init_method: str,
+        *,
+        backend: str = "gloo",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> TensorParallelGroup:
+        """Joins the group of ``size`` ranks that meet at ``init_method`` (``tcp://host:port``
+        or ``file://path``); returns when all of them have."""
+        if size == 1:
+            return cls.single()
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        return cls(Shard(rank, size), dist.group.WORLD)
+
+    @property
+    def size(self) -> int:
+        return self.shard.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x`` (a row-parallel layer's partial outputs), in place."""
+        if self.group is not None:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim``, in rank order (vocabulary-parallel
+        logits); all ranks' ``x`` have the same shape."""
+        if self.group is None:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def close(self) -> None:
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group()
+            self.group = None
