@@ -3,6 +3,7 @@ cache sized for both, the block manager, the scheduler and the runners."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.model_runner import ModelRunner
 from engine.models.layers import release_packed_weights, use_packed_gemm
 from engine.models.triton_layers import use_triton_kernels
+from engine.parallel.group import TensorParallelGroup
 from engine.registry import ModelConfig, eos_token_ids, load_model
 from engine.sampling_kernels import sampling_kernels
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -55,14 +57,23 @@ class EngineComponents:
     num_blocks: int  # in each KV pool, the CUDA graphs' padding block included
 
 
-def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineComponents:
+def build_components(
+    config: EngineConfig, tokenizer: Any | None, tp: TensorParallelGroup | None = None
+) -> EngineComponents:
     """Loads the target (and draft), prepares their kernels, and sizes one block pool for
-    both: a block id holds a target block and a draft block."""
+    both: a block id holds a target block and a draft block. With ``tp``, this rank's part
+    of the target, and of the KV cache: its KV heads."""
     device = torch.device(config.device)
     if device.type == "cpu":  # loaded (or built) now: before packing, not in the first step
         cpu_kernels.load(build=config.build_cpu_kernels)
+    tp = tp or TensorParallelGroup.single()
+    if tp.size != config.tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size: {config.tensor_parallel_size}, but this rank's group has "
+            f"{tp.size} ranks"
+        )
     model, model_config = load_model(
-        config.model, dtype=config.dtype, max_length=config.max_model_len, device=device
+        config.model, dtype=config.dtype, max_length=config.max_model_len, device=device, tp=tp
     )
     packed: list[torch.nn.Module] = []  # models whose products use_packed_gemm prepared
     if device.type == "cpu" and config.cpu_gemm != "aten":
@@ -78,6 +89,9 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
         cache_size=config.grammar_cache_size,
     )
     kv_params = KVCacheParams.from_config(model_config, config.block_size)
+    if tp.size > 1:  # this rank's KV heads
+        num_kv_heads = len(tp.shard.kv_heads(kv_params.num_kv_heads))
+        kv_params = dataclasses.replace(kv_params, num_kv_heads=num_kv_heads)
     plan_params = [kv_params]
     drafter, lookahead = None, 0
     if config.speculative is not None:

@@ -66,6 +66,10 @@ class EngineConfig:
     # refused (INVALID_ARGUMENT); compiled grammars kept, least recently used dropped first.
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 64
+    # Ranks the model is split over (engine.parallel). Each rank's engine is given its
+    # group (LLMEngine's ``tp``); the executor that starts them is not built yet, so only
+    # Llama-3 targets without a draft, on the torch kernels, run split (issue 37).
+    tensor_parallel_size: int = 1
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -89,6 +93,15 @@ class EngineConfig:
             )
         if self.enable_overlap_scheduler:
             self._check_overlap()
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size: {self.tensor_parallel_size}, must be at least 1"
+            )
+        if self.tensor_parallel_size > 1 and (spec is not None or self.kernels == "triton"):
+            raise ValueError(
+                f"tensor_parallel_size: {self.tensor_parallel_size} runs without a draft and "
+                "on the torch kernels for now (speculative and kernels='triton' are not split)"
+            )
 
     def _check_overlap(self) -> None:
         """What overlap scheduling covers: the graph runner's decode steps of model drafts."""

@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """One model on one device, serving many requests: ``add_request`` queues one,
+    """One model on one device (or a rank's part of it, ``tp``: each rank's engine gets the
+    same requests and steps alike), serving many requests: ``add_request`` queues one,
     ``step`` runs one scheduled batch (prefill chunks and decode rows together, through
     the ``ModelRunner``, or the ``SpecRunner`` with a draft) and returns the outputs of
     the requests that produced tokens. Disaggregated, a prefill worker adds requests
@@ -43,13 +44,13 @@ class LLMEngine:
     service assembles into outputs (text, stop strings) off this thread. ``step`` is the
     offline one: it assembles them itself (``engine.output_processor``)."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any = None, tp: Any = None) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.device = torch.device(config.device)
         self.tokenizer = tokenizer
-        parts = build_components(config, tokenizer)
+        parts = build_components(config, tokenizer, tp)
         self.model_config = parts.model_config
         self.max_model_len = parts.model_config.max_seq_len
         self.grammars = parts.grammars

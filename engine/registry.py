@@ -13,7 +13,9 @@ from torch import nn
 
 from engine.config import ConfigError, Llama3Config, read_hf_config
 from engine.deepseek_v3_config import DeepseekV3Config
-from engine.weights import CheckpointReader, Source, TensorRule, load_weights
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.shard import Shard, TensorParallelError, check_divisible
+from engine.weights import CheckpointReader, Part, Source, TensorRule, load_weights
 
 # What ``load_model`` returns beside the model: the config of one of the architectures.
 ModelConfig = Llama3Config | DeepseekV3Config
@@ -23,12 +25,19 @@ ModelConfig = Llama3Config | DeepseekV3Config
 class Architecture:
     name: str  # the HF ``architectures`` entry
     config_from_hf: Callable[..., Any]  # (hf dict, dtype=, max_length=) -> its config
-    model_class: Callable[[Any], nn.Module]  # its config -> a model on the current device
-    weight_rules: Callable[[Any], list[TensorRule]]  # its config -> the weight adapter
+    # (its config, this rank's group) -> a model on the current device
+    model_class: Callable[[Any, TensorParallelGroup], nn.Module]
+    # (its config, this rank's shard) -> the weight adapter, reading the rank's parts
+    weight_rules: Callable[[Any, Shard], list[TensorRule]]
 
 
-def _one(dst: str, src: str, shape: tuple[int, ...]) -> TensorRule:
-    return TensorRule(dst, (Source(src, shape),))
+def _one(dst: str, src: str, shape: tuple[int, ...], part: Part | None = None) -> TensorRule:
+    return TensorRule(dst, (Source(src, shape, part),))
+
+
+def _part(dim: int, run: range, scale: int = 1) -> Part:
+    """``run`` of heads or channels (each ``scale`` rows or columns wide) as a Part."""
+    return Part(dim, run.start * scale, run.stop * scale)
 
 
 def decoder_layer_rules(
@@ -38,77 +47,101 @@ def decoder_layer_rules(
     *,
     in_features: int | None = None,
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm"),
+    shard: Shard | None = None,
 ) -> list[TensorRule]:
     """One HF Llama decoder layer (prefix ``hf``) -> Tandem's fused layer (prefix ``ours``).
 
     ``in_features``: attention input width when it is not ``hidden_size`` (EAGLE-3);
-    ``norms``: the layer's RMSNorm weights (EAGLE-1 drafts have no input_layernorm).
+    ``norms``: the layer's RMSNorm weights (EAGLE-1 drafts have no input_layernorm);
+    ``shard``: a tensor-parallel rank's parts (q/k/v, gate/up rows; o, down columns; the
+    row-parallel biases on rank 0), else all of each tensor.
     """
     h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
     inp = in_features or h
     attn, mlp = f"{hf}.self_attn", f"{hf}.mlp"
+    qs = ks = cs = None  # rows of q, of k and v, of the intermediate channels
+    qc = dc = None  # columns of o, of down
+    is_first = shard is None or shard.rank == 0
+    if shard is not None and shard.size > 1:
+        d = config.head_dim
+        heads = shard.even(config.num_attention_heads, "num_attention_heads")
+        qs, ks = _part(0, heads, d), _part(0, shard.kv_heads(config.num_key_value_heads), d)
+        channels = shard.even(inter, "intermediate_size")
+        cs, qc, dc = _part(0, channels), _part(1, heads, d), _part(1, channels)
     rules = [
         TensorRule(
             f"{ours}.self_attn.qkv_proj.weight",
             (
-                Source(f"{attn}.q_proj.weight", (q, inp)),
-                Source(f"{attn}.k_proj.weight", (kv, inp)),
-                Source(f"{attn}.v_proj.weight", (kv, inp)),
+                Source(f"{attn}.q_proj.weight", (q, inp), qs),
+                Source(f"{attn}.k_proj.weight", (kv, inp), ks),
+                Source(f"{attn}.v_proj.weight", (kv, inp), ks),
             ),
         ),
-        _one(f"{ours}.self_attn.o_proj.weight", f"{attn}.o_proj.weight", (h, q)),
+        _one(f"{ours}.self_attn.o_proj.weight", f"{attn}.o_proj.weight", (h, q), qc),
         TensorRule(
             f"{ours}.mlp.gate_up_proj.weight",
             (
-                Source(f"{mlp}.gate_proj.weight", (inter, h)),
-                Source(f"{mlp}.up_proj.weight", (inter, h)),
+                Source(f"{mlp}.gate_proj.weight", (inter, h), cs),
+                Source(f"{mlp}.up_proj.weight", (inter, h), cs),
             ),
         ),
-        _one(f"{ours}.mlp.down_proj.weight", f"{mlp}.down_proj.weight", (h, inter)),
+        _one(f"{ours}.mlp.down_proj.weight", f"{mlp}.down_proj.weight", (h, inter), dc),
     ]
     if config.attention_bias:
         rules.append(
             TensorRule(
                 f"{ours}.self_attn.qkv_proj.bias",
                 (
-                    Source(f"{attn}.q_proj.bias", (q,)),
-                    Source(f"{attn}.k_proj.bias", (kv,)),
-                    Source(f"{attn}.v_proj.bias", (kv,)),
+                    Source(f"{attn}.q_proj.bias", (q,), qs),
+                    Source(f"{attn}.k_proj.bias", (kv,), ks),
+                    Source(f"{attn}.v_proj.bias", (kv,), ks),
                 ),
             )
         )
-        rules.append(_one(f"{ours}.self_attn.o_proj.bias", f"{attn}.o_proj.bias", (h,)))
+        if is_first:
+            rules.append(_one(f"{ours}.self_attn.o_proj.bias", f"{attn}.o_proj.bias", (h,)))
     if config.mlp_bias:
         rules.append(
             TensorRule(
                 f"{ours}.mlp.gate_up_proj.bias",
                 (
-                    Source(f"{mlp}.gate_proj.bias", (inter,)),
-                    Source(f"{mlp}.up_proj.bias", (inter,)),
+                    Source(f"{mlp}.gate_proj.bias", (inter,), cs),
+                    Source(f"{mlp}.up_proj.bias", (inter,), cs),
                 ),
             )
         )
-        rules.append(_one(f"{ours}.mlp.down_proj.bias", f"{mlp}.down_proj.bias", (h,)))
+        if is_first:
+            rules.append(_one(f"{ours}.mlp.down_proj.bias", f"{mlp}.down_proj.bias", (h,)))
     rules.extend(_one(f"{ours}.{norm}.weight", f"{hf}.{norm}.weight", (h,)) for norm in norms)
     return rules
 
 
-def llama_weight_rules(config: Llama3Config) -> list[TensorRule]:
-    """HF Llama tensors -> Tandem's fused qkv and gate_up parameters."""
-    h = config.hidden_size
-    rules = [_one("embed_tokens.weight", "model.embed_tokens.weight", (config.vocab_size, h))]
+def llama_weight_rules(config: Llama3Config, shard: Shard | None = None) -> list[TensorRule]:
+    """HF Llama tensors -> Tandem's fused qkv and gate_up parameters (a tensor-parallel
+    rank's parts of them with ``shard``; the embedding and LM head by vocabulary)."""
+    h, v = config.hidden_size, config.vocab_size
+    vocab = None
+    if shard is not None and shard.size > 1:
+        vocab = _part(0, shard.vocab(v))
+    rules = [_one("embed_tokens.weight", "model.embed_tokens.weight", (v, h), vocab)]
     for i in range(config.num_hidden_layers):
-        rules.extend(decoder_layer_rules(config, f"model.layers.{i}", f"layers.{i}"))
+        rules.extend(decoder_layer_rules(config, f"model.layers.{i}", f"layers.{i}", shard=shard))
     rules.append(_one("norm.weight", "model.norm.weight", (h,)))
     if not config.tie_word_embeddings:
-        rules.append(_one("lm_head.weight", "lm_head.weight", (config.vocab_size, h)))
+        rules.append(_one("lm_head.weight", "lm_head.weight", (v, h), vocab))
     return rules
 
 
-def _llama_model(config: Llama3Config) -> nn.Module:
+def _llama_model(config: Llama3Config, tp: TensorParallelGroup) -> nn.Module:
     from engine.models.llama3 import Llama3Model
 
-    return Llama3Model(config)
+    check_divisible(config.num_attention_heads, config.num_key_value_heads, tp.size)
+    if tp.size > 1 and not tp.shard.vocab(config.vocab_size):
+        raise TensorParallelError(
+            f"tensor_parallel_size: {tp.size} leaves a rank no row of vocab_size "
+            f"{config.vocab_size}"
+        )
+    return Llama3Model(config, tp)
 
 
 def mla_attention_rules(
@@ -144,7 +177,9 @@ def mla_attention_rules(
     return [_one(f"{ours}.{name}", f"{hf}.{name}", shape) for name, shape in pairs]
 
 
-def deepseek_v3_weight_rules(config: DeepseekV3Config) -> list[TensorRule]:
+def deepseek_v3_weight_rules(
+    config: DeepseekV3Config, shard: Shard | None = None
+) -> list[TensorRule]:
     """HF DeepSeek-V3 tensors (experts one by one, as DeepSeek and transformers save them)
     -> Tandem's fused gate_up parameters; the MTP layers past the last one are not read."""
     c, h = config, config.hidden_size
@@ -192,9 +227,14 @@ def deepseek_v3_weight_rules(config: DeepseekV3Config) -> list[TensorRule]:
     return rules
 
 
-def _deepseek_v3_model(config: DeepseekV3Config) -> nn.Module:
+def _deepseek_v3_model(config: DeepseekV3Config, tp: TensorParallelGroup) -> nn.Module:
     from engine.models.deepseek_v3 import DeepseekV3Model
 
+    if tp.size > 1:
+        raise TensorParallelError(
+            f"tensor_parallel_size: {tp.size}; DeepSeek-V3 runs on one device for now "
+            "(its data-parallel attention and expert parallelism are not built)"
+        )
     return DeepseekV3Model(config)
 
 
@@ -228,18 +268,21 @@ def load_model(
     dtype: str | torch.dtype = "bfloat16",
     max_length: int | None = None,
     device: str | torch.device = "cpu",
+    tp: TensorParallelGroup | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
-    """Reads config.json, builds the declared model and fills it from safetensors."""
+    """Reads config.json, builds the declared model and fills it from safetensors; with
+    ``tp``, this rank's part of it, read from the files alone."""
     hf = read_hf_config(model_dir)
     arch = get_architecture(hf)
     config = arch.config_from_hf(hf, dtype=dtype, max_length=max_length)
+    tp = tp or TensorParallelGroup.single()
     with torch.device("meta"):
-        model = arch.model_class(config)
+        model = arch.model_class(config, tp)
     model = model.to_empty(device=device).to(config.dtype)
     model.finalize()  # type: ignore[operator]  # re-tie shared weights and recompute buffers lost on the meta device
     reader = CheckpointReader(model_dir)
     try:
-        load_weights(model, reader, arch.weight_rules(config))
+        load_weights(model, reader, arch.weight_rules(config, tp.shard))
     finally:
         reader.close()
     return model.eval(), config

@@ -13,6 +13,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from engine.config import Llama3RopeScaling
+from engine.parallel.group import TensorParallelGroup
 from kernels.cpu import bf16_gemm, gemm_timings, onednn_linear
 from kernels.cpu.gemm_plan import ATEN, KERNEL, ONEDNN, GemmPlan, planned_linear, run_product
 from kernels.cpu.onednn_linear import OneDnnWeight
@@ -263,12 +264,26 @@ def _trim_heap() -> None:
 class GatedMLP(nn.Module):
     """SwiGLU MLP with gate and up projections fused into one matrix."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
+        """``tp``: this rank's share of the intermediate channels; down_proj's partial sums
+        are all-reduced, its bias added by rank 0."""
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.tp = tp
+        shard_inter = intermediate_size
+        if tp is not None:
+            shard_inter = len(tp.shard.even(intermediate_size, "intermediate_size"))
+        self.intermediate_size = shard_inter
+        self.gate_up_proj = Linear(hidden_size, 2 * shard_inter, bias=bias)
+        down_bias = bias and (tp is None or tp.shard.rank == 0)
+        self.down_proj = Linear(shard_inter, hidden_size, bias=down_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)

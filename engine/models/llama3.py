@@ -12,6 +12,8 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.config import Llama3Config
 from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.layers import VocabParallelEmbedding, gather_logits
 
 # Positions past max_seq_len that speculative decoding may write before it rolls back.
 ROPE_SLACK_POSITIONS = 64
@@ -40,19 +42,30 @@ class ModelOutputs:
 
 
 class Llama3Attention(nn.Module):
-    def __init__(self, config: Llama3Config, in_features: int | None = None) -> None:
-        """``in_features``: width of the input when it is not ``hidden_size`` (EAGLE-3)."""
+    def __init__(
+        self,
+        config: Llama3Config,
+        in_features: int | None = None,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
+        """``in_features``: width of the input when it is not ``hidden_size`` (EAGLE-3).
+        ``tp``: this rank's query and KV heads only (engine.parallel.shard); o_proj's
+        partial sums are all-reduced, its bias added by rank 0."""
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp or TensorParallelGroup.single()
+        shard = self.tp.shard
+        self.num_heads = len(shard.even(config.num_attention_heads, "num_attention_heads"))
+        self.num_kv_heads = len(shard.kv_heads(config.num_key_value_heads))
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(
             in_features or config.hidden_size,
             self.q_size + 2 * self.kv_size,
             bias=config.attention_bias,
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        o_bias = config.attention_bias and shard.rank == 0
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
 
     def forward(
         self,
@@ -68,14 +81,14 @@ class Llama3Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
 class Llama3DecoderLayer(nn.Module):
-    def __init__(self, config: Llama3Config) -> None:
+    def __init__(self, config: Llama3Config, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = Llama3Attention(config)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.self_attn = Llama3Attention(config, tp=tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -93,17 +106,22 @@ class Llama3DecoderLayer(nn.Module):
 
 
 class Llama3Model(nn.Module):
-    """Embedding, decoder layers, final norm and lm_head; logits only where asked."""
+    """Embedding, decoder layers, final norm and lm_head; logits only where asked. Under
+    tensor parallelism (``tp``), each holds this rank's part (engine.parallel.shard)."""
 
-    def __init__(self, config: Llama3Config) -> None:
+    def __init__(self, config: Llama3Config, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp or TensorParallelGroup.single()
+        vocab, h = config.vocab_size, config.hidden_size
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = nn.Embedding(vocab, h)
+        if self.tp.size > 1:
+            self.embed_tokens = VocabParallelEmbedding(vocab, h, self.tp)
         self.layers = nn.ModuleList(
-            Llama3DecoderLayer(config) for _ in range(config.num_hidden_layers)
+            Llama3DecoderLayer(config, self.tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(h, len(self.tp.shard.vocab(vocab)), bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(
@@ -182,9 +200,14 @@ def run_decoder(
             hidden[i] = x
         if on_layer is not None:  # a prefill worker starts pushing layer i's KV
             on_layer(i)
+    tp = getattr(model, "tp", None)
     if return_hidden_states.final:
         final = model.norm(x)
         logits = model.lm_head(final[logit_indices]).float()  # [N, V]
+        if tp is not None:
+            logits = gather_logits(tp, logits, model.config.vocab_size)
         return ModelOutputs(logits=logits, hidden_states=hidden, final_hidden_state=final)
     logits = model.lm_head(model.norm(x[logit_indices])).float()  # [N, V]
+    if tp is not None:
+        logits = gather_logits(tp, logits, model.config.vocab_size)
     return ModelOutputs(logits=logits, hidden_states=hidden)

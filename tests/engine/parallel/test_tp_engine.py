@@ -1,0 +1,78 @@
+"""A tiny Llama-3 split over two ranks (real processes, gloo): each rank's engine holds its
+query and KV heads, MLP channels and vocabulary rows, read from the checkpoint alone, and
+the ranks' greedy output in fp32 equals one device's and transformers', in a batch with
+the prefix cache cold and warm and one prompt at a time. What cannot be split is refused
+naming the numbers."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.shard import TensorParallelError
+from tests.comparator import compare_greedy
+from tests.engine.parallel import ranks
+from tests.engine.tiny_models import build_tiny_llama
+from tests.services.cluster_helpers import engine_greedy
+
+VOCAB = 67  # not a multiple of 2
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    out = tmp_path_factory.mktemp("tp_llama")
+    hf = build_tiny_llama(out, "gqa4_llama3rope_hd72_mlpbias", num_layers=2, vocab_size=VOCAB)
+    return out, hf
+
+
+def test_greedy_at_tp_2_equals_one_device_and_transformers(model, tmp_path: Path) -> None:
+    model_dir, hf = model
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["num_attention_heads"] % 2 == 0 and config["num_key_value_heads"] % 2 == 0
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 9, 17, 6)]
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.start_processes(
+        ranks.lockstep_engines,
+        args=(2, str(model_dir), init, prompts),
+        nprocs=2,
+        start_method="spawn",
+    )
+    got = load_file(str(model_dir / "engine.out"))
+    one_device = engine_greedy(model_dir, prompts, 12)
+    refs = [
+        hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    for phase in ("cold", "warm", "alone"):
+        ours = [got[f"{phase}-{i}"].tolist() for i in range(len(prompts))]
+        compare_greedy(hf, prompts, ours, one_device)
+        compare_greedy(hf, prompts, ours, refs)
+    assert got["num_cached"].item() > 0  # the warm batch and the lone prompts hit the cache
+    assert got["lm_head_rows"].item() == 34  # of 67: rank 0's half, rank 1's one fewer
+    assert got["kv_heads"].item() == 1  # of 2
+
+
+def test_what_cannot_be_split_is_refused_naming_the_numbers(model) -> None:
+    model_dir, _ = model
+    config = json.loads((model_dir / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    with pytest.raises(TensorParallelError, match=f"does not divide num_attention_heads {heads}"):
+        from engine.parallel.shard import check_divisible
+
+        check_divisible(heads, config["num_key_value_heads"], heads + 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2, but this rank's group has 1"):
+        LLMEngine(
+            EngineConfig(model=str(model_dir), dtype="float32", tensor_parallel_size=2),
+            tp=TensorParallelGroup.single(),
+        )
+    with pytest.raises(ValueError, match="runs without a draft and on the torch kernels"):
+        EngineConfig(model=str(model_dir), tensor_parallel_size=2, kernels="triton")
