@@ -9,6 +9,10 @@ all-reduce for ever (the group's ``timeout``); they fail, and the worker with th
 from __future__ import annotations
 
 import datetime
+import functools
+import random
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +75,22 @@ class TensorParallelGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def agree(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank."""
+        if self.group is None:
+            return value
+        held = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(held, src=0, group=self.group)
+        return int(held.item())
+
+    def seed_source(self) -> Callable[[], int]:
+        """Where the seeds of requests that set none come from: unpredictable ones on one
+        device; on several ranks, one sequence every rank draws alike (from a seed rank
+        0 picked), so that their requests, added alike, sample alike."""
+        if self.group is None:
+            return functools.partial(secrets.randbits, 63)
+        return functools.partial(random.Random(self.agree(secrets.randbits(63))).getrandbits, 63)
 
     def close(self) -> None:
         if self.group is not None and dist.is_initialized():

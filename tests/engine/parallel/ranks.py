@@ -65,7 +65,8 @@ def lockstep_engines(
 ) -> None:
     """This rank's engine over its part of the model (fp32, greedy), given the same
     requests as the others' and stepped alike: the batch with the prefix cache cold, the
-    same batch again (warm), then each prompt alone. Rank 0 saves the outputs."""
+    same batch again (warm), then each prompt alone; then sampled rows, with seeds and
+    without. Each rank saves what it got."""
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.sampling_params import SamplingParams
 
@@ -82,7 +83,9 @@ def lockstep_engines(
     engine = LLMEngine(config, tp=tp)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
-    def run(batch: list[tuple[str, list[int]]]) -> dict[str, list[int]]:
+    def run(
+        batch: list[tuple[str, list[int]]], params: SamplingParams = params
+    ) -> dict[str, list[int]]:
         for rid, prompt in batch:
             engine.add_request(rid, prompt, params)
         done: dict[str, list[int]] = {}
@@ -96,10 +99,14 @@ def lockstep_engines(
         out.update({rid: torch.tensor(tokens) for rid, tokens in done.items()})
     for i, prompt in enumerate(prompts):
         out.update({rid: torch.tensor(t) for rid, t in run([(f"alone-{i}", prompt)]).items()})
+    for i, prompt in enumerate(prompts):
+        for name, seed in (("seeded", 100 + i), ("unseeded", None)):
+            sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
+            done = run([(f"{name}-{i}", prompt)], sampled)
+            out.update({rid: torch.tensor(t) for rid, t in done.items()})
     out["num_cached"] = torch.tensor([engine.block_manager.num_prefix_hit_blocks])
     # What this rank holds: its vocabulary rows, and its KV heads in the cache's pools.
     out["lm_head_rows"] = torch.tensor([engine.runner.model.lm_head.weight.shape[0]])
     out["kv_heads"] = torch.tensor([engine.kv_cache.layers[0][0].shape[2]])
-    if rank == 0:
-        save_file(out, str(Path(model_dir) / "engine.out"))
+    save_file(out, str(Path(model_dir) / f"engine{rank}.out"))
     tp.close()

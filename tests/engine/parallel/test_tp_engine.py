@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shard import TensorParallelError
+from engine.sampling_params import SamplingParams
 from tests.comparator import compare_greedy
 from tests.engine.parallel import ranks
 from tests.engine.tiny_models import build_tiny_llama
@@ -46,7 +47,7 @@ def test_greedy_at_tp_2_equals_one_device_and_transformers(model, tmp_path: Path
         nprocs=2,
         start_method="spawn",
     )
-    got = load_file(str(model_dir / "engine.out"))
+    got, other = (load_file(str(model_dir / f"engine{rank}.out")) for rank in range(2))
     one_device = engine_greedy(model_dir, prompts, 12)
     refs = [
         hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
@@ -59,6 +60,24 @@ def test_greedy_at_tp_2_equals_one_device_and_transformers(model, tmp_path: Path
     assert got["num_cached"].item() > 0  # the warm batch and the lone prompts hit the cache
     assert got["lm_head_rows"].item() == 34  # of 67: rank 0's half, rank 1's one fewer
     assert got["kv_heads"].item() == 1  # of 2
+
+    # Sampled: a seeded row draws what it draws on one device; one that set no seed draws
+    # alike on both ranks (rank 0 picked the seeds they draw from).
+    one = LLMEngine(
+        EngineConfig(model=str(model_dir), dtype="float32", block_size=4, kv_cache_memory=8 << 20)
+    )
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=12, temperature=1.0, seed=100 + i, ignore_eos=True)
+        one.add_request(f"seeded-{i}", prompt, params)
+    alone = {}
+    while one.has_unfinished_requests():
+        alone.update({o.request_id: o.token_ids for o in one.step() if o.finished})
+    for i in range(len(prompts)):
+        assert got[f"seeded-{i}"].tolist() == alone[f"seeded-{i}"]
+    assert {k for k in got if k.startswith("unseeded")} == {f"unseeded-{i}" for i in range(4)}
+    tokens = [k for k in got if k.split("-")[0] in ("cold", "warm", "alone", "seeded", "unseeded")]
+    assert len(tokens) == 5 * len(prompts)
+    assert [k for k in tokens if not torch.equal(got[k], other[k])] == []  # the same on both ranks
 
 
 def test_what_cannot_be_split_is_refused_naming_the_numbers(model) -> None:
