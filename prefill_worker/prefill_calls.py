@@ -13,10 +13,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.llm_engine import LLMEngine, PrefilledRequest
+from engine.llm_engine import LLMEngine
 from engine.output_processor import OutputBuilder
 from engine.outputs import (
     NON_FINITE_LOGITS,
+    PrefilledRequest,
     RequestDelta,
     RequestFailed,
     RequestOutput,

@@ -18,8 +18,9 @@ import grpc
 import pytest
 import torch
 
-from engine.llm_engine import EngineConfig, LLMEngine, PrefilledRequest
+from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_runner import StepKv
+from engine.outputs import PrefilledRequest
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from kv_transfer import (
