@@ -61,12 +61,19 @@ def one_rank_gone(rank: int, size: int, model_dir: str, init_method: str) -> Non
 
 
 def lockstep_engines(
-    rank: int, size: int, model_dir: str, init_method: str, prompts: list[list[int]]
+    rank: int,
+    size: int,
+    model_dir: str,
+    init_method: str,
+    prompts: list[list[int]],
+    is_short: bool = False,
+    out_dir: str | None = None,
 ) -> None:
     """This rank's engine over its part of the model (fp32, greedy), given the same
     requests as the others' and stepped alike: the batch with the prefix cache cold, the
     same batch again (warm), then each prompt alone; then sampled rows, with seeds and
-    without. Each rank saves what it got."""
+    without (``is_short``: the cold batch only). Each rank saves what it got (into
+    ``out_dir``, else beside the model)."""
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.sampling_params import SamplingParams
 
@@ -94,12 +101,12 @@ def lockstep_engines(
         return done
 
     out: dict[str, torch.Tensor] = {}
-    for phase in ("cold", "warm"):
+    for phase in ("cold",) if is_short else ("cold", "warm"):
         done = run([(f"{phase}-{i}", p) for i, p in enumerate(prompts)])
         out.update({rid: torch.tensor(tokens) for rid, tokens in done.items()})
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate([] if is_short else prompts):
         out.update({rid: torch.tensor(t) for rid, t in run([(f"alone-{i}", prompt)]).items()})
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate([] if is_short else prompts):
         for name, seed in (("seeded", 100 + i), ("unseeded", None)):
             sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
             done = run([(f"{name}-{i}", prompt)], sampled)
@@ -108,5 +115,5 @@ def lockstep_engines(
     # What this rank holds: its vocabulary rows, and its KV heads in the cache's pools.
     out["lm_head_rows"] = torch.tensor([engine.runner.model.lm_head.weight.shape[0]])
     out["kv_heads"] = torch.tensor([engine.kv_cache.layers[0][0].shape[2]])
-    save_file(out, str(Path(model_dir) / f"engine{rank}.out"))
+    save_file(out, str(Path(out_dir or model_dir) / f"engine{rank}.out"))
     tp.close()
