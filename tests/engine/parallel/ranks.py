@@ -117,3 +117,32 @@ def lockstep_engines(
     out["kv_heads"] = torch.tensor([engine.kv_cache.layers[0][0].shape[2]])
     save_file(out, str(Path(out_dir or model_dir) / f"engine{rank}.out"))
     tp.close()
+
+
+def many_all_reduces(rank: int, size: int, out_dir: str, init_method: str) -> None:
+    """60 all-reduces of varied sizes and dtypes through the shared segment (one larger
+    than its slots goes through gloo): each must be, on every rank, the rank-order sum of
+    every rank's tensor, computed here from the same seeds."""
+    from engine.parallel import group as group_module
+
+    torch.set_num_threads(1)
+    group_module.SHM_SLOT_BYTES = 4096  # small slots: the largest tensors go through gloo
+    tp = TensorParallelGroup.join(rank, size, init_method, timeout_s=30)
+    assert tp.shm is not None
+    num_via_gloo = 0
+    for call in range(60):
+        dtype = (torch.float32, torch.bfloat16)[call % 2]
+        shape = (1 + call % 7, 3 + 5 * (call % 11)) if call != 30 else (64, 64)
+        inputs = [
+            torch.randn(shape, generator=torch.Generator().manual_seed(1000 * call + r)).to(dtype)
+            for r in range(size)
+        ]
+        expected = inputs[0].clone()
+        for other in inputs[1:]:
+            expected += other
+        num_via_gloo += not tp.shm.fits(inputs[rank])
+        got = tp.all_reduce(inputs[rank].clone())
+        tolerance = 0 if tp.shm.fits(got) else 1e-2  # gloo may add in another order
+        assert (got.float() - expected.float()).abs().max().item() <= tolerance, call
+    save_file({"via_gloo": torch.tensor([num_via_gloo])}, str(Path(out_dir) / f"rank{rank}.out"))
+    tp.close()
