@@ -3,8 +3,8 @@ NCCL on CUDA), and the two collectives a sharded layer needs.
 
 Every collective has a deadline: a rank that died must not leave the others waiting in an
 all-reduce for ever (the group's ``timeout``); they fail, and the worker with them. At size
-1 there is no group, and the collectives return their input. On one x86 host, all-reduces
-of CPU tensors go through shared memory (``shm_all_reduce``): a TP 2 decode step spent
+1 there is no group, and the collectives return their input. On one x86 host, collectives
+of CPU tensors go through shared memory (``shm_collectives``): a TP 2 decode step spent
 4-5.5 ms in its collectives so, against 44-58 ms through gloo's loopback TCP
 (bench/RESULTS.md).
 """
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.parallel import shm_all_reduce
+from engine.parallel import shm_collectives
 from engine.parallel.shard import Shard
 
 DEFAULT_TIMEOUT_S = 10.0  # a dead rank takes its worker down within this
-SHM_SLOT_BYTES = 8 << 20  # the largest all-reduce through shared memory; larger ones: gloo
+SHM_SLOT_BYTES = 8 << 20  # the largest collective through shared memory; larger ones: gloo
 
 
 @dataclass
@@ -34,7 +34,7 @@ class TensorParallelGroup:
 
     shard: Shard
     group: dist.ProcessGroup | None  # None at size 1
-    shm: shm_all_reduce.ShmAllReduce | None = None  # the ranks' segment, on one x86 host
+    shm: shm_collectives.ShmCollectives | None = None  # the ranks' segment, one x86 host
 
     @classmethod
     def single(cls) -> TensorParallelGroup:
@@ -65,8 +65,8 @@ class TensorParallelGroup:
         )
         group = dist.group.WORLD
         shm = None
-        if use_shm and backend == "gloo" and shm_all_reduce.is_supported():
-            shm = shm_all_reduce.ShmAllReduce(rank, size, group, SHM_SLOT_BYTES, timeout_s)
+        if use_shm and backend == "gloo" and shm_collectives.is_supported():
+            shm = shm_collectives.ShmCollectives(rank, size, group, SHM_SLOT_BYTES, timeout_s)
         return cls(Shard(rank, size), group, shm)
 
     @property
@@ -86,6 +86,8 @@ class TensorParallelGroup:
         logits); all ranks' ``x`` have the same shape."""
         if self.group is None:
             return x
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_gather(x, dim)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)

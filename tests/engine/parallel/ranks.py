@@ -120,9 +120,10 @@ def lockstep_engines(
 
 
 def many_all_reduces(rank: int, size: int, out_dir: str, init_method: str) -> None:
-    """60 all-reduces of varied sizes and dtypes through the shared segment (one larger
-    than its slots goes through gloo): each must be, on every rank, the rank-order sum of
-    every rank's tensor, computed here from the same seeds."""
+    """60 all-reduces and all-gathers of varied sizes and dtypes through the shared segment
+    (one larger than its slots goes through gloo): each must be, on every rank, the
+    rank-order sum (or concatenation) of every rank's tensor, computed here from the same
+    seeds."""
     from engine.parallel import group as group_module
 
     torch.set_num_threads(1)
@@ -144,5 +145,7 @@ def many_all_reduces(rank: int, size: int, out_dir: str, init_method: str) -> No
         got = tp.all_reduce(inputs[rank].clone())
         tolerance = 0 if tp.shm.fits(got) else 1e-2  # gloo may add in another order
         assert (got.float() - expected.float()).abs().max().item() <= tolerance, call
+        gathered = tp.all_gather(inputs[rank].clone(), dim=call % 2)
+        assert torch.equal(gathered, torch.cat(inputs, dim=call % 2)), call
     save_file({"via_gloo": torch.tensor([num_via_gloo])}, str(Path(out_dir) / f"rank{rank}.out"))
     tp.close()

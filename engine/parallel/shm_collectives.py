@@ -1,11 +1,12 @@
-"""An all-reduce through shared memory, for the tensor-parallel ranks of one host on CPU.
+"""All-reduce and all-gather through shared memory, for the tensor-parallel ranks of one
+host on CPU.
 
 gloo's all-reduce goes through loopback TCP: 1.4 to 1.8 ms for the few kilobytes of a
 decode step's activations, two per layer, which made a TP 2 step three times slower than
 TP 1 (``bench/parallel.py``, bench/RESULTS.md). Here each rank copies its tensor into its
 slot of one shared segment and publishes the call's number in its flag; once every flag
 shows it, each rank adds up the slots, in rank order, so that every rank holds the same
-sum bit for bit.
+sum bit for bit (or, for an all-gather, concatenates them).
 
 - **Reuse.** Each call alternates between two buffers. A rank cannot reuse a buffer while
   another still reads it: reaching its next-but-one call means every rank has finished
@@ -35,7 +36,7 @@ def is_supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64")
 
 
-class ShmAllReduce:
+class ShmCollectives:
     """One group's segment: ``size`` ranks, each with two slots of ``slot_bytes``."""
 
     def __init__(
@@ -54,7 +55,7 @@ class ShmAllReduce:
         where = torch.zeros(2, dtype=torch.int64)
         fd = -1
         if rank == 0:  # a memory file the others open through /proc
-            fd = os.memfd_create("tandem-tp-all-reduce", os.MFD_CLOEXEC)
+            fd = os.memfd_create("tandem-tp-collectives", os.MFD_CLOEXEC)
             os.ftruncate(fd, num_bytes)
             where = torch.tensor([os.getpid(), fd], dtype=torch.int64)
         dist.broadcast(where, src=0, group=group)
@@ -75,19 +76,27 @@ class ShmAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x``, in place (every rank calls it, alike)."""
-        self.generation += 1
-        num_bytes = x.numel() * x.element_size()
-        slots = self._slots[self.generation % 2, :, :num_bytes]
-        flat = x.contiguous().view(-1)
-        slots[self.rank].copy_(flat.view(torch.uint8))
-        self._flags[self.rank] = self.generation  # after the data
-        self._wait()
-        parts = slots.view(x.dtype).view(self.size, -1)
+        parts = self._exchange(x)
         total = parts[0].clone()
         for r in range(1, self.size):
             total += parts[r]
         x.copy_(total.view_as(x))
         return x
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``x`` (all of one shape) concatenated along ``dim``, in rank order."""
+        parts = self._exchange(x)
+        return torch.cat([parts[r].view_as(x) for r in range(self.size)], dim=dim)
+
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """Publishes ``x`` and waits for every rank's: ``[size, numel]`` views of them."""
+        self.generation += 1
+        num_bytes = x.numel() * x.element_size()
+        slots = self._slots[self.generation % 2, :, :num_bytes]
+        slots[self.rank].copy_(x.contiguous().view(-1).view(torch.uint8))
+        self._flags[self.rank] = self.generation  # after the data
+        self._wait()
+        return slots.view(x.dtype).view(self.size, -1)
 
     def _wait(self) -> None:
         deadline = None
@@ -99,7 +108,7 @@ class ShmAllReduce:
                 deadline = deadline or now + self.timeout_s
                 if now > deadline:
                     raise RuntimeError(
-                        f"all-reduce {self.generation}: a rank did not arrive within "
+                        f"collective {self.generation}: a rank did not arrive within "
                         f"{self.timeout_s:g} s (flags {self._flags.tolist()})"
                     )
                 time.sleep(0)  # let a rank on the same core run
