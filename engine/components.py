@@ -112,6 +112,7 @@ def build_components(
         memory_bytes=config.kv_cache_memory,
         memory_fraction=config.kv_cache_memory_fraction,
     )
+    num_blocks = tp.agree_min(num_blocks)  # every rank's scheduler plans the same blocks
     kv_cache = PagedKVCache(kv_params, num_blocks, device)
     # With CUDA graphs the last block is no request's: padded rows write there.
     block_manager = BlockManager(
@@ -127,6 +128,11 @@ def build_components(
     if attention == "auto":
         attention = select_backend(config.device, config.block_size)
     kernels = kernels_for(config.kernels, attention)
+    if tp.size > 1 and kernels == "triton":  # its fused layers have no collectives yet
+        raise ValueError(
+            f"tensor_parallel_size: {tp.size} runs on the torch kernels for now; set "
+            "kernels='torch' (the attention backend may stay)"
+        )
     if kernels == "triton":  # swapped in once: the torch path keeps its modules
         rope = attention != "torch"  # the torch backend's metadata has no positions
         use_triton_kernels(model, rope=rope)

@@ -68,7 +68,7 @@ class EngineConfig:
     grammar_cache_size: int = 64
     # Ranks the model is split over (engine.parallel). Each rank's engine is given its
     # group (LLMEngine's ``tp``); the executor that starts them is not built yet, so only
-    # Llama-3 targets without a draft, on the torch kernels, run split (issue 37).
+    # Llama-3 targets without a draft, on the torch kernels and eagerly, run split.
     tensor_parallel_size: int = 1
 
     @property
@@ -97,10 +97,12 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size: {self.tensor_parallel_size}, must be at least 1"
             )
-        if self.tensor_parallel_size > 1 and (spec is not None or self.kernels == "triton"):
+        is_split = self.tensor_parallel_size > 1
+        if is_split and (spec is not None or self.kernels == "triton" or self.torch_compile):
             raise ValueError(
-                f"tensor_parallel_size: {self.tensor_parallel_size} runs without a draft and "
-                "on the torch kernels for now (speculative and kernels='triton' are not split)"
+                f"tensor_parallel_size: {self.tensor_parallel_size} runs without a draft, on "
+                "the torch kernels and eagerly for now (speculative, kernels='triton' and "
+                "torch_compile are not split)"
             )
 
     def _check_overlap(self) -> None:

@@ -1,12 +1,14 @@
 """The process group of one worker's tensor-parallel ranks (torch.distributed: gloo on CPU,
-NCCL on CUDA), and the two collectives a sharded layer needs.
+NCCL on CUDA), and the collectives a sharded layer needs.
 
-Every collective has a deadline: a rank that died must not leave the others waiting in an
-all-reduce for ever (the group's ``timeout``); they fail, and the worker with them. At size
-1 there is no group, and the collectives return their input. On one x86 host, collectives
-of CPU tensors go through shared memory (``shm_collectives``): a TP 2 decode step spent
-4-5.5 ms in its collectives so, against 44-58 ms through gloo's loopback TCP
-(bench/RESULTS.md).
+Every collective has a deadline, so that a rank that died does not leave the others
+waiting for ever: they fail, and the worker with them. A decode step's collectives go
+through shared memory on one x86 host (``shm_collectives``), whose deadline is
+``timeout_s``: a TP 2 decode step spent 2.5 ms in them, against 44-58 ms through gloo's
+loopback TCP (bench/RESULTS.md). The group's own collectives (what the ranks agree on at
+start-up, tensors too large for the segment) have ``setup_timeout_s``: ranks may finish
+loading a model seconds apart. At size 1 there is no group, and the collectives return
+their input.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch.distributed as dist
 from engine.parallel import shm_collectives
 from engine.parallel.shard import Shard
 
-DEFAULT_TIMEOUT_S = 10.0  # a dead rank takes its worker down within this
+DEFAULT_TIMEOUT_S = 10.0  # a dead rank takes its worker down within this (decode steps)
+SETUP_TIMEOUT_S = 300.0  # the group's own collectives
 SHM_SLOT_BYTES = 8 << 20  # the largest collective through shared memory; larger ones: gloo
 
 
@@ -35,6 +38,8 @@ class TensorParallelGroup:
     shard: Shard
     group: dist.ProcessGroup | None  # None at size 1
     shm: shm_collectives.ShmCollectives | None = None  # the ranks' segment, one x86 host
+    device: str = "cpu"  # where the group's own collectives' tensors live (NCCL: CUDA)
+    seed_base: int = 0  # rank 0's, agreed at joining: the seeds every rank draws alike
 
     @classmethod
     def single(cls) -> TensorParallelGroup:
@@ -49,11 +54,12 @@ class TensorParallelGroup:
         *,
         backend: str = "gloo",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        setup_timeout_s: float = SETUP_TIMEOUT_S,
         use_shm: bool = True,
     ) -> TensorParallelGroup:
         """Joins the group of ``size`` ranks that meet at ``init_method`` (``tcp://host:port``
-        or ``file://path``); returns when all of them have. ``use_shm``: all-reduces of
-        CPU tensors through shared memory (gloo ranks of one x86 host)."""
+        or ``file://path``); returns when all of them have. ``use_shm``: collectives of
+        CPU tensors through shared memory, where every rank is on this x86 host."""
         if size == 1:
             return cls.single()
         dist.init_process_group(
@@ -61,13 +67,14 @@ class TensorParallelGroup:
             init_method=init_method,
             rank=rank,
             world_size=size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=max(timeout_s, setup_timeout_s)),
         )
-        group = dist.group.WORLD
-        shm = None
-        if use_shm and backend == "gloo" and shm_collectives.is_supported():
-            shm = shm_collectives.ShmCollectives(rank, size, group, SHM_SLOT_BYTES, timeout_s)
-        return cls(Shard(rank, size), group, shm)
+        device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
+        tp = cls(Shard(rank, size), dist.group.WORLD, device=device)
+        tp.seed_base = tp.agree(secrets.randbits(63))
+        if use_shm and backend == "gloo":
+            tp.shm = shm_collectives.ShmCollectives.open(rank, size, SHM_SLOT_BYTES, timeout_s)
+        return tp
 
     @property
     def size(self) -> int:
@@ -96,17 +103,25 @@ class TensorParallelGroup:
         """Rank 0's ``value`` on every rank."""
         if self.group is None:
             return value
-        held = torch.tensor([value], dtype=torch.int64)
+        held = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.broadcast(held, src=0, group=self.group)
+        return int(held.item())
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of the ranks' ``value``s, on every rank (KV blocks all can hold)."""
+        if self.group is None:
+            return value
+        held = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(held, op=dist.ReduceOp.MIN, group=self.group)
         return int(held.item())
 
     def seed_source(self) -> Callable[[], int]:
         """Where the seeds of requests that set none come from: unpredictable ones on one
-        device; on several ranks, one sequence every rank draws alike (from a seed rank
-        0 picked), so that their requests, added alike, sample alike."""
+        device; on several ranks, one sequence every rank draws alike (from the seed rank 0
+        picked at joining), so that their requests, added alike, sample alike."""
         if self.group is None:
             return functools.partial(secrets.randbits, 63)
-        return functools.partial(random.Random(self.agree(secrets.randbits(63))).getrandbits, 63)
+        return functools.partial(random.Random(self.seed_base).getrandbits, 63)
 
     def close(self) -> None:
         if self.shm is not None:

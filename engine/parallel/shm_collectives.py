@@ -16,6 +16,9 @@ sum bit for bit (or, for an all-gather, concatenates them).
   only, and gloo elsewhere.
 - **Timeouts.** A rank that does not arrive within ``timeout_s`` makes the call raise, as
   gloo's timeout does.
+- **Checks.** The segment is used only when every rank runs on this host (the same host
+  name and boot id) and opened it; otherwise every rank uses gloo. A call whose byte count
+  differs between ranks (ranks out of step) raises rather than reading stale bytes.
 """
 
 from __future__ import annotations
@@ -24,52 +27,92 @@ import contextlib
 import mmap
 import os
 import platform
+import socket
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
 
-FLAG_BYTES = 64  # one cache line per rank's flag
+FLAG_BYTES = 64  # one cache line per rank: its call's number, its byte counts
+LABEL = "tandem-tp-collectives"
 
 
 def is_supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64")
 
 
+def _host_key() -> int:
+    """This host's (and boot's) identity: equal on every rank of one machine."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return zlib.crc32(f"{socket.gethostname()}/{boot}".encode())
+
+
+def _all_true(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank of the default group (gloo)."""
+    held = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(held, op=dist.ReduceOp.MIN)
+    return bool(held.item())
+
+
 class ShmCollectives:
     """One group's segment: ``size`` ranks, each with two slots of ``slot_bytes``."""
 
     def __init__(
-        self,
-        rank: int,
-        size: int,
-        group: dist.ProcessGroup | None,
-        slot_bytes: int,
-        timeout_s: float,
+        self, rank: int, size: int, mapped: mmap.mmap, slot_bytes: int, timeout_s: float
     ) -> None:
         self.rank, self.size = rank, size
         self.slot_bytes = slot_bytes
         self.timeout_s = timeout_s
         self.generation = 0
+        self._map = mapped
+        buffer = torch.frombuffer(mapped, dtype=torch.uint8)
+        flags = buffer[: size * FLAG_BYTES].view(torch.int64).view(size, -1)
+        # Each call's byte count per buffer, as the data: a rank one call ahead may
+        # already have written the next call's.
+        self._flags, self._sizes = flags[:, 0], flags[:, 1:3]
+        self._slots = buffer[size * FLAG_BYTES :].view(2, size, slot_bytes)
+
+    @classmethod
+    def open(cls, rank: int, size: int, slot_bytes: int, timeout_s: float) -> ShmCollectives | None:
+        """The segment every rank of the default group maps, or None on every rank (they
+        then use gloo) where one of them is on another host or could not map it."""
+        keys = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+        dist.all_gather(keys, torch.tensor([_host_key()], dtype=torch.int64))
+        if not is_supported() or len({int(k.item()) for k in keys}) != 1:
+            return None
         num_bytes = size * FLAG_BYTES + 2 * size * slot_bytes
         where = torch.zeros(2, dtype=torch.int64)
         fd = -1
         if rank == 0:  # a memory file the others open through /proc
-            fd = os.memfd_create("tandem-tp-collectives", os.MFD_CLOEXEC)
+            fd = os.memfd_create(LABEL, os.MFD_CLOEXEC)
             os.ftruncate(fd, num_bytes)
             where = torch.tensor([os.getpid(), fd], dtype=torch.int64)
-        dist.broadcast(where, src=0, group=group)
-        if rank != 0:
-            pid, their_fd = (int(v) for v in where.tolist())
-            fd = os.open(f"/proc/{pid}/fd/{their_fd}", os.O_RDWR)
+        dist.broadcast(where, src=0)
+        mapped = None
         try:
-            self._map = mmap.mmap(fd, num_bytes)
-        finally:
-            dist.barrier(group=group)  # every rank mapped it: the file may go
+            if rank != 0:
+                path = f"/proc/{int(where[0])}/fd/{int(where[1])}"
+                if not os.readlink(path).startswith(f"/memfd:{LABEL}"):
+                    raise OSError(f"{path} is not rank 0's segment")
+                fd = os.open(path, os.O_RDWR)
+            mapped = mmap.mmap(fd, num_bytes)
+        except OSError:
+            mapped = None
+        # Every rank mapped it, or none uses it; rank 0's file stays open until then.
+        is_mapped = _all_true(mapped is not None)
+        if fd >= 0:
             os.close(fd)
-        buffer = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._flags = buffer[: size * FLAG_BYTES].view(torch.int64).view(size, -1)[:, 0]
-        self._slots = buffer[size * FLAG_BYTES :].view(2, size, slot_bytes)
+        if not is_mapped:
+            if mapped is not None:
+                mapped.close()
+            return None
+        assert mapped is not None
+        return cls(rank, size, mapped, slot_bytes, timeout_s)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.numel() * x.element_size() <= self.slot_bytes
@@ -94,8 +137,15 @@ class ShmCollectives:
         num_bytes = x.numel() * x.element_size()
         slots = self._slots[self.generation % 2, :, :num_bytes]
         slots[self.rank].copy_(x.contiguous().view(-1).view(torch.uint8))
-        self._flags[self.rank] = self.generation  # after the data
+        sizes = self._sizes[:, self.generation % 2]
+        sizes[self.rank] = num_bytes
+        self._flags[self.rank] = self.generation  # after the data and its size
         self._wait()
+        if int(sizes.min()) != num_bytes or int(sizes.max()) != num_bytes:
+            raise RuntimeError(
+                f"collective {self.generation}: the ranks sent {sizes.tolist()} bytes; "
+                "they are out of step"
+            )
         return slots.view(x.dtype).view(self.size, -1)
 
     def _wait(self) -> None:
@@ -114,6 +164,6 @@ class ShmCollectives:
                 time.sleep(0)  # let a rank on the same core run
 
     def close(self) -> None:
-        self._flags = self._slots = None  # type: ignore[assignment]
+        self._flags = self._sizes = self._slots = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError):  # a view lives on: it goes with the process
             self._map.close()

@@ -4,6 +4,7 @@ runs the collectives, and saves what it got (safetensors: nothing pickled)."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def one_rank_gone(rank: int, size: int, model_dir: str, init_method: str) -> Non
     torch.set_num_threads(1)
     tp = TensorParallelGroup.join(rank, size, init_method, timeout_s=3)
     if rank == 1:
-        return  # gone: its process ends
+        os._exit(0)  # gone, as a killed rank is: no clean-up
     started = time.monotonic()
     try:
         tp.all_reduce(torch.ones(4))
@@ -115,6 +116,7 @@ def lockstep_engines(
     # What this rank holds: its vocabulary rows, and its KV heads in the cache's pools.
     out["lm_head_rows"] = torch.tensor([engine.runner.model.lm_head.weight.shape[0]])
     out["kv_heads"] = torch.tensor([engine.kv_cache.layers[0][0].shape[2]])
+    out["through_shm"] = torch.tensor([tp.shm is not None])
     save_file(out, str(Path(out_dir or model_dir) / f"engine{rank}.out"))
     tp.close()
 
@@ -149,3 +151,16 @@ def many_all_reduces(rank: int, size: int, out_dir: str, init_method: str) -> No
         assert torch.equal(gathered, torch.cat(inputs, dim=call % 2)), call
     save_file({"via_gloo": torch.tensor([num_via_gloo])}, str(Path(out_dir) / f"rank{rank}.out"))
     tp.close()
+
+
+def out_of_step(rank: int, size: int, out_dir: str, init_method: str) -> None:
+    """Rank 0 all-reduces 4 values, rank 1 8: both must refuse, naming the byte counts."""
+    torch.set_num_threads(1)
+    tp = TensorParallelGroup.join(rank, size, init_method, timeout_s=10)
+    try:
+        tp.all_reduce(torch.ones(4 * (1 + rank)))
+    except RuntimeError as e:
+        assert "out of step" in str(e) and "[16, 32]" in str(e), str(e)
+        save_file({"refused": torch.tensor([1])}, str(Path(out_dir) / f"rank{rank}.out"))
+        return
+    raise AssertionError("collectives of different sizes were not refused")

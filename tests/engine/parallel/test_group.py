@@ -88,3 +88,12 @@ def test_collectives_through_shared_memory_give_every_rank_the_same_result(tmp_p
     )
     for rank in range(3):
         assert load_file(str(tmp_path / f"rank{rank}.out"))["via_gloo"].item() == 1
+
+
+def test_ranks_out_of_step_are_refused_not_given_stale_bytes(tmp_path: Path) -> None:
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.start_processes(
+        ranks.out_of_step, args=(2, str(tmp_path), init), nprocs=2, start_method="spawn"
+    )
+    for rank in range(2):
+        assert load_file(str(tmp_path / f"rank{rank}.out"))["refused"].item() == 1

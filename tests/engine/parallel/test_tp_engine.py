@@ -66,6 +66,7 @@ def test_greedy_split_over_ranks_equals_one_device_and_transformers(
     assert got["num_cached"].item() > 0  # the warm batch and the lone prompts hit the cache
     assert got["lm_head_rows"].item() == vocab_rows
     assert got["kv_heads"].item() == 1  # of 2: its own at TP 2, the one its queries read at 4
+    assert got["through_shm"].item()  # the collectives went through shared memory
 
     # Sampled: a seeded row draws what it draws on one device; one that set no seed draws
     # alike on both ranks (rank 0 picked the seeds they draw from).
@@ -100,8 +101,9 @@ def test_what_cannot_be_split_is_refused_naming_the_numbers(model) -> None:
             EngineConfig(model=str(model_dir), dtype="float32", tensor_parallel_size=2),
             tp=TensorParallelGroup.single(),
         )
-    with pytest.raises(ValueError, match="runs without a draft and on the torch kernels"):
-        EngineConfig(model=str(model_dir), tensor_parallel_size=2, kernels="triton")
+    for refused in ({"kernels": "triton"}, {"torch_compile": True}):
+        with pytest.raises(ValueError, match="runs without a draft, on the torch kernels and"):
+            EngineConfig(model=str(model_dir), tensor_parallel_size=2, **refused)
 
 
 def test_smollm2_at_tp_3_equals_one_device_and_transformers(
