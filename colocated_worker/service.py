@@ -40,8 +40,7 @@ class ColocatedWorkerService:
         await self.decode.housekeeping()
 
     async def drain(self, timeout_s: float) -> None:
-        """Refuses new requests on both sides; waits for the prefills, then the decodes."""
-        self.decode.is_draining = True
+        """Refuses new requests on both sides; waits for those in flight on both."""
         await asyncio.gather(self.prefill.drain(timeout_s), self.decode.drain(timeout_s))
 
     async def close(self) -> None:

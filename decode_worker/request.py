@@ -156,11 +156,9 @@ class RequestHandle:
         """The request's output once more deltas arrived (all that did, assembled)."""
         assert self.slot is not None
         while True:
-            output = None
-            for delta in await self.slot.take():
-                output = self.outputs.add(delta) or output
-            if output is not None:
-                return output
+            taken = [self.outputs.take(delta) for delta in await self.slot.take()]
+            if any(taken):
+                return self.outputs.output()
 
     def resize(self, table: list[int]) -> None:
         """The engine grew (or shrank) the request's table: the ledger follows, later."""

@@ -254,8 +254,8 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             list(request.draft_tokens),
             has_kv=not request.is_finished_on_prefill,
         )
-        output = handle.outputs.add(await self.engine_loop.call(start))
-        assert output is not None  # its first delta
+        handle.outputs.take(await self.engine_loop.call(start))  # its first: always taken
+        output = handle.outputs.output()
         if request.is_finished_on_prefill and not output.finished:
             raise RequestError(
                 f"first_token: {request.first_token_id} ended request {request.request_id!r} "
@@ -325,8 +325,8 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             "num_free_blocks": stats.num_free_blocks,
             "num_requests": len(self._requests),
             "draining": int(self.is_draining),
-            # "prefills_in_place", not the "colocated" of decode workers that computed prompts
-            # in Decode themselves (prefill_here): a router of either kind pairs only its own.
+            # Its process prefills in place for it (colocated_worker): routers pair it with
+            # itself. A name no other version publishes, so that versions do not mix.
             "prefills_in_place": int(self.is_colocated),
             # Streams after a first token the router sent (DecodeRequest.is_first_token_sent).
             "first_token_from_router": 1,

@@ -6,6 +6,7 @@ reservation in place (``prefill_reserved``) and decodes it on."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.admission import RequestError
@@ -36,19 +37,10 @@ class Disaggregation:
     spec: SpecRunner | None
     stops: StopChecker
     model_config: Llama3Config | DeepseekV3Config
-
-    # LLMEngine's own (declared here for the methods below).
-    def _new_sequence(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        num_output_tokens_sent: int = 0,
-    ) -> Sequence:
-        raise NotImplementedError
-
-    def drop_request(self, request_id: str, *, stopped_after: int | None = None) -> None:
-        raise NotImplementedError
+    # LLMEngine's methods these call: a new sequence (request id, token ids, params,
+    # output tokens sent), and ending one.
+    _new_sequence: Callable[[str, list[int], SamplingParams, int], Sequence]
+    drop_request: Callable[[str], None]
 
     @property
     def kv_pools(self) -> dict[str, PagedKVCache]:

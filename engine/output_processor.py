@@ -52,11 +52,12 @@ class OutputBuilder:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, delta: RequestDelta) -> RequestOutput | None:
-        """Takes one delta of this request; the output so far, or None once it ended (the
-        engine goes on for a step or two after a stop string: those tokens are dropped)."""
+    def take(self, delta: RequestDelta) -> bool:
+        """Takes one delta of this request; False once it ended (the engine goes on for a
+        step or two after a stop string: those tokens are dropped). ``output`` makes the
+        output, once for however many deltas were taken."""
         if self.finished:
-            return None
+            return False
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         self.num_cached_tokens = delta.num_cached_tokens
@@ -73,10 +74,10 @@ class OutputBuilder:
             if self._detok.stopped_on is not None and not is_final:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, self._detok.stopped_on
                 self.is_ended_here = True
-                return self.output()
+                return True
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-        return self.output()
+        return True
 
     def output(self) -> RequestOutput:
         """The output so far: every output token and its text (copies)."""
@@ -112,9 +113,9 @@ class OutputProcessor:
             if delta.start is not None:
                 self._builders[rid] = OutputBuilder(rid, delta.start, self.tokenizer)
             builder = self._builders.get(rid)
-            output = builder.add(delta) if builder is not None else None
-            if output is None:
+            if builder is None or not builder.take(delta):
                 continue
+            output = builder.output()
             outputs.append(output)
             if output.finished:
                 del self._builders[rid]

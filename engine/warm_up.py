@@ -12,7 +12,7 @@ from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
 from engine.spec.spec_runner import SpecRunner
 
-logger = logging.getLogger("engine.llm_engine")
+logger = logging.getLogger(__name__)
 
 
 class Warmable(Protocol):

@@ -61,8 +61,9 @@ def first_output(
     prompt = list(request.prompt_token_ids)
     num_prompt = len(prompt) - request.num_output_tokens_sent
     start = RequestStart(prompt[:num_prompt], params, prompt[num_prompt:])
-    output = OutputBuilder(request.request_id, start, tokenizer).add(result.delta)
-    assert output is not None  # its first delta
+    builder = OutputBuilder(request.request_id, start, tokenizer)
+    builder.take(result.delta)  # its first: always taken
+    output = builder.output()
     if output.finish_reason is FinishReason.ERROR:
         raise RequestFailed(NON_FINITE_LOGITS)
     return output, None if output.finished else result.prefilled

@@ -200,14 +200,10 @@ def run_decoder(
             hidden[i] = x
         if on_layer is not None:  # a prefill worker starts pushing layer i's KV
             on_layer(i)
-    tp = getattr(model, "tp", None)
-    if return_hidden_states.final:
-        final = model.norm(x)
-        logits = model.lm_head(final[logit_indices]).float()  # [N, V]
-        if tp is not None:
-            logits = gather_logits(tp, logits, model.config.vocab_size)
-        return ModelOutputs(logits=logits, hidden_states=hidden, final_hidden_state=final)
-    logits = model.lm_head(model.norm(x[logit_indices])).float()  # [N, V]
+    final = model.norm(x) if return_hidden_states.final else None
+    normed = final[logit_indices] if final is not None else model.norm(x[logit_indices])
+    logits = model.lm_head(normed).float()  # [N, V] (this rank's columns, split)
+    tp = getattr(model, "tp", None)  # DeepSeek-V3 runs on one device
     if tp is not None:
         logits = gather_logits(tp, logits, model.config.vocab_size)
-    return ModelOutputs(logits=logits, hidden_states=hidden)
+    return ModelOutputs(logits=logits, hidden_states=hidden, final_hidden_state=final)

@@ -120,8 +120,8 @@ class ShmCollectives:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x``, in place (every rank calls it, alike)."""
         parts = self._exchange(x)
-        total = parts[0].clone()
-        for r in range(1, self.size):
+        total = parts[0] + parts[1]  # a group has at least 2 ranks
+        for r in range(2, self.size):
             total += parts[r]
         x.copy_(total.view_as(x))
         return x
