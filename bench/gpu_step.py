@@ -34,9 +34,10 @@ from typing import Any
 import torch
 
 from engine.attention import get_backend, select_backend
+from engine.components import kernels_for
 from engine.config import Llama3Config
+from engine.executor.uniproc import UniprocExecutor
 from engine.kv_cache import KVCacheParams, PagedKVCache
-from engine.llm_engine import kernels_for
 from engine.models.llama3 import Llama3Model
 from engine.models.triton_layers import use_triton_kernels
 from engine.sampler import SamplingTensors
@@ -180,7 +181,7 @@ class StepBench:
             use_triton_kernels(self.target)
             use_triton_kernels(self.drafter)
         self.step = UnifiedStep(
-            self.target,
+            UniprocExecutor(self.target, self.target_kv, backend).forward,
             self.drafter,
             self.target_kv,
             draft_kv,

@@ -3,7 +3,6 @@ cache sized for both, the block manager, the scheduler and the runners."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,13 +12,16 @@ import torch
 
 from engine.attention import get_backend, select_backend
 from engine.block_manager import BlockManager
+from engine.config import Llama3Config
 from engine.engine_config import EngineConfig
+from engine.executor.multiproc import RankGroup, rank_threads
+from engine.executor.worker import RankConfig
 from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.model_runner import ModelRunner
 from engine.models.layers import release_packed_weights, use_packed_gemm
 from engine.models.triton_layers import use_triton_kernels
 from engine.parallel.group import TensorParallelGroup
-from engine.registry import ModelConfig, eos_token_ids, load_model
+from engine.registry import ModelConfig, eos_token_ids, load_model, load_whole_vocabulary
 from engine.sampling_kernels import sampling_kernels
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.spec.spec_runner import (
@@ -57,21 +59,31 @@ class EngineComponents:
     num_blocks: int  # in each KV pool, the CUDA graphs' padding block included
 
 
-def build_components(
-    config: EngineConfig, tokenizer: Any | None, tp: TensorParallelGroup | None = None
-) -> EngineComponents:
+def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineComponents:
     """Loads the target (and draft), prepares their kernels, and sizes one block pool for
-    both: a block id holds a target block and a draft block. With ``tp``, this rank's part
-    of the target, and of the KV cache: its KV heads."""
+    both: a block id holds a target block and a draft block. With tensor parallelism
+    (``config.tensor_parallel_size``), first starts the other ranks (``RankGroup``): this
+    process is rank 0, with its part of the target and of the KV cache (its KV heads)."""
     device = torch.device(config.device)
     if device.type == "cpu":  # loaded (or built) now: before packing, not in the first step
-        cpu_kernels.load(build=config.build_cpu_kernels)
-    tp = tp or TensorParallelGroup.single()
-    if tp.size != config.tensor_parallel_size:
-        raise ValueError(
-            f"tensor_parallel_size: {config.tensor_parallel_size}, but this rank's group has "
-            f"{tp.size} ranks"
-        )
+        cpu_kernels.load(build=config.build_cpu_kernels)  # and before other ranks load it
+    ranks = None
+    if config.tensor_parallel_size > 1:
+        rank_config = RankConfig.of(config)
+        ranks = RankGroup.start(rank_config)
+        torch.set_num_threads(rank_threads(rank_config))
+    try:
+        return _build(config, tokenizer, device, ranks)
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+
+
+def _build(
+    config: EngineConfig, tokenizer: Any | None, device: torch.device, ranks: RankGroup | None
+) -> EngineComponents:
+    tp = ranks.tp if ranks is not None else TensorParallelGroup.single()
     model, model_config = load_model(
         config.model, dtype=config.dtype, max_length=config.max_model_len, device=device, tp=tp
     )
@@ -88,18 +100,21 @@ def build_components(
         timeout_s=config.grammar_compile_timeout_s,
         cache_size=config.grammar_cache_size,
     )
-    kv_params = KVCacheParams.from_config(model_config, config.block_size)
-    if tp.size > 1:  # this rank's KV heads
-        num_kv_heads = len(tp.shard.kv_heads(kv_params.num_kv_heads))
-        kv_params = dataclasses.replace(kv_params, num_kv_heads=num_kv_heads)
+    kv_params = KVCacheParams.from_config(model_config, config.block_size).for_rank(tp.shard)
     plan_params = [kv_params]
     drafter, lookahead = None, 0
     if config.speculative is not None:
-        drafter = load_speculator(config.speculative, model, device)
+        # Split, the draft runs on rank 0 alone: it borrows a whole embedding and LM head.
+        borrowed = model
+        if tp.size > 1 and not config.speculative.is_model_free:
+            assert isinstance(model_config, Llama3Config)  # the only split architecture
+            borrowed = load_whole_vocabulary(config.model, model_config, device)
+        drafter = load_speculator(config.speculative, borrowed, device)
         if drafter is not None and device.type == "cpu" and config.cpu_gemm != "aten":
             assert isinstance(drafter, torch.nn.Module)
-            use_packed_gemm(drafter, config.cpu_gemm)
-            packed.append(drafter)
+            for module in [drafter] if borrowed is model else [drafter, borrowed]:
+                use_packed_gemm(module, config.cpu_gemm)
+                packed.append(module)
         if drafter is not None:
             plan_params.append(KVCacheParams.from_config(drafter.config, config.block_size))
         lookahead = num_lookahead_slots(num_draft_tokens(config.speculative, drafter), drafter)
@@ -146,6 +161,7 @@ def build_components(
         device,
         compile_decode=config.torch_compile,
         sampling_kernels=sampling_kernels(kernels),
+        ranks=ranks,
     )
     spec: SpecRunner | None = None
     if config.speculative is not None and config.speculative.is_model_free:

@@ -66,9 +66,8 @@ class EngineConfig:
     # refused (INVALID_ARGUMENT); compiled grammars kept, least recently used dropped first.
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 64
-    # Ranks the model is split over (engine.parallel). Each rank's engine is given its
-    # group (LLMEngine's ``tp``); the executor that starts them is not built yet, so only
-    # Llama-3 targets without a draft, on the torch kernels and eagerly, run split.
+    # Ranks a Llama-3 target is split over (engine.parallel), each in a process of its own
+    # (engine.executor: this one is rank 0); on the torch kernels and eagerly, for now.
     tensor_parallel_size: int = 1
 
     @property
@@ -97,13 +96,21 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size: {self.tensor_parallel_size}, must be at least 1"
             )
-        is_split = self.tensor_parallel_size > 1
-        if is_split and (spec is not None or self.kernels == "triton" or self.torch_compile):
-            raise ValueError(
-                f"tensor_parallel_size: {self.tensor_parallel_size} runs without a draft, on "
-                "the torch kernels and eagerly for now (speculative, kernels='triton' and "
-                "torch_compile are not split)"
-            )
+        if self.tensor_parallel_size > 1:
+            self._check_split()
+
+    def _check_split(self) -> None:
+        """What tensor parallelism covers for now: eager steps on the torch kernels."""
+        size = self.tensor_parallel_size
+        why = ""
+        if self.kernels == "triton":
+            why = "kernels='triton' (its fused layers have no collectives yet); use 'torch'"
+        elif self.torch_compile:
+            why = "torch_compile (the ranks' steps run eagerly); leave it off"
+        elif self.uses_cuda_graphs or self.enable_overlap_scheduler:
+            why = "CUDA graphs and overlap scheduling (not captured per rank yet); turn them off"
+        if why:
+            raise ValueError(f"tensor_parallel_size: {size} does not run with {why}")
 
     def _check_overlap(self) -> None:
         """What overlap scheduling covers: the graph runner's decode steps of model drafts."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -10,6 +11,7 @@ import psutil
 import torch
 
 from engine.config import KVCacheLayout
+from engine.parallel.shard import Shard
 
 
 class DeclaresKVCacheLayout(Protocol):
@@ -48,6 +50,12 @@ class KVCacheParams:
             dtype=config.dtype,
             num_tensors=layout.num_tensors,
         )
+
+    def for_rank(self, shard: Shard) -> KVCacheParams:
+        """A tensor-parallel rank's pools: its KV heads only (engine.parallel.shard)."""
+        if shard.size == 1:
+            return self
+        return dataclasses.replace(self, num_kv_heads=len(shard.kv_heads(self.num_kv_heads)))
 
     @property
     def bytes_per_block(self) -> int:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
+import secrets
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -18,7 +20,6 @@ from engine.kv_cache import KVCacheCapacityError
 from engine.model_runner import StepOutput
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestDelta, RequestOutput, hand_out
-from engine.parallel.group import TensorParallelGroup
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -32,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine(Disaggregation):
-    """One model on one device (or a rank's part of it, ``tp``: each rank's engine gets the
-    same requests and steps alike), serving many requests: ``add_request`` queues one,
+    """One model on one device, or split over tensor-parallel ranks (``engine.executor``),
+    serving many requests: ``add_request`` queues one,
     ``step`` runs one scheduled batch (prefill chunks and decode rows together, through
     the ``ModelRunner``, or the ``SpecRunner`` with a draft) and returns the outputs of
     the requests that produced tokens. Disaggregated, a prefill worker adds requests
@@ -45,18 +46,13 @@ class LLMEngine(Disaggregation):
     service assembles into outputs (text, stop strings) off this thread. ``step`` is the
     offline one: it assembles them itself (``engine.output_processor``)."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        tokenizer: Any | None = None,
-        tp: TensorParallelGroup | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.device = torch.device(config.device)
         self.tokenizer = tokenizer
-        parts = build_components(config, tokenizer, tp)
+        parts = build_components(config, tokenizer)
         self.model_config = parts.model_config
         self.max_model_len = parts.model_config.max_seq_len
         self.grammars = parts.grammars
@@ -68,7 +64,7 @@ class LLMEngine(Disaggregation):
         self.spec = parts.spec
         self._seqs: dict[str, Sequence] = {}
         self.stops = StopChecker(parts.eos_token_ids)
-        self._new_seed = (tp or TensorParallelGroup.single()).seed_source()
+        self._new_seed = functools.partial(secrets.randbits, 63)
         self._offline_outputs = OutputProcessor(tokenizer)  # step()'s
         self._ahead: AheadStep | None = None  # overlap scheduling: the step in flight
         self.num_steps_ahead = 0  # decode steps launched before the previous one was read
@@ -86,6 +82,11 @@ class LLMEngine(Disaggregation):
         # the cyclic collector, as serving engines do once started.
         gc.collect()
         gc.freeze()
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks, if any (an engine never closed stops them
+        when its interpreter exits)."""
+        self.runner.executor.close()
 
     @property
     def eos_token_ids(self) -> AbstractSet[int]:

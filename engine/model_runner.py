@@ -14,6 +14,9 @@ from torch import nn
 
 from engine import prompt_logprobs
 from engine.attention.base import AttentionBackend, BatchLayout
+from engine.executor.inputs import ForwardInputs
+from engine.executor.multiproc import MultiprocExecutor, RankGroup
+from engine.executor.uniproc import UniprocExecutor
 from engine.kv_cache import PagedKVCache
 from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs, ReturnHiddenStates
 from engine.sampler import SamplingTensors, sample, top_logprobs
@@ -114,6 +117,7 @@ class ModelRunner:
         *,
         compile_decode: bool = False,
         sampling_kernels: SamplingKernels = TORCH_SAMPLING,
+        ranks: RankGroup | None = None,
     ) -> None:
         self.model = model
         self.sampling_kernels = sampling_kernels  # where filters and draws run
@@ -161,6 +165,12 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
+        # Where the forward runs: here, or on every tensor-parallel rank (``ranks``).
+        self.executor: UniprocExecutor = UniprocExecutor(
+            model, kv_cache, backend, self.decode_model
+        )
+        if ranks is not None:
+            self.executor = MultiprocExecutor(ranks, model, kv_cache, backend, self.decode_model)
         self.block_size = kv_cache.params.block_size
         # Told of each target layer of every ``execute`` (prefill workers push KV from it).
         self.layer_listener: LayerListener | None = None
@@ -226,7 +236,6 @@ class ModelRunner:
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-    @torch.inference_mode()
     def forward(
         self,
         inputs: ModelInputs,
@@ -234,24 +243,19 @@ class ModelRunner:
         metadata: Any = None,
         on_layer: Callable[[int], None] | None = None,
     ) -> ModelOutputs:
-        if metadata is None:
-            metadata = self.backend.build_metadata(inputs.layout)
         # Decode rows only (one token each) run the compiled forward; speculative
-        # verification calls ``decode_model`` itself. Prompt chunks stay eager: each query
-        # length would be a graph of its own, for work whose small ops matter less.
+        # verification calls it itself. Prompt chunks stay eager: each query length would
+        # be a graph of its own, for work whose small ops matter less.
         is_decode = inputs.layout.max_query_len == 1 and on_layer is None
-        model = self.decode_model if is_decode else self.model
-        out: ModelOutputs = model(
+        forward = ForwardInputs(
             inputs.tokens,
-            inputs.layout.positions,
-            self.kv_cache.layers,
-            self.backend,
-            metadata,
+            inputs.layout,
             inputs.logit_indices,
             return_hidden_states,
+            metadata,
             on_layer,
         )
-        return out
+        return self.executor.forward(forward, compiled=is_decode)
 
     def notify_layer(self, pool: str, layer: int, *, step: StepKv) -> None:
         """Tells the listener that ``layer`` of ``pool`` is written for ``step``."""

@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.config import ConfigError, Llama3Config, read_hf_config
 from engine.deepseek_v3_config import DeepseekV3Config
+from engine.models.layers import Linear
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shard import Shard, TensorParallelError, check_divisible
 from engine.weights import CheckpointReader, Part, Source, TensorRule, load_weights
@@ -286,6 +287,42 @@ def load_model(
     finally:
         reader.close()
     return model.eval(), config
+
+
+class WholeVocabulary(nn.Module):
+    """A split Llama-3 target's embedding and LM head, whole: what a draft on rank 0
+    borrows from its target (``embed_tokens``, ``lm_head``, ``config``), so that it looks
+    tokens up and scores them without the other ranks."""
+
+    def __init__(self, config: Llama3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.finalize()
+
+    def finalize(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+
+def load_whole_vocabulary(
+    model_dir: str | Path, config: Llama3Config, device: torch.device
+) -> WholeVocabulary:
+    with torch.device("meta"):
+        vocab = WholeVocabulary(config)
+    vocab = vocab.to_empty(device=device).to(config.dtype)
+    vocab.finalize()
+    h, v = config.hidden_size, config.vocab_size
+    rules = [_one("embed_tokens.weight", "model.embed_tokens.weight", (v, h))]
+    if not config.tie_word_embeddings:
+        rules.append(_one("lm_head.weight", "lm_head.weight", (v, h)))
+    reader = CheckpointReader(model_dir)
+    try:
+        load_weights(vocab, reader, rules)
+    finally:
+        reader.close()
+    return vocab.eval()
 
 
 def eos_token_ids(model_dir: Path, config: ModelConfig) -> frozenset[int]:

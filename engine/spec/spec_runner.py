@@ -83,7 +83,7 @@ class SpecRunner:
             params = KVCacheParams.from_config(drafter.config, runner.block_size)
             self.draft_kv = PagedKVCache(params, num_blocks, runner.device)
         self.step = UnifiedStep(
-            runner.decode_model,
+            runner.executor.compiled_forward(),
             drafter,
             runner.kv_cache,
             self.draft_kv,

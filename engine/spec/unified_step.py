@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from torch import nn
 
 from engine.attention.base import AttentionBackend, BatchLayout
+from engine.executor.inputs import ForwardInputs, TargetForward
 from engine.kv_cache import PagedKVCache
 from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs
 from engine.sampler import SamplingTensors, is_faulty, row_keys
@@ -100,7 +100,7 @@ class UnifiedStep:
 
     def __init__(
         self,
-        target: nn.Module,
+        target: TargetForward,
         drafter: Drafter | None,
         target_kv: PagedKVCache,
         draft_kv: PagedKVCache | None,
@@ -157,13 +157,13 @@ class UnifiedStep:
 
             # 2. verify: every row's K+1 tokens, target KV written for all of them.
             out = self.target(
-                tokens.reshape(-1),
-                layout.positions,
-                self.target_kv.layers,
-                self.backend,
-                metadata,
-                torch.arange(b * s, device=device),
-                NO_HIDDEN_STATES if self.drafter is None else self.drafter.target_hidden,
+                ForwardInputs(
+                    tokens.reshape(-1),
+                    layout,
+                    torch.arange(b * s, device=device),
+                    NO_HIDDEN_STATES if self.drafter is None else self.drafter.target_hidden,
+                    metadata,
+                )
             )
             logits = out.logits.view(b, s, -1)  # [B, K+1, V]
 
@@ -303,13 +303,7 @@ class UnifiedStep:
             is_max_context_exact=False,
         )
         out = self.target(
-            tokens[row, local],
-            flat_positions,
-            self.target_kv.layers,
-            self.backend,
-            self.backend.build_metadata(layout),
-            torch.arange(total, device=device),
-            NO_HIDDEN_STATES,
+            ForwardInputs(tokens[row, local], layout, torch.arange(total, device=device))
         )
         return out.logits, out, (row, local)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.attention import AttentionBackend, TorchAttentionBackend
+from engine.executor.uniproc import UniprocExecutor
 from engine.kv_cache import KVCacheParams, PagedKVCache
 from engine.models.llama3 import Llama3Model
 from engine.sampler import SamplingTensors
@@ -59,7 +60,8 @@ def make_step(
             for t in pool:
                 t.copy_(torch.randn(t.shape, generator=gen))
     backend = backend or TorchAttentionBackend()
-    return UnifiedStep(target, drafter, target_kv, draft_kv, backend)
+    forward = UniprocExecutor(target, target_kv, backend).forward
+    return UnifiedStep(forward, drafter, target_kv, draft_kv, backend)
 
 
 def kv_snapshot(step: UnifiedStep) -> list[torch.Tensor]:

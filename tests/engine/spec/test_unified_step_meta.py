@@ -9,6 +9,7 @@ import torch
 
 from engine.attention import TorchAttentionBackend
 from engine.config import Llama3Config
+from engine.executor.uniproc import UniprocExecutor
 from engine.kv_cache import KVCacheParams, PagedKVCache
 from engine.models.llama3 import Llama3Model
 from engine.sampler import SamplingTensors
@@ -71,9 +72,9 @@ def test_whole_step_runs_on_meta(kind, sample_drafts):
     params = KVCacheParams.from_config(config, 4)
     target_kv = PagedKVCache(params, 64, META)
     draft_kv = PagedKVCache(KVCacheParams.from_config(drafter.config, 4), 64, META)
-    step = UnifiedStep(
-        target, drafter, target_kv, draft_kv, TorchAttentionBackend(), sample_drafts=sample_drafts
-    )
+    backend = TorchAttentionBackend()
+    forward = UniprocExecutor(target, target_kv, backend).forward
+    step = UnifiedStep(forward, drafter, target_kv, draft_kv, backend, sample_drafts=sample_drafts)
     b, k = 3, 3
     rows = [
         SamplingParams(max_tokens=8),

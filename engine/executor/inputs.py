@@ -1,0 +1,134 @@
+"""One target forward's inputs (``ForwardInputs``), and their form on the wire between
+ranks: one int64 tensor (``encode``, ``decode``), nothing pickled.
+
+Every rank runs the same forward over its own shard and KV pools: the tokens, the
+batch's layout (positions, KV slots, block tables, context lengths) and which tokens get
+logits. Each rank builds its attention backend's metadata from the layout itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.attention.base import BatchLayout
+from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs, ReturnHiddenStates
+
+MESSAGE_FORMAT = 1  # bumped whenever the layout below changes
+OP_FORWARD, OP_STOP = 1, 2
+
+
+@dataclass
+class ForwardInputs:
+    tokens: torch.Tensor  # [T] int64
+    layout: BatchLayout
+    logit_indices: torch.Tensor  # [N] int64: which of the T tokens get logits
+    return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES
+    metadata: Any = None  # the backend's, from ``layout``; None: built by the executor
+    on_layer: Callable[[int], None] | None = None  # told once layer i wrote its KV
+
+
+# What speculative steps call for their verification: the compiled forward, where compiled.
+TargetForward = Callable[[ForwardInputs], ModelOutputs]
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.parts: list[torch.Tensor] = []
+
+    def ints(self, *values: int) -> None:
+        self.parts.append(torch.tensor(values, dtype=torch.int64))
+
+    def tensor(self, x: torch.Tensor) -> None:
+        """Its shape, then its values (int64, on the host)."""
+        self.ints(x.dim(), *x.shape)
+        self.parts.append(x.detach().reshape(-1).to("cpu", torch.int64))
+
+    def optional(self, values: list[int] | None) -> None:
+        if values is None:
+            self.ints(-1)
+        else:
+            self.ints(len(values), *values)
+
+
+class _Reader:
+    def __init__(self, message: torch.Tensor) -> None:
+        self.values = message
+        self.at = 0
+
+    def ints(self, n: int) -> list[int]:
+        got = self.values[self.at : self.at + n].tolist()
+        self.at += n
+        return got
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        (ndim,) = self.ints(1)
+        shape = self.ints(ndim)
+        numel = 1
+        for n in shape:
+            numel *= n
+        x = self.values[self.at : self.at + numel].view(shape)
+        self.at += numel
+        return x.to(device, copy=True)
+
+    def optional(self) -> list[int] | None:
+        (n,) = self.ints(1)
+        return None if n < 0 else self.ints(n)
+
+
+def encode(inputs: ForwardInputs, *, compiled: bool) -> torch.Tensor:
+    """The message every other rank runs ``inputs`` from (``compiled``: through the compiled
+    forward, as decode steps do)."""
+    layout, hidden = inputs.layout, inputs.return_hidden_states
+    w = _Writer()
+    w.ints(MESSAGE_FORMAT, OP_FORWARD, compiled, inputs.on_layer is not None)
+    w.ints(layout.block_size, layout.max_query_len, layout.max_context_len)
+    w.ints(layout.is_causal_prefill, layout.is_causal, layout.is_max_context_exact, hidden.final)
+    for x in (inputs.tokens, inputs.logit_indices, layout.input_row_offsets, layout.positions):
+        w.tensor(x)
+    for x in (layout.slot_mapping, layout.context_lens, layout.block_tables):
+        w.tensor(x)
+    w.optional(list(hidden.layer_ids))
+    w.optional(layout.query_lens)
+    w.optional(layout.context_lens_host)
+    return torch.cat(w.parts)
+
+
+def stop_message() -> torch.Tensor:
+    return torch.tensor([MESSAGE_FORMAT, OP_STOP], dtype=torch.int64)
+
+
+def decode(message: torch.Tensor, device: torch.device) -> tuple[ForwardInputs, bool] | None:
+    """``encode``'s inputs (on ``device``) and whether they ran compiled; None for a stop."""
+    r = _Reader(message)
+    version, op = r.ints(2)
+    if version != MESSAGE_FORMAT:
+        raise ValueError(f"step message format {version}, this rank reads {MESSAGE_FORMAT}")
+    if op == OP_STOP:
+        return None
+    compiled, _ = r.ints(2)
+    block_size, max_query_len, max_context_len = r.ints(3)
+    is_causal_prefill, is_causal, is_exact, final = r.ints(4)
+    tokens, logit_indices, offsets, positions = (r.tensor(device) for _ in range(4))
+    slots, context_lens, tables = (r.tensor(device) for _ in range(3))
+    layer_ids = r.optional() or []
+    layout = BatchLayout(
+        input_row_offsets=offsets,
+        positions=positions,
+        slot_mapping=slots,
+        context_lens=context_lens,
+        block_tables=tables,
+        block_size=block_size,
+        max_query_len=max_query_len,
+        max_context_len=max_context_len,
+        is_causal_prefill=bool(is_causal_prefill),
+        is_causal=bool(is_causal),
+        is_max_context_exact=bool(is_exact),
+        query_lens=r.optional(),
+        context_lens_host=r.optional(),
+    )
+    hidden = ReturnHiddenStates(tuple(layer_ids), bool(final))
+    return ForwardInputs(tokens, layout, logit_indices, hidden), bool(compiled)

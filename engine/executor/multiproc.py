@@ -1,0 +1,190 @@
+"""A target split over tensor-parallel ranks: rank 0 in this process, beside the engine
+(its scheduler, sampler and drafter, as a driver rank), and ranks 1.. in processes of
+their own: fresh interpreters (``python -m engine.executor.worker``), so that nothing of
+this process is inherited or pickled, and a script that makes an engine needs no
+``if __name__ == "__main__"`` guard (``multiprocessing``'s spawn would import it again).
+
+Each forward, rank 0 first sends its inputs (``engine.executor.inputs``: one int64 tensor)
+through the step channel (shared memory, ``engine.executor.channel``), then runs its own
+shard; every rank runs the same forward over its shard and KV heads, meeting in the
+layers' all-reduces. Only rank 0 reads the logits: sampling, logprobs, penalties and
+grammar masks are computed here, on the gathered logits, as on one device. The draft
+model, when there is one, runs on rank 0 alone, over the target's hidden states (whole on
+every rank after each layer's all-reduce).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.executor.channel import StepChannel
+from engine.executor.inputs import ForwardInputs, encode, stop_message
+from engine.executor.uniproc import UniprocExecutor
+from engine.executor.worker import RankConfig
+from engine.kv_cache import PagedKVCache
+from engine.models.llama3 import ModelOutputs
+from engine.parallel.group import DEFAULT_TIMEOUT_S, TensorParallelGroup
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 5.0  # for a rank to leave once told to, before it is killed
+
+
+def rank_threads(config: RankConfig) -> int:
+    """Each rank's share of the CPU threads: ``num_threads`` (else every core) divided
+    among the ranks, at least one."""
+    total = config.num_threads or os.cpu_count() or 1
+    return max(1, total // config.tensor_parallel_size)
+
+
+class RankGroup:
+    """Ranks 1..size-1, each in a process of its own, the channel rank 0 sends them their
+    steps through, and this process's place in their group (``tp``: rank 0)."""
+
+    def __init__(
+        self,
+        tp: TensorParallelGroup,
+        channel: StepChannel,
+        processes: list[subprocess.Popen[bytes]],
+        rendezvous: str,
+    ) -> None:
+        self.tp, self.channel, self.processes = tp, channel, processes
+        self._rendezvous = rendezvous
+        self._closed = False
+
+    @property
+    def size(self) -> int:
+        return self.tp.size
+
+    @classmethod
+    def start(cls, config: RankConfig, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> RankGroup:
+        """Spawns ranks 1.. and joins their group as rank 0; returns once all have joined.
+        They then load their shards as this process loads rank 0's."""
+        size = config.tensor_parallel_size
+        device = torch.device(config.device)
+        if device.type == "cuda" and size > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size: {size} ranks, but only {torch.cuda.device_count()} "
+                "CUDA devices are visible"
+            )
+        if device.type == "cpu" and size > (os.cpu_count() or 1):
+            logger.warning(
+                "tensor_parallel_size: %d ranks on %d CPU cores: ranks will share cores",
+                size,
+                os.cpu_count(),
+            )
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        rendezvous = tempfile.mkdtemp(prefix="tandem-tp-")
+        init_method = f"file://{rendezvous}/store"
+        channel, fd = StepChannel.create(size - 1, timeout_s=timeout_s)
+        # What the other ranks load (their share of the threads): as JSON, nothing pickled.
+        rank_config = dataclasses.replace(config, num_threads=rank_threads(config))
+        spec = json.dumps(dataclasses.asdict(rank_config))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        processes = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "engine.executor.worker",
+                    *("--rank", str(rank), "--size", str(size), "--init-method", init_method),
+                    *("--config", spec, "--parent-pid", str(os.getpid())),
+                    *("--channel-fd", str(fd), "--backend", backend),
+                    *("--timeout-s", str(timeout_s)),
+                ],
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+            for rank in range(1, size)
+        ]
+        try:
+            tp = TensorParallelGroup.join(
+                0, size, init_method, backend=backend, timeout_s=timeout_s
+            )
+        except BaseException:
+            _stop(processes, 0.0)
+            channel.close()
+            shutil.rmtree(rendezvous, ignore_errors=True)
+            raise
+        group = cls(tp, channel, processes, rendezvous)
+        atexit.register(group.close)  # an engine never closed: its ranks stop with it
+        return group
+
+    def check(self) -> None:
+        """Raises if a rank's process has ended."""
+        for rank, process in enumerate(self.processes, start=1):
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+                    f"{process.returncode}; this worker cannot go on without it"
+                )
+
+    def send(self, message: torch.Tensor) -> None:
+        self.channel.send(message, self.check)
+
+    def close(self) -> None:
+        """Tells the ranks to stop and waits for them (killing any that do not leave)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        try:
+            if all(p.poll() is None for p in self.processes):
+                self.channel.send(stop_message(), self.check)
+        except RuntimeError:
+            pass  # a rank is gone: the others leave once they see rank 0 gone, or are killed
+        _stop(self.processes, STOP_TIMEOUT_S)
+        self.channel.close()
+        self.tp.close()
+        shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+
+def _stop(processes: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+class MultiprocExecutor(UniprocExecutor):
+    """Rank 0's forward: the step's inputs to the other ranks, then its own shard's."""
+
+    def __init__(
+        self,
+        ranks: RankGroup,
+        model: nn.Module,
+        kv_cache: PagedKVCache,
+        backend: AttentionBackend,
+        decode_model: nn.Module | None = None,
+    ) -> None:
+        super().__init__(model, kv_cache, backend, decode_model)
+        self.ranks = ranks
+
+    @property
+    def num_ranks(self) -> int:
+        return self.ranks.size
+
+    def forward(self, inputs: ForwardInputs, *, compiled: bool = False) -> ModelOutputs:
+        self.ranks.send(encode(inputs, compiled=compiled))
+        return super().forward(inputs, compiled=compiled)
+
+    def close(self) -> None:
+        self.ranks.close()

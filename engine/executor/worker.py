@@ -1,0 +1,146 @@
+"""What a tensor-parallel rank other than rank 0 runs, in a process of its own
+(``python -m engine.executor.worker``, started by ``RankGroup``): it joins
+the group, loads its shard of the target and its KV heads' pools, and then runs each
+forward rank 0 sends it (``engine.executor.inputs``) until told to stop, or until rank 0
+is gone. It samples nothing and returns nothing: its part of each forward is its share of
+the layers' all-reduces and of the logits' gather."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.attention import get_backend, select_backend
+from engine.executor.channel import RankGone, StepChannel
+from engine.executor.inputs import decode
+from engine.executor.uniproc import UniprocExecutor
+from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
+from engine.models.layers import release_packed_weights, use_packed_gemm
+from engine.parallel.group import TensorParallelGroup
+from engine.registry import load_model
+from kernels.cpu import extension as cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """What a rank other than rank 0 loads: EngineConfig's fields of the target's shard
+    and its KV pools (sent to it as JSON)."""
+
+    model: str
+    tensor_parallel_size: int
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    kv_cache_memory_fraction: float = 0.1
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    cpu_gemm: str = "measured"
+    build_cpu_kernels: bool = True
+    num_threads: int | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> RankConfig:
+        """The fields of ``config`` (an EngineConfig) that a rank's shard needs."""
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+
+def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device) -> UniprocExecutor:
+    """This rank's shard, packed for the CPU's products, and its KV heads' pools, with as
+    many blocks as every rank holds (the collective rank 0's ``build_components`` runs)."""
+    if device.type == "cpu":
+        cpu_kernels.load(build=config.build_cpu_kernels)
+    model, model_config = load_model(
+        config.model, dtype=config.dtype, max_length=config.max_model_len, device=device, tp=tp
+    )
+    if device.type == "cpu" and config.cpu_gemm != "aten":
+        use_packed_gemm(model, config.cpu_gemm)
+        release_packed_weights(model)
+    params = KVCacheParams.from_config(model_config, config.block_size).for_rank(tp.shard)
+    num_blocks = plan_num_blocks(
+        [params],
+        device,
+        memory_bytes=config.kv_cache_memory,
+        memory_fraction=config.kv_cache_memory_fraction,
+    )
+    num_blocks = tp.agree_min(num_blocks)
+    attention = config.attention_backend
+    if attention == "auto":
+        attention = select_backend(config.device, config.block_size)
+    backend = get_backend(attention, device=config.device, block_size=config.block_size)
+    return UniprocExecutor(model, PagedKVCache(params, num_blocks, device), backend)
+
+
+def run_rank(
+    rank: int,
+    size: int,
+    init_method: str,
+    config_json: str,
+    parent_pid: int,
+    channel_fd: int,
+    backend: str,
+    timeout_s: float,
+) -> None:
+    """The process of rank ``rank`` (1..size-1)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is rank 0's to handle
+    config = RankConfig(**json.loads(config_json))
+    torch.set_num_threads(config.num_threads or 1)
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    tp = TensorParallelGroup.join(rank, size, init_method, backend=backend, timeout_s=timeout_s)
+    channel = StepChannel.attach(parent_pid, channel_fd, size - 1, rank - 1, timeout_s=timeout_s)
+    try:
+        executor = load_rank(config, tp, device)
+        while True:
+            step = decode(channel.receive(parent_pid).view(torch.int64), device)
+            if step is None:
+                return
+            inputs, compiled = step
+            executor.forward(inputs, compiled=compiled)
+    except RankGone:
+        return  # rank 0 ended without a word (killed): so does this rank
+    finally:
+        channel.close()
+        tp.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="One tensor-parallel rank (1..size-1) of an engine; started by the "
+        "engine's rank 0 (engine.executor.multiproc), not by hand."
+    )
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--size", type=int, required=True)
+    parser.add_argument("--init-method", required=True, help="the group's rendezvous")
+    parser.add_argument("--config", required=True, help="RankConfig as JSON")
+    parser.add_argument("--parent-pid", type=int, required=True, help="rank 0's process")
+    parser.add_argument("--channel-fd", type=int, required=True, help="rank 0's step channel")
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--timeout-s", type=float, required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format=f"rank {args.rank}: %(message)s")
+    run_rank(
+        args.rank,
+        args.size,
+        args.init_method,
+        args.config,
+        args.parent_pid,
+        args.channel_fd,
+        args.backend,
+        args.timeout_s,
+    )
+
+
+if __name__ == "__main__":
+    main()
