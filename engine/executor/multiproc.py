@@ -28,6 +28,7 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from engine.attention.base import AttentionBackend
@@ -76,6 +77,11 @@ class RankGroup:
         They then load their shards as this process loads rank 0's."""
         size = config.tensor_parallel_size
         device = torch.device(config.device)
+        if dist.is_initialized():  # the group is the process's default one
+            raise RuntimeError(
+                "tensor_parallel_size: one tensor-parallel engine per process; close the "
+                "other one first"
+            )
         if device.type == "cuda" and size > torch.cuda.device_count():
             raise ValueError(
                 f"tensor_parallel_size: {size} ranks, but only {torch.cuda.device_count()} "
@@ -121,6 +127,8 @@ class RankGroup:
             shutil.rmtree(rendezvous, ignore_errors=True)
             raise
         group = cls(tp, channel, processes, rendezvous)
+        if tp.shm is not None:
+            tp.shm.check_ranks = group.check
         atexit.register(group.close)  # an engine never closed: its ranks stop with it
         return group
 

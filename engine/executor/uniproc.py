@@ -26,7 +26,7 @@ class UniprocExecutor:
         decode_model: nn.Module | None = None,
     ) -> None:
         self.model = model
-        self.decode_model = decode_model or model
+        self.decode_model = decode_model if decode_model is not None else model
         self.kv_cache = kv_cache
         self.backend = backend
 

@@ -15,7 +15,8 @@ sum bit for bit (or, for an all-gather, concatenates them).
   relies on x86's ordering of stores and of loads (TSO), so the segment is used on x86
   only, and gloo elsewhere.
 - **Timeouts.** A rank that does not arrive within ``timeout_s`` makes the call raise, as
-  gloo's timeout does.
+  gloo's timeout does; sooner where ``check_ranks`` (rank 0's: its ranks' processes) finds
+  a rank's process ended.
 - **Checks.** The segment is used only when every rank runs on this host (the same host
   name and boot id) and opened it; otherwise every rank uses gloo. A call whose byte count
   differs between ranks (ranks out of step) raises rather than reading stale bytes.
@@ -30,12 +31,14 @@ import platform
 import socket
 import time
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 FLAG_BYTES = 64  # one cache line per rank: its call's number, its byte counts
 LABEL = "tandem-tp-collectives"
+CHECK_EVERY_S = 0.1  # how often a wait asks whether the other ranks' processes still run
 
 
 def is_supported() -> bool:
@@ -68,6 +71,8 @@ class ShmCollectives:
         self.rank, self.size = rank, size
         self.slot_bytes = slot_bytes
         self.timeout_s = timeout_s
+        # Set where this process started the other ranks: raises if one of them has ended.
+        self.check_ranks: Callable[[], None] | None = None
         self.generation = 0
         self._map = mapped
         buffer = torch.frombuffer(mapped, dtype=torch.uint8)
@@ -149,13 +154,17 @@ class ShmCollectives:
         return slots.view(x.dtype).view(self.size, -1)
 
     def _wait(self) -> None:
-        deadline = None
+        deadline = checked = None
         spins = 0
         while int(self._flags.min()) < self.generation:
             spins += 1
             if spins % 64 == 0:
                 now = time.monotonic()
                 deadline = deadline or now + self.timeout_s
+                checked = checked or now
+                if self.check_ranks is not None and now - checked > CHECK_EVERY_S:
+                    self.check_ranks()  # raises at once where a rank's process has ended
+                    checked = now
                 if now > deadline:
                     raise RuntimeError(
                         f"collective {self.generation}: a rank did not arrive within "

@@ -61,66 +61,6 @@ def one_rank_gone(rank: int, size: int, model_dir: str, init_method: str) -> Non
     raise AssertionError("the all-reduce with a rank gone did not fail")
 
 
-def lockstep_engines(
-    rank: int,
-    size: int,
-    model_dir: str,
-    init_method: str,
-    prompts: list[list[int]],
-    is_short: bool = False,
-    out_dir: str | None = None,
-) -> None:
-    """This rank's engine over its part of the model (fp32, greedy), given the same
-    requests as the others' and stepped alike: the batch with the prefix cache cold, the
-    same batch again (warm), then each prompt alone; then sampled rows, with seeds and
-    without (``is_short``: the cold batch only). Each rank saves what it got (into
-    ``out_dir``, else beside the model)."""
-    from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
-
-    torch.set_num_threads(1)
-    tp = TensorParallelGroup.join(rank, size, init_method, timeout_s=60)
-    config = EngineConfig(
-        model=model_dir,
-        dtype="float32",
-        block_size=4,
-        kv_cache_memory=8 << 20,
-        num_threads=1,
-        tensor_parallel_size=size,
-    )
-    engine = LLMEngine(config, tp=tp)
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-    def run(
-        batch: list[tuple[str, list[int]]], params: SamplingParams = params
-    ) -> dict[str, list[int]]:
-        for rid, prompt in batch:
-            engine.add_request(rid, prompt, params)
-        done: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-        return done
-
-    out: dict[str, torch.Tensor] = {}
-    for phase in ("cold",) if is_short else ("cold", "warm"):
-        done = run([(f"{phase}-{i}", p) for i, p in enumerate(prompts)])
-        out.update({rid: torch.tensor(tokens) for rid, tokens in done.items()})
-    for i, prompt in enumerate([] if is_short else prompts):
-        out.update({rid: torch.tensor(t) for rid, t in run([(f"alone-{i}", prompt)]).items()})
-    for i, prompt in enumerate([] if is_short else prompts):
-        for name, seed in (("seeded", 100 + i), ("unseeded", None)):
-            sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
-            done = run([(f"{name}-{i}", prompt)], sampled)
-            out.update({rid: torch.tensor(t) for rid, t in done.items()})
-    out["num_cached"] = torch.tensor([engine.block_manager.num_prefix_hit_blocks])
-    # What this rank holds: its vocabulary rows, and its KV heads in the cache's pools.
-    out["lm_head_rows"] = torch.tensor([engine.runner.model.lm_head.weight.shape[0]])
-    out["kv_heads"] = torch.tensor([engine.kv_cache.layers[0][0].shape[2]])
-    out["through_shm"] = torch.tensor([tp.shm is not None])
-    save_file(out, str(Path(out_dir or model_dir) / f"engine{rank}.out"))
-    tp.close()
-
-
 def many_all_reduces(rank: int, size: int, out_dir: str, init_method: str) -> None:
     """60 all-reduces and all-gathers of varied sizes and dtypes through the shared segment
     (one larger than its slots goes through gloo): each must be, on every rank, the
