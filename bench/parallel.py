@@ -1,22 +1,25 @@
 """Tensor parallelism on this CPU: a Llama-3-shaped model split over 2 ranks (one thread
-each, gloo) against the same model on one rank with two threads.
+each) against the same model on one rank with two threads, both through the engine's
+executor (``LLMEngine`` with ``tensor_parallel_size``: rank 0 in the engine's process, rank
+1 in its own).
 
 The model has random bf16 weights, made here once into ``--model-dir``: hidden 1024, 16
 heads, 8 KV heads, 16 layers, MLP 2816, vocabulary 32000 (the heads divide by 2). Each
 side decodes ``--tokens`` greedy tokens for batches of 1 and of 8 rows, and reports its
-median decode step. Both sides run in processes of their own (spawned), one after the
-other, on an otherwise idle machine.
+median decode step. Each side runs in a process of its own, one after the other, on an
+otherwise idle machine.
 
-No executor starts the ranks yet (issue 37): each rank runs an engine and is given the
-same requests, as ``tests/engine/parallel`` does. What the split costs per step is timed
-on rank 0: the all-reduces (two per layer) and the all-gather of the logits. The step
-inputs' broadcast that an executor will add is not in these figures.
+Timed on rank 0, per decode step:
+- the collectives: the all-reduces (two per layer) and the all-gather of the logits;
+- the step inputs' broadcast: encoding them and writing them into the step channel;
+- the in-process executor's own cost (TP 1): ``UniprocExecutor.forward`` less the
+  model's forward inside it.
 
     python bench/parallel.py            # 128 tokens, batches of 1 and 8
     python bench/parallel.py --quick    # 32 tokens
 
 The last line is one JSON object: ``tp_over_tp1_bs1`` and ``tp_over_tp1_bs8`` (TP 2's
-decode speed over TP 1's), and per batch the step and collective times in ms.
+decode speed over TP 1's), and per batch the step, collective and broadcast times in ms.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,11 +67,11 @@ def make_model(model_dir: Path) -> None:
 
 
 def decode_steps(
-    engine: Any, batch: int, tokens: int, spent: list[float]
-) -> list[tuple[float, float]]:
+    engine: Any, batch: int, tokens: int, spent: dict[str, float]
+) -> list[dict[str, float]]:
     """Per decode step with every row decoding (the prompts' step left out), for
-    ``batch`` rows of ``tokens``: its seconds, and the seconds of ``spent`` (what the
-    collectives add to it) in it."""
+    ``batch`` rows of ``tokens``: its seconds (``step``), and the seconds each timed part
+    of ``spent`` took in it."""
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -75,72 +79,99 @@ def decode_steps(
         engine.add_request(f"b{batch}-{row}", [1 + row, 7, 11, 13, 17, 19, 23, 29], params)
     steps = []
     while engine.has_unfinished_requests():
-        spent[0] = 0.0
+        for name in spent:
+            spent[name] = 0.0
         started = time.perf_counter()
         deltas = engine.step_deltas()
         if len(deltas) == batch and all(d.start is None for d in deltas):
-            steps.append((time.perf_counter() - started, spent[0]))
+            steps.append({"step": time.perf_counter() - started, **spent})
     return steps
 
 
-def run_side(rank: int, size: int, model_dir: str, init: str, tokens: int, out: str) -> None:
-    """One rank (of ``size``): its engine, the decode steps and, on rank 0 of a split
-    model, the collectives' time per step; rank 0 writes its figures as JSON."""
-    import torch
+def timed(owner: Any, name: str, spent: dict[str, float], key: str) -> None:
+    """Replaces ``owner.name`` (a callable) by one that adds its seconds to ``spent[key]``."""
+    inner = getattr(owner, name)
 
+    def call(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[key] += time.perf_counter() - started
+
+    setattr(owner, name, call)
+
+
+def run_side(size: int, model_dir: str, tokens: int) -> dict[str, float]:
+    """One side: the engine over ``size`` ranks, its decode steps and what they spent."""
+    from engine.executor.inputs import encode
     from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.parallel.group import TensorParallelGroup
 
-    threads = 2 // size
-    torch.set_num_threads(threads)
-    tp = TensorParallelGroup.join(rank, size, init, timeout_s=120)
-    spent = [0.0]
-    if size > 1:
-        for name in ("all_reduce", "all_gather"):
-            collective = getattr(tp, name)
-
-            def timed(*args: Any, _collective: Any = collective, **kwargs: Any) -> Any:
-                started = time.perf_counter()
-                try:
-                    return _collective(*args, **kwargs)
-                finally:
-                    spent[0] += time.perf_counter() - started
-
-            setattr(tp, name, timed)
     config = EngineConfig(
         model=model_dir,
         dtype="bfloat16",
-        num_threads=threads,
+        num_threads=2,
         kv_cache_memory=256 << 20,
         tensor_parallel_size=size,
     )
-    engine = LLMEngine(config, tp=tp)
+    engine = LLMEngine(config)
+    executor: Any = engine.runner.executor
+    spent = {"forward": 0.0, "model": 0.0}
+    timed(executor, "forward", spent, "forward")
+    for name in ("model", "decode_model"):
+        timed(executor, name, spent, "model")
+    if size > 1:
+        spent.update(collectives=0.0, broadcast=0.0)
+        tp = executor.ranks.tp
+        for name in ("all_reduce", "all_gather"):  # the layers call them on this object
+            timed(tp, name, spent, "collectives")
+        timed(executor.ranks, "send", spent, "broadcast")
+        # Encoding is the broadcast's too: timed around the module's function.
+        import engine.executor.multiproc as multiproc
+
+        def encode_timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return encode(*args, **kwargs)
+            finally:
+                spent["broadcast"] += time.perf_counter() - started
+
+        multiproc.encode = encode_timed
     decode_steps(engine, 1, 8, spent)  # warm: first calls, allocations
     figures: dict[str, float] = {}
     for batch in BATCHES:
         steps = decode_steps(engine, batch, tokens, spent)
-        figures[f"step_ms_bs{batch}"] = round(statistics.median(s for s, _ in steps) * 1e3, 2)
-        collectives = statistics.median(c for _, c in steps)
-        figures[f"collectives_ms_bs{batch}"] = round(collectives * 1e3, 3)
-    if rank == 0:
-        Path(out).write_text(json.dumps(figures))
-    tp.close()
+        figures[f"step_ms_bs{batch}"] = round(statistics.median(s["step"] for s in steps) * 1e3, 2)
+        if size > 1:
+            for part in ("collectives", "broadcast"):
+                median = statistics.median(s[part] for s in steps)
+                figures[f"{part}_ms_bs{batch}"] = round(median * 1e3, 3)
+        else:
+            overhead = statistics.median(s["forward"] - s["model"] for s in steps)
+            figures[f"executor_ms_bs{batch}"] = round(overhead * 1e3, 4)
+    engine.close()
+    return figures
 
 
 def side(size: int, model_dir: Path, tokens: int) -> dict[str, float]:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as scratch:
-        out = str(Path(scratch) / "figures.json")
-        init = f"file://{Path(scratch) / 'rendezvous'}"
-        mp.start_processes(
-            run_side,
-            args=(size, str(model_dir), init, tokens, out),
-            nprocs=size,
-            start_method="spawn",
-        )
-        figures: dict[str, float] = json.loads(Path(out).read_text())
-        return figures
+    """``run_side`` in a fresh process (``--side``): its last line is its figures."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--side",
+            str(size),
+            "--model-dir",
+            str(model_dir),
+            "--tokens",
+            str(tokens),
+        ],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures
 
 
 def main() -> None:
@@ -153,8 +184,12 @@ def main() -> None:
         default=Path(tempfile.gettempdir()) / "tandem-bench-parallel-model",
         help="where the random model is made (once) and read from",
     )
+    parser.add_argument("--side", type=int, help=argparse.SUPPRESS)  # one side, in its process
     args = parser.parse_args()
     tokens = 32 if args.quick else args.tokens
+    if args.side:
+        print(json.dumps(run_side(args.side, str(args.model_dir), tokens)))
+        return
     make_model(args.model_dir)
     tp1 = side(1, args.model_dir, tokens)
     print(f"TP 1, 2 threads: {tp1}", flush=True)
