@@ -72,6 +72,14 @@ def add_in_process_generate(parser: Any) -> Callable[[argparse.Namespace], int]:
     parser.add_argument(
         "--adaptive", action="store_true", help="choose K per step from measured costs"
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N ranks, each a process of its own (a Llama-3 model whose "
+        "heads divide by N); on CPU each rank gets its share of --threads (default: 1)",
+    )
     return _generate
 
 
@@ -148,6 +156,8 @@ def _generate(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             speculative=speculative,
             torch_compile=args.torch_compile,
+            num_threads=args.threads,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
         load_s = time.perf_counter() - start
         tokenizer = llm.tokenizer
@@ -157,6 +167,7 @@ def _generate(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=True)  # progress on stderr
         gen_s = time.perf_counter() - start
+        llm.close()
     except ValueError as exc:  # config, weight, request and sampling errors name the problem
         print(f"tandem generate: error: {exc}", file=sys.stderr)
         return 2

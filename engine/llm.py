@@ -13,7 +13,9 @@ from engine.sampling_params import SamplingParams
 
 
 class LLM:
-    """Loads a model once and generates for batches of prompts (text or token ids)."""
+    """Loads a model once and generates for batches of prompts (text or token ids).
+    ``engine_kwargs`` are EngineConfig's: ``tensor_parallel_size=N`` splits the model over N
+    ranks, each a process of its own."""
 
     def __init__(
         self,
@@ -60,6 +62,11 @@ class LLM:
                         bar.update(1)
                 bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.1f}")
         return [finished[i] for i in ids]
+
+    def close(self) -> None:
+        """Stops the engine's other tensor-parallel ranks, if any (also done when the
+        interpreter exits)."""
+        self.engine.close()
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

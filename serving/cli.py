@@ -81,6 +81,15 @@ def register_serve(subparsers: Any) -> None:
     )
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--threads", type=int, help="torch threads per process (default: shared)")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --colocate: each worker splits the model over N ranks, each a process of "
+        "its own, sharing the worker's threads (a Llama-3 model whose heads divide by N); "
+        "runs eagerly for now (default: 1)",
+    )
     parser.add_argument("--kv-cache-memory", type=int, help="KV cache bytes per worker")
     parser.add_argument("--block-size", type=int, help="tokens per KV block")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
@@ -153,6 +162,14 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.tensor_parallel_size > 1 and not args.colocate:
+        print(
+            f"tandem serve: error: --tensor-parallel-size {args.tensor_parallel_size}: needs "
+            "--colocate (KV transfer between split prefill and decode workers is not built "
+            "yet)",
+            file=sys.stderr,
+        )
+        return 2
     num_prefill = 0 if args.colocate else (1 if args.prefill is None else args.prefill)
     try:
         model = str(resolve_model(args.model))
@@ -170,6 +187,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tandem serve: error: {e}", file=sys.stderr)
         return 2
     worker_args = ["--dtype", args.dtype]
+    if args.tensor_parallel_size > 1:
+        worker_args += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     for option, value in (
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--block-size", args.block_size),

@@ -40,6 +40,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--threads", type=int, help="torch CPU threads of this process")
     group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N ranks, each a process of its own started by this one, "
+        "one worker in the ledger (a Llama-3 model whose heads divide by N); on CPU each "
+        "rank gets its share of --threads; runs eagerly for now. Co-located workers only: "
+        "KV transfer between split prefill and decode workers is not built yet (default: 1)",
+    )
+    group.add_argument(
         "--attention-backend",
         choices=("auto", "torch", "triton", "flash_attn"),  # engine.attention.BACKENDS
         default="auto",
@@ -121,13 +131,25 @@ def add_speculation_arguments(group: argparse._ActionsContainer) -> None:
     )
 
 
-def check_engine_arguments(args: argparse.Namespace, prog: str) -> bool:
+def check_engine_arguments(
+    args: argparse.Namespace, prog: str, *, transfers_kv: bool = False
+) -> bool:
     """False (with the error on stderr) for ``--eager`` with ``--torch-compile``, a
-    ``--draft-method`` that does not fit ``--draft``, or ``--no-adaptive-speculation``
-    without any draft; a lone ``--torch-compile`` gets a note."""
+    ``--draft-method`` that does not fit ``--draft``, ``--no-adaptive-speculation``
+    without any draft, or a split model on a worker that sends or receives KV
+    (``transfers_kv``); a lone ``--torch-compile`` gets a note."""
     why = draft_method_error(args.draft, args.draft_method)
     if args.suffix_cache_tokens < 0:
         why = f"--suffix-cache-tokens: must be 0 or more, got {args.suffix_cache_tokens}"
+    size = getattr(args, "tensor_parallel_size", 1)
+    if size < 1:
+        why = f"--tensor-parallel-size: must be at least 1, got {size}"
+    elif size > 1 and transfers_kv:
+        why = (
+            f"--tensor-parallel-size {size}: KV transfer between split prefill and decode "
+            "workers is not built yet; a co-located worker (`tandem colocated`, or `tandem "
+            "serve --colocate`) runs a split model"
+        )
     if why:
         print(f"{prog}: error: {why}", file=sys.stderr)
         return False
@@ -256,7 +278,9 @@ def build_engine(
         num_threads=args.threads,
         speculative=speculative,
         preemption=preemption,
-        torch_compile=is_decoding and not args.eager,
+        # Split, the ranks run eagerly for now (EngineConfig refuses torch_compile).
+        torch_compile=is_decoding and not args.eager and args.tensor_parallel_size == 1,
+        tensor_parallel_size=args.tensor_parallel_size,
         attention_backend=args.attention_backend,
         kernels=args.kernels,
         grammar_compile_timeout_s=args.grammar_compile_timeout_s,

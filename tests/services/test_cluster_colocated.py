@@ -1,10 +1,11 @@
-"""`tandem serve --colocate` on a tiny random model: a router and one co-located worker
-(`python -m colocated_worker`: a prefill and a decode worker in one process over one
-engine, routed to as a pair, the KV computed into the reserved blocks and handed over in
-process), a real redis-server, loopback gRPC. Greedy output, the draft's counters, logprobs and
-prompt logprobs equal the in-process engine's; requests preempted for lack of KV blocks
-come back to the same worker and resume exactly; cancelling frees every block; the
-ledger ends clean."""
+"""`tandem serve --colocate --tensor-parallel-size 2` on a tiny random model: a router and
+one co-located worker (`python -m colocated_worker`: a prefill and a decode worker in one
+process over one engine, routed to as a pair, the KV computed into the reserved blocks and
+handed over in process) whose model is split over two ranks (the worker's process is rank
+0, rank 1 a process it started), a real redis-server, loopback gRPC. Greedy output, the
+draft's counters, logprobs and prompt logprobs equal the in-process engine's; requests
+preempted for lack of KV blocks come back to the same worker and resume exactly;
+cancelling frees every block; the ledger ends clean."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 import redis
 import torch
@@ -83,8 +85,12 @@ def cluster(
     model_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     target, draft = model_dirs
-    # The worker's cache: NUM_BLOCKS blocks, sized from the engine's own bytes per block.
-    block_bytes = (1 << 30) // reference_engine(target, draft).block_manager.num_blocks
+    # The worker's cache: NUM_BLOCKS blocks, sized from rank 0's bytes per block (it holds
+    # the draft's KV and half the target's: one of its two KV heads); rank 1 holds more.
+    engine = reference_engine(target, draft)
+    assert engine.spec is not None and engine.spec.draft_kv is not None
+    block_bytes = engine.kv_cache.params.bytes_per_block // 2
+    block_bytes += engine.spec.draft_kv.params.bytes_per_block
     spec = tiny_cluster_spec(
         target,
         tmp_path_factory.mktemp("logs_colocated"),
@@ -93,7 +99,11 @@ def cluster(
         adaptive_speculation=False,  # K every step: counters as one engine's
         num_prefill=0,
         colocate=True,
-        worker_args=(*TINY_WORKER_ARGS, "--kv-cache-memory", str(NUM_BLOCKS * block_bytes)),
+        worker_args=(
+            *TINY_WORKER_ARGS,
+            *("--kv-cache-memory", str(NUM_BLOCKS * block_bytes)),
+            *("--tensor-parallel-size", "2"),
+        ),
     )
     started = Cluster(spec).start(timeout_s=120)
     try:
@@ -124,6 +134,10 @@ async def test_greedy_with_draft_and_logprobs_equal_the_engine(
     assert cluster.prefill == [] and len(cluster.decode) == 1
     (worker,) = ledger.list_workers(WorkerRole.DECODE)
     assert worker.stats["prefills_in_place"] == "1"
+    # Its model is split: rank 1 runs in a process of the worker's own.
+    children = psutil.Process(cluster.decode[0].process.pid).children()
+    ranks = [c for c in children if "engine.executor.worker" in c.cmdline()]
+    assert len(ranks) == 1 and "--rank" in ranks[0].cmdline()
     assert ledger.list_workers(WorkerRole.PREFILL) == []
 
     token_prompts = prompts(8, seed=1)  # test_cluster_tiny's: some drafts are accepted
