@@ -21,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from engine.engine_figures import engine_stats
+from engine.executor.multiproc import RankLost
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
 from serving.engine_commands import EngineCommand, ReadOwnedBlocks
@@ -256,6 +259,8 @@ class EngineLoop(Generic[Payload]):
                 try:
                     deltas = engine.step_deltas()
                     payloads = [listener.on_step(engine, deltas) for listener in self._listeners]
+                except RankLost as e:  # not the requests' fault: they move elsewhere
+                    exit_worker(str(e))
                 except Exception as e:
                     log.exception("engine step failed")
                     self.stats = engine_stats(engine)
@@ -269,6 +274,17 @@ class EngineLoop(Generic[Payload]):
 
     def _is_busy(self) -> bool:
         return self.engine.has_unfinished_requests()
+
+
+EXIT_RANK_LOST = 3  # a split worker's exit code when one of its ranks ended
+
+
+def exit_worker(why: str) -> None:
+    """A rank of this worker's split engine has ended: the worker ends at once, so that
+    the router moves its requests and the supervisor starts the worker (all its ranks)
+    again, rather than failing them or serving on with an engine that cannot step."""
+    print(f"{why}: this worker exits (code {EXIT_RANK_LOST})", file=sys.stderr, flush=True)
+    os._exit(EXIT_RANK_LOST)
 
 
 def _resolve(future: asyncio.Future[Any], result: Any) -> None:

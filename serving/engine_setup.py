@@ -249,6 +249,7 @@ def build_engine(
     from engine.model_store import use_compile_cache
     from engine.spec.config import SpeculativeConfig
     from engine.spec.suffix import SuffixConfig
+    from serving.engine_loop import exit_worker
 
     use_compile_cache()  # before anything compiles
     speculative = None
@@ -287,7 +288,9 @@ def build_engine(
         warm_up=True,  # before health turns SERVING: no request pays for lazy set-up
         build_cpu_kernels=False,  # workers only load a prebuilt CPU kernels extension
     )
-    return LLMEngine(config, tokenizer=load_tokenizer(spec.model_dir))
+    engine = LLMEngine(config, tokenizer=load_tokenizer(spec.model_dir))
+    engine.runner.executor.on_rank_lost(exit_worker)  # serving.engine_loop's
+    return engine
 
 
 def draft_config(engine: LLMEngine, spec: ModelSpec) -> worker_pb2.DraftConfig | None:

@@ -25,7 +25,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,11 @@ from engine.parallel.group import DEFAULT_TIMEOUT_S, TensorParallelGroup
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 5.0  # for a rank to leave once told to, before it is killed
+WATCH_EVERY_S = 0.1  # how often the ranks' processes are looked at
+
+
+class RankLost(RuntimeError):
+    """A rank of a split engine has ended: the engine cannot step again."""
 
 
 def rank_threads(config: RankConfig) -> int:
@@ -66,6 +73,10 @@ class RankGroup:
         self.tp, self.channel, self.processes = tp, channel, processes
         self._rendezvous = rendezvous
         self._closed = False
+        # Told (on a thread of its own) when a rank's process ends while the group is open.
+        self.on_lost: Callable[[str], None] | None = None
+        self._watcher = threading.Thread(target=self._watch, name="tp-ranks", daemon=True)
+        self._watcher.start()
 
     @property
     def size(self) -> int:
@@ -133,13 +144,31 @@ class RankGroup:
         return group
 
     def check(self) -> None:
-        """Raises if a rank's process has ended."""
+        """Raises ``RankLost`` if a rank's process has ended."""
+        why = self._lost()
+        if why is not None:
+            raise RankLost(why)
+
+    def _lost(self) -> str | None:
         for rank, process in enumerate(self.processes, start=1):
             if process.poll() is not None:
-                raise RuntimeError(
+                return (
                     f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
-                    f"{process.returncode}; this worker cannot go on without it"
+                    f"{process.returncode}; the engine cannot go on without it"
                 )
+        return None
+
+    def _watch(self) -> None:
+        """Tells ``on_lost`` of the first rank that ends while the group is open, idle or
+        not (a step would find it only when it ran)."""
+        while not self._closed:
+            why = self._lost()
+            if why is not None and not self._closed:
+                logger.error("%s", why)
+                if self.on_lost is not None:
+                    self.on_lost(why)
+                return
+            time.sleep(WATCH_EVERY_S)
 
     def send(self, message: torch.Tensor) -> None:
         self.channel.send(message, self.check)
@@ -153,7 +182,7 @@ class RankGroup:
         try:
             if all(p.poll() is None for p in self.processes):
                 self.channel.send(stop_message(), self.check)
-        except RuntimeError:
+        except RankLost:
             pass  # a rank is gone: the others leave once they see rank 0 gone, or are killed
         _stop(self.processes, STOP_TIMEOUT_S)
         self.channel.close()
@@ -193,6 +222,9 @@ class MultiprocExecutor(UniprocExecutor):
     def forward(self, inputs: ForwardInputs, *, compiled: bool = False) -> ModelOutputs:
         self.ranks.send(encode(inputs, compiled=compiled))
         return super().forward(inputs, compiled=compiled)
+
+    def on_rank_lost(self, fn: Callable[[str], None]) -> None:
+        self.ranks.on_lost = fn
 
     def close(self) -> None:
         self.ranks.close()

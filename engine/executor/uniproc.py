@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -55,6 +56,9 @@ class UniprocExecutor:
     def compiled_forward(self) -> TargetForward:
         """What speculative verification calls: ``forward`` through the compiled model."""
         return functools.partial(self.forward, compiled=True)
+
+    def on_rank_lost(self, fn: Callable[[str], None]) -> None:
+        """``fn(why)`` runs (on a thread of its own) if a rank's process ends: never, here."""
 
     def close(self) -> None:
         """Nothing to stop in this process."""

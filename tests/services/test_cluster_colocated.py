@@ -5,7 +5,9 @@ handed over in process) whose model is split over two ranks (the worker's proces
 0, rank 1 a process it started), a real redis-server, loopback gRPC. Greedy output, the
 draft's counters, logprobs and prompt logprobs equal the in-process engine's; requests
 preempted for lack of KV blocks come back to the same worker and resume exactly;
-cancelling frees every block; the ledger ends clean."""
+cancelling frees every block; the ledger ends clean. A rank killed mid-stream takes its
+worker down at once; the supervisor starts it again, ranks and all, and its streams
+complete."""
 
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ from tests.engine.tiny_models import build_tiny_llama
 from tests.services.cluster_helpers import (
     TINY_VOCAB,
     TINY_WORKER_ARGS,
+    assert_greedy_equal,
     check_stream,
+    engine_greedy,
     run,
     start_streams,
     tiny_cluster_spec,
@@ -258,3 +262,50 @@ async def test_its_prefill_side_serves_only_its_own_decode_side(
             await stub.Prefill(unreserved, timeout=10)
         assert "has no reservation here" in (info.value.details() or "")
     assert (await worker_stats(cluster.decode[0])).num_kv_blocks_used == 0
+
+
+FAULT_TOKENS = 200  # long enough that every stream is mid-way when the rank is killed
+FAULT_PROMPTS = [[(7 * i + 5 * j) % 61 + 3 for j in range(4 + 5 * i)] for i in range(3)]
+
+
+def rank_processes(worker_pid: int) -> list[psutil.Process]:
+    """The worker's other tensor-parallel ranks: processes it started."""
+    children = psutil.Process(worker_pid).children()
+    return [c for c in children if "engine.executor.worker" in c.cmdline()]
+
+
+def has_ended(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.last
+async def test_a_killed_rank_takes_its_worker_down_and_it_comes_back_whole(
+    cluster: Cluster, ledger: Ledger, model_dirs: tuple[Path, Path]
+) -> None:
+    """Rank 1 SIGKILLed mid-stream: the worker exits at once (code 3), the supervisor
+    starts it again with both its ranks, and the streams it carried resume there and
+    complete with the target's greedy tokens; no process of the old worker is left."""
+    from tests.chaos.test_cluster_supervisor import supervising
+
+    target, _ = model_dirs
+    worker = cluster.decode[0]
+    old_pid = worker.process.pid
+    (old_rank,) = rank_processes(old_pid)
+    with supervising(cluster) as lines:
+        streams = await start_streams(
+            cluster.router_address, FAULT_PROMPTS, FAULT_TOKENS, min_tokens=8
+        )
+        old_rank.kill()
+        assert max(streams.counts) < FAULT_TOKENS, "a stream ended before the kill"
+        results = await streams.results()
+        assert any("colocated-0 died (exit code 3); restarting it" in line for line in lines)
+        assert worker.process.pid != old_pid and worker.num_restarts == 1
+    ours = [check_stream(chunks, FAULT_TOKENS) for chunks in results]
+    assert_greedy_equal(
+        target, FAULT_PROMPTS, ours, engine_greedy(target, FAULT_PROMPTS, FAULT_TOKENS)
+    )
+    assert has_ended(old_rank) and not psutil.pid_exists(old_pid)
+    assert len(rank_processes(worker.process.pid)) == 1  # the new worker's own rank 1
