@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import shlex
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,9 +29,15 @@ def built_config(
     """A worker's parsed ``argv`` (after REQUIRED) and the EngineConfig it builds from them
     (LLMEngine replaced by a recorder; the model is ``tmp_path``)."""
     built: list[Any] = []
-    monkeypatch.setattr(
-        "engine.llm_engine.LLMEngine", lambda config, tokenizer: built.append(config)
-    )
+
+    class Recorder:
+        """Records the config; has what build_engine then calls (an executor's hook)."""
+
+        def __init__(self, config: Any, tokenizer: Any) -> None:
+            built.append(config)
+            self.runner = SimpleNamespace(executor=SimpleNamespace(on_rank_lost=built.append))
+
+    monkeypatch.setattr("engine.llm_engine.LLMEngine", Recorder)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     parser = argparse.ArgumentParser()
     (decode_cli if is_decoding else prefill_cli).add_arguments(parser)
@@ -38,7 +45,10 @@ def built_config(
     draft = Path(args.draft) if args.draft else None
     spec = engine_setup.ModelSpec(tmp_path, "m", draft, args.num_draft_tokens, args.draft_method)
     engine_setup.build_engine(spec, args, is_decoding=is_decoding)
-    (config,) = built
+    from serving.engine_loop import exit_worker
+
+    config, on_rank_lost = built
+    assert on_rank_lost is exit_worker  # a split engine's lost rank ends the worker
     return args, config
 
 
