@@ -41,7 +41,14 @@ from engine.outputs import (
     RequestStart,
 )
 from engine.sequence import FinishReason
-from kv_transfer import KvLayout, KvReceiver, TransferState, add_kv_transfer_servicer, host_id
+from kv_transfer import (
+    KV_WIRE_VERSION,
+    KvLayout,
+    KvReceiver,
+    TransferState,
+    add_kv_transfer_servicer,
+    host_id,
+)
 from ledger.membership import HeldRequest, Membership
 from serving.engine_commands import ReadBlockTables, Reserve, StartDecoding
 from serving.engine_loop import EngineLoop, TorchThread
@@ -330,6 +337,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             "prefills_in_place": int(self.is_colocated),
             # Streams after a first token the router sent (DecodeRequest.is_first_token_sent).
             "first_token_from_router": 1,
+            "kv_wire_version": KV_WIRE_VERSION,  # routers pair workers of one version
             **draft_figures(self.draft),
         }
         return stats.load, figures

@@ -3,6 +3,7 @@ transport (loopback, gRPC, same-host shared memory), and the in-process hand-ove
 co-located worker, whose prefill writes the reserved blocks itself."""
 
 from kv_transfer.base import (
+    KV_WIRE_VERSION,
     Handshake,
     KvLayout,
     KvPool,
@@ -27,6 +28,7 @@ from kv_transfer.shm_channel import ShmChannel, make_sender, shm_sender
 from kv_transfer.shm_transport import ShmAttacher, ShmRingPool, host_id
 
 __all__ = [
+    "KV_WIRE_VERSION",
     "Channel",
     "ChunkedKvSender",
     "Destination",

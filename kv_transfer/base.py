@@ -109,6 +109,12 @@ def parse_layout_name(name: str) -> tuple[int, int]:
     return tensors[target], tensors[draft or target]
 
 
+# The KV handshake's version (KvHandshake.wire_version): bumped by every change to what
+# sender and receiver must agree on (tensor-parallel layouts, data-parallel ranks,
+# adapters), so that workers of different versions refuse each other.
+KV_WIRE_VERSION = 1
+
+
 @dataclass(frozen=True)
 class KvLayout:
     """What one request's KV looks like; sender and receiver must agree on every field."""
@@ -120,6 +126,7 @@ class KvLayout:
     draft: PoolShape | None = None
     draft_fingerprint: str = ""  # the drafter's config fingerprint; "" without a draft
     layout: str = ""  # "": ``layout_name`` of the pools
+    wire_version: int = KV_WIRE_VERSION  # the handshake's; a sender's may be older
 
     def __post_init__(self) -> None:
         if not self.layout:
@@ -169,6 +176,7 @@ class KvLayout:
         """The KvHandshake fields this layout sets, by their wire names."""
         draft = self.draft or PoolShape(1, self.target.num_kv_heads, self.target.head_dim)
         return {
+            "wire_version": self.wire_version,
             "model": self.model,
             "dtype": dtype_name(self.dtype),
             "block_size": self.block_size,
@@ -226,6 +234,7 @@ class KvLayout:
             draft=draft,
             draft_fingerprint=hs.draft_fingerprint,
             layout=hs.layout,
+            wire_version=hs.wire_version,
         )
 
 

@@ -21,7 +21,14 @@ from typing import Any, TypeVar
 import redis
 
 from engine.llm_engine import LLMEngine
-from kv_transfer import Handshake, KvLayout, ShmRingPool, TransferOptions, make_sender
+from kv_transfer import (
+    KV_WIRE_VERSION,
+    Handshake,
+    KvLayout,
+    ShmRingPool,
+    TransferOptions,
+    make_sender,
+)
 from ledger.ledger import WorkerRole
 from ledger.membership import HeldRequest, Membership
 from prefill_worker.kv_push import LayerPush, LayerRelay
@@ -196,6 +203,7 @@ class PrefillWorkerService(PrefillCalls):
             "num_requests": len(self._tasks),
             "num_free_blocks": stats.num_free_blocks,
             "draining": int(self.is_draining),
+            "kv_wire_version": KV_WIRE_VERSION,  # routers pair workers of one version
             **draft_figures(self.draft),
         }
         return self._load(), figures

@@ -42,6 +42,9 @@ MAX_AFFINITY_IMBALANCE = 2  # in-flight requests a warm worker may have over the
 UNREACHABLE_S = 30.0  # a worker whose connection broke is passed over this long (same epoch)
 WORKER_WAIT_S = 5.0  # a request's wait for a live pair, once the router has had one
 REGISTRY_REFRESH_S = 0.25  # how long the router keeps one read of the worker registry
+# Heartbeat figures a prefill worker and the decode worker it pushes to must share: the KV
+# handshake's version (a rolling update never pairs two versions) and the draft.
+PAIRED_BY = ("kv_wire_version", "draft_fingerprint")
 
 
 def is_colocated(worker: WorkerInfo) -> bool:
@@ -220,14 +223,13 @@ class WorkerPicker:
         return self._least_loaded(workers, role)
 
     def decoders_for(self, prefill: WorkerInfo) -> list[WorkerInfo]:
-        """Live decode workers that can take KV from ``prefill`` (same draft fingerprint);
-        for a co-located ``prefill``, the co-located workers (any of them may serve the
-        request whole)."""
-        fingerprint = prefill.stats.get("draft_fingerprint", "")
+        """Live decode workers that can take KV from ``prefill`` (the same KV wire version
+        and draft fingerprint); for a co-located ``prefill``, the co-located workers (any
+        of them may serve the request whole)."""
         return [
             w
             for w in self.workers(WorkerRole.DECODE)
-            if w.stats.get("draft_fingerprint", "") == fingerprint
+            if all(w.stats.get(k, "") == prefill.stats.get(k, "") for k in PAIRED_BY)
             and (is_colocated(w) or not is_colocated(prefill))
         ]
 

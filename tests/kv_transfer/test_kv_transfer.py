@@ -33,7 +33,7 @@ from kv_transfer import (
     make_sender,
     shm_sender,
 )
-from kv_transfer.base import RunPair, merge_runs, split_runs
+from kv_transfer.base import KV_WIRE_VERSION, RunPair, merge_runs, split_runs
 from kv_transfer.checksum import checksum_kind
 from kv_transfer.wire import encode_chunk_message, split_push_message
 from tandem.v1 import kv_transfer_pb2 as pb
@@ -119,6 +119,18 @@ def test_layout_mismatch_names_the_field() -> None:
     assert receiver.fingerprint() != sender.fingerprint()
     wire = sender.to_handshake("r", 0, pb.CHECKSUM_KIND_CRC32)
     assert KvLayout.from_handshake(wire) == sender
+    assert wire.wire_version == KV_WIRE_VERSION
+
+
+async def test_a_sender_of_another_wire_version_is_refused_naming_it() -> None:
+    layout = layout_for(torch.float32)
+    receiver = KvReceiver()
+    receiver.reserve(KvReservation("r1", DST_IDS, make_pools(layout, DST_SEED), layout))
+    messages = _chunks(layout, make_pools(layout, SRC_SEED))
+    messages[0].handshake.wire_version = 0  # a sender from before versions
+    reply = await receiver.receive(_stream(messages))
+    assert reply.status == pb.KV_PUSH_STATUS_INCOMPATIBLE
+    assert reply.message == f"wire_version: sender has 0, receiver expects {KV_WIRE_VERSION}"
 
 
 def test_chunk_data_is_appended_and_split_off_without_protobuf() -> None:

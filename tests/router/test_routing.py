@@ -21,6 +21,7 @@ def join(
     load: float,
     fp: str = "",
     colocated: bool = False,
+    wire_version: int = 1,
 ) -> None:
     epoch = ledger.register_worker(
         worker_id, role=role, address=f"{worker_id}:1", capacity=1, ttl_ms=60_000
@@ -30,6 +31,7 @@ def join(
         "draining": 0,
         "draft_fingerprint": fp,
         "prefills_in_place": int(colocated),
+        "kv_wire_version": wire_version,
     }
     ledger.heartbeat(worker_id, epoch=epoch, ttl_ms=60_000, load=load, stats=stats)
 
@@ -158,6 +160,19 @@ def test_ready_takes_a_matching_pair_or_a_colocated_worker(ledger: Ledger) -> No
     colocated = WorkerPicker(alone, "m", refresh_s=0.0)
     join(alone, "c0", WorkerRole.DECODE, 0.1, colocated=True)
     assert colocated.is_ready()
+
+
+def test_workers_of_different_kv_wire_versions_are_never_paired(ledger: Ledger) -> None:
+    """A rolling update: a decode worker of the next version does not take the KV of a
+    prefill worker of this one, however less loaded it is."""
+    join(ledger, "p0", WorkerRole.PREFILL, 0.1)
+    join(ledger, "d_next", WorkerRole.DECODE, 0.0, wire_version=2)
+    picker = WorkerPicker(ledger, "m", refresh_s=0.0)
+    assert not picker.is_ready()
+    join(ledger, "d0", WorkerRole.DECODE, 0.9)
+    p, d = picker.pick()
+    assert (p.worker_id, d.worker_id) == ("p0", "d0")
+    assert [w.worker_id for w in picker.decoders_for(p)] == ["d0"]
 
 
 def test_a_colocated_worker_is_its_own_prefill_worker(ledger: Ledger) -> None:

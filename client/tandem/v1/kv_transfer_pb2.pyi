@@ -173,6 +173,7 @@ class KvHandshake(_message.Message):
     NUM_DRAFT_KV_HEADS_FIELD_NUMBER: _builtins.int
     DRAFT_HEAD_DIM_FIELD_NUMBER: _builtins.int
     SHM_FIELD_NUMBER: _builtins.int
+    WIRE_VERSION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request whose reserved blocks receive the KV."""
     model: _builtins.str
@@ -205,6 +206,12 @@ class KvHandshake(_message.Message):
     """Draft KV heads per layer; 0: same as num_kv_heads."""
     draft_head_dim: _builtins.int
     """Draft head dimension; 0: same as head_dim."""
+    wire_version: _builtins.int
+    """The sender's KV wire version (kv_transfer.base.KV_WIRE_VERSION); a receiver of
+    another version refuses the push (INCOMPATIBLE), and routers pair only workers of one
+    version (their heartbeat's kv_wire_version), so that a rolling update never mixes
+    them. 0: a sender from before versions. Every change to this handshake bumps it.
+    """
     @_builtins.property
     def shm(self) -> Global___ShmSegment:
         """Set when sender and receiver share a host: every chunk but the last (is_last) travels
@@ -230,10 +237,11 @@ class KvHandshake(_message.Message):
         num_draft_kv_heads: _builtins.int = ...,
         draft_head_dim: _builtins.int = ...,
         shm: Global___ShmSegment | None = ...,
+        wire_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "checksum_kind", b"checksum_kind", "decode_epoch", b"decode_epoch", "draft_fingerprint", b"draft_fingerprint", "draft_head_dim", b"draft_head_dim", "dtype", b"dtype", "head_dim", b"head_dim", "layout", b"layout", "model", b"model", "num_draft_kv_heads", b"num_draft_kv_heads", "num_draft_layers", b"num_draft_layers", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "request_id", b"request_id", "shm", b"shm", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "checksum_kind", b"checksum_kind", "decode_epoch", b"decode_epoch", "draft_fingerprint", b"draft_fingerprint", "draft_head_dim", b"draft_head_dim", "dtype", b"dtype", "head_dim", b"head_dim", "layout", b"layout", "model", b"model", "num_draft_kv_heads", b"num_draft_kv_heads", "num_draft_layers", b"num_draft_layers", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "request_id", b"request_id", "shm", b"shm", "total_bytes", b"total_bytes", "wire_version", b"wire_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
