@@ -17,6 +17,7 @@ Timed on rank 0, per decode step:
 
     python bench/parallel.py            # 128 tokens, batches of 1 and 8
     python bench/parallel.py --quick    # 32 tokens
+    python bench/parallel.py --torch-compile    # both sides compiled
 
 The last line is one JSON object: ``tp_over_tp1_bs1`` and ``tp_over_tp1_bs8`` (TP 2's
 decode speed over TP 1's), and per batch the step, collective and broadcast times in ms.
@@ -102,7 +103,7 @@ def timed(owner: Any, name: str, spent: dict[str, float], key: str) -> None:
     setattr(owner, name, call)
 
 
-def run_side(size: int, model_dir: str, tokens: int) -> dict[str, float]:
+def run_side(size: int, model_dir: str, tokens: int, compiled: bool) -> dict[str, float]:
     """One side: the engine over ``size`` ranks, its decode steps and what they spent."""
     from engine.executor.inputs import encode
     from engine.llm_engine import EngineConfig, LLMEngine
@@ -113,6 +114,8 @@ def run_side(size: int, model_dir: str, tokens: int) -> dict[str, float]:
         num_threads=2,
         kv_cache_memory=256 << 20,
         tensor_parallel_size=size,
+        torch_compile=compiled,
+        warm_up=compiled,  # compiled before the steps are timed
     )
     engine = LLMEngine(config)
     executor: Any = engine.runner.executor
@@ -153,7 +156,7 @@ def run_side(size: int, model_dir: str, tokens: int) -> dict[str, float]:
     return figures
 
 
-def side(size: int, model_dir: Path, tokens: int) -> dict[str, float]:
+def side(size: int, model_dir: Path, tokens: int, compiled: bool) -> dict[str, float]:
     """``run_side`` in a fresh process (``--side``): its last line is its figures."""
     done = subprocess.run(
         [
@@ -165,6 +168,7 @@ def side(size: int, model_dir: Path, tokens: int) -> dict[str, float]:
             str(model_dir),
             "--tokens",
             str(tokens),
+            *(["--torch-compile"] if compiled else []),
         ],
         check=True,
         stdout=subprocess.PIPE,
@@ -184,22 +188,28 @@ def main() -> None:
         default=Path(tempfile.gettempdir()) / "tandem-bench-parallel-model",
         help="where the random model is made (once) and read from",
     )
+    parser.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="both sides' decode steps through torch.compile (each rank compiles its shard; "
+        "the collectives run between its graphs)",
+    )
     parser.add_argument("--side", type=int, help=argparse.SUPPRESS)  # one side, in its process
     args = parser.parse_args()
     tokens = 32 if args.quick else args.tokens
     if args.side:
-        print(json.dumps(run_side(args.side, str(args.model_dir), tokens)))
+        print(json.dumps(run_side(args.side, str(args.model_dir), tokens, args.torch_compile)))
         return
     make_model(args.model_dir)
-    tp1 = side(1, args.model_dir, tokens)
+    tp1 = side(1, args.model_dir, tokens, args.torch_compile)
     print(f"TP 1, 2 threads: {tp1}", flush=True)
-    tp2 = side(2, args.model_dir, tokens)
+    tp2 = side(2, args.model_dir, tokens, args.torch_compile)
     print(f"TP 2, 1 thread a rank: {tp2}", flush=True)
     result: dict[str, Any] = {
         f"tp_over_tp1_bs{b}": round(tp1[f"step_ms_bs{b}"] / tp2[f"step_ms_bs{b}"], 3)
         for b in BATCHES
     }
-    setup = {**SHAPE, "dtype": "bfloat16", "tokens": tokens}
+    setup = {**SHAPE, "dtype": "bfloat16", "tokens": tokens, "compiled": args.torch_compile}
     result.update({"tp1": tp1, "tp2": tp2, "setup": setup})
     print(json.dumps(result))
 

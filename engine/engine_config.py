@@ -67,7 +67,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 64
     # Ranks a Llama-3 target is split over (engine.parallel), each in a process of its own
-    # (engine.executor: this one is rank 0); on the torch kernels and eagerly, for now.
+    # (engine.executor: this one is rank 0); on the torch kernels, without CUDA graphs.
     tensor_parallel_size: int = 1
 
     @property
@@ -100,13 +100,11 @@ class EngineConfig:
             self._check_split()
 
     def _check_split(self) -> None:
-        """What tensor parallelism covers for now: eager steps on the torch kernels."""
+        """What tensor parallelism covers for now: the torch kernels, without CUDA graphs."""
         size = self.tensor_parallel_size
         why = ""
         if self.kernels == "triton":
             why = "kernels='triton' (its fused layers have no collectives yet); use 'torch'"
-        elif self.torch_compile:
-            why = "torch_compile (the ranks' steps run eagerly); leave it off"
         elif self.uses_cuda_graphs or self.enable_overlap_scheduler:
             why = "CUDA graphs and overlap scheduling (not captured per rank yet); turn them off"
         if why:

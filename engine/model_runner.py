@@ -16,7 +16,7 @@ from engine import prompt_logprobs
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.executor.inputs import ForwardInputs
 from engine.executor.multiproc import MultiprocExecutor, RankGroup
-from engine.executor.uniproc import UniprocExecutor
+from engine.executor.uniproc import UniprocExecutor, compile_decode_model
 from engine.kv_cache import PagedKVCache
 from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs, ReturnHiddenStates
 from engine.sampler import SamplingTensors, sample, top_logprobs
@@ -24,9 +24,6 @@ from engine.sampling_kernels import TORCH_SAMPLING, SamplingKernels
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, TokenLogprobs
 from engine.structured.rows import SamplingMasks, active_rows, commit_rows
-
-# Graphs one engine's compiled decode forward may hold (dynamo's default is 8).
-DECODE_RECOMPILE_LIMIT = 32
 
 
 @dataclass
@@ -121,47 +118,10 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.sampling_kernels = sampling_kernels  # where filters and draws run
-        # What decode steps call: the model, or torch.compile of it with dynamic shapes
-        # (batch size and context length are symbolic: a graph for one row and one for
-        # several, not one per shape). On CPU inductor fuses the ~40 small ops per layer around
-        # the matrix products into a few kernels; that is most of a batch-1 step's time.
+        # What decode steps call: the model, or its compiled form (engine.executor.uniproc).
         self.decode_model: nn.Module = model
         if compile_decode:
-            # size_asserts off: inductor's wrapper otherwise checks the size and stride of
-            # about 280 buffers on every call, a tenth of a batch-1 step (bench/RESULTS.md).
-            # No guards on the modules' attributes either: the model is fixed once loaded,
-            # and checking them costs a tenth of a batch-1 step too.
-            # Graphs are this engine's own (dynamo otherwise keys them on the code of
-            # ``forward``, shared by every model in the process) and up to
-            # DECODE_RECOMPILE_LIMIT of them: speculative verification adds graphs per
-            # tapped layers and per 1 or several tokens and rows. Past the limit dynamo
-            # runs the forward eagerly without a word; with dynamo's default of 8 shared by
-            # every engine, the speculative engines of a benchmark process ran eagerly.
-            # The KV pools and the modules' own tensors (packed weight panels, rope tables)
-            # keep their shapes for the engine's life: static, not symbols. As symbols
-            # (dynamic=True makes every input's sizes one), the shape guards on their sizes
-            # and strides take most of a warm-up's compile time (bench/RESULTS.md).
-            fixed = [pool for layer in kv_cache.layers for pool in layer]
-            fixed += [
-                value
-                for module in model.modules()
-                for value in vars(module).values()
-                if isinstance(value, torch.Tensor)
-            ]
-            for tensor in fixed:
-                torch._dynamo.mark_static(tensor)
-                if tensor._base is not None:  # a view (the panels): its base is an input too
-                    torch._dynamo.mark_static(tensor._base)
-            self.decode_model = torch.compile(  # type: ignore[call-overload]
-                model,
-                dynamic=True,
-                isolate_recompiles=True,
-                recompile_limit=DECODE_RECOMPILE_LIMIT,
-                options={
-                    "size_asserts": False,
-                    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                },
-            )
+            self.decode_model = compile_decode_model(model, kv_cache)
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device

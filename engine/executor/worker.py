@@ -20,7 +20,7 @@ import torch
 from engine.attention import get_backend, select_backend
 from engine.executor.channel import RankGone, StepChannel
 from engine.executor.inputs import decode
-from engine.executor.uniproc import UniprocExecutor
+from engine.executor.uniproc import UniprocExecutor, compile_decode_model
 from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.models.layers import release_packed_weights, use_packed_gemm
 from engine.parallel.group import TensorParallelGroup
@@ -47,6 +47,7 @@ class RankConfig:
     cpu_gemm: str = "measured"
     build_cpu_kernels: bool = True
     num_threads: int | None = None
+    torch_compile: bool = False
 
     @classmethod
     def of(cls, config: Any) -> RankConfig:
@@ -77,7 +78,9 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     if attention == "auto":
         attention = select_backend(config.device, config.block_size)
     backend = get_backend(attention, device=config.device, block_size=config.block_size)
-    return UniprocExecutor(model, PagedKVCache(params, num_blocks, device), backend)
+    kv_cache = PagedKVCache(params, num_blocks, device)
+    decode_model = compile_decode_model(model, kv_cache) if config.torch_compile else None
+    return UniprocExecutor(model, kv_cache, backend, decode_model)
 
 
 def run_rank(

@@ -80,6 +80,9 @@ class TensorParallelGroup:
     def size(self) -> int:
         return self.shard.size
 
+    # Compiled forwards run the collectives between their graphs (a graph break each),
+    # as the eager code they are: flags read on the host, timeouts, gloo's calls.
+    @torch.compiler.disable
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (a row-parallel layer's partial outputs), in place."""
         if self.shm is not None and self.shm.fits(x):
@@ -88,6 +91,7 @@ class TensorParallelGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    @torch.compiler.disable
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim``, in rank order (vocabulary-parallel
         logits); all ranks' ``x`` have the same shape."""
