@@ -91,6 +91,8 @@ def decode_steps(
 
 def timed(owner: Any, name: str, spent: dict[str, float], key: str) -> None:
     """Replaces ``owner.name`` (a callable) by one that adds its seconds to ``spent[key]``."""
+    import torch
+
     inner = getattr(owner, name)
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -100,7 +102,8 @@ def timed(owner: Any, name: str, spent: dict[str, float], key: str) -> None:
         finally:
             spent[key] += time.perf_counter() - started
 
-    setattr(owner, name, call)
+    # As the collectives are: run between compiled graphs, not traced into them.
+    setattr(owner, name, torch.compiler.disable(call))
 
 
 def run_side(size: int, model_dir: str, tokens: int, compiled: bool) -> dict[str, float]:
