@@ -129,7 +129,7 @@ def run_side(size: int, model_dir: str, tokens: int, compiled: bool) -> dict[str
     if size > 1:
         spent.update(collectives=0.0, broadcast=0.0)
         tp = executor.ranks.tp
-        for name in ("all_reduce", "all_gather"):  # the layers call them on this object
+        for name in ("_all_reduce", "_all_gather"):  # what the collectives, compiled or not, run
             timed(tp, name, spent, "collectives")
         timed(executor.ranks, "send", spent, "broadcast")
         # Encoding is the broadcast's too: timed around the module's function.

@@ -14,10 +14,7 @@ their input.
 from __future__ import annotations
 
 import datetime
-import functools
-import random
-import secrets
-from collections.abc import Callable
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +36,7 @@ class TensorParallelGroup:
     group: dist.ProcessGroup | None  # None at size 1
     shm: shm_collectives.ShmCollectives | None = None  # the ranks' segment, one x86 host
     device: str = "cpu"  # where the group's own collectives' tensors live (NCCL: CUDA)
-    seed_base: int = 0  # rank 0's, agreed at joining: the seeds every rank draws alike
+    key: int = 0  # this group's key in _GROUPS, for the ops compiled graphs call
 
     @classmethod
     def single(cls) -> TensorParallelGroup:
@@ -71,7 +68,8 @@ class TensorParallelGroup:
         )
         device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
         tp = cls(Shard(rank, size), dist.group.WORLD, device=device)
-        tp.seed_base = tp.agree(secrets.randbits(63))
+        tp.key = next(_KEYS)
+        _GROUPS[tp.key] = tp
         if use_shm and backend == "gloo":
             tp.shm = shm_collectives.ShmCollectives.open(rank, size, SHM_SLOT_BYTES, timeout_s)
         return tp
@@ -80,23 +78,33 @@ class TensorParallelGroup:
     def size(self) -> int:
         return self.shard.size
 
-    # Compiled forwards run the collectives between their graphs (a graph break each),
-    # as the eager code they are: flags read on the host, timeouts, gloo's calls.
-    @torch.compiler.disable
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's ``x`` (a row-parallel layer's partial outputs), in place."""
-        if self.shm is not None and self.shm.fits(x):
-            return self.shm.all_reduce(x)
-        if self.group is not None:
-            dist.all_reduce(x, group=self.group)
-        return x
+        """The sum of every rank's ``x`` (a row-parallel layer's partial outputs); in place
+        when run eagerly. A compiled forward calls it as one op of its graph."""
+        if self.group is None:
+            return x
+        if torch.compiler.is_compiling():
+            out: torch.Tensor = torch.ops.tandem.tp_all_reduce(x, self.key)
+            return out
+        return self._all_reduce(x)
 
-    @torch.compiler.disable
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim``, in rank order (vocabulary-parallel
         logits); all ranks' ``x`` have the same shape."""
         if self.group is None:
             return x
+        if torch.compiler.is_compiling():
+            out: torch.Tensor = torch.ops.tandem.tp_all_gather(x, self.key, dim)
+            return out
+        return self._all_gather(x, dim)
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_reduce(x)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def _all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         if self.shm is not None and self.shm.fits(x):
             return self.shm.all_gather(x, dim)
         parts = [torch.empty_like(x) for _ in range(self.size)]
@@ -119,18 +127,40 @@ class TensorParallelGroup:
         dist.all_reduce(held, op=dist.ReduceOp.MIN, group=self.group)
         return int(held.item())
 
-    def seed_source(self) -> Callable[[], int]:
-        """Where the seeds of requests that set none come from: unpredictable ones on one
-        device; on several ranks, one sequence every rank draws alike (from the seed rank 0
-        picked at joining), so that their requests, added alike, sample alike."""
-        if self.group is None:
-            return functools.partial(secrets.randbits, 63)
-        return functools.partial(random.Random(self.seed_base).getrandbits, 63)
-
     def close(self) -> None:
+        _GROUPS.pop(self.key, None)
         if self.shm is not None:
             self.shm.close()
             self.shm = None
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group()
             self.group = None
+
+
+# The groups of this process, by key: the custom ops below take a key, not the group, so
+# that a compiled graph holds them as ops of its own (no graph break per collective, whose
+# small graphs cost as much as compiling saved: bench/RESULTS.md).
+_GROUPS: dict[int, TensorParallelGroup] = {}
+_KEYS = itertools.count(1)
+
+
+@torch.library.custom_op("tandem::tp_all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, key: int) -> torch.Tensor:
+    return _GROUPS[key]._all_reduce(x.clone())
+
+
+@_all_reduce_op.register_fake
+def _(x: torch.Tensor, key: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("tandem::tp_all_gather", mutates_args=())
+def _all_gather_op(x: torch.Tensor, key: int, dim: int) -> torch.Tensor:
+    return _GROUPS[key]._all_gather(x, dim)
+
+
+@_all_gather_op.register_fake
+def _(x: torch.Tensor, key: int, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] *= _GROUPS[key].size
+    return x.new_empty(shape)
