@@ -87,8 +87,8 @@ def register_serve(subparsers: Any) -> None:
         default=1,
         metavar="N",
         help="with --colocate: each worker splits the model over N ranks, each a process of "
-        "its own, sharing the worker's threads (a Llama-3 model whose heads divide by N); "
-        "runs eagerly for now (default: 1)",
+        "its own, sharing the worker's threads (a Llama-3 model whose heads divide by N) "
+        "(default: 1)",
     )
     parser.add_argument("--kv-cache-memory", type=int, help="KV cache bytes per worker")
     parser.add_argument("--block-size", type=int, help="tokens per KV block")

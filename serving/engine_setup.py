@@ -46,7 +46,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="split the model over N ranks, each a process of its own started by this one, "
         "one worker in the ledger (a Llama-3 model whose heads divide by N); on CPU each "
-        "rank gets its share of --threads; runs eagerly for now. Co-located workers only: "
+        "rank gets its share of --threads and compiles its shard. Co-located workers only: "
         "KV transfer between split prefill and decode workers is not built yet (default: 1)",
     )
     group.add_argument(
@@ -279,8 +279,7 @@ def build_engine(
         num_threads=args.threads,
         speculative=speculative,
         preemption=preemption,
-        # Split, the ranks run eagerly for now (EngineConfig refuses torch_compile).
-        torch_compile=is_decoding and not args.eager and args.tensor_parallel_size == 1,
+        torch_compile=is_decoding and not args.eager,
         tensor_parallel_size=args.tensor_parallel_size,
         attention_backend=args.attention_backend,
         kernels=args.kernels,

@@ -1,5 +1,5 @@
-"""`--tensor-parallel-size` on the workers and `tandem serve`: it reaches EngineConfig and
-turns compiling off (split engines run eagerly for now); prefill and decode workers
+"""`--tensor-parallel-size` on the workers and `tandem serve`: it reaches EngineConfig (a
+split decode engine compiles, as one device's does); prefill and decode workers
 refuse it (KV transfer between split workers is not built), co-located ones take it, and
 `tandem serve` passes it to co-located workers only, refusing it without --colocate."""
 
@@ -22,13 +22,17 @@ from tests.serving.test_compile_flags import (
 )
 
 
-def test_a_split_decode_engine_runs_eagerly(
+def test_the_size_reaches_the_engine_config(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     _, config = built_config(monkeypatch, tmp_path, True, ["--tensor-parallel-size", "2"])
+    assert config.tensor_parallel_size == 2 and config.torch_compile
+    _, config = built_config(
+        monkeypatch, tmp_path, True, ["--tensor-parallel-size", "2", "--eager"]
+    )
     assert config.tensor_parallel_size == 2 and not config.torch_compile
     _, config = built_config(monkeypatch, tmp_path, True, [])
-    assert config.tensor_parallel_size == 1 and config.torch_compile
+    assert config.tensor_parallel_size == 1
 
 
 @pytest.mark.parametrize(

@@ -162,6 +162,25 @@ def test_an_exact_draft_is_accepted_whole_at_tp_2(tmp_path: Path) -> None:
     assert stats.num_accepted_tokens == stats.num_draft_tokens
 
 
+def test_compiled_steps_at_tp_2_equal_one_device_without_graph_breaks(model, prompts) -> None:
+    """Each rank compiles its shard; the collectives are ops of rank 0's graphs (as graph
+    breaks, each step would run as a graph per layer half)."""
+    from torch._dynamo.utils import counters
+
+    model_dir, hf = model
+    counters.clear()
+    engine = engine_for(model_dir, 2, torch_compile=True)
+    try:
+        assert engine.runner.decode_model is not engine.runner.model
+        got = run(engine, {str(i): p for i, p in enumerate(prompts)}, GREEDY)
+    finally:
+        engine.close()
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert dict(counters["graph_break"]) == {}
+    ours = [got[str(i)] for i in range(len(prompts))]
+    compare_greedy(hf, prompts, ours, engine_greedy(model_dir, prompts, 12))
+
+
 def test_what_cannot_be_split_is_refused_naming_the_numbers(model) -> None:
     model_dir, _ = model
     config = json.loads((model_dir / "config.json").read_text())
@@ -174,7 +193,6 @@ def test_what_cannot_be_split_is_refused_naming_the_numbers(model) -> None:
         engine_for(model_dir, 3)
     refusals = {
         "kernels='triton'": {"kernels": "triton"},
-        "torch_compile": {"torch_compile": True},
         "CUDA graphs": {"cuda_graphs": True, "speculative": SpeculativeConfig("d")},
     }
     for why, fields in refusals.items():
