@@ -194,8 +194,8 @@ def main() -> None:
     parser.add_argument(
         "--torch-compile",
         action="store_true",
-        help="both sides' decode steps through torch.compile (each rank compiles its shard; "
-        "the collectives run between its graphs)",
+        help="both sides' decode steps through torch.compile (each rank compiles its shard, "
+        "the collectives as ops of its graphs)",
     )
     parser.add_argument("--side", type=int, help=argparse.SUPPRESS)  # one side, in its process
     args = parser.parse_args()

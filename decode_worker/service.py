@@ -338,6 +338,9 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             # Streams after a first token the router sent (DecodeRequest.is_first_token_sent).
             "first_token_from_router": 1,
             "kv_wire_version": KV_WIRE_VERSION,  # routers pair workers of one version
+            # Its KV heads are split this many ways: routers pair only equal layouts (KV
+            # transfer between different ones is not built).
+            "tensor_parallel_size": self.engine.config.tensor_parallel_size,
             **draft_figures(self.draft),
         }
         return stats.load, figures

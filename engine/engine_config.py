@@ -19,7 +19,8 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
-    kv_cache_memory: int | None = None  # bytes; default: kv_cache_memory_fraction of total
+    # bytes (per rank when split); default: kv_cache_memory_fraction of total, per rank
+    kv_cache_memory: int | None = None
     kv_cache_memory_fraction: float = 0.1
     enable_prefix_caching: bool = True
     device: str = "cpu"

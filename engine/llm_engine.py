@@ -68,13 +68,17 @@ class LLMEngine(Disaggregation):
         self._offline_outputs = OutputProcessor(tokenizer)  # step()'s
         self._ahead: AheadStep | None = None  # overlap scheduling: the step in flight
         self.num_steps_ahead = 0  # decode steps launched before the previous one was read
-        if config.torch_compile or config.warm_up:
-            warm_up(self)
-        # After the warm-up: the costs of compiled steps, not of compiling them.
-        if self.spec is not None and config.speculative and config.speculative.adaptive:
-            self.spec.enable_adaptive(
-                config.max_num_seqs, list(range(parts.num_blocks)), self.max_model_len
-            )
+        try:
+            if config.torch_compile or config.warm_up:
+                warm_up(self)
+            # After the warm-up: the costs of compiled steps, not of compiling them.
+            if self.spec is not None and config.speculative and config.speculative.adaptive:
+                self.spec.enable_adaptive(
+                    config.max_num_seqs, list(range(parts.num_blocks)), self.max_model_len
+                )
+        except BaseException:
+            self.close()  # the other ranks, if any
+            raise
         # Loading and compiling leave about a million long-lived objects (modules, graphs,
         # guards, symbolic shapes) that every full collection scans: one took 1.2 s in the
         # middle of a decode step (SmolLM2 compiled, batch 8, 10% of a benchmark run). They

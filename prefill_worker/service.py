@@ -204,6 +204,9 @@ class PrefillWorkerService(PrefillCalls):
             "num_free_blocks": stats.num_free_blocks,
             "draining": int(self.is_draining),
             "kv_wire_version": KV_WIRE_VERSION,  # routers pair workers of one version
+            # Its KV heads are split this many ways: routers pair only equal layouts (KV
+            # transfer between different ones is not built).
+            "tensor_parallel_size": self.engine.config.tensor_parallel_size,
             **draft_figures(self.draft),
         }
         return self._load(), figures

@@ -90,7 +90,11 @@ def register_serve(subparsers: Any) -> None:
         "its own, sharing the worker's threads (a Llama-3 model whose heads divide by N) "
         "(default: 1)",
     )
-    parser.add_argument("--kv-cache-memory", type=int, help="KV cache bytes per worker")
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        help="KV cache bytes per worker (per rank with --tensor-parallel-size)",
+    )
     parser.add_argument("--block-size", type=int, help="tokens per KV block")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument(

@@ -260,6 +260,7 @@ class EngineLoop(Generic[Payload]):
                     deltas = engine.step_deltas()
                     payloads = [listener.on_step(engine, deltas) for listener in self._listeners]
                 except RankLost as e:  # not the requests' fault: they move elsewhere
+                    engine.runner.executor.abandon()
                     exit_worker(str(e))
                 except Exception as e:
                     log.exception("engine step failed")

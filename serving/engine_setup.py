@@ -36,7 +36,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--max-num-seqs", type=int, default=64, help="rows per engine step")
     group.add_argument(
-        "--kv-cache-memory", type=int, help="KV cache bytes (default: 10%% of total memory)"
+        "--kv-cache-memory",
+        type=int,
+        help="KV cache bytes (default: 10%% of total memory); a split model's ranks each "
+        "take this much for their KV heads",
     )
     group.add_argument("--threads", type=int, help="torch CPU threads of this process")
     group.add_argument(

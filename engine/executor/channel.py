@@ -24,7 +24,7 @@ import torch
 
 LINE = 64  # bytes: one cache line per counter
 LABEL = "tandem-tp-steps"
-SLOT_HEADER = 16  # the message's total bytes, this piece's bytes
+SLOT_HEADER = 32  # int64s: the message's number, its total bytes, this piece's offset, bytes
 
 
 class RankGone(RuntimeError):
@@ -53,6 +53,7 @@ class StepChannel:
         self._read = counters[1:, 0]  # pieces each reader has copied out
         self._slots = buffer[(1 + num_readers) * LINE :].view(num_slots, SLOT_HEADER + slot_bytes)
         self._count = int(self._written[0]) if reader is None else int(self._read[reader])
+        self._messages = 0  # the writer's: messages sent
 
     @staticmethod
     def num_bytes(num_readers: int, slot_bytes: int, num_slots: int) -> int:
@@ -101,12 +102,14 @@ class StepChannel:
         """Publishes ``message`` (any dtype, on the host) to every reader."""
         data = message.contiguous().view(-1).view(torch.uint8)
         total = data.numel()
+        self._messages += 1
         at = 0
         while True:
             piece = data[at : at + self.slot_bytes]
             self._wait_free(check_ranks)
             slot = self._slots[self._count % self.num_slots]
-            slot[:SLOT_HEADER].view(torch.int64).copy_(torch.tensor([total, piece.numel()]))
+            header = torch.tensor([self._messages, total, at, piece.numel()])
+            slot[:SLOT_HEADER].view(torch.int64).copy_(header)
             slot[SLOT_HEADER : SLOT_HEADER + piece.numel()].copy_(piece)
             self._count += 1
             self._written[0] = self._count  # after the slot's bytes
@@ -138,11 +141,18 @@ class StepChannel:
         ``parent_pid`` (rank 0) is gone (``RankGone``)."""
         assert self.reader is not None
         pieces: list[torch.Tensor] = []
-        received, total = 0, None
+        received, total, first = 0, None, None
         while total is None or received < total:
             self._wait_written(parent_pid)
             slot = self._slots[self._count % self.num_slots]
-            total, size = slot[:SLOT_HEADER].view(torch.int64).tolist()
+            number, total, offset, size = slot[:SLOT_HEADER].view(torch.int64).tolist()
+            first = number if first is None else first
+            if number != first or offset != received:
+                raise RuntimeError(
+                    f"step channel: message {first} was cut off at byte {received} (the "
+                    f"next piece is message {number}'s from byte {offset}); rank 0 failed "
+                    "while sending it"
+                )
             pieces.append(slot[SLOT_HEADER : SLOT_HEADER + size].clone())
             received += size
             self._count += 1

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -41,6 +42,7 @@ from engine.executor.worker import RankConfig
 from engine.kv_cache import PagedKVCache
 from engine.models.llama3 import ModelOutputs
 from engine.parallel.group import DEFAULT_TIMEOUT_S, TensorParallelGroup
+from engine.parallel.shm_collectives import is_supported
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +95,19 @@ class RankGroup:
                 "tensor_parallel_size: one tensor-parallel engine per process; close the "
                 "other one first"
             )
-        if device.type == "cuda" and size > torch.cuda.device_count():
+        if not is_supported():
             raise ValueError(
-                f"tensor_parallel_size: {size} ranks, but only {torch.cuda.device_count()} "
-                "CUDA devices are visible"
+                f"tensor_parallel_size: {size} needs an x86-64 host for now (its step channel "
+                f"relies on x86's memory ordering); this one is {platform.machine()}"
             )
+        base = device.index or 0  # rank r runs on CUDA device base + r
+        if device.type == "cuda" and base + size > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size: {size} ranks from {device}, but only "
+                f"{torch.cuda.device_count()} CUDA devices are visible"
+            )
+        if device.type == "cuda":
+            torch.cuda.set_device(base)
         if device.type == "cpu" and size > (os.cpu_count() or 1):
             logger.warning(
                 "tensor_parallel_size: %d ranks on %d CPU cores: ranks will share cores",
@@ -105,36 +115,28 @@ class RankGroup:
                 os.cpu_count(),
             )
         backend = "nccl" if device.type == "cuda" else "gloo"
-        rendezvous = tempfile.mkdtemp(prefix="tandem-tp-")
-        init_method = f"file://{rendezvous}/store"
-        channel, fd = StepChannel.create(size - 1, timeout_s=timeout_s)
         # What the other ranks load (their share of the threads): as JSON, nothing pickled.
         rank_config = dataclasses.replace(config, num_threads=rank_threads(config))
         spec = json.dumps(dataclasses.asdict(rank_config))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        processes = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "engine.executor.worker",
-                    *("--rank", str(rank), "--size", str(size), "--init-method", init_method),
-                    *("--config", spec, "--parent-pid", str(os.getpid())),
-                    *("--channel-fd", str(fd), "--backend", backend),
-                    *("--timeout-s", str(timeout_s)),
-                ],
-                env=env,
-                stdin=subprocess.DEVNULL,
-            )
-            for rank in range(1, size)
-        ]
+        rendezvous = tempfile.mkdtemp(prefix="tandem-tp-")
+        init_method = f"file://{rendezvous}/store"
+        channel: StepChannel | None = None
+        processes: list[subprocess.Popen[bytes]] = []
         try:
-            tp = TensorParallelGroup.join(
-                0, size, init_method, backend=backend, timeout_s=timeout_s
-            )
+            channel, fd = StepChannel.create(size - 1, timeout_s=timeout_s)
+            for rank in range(1, size):
+                command = [sys.executable, "-m", "engine.executor.worker"]
+                command += ["--rank", str(rank), "--size", str(size)]
+                command += ["--init-method", init_method, "--config", spec]
+                command += ["--parent-pid", str(os.getpid()), "--channel-fd", str(fd)]
+                command += ["--backend", backend, "--timeout-s", str(timeout_s)]
+                processes.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL))
+            tp = _join_watching(processes, size, init_method, backend, timeout_s)
         except BaseException:
             _stop(processes, 0.0)
-            channel.close()
+            if channel is not None:
+                channel.close()
             shutil.rmtree(rendezvous, ignore_errors=True)
             raise
         group = cls(tp, channel, processes, rendezvous)
@@ -166,6 +168,7 @@ class RankGroup:
             if why is not None and not self._closed:
                 logger.error("%s", why)
                 if self.on_lost is not None:
+                    self.abandon()
                     self.on_lost(why)
                 return
             time.sleep(WATCH_EVERY_S)
@@ -180,14 +183,57 @@ class RankGroup:
         self._closed = True
         atexit.unregister(self.close)
         try:
-            if all(p.poll() is None for p in self.processes):
+            if self._lost() is None:
                 self.channel.send(stop_message(), self.check)
-        except RankLost:
-            pass  # a rank is gone: the others leave once they see rank 0 gone, or are killed
-        _stop(self.processes, STOP_TIMEOUT_S)
-        self.channel.close()
-        self.tp.close()
+        except Exception:
+            logger.warning("tensor-parallel ranks: could not tell them to stop; killing them")
+        finally:
+            _stop(self.processes, STOP_TIMEOUT_S)
+            self.channel.close()
+            self.tp.close()
+            shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+    def abandon(self) -> None:
+        """Kills the ranks at once and removes the rendezvous: before this process exits
+        without closing (a serving worker whose rank ended)."""
+        self._closed = True
+        _stop(self.processes, 0.0)
         shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+
+def _join_watching(
+    processes: list[subprocess.Popen[bytes]],
+    size: int,
+    init_method: str,
+    backend: str,
+    timeout_s: float,
+) -> TensorParallelGroup:
+    """Rank 0's join, failing at once if a rank's process ends before it joined (it
+    would otherwise wait for it as long as the group's set-up timeout)."""
+    joined: list[TensorParallelGroup] = []
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            joined.append(
+                TensorParallelGroup.join(0, size, init_method, backend=backend, timeout_s=timeout_s)
+            )
+        except BaseException as e:  # handed to the caller
+            failed.append(e)
+
+    thread = threading.Thread(target=join, name="tp-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(WATCH_EVERY_S)
+        for rank, process in enumerate(processes, start=1):
+            if thread.is_alive() and process.poll() is not None:
+                raise RankLost(
+                    f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+                    f"{process.returncode} before joining its group; its error is above"
+                )
+    if failed:
+        raise failed[0]
+    return joined[0]
 
 
 def _stop(processes: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
@@ -214,14 +260,28 @@ class MultiprocExecutor(UniprocExecutor):
     ) -> None:
         super().__init__(model, kv_cache, backend, decode_model)
         self.ranks = ranks
+        self._broken: str | None = None  # why a forward failed: the ranks are out of step
 
     @property
     def num_ranks(self) -> int:
         return self.ranks.size
 
     def forward(self, inputs: ForwardInputs, *, compiled: bool = False) -> ModelOutputs:
-        self.ranks.send(encode(inputs, compiled=compiled))
-        return super().forward(inputs, compiled=compiled)
+        if self._broken is not None:
+            raise RankLost(f"an earlier forward failed ({self._broken}); the ranks are out of step")
+        try:
+            self.ranks.send(encode(inputs, compiled=compiled))
+            return super().forward(inputs, compiled=compiled)
+        except BaseException as e:
+            # The other ranks may be anywhere in this forward: no later one can pair with
+            # theirs. The engine cannot step again.
+            self._broken = f"{type(e).__name__}: {e}"
+            if isinstance(e, Exception) and not isinstance(e, RankLost):
+                raise RankLost(f"a forward failed on rank 0 ({self._broken})") from e
+            raise
+
+    def abandon(self) -> None:
+        self.ranks.abandon()
 
     def on_rank_lost(self, fn: Callable[[str], None]) -> None:
         self.ranks.on_lost = fn

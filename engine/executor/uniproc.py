@@ -22,7 +22,7 @@ def compile_decode_model(model: nn.Module, kv_cache: PagedKVCache) -> nn.Module:
     context length are symbolic: a graph for one row and one for several, not one per
     shape). On CPU inductor fuses the ~40 small ops per layer around the matrix products
     into a few kernels; that is most of a batch-1 step's time. Split over ranks, each
-    rank compiles its own shard; the collectives run between its graphs
+    rank compiles its own shard, with the collectives as ops of its graphs
     (``engine.parallel.group``).
 
     - size_asserts off: inductor's wrapper otherwise checks the size and stride of about
@@ -109,6 +109,9 @@ class UniprocExecutor:
 
     def on_rank_lost(self, fn: Callable[[str], None]) -> None:
         """``fn(why)`` runs (on a thread of its own) if a rank's process ends: never, here."""
+
+    def abandon(self) -> None:
+        """Kills the other ranks at once (a process about to exit): none, here."""
 
     def close(self) -> None:
         """Nothing to stop in this process."""

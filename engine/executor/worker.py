@@ -94,12 +94,15 @@ def run_rank(
     timeout_s: float,
 ) -> None:
     """The process of rank ``rank`` (1..size-1)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is rank 0's to handle
+    # Signals to the process group (a terminal's Ctrl-C, a supervisor's SIGTERM) are rank
+    # 0's to handle: it stops this rank, or this rank leaves once rank 0 is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config = RankConfig(**json.loads(config_json))
     torch.set_num_threads(config.num_threads or 1)
     device = torch.device(config.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", rank)
+    if device.type == "cuda":  # rank r on the device r places after rank 0's
+        device = torch.device("cuda", (device.index or 0) + rank)
         torch.cuda.set_device(device)
     tp = TensorParallelGroup.join(rank, size, init_method, backend=backend, timeout_s=timeout_s)
     channel = StepChannel.attach(parent_pid, channel_fd, size - 1, rank - 1, timeout_s=timeout_s)

@@ -22,6 +22,7 @@ def join(
     fp: str = "",
     colocated: bool = False,
     wire_version: int = 1,
+    tp: int = 1,
 ) -> None:
     epoch = ledger.register_worker(
         worker_id, role=role, address=f"{worker_id}:1", capacity=1, ttl_ms=60_000
@@ -32,6 +33,7 @@ def join(
         "draft_fingerprint": fp,
         "prefills_in_place": int(colocated),
         "kv_wire_version": wire_version,
+        "tensor_parallel_size": tp,
     }
     ledger.heartbeat(worker_id, epoch=epoch, ttl_ms=60_000, load=load, stats=stats)
 
@@ -162,11 +164,15 @@ def test_ready_takes_a_matching_pair_or_a_colocated_worker(ledger: Ledger) -> No
     assert colocated.is_ready()
 
 
-def test_workers_of_different_kv_wire_versions_are_never_paired(ledger: Ledger) -> None:
+def test_workers_of_different_kv_wire_versions_or_splits_are_never_paired(
+    ledger: Ledger,
+) -> None:
     """A rolling update: a decode worker of the next version does not take the KV of a
-    prefill worker of this one, however less loaded it is."""
+    prefill worker of this one, however less loaded it is; nor does a worker whose KV
+    heads are split over 2 ranks."""
     join(ledger, "p0", WorkerRole.PREFILL, 0.1)
     join(ledger, "d_next", WorkerRole.DECODE, 0.0, wire_version=2)
+    join(ledger, "d_split", WorkerRole.DECODE, 0.0, tp=2)  # its KV heads are split
     picker = WorkerPicker(ledger, "m", refresh_s=0.0)
     assert not picker.is_ready()
     join(ledger, "d0", WorkerRole.DECODE, 0.9)

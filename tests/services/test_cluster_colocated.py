@@ -308,4 +308,17 @@ async def test_a_killed_rank_takes_its_worker_down_and_it_comes_back_whole(
         target, FAULT_PROMPTS, ours, engine_greedy(target, FAULT_PROMPTS, FAULT_TOKENS)
     )
     assert has_ended(old_rank) and not psutil.pid_exists(old_pid)
-    assert len(rank_processes(worker.process.pid)) == 1  # the new worker's own rank 1
+    # No rank the old worker started is left; the new worker has its own rank 1.
+    assert [p.pid for p in started_by(old_pid)] == []
+    assert len(rank_processes(worker.process.pid)) == 1
+
+
+def started_by(worker_pid: int) -> list[psutil.Process]:
+    """Live ranks whose rank 0 was ``worker_pid`` (orphans, if any, are no one's children)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        at = cmdline.index("--parent-pid") + 1 if "--parent-pid" in cmdline else 0
+        if at and cmdline[at] == str(worker_pid) and not has_ended(process):
+            found.append(process)
+    return found

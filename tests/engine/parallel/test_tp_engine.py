@@ -117,12 +117,16 @@ def test_greedy_split_over_ranks_equals_one_device_and_transformers(
     assert sampled == alone
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash", "suffix"])
 def test_each_drafter_at_tp_2_equals_target_only(model, prompts, tmp_path: Path, kind) -> None:
-    """Greedy: the target-only tokens; seeded: what the same draft draws on one device."""
+    """Greedy: the target-only tokens; seeded: what the same draft draws on one device.
+    Suffix drafts verify rows of different lengths in one ragged forward."""
     model_dir, _ = model
-    draft = build_random_draft(model_dir, tmp_path / kind, kind, std=0.3)
-    spec = SpeculativeConfig(str(draft), num_draft_tokens=3)
+    if kind == "suffix":
+        spec = SpeculativeConfig("", num_draft_tokens=3, kind="suffix")
+    else:
+        draft = build_random_draft(model_dir, tmp_path / kind, kind, std=0.3)
+        spec = SpeculativeConfig(str(draft), num_draft_tokens=3)
     requests = {str(i): p for i, p in enumerate(prompts)}
     target_only = engine_greedy(model_dir, prompts, 12)
     engine = engine_for(model_dir, 2, speculative=spec)
