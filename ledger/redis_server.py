@@ -31,6 +31,9 @@ STARTUP_TIMEOUT_S = 10.0
 NUM_CLUSTER_SLOTS = 16384
 CLUSTER_BUS_PORT_OFFSET = 10000
 _PORTS = random.SystemRandom()
+# Ports this process has handed out: a launcher draws several before any server binds
+# one, and a port drawn twice failed a cluster's start ("Address already in use").
+_GIVEN: set[int] = set()
 START_ATTEMPTS = 3  # a free port taken by someone else before redis-server binds it
 SYSTEM_REDIS_SERVER = Path("/usr/bin/redis-server")  # Debian's, built with TLS
 
@@ -114,6 +117,8 @@ def free_port(*, with_cluster_bus: bool = False) -> int:
     low = min(_ephemeral_low(), 65535 - CLUSTER_BUS_PORT_OFFSET)
     while True:
         port = _PORTS.randrange(max(1024, low - 16384), low)
+        if port in _GIVEN:  # free now, but handed to a server that may not have bound it yet
+            continue
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind(("127.0.0.1", port))
@@ -122,6 +127,7 @@ def free_port(*, with_cluster_bus: bool = False) -> int:
                         bus.bind(("127.0.0.1", port + CLUSTER_BUS_PORT_OFFSET))
         except OSError:
             continue
+        _GIVEN.add(port)
         return port
 
 
