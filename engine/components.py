@@ -21,7 +21,13 @@ from engine.model_runner import ModelRunner
 from engine.models.layers import release_packed_weights, use_packed_gemm
 from engine.models.triton_layers import use_triton_kernels
 from engine.parallel.group import TensorParallelGroup
-from engine.registry import ModelConfig, eos_token_ids, load_model, load_whole_vocabulary
+from engine.registry import (
+    ModelConfig,
+    check_split,
+    eos_token_ids,
+    load_model,
+    load_whole_vocabulary,
+)
 from engine.sampling_kernels import sampling_kernels
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.spec.spec_runner import (
@@ -69,6 +75,12 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
         cpu_kernels.load(build=config.build_cpu_kernels)  # and before other ranks load it
     ranks = None
     if config.tensor_parallel_size > 1:
+        check_split(
+            config.model,
+            config.tensor_parallel_size,
+            dtype=config.dtype,
+            max_length=config.max_model_len,
+        )
         rank_config = RankConfig.of(config)
         ranks = RankGroup.start(rank_config)
         torch.set_num_threads(rank_threads(rank_config))

@@ -325,6 +325,19 @@ def load_whole_vocabulary(
     return vocab.eval()
 
 
+def check_split(
+    model_dir: str | Path, size: int, *, dtype: str = "bfloat16", max_length: int | None = None
+) -> None:
+    """Raises TensorParallelError (naming the numbers) where the model in ``model_dir``
+    cannot be split over ``size`` ranks: built on the meta device as rank 0's part, before
+    any rank starts or reads a weight."""
+    hf = read_hf_config(model_dir)
+    arch = get_architecture(hf)
+    config = arch.config_from_hf(hf, dtype=dtype, max_length=max_length)
+    with torch.device("meta"):
+        arch.model_class(config, TensorParallelGroup(Shard(0, size), None))
+
+
 def eos_token_ids(model_dir: Path, config: ModelConfig) -> frozenset[int]:
     """EOS ids from config.json and generation_config.json together."""
     ids = set(config.eos_token_ids)

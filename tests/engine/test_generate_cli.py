@@ -18,7 +18,11 @@ def tandem(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.usefixtures("smollm2_dir")
-@pytest.mark.parametrize("drafts", [[], ["--draft-method", "suffix"]], ids=["plain", "suffix"])
+@pytest.mark.parametrize(
+    "drafts",
+    [[], ["--draft-method", "suffix"], ["--tensor-parallel-size", "3"]],
+    ids=["plain", "suffix", "split over 3 ranks"],
+)
 def test_generate_answers_in_process(drafts: list[str]):
     result = tandem(
         "generate",
@@ -36,7 +40,18 @@ def test_generate_answers_in_process(drafts: list[str]):
     assert "Paris" in result.stdout  # with suffix drafts, the same answer
     assert "tok/s (float32" in result.stdout
     speculated = "speculation (suffix): mean accepted length" in result.stdout
-    assert speculated == bool(drafts)
+    assert speculated == ("suffix" in drafts)
+
+
+@pytest.mark.usefixtures("smollm2_dir")
+def test_a_model_that_cannot_be_split_so_is_a_clear_error():
+    result = tandem("generate", "--model", "smollm2", "--tensor-parallel-size", "2", "hi")
+    assert result.returncode == 2
+    assert (
+        "tandem generate: error: tensor_parallel_size: 2 does not divide num_attention_heads 9"
+        in result.stderr
+    ), result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.usefixtures("smollm2_dir")

@@ -12,6 +12,8 @@ within the collectives' timeout. What cannot be split is refused naming the numb
 from __future__ import annotations
 
 import json
+import logging
+import os
 import random
 import subprocess
 import sys
@@ -74,14 +76,19 @@ def seeded(i: int) -> SamplingParams:
 
 @pytest.mark.parametrize(("size", "vocab_rows"), [(2, 34), (4, 17)])
 def test_greedy_split_over_ranks_equals_one_device_and_transformers(
-    model, prompts, size: int, vocab_rows: int
+    model, prompts, size: int, vocab_rows: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     """8 query heads and 2 KV heads: split at TP 2, replicated on pairs of ranks at TP 4;
-    67 vocabulary rows: rank 0 holds ``vocab_rows``, the last rank fewer."""
+    67 vocabulary rows: rank 0 holds ``vocab_rows``, the last rank fewer. More ranks than
+    cores run, with a warning."""
     model_dir, hf = model
     config = json.loads((model_dir / "config.json").read_text())
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (8, 2)
-    engine = engine_for(model_dir, size)
+    with caplog.at_level(logging.WARNING, logger="engine.executor.multiproc"):
+        engine = engine_for(model_dir, size)
+    cores = os.cpu_count() or 1
+    warned = f"tensor_parallel_size: {size} ranks on {cores} CPU cores" in caplog.text
+    assert warned == (size > cores)
     try:
         ranks = engine.runner.executor.ranks  # type: ignore[attr-defined]
         assert len(ranks.processes) == size - 1 and ranks.tp.shm is not None
@@ -202,6 +209,17 @@ def test_what_cannot_be_split_is_refused_naming_the_numbers(model) -> None:
     for why, fields in refusals.items():
         with pytest.raises(ValueError, match=f"tensor_parallel_size: 2 does not run with {why}"):
             EngineConfig(model=str(model_dir), tensor_parallel_size=2, **fields)
+    on_cuda = EngineConfig(
+        model=str(model_dir),
+        device="cuda",
+        attention_backend="torch",
+        kernels="torch",
+        tensor_parallel_size=2,
+    )
+    visible = torch.cuda.device_count()
+    if visible < 2:  # refused before any rank starts
+        with pytest.raises(ValueError, match=f"2 ranks from cuda, but only {visible} CUDA"):
+            LLMEngine(on_cuda)
 
 
 def start_script(model_dir: Path, mode: str) -> tuple[subprocess.Popen[str], list[int]]:
