@@ -262,10 +262,6 @@ class MultiprocExecutor(UniprocExecutor):
         self.ranks = ranks
         self._broken: str | None = None  # why a forward failed: the ranks are out of step
 
-    @property
-    def num_ranks(self) -> int:
-        return self.ranks.size
-
     def forward(self, inputs: ForwardInputs, *, compiled: bool = False) -> ModelOutputs:
         if self._broken is not None:
             raise RankLost(f"an earlier forward failed ({self._broken}); the ranks are out of step")

@@ -81,10 +81,6 @@ class UniprocExecutor:
         self.kv_cache = kv_cache
         self.backend = backend
 
-    @property
-    def num_ranks(self) -> int:
-        return 1
-
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, *, compiled: bool = False) -> ModelOutputs:
         metadata = inputs.metadata

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine.attention import get_backend, select_backend
+from engine.attention import get_backend
 from engine.executor.channel import RankGone, StepChannel
 from engine.executor.inputs import decode
 from engine.executor.uniproc import UniprocExecutor, compile_decode_model
@@ -74,10 +74,9 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
         memory_fraction=config.kv_cache_memory_fraction,
     )
     num_blocks = tp.agree_min(num_blocks)
-    attention = config.attention_backend
-    if attention == "auto":
-        attention = select_backend(config.device, config.block_size)
-    backend = get_backend(attention, device=config.device, block_size=config.block_size)
+    backend = get_backend(
+        config.attention_backend, device=config.device, block_size=config.block_size
+    )
     kv_cache = PagedKVCache(params, num_blocks, device)
     decode_model = compile_decode_model(model, kv_cache) if config.torch_compile else None
     return UniprocExecutor(model, kv_cache, backend, decode_model)

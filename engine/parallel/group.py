@@ -111,14 +111,6 @@ class TensorParallelGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
-    def agree(self, value: int) -> int:
-        """Rank 0's ``value`` on every rank."""
-        if self.group is None:
-            return value
-        held = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.broadcast(held, src=0, group=self.group)
-        return int(held.item())
-
     def agree_min(self, value: int) -> int:
         """The smallest of the ranks' ``value``s, on every rank (KV blocks all can hold)."""
         if self.group is None:
