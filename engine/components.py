@@ -15,6 +15,7 @@ from engine.block_manager import BlockManager
 from engine.config import Llama3Config
 from engine.engine_config import EngineConfig
 from engine.executor.multiproc import RankGroup, rank_threads
+from engine.executor.shared_kv import SharedKv
 from engine.executor.worker import RankConfig
 from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.model_runner import ModelRunner
@@ -56,7 +57,10 @@ class EngineComponents:
     model_config: ModelConfig  # the target's
     eos_token_ids: frozenset[int]
     grammars: Grammars
-    kv_cache: PagedKVCache  # the target's; the draft's is spec.draft_kv
+    kv_cache: PagedKVCache  # the target's (split: this rank's heads); the draft's is spec.draft_kv
+    # Split over ranks that share memory: every rank's heads of kv_cache (kv_cache's pools
+    # are views of it), what a KV transfer reads and writes; else None.
+    whole_kv_cache: PagedKVCache | None
     block_manager: BlockManager
     scheduler: Scheduler
     kernels: str  # "torch" or "triton"
@@ -112,7 +116,8 @@ def _build(
         timeout_s=config.grammar_compile_timeout_s,
         cache_size=config.grammar_cache_size,
     )
-    kv_params = KVCacheParams.from_config(model_config, config.block_size).for_rank(tp.shard)
+    whole_kv_params = KVCacheParams.from_config(model_config, config.block_size)
+    kv_params = whole_kv_params.for_rank(tp.shard)
     plan_params = [kv_params]
     drafter, lookahead = None, 0
     if config.speculative is not None:
@@ -140,7 +145,12 @@ def _build(
         memory_fraction=config.kv_cache_memory_fraction,
     )
     num_blocks = tp.agree_min(num_blocks)  # every rank's scheduler plans the same blocks
-    kv_cache = PagedKVCache(kv_params, num_blocks, device)
+    whole_kv = None  # split: every rank's KV heads, for transfers (engine.executor.shared_kv)
+    shared = SharedKv.open(tp, whole_kv_params, num_blocks) if tp.size > 1 else None
+    if shared is not None:
+        kv_cache, whole_kv = shared.rank, shared.whole
+    else:
+        kv_cache = PagedKVCache(kv_params, num_blocks, device)
     # With CUDA graphs the last block is no request's: padded rows write there.
     block_manager = BlockManager(
         num_blocks - config.uses_cuda_graphs,
@@ -190,6 +200,7 @@ def _build(
         eos_token_ids=eos,
         grammars=grammars,
         kv_cache=kv_cache,
+        whole_kv_cache=whole_kv,
         block_manager=block_manager,
         scheduler=scheduler,
         kernels=kernels,

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from engine.block_manager import BlockManager
     from engine.config import Llama3Config
     from engine.deepseek_v3_config import DeepseekV3Config
+    from engine.engine_config import EngineConfig
     from engine.model_runner import ModelRunner
     from engine.scheduler import Scheduler
     from engine.spec.spec_runner import SpecRunner
@@ -30,7 +31,9 @@ class Disaggregation:
     """``LLMEngine``'s disaggregation methods (see the module's docstring)."""
 
     _seqs: dict[str, Sequence]
+    config: EngineConfig
     kv_cache: PagedKVCache
+    whole_kv_cache: PagedKVCache | None
     block_manager: BlockManager
     scheduler: Scheduler
     runner: ModelRunner
@@ -44,8 +47,19 @@ class Disaggregation:
 
     @property
     def kv_pools(self) -> dict[str, PagedKVCache]:
-        """The KV pools a transfer reads or writes, by name; one block id indexes each."""
-        pools = {"target": self.kv_cache}
+        """The KV pools a transfer reads or writes, by name; one block id indexes each.
+        Split over ranks, the target's is every rank's heads (engine.executor.shared_kv):
+        whole heads, whatever the ranks, so that workers of any tensor-parallel sizes
+        map onto each other."""
+        target = self.kv_cache
+        if self.config.tensor_parallel_size > 1:
+            if self.whole_kv_cache is None:
+                raise RuntimeError(
+                    "kv_pools: KV transfer of a split model needs its ranks' KV in shared "
+                    "memory, as CPU ranks of one host have it; not built for CUDA ranks"
+                )
+            target = self.whole_kv_cache
+        pools = {"target": target}
         if self.spec is not None and self.spec.draft_kv is not None:
             pools["draft"] = self.spec.draft_kv
         return pools

@@ -134,22 +134,43 @@ class PagedKVCache:
     layers, and a run of consecutive block ids is one contiguous slice of each pool.
     """
 
-    def __init__(self, params: KVCacheParams, num_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        params: KVCacheParams,
+        num_blocks: int,
+        device: torch.device,
+        layers: Sequence[tuple[torch.Tensor, ...]] | None = None,
+    ) -> None:
+        """New zeroed pools, or ``layers``: pools that lie elsewhere, each of this shape
+        (a tensor-parallel rank's heads of a pool every rank maps: engine.executor.shared_kv),
+        which then stay where they are (``is_placeable`` False)."""
         self.params = params
         self.num_blocks = num_blocks
         shape = (num_blocks, params.block_size, params.num_kv_heads, params.head_dim)
-        self.layers: list[tuple[torch.Tensor, ...]] = [
-            tuple(
-                torch.zeros(shape, dtype=params.dtype, device=device)
-                for _ in range(params.num_tensors)
-            )
-            for _ in range(params.num_layers)
-        ]
+        self.is_placeable = layers is None
+        if layers is None:
+            layers = [
+                tuple(
+                    torch.zeros(shape, dtype=params.dtype, device=device)
+                    for _ in range(params.num_tensors)
+                )
+                for _ in range(params.num_layers)
+            ]
+        for kv in layers:
+            if len(kv) != params.num_tensors or any(
+                t.shape != shape or t.dtype != params.dtype for t in kv
+            ):
+                raise ValueError(
+                    f"layers: each must be {params.num_tensors} {params.dtype} {shape}"
+                )
+        self.layers: list[tuple[torch.Tensor, ...]] = [tuple(kv) for kv in layers]
 
     def place(self, storage: Callable[[torch.Size, torch.dtype], torch.Tensor]) -> None:
         """Moves every pool into a tensor from ``storage`` (e.g. shared memory another
         process maps), contents kept; each tensor keeps its identity, so holders of
         ``layers`` see the move."""
+        if not self.is_placeable:
+            raise ValueError("place: these pools are shared with other ranks; they stay put")
         for kv in self.layers:
             for t in kv:
                 moved = storage(t.shape, t.dtype)

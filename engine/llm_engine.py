@@ -57,6 +57,7 @@ class LLMEngine(Disaggregation):
         self.max_model_len = parts.model_config.max_seq_len
         self.grammars = parts.grammars
         self.kv_cache = parts.kv_cache
+        self.whole_kv_cache = parts.whole_kv_cache
         self.block_manager = parts.block_manager
         self.scheduler = parts.scheduler
         self.kernels = parts.kernels

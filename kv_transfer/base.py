@@ -110,9 +110,12 @@ def parse_layout_name(name: str) -> tuple[int, int]:
 
 
 # The KV handshake's version (KvHandshake.wire_version): bumped by every change to what
-# sender and receiver must agree on (tensor-parallel layouts, data-parallel ranks,
-# adapters), so that workers of different versions refuse each other.
-KV_WIRE_VERSION = 1
+# sender and receiver must agree on, so that workers of different versions refuse each
+# other. 2: head_layout (tensor-parallel workers). Next: data-parallel ranks, adapters.
+KV_WIRE_VERSION = 2
+# KvHandshake.head_layout: chunks carry every KV head of the model, in order, whatever the
+# tensor-parallel ranks of either end hold (a split engine's ``kv_pools`` are whole).
+WHOLE_HEADS = "whole"
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,7 @@ class KvLayout:
     draft_fingerprint: str = ""  # the drafter's config fingerprint; "" without a draft
     layout: str = ""  # "": ``layout_name`` of the pools
     wire_version: int = KV_WIRE_VERSION  # the handshake's; a sender's may be older
+    head_layout: str = WHOLE_HEADS  # which heads chunks carry (WHOLE_HEADS, the only one)
 
     def __post_init__(self) -> None:
         if not self.layout:
@@ -188,6 +192,7 @@ class KvLayout:
             "draft_head_dim": draft.head_dim,
             "layout": self.layout,
             "draft_fingerprint": self.draft_fingerprint,
+            "head_layout": self.head_layout,
         }
 
     def fingerprint(self) -> str:
@@ -235,6 +240,7 @@ class KvLayout:
             draft_fingerprint=hs.draft_fingerprint,
             layout=hs.layout,
             wire_version=hs.wire_version,
+            head_layout=hs.head_layout,
         )
 
 

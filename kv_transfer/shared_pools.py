@@ -41,6 +41,9 @@ class Placeable(Protocol):
     @property
     def layers(self) -> Sequence[tuple[torch.Tensor, ...]]: ...
 
+    @property
+    def is_placeable(self) -> bool: ...  # False: they stay where they are (a split engine's)
+
     def place(self, storage: Storage) -> None: ...
 
 
@@ -110,8 +113,9 @@ class SharedKvPools:
     @classmethod
     def adopt(cls, layout: KvLayout, pools: Mapping[str, Placeable]) -> SharedKvPools | None:
         """Moves existing CPU pools (e.g. ``LLMEngine.kv_pools``) into a new segment,
-        contents kept; None for pools elsewhere (a GPU), which stay where they are."""
-        if any(p.layers[0][0].device.type != "cpu" for p in pools.values()):
+        contents kept; None for pools that stay where they are: on a GPU, or split over
+        ranks that map them (engine.executor.shared_kv), whose senders use the ring."""
+        if any(p.layers[0][0].device.type != "cpu" or not p.is_placeable for p in pools.values()):
             return None
         num_blocks = next(iter(pools.values())).layers[0][0].shape[0]
         shared = cls.create(layout, num_blocks)

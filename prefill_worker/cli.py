@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from serving.component import run_component
     from serving.engine_setup import check_engine_arguments
 
-    if not check_engine_arguments(args, "prefill worker", transfers_kv=True):
+    if not check_engine_arguments(args, "prefill worker"):
         return 2
     return run_component(role(), args, make_service)
 

@@ -43,9 +43,9 @@ UNREACHABLE_S = 30.0  # a worker whose connection broke is passed over this long
 WORKER_WAIT_S = 5.0  # a request's wait for a live pair, once the router has had one
 REGISTRY_REFRESH_S = 0.25  # how long the router keeps one read of the worker registry
 # Heartbeat figures a prefill worker and the decode worker it pushes to must share: the KV
-# handshake's version (a rolling update never pairs two versions), the ranks their KV
-# heads are split over, and the draft.
-PAIRED_BY = ("kv_wire_version", "tensor_parallel_size", "draft_fingerprint")
+# handshake's version (a rolling update never pairs two versions) and the draft. Their
+# tensor-parallel sizes may differ: the wire carries whole KV heads (kv_transfer.base).
+PAIRED_BY = ("kv_wire_version", "draft_fingerprint")
 
 
 def is_colocated(worker: WorkerInfo) -> bool:
@@ -225,7 +225,7 @@ class WorkerPicker:
 
     def decoders_for(self, prefill: WorkerInfo) -> list[WorkerInfo]:
         """Live decode workers that can take KV from ``prefill`` (``PAIRED_BY``: the same KV
-        wire version, tensor-parallel size and draft fingerprint); for a co-located
+        wire version and draft fingerprint, any tensor-parallel sizes); for a co-located
         ``prefill``, the co-located workers (any of them may serve the request whole)."""
         return [
             w

@@ -86,9 +86,23 @@ def register_serve(subparsers: Any) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="with --colocate: each worker splits the model over N ranks, each a process of "
-        "its own, sharing the worker's threads (a Llama-3 model whose heads divide by N) "
-        "(default: 1)",
+        help="each worker splits the model over N ranks, each a process of its own, sharing "
+        "the worker's threads (a Llama-3 model whose heads divide by N); --prefill-tp and "
+        "--decode-tp set one role's (default: 1)",
+    )
+    parser.add_argument(
+        "--prefill-tp",
+        type=int,
+        metavar="N",
+        help="tensor-parallel ranks of each prefill worker (default: --tensor-parallel-size); "
+        "it may differ from the decode workers': KV travels as whole heads",
+    )
+    parser.add_argument(
+        "--decode-tp",
+        type=int,
+        metavar="N",
+        help="tensor-parallel ranks of each decode (or co-located) worker (default: "
+        "--tensor-parallel-size)",
     )
     parser.add_argument(
         "--kv-cache-memory",
@@ -135,6 +149,26 @@ def register_serve(subparsers: Any) -> None:
     parser.set_defaults(func=_serve)
 
 
+def role_tensor_parallel_sizes(args: argparse.Namespace) -> tuple[int, int, str]:
+    """(prefill, decode) workers' tensor-parallel sizes from ``--tensor-parallel-size``,
+    ``--prefill-tp`` and ``--decode-tp``, and what is wrong with them ("" when nothing)."""
+    prefill = args.tensor_parallel_size if args.prefill_tp is None else args.prefill_tp
+    decode = args.tensor_parallel_size if args.decode_tp is None else args.decode_tp
+    for flag, size in (("--prefill-tp", prefill), ("--decode-tp", decode)):
+        if size < 1:
+            return prefill, decode, f"{flag}: must be at least 1, got {size}"
+    if args.colocate and args.prefill_tp is not None:
+        return (
+            prefill,
+            decode,
+            (
+                "--prefill-tp: not with --colocate (co-located workers take --decode-tp or "
+                "--tensor-parallel-size)"
+            ),
+        )
+    return 1 if args.colocate else prefill, decode, ""  # co-located: no prefill workers
+
+
 def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -166,13 +200,9 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.tensor_parallel_size > 1 and not args.colocate:
-        print(
-            f"tandem serve: error: --tensor-parallel-size {args.tensor_parallel_size}: needs "
-            "--colocate (KV transfer between split prefill and decode workers is not built "
-            "yet)",
-            file=sys.stderr,
-        )
+    prefill_tp, decode_tp, why = role_tensor_parallel_sizes(args)
+    if why:
+        print(f"tandem serve: error: {why}", file=sys.stderr)
         return 2
     num_prefill = 0 if args.colocate else (1 if args.prefill is None else args.prefill)
     try:
@@ -191,8 +221,6 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tandem serve: error: {e}", file=sys.stderr)
         return 2
     worker_args = ["--dtype", args.dtype]
-    if args.tensor_parallel_size > 1:
-        worker_args += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     for option, value in (
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--block-size", args.block_size),
@@ -223,6 +251,8 @@ def _serve(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         threads=args.threads,
         worker_args=tuple(worker_args),
+        prefill_args=("--tensor-parallel-size", str(prefill_tp)) if prefill_tp > 1 else (),
+        decode_args=("--tensor-parallel-size", str(decode_tp)) if decode_tp > 1 else (),
         eager=args.eager,
         router_args=tuple(router_args),
         log_dir=Path(args.log_dir) if args.log_dir else None,

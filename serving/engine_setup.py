@@ -49,8 +49,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="split the model over N ranks, each a process of its own started by this one, "
         "one worker in the ledger (a Llama-3 model whose heads divide by N); on CPU each "
-        "rank gets its share of --threads and compiles its shard. Co-located workers only: "
-        "KV transfer between split prefill and decode workers is not built yet (default: 1)",
+        "rank gets its share of --threads and compiles its shard. KV travels between "
+        "workers as whole heads, so prefill and decode workers may differ in N (default: 1)",
     )
     group.add_argument(
         "--attention-backend",
@@ -134,25 +134,17 @@ def add_speculation_arguments(group: argparse._ActionsContainer) -> None:
     )
 
 
-def check_engine_arguments(
-    args: argparse.Namespace, prog: str, *, transfers_kv: bool = False
-) -> bool:
+def check_engine_arguments(args: argparse.Namespace, prog: str) -> bool:
     """False (with the error on stderr) for ``--eager`` with ``--torch-compile``, a
     ``--draft-method`` that does not fit ``--draft``, ``--no-adaptive-speculation``
-    without any draft, or a split model on a worker that sends or receives KV
-    (``transfers_kv``); a lone ``--torch-compile`` gets a note."""
+    without any draft, or a tensor-parallel size below 1; a lone ``--torch-compile`` gets
+    a note."""
     why = draft_method_error(args.draft, args.draft_method)
     if args.suffix_cache_tokens < 0:
         why = f"--suffix-cache-tokens: must be 0 or more, got {args.suffix_cache_tokens}"
     size = getattr(args, "tensor_parallel_size", 1)
     if size < 1:
         why = f"--tensor-parallel-size: must be at least 1, got {size}"
-    elif size > 1 and transfers_kv:
-        why = (
-            f"--tensor-parallel-size {size}: KV transfer between split prefill and decode "
-            "workers is not built yet; a co-located worker (`tandem colocated`, or `tandem "
-            "serve --colocate`) runs a split model"
-        )
     if why:
         print(f"{prog}: error: {why}", file=sys.stderr)
         return False

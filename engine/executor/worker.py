@@ -20,6 +20,7 @@ import torch
 from engine.attention import get_backend
 from engine.executor.channel import RankGone, StepChannel
 from engine.executor.inputs import decode
+from engine.executor.shared_kv import SharedKv
 from engine.executor.uniproc import UniprocExecutor, compile_decode_model
 from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.models.layers import release_packed_weights, use_packed_gemm
@@ -66,7 +67,8 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     if device.type == "cpu" and config.cpu_gemm != "aten":
         use_packed_gemm(model, config.cpu_gemm)
         release_packed_weights(model)
-    params = KVCacheParams.from_config(model_config, config.block_size).for_rank(tp.shard)
+    whole_params = KVCacheParams.from_config(model_config, config.block_size)
+    params = whole_params.for_rank(tp.shard)
     num_blocks = plan_num_blocks(
         [params],
         device,
@@ -77,7 +79,8 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     backend = get_backend(
         config.attention_backend, device=config.device, block_size=config.block_size
     )
-    kv_cache = PagedKVCache(params, num_blocks, device)
+    shared = SharedKv.open(tp, whole_params, num_blocks)  # as rank 0 opens it
+    kv_cache = PagedKVCache(params, num_blocks, device) if shared is None else shared.rank
     decode_model = compile_decode_model(model, kv_cache) if config.torch_compile else None
     return UniprocExecutor(model, kv_cache, backend, decode_model)
 

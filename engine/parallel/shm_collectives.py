@@ -62,6 +62,39 @@ def _all_true(flag: bool) -> bool:
     return bool(held.item())
 
 
+def map_shared_file(rank: int, label: str, num_bytes: int) -> mmap.mmap | None:
+    """One memory file of ``num_bytes`` that every rank of the default group maps (a
+    collective): rank 0 creates it and the others open it through ``/proc/<pid>/fd``. None
+    on every rank where one of them could not map it; the caller has checked that they
+    share a host. The memory goes with the last mapping."""
+    where = torch.zeros(2, dtype=torch.int64)
+    fd = -1
+    if rank == 0:
+        fd = os.memfd_create(label, os.MFD_CLOEXEC)
+        os.ftruncate(fd, num_bytes)
+        where = torch.tensor([os.getpid(), fd], dtype=torch.int64)
+    dist.broadcast(where, src=0)
+    mapped = None
+    try:
+        if rank != 0:
+            path = f"/proc/{int(where[0])}/fd/{int(where[1])}"
+            if not os.readlink(path).startswith(f"/memfd:{label}"):
+                raise OSError(f"{path} is not rank 0's {label}")
+            fd = os.open(path, os.O_RDWR)
+        mapped = mmap.mmap(fd, num_bytes)
+    except OSError:
+        mapped = None
+    # Every rank mapped it, or none uses it; rank 0's file stays open until then.
+    is_mapped = _all_true(mapped is not None)
+    if fd >= 0:
+        os.close(fd)
+    if not is_mapped:
+        if mapped is not None:
+            mapped.close()
+        return None
+    return mapped
+
+
 class ShmCollectives:
     """One group's segment: ``size`` ranks, each with two slots of ``slot_bytes``."""
 
@@ -91,32 +124,9 @@ class ShmCollectives:
         if not is_supported() or len({int(k.item()) for k in keys}) != 1:
             return None
         num_bytes = size * FLAG_BYTES + 2 * size * slot_bytes
-        where = torch.zeros(2, dtype=torch.int64)
-        fd = -1
-        if rank == 0:  # a memory file the others open through /proc
-            fd = os.memfd_create(LABEL, os.MFD_CLOEXEC)
-            os.ftruncate(fd, num_bytes)
-            where = torch.tensor([os.getpid(), fd], dtype=torch.int64)
-        dist.broadcast(where, src=0)
-        mapped = None
-        try:
-            if rank != 0:
-                path = f"/proc/{int(where[0])}/fd/{int(where[1])}"
-                if not os.readlink(path).startswith(f"/memfd:{LABEL}"):
-                    raise OSError(f"{path} is not rank 0's segment")
-                fd = os.open(path, os.O_RDWR)
-            mapped = mmap.mmap(fd, num_bytes)
-        except OSError:
-            mapped = None
-        # Every rank mapped it, or none uses it; rank 0's file stays open until then.
-        is_mapped = _all_true(mapped is not None)
-        if fd >= 0:
-            os.close(fd)
-        if not is_mapped:
-            if mapped is not None:
-                mapped.close()
+        mapped = map_shared_file(rank, LABEL, num_bytes)
+        if mapped is None:
             return None
-        assert mapped is not None
         return cls(rank, size, mapped, slot_bytes, timeout_s)
 
     def fits(self, x: torch.Tensor) -> bool:

@@ -33,7 +33,9 @@ using tandem_cpu::load8;
 using tandem_cpu::store8;
 
 struct Shapes {
-  int64_t num_kv_heads, group, block_size, max_blocks;
+  // slot_stride: elements from one token's K/V row to the next one's (num_kv_heads * D for
+  // a pool of its own; more for one rank's heads of a pool that holds every rank's).
+  int64_t num_kv_heads, group, block_size, max_blocks, slot_stride;
 };
 
 // One row's tokens [t0, t1) and one KV head h. T: the element type of q, the caches and
@@ -54,7 +56,7 @@ void attend_row_head(const T* q, const T* k_cache, const T* v_cache, const int64
   offsets.resize(span);  // element offset of position p's K/V row of head h in a cache
   for (int64_t p = 0; p < span; ++p) {
     const int64_t slot = table[p / s.block_size] * s.block_size + p % s.block_size;
-    offsets[p] = (slot * s.num_kv_heads + h) * D;
+    offsets[p] = slot * s.slot_stride + h * D;
   }
   scores.resize(span);
   float* row = scores.data();
@@ -125,7 +127,8 @@ RowHeadFn<T> row_head_fn(int64_t head_dim) {
 }  // namespace
 
 // q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] in q's dtype (bf16 or
-// fp32); block_tables [B, M], context_lens [B] (KV length after this step, this step's
+// fp32), each head's D elements contiguous and the slots evenly spaced (a contiguous pool,
+// or a tensor-parallel rank's heads of one that holds every rank's: engine.executor.shared_kv); block_tables [B, M], context_lens [B] (KV length after this step, this step's
 // K/V already written), row_offsets [B + 1] (row b owns tokens row_offsets[b] ..
 // row_offsets[b+1]), positions [T], all int64. Returns [T, Hq, D] in q's dtype.
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
@@ -137,9 +140,13 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   TORCH_CHECK(q_in.scalar_type() == k_cache.scalar_type() && q_in.scalar_type() == v_cache.scalar_type() &&
                   (q_in.scalar_type() == at::kBFloat16 || q_in.scalar_type() == at::kFloat),
               "paged_attention: q and the caches must share one dtype, bfloat16 or float32");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
   const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2);
   const int64_t Hkv = k_cache.size(2);
+  const int64_t slot_stride = k_cache.stride(1);
+  TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1 &&
+                  k_cache.stride(2) == k_cache.size(3) && slot_stride >= Hkv * k_cache.size(3) &&
+                  k_cache.stride(0) == k_cache.size(1) * slot_stride,
+              "paged_attention: the caches' heads and slots must be evenly spaced, alike in both");
   TORCH_CHECK(k_cache.size(3) == D && (D == 64 || D == 128), "paged_attention: head_dim ", D,
               " must match the caches and be 64 or 128 (the sizes compiled in)");
   TORCH_CHECK(Hq % Hkv == 0, "paged_attention: ", Hq, " query heads for ", Hkv, " KV heads");
@@ -156,7 +163,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
               " tokens need ", T, " positions");
   const at::Tensor q = q_in.contiguous();
   at::Tensor out = at::empty_like(q);
-  const Shapes s{Hkv, Hq / Hkv, k_cache.size(1), block_tables.size(1)};
+  const Shapes s{Hkv, Hq / Hkv, k_cache.size(1), block_tables.size(1), slot_stride};
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* offsets = row_offsets.data_ptr<int64_t>();

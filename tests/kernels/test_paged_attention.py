@@ -123,6 +123,27 @@ def test_queries_see_only_their_row_and_grouped_heads_read_their_kv_head() -> No
     assert not torch.equal(after[2:], before[2:])
 
 
+@pytest.mark.parametrize("heads", [range(0, 2), range(2, 4), range(3, 4)])
+def test_a_ranks_heads_of_a_shared_pool_read_as_their_own_copy(heads: range) -> None:
+    """A tensor-parallel rank's caches are its heads of a pool holding every rank's
+    (engine.executor.shared_kv): strided slots, the same result as a contiguous copy."""
+    case = make_case([1, 4, 2], [30, 17, 64], num_heads=8, num_kv_heads=4, seed=3)
+    group = case["q"].shape[1] // case["k_cache"].shape[2]
+    part = {
+        **case,
+        "q": case["q"][:, heads.start * group : heads.stop * group].contiguous(),
+        "k_cache": case["k_cache"][:, :, heads.start : heads.stop],
+        "v_cache": case["v_cache"][:, :, heads.start : heads.stop],
+    }
+    assert not part["k_cache"].is_contiguous()
+    copied = {
+        **part,
+        "k_cache": part["k_cache"].contiguous(),
+        "v_cache": part["v_cache"].contiguous(),
+    }
+    assert torch.equal(run(part, True), run(copied, True))
+
+
 def test_bad_arguments_say_what_is_wrong() -> None:
     case = make_case([1], [4])
     with pytest.raises(RuntimeError, match="head_dim 48"):
@@ -139,6 +160,9 @@ def test_bad_arguments_say_what_is_wrong() -> None:
         )
     with pytest.raises(RuntimeError, match="share one dtype"):
         run({**case, "q": case["q"].bfloat16()}, True)
+    with pytest.raises(RuntimeError, match="evenly spaced"):
+        transposed = case["k_cache"].transpose(1, 2).contiguous().transpose(1, 2)
+        run({**case, "k_cache": transposed, "v_cache": transposed}, True)
     with pytest.raises(RuntimeError, match="int64"):
         run({**case, "positions": case["positions"].int()}, True)
     with pytest.raises(RuntimeError, match="row_offsets must run from 0 to 1"):

@@ -19,6 +19,7 @@ import grpc
 import pytest
 import torch
 
+from engine.kv_cache import PagedKVCache
 from kv_transfer import (
     ChunkedKvSender,
     Handshake,
@@ -110,6 +111,19 @@ def test_pools_move_into_the_segment_with_their_contents() -> None:
     assert shared.is_open()
     shared.close()
     assert not shared.is_open()
+
+
+def test_pools_shared_with_other_ranks_stay_where_they_are() -> None:
+    """A split engine's pools are views its ranks map (engine.executor.shared_kv): they
+    are not moved, and same-host senders use the ring."""
+    pools = make_pools(LAYOUT, DST_SEED)
+    target = pools[KvPool.TARGET]
+    pools[KvPool.TARGET] = PagedKVCache(
+        target.params, target.num_blocks, torch.device("cpu"), target.layers
+    )
+    assert SharedKvPools.adopt(LAYOUT, {p.value: c for p, c in pools.items()}) is None
+    with pytest.raises(ValueError, match="shared with other ranks"):
+        pools[KvPool.TARGET].place(lambda shape, dtype: torch.empty(shape, dtype=dtype))
 
 
 @pytest.mark.parametrize("options", [SMALL_CHUNKS, TransferOptions()], ids=["split", "grouped"])

@@ -119,7 +119,7 @@ def test_layout_mismatch_names_the_field() -> None:
     assert receiver.fingerprint() != sender.fingerprint()
     wire = sender.to_handshake("r", 0, pb.CHECKSUM_KIND_CRC32)
     assert KvLayout.from_handshake(wire) == sender
-    assert wire.wire_version == KV_WIRE_VERSION
+    assert wire.wire_version == KV_WIRE_VERSION and wire.head_layout == "whole"
 
 
 async def test_a_sender_of_another_wire_version_is_refused_naming_it() -> None:
@@ -131,6 +131,19 @@ async def test_a_sender_of_another_wire_version_is_refused_naming_it() -> None:
     reply = await receiver.receive(_stream(messages))
     assert reply.status == pb.KV_PUSH_STATUS_INCOMPATIBLE
     assert reply.message == f"wire_version: sender has 0, receiver expects {KV_WIRE_VERSION}"
+
+
+async def test_a_sender_of_one_ranks_heads_is_refused_naming_the_head_layout() -> None:
+    """Chunks carry every KV head, whatever either end's tensor-parallel ranks hold; a
+    sender of some other split (none is built) cannot be mapped."""
+    layout = layout_for(torch.float32)
+    receiver = KvReceiver()
+    receiver.reserve(KvReservation("r1", DST_IDS, make_pools(layout, DST_SEED), layout))
+    messages = _chunks(layout, make_pools(layout, SRC_SEED))
+    messages[0].handshake.head_layout = "rank 0 of 2"
+    reply = await receiver.receive(_stream(messages))
+    assert reply.status == pb.KV_PUSH_STATUS_INCOMPATIBLE
+    assert reply.message == "head_layout: sender has 'rank 0 of 2', receiver expects 'whole'"
 
 
 def test_chunk_data_is_appended_and_split_off_without_protobuf() -> None:

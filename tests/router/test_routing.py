@@ -21,7 +21,7 @@ def join(
     load: float,
     fp: str = "",
     colocated: bool = False,
-    wire_version: int = 1,
+    wire_version: int = 2,
     tp: int = 1,
 ) -> None:
     epoch = ledger.register_worker(
@@ -164,21 +164,24 @@ def test_ready_takes_a_matching_pair_or_a_colocated_worker(ledger: Ledger) -> No
     assert colocated.is_ready()
 
 
-def test_workers_of_different_kv_wire_versions_or_splits_are_never_paired(
+def test_workers_of_different_kv_wire_versions_are_never_paired_but_splits_are(
     ledger: Ledger,
 ) -> None:
     """A rolling update: a decode worker of the next version does not take the KV of a
-    prefill worker of this one, however less loaded it is; nor does a worker whose KV
-    heads are split over 2 ranks."""
+    prefill worker of this one, however less loaded it is. A worker whose KV heads are
+    split over 2 ranks does: the wire carries whole heads."""
     join(ledger, "p0", WorkerRole.PREFILL, 0.1)
-    join(ledger, "d_next", WorkerRole.DECODE, 0.0, wire_version=2)
-    join(ledger, "d_split", WorkerRole.DECODE, 0.0, tp=2)  # its KV heads are split
+    join(ledger, "d_next", WorkerRole.DECODE, 0.0, wire_version=3)
     picker = WorkerPicker(ledger, "m", refresh_s=0.0)
     assert not picker.is_ready()
     join(ledger, "d0", WorkerRole.DECODE, 0.9)
     p, d = picker.pick()
     assert (p.worker_id, d.worker_id) == ("p0", "d0")
     assert [w.worker_id for w in picker.decoders_for(p)] == ["d0"]
+    join(ledger, "d_split", WorkerRole.DECODE, 0.5, tp=2)
+    p, d = picker.pick()
+    assert (p.worker_id, d.worker_id) == ("p0", "d_split")
+    assert sorted(w.worker_id for w in picker.decoders_for(p)) == ["d0", "d_split"]
 
 
 def test_a_colocated_worker_is_its_own_prefill_worker(ledger: Ledger) -> None:

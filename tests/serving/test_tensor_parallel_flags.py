@@ -1,7 +1,6 @@
 """`--tensor-parallel-size` on the workers and `tandem serve`: it reaches EngineConfig (a
-split decode engine compiles, as one device's does); prefill and decode workers
-refuse it (KV transfer between split workers is not built), co-located ones take it, and
-`tandem serve` passes it to co-located workers only, refusing it without --colocate."""
+split decode engine compiles, as one device's does); every worker kind takes it; `tandem
+serve` gives each role its size (`--prefill-tp`, `--decode-tp`) and refuses sizes below 1."""
 
 from __future__ import annotations
 
@@ -36,49 +35,73 @@ def test_the_size_reaches_the_engine_config(
 
 
 @pytest.mark.parametrize(
-    ("cli", "prog", "refused"),
+    ("cli", "prog"),
     [
-        (prefill_cli, "prefill worker", True),
-        (decode_cli, "decode worker", True),
-        (colocated_cli, "co-located worker", False),
+        (prefill_cli, "prefill worker"),
+        (decode_cli, "decode worker"),
+        (colocated_cli, "co-located worker"),
     ],
     ids=["prefill", "decode", "colocated"],
 )
-def test_only_co_located_workers_take_a_split_model(
-    cli, prog: str, refused: bool, capsys: pytest.CaptureFixture[str]
+def test_every_worker_takes_a_split_model_but_not_below_one_rank(
+    cli, prog: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     args = parser.parse_args([*REQUIRED, "--tensor-parallel-size", "2"])
-    ok = engine_setup.check_engine_arguments(args, prog, transfers_kv=refused)
-    err = capsys.readouterr().err
-    assert ok is not refused
-    if refused:
-        assert cli.run(args) == 2  # before anything starts
-        assert (
-            "--tensor-parallel-size 2: KV transfer between split prefill and decode workers "
-            "is not built yet" in capsys.readouterr().err
-        )
-    else:
-        assert err == ""
+    assert engine_setup.check_engine_arguments(args, prog)
+    assert capsys.readouterr().err == ""
     zero = parser.parse_args([*REQUIRED, "--tensor-parallel-size", "0"])
     assert not engine_setup.check_engine_arguments(zero, prog)
     assert "--tensor-parallel-size: must be at least 1, got 0" in capsys.readouterr().err
+    assert cli.run(zero) == 2  # before anything starts
 
 
-def test_serve_passes_it_to_co_located_workers_and_refuses_it_otherwise(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def role_args(spec, role: str) -> str | None:
+    """The --tensor-parallel-size a role's workers get, or None."""
+    args = {"prefill": spec.prefill_args, "decode": spec.decode_args}[role]
+    assert "--tensor-parallel-size" not in spec.worker_args
+    return args[args.index("--tensor-parallel-size") + 1] if args else None
+
+
+@pytest.mark.parametrize(
+    ("flags", "prefill", "decode"),
+    [
+        (["--tensor-parallel-size", "2"], "2", "2"),
+        (["--prefill-tp", "2"], "2", None),
+        (["--decode-tp", "2"], None, "2"),
+        (["--tensor-parallel-size", "2", "--prefill-tp", "1", "--decode-tp", "3"], None, "3"),
+        (["--colocate", "--tensor-parallel-size", "2"], None, "2"),
+        (["--colocate", "--decode-tp", "2"], None, "2"),
+    ],
+)
+def test_serve_gives_each_role_its_size(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str], prefill: str | None, decode: str | None
 ) -> None:
     specs = capture_cluster_specs(monkeypatch)
-    parser = serve_parser()
-    args = parser.parse_args(["serve", "--model", "m", "--tensor-parallel-size", "2"])
-    assert args.func(args) == 2
-    assert "--tensor-parallel-size 2: needs --colocate" in capsys.readouterr().err
-    assert specs == []
-    argv = ["serve", "--model", "m", "--colocate", "--tensor-parallel-size", "2"]
-    args = parser.parse_args(argv)
+    args = serve_parser().parse_args(["serve", "--model", "m", *flags])
     assert args.func(args) == 1  # the captured cluster refuses to start
     (spec,) = specs
-    assert spec.colocate
-    i = spec.worker_args.index("--tensor-parallel-size")
-    assert spec.worker_args[i + 1] == "2"
+    assert (role_args(spec, "prefill"), role_args(spec, "decode")) == (prefill, decode)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prefill-tp", "0"], "--prefill-tp: must be at least 1, got 0"),
+        (["--decode-tp", "-1"], "--decode-tp: must be at least 1, got -1"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size: must be at least 1, got 0"),
+        (["--colocate", "--prefill-tp", "2"], "--prefill-tp: not with --colocate"),
+    ],
+)
+def test_serve_refuses_sizes_it_cannot_run(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    message: str,
+) -> None:
+    specs = capture_cluster_specs(monkeypatch)
+    args = serve_parser().parse_args(["serve", "--model", "m", *flags])
+    assert args.func(args) == 2
+    assert message in capsys.readouterr().err
+    assert specs == []

@@ -174,6 +174,7 @@ class KvHandshake(_message.Message):
     DRAFT_HEAD_DIM_FIELD_NUMBER: _builtins.int
     SHM_FIELD_NUMBER: _builtins.int
     WIRE_VERSION_FIELD_NUMBER: _builtins.int
+    HEAD_LAYOUT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request whose reserved blocks receive the KV."""
     model: _builtins.str
@@ -212,6 +213,11 @@ class KvHandshake(_message.Message):
     version (their heartbeat's kv_wire_version), so that a rolling update never mixes
     them. 0: a sender from before versions. Every change to this handshake bumps it.
     """
+    head_layout: _builtins.str
+    """Which KV heads the chunks carry: "whole", every head of the model in order, whatever
+    the tensor-parallel ranks of either worker hold (each end maps its ranks' heads onto
+    it), the only one built. A receiver refuses any other (INCOMPATIBLE).
+    """
     @_builtins.property
     def shm(self) -> Global___ShmSegment:
         """Set when sender and receiver share a host: every chunk but the last (is_last) travels
@@ -238,10 +244,11 @@ class KvHandshake(_message.Message):
         draft_head_dim: _builtins.int = ...,
         shm: Global___ShmSegment | None = ...,
         wire_version: _builtins.int = ...,
+        head_layout: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "checksum_kind", b"checksum_kind", "decode_epoch", b"decode_epoch", "draft_fingerprint", b"draft_fingerprint", "draft_head_dim", b"draft_head_dim", "dtype", b"dtype", "head_dim", b"head_dim", "layout", b"layout", "model", b"model", "num_draft_kv_heads", b"num_draft_kv_heads", "num_draft_layers", b"num_draft_layers", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "request_id", b"request_id", "shm", b"shm", "total_bytes", b"total_bytes", "wire_version", b"wire_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "checksum_kind", b"checksum_kind", "decode_epoch", b"decode_epoch", "draft_fingerprint", b"draft_fingerprint", "draft_head_dim", b"draft_head_dim", "dtype", b"dtype", "head_dim", b"head_dim", "head_layout", b"head_layout", "layout", b"layout", "model", b"model", "num_draft_kv_heads", b"num_draft_kv_heads", "num_draft_layers", b"num_draft_layers", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "request_id", b"request_id", "shm", b"shm", "total_bytes", b"total_bytes", "wire_version", b"wire_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,7 +7,8 @@ device's and transformers', in a batch with the prefix cache cold and warm and o
 at a time; seeded rows draw as on one device; each drafter's output equals target-only
 output, and an exact draft is accepted whole. How the ranks end: with the engine, with an
 interpreter that never closed it, with rank 0 killed; a killed rank fails the engine
-within the collectives' timeout. What cannot be split is refused naming the numbers."""
+within the collectives' timeout. The KV pools a transfer reads hold every rank's heads,
+as one device's do. What cannot be split is refused naming the numbers."""
 
 from __future__ import annotations
 
@@ -70,6 +71,26 @@ def run(
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
+def prompt_kv(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """``[layers, K and V, tokens, KV heads, head_dim]``: the prompt's KV as a transfer
+    reads it (``kv_pools``), right after its prefill."""
+    engine.add_request("kv-probe", prompt, SamplingParams(max_tokens=2, temperature=0.0))
+    engine.step()
+    table = engine._seqs["kv-probe"].block_table
+    block_size = engine.kv_cache.params.block_size
+    slots = torch.tensor(
+        [table[i // block_size] * block_size + i % block_size for i in range(len(prompt))]
+    )
+    kv = torch.stack(
+        [
+            torch.stack([t.flatten(0, 1)[slots] for t in layer])
+            for layer in engine.kv_pools["target"].layers
+        ]
+    )
+    run(engine, {}, GREEDY)
+    return kv
+
+
 def seeded(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=12, temperature=1.0, seed=100 + i, ignore_eos=True)
 
@@ -104,6 +125,11 @@ def test_greedy_split_over_ranks_equals_one_device_and_transformers(
         # What rank 0 holds: its vocabulary rows, and its KV heads in the cache's pools.
         assert engine.runner.model.lm_head.weight.shape[0] == vocab_rows
         assert engine.kv_cache.layers[0][0].shape[2] == 1  # of 2: its own, or its queries'
+        # ... views of the pools every rank maps, which a transfer reads whole.
+        whole = engine.kv_pools["target"]
+        assert whole.layers[0][0].shape[2] == 2 and not whole.is_placeable
+        assert engine.kv_cache.layers[1][1].data_ptr() == whole.layers[1][1].data_ptr()
+        split_kv = prompt_kv(engine, prompts[2])
     finally:
         engine.close()
     assert all(p.poll() is not None for p in ranks.processes)  # closed: the ranks are gone
@@ -122,6 +148,9 @@ def test_greedy_split_over_ranks_equals_one_device_and_transformers(
     for i, prompt in enumerate(prompts):
         alone |= run(one, {f"seeded-{i}": prompt}, seeded(i))
     assert sampled == alone
+    # Every rank's KV heads, as one device computes them (the sums of the layers'
+    # all-reduces in another order: fp32 rounding apart).
+    torch.testing.assert_close(split_kv, prompt_kv(one, prompts[2]), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash", "suffix"])

@@ -1,0 +1,66 @@
+"""A tensor-parallel worker's target KV in one shared-memory file on its host: each layer's
+K and V with every KV head, ``[num_blocks, block_size, num_kv_heads, head_dim]``, and each
+rank's pools are views of the heads it holds (``Shard.kv_heads``).
+
+Rank 0 reads and writes every head there, so that a KV transfer (kv_transfer, through the
+engine's ``kv_pools``) sees one worker's whole KV in one layout, whatever its ranks: the
+wire carries whole heads, and prefill and decode workers of any tensor-parallel sizes
+map onto each other. Nothing is gathered or copied between ranks for it.
+
+- **Ordering.** A rank writes a layer's KV before that layer's all-reduce returns on any
+  rank, so once rank 0's forward has passed layer ``i`` (``on_layer(i)``), every head of
+  layer ``i`` is written. KV that rank 0 writes (a pushed request's) is read by the other
+  ranks only in a later step, whose message is published after it (channel.py: x86 TSO).
+- **Replicated heads.** With fewer KV heads than ranks, the ranks that share a head share
+  its memory too: each writes the same values (the same weights' rows times the same
+  all-reduced input), so either write leaves the same bytes.
+- **Where.** CPU ranks of one host (where their collectives share memory too); elsewhere
+  (CUDA, ranks on several hosts) each rank's pools are its own, and no whole view exists.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from engine.kv_cache import KVCacheParams, PagedKVCache
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.shm_collectives import map_shared_file
+
+LABEL = "tandem-tp-kv"
+
+
+class SharedKv:
+    """Every rank's view of the file: ``whole`` (every head) and ``rank`` (its heads)."""
+
+    def __init__(self, mapped: mmap.mmap, whole: PagedKVCache, rank: PagedKVCache) -> None:
+        self._map = mapped  # kept: the views live in it
+        self.whole, self.rank = whole, rank
+
+    @classmethod
+    def open(
+        cls, tp: TensorParallelGroup, params: KVCacheParams, num_blocks: int
+    ) -> SharedKv | None:
+        """The ranks' shared pools (a collective: every rank calls it alike) of
+        ``params``'s whole heads; None on every rank where they do not share memory."""
+        if tp.size == 1 or tp.shm is None:
+            return None
+        shape = (num_blocks, params.block_size, params.num_kv_heads, params.head_dim)
+        tensor_bytes = torch.Size(shape).numel() * params.dtype.itemsize
+        num_tensors = params.num_layers * params.num_tensors
+        mapped = map_shared_file(tp.shard.rank, LABEL, max(num_tensors * tensor_bytes, 1))
+        if mapped is None:
+            return None
+        data = torch.frombuffer(mapped, dtype=torch.uint8)
+        tensors = data.view(params.dtype).view(num_tensors, *shape)
+        layers = [
+            tuple(tensors[i * params.num_tensors : (i + 1) * params.num_tensors])
+            for i in range(params.num_layers)
+        ]
+        heads = tp.shard.kv_heads(params.num_kv_heads)
+        mine = [tuple(t[:, :, heads.start : heads.stop] for t in kv) for kv in layers]
+        device = torch.device("cpu")
+        whole = PagedKVCache(params, num_blocks, device, layers)
+        rank = PagedKVCache(params.for_rank(tp.shard), num_blocks, device, mine)
+        return cls(mapped, whole, rank)

@@ -1,0 +1,248 @@
+"""Prefill and decode workers of different tensor-parallel sizes, on a tiny random model
+with an EAGLE-3 draft (real processes, a real redis-server, loopback gRPC): prefill TP 2
+into decode TP 1, then prefill TP 2 into decode TP 2, then prefill TP 1 into decode TP 2.
+Each rank holds its KV heads; the KV goes over the wire as whole heads (the workers' pools
+are shared by their ranks: engine.executor.shared_kv), the draft's KV and drafts with it.
+Greedy output equals the in-process engine's, each decode worker accepts as many drafts as
+one engine doing everything, and the ledger audit is clean after each test. Then a TP-2
+decode worker's rank 1 is SIGKILLed mid-stream: its worker goes down at once, the router
+migrates its requests to the other decode worker, the client sees the target's tokens, and
+no process of the dead worker is left.
+
+One cluster for the module; between tests a worker of another size joins and the one it
+replaces stops, so that each test has exactly one pair."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+import torch
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from ledger.ledger import Ledger, WorkerRole
+from serving.launcher import Cluster, Component
+from tests.engine.tiny_drafts import build_random_draft
+from tests.engine.tiny_models import build_tiny_llama
+from tests.services.cluster_helpers import (
+    TINY_VOCAB,
+    TINY_WORKER_ARGS,
+    assert_greedy_equal,
+    check_stream,
+    engine_greedy,
+    generate_all,
+    metric,
+    router_counter,
+    start_streams,
+    tiny_cluster_spec,
+    until,
+    wait_audit_clean,
+    worker_stats,
+)
+from tests.services.test_cluster_colocated import has_ended, rank_processes, started_by
+from tests.services.tiny_tokenizer import save_char_tokenizer
+
+K = 3
+WORKER_ARGS = (*TINY_WORKER_ARGS, "--kv-cache-memory", str(8 << 20))
+
+
+def prompts(n: int, seed: int, max_len: int = 24) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(1, max_len))] for _ in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    torch.set_num_threads(1)  # this process shares the cores with the cluster's
+    out = tmp_path_factory.mktemp("cluster_tp")
+    # 8 query heads, 2 KV heads: one KV head per rank at TP 2.
+    build_tiny_llama(
+        out / "target",
+        "gqa4_llama3rope_hd72_mlpbias",
+        num_layers=2,
+        vocab_size=TINY_VOCAB,
+        max_position_embeddings=2048,
+    )
+    # As test_cluster_tiny's: a seed and scale with which some drafts are accepted.
+    build_random_draft(out / "target", out / "eagle3", "eagle3", seed=1, std=0.3)
+    save_char_tokenizer(out / "target", TINY_VOCAB)
+    return out / "target", out / "eagle3"
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    model_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    target, draft = model_dirs
+    spec = tiny_cluster_spec(
+        target,
+        tmp_path_factory.mktemp("logs_tp"),
+        draft=str(draft),
+        num_draft_tokens=K,
+        adaptive_speculation=False,  # K every step: counters as one engine's
+        worker_args=WORKER_ARGS,
+        prefill_args=("--tensor-parallel-size", "2"),
+    )
+    started = Cluster(spec).start(timeout_s=120)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture(scope="module")
+def ledger(cluster: Cluster) -> Iterator[Ledger]:
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    yield Ledger(client)
+    client.close()
+
+
+@pytest.fixture(autouse=True)
+async def audit_after_each_test(cluster: Cluster, ledger: Ledger) -> AsyncIterator[None]:
+    yield
+    await wait_audit_clean(cluster, ledger, within_s=10.0)
+
+
+def num_ranks(component: Component) -> int:
+    return 1 + len(rank_processes(component.process.pid))
+
+
+async def replace(
+    cluster: Cluster, ledger: Ledger, role: WorkerRole, name: str, size: int
+) -> Component:
+    """Starts a worker of ``role`` with ``size`` ranks, waits until it is SERVING and
+    registered, then stops (SIGTERM: it drains and leaves the ledger) the one it replaces."""
+    module = "prefill_worker" if role is WorkerRole.PREFILL else "decode_worker"
+    args = [*cluster.spec.engine_args()]
+    if size > 1:
+        args += ["--tensor-parallel-size", str(size)]
+    new = cluster._spawn(name, module, args, True)
+    workers = cluster.prefill if role is WorkerRole.PREFILL else cluster.decode
+    (old,) = workers
+    workers.append(new)
+    ids = lambda: {w.worker_id for w in ledger.list_workers(role)}  # noqa: E731
+    await until(lambda: cluster.is_serving(new) and name in ids(), f"{name} serving", 120)
+    old.process.send_signal(signal.SIGTERM)
+    await asyncio.to_thread(old.process.wait, 30)
+    workers.remove(old)
+    await until(lambda: ids() == {name}, f"{old.name} gone from the ledger")
+    assert num_ranks(new) == size
+    return new
+
+
+def speculative_reference(
+    target: Path, draft: Path, token_prompts: list[list[int]], max_tokens: int
+) -> tuple[list[list[int]], tuple[int, int]]:
+    """Greedy tokens of one engine with the draft, and its (drafted, accepted) counts."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(target),
+            dtype="float32",
+            block_size=4,
+            kv_cache_memory=8 << 20,
+            num_threads=1,
+            speculative=SpeculativeConfig(str(draft), num_draft_tokens=K),
+        )
+    )
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(token_prompts):
+        engine.add_request(str(i), p, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert engine.spec is not None
+    stats = engine.spec.stats
+    return [done[str(i)] for i in range(len(token_prompts))], (
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
+    )
+
+
+async def check_pair(
+    cluster: Cluster, model_dirs: tuple[Path, Path], seed: int, sizes: tuple[int, int]
+) -> None:
+    """Greedy streams through the one pair: the target's tokens, and the decode worker's
+    accepted drafts (counted from here) as one engine's, from the KV the prefill pushed."""
+    target, draft = model_dirs
+    (prefill,), (decode,) = cluster.prefill, cluster.decode
+    assert (num_ranks(prefill), num_ranks(decode)) == sizes
+    pushed = metric(prefill, "tandem_kv_transfer_bytes_total", "prefill")
+    before = (await worker_stats(decode)).speculative
+    token_prompts = prompts(6, seed=seed)
+    ours = await generate_all(cluster.router_address, token_prompts, max_tokens=20)
+    assert metric(prefill, "tandem_kv_transfer_bytes_total", "prefill") > pushed
+    assert_greedy_equal(target, token_prompts, ours, engine_greedy(target, token_prompts, 20))
+    expected, (drafted, accepted) = speculative_reference(target, draft, token_prompts, 20)
+    assert ours == expected and accepted > 0
+    after = (await worker_stats(decode)).speculative
+    assert (
+        after.num_draft_tokens - before.num_draft_tokens,
+        after.num_accepted_tokens - before.num_accepted_tokens,
+    ) == (drafted, accepted)
+
+
+async def test_prefill_tp_2_into_decode_tp_1(
+    cluster: Cluster, model_dirs: tuple[Path, Path]
+) -> None:
+    await check_pair(cluster, model_dirs, seed=1, sizes=(2, 1))
+
+
+async def test_prefill_tp_2_into_decode_tp_2(
+    cluster: Cluster, ledger: Ledger, model_dirs: tuple[Path, Path]
+) -> None:
+    await replace(cluster, ledger, WorkerRole.DECODE, "decode-tp2", 2)
+    await check_pair(cluster, model_dirs, seed=3, sizes=(2, 2))
+
+
+async def test_prefill_tp_1_into_decode_tp_2(
+    cluster: Cluster, ledger: Ledger, model_dirs: tuple[Path, Path]
+) -> None:
+    await replace(cluster, ledger, WorkerRole.PREFILL, "prefill-tp1", 1)
+    await check_pair(cluster, model_dirs, seed=5, sizes=(1, 2))
+
+
+FAULT_TOKENS = 400  # long enough that every stream is mid-way when the rank is killed
+FAULT_PROMPTS = [[(7 * i + 5 * j) % 61 + 3 for j in range(4 + 5 * i)] for i in range(4)]
+
+
+async def test_a_killed_rank_of_a_tp_2_decode_worker_migrates_its_requests(
+    cluster: Cluster, ledger: Ledger, model_dirs: tuple[Path, Path]
+) -> None:
+    """Streams on the TP-2 decode worker; a TP-1 decode worker joins; rank 1 of the TP-2
+    one is SIGKILLed: it exits at once, the router resumes its streams on the other, and
+    they complete with the target's greedy tokens. No process of it is left."""
+    target, _ = model_dirs
+    (victim,) = cluster.decode
+    (rank,) = rank_processes(victim.process.pid)
+    streams = await start_streams(cluster.router_address, FAULT_PROMPTS, FAULT_TOKENS, min_tokens=4)
+    assert (await worker_stats(victim)).num_running == len(FAULT_PROMPTS)
+    survivor = cluster._spawn("decode-tp1", "decode_worker", [*cluster.spec.engine_args()], True)
+    cluster.decode.append(survivor)
+    ids = lambda: {w.worker_id for w in ledger.list_workers(WorkerRole.DECODE)}  # noqa: E731
+    await until(lambda: "decode-tp1" in ids(), "decode-tp1 registered", 120)
+    migrated = router_counter(cluster, "tandem_migrations_total")
+    rank.kill()
+    code = await asyncio.to_thread(victim.process.wait, 10)
+    assert code == 3  # serving.engine_loop.EXIT_RANK_LOST
+    assert max(streams.counts) < FAULT_TOKENS, "a stream ended before the kill"
+    cluster.decode.remove(victim)
+    results = await streams.results(timeout_s=180)
+    ours = [check_stream(chunks, FAULT_TOKENS) for chunks in results]
+    assert_greedy_equal(
+        target, FAULT_PROMPTS, ours, engine_greedy(target, FAULT_PROMPTS, FAULT_TOKENS)
+    )
+    assert router_counter(cluster, "tandem_migrations_total") >= migrated + 1
+    assert has_ended(rank) and not psutil.pid_exists(victim.process.pid)
+    assert started_by(victim.process.pid) == []
+    # The dead worker's holdings go when its lease (1 s) expires.
+    await until(lambda: ledger.holdings() == [], "the dead worker's blocks reclaimed", 15)
