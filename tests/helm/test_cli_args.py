@@ -242,3 +242,28 @@ def test_suffix_decoding_reaches_the_decode_worker_without_a_draft() -> None:
             seen[args.command] = (args.draft, args.draft_method, args.num_draft_tokens)
             assert args.adaptive_speculation
     assert seen == {"prefill": (None, None, 5), "decode": (None, "suffix", 8)}
+
+
+def test_tensor_parallel_sizes_reach_each_role_with_one_gpu_per_rank() -> None:
+    """The tensor-parallel value set: decode split over 2 ranks, prefill on 1; on the
+    cuda image each container asks for one GPU per rank. The GPU value set, which names
+    its one GPU in resources, keeps it."""
+    objs = objects("tensor-parallel")
+    sizes, gpus = {}, {}
+    for _, container in tandem_containers(objs):
+        args = parse(expand_args(container, config_maps(objs)))
+        if args.command in ("prefill", "decode"):
+            sizes[args.command] = args.tensor_parallel_size
+            resources = container["resources"]
+            gpus[args.command] = (
+                resources["requests"]["nvidia.com/gpu"],
+                resources["limits"]["nvidia.com/gpu"],
+            )
+            assert resources["requests"]["cpu"] in ("8", "16")  # the rest is the role's
+    assert sizes == {"prefill": 1, "decode": 2}
+    assert gpus == {"prefill": (1, 1), "decode": (2, 2)}
+    for _, container in tandem_containers(objects("gpu-eagle3")):
+        if container["name"] in ("prefill", "decode"):
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for _, container in tandem_containers(objects("cpu")):
+        assert "nvidia.com/gpu" not in str(container.get("resources"))

@@ -31,6 +31,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"networkPolicy": {"routerFrom": {}}}, "at '/networkPolicy/routerFrom': got object"),
     ({"serviceMonitor": {"interval": "often"}}, "at '/serviceMonitor/interval'"),
     ({"prefill": {"draft": {"numDraftTokens": 0}}}, "/prefill/draft/numDraftTokens"),
+    ({"decode": {"engine": {"tensorParallelSize": 0}}}, "/decode/engine/tensorParallelSize"),
     ({"typo": True}, "additional properties 'typo' not allowed"),
 ]
 
@@ -55,6 +56,17 @@ def test_bad_values_are_refused_with_a_clear_message(values: dict[str, Any], mes
         (
             {"prefill": {"draft": {"enabled": True}}, "decode": {"draft": {"enabled": True}}},
             "decode.draft.path is required",
+        ),
+        (
+            {
+                "image": {"flavor": "cuda"},
+                "decode": {
+                    "engine": {"tensorParallelSize": 2},
+                    "resources": {"limits": {"nvidia.com/gpu": 1}},
+                },
+            },
+            "decode.resources.limits.nvidia.com/gpu: 1, but decode.engine.tensorParallelSize "
+            "is 2 (one GPU per rank)",
         ),
     ],
 )

@@ -19,6 +19,7 @@
 {{- if .root.Values.engine.maxModelLen }}{{ $keys = append $keys (printf "%s.max-model-len" .role) }}{{ end }}
 {{- if $v.engine.kvCacheMemory }}{{ $keys = append $keys (printf "%s.kv-cache-memory" .role) }}{{ end }}
 {{- if $v.engine.threads }}{{ $keys = append $keys (printf "%s.threads" .role) }}{{ end }}
+{{- if gt (int $v.engine.tensorParallelSize) 1 }}{{ $keys = append $keys (printf "%s.tensor-parallel-size" .role) }}{{ end }}
 {{- if $v.draft.enabled }}{{ $keys = append $keys (printf "%s.draft" .role) }}{{ end }}
 {{- if or $v.draft.enabled $v.draft.method }}{{ $keys = append $keys (printf "%s.num-draft-tokens" .role) }}{{ end }}
 {{- toJson $keys }}
@@ -50,6 +51,9 @@ ConfigMap ($(TANDEM_...) is expanded by the kubelet), probes and the drain. dict
     {{- end }}
     {{- if $v.engine.threads }}
     - --threads=$({{ $env }}THREADS)
+    {{- end }}
+    {{- if gt (int $v.engine.tensorParallelSize) 1 }}
+    - --tensor-parallel-size=$({{ $env }}TENSOR_PARALLEL_SIZE)
     {{- end }}
     {{- if $v.engine.eager }}
     - --eager
@@ -93,8 +97,30 @@ ConfigMap ($(TANDEM_...) is expanded by the kubelet), probes and the drain. dict
   securityContext:
     {{- toYaml $root.Values.securityContext | nindent 4 }}
   resources:
-    {{- toYaml $v.resources | nindent 4 }}
+    {{- include "tandem.workerResources" (dict "root" $root "role" $role) | trim | nindent 4 }}
   volumeMounts:
     {{- include "tandem.volumeMounts" (dict "root" $root "role" $role) | trim | nindent 4 }}
 {{- end }}
 
+
+{{/* A worker's resources: the role's, and on the CUDA image one GPU per tensor-parallel
+rank (nvidia.com/gpu, requests and limits), from engine.tensorParallelSize; a count given
+in resources that differs from it is refused. dict: root, role */}}
+{{- define "tandem.workerResources" -}}
+{{- $v := index .root.Values .role }}
+{{- $resources := deepCopy $v.resources }}
+{{- if eq .root.Values.image.flavor "cuda" }}
+{{- $gpus := int $v.engine.tensorParallelSize }}
+{{- range $kind := list "requests" "limits" }}
+{{- $given := index $resources $kind | default dict }}
+{{- with index $given "nvidia.com/gpu" }}
+{{- if ne (int .) $gpus }}
+{{- fail (printf "%s.resources.%s.nvidia.com/gpu: %v, but %s.engine.tensorParallelSize is %d (one GPU per rank); set one of them" $.role $kind . $.role $gpus) }}
+{{- end }}
+{{- end }}
+{{- $_ := set $given "nvidia.com/gpu" $gpus }}
+{{- $_ := set $resources $kind $given }}
+{{- end }}
+{{- end }}
+{{- toYaml $resources }}
+{{- end }}

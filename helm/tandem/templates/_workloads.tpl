@@ -63,6 +63,9 @@ spec:
 {{- with $v.engine.threads }}
 {{ $role }}.threads: {{ . | quote }}
 {{- end }}
+{{- if gt (int $v.engine.tensorParallelSize) 1 }}
+{{ $role }}.tensor-parallel-size: {{ $v.engine.tensorParallelSize | quote }}
+{{- end }}
 {{- if $v.draft.enabled }}
 {{ $role }}.draft: {{ include "tandem.draftPath" $root | quote }}
 {{- end }}
