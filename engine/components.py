@@ -151,6 +151,13 @@ def _build(
         kv_cache, whole_kv = shared.rank, shared.whole
     else:
         kv_cache = PagedKVCache(kv_params, num_blocks, device)
+        if tp.size > 1:
+            logger.warning(
+                "tensor_parallel_size %d: the ranks' KV pools are not shared (%s), so this "
+                "engine's KV cannot be sent to or received from other workers",
+                tp.size,
+                "CUDA ranks" if device.type == "cuda" else "the shared segment could not be mapped",
+            )
     # With CUDA graphs the last block is no request's: padded rows write there.
     block_manager = BlockManager(
         num_blocks - config.uses_cuda_graphs,

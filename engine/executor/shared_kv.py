@@ -12,8 +12,11 @@ map onto each other. Nothing is gathered or copied between ranks for it.
   layer ``i`` is written. KV that rank 0 writes (a pushed request's) is read by the other
   ranks only in a later step, whose message is published after it (channel.py: x86 TSO).
 - **Replicated heads.** With fewer KV heads than ranks, the ranks that share a head share
-  its memory too: each writes the same values (the same weights' rows times the same
-  all-reduced input), so either write leaves the same bytes.
+  its memory too. Each writes the same values (the same weights' rows times the same
+  all-reduced input), so either write leaves the same bytes, as long as the ranks run the
+  same products: ranks that chose different CPU products for the shape (``cpu_gemm``
+  "measured", timed per rank) may round differently, and a slot then holds one rank's
+  rounding of it (within fp rounding of the other's; tested greedy at TP 4 over 2 KV heads).
 - **Where.** CPU ranks of one host (where their collectives share memory too); elsewhere
   (CUDA, ranks on several hosts) each rank's pools are its own, and no whole view exists.
 """

@@ -67,15 +67,19 @@ def map_shared_file(rank: int, label: str, num_bytes: int) -> mmap.mmap | None:
     collective): rank 0 creates it and the others open it through ``/proc/<pid>/fd``. None
     on every rank where one of them could not map it; the caller has checked that they
     share a host. The memory goes with the last mapping."""
-    where = torch.zeros(2, dtype=torch.int64)
+    where = torch.zeros(3, dtype=torch.int64)
     fd = -1
     if rank == 0:
         fd = os.memfd_create(label, os.MFD_CLOEXEC)
         os.ftruncate(fd, num_bytes)
-        where = torch.tensor([os.getpid(), fd], dtype=torch.int64)
+        where = torch.tensor([os.getpid(), fd, num_bytes], dtype=torch.int64)
     dist.broadcast(where, src=0)
     mapped = None
     try:
+        if int(where[2]) != num_bytes:  # ranks out of step: a mapping past the file's end
+            raise OSError(
+                f"{label}: rank 0 made {int(where[2])} bytes, rank {rank} wants {num_bytes}"
+            )
         if rank != 0:
             path = f"/proc/{int(where[0])}/fd/{int(where[1])}"
             if not os.readlink(path).startswith(f"/memfd:{label}"):

@@ -267,3 +267,12 @@ def test_tensor_parallel_sizes_reach_each_role_with_one_gpu_per_rank() -> None:
             assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     for _, container in tandem_containers(objects("cpu")):
         assert "nvidia.com/gpu" not in str(container.get("resources"))
+    # A MIG slice at one rank stays as given: no whole GPU is added.
+    mig = {"requests": {"cpu": "2"}, "limits": {"nvidia.com/mig-1g.10gb": 1}}
+    values = {"image": {"flavor": "cuda"}, "decode": {"resources": mig}}
+    texts = [t for p, t in render_raw(values).items() if not p.endswith("NOTES.txt")]
+    objs = [d for t in texts for d in yaml.safe_load_all(t) if d]
+    resources = {c["name"]: c["resources"] for _, c in tandem_containers(objs)}
+    assert resources["decode"]["limits"]["nvidia.com/mig-1g.10gb"] == 1
+    assert "nvidia.com/gpu" not in str(resources["decode"])
+    assert resources["prefill"]["limits"]["nvidia.com/gpu"] == 1

@@ -68,6 +68,25 @@ def test_bad_values_are_refused_with_a_clear_message(values: dict[str, Any], mes
             "decode.resources.limits.nvidia.com/gpu: 1, but decode.engine.tensorParallelSize "
             "is 2 (one GPU per rank)",
         ),
+        (
+            {
+                "image": {"flavor": "cuda"},
+                "prefill": {"resources": {"requests": {"nvidia.com/gpu": 0}}},
+            },
+            "prefill.resources.requests.nvidia.com/gpu: 0, but prefill.engine.tensorParallelSize "
+            "is 1",
+        ),
+        (
+            {
+                "image": {"flavor": "cuda"},
+                "decode": {
+                    "engine": {"tensorParallelSize": 2},
+                    "resources": {"limits": {"nvidia.com/mig-1g.10gb": 1}},
+                },
+            },
+            "decode.engine.tensorParallelSize: 2 ranks need whole GPUs (nvidia.com/gpu), but "
+            "decode.resources name nvidia.com/mig-1g.10gb",
+        ),
     ],
 )
 def test_templates_refuse_inconsistent_values(values: dict[str, Any], message: str) -> None:

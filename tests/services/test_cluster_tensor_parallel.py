@@ -9,12 +9,14 @@ decode worker's rank 1 is SIGKILLed mid-stream: its worker goes down at once, th
 migrates its requests to the other decode worker, the client sees the target's tokens, and
 no process of the dead worker is left.
 
-One cluster for the module; between tests a worker of another size joins and the one it
-replaces stops, so that each test has exactly one pair."""
+One cluster for the module; each test arranges the sizes it needs (a worker of another
+size joins, and the one it replaces drains and stops), so that it has exactly one pair,
+in any order."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -117,27 +119,45 @@ def num_ranks(component: Component) -> int:
     return 1 + len(rank_processes(component.process.pid))
 
 
-async def replace(
-    cluster: Cluster, ledger: Ledger, role: WorkerRole, name: str, size: int
-) -> Component:
-    """Starts a worker of ``role`` with ``size`` ranks, waits until it is SERVING and
-    registered, then stops (SIGTERM: it drains and leaves the ledger) the one it replaces."""
+_NAMES = itertools.count(1)
+
+
+def registered(ledger: Ledger, role: WorkerRole) -> set[str]:
+    return {w.worker_id for w in ledger.list_workers(role)}
+
+
+async def start_worker(cluster: Cluster, ledger: Ledger, role: WorkerRole, size: int) -> Component:
+    """A worker of ``role`` with ``size`` ranks, joined to the cluster, SERVING and
+    registered."""
     module = "prefill_worker" if role is WorkerRole.PREFILL else "decode_worker"
+    name = f"{role.value}-tp{size}-{next(_NAMES)}"
     args = [*cluster.spec.engine_args()]
     if size > 1:
         args += ["--tensor-parallel-size", str(size)]
     new = cluster._spawn(name, module, args, True)
-    workers = cluster.prefill if role is WorkerRole.PREFILL else cluster.decode
-    (old,) = workers
-    workers.append(new)
-    ids = lambda: {w.worker_id for w in ledger.list_workers(role)}  # noqa: E731
-    await until(lambda: cluster.is_serving(new) and name in ids(), f"{name} serving", 120)
-    old.process.send_signal(signal.SIGTERM)
-    await asyncio.to_thread(old.process.wait, 30)
-    workers.remove(old)
-    await until(lambda: ids() == {name}, f"{old.name} gone from the ledger")
+    (cluster.prefill if role is WorkerRole.PREFILL else cluster.decode).append(new)
+    await until(
+        lambda: cluster.is_serving(new) and name in registered(ledger, role), f"{name} serving", 120
+    )
     assert num_ranks(new) == size
     return new
+
+
+async def arrange(cluster: Cluster, ledger: Ledger, prefill: int, decode: int) -> None:
+    """Exactly one prefill worker of ``prefill`` ranks and one decode worker of ``decode``:
+    a worker of another size is replaced (the new one started first, then the old one
+    stopped with SIGTERM, so that it drains and leaves the ledger)."""
+    for role, size in ((WorkerRole.PREFILL, prefill), (WorkerRole.DECODE, decode)):
+        workers = cluster.prefill if role is WorkerRole.PREFILL else cluster.decode
+        if [num_ranks(w) for w in workers] == [size]:
+            continue
+        new = await start_worker(cluster, ledger, role, size)
+        for old in [w for w in workers if w is not new]:
+            old.process.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(old.process.wait, 30)
+            workers.remove(old)
+        only = {new.name}
+        await until(lambda: registered(ledger, role) == only, f"only {only} registered")  # noqa: B023
 
 
 def speculative_reference(
@@ -169,13 +189,18 @@ def speculative_reference(
 
 
 async def check_pair(
-    cluster: Cluster, model_dirs: tuple[Path, Path], seed: int, sizes: tuple[int, int]
+    cluster: Cluster,
+    ledger: Ledger,
+    model_dirs: tuple[Path, Path],
+    seed: int,
+    sizes: tuple[int, int],
 ) -> None:
-    """Greedy streams through the one pair: the target's tokens, and the decode worker's
-    accepted drafts (counted from here) as one engine's, from the KV the prefill pushed."""
+    """Greedy streams through the one pair of these sizes: the target's tokens, and the
+    decode worker's accepted drafts (counted from here) as one engine's, from the KV and
+    drafts the prefill worker pushed."""
     target, draft = model_dirs
+    await arrange(cluster, ledger, *sizes)
     (prefill,), (decode,) = cluster.prefill, cluster.decode
-    assert (num_ranks(prefill), num_ranks(decode)) == sizes
     pushed = metric(prefill, "tandem_kv_transfer_bytes_total", "prefill")
     before = (await worker_stats(decode)).speculative
     token_prompts = prompts(6, seed=seed)
@@ -192,23 +217,21 @@ async def check_pair(
 
 
 async def test_prefill_tp_2_into_decode_tp_1(
-    cluster: Cluster, model_dirs: tuple[Path, Path]
+    cluster: Cluster, ledger: Ledger, model_dirs: tuple[Path, Path]
 ) -> None:
-    await check_pair(cluster, model_dirs, seed=1, sizes=(2, 1))
+    await check_pair(cluster, ledger, model_dirs, seed=1, sizes=(2, 1))
 
 
 async def test_prefill_tp_2_into_decode_tp_2(
     cluster: Cluster, ledger: Ledger, model_dirs: tuple[Path, Path]
 ) -> None:
-    await replace(cluster, ledger, WorkerRole.DECODE, "decode-tp2", 2)
-    await check_pair(cluster, model_dirs, seed=3, sizes=(2, 2))
+    await check_pair(cluster, ledger, model_dirs, seed=3, sizes=(2, 2))
 
 
 async def test_prefill_tp_1_into_decode_tp_2(
     cluster: Cluster, ledger: Ledger, model_dirs: tuple[Path, Path]
 ) -> None:
-    await replace(cluster, ledger, WorkerRole.PREFILL, "prefill-tp1", 1)
-    await check_pair(cluster, model_dirs, seed=5, sizes=(1, 2))
+    await check_pair(cluster, ledger, model_dirs, seed=5, sizes=(1, 2))
 
 
 FAULT_TOKENS = 400  # long enough that every stream is mid-way when the rank is killed
@@ -218,29 +241,27 @@ FAULT_PROMPTS = [[(7 * i + 5 * j) % 61 + 3 for j in range(4 + 5 * i)] for i in r
 async def test_a_killed_rank_of_a_tp_2_decode_worker_migrates_its_requests(
     cluster: Cluster, ledger: Ledger, model_dirs: tuple[Path, Path]
 ) -> None:
-    """Streams on the TP-2 decode worker; a TP-1 decode worker joins; rank 1 of the TP-2
-    one is SIGKILLed: it exits at once, the router resumes its streams on the other, and
-    they complete with the target's greedy tokens. No process of it is left."""
+    """Streams on a TP-2 and a TP-1 decode worker; rank 1 of the TP-2 one is SIGKILLed
+    mid-stream: that worker exits at once, the router resumes its streams on the other,
+    and every stream completes with the target's greedy tokens. No process of it is left."""
     target, _ = model_dirs
+    await arrange(cluster, ledger, 1, 2)
     (victim,) = cluster.decode
     (rank,) = rank_processes(victim.process.pid)
-    streams = await start_streams(cluster.router_address, FAULT_PROMPTS, FAULT_TOKENS, min_tokens=4)
-    assert (await worker_stats(victim)).num_running == len(FAULT_PROMPTS)
-    survivor = cluster._spawn("decode-tp1", "decode_worker", [*cluster.spec.engine_args()], True)
-    cluster.decode.append(survivor)
-    ids = lambda: {w.worker_id for w in ledger.list_workers(WorkerRole.DECODE)}  # noqa: E731
-    await until(lambda: "decode-tp1" in ids(), "decode-tp1 registered", 120)
+    await start_worker(cluster, ledger, WorkerRole.DECODE, 1)
     migrated = router_counter(cluster, "tandem_migrations_total")
+    streams = await start_streams(cluster.router_address, FAULT_PROMPTS, FAULT_TOKENS, min_tokens=4)
     rank.kill()
+    assert max(streams.counts) < FAULT_TOKENS, "a stream ended before the kill"
     code = await asyncio.to_thread(victim.process.wait, 10)
     assert code == 3  # serving.engine_loop.EXIT_RANK_LOST
-    assert max(streams.counts) < FAULT_TOKENS, "a stream ended before the kill"
     cluster.decode.remove(victim)
     results = await streams.results(timeout_s=180)
     ours = [check_stream(chunks, FAULT_TOKENS) for chunks in results]
     assert_greedy_equal(
         target, FAULT_PROMPTS, ours, engine_greedy(target, FAULT_PROMPTS, FAULT_TOKENS)
     )
+    # The router spreads streams over both decode workers: some were the victim's.
     assert router_counter(cluster, "tandem_migrations_total") >= migrated + 1
     assert has_ended(rank) and not psutil.pid_exists(victim.process.pid)
     assert started_by(victim.process.pid) == []

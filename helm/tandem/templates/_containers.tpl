@@ -104,22 +104,35 @@ ConfigMap ($(TANDEM_...) is expanded by the kubelet), probes and the drain. dict
 
 
 {{/* A worker's resources: the role's, and on the CUDA image one GPU per tensor-parallel
-rank (nvidia.com/gpu, requests and limits), from engine.tensorParallelSize; a count given
-in resources that differs from it is refused. dict: root, role */}}
+rank (nvidia.com/gpu, requests and limits), from engine.tensorParallelSize. A count given in
+resources that differs from it is refused. Resources that name other NVIDIA devices (MIG
+slices: nvidia.com/mig-...) are left as given at one rank and refused at more. dict: root, role */}}
 {{- define "tandem.workerResources" -}}
 {{- $v := index .root.Values .role }}
 {{- $resources := deepCopy $v.resources }}
 {{- if eq .root.Values.image.flavor "cuda" }}
 {{- $gpus := int $v.engine.tensorParallelSize }}
+{{- $others := list }}
+{{- range $kind := list "requests" "limits" }}
+{{- range $name, $_ := index $resources $kind | default dict }}
+{{- if and (hasPrefix "nvidia.com/" $name) (ne $name "nvidia.com/gpu") }}{{ $others = append $others $name }}{{ end }}
+{{- end }}
+{{- end }}
+{{- if $others }}
+{{- if gt $gpus 1 }}
+{{- fail (printf "%s.engine.tensorParallelSize: %d ranks need whole GPUs (nvidia.com/gpu), but %s.resources name %s" .role $gpus .role (first $others)) }}
+{{- end }}
+{{- else }}
 {{- range $kind := list "requests" "limits" }}
 {{- $given := index $resources $kind | default dict }}
-{{- with index $given "nvidia.com/gpu" }}
-{{- if ne (int .) $gpus }}
-{{- fail (printf "%s.resources.%s.nvidia.com/gpu: %v, but %s.engine.tensorParallelSize is %d (one GPU per rank); set one of them" $.role $kind . $.role $gpus) }}
+{{- if hasKey $given "nvidia.com/gpu" }}
+{{- if ne (int (index $given "nvidia.com/gpu")) $gpus }}
+{{- fail (printf "%s.resources.%s.nvidia.com/gpu: %v, but %s.engine.tensorParallelSize is %d (one GPU per rank); set one of them" $.role $kind (index $given "nvidia.com/gpu") $.role $gpus) }}
 {{- end }}
 {{- end }}
 {{- $_ := set $given "nvidia.com/gpu" $gpus }}
 {{- $_ := set $resources $kind $given }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- toYaml $resources }}
