@@ -11,6 +11,7 @@ line is one JSON object of milliseconds per call.
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ def ms_per_call(fn: Callable[[], torch.Tensor], repeats: int = 20) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     torch.set_num_threads(1)
     q = torch.randn(ROWS, HEADS, 1, HEAD_DIM).bfloat16()
     k = torch.randn(ROWS, KV_HEADS, CONTEXT, HEAD_DIM).bfloat16()

@@ -3,6 +3,7 @@ cache sized for both, the block manager, the scheduler and the runners."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +86,14 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
             dtype=config.dtype,
             max_length=config.max_model_len,
         )
-        rank_config = RankConfig.of(config)
+        attention = config.attention_backend
+        if attention == "auto":
+            attention = select_backend(config.device, config.block_size)
+        # What rank 0 runs, resolved here: every rank's layers swap in the same kernels.
+        kernels = kernels_for(config.kernels, attention)
+        rank_config = dataclasses.replace(
+            RankConfig.of(config), attention_backend=attention, kernels=kernels
+        )
         ranks = RankGroup.start(rank_config)
         torch.set_num_threads(rank_threads(rank_config))
     try:
@@ -172,11 +180,6 @@ def _build(
     if attention == "auto":
         attention = select_backend(config.device, config.block_size)
     kernels = kernels_for(config.kernels, attention)
-    if tp.size > 1 and kernels == "triton":  # its fused layers have no collectives yet
-        raise ValueError(
-            f"tensor_parallel_size: {tp.size} runs on the torch kernels for now; set "
-            "kernels='torch' (the attention backend may stay)"
-        )
     if kernels == "triton":  # swapped in once: the torch path keeps its modules
         rope = attention != "torch"  # the torch backend's metadata has no positions
         use_triton_kernels(model, rope=rope)

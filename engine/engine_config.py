@@ -101,12 +101,10 @@ class EngineConfig:
             self._check_split()
 
     def _check_split(self) -> None:
-        """What tensor parallelism covers for now: the torch kernels, without CUDA graphs."""
+        """What tensor parallelism covers for now: no CUDA graphs."""
         size = self.tensor_parallel_size
         why = ""
-        if self.kernels == "triton":
-            why = "kernels='triton' (its fused layers have no collectives yet); use 'torch'"
-        elif self.uses_cuda_graphs or self.enable_overlap_scheduler:
+        if self.uses_cuda_graphs or self.enable_overlap_scheduler:
             why = "CUDA graphs and overlap scheduling (not captured per rank yet); turn them off"
         if why:
             raise ValueError(f"tensor_parallel_size: {size} does not run with {why}")

@@ -24,6 +24,7 @@ from engine.executor.shared_kv import SharedKv
 from engine.executor.uniproc import UniprocExecutor, compile_decode_model
 from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.models.layers import release_packed_weights, use_packed_gemm
+from engine.models.triton_layers import use_triton_kernels
 from engine.parallel.group import TensorParallelGroup
 from engine.registry import load_model
 from kernels.cpu import extension as cpu_kernels
@@ -45,6 +46,7 @@ class RankConfig:
     kv_cache_memory_fraction: float = 0.1
     device: str = "cpu"
     attention_backend: str = "auto"
+    kernels: str = "torch"  # resolved by rank 0: "torch", or "triton" (its layers swapped in)
     cpu_gemm: str = "measured"
     build_cpu_kernels: bool = True
     num_threads: int | None = None
@@ -67,6 +69,8 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     if device.type == "cpu" and config.cpu_gemm != "aten":
         use_packed_gemm(model, config.cpu_gemm)
         release_packed_weights(model)
+    if config.kernels == "triton":  # as rank 0's build_components swaps them in
+        use_triton_kernels(model, rope=config.attention_backend != "torch")
     whole_params = KVCacheParams.from_config(model_config, config.block_size)
     params = whole_params.for_rank(tp.shard)
     num_blocks = plan_num_blocks(

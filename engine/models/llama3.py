@@ -202,8 +202,12 @@ def run_decoder(
             on_layer(i)
     final = model.norm(x) if return_hidden_states.final else None
     normed = final[logit_indices] if final is not None else model.norm(x[logit_indices])
-    logits = model.lm_head(normed).float()  # [N, V] (this rank's columns, split)
-    tp = getattr(model, "tp", None)  # DeepSeek-V3 runs on one device
-    if tp is not None:
-        logits = gather_logits(tp, logits, model.config.vocab_size)
+    logits = whole_logits(model, model.lm_head(normed).float())  # [N, V]
     return ModelOutputs(logits=logits, hidden_states=hidden, final_hidden_state=final)
+
+
+def whole_logits(model: Any, logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` of every vocabulary row: split, this rank's columns gathered with the
+    other ranks' (DeepSeek-V3 runs on one device: no ``tp``)."""
+    tp = getattr(model, "tp", None)
+    return logits if tp is None else gather_logits(tp, logits, model.config.vocab_size)

@@ -13,6 +13,9 @@ its post-attention norm, and its MLP output inside the next layer's input norm (
 norm for the last layer): ``FusedDecoder`` passes (output, residual) pairs between
 layers. The sums are the ones the torch path computes, in the same dtype: fusing them
 changes no bit.
+
+Split over tensor-parallel ranks, the layers all-reduce what their torch modules do (o_proj
+and down_proj's partial sums), and the decoder gathers the LM head's vocabulary shards.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from engine.models.llama3 import (
     Llama3DecoderLayer,
     ModelOutputs,
     ReturnHiddenStates,
+    whole_logits,
 )
 
 
@@ -65,11 +69,13 @@ class TritonGatedMLP(nn.Module):
         super().__init__()
         self.intermediate_size = mlp.intermediate_size
         self.gate_up_proj, self.down_proj, self._ops = mlp.gate_up_proj, mlp.down_proj, ops
+        self.tp = mlp.tp  # split: down_proj's partial sums are all-reduced, as mlp's are
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [..., 2I]
         act = self._ops.silu_and_mul(gate_up.reshape(-1, gate_up.shape[-1]).contiguous())
-        return self.down_proj(act.view(*gate_up.shape[:-1], self.intermediate_size))
+        out = self.down_proj(act.view(*gate_up.shape[:-1], self.intermediate_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class TritonLlama3Attention(nn.Module):
@@ -82,6 +88,7 @@ class TritonLlama3Attention(nn.Module):
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.head_dim, self.q_size, self.kv_size = attn.head_dim, attn.q_size, attn.kv_size
         self.qkv_proj, self.o_proj, self._ops = attn.qkv_proj, attn.o_proj, ops
+        self.tp = attn.tp  # split: o_proj's partial sums are all-reduced, as attn's are
         self.cos_sin_factor = cos_sin_factor
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] fp32
@@ -101,7 +108,7 @@ class TritonLlama3Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
 class TritonLatentAttention(MultiHeadLatentAttention):
@@ -213,10 +220,11 @@ class FusedDecoder(nn.Module):
         assert residual is not None, "a decoder has layers"
         if return_hidden_states.final:
             final, _ = model.norm.add_and_norm(x, residual)
-            logits = model.lm_head(final[logit_indices]).float()  # [N, V]
+            logits = whole_logits(model, model.lm_head(final[logit_indices]).float())  # [N, V]
             return ModelOutputs(logits=logits, hidden_states=hidden, final_hidden_state=final)
         normed, _ = model.norm.add_and_norm(x[logit_indices], residual[logit_indices])
-        return ModelOutputs(logits=model.lm_head(normed).float(), hidden_states=hidden)
+        logits = whole_logits(model, model.lm_head(normed).float())
+        return ModelOutputs(logits=logits, hidden_states=hidden)
 
 
 def use_triton_kernels(model: nn.Module, *, rope: bool = True) -> int:

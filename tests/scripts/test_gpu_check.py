@@ -1,0 +1,94 @@
+"""scripts/gpu_check, the prepared GPU check, on CPU: its dry run (every module the check
+imports resolves, the gpu tests are collected, bench/gpu_step.py --quick runs, what a
+device call carries fits in 64 MiB), its help (how to run it, how to leave the drafts out),
+and how it reads pytest's JUnit XML and a benchmark's last JSON line."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check"
+
+
+def load_script() -> ModuleType:
+    loader = importlib.machinery.SourceFileLoader("gpu_check", str(SCRIPT))
+    spec = importlib.util.spec_from_loader("gpu_check", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_the_dry_run_passes_on_cpu() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["ok"] is True
+    assert "tests/kernels/triton/test_triton_gpu.py" in result["gpu_test_files"]
+    assert 0 < result["travelling_mib"] <= 64
+    assert "bench/gpu_step.py --quick: ran on CPU" in done.stderr
+    # The collection ran in a child that had every package: those the GPU image lacks are
+    # named (tandem's own modules never are).
+    assert all(not name.startswith("tandem") for name in result["missing_on_gpu"])
+
+
+def test_help_says_how_to_run_it_and_how_to_leave_the_drafts_out() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0
+    assert "python3 scripts/gpu_check --out $OUT" in done.stdout
+    assert "git rm -r -q --cached drafts" in done.stdout
+    assert 'carry [".whl"]' in done.stdout
+
+
+def test_without_an_output_folder_it_says_what_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 2
+    assert "--out DIR (or $OUT) is needed" in done.stderr
+
+
+def test_junit_counts_and_the_last_json_line(tmp_path: Path) -> None:
+    gpu_check = load_script()
+    xml = tmp_path / "junit.xml"
+    xml.write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
+        '<testcase classname="tests.a" name="test_ok"/>'
+        '<testcase classname="tests.a" name="test_bad"><failure message="x"/></testcase>'
+        '<testcase classname="tests.b" name="test_skip"><skipped/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    assert gpu_check.junit_counts(xml) == {
+        "tests": 3,
+        "failures": 1,
+        "errors": 0,
+        "skipped": 1,
+        "failing": ["tests.a::test_bad"],
+    }
+    assert gpu_check.junit_counts(tmp_path / "none.xml") == {"junit": "missing"}
+    log = tmp_path / "bench.log"
+    log.write_text('warming up\n{"a": 1}\n{"device": "H200", "x": 2}\n[done]\n')
+    assert gpu_check.last_json(log) == {"device": "H200", "x": 2}
+    assert gpu_check.missing_on_gpu(["torch", "xgrammar", "tandem-client", "grpcio"]) == [
+        "xgrammar",
+        "grpcio",
+    ]
