@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -46,6 +47,39 @@ def test_the_dry_run_passes_on_cpu() -> None:
     # The collection ran in a child that had every package: those the GPU image lacks are
     # named (tandem's own modules never are).
     assert all(not name.startswith("tandem") for name in result["missing_on_gpu"])
+
+
+def test_the_check_itself_on_cpu_leaves_a_summary_within_its_budget(tmp_path: Path) -> None:
+    """The GPU run's code path, here: the gpu tests skip, the full benchmark is cut off at
+    the budget, and what is left is a summary with every key (None where not measured),
+    within the files a GPU run brings back."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--budget-s", "30"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert time.monotonic() - started < 60
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert set(summary) >= {
+        "device",
+        "roofline_fraction_8b_bs1",
+        "spec_step_over_plain_step_8b_bs1",
+        "tandem_tok_s_smollm2_bs1",
+        "hf_tok_s_smollm2_bs1",
+        "cuda_ipc_over_d2d",
+    }
+    assert summary["versions"]["cuda_available"] is False and summary["device"] is None
+    tests = summary["phases"]["gpu_tests"]
+    assert tests["exit"] == 0 and tests["tests"] > 0 and tests["skipped"] == tests["tests"]
+    assert summary["phases"]["gpu_step"]["exit"] is None  # cut off at the budget
+    assert summary["cuda_ipc_over_d2d"] is None
+    files = list(tmp_path.iterdir())
+    assert len(files) <= 8 and all(f.stat().st_size < 16 << 20 for f in files)
+    assert json.loads(done.stdout.strip().splitlines()[-1])["device"] is None
 
 
 def test_help_says_how_to_run_it_and_how_to_leave_the_drafts_out() -> None:
