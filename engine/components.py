@@ -20,7 +20,7 @@ from engine.executor.shared_kv import SharedKv
 from engine.executor.worker import RankConfig
 from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.model_runner import ModelRunner
-from engine.models.layers import release_packed_weights, use_packed_gemm
+from engine.models.layers import dequantize_fp8, release_packed_weights, use_packed_gemm
 from engine.models.triton_layers import use_triton_kernels
 from engine.parallel.group import TensorParallelGroup
 from engine.registry import (
@@ -111,6 +111,8 @@ def _build(
     model, model_config = load_model(
         config.model, dtype=config.dtype, max_length=config.max_model_len, device=device, tp=tp
     )
+    if config.fp8_weights == "dequantize":  # a block-FP8 checkpoint's projections, once
+        dequantize_fp8(model, model_config.dtype)
     packed: list[torch.nn.Module] = []  # models whose products use_packed_gemm prepared
     if device.type == "cpu" and config.cpu_gemm != "aten":
         use_packed_gemm(model, config.cpu_gemm)

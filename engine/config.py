@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from engine.fp8 import BlockFp8, QuantizationError
+
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -88,6 +90,7 @@ class Llama3Config:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    quantization: BlockFp8 | None = None  # a block-FP8 checkpoint's projections (engine.fp8)
 
     def __post_init__(self) -> None:
         for name in (
@@ -147,11 +150,10 @@ class Llama3Config:
             raise ConfigError(
                 f"pretraining_tp: {hf['pretraining_tp']} is not supported; allowed: [1]"
             )
-        if hf.get("quantization_config"):
-            raise ConfigError(
-                "quantization_config: quantized checkpoints are not supported; "
-                "convert to an unquantized safetensors checkpoint first"
-            )
+        try:
+            quantization = BlockFp8.from_hf(hf.get("quantization_config"))
+        except QuantizationError as e:
+            raise ConfigError(str(e)) from None
         require_fields(hf)
         heads = hf["num_attention_heads"]
         rope_theta, rope_scaling = _parse_rope(hf)
@@ -175,6 +177,7 @@ class Llama3Config:
             dtype=parse_dtype(dtype),
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
+            quantization=quantization,
         )
 
 

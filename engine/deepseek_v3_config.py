@@ -18,6 +18,7 @@ from engine.config import (
     parse_dtype,
     require_fields,
 )
+from engine.fp8 import BlockFp8, QuantizationError
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -113,6 +114,7 @@ class DeepseekV3Config:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    quantization: BlockFp8 | None = None  # its released checkpoint's block FP8 (engine.fp8)
 
     def __post_init__(self) -> None:
         for name in (
@@ -197,11 +199,10 @@ class DeepseekV3Config:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act: {act!r} is not supported; allowed: ['silu']")
-        if hf.get("quantization_config"):
-            raise ConfigError(
-                "quantization_config: quantized (e.g. fp8) checkpoints are not supported; "
-                "convert to an unquantized bf16 safetensors checkpoint first"
-            )
+        try:
+            quantization = BlockFp8.from_hf(hf.get("quantization_config"))
+        except QuantizationError as e:
+            raise ConfigError(str(e)) from None
         for key, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
             if hf.get(key, allowed) != allowed:
                 raise ConfigError(f"{key}: {hf[key]!r} is not supported; allowed: [{allowed!r}]")
@@ -240,6 +241,7 @@ class DeepseekV3Config:
             dtype=parse_dtype(dtype),
             eos_token_ids=eos_ids,
             bos_token_id=get("bos_token_id"),
+            quantization=quantization,
         )
 
 

@@ -9,6 +9,7 @@ from engine.spec.config import SpeculativeConfig
 PREEMPTION_MODES = ("recompute", "hand_back")
 KERNELS = ("auto", "torch", "triton")  # EngineConfig.kernels
 CPU_GEMM = ("measured", "kernel", "onednn", "aten")  # EngineConfig.cpu_gemm
+FP8_WEIGHTS = ("dequantize", "keep")  # EngineConfig.fp8_weights
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,10 @@ class EngineConfig:
     # CPU: build the C++ kernels (kernels/cpu/extension.py) where missing or stale. False
     # (serving workers): load a prebuilt one only, else run on aten (logged in one line).
     build_cpu_kernels: bool = True
+    # A block-FP8 checkpoint's projections (engine/fp8.py): "dequantize" them once at load
+    # time into bf16 (or the dtype's) weights that the packed products run, or "keep" them
+    # FP8 in memory (half of bf16), dequantized on the fly by each product.
+    fp8_weights: str = "dequantize"
     speculative: SpeculativeConfig | None = None  # draft model and how to speculate
     # When blocks run out mid-decode, the newest request is preempted: "recompute" keeps it
     # waiting here to be prefilled again; "hand_back" (decode workers) ends it with
@@ -81,6 +86,10 @@ class EngineConfig:
             raise ValueError(f"kernels: {self.kernels!r} is not one of {', '.join(KERNELS)}")
         if self.cpu_gemm not in CPU_GEMM:
             raise ValueError(f"cpu_gemm: {self.cpu_gemm!r} is not one of {', '.join(CPU_GEMM)}")
+        if self.fp8_weights not in FP8_WEIGHTS:
+            raise ValueError(
+                f"fp8_weights: {self.fp8_weights!r} is not one of {', '.join(FP8_WEIGHTS)}"
+            )
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption: {self.preemption!r} is not one of {', '.join(PREEMPTION_MODES)}"

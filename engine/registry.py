@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.config import ConfigError, Llama3Config, read_hf_config
 from engine.deepseek_v3_config import DeepseekV3Config
+from engine.fp8 import load_fp8
 from engine.models.layers import Linear
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shard import Shard, TensorParallelError, check_divisible
@@ -283,7 +284,12 @@ def load_model(
     model.finalize()  # type: ignore[operator]  # re-tie shared weights and recompute buffers lost on the meta device
     reader = CheckpointReader(model_dir)
     try:
-        load_weights(model, reader, arch.weight_rules(config, tp.shard))
+        rules = arch.weight_rules(config, tp.shard)
+        block = getattr(config, "quantization", None)
+        preloaded: set[str] = set()
+        if block is not None:  # FP8 projections stay FP8 (engine.fp8)
+            rules, preloaded = load_fp8(model, reader, rules, block)
+        load_weights(model, reader, rules, preloaded)
     finally:
         reader.close()
     return model.eval(), config

@@ -81,6 +81,11 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype ("BF16", "F32", "F8_E4M3", ...), read from its header."""
+        dtype: str = self._handle(name).get_slice(name).get_dtype()
+        return dtype
+
     def get(self, name: str, part: Part | None = None) -> torch.Tensor:
         """The tensor, or only ``part`` of it (read from the file without the rest)."""
         if part is None:
@@ -107,10 +112,16 @@ class CheckpointReader:
         self._stack.close()
 
 
-def load_weights(model: nn.Module, reader: CheckpointReader, rules: Iterable[TensorRule]) -> None:
-    """Fills every parameter of ``model`` from the checkpoint, validating names and shapes."""
+def load_weights(
+    model: nn.Module,
+    reader: CheckpointReader,
+    rules: Iterable[TensorRule],
+    preloaded: Iterable[str] = (),
+) -> None:
+    """Fills every parameter of ``model`` from the checkpoint, validating names and shapes;
+    ``preloaded``: parameters another loader filled already (engine.fp8's)."""
     params = dict(model.named_parameters())
-    filled: set[str] = set()
+    filled: set[str] = set(preloaded)
     for rule in rules:
         if rule.dst not in params:
             raise WeightError(f"{rule.dst}: adapter targets an unknown parameter")

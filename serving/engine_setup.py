@@ -43,6 +43,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--threads", type=int, help="torch CPU threads of this process")
     group.add_argument(
+        "--fp8-weights",
+        choices=["dequantize", "keep"],
+        default="dequantize",
+        help="a block-FP8 checkpoint's projections: dequantize them once at load time "
+        "(bf16 memory, the fast CPU products) or keep them FP8 (half the memory, "
+        "dequantized by each product) (default: dequantize)",
+    )
+    group.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -276,6 +284,7 @@ def build_engine(
         preemption=preemption,
         torch_compile=is_decoding and not args.eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        fp8_weights=args.fp8_weights,
         attention_backend=args.attention_backend,
         kernels=args.kernels,
         grammar_compile_timeout_s=args.grammar_compile_timeout_s,

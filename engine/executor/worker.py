@@ -23,7 +23,7 @@ from engine.executor.inputs import decode
 from engine.executor.shared_kv import SharedKv
 from engine.executor.uniproc import UniprocExecutor, compile_decode_model
 from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
-from engine.models.layers import release_packed_weights, use_packed_gemm
+from engine.models.layers import dequantize_fp8, release_packed_weights, use_packed_gemm
 from engine.models.triton_layers import use_triton_kernels
 from engine.parallel.group import TensorParallelGroup
 from engine.registry import load_model
@@ -48,6 +48,7 @@ class RankConfig:
     attention_backend: str = "auto"
     kernels: str = "torch"  # resolved by rank 0: "torch", or "triton" (its layers swapped in)
     cpu_gemm: str = "measured"
+    fp8_weights: str = "dequantize"
     build_cpu_kernels: bool = True
     num_threads: int | None = None
     torch_compile: bool = False
@@ -66,6 +67,8 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     model, model_config = load_model(
         config.model, dtype=config.dtype, max_length=config.max_model_len, device=device, tp=tp
     )
+    if config.fp8_weights == "dequantize":  # as rank 0's build_components does
+        dequantize_fp8(model, model_config.dtype)
     if device.type == "cpu" and config.cpu_gemm != "aten":
         use_packed_gemm(model, config.cpu_gemm)
         release_packed_weights(model)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from engine.config import Llama3RopeScaling
+from engine.fp8 import Fp8Linear
 from engine.parallel.group import TensorParallelGroup
 from kernels.cpu import bf16_gemm, gemm_timings, onednn_linear
 from kernels.cpu.gemm_plan import ATEN, KERNEL, ONEDNN, GemmPlan, planned_linear, run_product
@@ -287,3 +288,22 @@ class GatedMLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         out = self.down_proj(F.silu(gate) * up)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+
+def dequantize_fp8(model: nn.Module, dtype: torch.dtype) -> int:
+    """Replaces every ``Fp8Linear`` with an engine ``Linear`` of its weight in ``dtype``
+    (what the packed CPU kernels run); returns how many."""
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Fp8Linear):
+            continue
+        parent_path, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        with torch.device("meta"):
+            linear = Linear(module.in_features, module.out_features, bias=module.bias is not None)
+        linear.weight = nn.Parameter(module.dequantized(dtype), requires_grad=False)
+        if module.bias is not None:
+            linear.bias = module.bias
+        setattr(parent, attr, linear)
+        swapped += 1
+    return swapped

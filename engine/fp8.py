@@ -1,0 +1,224 @@
+"""Block-FP8 checkpoints (DeepSeek-V3's format, and many FP8 releases of other models):
+``quantization_config.quant_method == "fp8"`` with ``weight_block_size`` ``[bn, bk]``.
+Each quantized projection's ``weight`` is float8_e4m3fn, with a float32
+``weight_scale_inv`` per ``bn x bk`` block (``ceil(rows / bn) x ceil(cols / bk)``): the
+weight is ``fp8 * scale_inv``. The embedding, norms and LM head stay as they are.
+
+``Fp8Linear`` keeps the weight in FP8, one byte an element, with its scales: half of
+bf16's memory. Its scales are held per row (``[out, ceil(in / bk)]``), so that fused
+projections (q/k/v, gate/up), whose parts each start a new block, and tensor-parallel
+row splits need no alignment; a column split must fall on a block edge. A projection whose
+weight its model reads itself (a plain ``nn.Linear``: DeepSeek-V3's ``kv_b_proj``, which
+its latent attention absorbs) is dequantized at load time.
+
+On CPU a product dequantizes the weight on the fly (``Fp8Linear.forward``), or the model
+is dequantized once at load time into bf16 ``Linear``s that the packed kernels run
+(``engine.models.layers.dequantize_fp8``): EngineConfig.fp8_weights says which
+(bench/RESULTS.md measures both).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.weights import CheckpointReader, Part, TensorRule, WeightError
+
+FP8 = torch.float8_e4m3fn
+SCALE_SUFFIX = "_scale_inv"  # weight -> weight_scale_inv
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+class QuantizationError(ValueError):
+    """A quantization_config Tandem cannot run; the message names the field."""
+
+
+@dataclass(frozen=True)
+class BlockFp8:
+    """``weight_block_size``: rows and columns of one scale's block."""
+
+    block_n: int
+    block_k: int
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any] | None) -> BlockFp8 | None:
+        """None without a quantization_config; raises QuantizationError, naming the field,
+        for one that is not block FP8 as DeepSeek-V3 releases it."""
+        if not config:
+            return None
+        method = config.get("quant_method")
+        if method != "fp8":
+            raise QuantizationError(
+                f"quantization_config.quant_method: {method!r} is not supported; allowed: "
+                "['fp8'] (block FP8 with weight_block_size)"
+            )
+        fmt = config.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise QuantizationError(
+                f"quantization_config.fmt: {fmt!r} is not supported; allowed: ['e4m3']"
+            )
+        scheme = config.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise QuantizationError(
+                f"quantization_config.activation_scheme: {scheme!r} is not supported; "
+                "allowed: ['dynamic'] (activations quantized per token as they come)"
+            )
+        block = config.get("weight_block_size")
+        if (
+            not isinstance(block, list)
+            or len(block) != 2
+            or not all(isinstance(b, int) and b > 0 and b % 16 == 0 for b in block)
+        ):
+            raise QuantizationError(
+                f"quantization_config.weight_block_size: {block!r}; expected [rows, columns], "
+                "each a positive multiple of 16 (per-tensor FP8 is not supported)"
+            )
+        return cls(block[0], block[1])
+
+
+class Fp8Linear(nn.Module):
+    """A projection whose weight stays float8_e4m3fn, with its block scales per row."""
+
+    def __init__(
+        self, in_features: int, out_features: int, block: BlockFp8, bias: nn.Parameter | None
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.weight: torch.Tensor
+        self.scale: torch.Tensor
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8))
+        blocks = math.ceil(in_features / block.block_k)
+        self.register_buffer("scale", torch.empty(out_features, blocks, dtype=torch.float32))
+        self.bias = bias
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in ``dtype``: each element times its block's scale, in fp32."""
+        scale = self.scale.repeat_interleave(self.block.block_k, dim=1)[:, : self.in_features]
+        return (self.weight.to(torch.float32) * scale).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"block={self.block.block_n}x{self.block.block_k}, bias={self.bias is not None}"
+        )
+
+
+def _module(model: nn.Module, dst: str) -> tuple[nn.Module, str, nn.Linear]:
+    """(parent, attribute, module) of the projection whose ``weight`` is ``dst``."""
+    path = dst.removesuffix(".weight")
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    linear = getattr(parent, attr)
+    if not isinstance(linear, nn.Linear):
+        raise WeightError(f"{dst}: FP8 in the checkpoint, but {path} is no projection")
+    return parent, attr, linear
+
+
+def quantized_rules(reader: CheckpointReader, rules: Sequence[TensorRule]) -> list[TensorRule]:
+    """The weight rules whose sources the checkpoint holds in FP8 (each with its scale);
+    raises WeightError, naming the tensor, for an FP8 weight without its scale or a rule
+    that mixes FP8 and unquantized sources."""
+    names = reader.names()
+    found = []
+    for rule in rules:
+        if not rule.dst.endswith(".weight"):
+            continue
+        is_fp8 = [reader.dtype(src.name) == "F8_E4M3" for src in rule.sources]
+        for src, fp8 in zip(rule.sources, is_fp8, strict=True):
+            if fp8 and src.name + SCALE_SUFFIX not in names:
+                raise WeightError(f"{src.name}: float8_e4m3fn without its {src.name}{SCALE_SUFFIX}")
+        if any(is_fp8) and not all(is_fp8):
+            plain = rule.sources[is_fp8.index(False)].name
+            raise WeightError(f"{plain}: not FP8, but fused with FP8 tensors into {rule.dst}")
+        if all(is_fp8):
+            found.append(rule)
+    return found
+
+
+def _scale_rows(
+    reader: CheckpointReader, name: str, shape: tuple[int, ...], part: Part | None, block: BlockFp8
+) -> torch.Tensor:
+    """``name``'s scales, one row per weight row (of ``part``'s rows or block columns)."""
+    rows, cols = shape
+    expected = (math.ceil(rows / block.block_n), math.ceil(cols / block.block_k))
+    scale_name = name + SCALE_SUFFIX
+    got = reader.shape(scale_name)
+    if got != expected:
+        raise WeightError(
+            f"{scale_name}: shape {list(got)}, but {list(shape)} in blocks of "
+            f"{block.block_n}x{block.block_k} needs {list(expected)}"
+        )
+    scale = reader.get(scale_name).to(torch.float32).repeat_interleave(block.block_n, dim=0)
+    scale = scale[:rows]
+    if part is None:
+        return scale
+    if part.dim == 0:
+        return scale[part.start : part.stop]
+    if part.start % block.block_k or (part.stop % block.block_k and part.stop != cols):
+        raise WeightError(
+            f"{name}: columns [{part.start}, {part.stop}) do not fall on its {block.block_k}-"
+            "column blocks; use a tensor-parallel size whose split does"
+        )
+    return scale[:, part.start // block.block_k : math.ceil(part.stop / block.block_k)]
+
+
+def load_fp8(
+    model: nn.Module, reader: CheckpointReader, rules: Sequence[TensorRule], block: BlockFp8
+) -> tuple[list[TensorRule], set[str]]:
+    """Swaps an ``Fp8Linear`` in for every projection the checkpoint holds in FP8 and
+    fills it; returns the rules left for ``load_weights`` and the parameters filled here
+    (the dequantized weights of plain ``nn.Linear``s)."""
+    fp8 = quantized_rules(reader, rules)
+    filled: set[str] = set()
+    for rule in fp8:
+        parent, attr, linear = _module(model, rule.dst)
+        bias = linear.bias if isinstance(linear.bias, nn.Parameter) else None
+        swapped = Fp8Linear(linear.in_features, linear.out_features, block, bias)
+        weights, scales = [], []
+        for src in rule.sources:
+            shape = reader.shape(src.name)
+            if shape != src.shape:
+                raise WeightError(
+                    f"{src.name}: shape {list(shape)} does not match the config's {list(src.shape)}"
+                )
+            weights.append(reader.get(src.name, src.part))
+            scales.append(_scale_rows(reader, src.name, shape, src.part, block))
+        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        scale = torch.cat(scales) if len(scales) > 1 else scales[0]
+        if tuple(weight.shape) != tuple(swapped.weight.shape):
+            raise WeightError(
+                f"{rule.dst}: {list(weight.shape)}, the model's is {list(swapped.weight.shape)}"
+            )
+        device = linear.weight.device
+        swapped.weight = weight.to(device)
+        swapped.scale = scale.to(device)
+        if type(linear) is nn.Linear:  # a weight the model reads itself (MLA's kv_b_proj)
+            with torch.no_grad():
+                linear.weight.copy_(swapped.dequantized(linear.weight.dtype))
+            filled.add(rule.dst)
+            continue
+        setattr(parent, attr, swapped)
+    return [rule for rule in rules if rule not in fp8], filled
+
+
+def quantize_blocks(weight: torch.Tensor, block: BlockFp8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight, float32 scale_inv per block): how a block-FP8 checkpoint is made, each
+    block scaled so that its largest magnitude maps to FP8_MAX (tests and tools)."""
+    rows, cols = weight.shape
+    nb, kb = math.ceil(rows / block.block_n), math.ceil(cols / block.block_k)
+    padded = torch.zeros(nb * block.block_n, kb * block.block_k, dtype=torch.float32)
+    padded[:rows, :cols] = weight.float()
+    tiles = padded.view(nb, block.block_n, kb, block.block_k)
+    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)  # [nb, kb]
+    scale_inv = amax / FP8_MAX
+    q = (tiles / scale_inv[:, None, :, None]).to(FP8).view(padded.shape)[:rows, :cols]
+    return q.contiguous(), scale_inv
