@@ -364,6 +364,8 @@ def main() -> None:
         hf_tok_s = hf_generate(name, device, 1, args.hf_tokens, args.context)
         result[f"hf_tok_s_{name}_bs1"] = round(hf_tok_s, 1)
         log(f"{name}: transformers generate {hf_tok_s:.1f} tok/s at batch 1")
+        if name != models[-1]:  # what a run cut off later keeps (scripts/gpu_check)
+            print(json.dumps({**result, "partial": True}), flush=True)
     if "8b" not in models:
         for key in ("roofline_steps_s_8b_bs1", "tandem_steps_s_8b_bs1",
                     "roofline_fraction_8b_bs1", "spec_step_over_plain_step_8b_bs1"):  # fmt: skip

@@ -112,15 +112,20 @@ class Fp8Linear(nn.Module):
         )
 
 
-def _module(model: nn.Module, dst: str) -> tuple[nn.Module, str, nn.Linear]:
-    """(parent, attribute, module) of the projection whose ``weight`` is ``dst``."""
+def _module(model: nn.Module, dst: str, *, fp8: bool = False) -> tuple[nn.Module, str, Any]:
+    """(parent, attribute, module) of the projection whose ``weight`` is ``dst`` (with
+    ``fp8``, an ``Fp8Linear`` already swapped in is one too)."""
     path = dst.removesuffix(".weight")
     parent_path, _, attr = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    linear = getattr(parent, attr)
-    if not isinstance(linear, nn.Linear):
+    try:
+        parent = model.get_submodule(parent_path) if parent_path else model
+        module = getattr(parent, attr)
+    except AttributeError:
+        raise WeightError(f"{dst}: adapter targets an unknown module") from None
+    kinds = (nn.Linear, Fp8Linear) if fp8 else (nn.Linear,)
+    if not isinstance(module, kinds):
         raise WeightError(f"{dst}: FP8 in the checkpoint, but {path} is no projection")
-    return parent, attr, linear
+    return parent, attr, module
 
 
 def quantized_rules(reader: CheckpointReader, rules: Sequence[TensorRule]) -> list[TensorRule]:
@@ -171,18 +176,29 @@ def _scale_rows(
     return scale[:, part.start // block.block_k : math.ceil(part.stop / block.block_k)]
 
 
-def load_fp8(
-    model: nn.Module, reader: CheckpointReader, rules: Sequence[TensorRule], block: BlockFp8
-) -> tuple[list[TensorRule], set[str]]:
-    """Swaps an ``Fp8Linear`` in for every projection the checkpoint holds in FP8 and
-    fills it; returns the rules left for ``load_weights`` and the parameters filled here
-    (the dequantized weights of plain ``nn.Linear``s)."""
-    fp8 = quantized_rules(reader, rules)
-    filled: set[str] = set()
+def swap_fp8(model: nn.Module, fp8: Sequence[TensorRule], block: BlockFp8) -> None:
+    """On the meta device, before the model is materialised: an ``Fp8Linear`` in place of
+    every projection ``fp8`` fills, so that no bf16 copy of it is ever allocated. A plain
+    ``nn.Linear`` (a weight its model reads itself) stays, to be filled dequantized."""
     for rule in fp8:
         parent, attr, linear = _module(model, rule.dst)
+        if type(linear) is nn.Linear:
+            continue
         bias = linear.bias if isinstance(linear.bias, nn.Parameter) else None
-        swapped = Fp8Linear(linear.in_features, linear.out_features, block, bias)
+        with torch.device("meta"):
+            swapped = Fp8Linear(linear.in_features, linear.out_features, block, bias)
+        setattr(parent, attr, swapped)
+
+
+def fill_fp8(
+    model: nn.Module, reader: CheckpointReader, fp8: Sequence[TensorRule], block: BlockFp8
+) -> set[str]:
+    """Fills what ``swap_fp8`` prepared, once the model is materialised: each
+    ``Fp8Linear``'s FP8 weight and per-row scales, and each plain ``nn.Linear``'s weight
+    dequantized. Returns the parameters filled (for ``load_weights``)."""
+    filled: set[str] = set()
+    for rule in fp8:
+        _, _, module = _module(model, rule.dst, fp8=True)
         weights, scales = [], []
         for src in rule.sources:
             shape = reader.shape(src.name)
@@ -190,24 +206,30 @@ def load_fp8(
                 raise WeightError(
                     f"{src.name}: shape {list(shape)} does not match the config's {list(src.shape)}"
                 )
+            if src.part is not None and not (
+                0 <= src.part.start < src.part.stop <= shape[src.part.dim]
+            ):
+                raise WeightError(
+                    f"{src.name}: part [{src.part.start}, {src.part.stop}) of dim "
+                    f"{src.part.dim} is outside its shape {list(shape)}"
+                )
             weights.append(reader.get(src.name, src.part))
             scales.append(_scale_rows(reader, src.name, shape, src.part, block))
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         scale = torch.cat(scales) if len(scales) > 1 else scales[0]
-        if tuple(weight.shape) != tuple(swapped.weight.shape):
-            raise WeightError(
-                f"{rule.dst}: {list(weight.shape)}, the model's is {list(swapped.weight.shape)}"
-            )
-        device = linear.weight.device
-        swapped.weight = weight.to(device)
-        swapped.scale = scale.to(device)
-        if type(linear) is nn.Linear:  # a weight the model reads itself (MLA's kv_b_proj)
-            with torch.no_grad():
-                linear.weight.copy_(swapped.dequantized(linear.weight.dtype))
-            filled.add(rule.dst)
-            continue
-        setattr(parent, attr, swapped)
-    return [rule for rule in rules if rule not in fp8], filled
+        expected = (module.out_features, module.in_features)
+        if tuple(weight.shape) != expected:
+            raise WeightError(f"{rule.dst}: {list(weight.shape)}, the model's is {list(expected)}")
+        with torch.no_grad():
+            if isinstance(module, Fp8Linear):
+                module.weight.copy_(weight)
+                module.scale.copy_(scale)
+            else:  # a weight the model reads itself (MLA's kv_b_proj): dequantized now
+                held = Fp8Linear(module.in_features, module.out_features, block, None)
+                held.weight, held.scale = weight, scale
+                module.weight.copy_(held.dequantized(module.weight.dtype))
+                filled.add(rule.dst)
+    return filled
 
 
 def quantize_blocks(weight: torch.Tensor, block: BlockFp8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.config import ConfigError, Llama3Config, read_hf_config
 from engine.deepseek_v3_config import DeepseekV3Config
-from engine.fp8 import load_fp8
+from engine.fp8 import fill_fp8, quantized_rules, swap_fp8
 from engine.models.layers import Linear
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shard import Shard, TensorParallelError, check_divisible
@@ -280,16 +280,18 @@ def load_model(
     tp = tp or TensorParallelGroup.single()
     with torch.device("meta"):
         model = arch.model_class(config, tp)
-    model = model.to_empty(device=device).to(config.dtype)
-    model.finalize()  # type: ignore[operator]  # re-tie shared weights and recompute buffers lost on the meta device
+    model = model.to(config.dtype)  # on the meta device: nothing is allocated yet
     reader = CheckpointReader(model_dir)
     try:
         rules = arch.weight_rules(config, tp.shard)
         block = getattr(config, "quantization", None)
-        preloaded: set[str] = set()
-        if block is not None:  # FP8 projections stay FP8 (engine.fp8)
-            rules, preloaded = load_fp8(model, reader, rules, block)
-        load_weights(model, reader, rules, preloaded)
+        fp8 = quantized_rules(reader, rules) if block is not None else []
+        if block is not None:  # FP8 projections stay FP8 (engine.fp8), never bf16 first
+            swap_fp8(model, fp8, block)
+        model = model.to_empty(device=device)
+        model.finalize()  # type: ignore[operator]  # re-tie shared weights and recompute buffers lost on the meta device
+        preloaded = fill_fp8(model, reader, fp8, block) if block is not None else set()
+        load_weights(model, reader, [r for r in rules if r not in fp8], preloaded)
     finally:
         reader.close()
     return model.eval(), config

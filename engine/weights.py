@@ -127,6 +127,12 @@ def load_weights(
             raise WeightError(f"{rule.dst}: adapter targets an unknown parameter")
         parts = []
         for src in rule.sources:
+            if reader.dtype(src.name) == "F8_E4M3":  # its scale would be lost in a cast
+                raise WeightError(
+                    f"{src.name}: float8_e4m3fn, but {rule.dst} is no block-FP8 projection "
+                    "(a draft's weights, an LM head, or a checkpoint without its "
+                    "quantization_config): not supported"
+                )
             shape = reader.shape(src.name)
             if shape != src.shape:
                 raise WeightError(

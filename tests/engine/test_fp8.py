@@ -36,6 +36,16 @@ FP8_CONFIG = {
 VOCAB = 67
 
 
+def spread(weight: torch.Tensor, block: BlockFp8, generator: torch.Generator) -> torch.Tensor:
+    """``weight`` with each block scaled by its own factor, from 0.1 to 10: scales a
+    hundred times apart, so that a scale applied to the wrong rows or columns shows."""
+    rows, cols = weight.shape
+    nb, kb = -(-rows // block.block_n), -(-cols // block.block_k)
+    factors = 10 ** (torch.rand(nb, kb, generator=generator) * 2 - 1)
+    grid = factors.repeat_interleave(block.block_n, 0).repeat_interleave(block.block_k, 1)
+    return weight * grid[:rows, :cols]
+
+
 def build_fp8(out: Path, intermediate_size: int) -> tuple[Path, Path, LlamaForCausalLM]:
     """(the FP8 checkpoint, its weights dequantized, transformers on the latter): hidden
     256, 4 heads of 64, 2 KV heads, 2 layers."""
@@ -60,9 +70,10 @@ def build_fp8(out: Path, intermediate_size: int) -> tuple[Path, Path, LlamaForCa
     model.save_pretrained(plain)
     tensors = load_file(plain / "model.safetensors")
     fp8, dequantized = dict(tensors), dict(tensors)
+    generator = torch.Generator().manual_seed(1)
     for name, weight in tensors.items():
         if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
-            q, scale_inv = quantize_blocks(weight, BLOCK)
+            q, scale_inv = quantize_blocks(spread(weight, BLOCK, generator), BLOCK)
             fp8[name], fp8[name + "_scale_inv"] = q, scale_inv
             expanded = scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)
             rows, cols = weight.shape
@@ -126,6 +137,16 @@ def test_fp8_checkpoint_greedy_equals_transformers_on_its_dequantized_weights(
     projections += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
     if fp8_weights == "keep":  # FP8 in memory: one byte a weight, and its block scales
         assert all(isinstance(p, Fp8Linear) and p.weight.dtype == FP8 for p in projections)
+        # Each part of a fused projection with its own scales: the reference's weights.
+        dequantized = load_file(checkpoints[1] / "model.safetensors")
+        attn = "model.layers.0.self_attn"
+        want = torch.cat([dequantized[f"{attn}.{p}_proj.weight"] for p in "qkv"])
+        assert torch.equal(layer.self_attn.qkv_proj.dequantized(torch.float32), want)
+        mlp = "model.layers.0.mlp"
+        want = torch.cat([dequantized[f"{mlp}.{p}_proj.weight"] for p in ("gate", "up")])
+        assert torch.equal(layer.mlp.gate_up_proj.dequantized(torch.float32), want)
+        want = dequantized[f"{mlp}.down_proj.weight"]
+        assert torch.equal(layer.mlp.down_proj.dequantized(torch.float32), want)
         qkv = layer.self_attn.qkv_proj
         assert qkv.weight.shape == (256 + 2 * 128, 256) and qkv.scale.shape == (512, 2)
         down = layer.mlp.down_proj
@@ -159,12 +180,26 @@ def test_tp_2_splits_fp8_weights_with_their_scales(checkpoints, prompts, tmp_pat
     fp8_dir, _, _ = checkpoints
     with pytest.raises(WeightError, match=r"down_proj.weight: columns \[0, 160\) do not fall"):
         greedy(fp8_dir, prompts, fp8_weights="keep", tensor_parallel_size=2)
-    aligned_dir, _, reference = build_fp8(tmp_path, 512)
+    aligned_dir, dequantized_dir, reference = build_fp8(tmp_path, 512)
     ours, engine = greedy(aligned_dir, prompts, fp8_weights="keep", tensor_parallel_size=2)
-    try:
-        down = engine.runner.model.layers[0].mlp.down_proj
-        assert isinstance(down, Fp8Linear) and down.weight.shape == (256, 256)
-        assert down.scale.shape == (256, 2)
+    try:  # rank 0's parts, with their own scales: the reference's rows and columns
+        dequantized = load_file(dequantized_dir / "model.safetensors")
+        layer, name = engine.runner.model.layers[1], "model.layers.1"
+        down = layer.mlp.down_proj
+        assert isinstance(down, Fp8Linear) and down.scale.shape == (256, 2)
+        want = dequantized[f"{name}.mlp.down_proj.weight"][:, :256]
+        assert torch.equal(down.dequantized(torch.float32), want)
+        attn = f"{name}.self_attn"
+        want = torch.cat(
+            [
+                dequantized[f"{attn}.q_proj.weight"][:128],  # heads 0 and 1 of 4
+                dequantized[f"{attn}.k_proj.weight"][:64],  # KV head 0 of 2
+                dequantized[f"{attn}.v_proj.weight"][:64],
+            ]
+        )
+        assert torch.equal(layer.self_attn.qkv_proj.dequantized(torch.float32), want)
+        want = dequantized[f"{attn}.o_proj.weight"][:, :128]
+        assert torch.equal(layer.self_attn.o_proj.dequantized(torch.float32), want)
     finally:
         engine.close()
     compare_greedy(reference, prompts, ours, references(reference, prompts))
@@ -199,6 +234,13 @@ def test_what_cannot_load_is_refused_naming_the_tensor_or_field(checkpoints, tmp
         broken = write_variant(fp8_dir, tmp_path / f"w{i}", edit)
         with pytest.raises(error, match=message.replace("[", "\\[").replace("]", "\\]")):
             greedy(broken, [])
+
+    def no_config(tensors, config):
+        del config["quantization_config"]
+
+    broken = write_variant(fp8_dir, tmp_path / "no_config", no_config)
+    with pytest.raises(WeightError, match=r"float8_e4m3fn, but .* is no block-FP8 projection"):
+        greedy(broken, [])
     fields = [
         ({"quant_method": "gptq"}, "quantization_config.quant_method: 'gptq' is not supported"),
         ({**FP8_CONFIG, "weight_block_size": None}, "per-tensor FP8 is not supported"),
@@ -245,9 +287,10 @@ def test_deepseek_v3_in_block_fp8_equals_transformers_on_its_dequantized_weights
     build_tiny_deepseek(plain, "qlora_yarn_mscale_interleaved", vocab_size=VOCAB, num_layers=3)
     tensors = load_file(plain / "model.safetensors")
     fp8, dequantized = dict(tensors), dict(tensors)
+    generator = torch.Generator().manual_seed(2)
     for name, weight in tensors.items():
         if name.endswith(".weight") and name.split(".")[-2] in DEEPSEEK_QUANTIZED:
-            q, scale_inv = quantize_blocks(weight, block)
+            q, scale_inv = quantize_blocks(spread(weight, block, generator), block)
             fp8[name], fp8[name + "_scale_inv"] = q, scale_inv
             expanded = scale_inv.repeat_interleave(16, 0).repeat_interleave(32, 1)
             dequantized[name] = q.float() * expanded[: weight.shape[0], : weight.shape[1]]
@@ -269,5 +312,13 @@ def test_deepseek_v3_in_block_fp8_equals_transformers_on_its_dequantized_weights
     assert isinstance(moe.shared_experts.down_proj, Fp8Linear)
     attn = engine.runner.model.layers[0].self_attn
     assert isinstance(attn.q_b_proj, Fp8Linear)
-    assert type(attn.kv_b_proj) is torch.nn.Linear and attn.kv_b_proj.weight.dtype == torch.float32
+    assert type(attn.kv_b_proj) is torch.nn.Linear
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    assert torch.equal(
+        attn.kv_b_proj.weight, load_file(tmp_path / "dequantized" / "model.safetensors")[name]
+    )
+    expert = "model.layers.1.mlp.experts.3"
+    deq = load_file(tmp_path / "dequantized" / "model.safetensors")
+    want = torch.cat([deq[f"{expert}.gate_proj.weight"], deq[f"{expert}.up_proj.weight"]])
+    assert torch.equal(moe.experts[3].gate_up_proj.dequantized(torch.float32), want)
     assert not isinstance(engine.runner.model.lm_head, Fp8Linear)

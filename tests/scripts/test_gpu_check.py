@@ -49,20 +49,21 @@ def test_the_dry_run_passes_on_cpu() -> None:
     assert all(not name.startswith("tandem") for name in result["missing_on_gpu"])
 
 
+@pytest.mark.slow
 def test_the_check_itself_on_cpu_leaves_a_summary_within_its_budget(tmp_path: Path) -> None:
     """The GPU run's code path, here: the gpu tests skip, the full benchmark is cut off at
     the budget, and what is left is a summary with every key (None where not measured),
     within the files a GPU run brings back."""
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--budget-s", "30"],
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--budget-s", "60"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 90
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert set(summary) >= {
         "device",
