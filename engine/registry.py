@@ -344,6 +344,19 @@ def check_split(
     config = arch.config_from_hf(hf, dtype=dtype, max_length=max_length)
     with torch.device("meta"):
         arch.model_class(config, TensorParallelGroup(Shard(0, size), None))
+    block = getattr(config, "quantization", None)
+    if block is not None and size > 1 and isinstance(config, Llama3Config):
+        # Row-parallel projections split their columns: FP8 blocks must not straddle ranks.
+        for name, columns in (
+            ("num_attention_heads x head_dim", config.q_size),
+            ("intermediate_size", config.intermediate_size),
+        ):
+            if (columns // size) % block.block_k:
+                raise TensorParallelError(
+                    f"tensor_parallel_size: {size} splits {name} {columns} into runs of "
+                    f"{columns // size} columns, not whole {block.block_k}-column FP8 "
+                    "blocks (weight_block_size)"
+                )
 
 
 def eos_token_ids(model_dir: Path, config: ModelConfig) -> frozenset[int]:
