@@ -90,6 +90,14 @@ def add_in_process_generate(parser: Any) -> Callable[[argparse.Namespace], int]:
         help="split the model over N ranks, each a process of its own (a Llama-3 model whose "
         "heads divide by N); on CPU each rank gets its share of --threads (default: 1)",
     )
+    parser.add_argument(
+        "--fp8-weights",
+        choices=["dequantize", "keep"],
+        default="dequantize",
+        help="a block-FP8 checkpoint's projections: dequantize them once at load time (as "
+        "fast as bf16) or keep them FP8 (a third of the memory, far slower on CPU) "
+        "(default: dequantize)",
+    )
     return _generate
 
 
@@ -176,6 +184,7 @@ def _generate(args: argparse.Namespace) -> int:
             torch_compile=args.torch_compile,
             num_threads=args.threads,
             tensor_parallel_size=args.tensor_parallel_size,
+            fp8_weights=args.fp8_weights,
         )
         load_s = time.perf_counter() - start
         tokenizer = llm.tokenizer

@@ -110,6 +110,12 @@ def register_serve(subparsers: Any) -> None:
         help="KV cache bytes per worker (per rank with --tensor-parallel-size)",
     )
     parser.add_argument("--block-size", type=int, help="tokens per KV block")
+    parser.add_argument(
+        "--fp8-weights",
+        choices=["dequantize", "keep"],
+        help="a block-FP8 checkpoint's projections on every worker: dequantized once at load "
+        "time (the workers' default) or kept FP8 (a third of the memory, far slower on CPU)",
+    )
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument(
         "--eager",
@@ -226,6 +232,7 @@ def _serve(args: argparse.Namespace) -> int:
         ("--block-size", args.block_size),
         ("--max-model-len", args.max_model_len),
         ("--transfer-stall-s", args.transfer_stall_s),
+        ("--fp8-weights", args.fp8_weights),
     ):
         if value is not None:
             worker_args += [option, str(value)]

@@ -47,8 +47,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["dequantize", "keep"],
         default="dequantize",
         help="a block-FP8 checkpoint's projections: dequantize them once at load time "
-        "(bf16 memory, the fast CPU products) or keep them FP8 (half the memory, "
-        "dequantized by each product) (default: dequantize)",
+        "(as fast as bf16) or keep them FP8 (a third of the memory, each product "
+        "dequantizing its weight: far slower on CPU) (default: dequantize)",
     )
     group.add_argument(
         "--tensor-parallel-size",

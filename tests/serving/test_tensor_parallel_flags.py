@@ -105,3 +105,20 @@ def test_serve_refuses_sizes_it_cannot_run(
     assert args.func(args) == 2
     assert message in capsys.readouterr().err
     assert specs == []
+
+
+def test_fp8_weights_reach_the_engine_config_and_serve_passes_them_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A block-FP8 checkpoint's projections: dequantized at load time unless a worker is
+    told to keep them FP8; `tandem serve --fp8-weights` tells every worker."""
+    _, config = built_config(monkeypatch, tmp_path, True, [])
+    assert config.fp8_weights == "dequantize"
+    _, config = built_config(monkeypatch, tmp_path, False, ["--fp8-weights", "keep"])
+    assert config.fp8_weights == "keep"
+    specs = capture_cluster_specs(monkeypatch)
+    args = serve_parser().parse_args(["serve", "--model", "m", "--fp8-weights", "keep"])
+    assert args.func(args) == 1  # the captured cluster refuses to start
+    (spec,) = specs
+    i = spec.worker_args.index("--fp8-weights")
+    assert spec.worker_args[i + 1] == "keep"
