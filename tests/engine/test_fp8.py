@@ -47,6 +47,32 @@ def spread(weight: torch.Tensor, block: BlockFp8, generator: torch.Generator) ->
     return weight * grid[:rows, :cols]
 
 
+def write_fp8(
+    plain: Path, out: Path, block: BlockFp8, quantized: tuple[str, ...], *, seed: int
+) -> None:
+    """From ``plain``'s checkpoint, ``out/fp8`` (the ``quantized`` projections in block
+    FP8, each block spread, with its ``weight_scale_inv`` and quantization_config) and
+    ``out/dequantized`` (those weights dequantized, in fp32: the reference)."""
+    tensors = load_file(plain / "model.safetensors")
+    fp8, dequantized = dict(tensors), dict(tensors)
+    generator = torch.Generator().manual_seed(seed)
+    for name, weight in tensors.items():
+        if name.endswith(".weight") and name.split(".")[-2] in quantized:
+            q, scale_inv = quantize_blocks(spread(weight, block, generator), block)
+            fp8[name], fp8[name + "_scale_inv"] = q, scale_inv
+            expanded = scale_inv.repeat_interleave(block.block_n, 0)
+            expanded = expanded.repeat_interleave(block.block_k, 1)
+            dequantized[name] = q.float() * expanded[: weight.shape[0], : weight.shape[1]]
+    for name, chosen in (("fp8", fp8), ("dequantized", dequantized)):
+        (out / name).mkdir()
+        save_file(chosen, out / name / "model.safetensors")
+        hf = json.loads((plain / "config.json").read_text())
+        if name == "fp8":
+            size = [block.block_n, block.block_k]
+            hf["quantization_config"] = {**FP8_CONFIG, "weight_block_size": size}
+        (out / name / "config.json").write_text(json.dumps(hf))
+
+
 def build_fp8(out: Path, intermediate_size: int) -> tuple[Path, Path, LlamaForCausalLM]:
     """(the FP8 checkpoint, its weights dequantized, transformers on the latter): hidden
     256, 4 heads of 64, 2 KV heads, 2 layers."""
@@ -69,23 +95,7 @@ def build_fp8(out: Path, intermediate_size: int) -> tuple[Path, Path, LlamaForCa
             p.normal_(0, 0.08)
     plain = out / "plain"
     model.save_pretrained(plain)
-    tensors = load_file(plain / "model.safetensors")
-    fp8, dequantized = dict(tensors), dict(tensors)
-    generator = torch.Generator().manual_seed(1)
-    for name, weight in tensors.items():
-        if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
-            q, scale_inv = quantize_blocks(spread(weight, BLOCK, generator), BLOCK)
-            fp8[name], fp8[name + "_scale_inv"] = q, scale_inv
-            expanded = scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)
-            rows, cols = weight.shape
-            dequantized[name] = q.float() * expanded[:rows, :cols]
-    for name, chosen in (("fp8", fp8), ("dequantized", dequantized)):
-        (out / name).mkdir()
-        save_file(chosen, out / name / "model.safetensors")
-        hf = json.loads((plain / "config.json").read_text())
-        if name == "fp8":
-            hf["quantization_config"] = FP8_CONFIG
-        (out / name / "config.json").write_text(json.dumps(hf))
+    write_fp8(plain, out, BLOCK, QUANTIZED, seed=1)
     reference = LlamaForCausalLM.from_pretrained(out / "dequantized", dtype=torch.float32).eval()
     return out / "fp8", out / "dequantized", reference
 
@@ -286,22 +296,7 @@ def test_deepseek_v3_in_block_fp8_equals_transformers_on_its_dequantized_weights
     block = BlockFp8(16, 32)
     plain = tmp_path / "plain"
     build_tiny_deepseek(plain, "qlora_yarn_mscale_interleaved", vocab_size=VOCAB, num_layers=3)
-    tensors = load_file(plain / "model.safetensors")
-    fp8, dequantized = dict(tensors), dict(tensors)
-    generator = torch.Generator().manual_seed(2)
-    for name, weight in tensors.items():
-        if name.endswith(".weight") and name.split(".")[-2] in DEEPSEEK_QUANTIZED:
-            q, scale_inv = quantize_blocks(spread(weight, block, generator), block)
-            fp8[name], fp8[name + "_scale_inv"] = q, scale_inv
-            expanded = scale_inv.repeat_interleave(16, 0).repeat_interleave(32, 1)
-            dequantized[name] = q.float() * expanded[: weight.shape[0], : weight.shape[1]]
-    for name, chosen in (("fp8", fp8), ("dequantized", dequantized)):
-        (tmp_path / name).mkdir()
-        save_file(chosen, tmp_path / name / "model.safetensors")
-        hf = json.loads((plain / "config.json").read_text())
-        if name == "fp8":
-            hf["quantization_config"] = {**FP8_CONFIG, "weight_block_size": [16, 32]}
-        (tmp_path / name / "config.json").write_text(json.dumps(hf))
+    write_fp8(plain, tmp_path, block, DEEPSEEK_QUANTIZED, seed=2)
     reference = DeepseekV3ForCausalLM.from_pretrained(
         tmp_path / "dequantized", dtype=torch.float32
     ).eval()
