@@ -42,7 +42,7 @@ class EngineConfig:
     build_cpu_kernels: bool = True
     # A block-FP8 checkpoint's projections (engine/fp8.py): "dequantize" them once at load
     # time into bf16 (or the dtype's) weights that the packed products run, or "keep" them
-    # FP8 in memory (half of bf16), dequantized on the fly by each product.
+    # FP8 in memory (half of bf16), dequantized by each product (kernels/cpu/fp8_dequant.cpp).
     fp8_weights: str = "dequantize"
     speculative: SpeculativeConfig | None = None  # draft model and how to speculate
     # When blocks run out mid-decode, the newest request is preempted: "recompute" keeps it

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.weights import CheckpointReader, Part, TensorRule, WeightError
+from kernels.cpu import extension as cpu_kernels
 
 FP8 = torch.float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # weight -> weight_scale_inv
@@ -98,7 +99,19 @@ class Fp8Linear(nn.Module):
         self.bias = bias
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight in ``dtype``: each element times its block's scale, in fp32."""
+        """The weight in ``dtype``: each element times its block's scale in fp32, rounded
+        once (on CPU through ``kernels/cpu/fp8_dequant.cpp``, 8 lanes at a time: torch
+        converts float8 one element at a time)."""
+        if (
+            self.weight.device.type == "cpu"
+            and dtype in (torch.bfloat16, torch.float32)
+            and self.in_features % 8 == 0
+            and cpu_kernels.available()
+        ):
+            out: torch.Tensor = torch.ops.tandem_cpu.fp8_dequant(
+                self.weight, self.scale, self.block.block_k, dtype
+            )
+            return out
         scale = self.scale.repeat_interleave(self.block.block_k, dim=1)[:, : self.in_features]
         return (self.weight.to(torch.float32) * scale).to(dtype)
 

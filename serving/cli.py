@@ -114,7 +114,8 @@ def register_serve(subparsers: Any) -> None:
         "--fp8-weights",
         choices=["dequantize", "keep"],
         help="a block-FP8 checkpoint's projections on every worker: dequantized once at load "
-        "time (the workers' default) or kept FP8 (a third of the memory, far slower on CPU)",
+        "time (the workers' default) or kept FP8 (a third of the memory, 0.35-0.55x bf16's "
+        "speed on CPU)",
     )
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument(

@@ -30,7 +30,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = ["bf16_linear.cpp", "paged_attention.cpp"]
+SOURCES = ["bf16_linear.cpp", "paged_attention.cpp", "fp8_dequant.cpp"]
 HEADERS = ["vec.h"]  # included by the sources: in the stamp, not compiled on their own
 PANEL = 16  # output columns per packed bf16 panel, as in bf16_linear.cpp
 DISABLE_ENV = "TANDEM_CPU_KERNELS"  # "0" turns the kernels off (aten's path everywhere)
@@ -229,6 +229,12 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tandem_cpu::paged_attention")
     def _(q: torch.Tensor, *args: object) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("tandem_cpu::fp8_dequant")
+    def _(
+        weight: torch.Tensor, scale: torch.Tensor, block_k: int, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        return weight.new_empty(weight.shape, dtype=out_dtype)
 
 
 def main(argv: list[str] | None = None) -> int:

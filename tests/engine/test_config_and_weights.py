@@ -86,7 +86,7 @@ def test_transformers4_and_5_key_names_give_the_same_config():
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor"),
-        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config.quant_method"),
         ({"vocab_size": 0}, "vocab_size"),
         ({"max_position_embeddings": None}, "max_position_embeddings"),
         ({"head_dim": 15}, "head_dim"),

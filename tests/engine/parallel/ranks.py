@@ -103,4 +103,6 @@ def out_of_step(rank: int, size: int, out_dir: str, init_method: str) -> None:
         assert "out of step" in str(e) and "[16, 32]" in str(e), str(e)
         save_file({"refused": torch.tensor([1])}, str(Path(out_dir) / f"rank{rank}.out"))
         return
+    finally:  # the group's threads end before the interpreter does (else, at times, abort)
+        tp.close()
     raise AssertionError("collectives of different sizes were not refused")
