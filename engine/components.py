@@ -53,6 +53,14 @@ def kernels_for(kernels: str, attention_backend: str) -> str:
     return "triton" if attention_backend in ("triton", "flash_attn") else "torch"
 
 
+def resolved_kernels(config: EngineConfig) -> tuple[str, str]:
+    """(attention backend, kernels) that ``config``'s "auto"s resolve to on its device."""
+    attention = config.attention_backend
+    if attention == "auto":
+        attention = select_backend(config.device, config.block_size)
+    return attention, kernels_for(config.kernels, attention)
+
+
 @dataclass
 class EngineComponents:
     model_config: ModelConfig  # the target's
@@ -86,11 +94,8 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
             dtype=config.dtype,
             max_length=config.max_model_len,
         )
-        attention = config.attention_backend
-        if attention == "auto":
-            attention = select_backend(config.device, config.block_size)
         # What rank 0 runs, resolved here: every rank's layers swap in the same kernels.
-        kernels = kernels_for(config.kernels, attention)
+        attention, kernels = resolved_kernels(config)
         rank_config = dataclasses.replace(
             RankConfig.of(config), attention_backend=attention, kernels=kernels
         )
@@ -178,10 +183,7 @@ def _build(
     scheduler = Scheduler(
         SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), block_manager
     )
-    attention = config.attention_backend
-    if attention == "auto":
-        attention = select_backend(config.device, config.block_size)
-    kernels = kernels_for(config.kernels, attention)
+    attention, kernels = resolved_kernels(config)
     if kernels == "triton":  # swapped in once: the torch path keeps its modules
         rope = attention != "torch"  # the torch backend's metadata has no positions
         use_triton_kernels(model, rope=rope)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.weights import CheckpointReader, Part, TensorRule, WeightError
+from engine.weights import CheckpointReader, Part, TensorRule, WeightError, check_source
 from kernels.cpu import extension as cpu_kernels
 
 FP8 = torch.float8_e4m3fn
@@ -83,6 +83,25 @@ class BlockFp8:
         return cls(block[0], block[1])
 
 
+def dequantize(
+    weight: torch.Tensor, scale: torch.Tensor, block_k: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``weight`` [N, K] float8_e4m3fn in ``dtype``: each element times its row's scale for
+    its block of ``block_k`` columns (``scale`` [N, ceil(K / block_k)]) in fp32, rounded
+    once. On CPU through ``kernels/cpu/fp8_dequant.cpp``, 8 lanes at a time: torch's own
+    float8 conversion ran at about 200 M elements a second here (bench/RESULTS.md)."""
+    if (
+        weight.device.type == "cpu"
+        and dtype in (torch.bfloat16, torch.float32)
+        and weight.shape[1] % 8 == 0
+        and cpu_kernels.available()
+    ):
+        out: torch.Tensor = torch.ops.tandem_cpu.fp8_dequant(weight, scale, block_k, dtype)
+        return out
+    expanded = scale.repeat_interleave(block_k, dim=1)[:, : weight.shape[1]]
+    return (weight.to(torch.float32) * expanded).to(dtype)
+
+
 class Fp8Linear(nn.Module):
     """A projection whose weight stays float8_e4m3fn, with its block scales per row."""
 
@@ -99,21 +118,8 @@ class Fp8Linear(nn.Module):
         self.bias = bias
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight in ``dtype``: each element times its block's scale in fp32, rounded
-        once (on CPU through ``kernels/cpu/fp8_dequant.cpp``, 8 lanes at a time: torch
-        converts float8 one element at a time)."""
-        if (
-            self.weight.device.type == "cpu"
-            and dtype in (torch.bfloat16, torch.float32)
-            and self.in_features % 8 == 0
-            and cpu_kernels.available()
-        ):
-            out: torch.Tensor = torch.ops.tandem_cpu.fp8_dequant(
-                self.weight, self.scale, self.block.block_k, dtype
-            )
-            return out
-        scale = self.scale.repeat_interleave(self.block.block_k, dim=1)[:, : self.in_features]
-        return (self.weight.to(torch.float32) * scale).to(dtype)
+        """The weight in ``dtype`` (``dequantize``)."""
+        return dequantize(self.weight, self.scale, self.block.block_k, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized(x.dtype), self.bias)
@@ -214,18 +220,7 @@ def fill_fp8(
         _, _, module = _module(model, rule.dst, fp8=True)
         weights, scales = [], []
         for src in rule.sources:
-            shape = reader.shape(src.name)
-            if shape != src.shape:
-                raise WeightError(
-                    f"{src.name}: shape {list(shape)} does not match the config's {list(src.shape)}"
-                )
-            if src.part is not None and not (
-                0 <= src.part.start < src.part.stop <= shape[src.part.dim]
-            ):
-                raise WeightError(
-                    f"{src.name}: part [{src.part.start}, {src.part.stop}) of dim "
-                    f"{src.part.dim} is outside its shape {list(shape)}"
-                )
+            shape = check_source(reader, src)
             weights.append(reader.get(src.name, src.part))
             scales.append(_scale_rows(reader, src.name, shape, src.part, block))
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
@@ -238,9 +233,7 @@ def fill_fp8(
                 module.weight.copy_(weight)
                 module.scale.copy_(scale)
             else:  # a weight the model reads itself (MLA's kv_b_proj): dequantized now
-                held = Fp8Linear(module.in_features, module.out_features, block, None)
-                held.weight, held.scale = weight, scale
-                module.weight.copy_(held.dequantized(module.weight.dtype))
+                module.weight.copy_(dequantize(weight, scale, block.block_k, module.weight.dtype))
                 filled.add(rule.dst)
     return filled
 

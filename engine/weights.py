@@ -112,6 +112,23 @@ class CheckpointReader:
         self._stack.close()
 
 
+def check_source(reader: CheckpointReader, src: Source) -> tuple[int, ...]:
+    """``src``'s shape in the checkpoint; raises WeightError, naming the tensor, where it
+    is not the config's or ``src.part`` lies outside it."""
+    shape = reader.shape(src.name)
+    if shape != src.shape:
+        raise WeightError(
+            f"{src.name}: shape {list(shape)} does not match the config's {list(src.shape)}"
+        )
+    part = src.part
+    if part is not None and not 0 <= part.start < part.stop <= shape[part.dim]:
+        raise WeightError(
+            f"{src.name}: part [{part.start}, {part.stop}) of dim {part.dim} is outside its "
+            f"shape {list(shape)}"
+        )
+    return shape
+
+
 def load_weights(
     model: nn.Module,
     reader: CheckpointReader,
@@ -133,19 +150,7 @@ def load_weights(
                     "(a draft's weights, an LM head, or a checkpoint without its "
                     "quantization_config): not supported"
                 )
-            shape = reader.shape(src.name)
-            if shape != src.shape:
-                raise WeightError(
-                    f"{src.name}: shape {list(shape)} does not match the config's {list(src.shape)}"
-                )
-            if (
-                src.part is not None
-                and not 0 <= src.part.start < src.part.stop <= shape[src.part.dim]
-            ):
-                raise WeightError(
-                    f"{src.name}: part [{src.part.start}, {src.part.stop}) of dim "
-                    f"{src.part.dim} is outside its shape {list(shape)}"
-                )
+            check_source(reader, src)
             parts.append(reader.get(src.name, src.part))
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         param = params[rule.dst]

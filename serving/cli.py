@@ -10,6 +10,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from engine.engine_config import FP8_WEIGHTS
 from ledger.redis_connect import add_redis_arguments
 from serving.auth import add_auth_token_argument, add_cluster_secret_argument
 from serving.engine_setup import add_speculation_arguments
@@ -112,9 +113,9 @@ def register_serve(subparsers: Any) -> None:
     parser.add_argument("--block-size", type=int, help="tokens per KV block")
     parser.add_argument(
         "--fp8-weights",
-        choices=["dequantize", "keep"],
+        choices=FP8_WEIGHTS,
         help="a block-FP8 checkpoint's projections on every worker: dequantized once at load "
-        "time (the workers' default) or kept FP8 (a third of the memory, 0.35-0.55x bf16's "
+        "time (the workers' default) or kept FP8 (half of bf16's weight bytes, 0.35-0.55x its "
         "speed on CPU)",
     )
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
@@ -165,14 +166,11 @@ def role_tensor_parallel_sizes(args: argparse.Namespace) -> tuple[int, int, str]
         if size < 1:
             return prefill, decode, f"{flag}: must be at least 1, got {size}"
     if args.colocate and args.prefill_tp is not None:
-        return (
-            prefill,
-            decode,
-            (
-                "--prefill-tp: not with --colocate (co-located workers take --decode-tp or "
-                "--tensor-parallel-size)"
-            ),
+        why = (
+            "--prefill-tp: not with --colocate (co-located workers take --decode-tp or "
+            "--tensor-parallel-size)"
         )
+        return prefill, decode, why
     return 1 if args.colocate else prefill, decode, ""  # co-located: no prefill workers
 
 

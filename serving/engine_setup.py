@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.engine_config import FP8_WEIGHTS
 from tandem.v1 import worker_pb2
 
 if TYPE_CHECKING:  # torch: imported by the functions that need it, so `--help` stays light
@@ -44,11 +45,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--threads", type=int, help="torch CPU threads of this process")
     group.add_argument(
         "--fp8-weights",
-        choices=["dequantize", "keep"],
+        choices=FP8_WEIGHTS,
         default="dequantize",
         help="a block-FP8 checkpoint's projections: dequantize them once at load time "
-        "(as fast as bf16) or keep them FP8 (a third of the memory, each product "
-        "dequantizing its weight: slower: 0.35-0.55x bf16 on CPU) (default: dequantize)",
+        "(as fast as bf16) or keep them FP8 (half of bf16's weight bytes, each product "
+        "dequantizing its weight: 0.35-0.55x bf16's speed on CPU) (default: dequantize)",
     )
     group.add_argument(
         "--tensor-parallel-size",

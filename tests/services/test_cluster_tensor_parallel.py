@@ -27,9 +27,6 @@ import pytest
 import redis
 import torch
 
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.spec.config import SpeculativeConfig
 from ledger.ledger import Ledger, WorkerRole
 from serving.launcher import Cluster, Component
 from tests.engine.tiny_drafts import build_random_draft
@@ -50,9 +47,9 @@ from tests.services.cluster_helpers import (
     worker_stats,
 )
 from tests.services.test_cluster_colocated import has_ended, rank_processes, started_by
+from tests.services.test_cluster_tiny import K, reference
 from tests.services.tiny_tokenizer import save_char_tokenizer
 
-K = 3
 WORKER_ARGS = (*TINY_WORKER_ARGS, "--kv-cache-memory", str(8 << 20))
 
 
@@ -160,34 +157,6 @@ async def arrange(cluster: Cluster, ledger: Ledger, prefill: int, decode: int) -
         await until(lambda: registered(ledger, role) == only, f"only {only} registered")  # noqa: B023
 
 
-def speculative_reference(
-    target: Path, draft: Path, token_prompts: list[list[int]], max_tokens: int
-) -> tuple[list[list[int]], tuple[int, int]]:
-    """Greedy tokens of one engine with the draft, and its (drafted, accepted) counts."""
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(target),
-            dtype="float32",
-            block_size=4,
-            kv_cache_memory=8 << 20,
-            num_threads=1,
-            speculative=SpeculativeConfig(str(draft), num_draft_tokens=K),
-        )
-    )
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(token_prompts):
-        engine.add_request(str(i), p, params)
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-    assert engine.spec is not None
-    stats = engine.spec.stats
-    return [done[str(i)] for i in range(len(token_prompts))], (
-        stats.num_draft_tokens,
-        stats.num_accepted_tokens,
-    )
-
-
 async def check_pair(
     cluster: Cluster,
     ledger: Ledger,
@@ -207,7 +176,9 @@ async def check_pair(
     ours = await generate_all(cluster.router_address, token_prompts, max_tokens=20)
     assert metric(prefill, "tandem_kv_transfer_bytes_total", "prefill") > pushed
     assert_greedy_equal(target, token_prompts, ours, engine_greedy(target, token_prompts, 20))
-    expected, (drafted, accepted) = speculative_reference(target, draft, token_prompts, 20)
+    expected, engine = reference(target, token_prompts, 20, draft)
+    assert engine.spec is not None
+    drafted, accepted = engine.spec.stats.num_draft_tokens, engine.spec.stats.num_accepted_tokens
     assert ours == expected and accepted > 0
     after = (await worker_stats(decode)).speculative
     assert (
