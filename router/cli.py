@@ -43,8 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from serving.rpc import add_service_arguments
 
     group = parser.add_argument_group("model")
-    group.add_argument("--model", required=True, help="HF model directory (or a prepared name)")
-    group.add_argument("--served-model-name", help="name clients use (default: the directory's)")
+    group.add_argument(
+        "--model",
+        required=True,
+        help="HF model directory, a prepared name, or a .gguf file whose model directory "
+        "exists (`tandem models prepare FILE.gguf`)",
+    )
+    group.add_argument(
+        "--served-model-name",
+        help="name clients use (default: the directory's; a .gguf file's stem)",
+    )
     group.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     group.add_argument("--draft", metavar="DIR", help="the workers' draft (shown by ListModels)")
     group.add_argument("--threads", type=int, help="threads of the tokenizer's pool")
@@ -107,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
 def make_service(runtime: Runtime) -> RouterComponent:
     """The Generation service over the model's tokenizer and the ledger's workers."""
-    from router.models import resolve_model_dir
+    from router.models import resolve_model_dir, served_name
     from router.routing import WorkerPicker
     from router.service import GenerationService
     from router.tokenizer import load_tokenizer
@@ -116,7 +124,7 @@ def make_service(runtime: Runtime) -> RouterComponent:
     args = runtime.args
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
-    name = args.served_model_name or model_dir.name
+    name = args.served_model_name or served_name(model_dir)
     model = ModelInfo.from_dir(model_dir, name, args.max_model_len)
     validator = RequestValidator(model, tokenizer, max_request_bytes=args.max_request_bytes)
     membership = runtime.new_membership(capacity=0)

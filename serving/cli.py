@@ -35,7 +35,18 @@ def register_serve(subparsers: Any) -> None:
         "cluster secret and the embedded Redis a password (given or random, handed over in "
         "their environment).",
     )
-    parser.add_argument("--model", required=True, help="HF model directory or a prepared name")
+    parser.add_argument(
+        "--model", required=True, help="HF model directory, a prepared name, or a .gguf file"
+    )
+    parser.add_argument(
+        "--served-model-name",
+        help="name clients use (default: the directory's; a .gguf file's stem)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="with --model FILE.gguf: a HF tokenizer directory instead of the file's metadata",
+    )
     add_speculation_arguments(parser)
     parser.add_argument(
         "--prefill", type=int, help="prefill worker processes (default: 1; 0 with --colocate)"
@@ -211,7 +222,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     num_prefill = 0 if args.colocate else (1 if args.prefill is None else args.prefill)
     try:
-        model = str(resolve_model(args.model))
+        model = str(resolve_model(args.model, tokenizer=args.tokenizer))
         redis_settings = RedisSettings.from_args(args) if args.redis_url else None
         stray = args.redis_username or args.redis_ca_file or args.redis_cert_file
         if not args.redis_url and stray:
@@ -236,6 +247,9 @@ def _serve(args: argparse.Namespace) -> int:
         if value is not None:
             worker_args += [option, str(value)]
     router_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    if args.served_model_name:
+        worker_args += ["--served-model-name", args.served_model_name]
+        router_args += ["--served-model-name", args.served_model_name]
     spec = ClusterSpec(
         model=model,
         draft=args.draft,

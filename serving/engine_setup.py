@@ -30,9 +30,25 @@ SUFFIX_CACHE_TOKENS = 1 << 18  # engine.spec.suffix.SuffixConfig.shared_tokens
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `tandem prefill`, `tandem decode` and `tandem serve` that shape the engine."""
     group = parser.add_argument_group("model and engine")
-    group.add_argument("--model", required=True, help="HF model directory (or a prepared name)")
-    group.add_argument("--served-model-name", help="name clients use (default: the directory's)")
-    group.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    group.add_argument(
+        "--model", required=True, help="HF model directory, a prepared name, or a .gguf file"
+    )
+    group.add_argument(
+        "--served-model-name",
+        help="name clients use (default: the directory's; a .gguf file's stem)",
+    )
+    group.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="with --model FILE.gguf: a HF tokenizer directory instead of the file's metadata",
+    )
+    group.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        default="bfloat16",
+        help="activations and weights; a GGUF file's Q4_0/Q4_1/Q8_0 projections stay "
+        "quantized, except in float32 (dequantized at load time)",
+    )
     group.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--max-num-seqs", type=int, default=64, help="rows per engine step")
@@ -216,13 +232,13 @@ class ModelSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSpec:
-        from engine.model_store import resolve_model
+        from engine.model_store import resolve_model, served_name
 
-        model_dir = Path(resolve_model(args.model))
+        model_dir = Path(resolve_model(args.model, tokenizer=getattr(args, "tokenizer", None)))
         draft_dir = Path(args.draft) if args.draft else None
         return cls(
             model_dir=model_dir,
-            served_name=args.served_model_name or model_dir.name,
+            served_name=args.served_model_name or served_name(model_dir),
             draft_dir=draft_dir,
             num_draft_tokens=args.num_draft_tokens,
             draft_method=args.draft_method,

@@ -30,7 +30,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = ["bf16_linear.cpp", "paged_attention.cpp", "fp8_dequant.cpp"]
+SOURCES = ["bf16_linear.cpp", "paged_attention.cpp", "fp8_dequant.cpp", "gguf_linear.cpp"]
 HEADERS = ["vec.h"]  # included by the sources: in the stamp, not compiled on their own
 PANEL = 16  # output columns per packed bf16 panel, as in bf16_linear.cpp
 DISABLE_ENV = "TANDEM_CPU_KERNELS"  # "0" turns the kernels off (aten's path everywhere)
@@ -235,6 +235,12 @@ def _register_fakes() -> None:
         weight: torch.Tensor, scale: torch.Tensor, block_k: int, out_dtype: torch.dtype
     ) -> torch.Tensor:
         return weight.new_empty(weight.shape, dtype=out_dtype)
+
+    @torch.library.register_fake("tandem_cpu::gguf_linear")
+    def _(
+        x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return x.new_empty((x.shape[0], n))
 
 
 def main(argv: list[str] | None = None) -> int:

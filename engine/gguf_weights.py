@@ -1,0 +1,366 @@
+"""GGUF files (llama.cpp's format) run as they are: read with the ``gguf`` package,
+llama.cpp's own reader, and served in HF names as a ``CheckpointReader`` would.
+
+Q4_0, Q4_1 and Q8_0 projections stay quantized (``GgufLinear``): the file's blocks, 16 rows
+side by side, run by ``kernels/cpu/gguf_linear.cpp`` (int16 activations, VNNI), or by
+``reference_linear`` (dequantized, then aten) where the CPU lacks AVX-512 VNNI. A tied
+embedding shares its LM head's blocks (``GgufEmbedding``): resident weights stay the
+file's size. F32, F16 and BF16 tensors load as safetensors ones do. With float32
+activations (``--dtype float32``) every tensor is dequantized at load time instead: the
+reference that transformers' own GGUF loader reproduces.
+
+llama.cpp stores Llama's q and k rows permuted for its rotary layout; they are put back
+in HF's order here, row by row, on the quantized rows as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QType
+from torch import nn
+
+from engine.weights import Part, TensorRule, WeightError, check_source
+from kernels.cpu import extension as cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 32  # elements per block of every type kept quantized
+ROWS = 16  # rows per packed group: one lane each in the kernel
+BLOCK_BYTES = {QType.Q4_0: 18, QType.Q4_1: 20, QType.Q8_0: 34}  # the file's, per block
+KEPT = tuple(BLOCK_BYTES)  # run quantized
+PLAIN = (QType.F32, QType.F16, QType.BF16)  # loaded as safetensors tensors are
+ARCHITECTURES = {"llama": "LlamaForCausalLM"}  # GGUF general.architecture -> HF's
+
+
+def type_names(types: Sequence[QType]) -> str:
+    return ", ".join(t.name for t in types)
+
+
+class GgufCheckpoint:
+    """One GGUF file behind ``CheckpointReader``'s interface, in HF tensor names. Opening
+    it refuses a file that is not GGUF or serves another architecture, naming the file;
+    a tensor's errors name the tensor (``load_model`` adds the file)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+        except Exception as exc:  # truncated, corrupt, not GGUF at all
+            raise WeightError(f"{self.path.name}: not a readable GGUF file ({exc})") from None
+        arch = self.field("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise WeightError(
+                f"{self.path.name}: general.architecture {arch!r} is not served; served: "
+                f"{sorted(ARCHITECTURES)}"
+            )
+        self.arch = arch
+        blocks = int(self.field(f"{arch}.block_count"))
+        self.heads = int(self.field(f"{arch}.attention.head_count"))
+        self.kv_heads = int(self.field(f"{arch}.attention.head_count_kv", self.heads))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, blocks)
+
+    def field(self, key: str, default: Any = None) -> Any:
+        found = self.reader.get_field(key)
+        if found is None:
+            if default is None:
+                raise WeightError(f"{self.path.name}: metadata {key} is missing")
+            return default
+        return found.contents()
+
+    def _tensor(self, name: str) -> Any:
+        file_name = self.name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        if file_name is None or file_name not in self.tensors:
+            raise WeightError(f"{name}: missing (as {file_name})")
+        return self.tensors[file_name]
+
+    def names(self) -> set[str]:
+        raise NotImplementedError("a GGUF file's tensors are looked up by HF name")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The HF shape: [rows, columns] (GGUF lists its dimensions the other way)."""
+        return tuple(int(d) for d in reversed(self._tensor(name).shape))
+
+    def qtype(self, name: str) -> QType:
+        return QType(self._tensor(name).tensor_type)
+
+    def dtype(self, name: str) -> str:
+        return self.qtype(name).name
+
+    def _rows(self, name: str) -> torch.Tensor | None:
+        """HF row order of ``name`` from the file's, for Llama's q and k; else None."""
+        heads = {"q_proj": self.heads, "k_proj": self.kv_heads}.get(name.split(".")[-2])
+        if heads is None or not name.endswith(".weight"):
+            return None
+        rows = self.shape(name)[0]
+        half = rows // heads // 2
+        # The file holds, per head, (i, s) at row 2 i + s for HF's s * half + i.
+        return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
+
+    def raw(self, name: str, part: Part | None = None) -> torch.Tensor:
+        """A quantized tensor's rows as the file's blocks: uint8 [rows, blocks x bytes], in
+        HF row order, only ``part``'s rows, or its columns on whole blocks."""
+        tensor, qtype = self._tensor(name), self.qtype(name)
+        if qtype not in BLOCK_BYTES:
+            raise WeightError(f"{name}: {qtype.name} is not kept quantized")
+        data = self._data(name, tensor)
+        raw = torch.from_numpy(np.array(data, dtype=np.uint8))  # a copy: the map is read-only
+        order = self._rows(name)
+        if order is not None:
+            raw = raw[order]
+        if part is None:
+            return raw
+        if part.dim == 0:
+            return raw[part.start : part.stop]
+        if part.start % BLOCK or part.stop % BLOCK:
+            raise WeightError(
+                f"{name}: columns [{part.start}, {part.stop}) do not fall on {qtype.name}'s "
+                f"{BLOCK}-column blocks; use a tensor-parallel size whose split does"
+            )
+        width = BLOCK_BYTES[qtype]
+        return raw[:, part.start // BLOCK * width : part.stop // BLOCK * width]
+
+    def get(self, name: str, part: Part | None = None) -> torch.Tensor:
+        """The tensor dequantized to float32 (gguf's own dequantize), ``part`` of it."""
+        tensor, qtype = self._tensor(name), self.qtype(name)
+        if qtype not in (*KEPT, *PLAIN):
+            raise WeightError(
+                f"{name}: {qtype.name} is not supported; supported: "
+                f"{type_names(KEPT + PLAIN)}"
+            )
+        values = gguf.quants.dequantize(self._data(name, tensor), qtype)
+        out = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy, as above
+        out = out.reshape(self.shape(name))
+        order = self._rows(name)
+        if order is not None:
+            out = out[order]
+        if part is None:
+            return out
+        return out.narrow(part.dim, part.start, part.stop - part.start)
+
+    def _data(self, name: str, tensor: Any) -> np.ndarray:
+        try:
+            data: np.ndarray = tensor.data
+            return data
+        except Exception as exc:
+            raise WeightError(f"{name}: unreadable ({exc})") from None
+
+    def close(self) -> None:
+        self.reader = None  # type: ignore[assignment]  # the memory map goes with it
+
+
+def pack(qtype: QType, raw: torch.Tensor) -> torch.Tensor:
+    """The file's blocks [N, B x bytes] -> the kernel's [N / 16, B, group-block bytes]:
+    per block, the 16 rows' scales (and minimums), then their quants interleaved
+    (``kernels/cpu/gguf_linear.cpp`` describes the layout)."""
+    n = raw.shape[0]
+    blocks = raw.view(n // ROWS, ROWS, -1, BLOCK_BYTES[qtype])  # [G, 16, B, bytes]
+    head = 4 if qtype == QType.Q4_1 else 2  # d (and m), fp16 each
+    scales = blocks[..., :head].reshape(n // ROWS, ROWS, -1, head // 2, 2)
+    scales = scales.permute(0, 2, 3, 1, 4).flatten(2)  # [G, B, (d[16], m[16]) bytes]
+    quants = blocks[..., head:]
+    if qtype == QType.Q8_0:  # [G, B, pair, row, 2]
+        quants = quants.reshape(n // ROWS, ROWS, -1, 16, 2).permute(0, 2, 3, 1, 4)
+    else:  # [G, B, byte, row]
+        quants = quants.permute(0, 2, 3, 1)
+    return torch.cat([scales, quants.flatten(2)], dim=2).contiguous()
+
+
+def dequantize_packed(
+    qtype: QType, packed: torch.Tensor, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Packed weights -> float32 [N, K] (or only ``rows``), as gguf's dequantize computes
+    them: the plain-torch reference of the kernel, and a tied embedding's lookup."""
+    groups, blocks, _ = packed.shape
+    if rows is None:
+        rows = torch.arange(groups * ROWS)
+    g, lane = rows // ROWS, rows % ROWS
+    sel = packed[g]  # [R, B, bytes]
+    d = sel[..., : 2 * ROWS].view(torch.float16).float()  # [R, B, 16]
+    d = d.gather(2, lane.view(-1, 1, 1).expand(-1, blocks, 1))  # [R, B, 1]
+    if qtype == QType.Q8_0:
+        quants = sel[..., 2 * ROWS :].reshape(len(rows), blocks, 16, ROWS, 2)
+        pick = lane.view(-1, 1, 1, 1, 1).expand(-1, blocks, 16, 1, 2)
+        q = quants.gather(3, pick).view(torch.int8).reshape(len(rows), blocks, BLOCK).float()
+        return (d * q).reshape(len(rows), blocks * BLOCK)
+    start = 4 * ROWS if qtype == QType.Q4_1 else 2 * ROWS
+    quants = sel[..., start:].reshape(len(rows), blocks, 16, ROWS)
+    byte = quants.gather(3, lane.view(-1, 1, 1, 1).expand(-1, blocks, 16, 1)).squeeze(3)
+    q = torch.cat([byte & 0x0F, byte >> 4], dim=2).float()  # [R, B, 32]
+    if qtype == QType.Q4_0:
+        out = d * (q - 8)
+    else:
+        m = sel[..., 2 * ROWS : 4 * ROWS].view(torch.float16).float()
+        m = m.gather(2, lane.view(-1, 1, 1).expand(-1, blocks, 1))
+        out = d * q + m
+    return out.reshape(len(rows), blocks * BLOCK)
+
+
+def kernel_runs() -> bool:
+    """Whether ``gguf_linear`` runs here (the C++ kernels, and AVX-512 VNNI)."""
+    return cpu_kernels.available() and bool(torch.ops.tandem_cpu.gguf_kernel_supported())
+
+
+def reference_linear(
+    x: torch.Tensor, packed: torch.Tensor, qtype: QType, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The product the kernel approximates: the weight dequantized, then aten's."""
+    return F.linear(x, dequantize_packed(qtype, packed).to(x.dtype), bias)
+
+
+class GgufLinear(nn.Module):
+    """A projection whose weight stays in its file's Q4_0, Q4_1 or Q8_0 blocks."""
+
+    def __init__(
+        self, in_features: int, out_features: int, qtype: QType, bias: nn.Parameter | None
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.qtype = in_features, out_features, qtype
+        self.packed: torch.Tensor
+        shape = (out_features // ROWS, in_features // BLOCK, ROWS * BLOCK_BYTES[qtype])
+        self.register_buffer("packed", torch.empty(shape, dtype=torch.uint8))
+        self.bias = bias
+        self.use_kernel = False  # set by fill_gguf, once the kernels are known to run
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_kernel or x.dtype not in (torch.bfloat16, torch.float32):
+            return reference_linear(x, self.packed, self.qtype, self.bias)
+        flat = x.reshape(-1, self.in_features).contiguous()
+        out: torch.Tensor = torch.ops.tandem_cpu.gguf_linear(
+            flat, self.packed, int(self.qtype), self.out_features, self.bias
+        )
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"type={self.qtype.name}, bias={self.bias is not None}"
+        )
+
+
+class GgufEmbedding(nn.Module):
+    """Token embeddings read from quantized blocks, each looked-up row dequantized: a
+    tied LM head's own ``GgufLinear`` (``source``), or blocks of its own."""
+
+    def __init__(self, source: GgufLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._source = (source,)  # not registered: the LM head owns the blocks
+        self.dtype = dtype
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        source = self._source[0]
+        rows = dequantize_packed(source.qtype, source.packed, tokens.reshape(-1))
+        return rows.to(self.dtype).view(*tokens.shape, source.in_features)
+
+
+def _kept(reader: GgufCheckpoint, rule: TensorRule) -> QType | None:
+    """The one kept type of all ``rule``'s sources, else None (they load dequantized)."""
+    types = {reader.qtype(src.name) for src in rule.sources}
+    for src in rule.sources:
+        check_source(reader, src)  # type: ignore[arg-type]
+        qtype = reader.qtype(src.name)
+        if qtype not in (*KEPT, *PLAIN):
+            raise WeightError(
+                f"{src.name}: {qtype.name} is not supported; "
+                f"supported: {type_names(KEPT + PLAIN)}"
+            )
+    if len(types) != 1 or next(iter(types)) not in KEPT:
+        return None
+    rows = sum(
+        src.part.stop - src.part.start if src.part and src.part.dim == 0 else src.shape[0]
+        for src in rule.sources
+    )
+    if rows % ROWS:
+        return None
+    return next(iter(types))
+
+
+def quantized_rules(
+    reader: GgufCheckpoint, model: nn.Module, rules: Sequence[TensorRule]
+) -> dict[str, QType]:
+    """dst -> kept type, for the rules that fill a projection's weight (or a tied
+    embedding) from sources all of one kept type; the others load dequantized. Raises
+    WeightError, naming the tensor, for a type that is not supported at all."""
+    found: dict[str, QType] = {}
+    for rule in rules:
+        qtype = _kept(reader, rule) if rule.dst.endswith(".weight") else None
+        if qtype is None:
+            continue
+        module = model.get_submodule(rule.dst.removesuffix(".weight"))
+        # A split embedding (tensor parallelism) stays a VocabParallelEmbedding, dequantized.
+        if isinstance(module, nn.Linear) or type(module) is nn.Embedding:
+            found[rule.dst] = qtype
+    return found
+
+
+def swap_gguf(model: nn.Module, kept: dict[str, QType], tied: bool) -> None:
+    """On the meta device: a ``GgufLinear`` for every projection ``kept`` fills, and a
+    ``GgufEmbedding`` on its LM head's blocks where the embedding is tied to it."""
+    for dst, qtype in kept.items():
+        path = dst.removesuffix(".weight")
+        if path == "embed_tokens":
+            continue
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        linear = getattr(parent, attr)
+        bias = linear.bias if isinstance(linear.bias, nn.Parameter) else None
+        with torch.device("meta"):
+            swapped = GgufLinear(linear.in_features, linear.out_features, qtype, bias)
+        setattr(parent, attr, swapped)
+    if "embed_tokens.weight" in kept:
+        embed = model.get_submodule("embed_tokens")
+        assert isinstance(embed, nn.Embedding)
+        qtype = kept["embed_tokens.weight"]
+        with torch.device("meta"):
+            head = GgufLinear(embed.embedding_dim, embed.num_embeddings, qtype, None)
+        lookup = GgufEmbedding(head, embed.weight.dtype)
+        if tied:
+            model.lm_head = head
+        else:  # blocks of its own
+            lookup.register_module("blocks", head)
+        model.embed_tokens = lookup
+
+
+def fill_gguf(
+    model: nn.Module, reader: GgufCheckpoint, rules: Sequence[TensorRule], kept: dict[str, QType]
+) -> set[str]:
+    """Fills what ``swap_gguf`` prepared, once the model is materialised; returns the
+    parameters filled (for ``load_weights``): none, the blocks are buffers."""
+    use_kernel = kernel_runs()
+    for rule in rules:
+        if rule.dst not in kept:
+            continue
+        qtype = kept[rule.dst]
+        raw = torch.cat([reader.raw(src.name, src.part) for src in rule.sources])
+        path = rule.dst.removesuffix(".weight")
+        module = model.get_submodule(path)
+        if isinstance(module, GgufEmbedding):
+            module = module._source[0]
+        assert isinstance(module, GgufLinear)
+        module.packed = pack(qtype, raw)
+        module.use_kernel = use_kernel
+    if not use_kernel and kept:
+        logger.warning(
+            "GGUF products run dequantized on aten: this CPU lacks AVX-512 VNNI, or the C++ "
+            "kernels are not built (`%s`)",
+            cpu_kernels.BUILD_COMMAND,
+        )
+    return set()
+
+
+def gguf_file(model_dir: str | Path) -> Path | None:
+    """The GGUF file a model directory serves (``model.gguf``, a file or a link to one,
+    as ``engine.model_store`` writes it), or None for a safetensors directory."""
+    path = Path(model_dir) / GGUF_NAME
+    return path.resolve() if path.exists() else None
+
+
+GGUF_NAME = "model.gguf"  # a GGUF model directory's weights, beside its config.json

@@ -1,0 +1,263 @@
+// Products with GGUF's Q4_0, Q4_1 and Q8_0 weights as they are, on AVX-512 CPUs: what a
+// GGUF projection computes (engine/gguf_weights.py, which packs the weights and holds the
+// plain-torch reference, `reference_linear`).
+//
+// GGUF blocks hold 32 elements of one row: Q4_0 an fp16 scale d and 4-bit q (w = d (q - 8));
+// Q4_1 d, an fp16 minimum m and 4-bit q (w = d q + m); Q8_0 d and int8 q (w = d q). Packed
+// at load time, 16 rows side by side per block ("group-block"), one zmm lane per row:
+//
+//   Q4_0: d[16] fp16 | q[16 j][16 rows] bytes (q_j low nibble, q_{j+16} high)      288 B
+//   Q4_1: d[16] fp16 | m[16] fp16 | q[16 j][16 rows] bytes                          320 B
+//   Q8_0: d[16] fp16 | q[16 pairs][16 rows][2] int8                                 544 B
+//
+// the bytes of the file's blocks reordered, no more. Each row of x is quantized per block
+// to int16 (scale = max |x| / 32767: an error below bf16's rounding), and a block's dot
+// product is an exact int32 sum of 16-bit pairs (VNNI's vpdpwssd),
+// scaled in fp32 per block:
+//
+//   Q4_0: d (s Σ q a - 8 s Σ a)   Q4_1: d s Σ q a + m s Σ a   Q8_0: d s Σ q a
+//
+// with a the int16 activations and s their scale. The products out in x's dtype (bf16
+// rounded to nearest even), the bias added in fp32.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 16;   // rows per group: one zmm lane each
+constexpr int64_t kBlock = 32;  // elements per GGUF block
+constexpr int kTile = 8;        // rows of x per pass over a group's weights
+// ggml's type ids (gguf.GGMLQuantizationType)
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+
+int64_t group_block_bytes(int64_t type) {
+  switch (type) {
+    case kQ4_0: return 32 + 256;
+    case kQ4_1: return 64 + 256;
+    case kQ8_0: return 32 + 512;
+    default: return 0;
+  }
+}
+
+// x quantized per row and block: 32 int16 in the weight's pair order, a scale, s Σ a.
+struct Activations {
+  std::vector<int16_t> q;    // [M, B, 32]
+  std::vector<float> scale;  // [M, B]
+  std::vector<float> sum;    // [M, B]
+};
+
+template <typename T>
+float to_float(T v) { return static_cast<float>(v); }
+
+template <typename T>
+Activations quantize_rows(const T* x, int64_t M, int64_t K, int64_t type) {
+  const int64_t B = K / kBlock;
+  Activations a{std::vector<int16_t>(M * K), std::vector<float>(M * B), std::vector<float>(M * B)};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < B; ++b) {
+      float v[kBlock];
+      float amax = 0.f;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        v[k] = to_float(x[m * K + b * kBlock + k]);
+        amax = std::fmax(amax, std::fabs(v[k]));
+      }
+      const float scale = amax / 32767.f;
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      int16_t* q = a.q.data() + (m * B + b) * kBlock;
+      int32_t total = 0;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const auto r = static_cast<int16_t>(std::lrintf(v[k] * inv));
+        total += r;
+        // Q4: dword j holds elements (j, j + 16), as a byte holds its two nibbles.
+        const int64_t at = type == kQ8_0 ? k : (k < 16 ? 2 * k : 2 * (k - 16) + 1);
+        q[at] = r;
+      }
+      a.scale[m * B + b] = scale;
+      a.sum[m * B + b] = scale * static_cast<float>(total);
+    }
+  }
+  return a;
+}
+
+// Built for AVX-512 with VNNI whatever the library's flags; called only where the CPU has it.
+#define TANDEM_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+
+TANDEM_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+TANDEM_AVX512 inline void store16(at::BFloat16* p, __m512 v) {  // round to nearest even
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// Rows [m0, m0 + MT) of x against group g's 16 rows of weights: out[m, 16 g : 16 g + 16].
+template <int64_t kType, int MT, typename T>
+TANDEM_AVX512 void group_tile(const uint8_t* group, int64_t B, const Activations& a,
+                                   int64_t m0, const float* bias, T* out, int64_t N,
+                                   int64_t g) {
+  constexpr int64_t kBytes = kType == kQ4_0 ? 288 : kType == kQ4_1 ? 320 : 544;
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* blk = group + b * kBytes;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    const int32_t* act[MT];
+    for (int i = 0; i < MT; ++i) {
+      act[i] = reinterpret_cast<const int32_t*>(a.q.data() + ((m0 + i) * B + b) * kBlock);
+    }
+    __m512i iacc[MT];
+    for (int i = 0; i < MT; ++i) iacc[i] = _mm512_setzero_si512();
+    if constexpr (kType == kQ8_0) {
+      const uint8_t* qs = blk + 32;
+      for (int p = 0; p < 16; ++p) {
+        const __m512i w =
+            _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p)));
+        for (int i = 0; i < MT; ++i) {
+          iacc[i] = _mm512_dpwssd_epi32(iacc[i], w, _mm512_set1_epi32(act[i][p]));
+        }
+      }
+    } else {
+      const uint8_t* qs = blk + (kType == kQ4_1 ? 64 : 32);
+      const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+      for (int j = 0; j < 16; ++j) {
+        const __m512i byte =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * j)));
+        // (byte | byte << 12) & 0x000F000F: the low nibble in the pair's first word, the
+        // high nibble in its second.
+        const __m512i w =
+            _mm512_ternarylogic_epi32(byte, _mm512_slli_epi32(byte, 12), nibbles, 0xA8);
+        for (int i = 0; i < MT; ++i) {
+          iacc[i] = _mm512_dpwssd_epi32(iacc[i], w, _mm512_set1_epi32(act[i][j]));
+        }
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      const int64_t at = (m0 + i) * B + b;
+      __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[i]), _mm512_set1_ps(a.scale[at]));
+      if constexpr (kType == kQ4_0) {
+        scaled = _mm512_sub_ps(scaled, _mm512_set1_ps(8.f * a.sum[at]));
+      }
+      acc[i] = _mm512_fmadd_ps(d, scaled, acc[i]);
+      if constexpr (kType == kQ4_1) {
+        const __m512 mins =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+        acc[i] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.sum[at]), acc[i]);
+      }
+    }
+  }
+  const __m512 bias16 = bias ? _mm512_loadu_ps(bias + g * kRows) : _mm512_setzero_ps();
+  for (int i = 0; i < MT; ++i) {
+    store16(out + (m0 + i) * N + g * kRows, _mm512_add_ps(acc[i], bias16));
+  }
+}
+
+template <int64_t kType, typename T>
+void run_groups(const uint8_t* w, int64_t B, const Activations& a, int64_t M, const float* bias,
+                T* out, int64_t N, int64_t g0, int64_t g1) {
+  constexpr int64_t kBytes = kType == kQ4_0 ? 288 : kType == kQ4_1 ? 320 : 544;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* group = w + g * B * kBytes;
+    int64_t m = 0;
+    for (; m + kTile <= M; m += kTile) {
+      group_tile<kType, kTile>(group, B, a, m, bias, out, N, g);
+    }
+    switch (M - m) {  // the rows left over, fewer than a tile
+      case 0: break;
+      case 1: group_tile<kType, 1>(group, B, a, m, bias, out, N, g); break;
+      case 2: group_tile<kType, 2>(group, B, a, m, bias, out, N, g); break;
+      case 3: group_tile<kType, 3>(group, B, a, m, bias, out, N, g); break;
+      case 4: group_tile<kType, 4>(group, B, a, m, bias, out, N, g); break;
+      case 5: group_tile<kType, 5>(group, B, a, m, bias, out, N, g); break;
+      case 6: group_tile<kType, 6>(group, B, a, m, bias, out, N, g); break;
+      default: group_tile<kType, 7>(group, B, a, m, bias, out, N, g); break;
+    }
+  }
+}
+
+template <int64_t kType, typename T>
+void run_type(const uint8_t* w, int64_t B, const Activations& a, int64_t M, const float* bias,
+              T* out, int64_t N) {
+  const int64_t groups = N / kRows;
+  // Enough groups per task that a thread streams its weights: 8 groups of 16 rows.
+  at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
+    run_groups<kType>(w, B, a, M, bias, out, N, g0, g1);
+  });
+}
+
+bool supported() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+         __builtin_cpu_supports("f16c");
+}
+
+template <typename T>
+void dispatch(const at::Tensor& x, const at::Tensor& packed, int64_t type, const float* bias,
+              at::Tensor& out, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), B = K / kBlock;
+  const Activations a = quantize_rows(x.data_ptr<T>(), M, K, type);
+  const auto* w = packed.data_ptr<uint8_t>();
+  T* o = out.data_ptr<T>();
+  switch (type) {
+    case kQ4_0: run_type<kQ4_0>(w, B, a, M, bias, o, N); break;
+    case kQ4_1: run_type<kQ4_1>(w, B, a, M, bias, o, N); break;
+    default: run_type<kQ8_0>(w, B, a, M, bias, o, N); break;
+  }
+}
+
+}  // namespace
+
+// Whether this CPU runs gguf_linear (AVX-512 with VNNI); else the plain-torch path.
+bool gguf_kernel_supported() { return supported(); }
+
+// x [M, K] bf16 or fp32, packed uint8 [N / 16, K / 32, group-block bytes] (the layout
+// above), type a ggml type id (2 Q4_0, 3 Q4_1, 8 Q8_0), bias [N] or None -> [M, N] in x's
+// dtype.
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t type, int64_t n,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(supported(), "gguf_linear: this CPU has no AVX-512 VNNI (avx512f, bw, vl, vnni)");
+  const int64_t bytes = group_block_bytes(type);
+  TORCH_CHECK(bytes > 0, "gguf_linear: type ", type, " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "gguf_linear: x must be a contiguous [M, K] bfloat16 or float32 tensor");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % kBlock == 0 && n % kRows == 0, "gguf_linear: K ", K, " (a multiple of 32) and N ",
+              n, " (a multiple of 16)");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == n / kRows && packed.size(1) == K / kBlock &&
+                  packed.size(2) == bytes,
+              "gguf_linear: packed must be a contiguous uint8 [", n / kRows, ", ", K / kBlock, ", ",
+              bytes, "]");
+  at::Tensor bias32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "gguf_linear: bias must be [", n, "]");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return out;
+  if (x.scalar_type() == at::kFloat) {
+    dispatch<float>(x, packed, type, b, out, n);
+  } else {
+    dispatch<at::BFloat16>(x, packed, type, b, out, n);
+  }
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("gguf_linear(Tensor x, Tensor packed, int type, int n, Tensor? bias) -> Tensor");
+  m.def("gguf_kernel_supported() -> bool", &gguf_kernel_supported);
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("gguf_linear", &gguf_linear); }
