@@ -6,14 +6,17 @@
 // Q4_1 d, an fp16 minimum m and 4-bit q (w = d q + m); Q8_0 d and int8 q (w = d q). Packed
 // at load time, 16 rows side by side per block ("group-block"), one zmm lane per row:
 //
-//   Q4_0: d[16] fp16 | q[16 j][16 rows] bytes (q_j low nibble, q_{j+16} high)      288 B
-//   Q4_1: d[16] fp16 | m[16] fp16 | q[16 j][16 rows] bytes                          320 B
+//   Q4_0: d[16] fp16 | q[4 j][16 rows][4 bytes]                                     288 B
+//   Q4_1: d[16] fp16 | m[16] fp16 | q[4 j][16 rows][4 bytes]                          320 B
 //   Q8_0: d[16] fp16 | q[16 pairs][16 rows][2] int8                                 544 B
 //
-// the bytes of the file's blocks reordered, no more. Each row of x is quantized per block
-// to int16 (scale = max |x| / 32767: an error below bf16's rounding), and a block's dot
-// product is an exact int32 sum of 16-bit pairs (VNNI's vpdpwssd),
-// scaled in fp32 per block:
+// the bytes of the file's blocks reordered, no more (a Q4 row's byte k holds elements k
+// and k + 16 in its low and high nibbles). Each row of x is quantized per block, to int16
+// for Q8_0 and to 15 bits for Q4 (scale = max |x| / 32767 or / 16383: errors far below
+// bf16's rounding), and a block's dot product is an exact int32 sum: of 16-bit pairs
+// (VNNI's vpdpwssd) for Q8_0; for Q4, of nibbles times bytes (vpdpbusd), the 15-bit
+// activations split as 128 h + l into a signed byte h and l in 0..127. Scaled in fp32
+// per block:
 //
 //   Q4_0: d (s Σ q a - 8 s Σ a)   Q4_1: d s Σ q a + m s Σ a   Q8_0: d s Σ q a
 //
@@ -47,49 +50,60 @@ int64_t group_block_bytes(int64_t type) {
   }
 }
 
-// x quantized per row and block: 32 int16 in the weight's pair order, a scale, s Σ a.
+// x quantized per row and block (64 bytes each), with a scale and s Σ a:
+//   Q8_0: 32 int16 in order, dword p = elements (2p, 2p + 1), for vpdpwssd;
+//   Q4:   15-bit values a = 128 h + l (h signed, l in 0..127) as bytes for vpdpbusd:
+//         the 32 h in order, then the 32 l (dword j: elements 4j..4j+3).
 struct Activations {
-  std::vector<int16_t> q;    // [M, B, 32]
+  std::vector<int8_t> q;     // [M, B, 64]
   std::vector<float> scale;  // [M, B]
   std::vector<float> sum;    // [M, B]
 };
 
-template <typename T>
-float to_float(T v) { return static_cast<float>(v); }
+// Built for AVX-512 with VNNI whatever the library's flags; called only where the CPU has it.
+#define TANDEM_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+
+TANDEM_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+TANDEM_AVX512 inline __m512 load16(const at::BFloat16* p) {  // a bf16 is an fp32's top half
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
 
 template <typename T>
-Activations quantize_rows(const T* x, int64_t M, int64_t K, int64_t type) {
+TANDEM_AVX512 Activations quantize_rows(const T* x, int64_t M, int64_t K, int64_t type) {
   const int64_t B = K / kBlock;
-  Activations a{std::vector<int16_t>(M * K), std::vector<float>(M * B), std::vector<float>(M * B)};
+  Activations a{std::vector<int8_t>(M * B * 64), std::vector<float>(M * B),
+                std::vector<float>(M * B)};
+  const float top = type == kQ8_0 ? 32767.f : 16383.f;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < B; ++b) {
-      float v[kBlock];
-      float amax = 0.f;
-      for (int64_t k = 0; k < kBlock; ++k) {
-        v[k] = to_float(x[m * K + b * kBlock + k]);
-        amax = std::fmax(amax, std::fabs(v[k]));
+      const T* src = x + m * K + b * kBlock;
+      const __m512 v0 = load16(src), v1 = load16(src + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? top / amax : 0.f);
+      // Round to nearest even, as lrintf does.
+      const __m512i r0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
+      const __m512i r1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+      int8_t* q = a.q.data() + (m * B + b) * 64;
+      if (type == kQ8_0) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(r0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32), _mm512_cvtepi32_epi16(r1));
+      } else {  // h = floor(r / 128) (an arithmetic shift), l = r - 128 h = r & 127
+        const __m512i seven = _mm512_set1_epi32(127);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(_mm512_srai_epi32(r0, 7)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(r1, 7)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32), _mm512_cvtepi32_epi8(_mm512_and_si512(r0, seven)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 48), _mm512_cvtepi32_epi8(_mm512_and_si512(r1, seven)));
       }
-      const float scale = amax / 32767.f;
-      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-      int16_t* q = a.q.data() + (m * B + b) * kBlock;
-      int32_t total = 0;
-      for (int64_t k = 0; k < kBlock; ++k) {
-        const auto r = static_cast<int16_t>(std::lrintf(v[k] * inv));
-        total += r;
-        // Q4: dword j holds elements (j, j + 16), as a byte holds its two nibbles.
-        const int64_t at = type == kQ8_0 ? k : (k < 16 ? 2 * k : 2 * (k - 16) + 1);
-        q[at] = r;
-      }
-      a.scale[m * B + b] = scale;
-      a.sum[m * B + b] = scale * static_cast<float>(total);
+      const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
+      a.scale[m * B + b] = amax / top;
+      a.sum[m * B + b] = amax / top * static_cast<float>(total);
     }
   }
   return a;
 }
-
-// Built for AVX-512 with VNNI whatever the library's flags; called only where the CPU has it.
-#define TANDEM_AVX512 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 
 TANDEM_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
@@ -115,14 +129,17 @@ TANDEM_AVX512 void group_tile(const uint8_t* group, int64_t B, const Activations
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
     const int32_t* act[MT];
     for (int i = 0; i < MT; ++i) {
-      act[i] = reinterpret_cast<const int32_t*>(a.q.data() + ((m0 + i) * B + b) * kBlock);
+      act[i] = reinterpret_cast<const int32_t*>(a.q.data() + ((m0 + i) * B + b) * 64);
     }
     // Independent sums per row of x (chains), added at the block's end: one chain of 16
     // dependent vpdpwssd would wait on each one's latency.
+    // Q4: h and l sums kept apart (2 chains), 4 where one row leaves room.
     constexpr int kChains = MT == 1 ? 4 : MT <= 3 ? 2 : 1;
-    __m512i iacc[MT][kChains];
+    constexpr int kQ4Chains = MT <= 3 ? 4 : 2;
+    constexpr int kSums = kType == kQ8_0 ? kChains : kQ4Chains;
+    __m512i iacc[MT][kSums];
     for (int i = 0; i < MT; ++i) {
-      for (int c = 0; c < kChains; ++c) iacc[i][c] = _mm512_setzero_si512();
+      for (int c = 0; c < kSums; ++c) iacc[i][c] = _mm512_setzero_si512();
     }
     _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * kBytes), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * kBytes + 64), _MM_HINT_T0);
@@ -144,23 +161,37 @@ TANDEM_AVX512 void group_tile(const uint8_t* group, int64_t B, const Activations
         }
       }
     } else {
+      // Chunk j: per row, bytes 4j..4j+3: low nibbles elements 4j.., high 16+4j..; sums of
+      // h products in chain 0 (and 2), of l products in chain 1 (and 3): 128 h + l.
       const uint8_t* qs = blk + (kType == kQ4_1 ? 64 : 32);
-      const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
-      for (int j = 0; j < 16; ++j) {
-        const __m512i byte =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * j)));
-        // (byte | byte << 12) & 0x000F000F: the low nibble in the pair's first word, the
-        // high nibble in its second.
-        const __m512i w =
-            _mm512_ternarylogic_epi32(byte, _mm512_slli_epi32(byte, 12), nibbles, 0xA8);
+      const __m512i low4 = _mm512_set1_epi8(0x0F);
+      for (int j = 0; j < 4; ++j) {
+        const __m512i bytes = _mm512_loadu_si512(qs + 64 * j);
+        const __m512i lo = _mm512_and_si512(bytes, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
         for (int i = 0; i < MT; ++i) {
-          __m512i& sum = iacc[i][j % kChains];
-          sum = _mm512_dpwssd_epi32(sum, w, _mm512_set1_epi32(act[i][j]));
+          __m512i* sums = iacc[i];
+          sums[0] = _mm512_dpbusd_epi32(sums[0], lo, _mm512_set1_epi32(act[i][j]));
+          sums[1] = _mm512_dpbusd_epi32(sums[1], lo, _mm512_set1_epi32(act[i][8 + j]));
+          sums[kQ4Chains - 2] =
+              _mm512_dpbusd_epi32(sums[kQ4Chains - 2], hi, _mm512_set1_epi32(act[i][4 + j]));
+          sums[kQ4Chains - 1] =
+              _mm512_dpbusd_epi32(sums[kQ4Chains - 1], hi, _mm512_set1_epi32(act[i][12 + j]));
         }
       }
+      for (int i = 0; i < MT; ++i) {
+        __m512i* sums = iacc[i];
+        if constexpr (kQ4Chains == 4) {
+          sums[0] = _mm512_add_epi32(sums[0], sums[2]);
+          sums[1] = _mm512_add_epi32(sums[1], sums[3]);
+        }
+        sums[0] = _mm512_add_epi32(_mm512_slli_epi32(sums[0], 7), sums[1]);
+      }
     }
-    for (int i = 0; i < MT; ++i) {
-      for (int c = 1; c < kChains; ++c) iacc[i][0] = _mm512_add_epi32(iacc[i][0], iacc[i][c]);
+    if constexpr (kType == kQ8_0) {
+      for (int i = 0; i < MT; ++i) {
+        for (int c = 1; c < kChains; ++c) iacc[i][0] = _mm512_add_epi32(iacc[i][0], iacc[i][c]);
+      }
     }
     for (int i = 0; i < MT; ++i) {
       const int64_t at = (m0 + i) * B + b;

