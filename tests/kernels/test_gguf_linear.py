@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from kernels.cpu.gguf_linear import dequantize_packed, kernel_runs, linear, pack
+from kernels.cpu.gguf_linear import HugePageArena, dequantize_packed, kernel_runs, linear, pack
 
 TYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0]
 
@@ -90,3 +90,16 @@ def test_bad_arguments_are_refused() -> None:
         torch.ops.tandem_cpu.gguf_linear(x, packed, int(QType.Q8_0), 32, None)
     with pytest.raises(RuntimeError, match="K 48"):
         torch.ops.tandem_cpu.gguf_linear(torch.randn(1, 48), packed, int(QType.Q4_1), 32, None)
+
+
+def test_the_arena_places_tensors_on_cache_lines_and_keeps_them() -> None:
+    tensors = [torch.arange(n, dtype=torch.uint8).view(-1, 1) for n in (100, 64, 3)]
+    arena = HugePageArena(HugePageArena.size_of(tensors))
+    assert arena.nbytes == 128 + 64 + 64
+    placed = [arena.place(t) for t in tensors]
+    del arena  # the views keep the mapping
+    for t, p in zip(tensors, placed, strict=True):
+        assert torch.equal(p, t) and p.data_ptr() % 64 == placed[0].data_ptr() % 64
+    with pytest.raises(ValueError, match="no room"):
+        small = HugePageArena(64)
+        small.place(tensors[0])

@@ -258,3 +258,43 @@ async def http_first_token_times(base_url: str, model: str) -> list[float]:
                         ttfts.append(time.monotonic() - started)
                         break
     return ttfts
+
+
+async def test_the_q4_1_file_through_the_cluster_equals_the_engine_on_it(
+    prompts: list[list[int]], tmp_path: Path
+) -> None:
+    """The wheel's Q4_1 file served as it is (bf16 activations, its projections in their
+    blocks), with the EAGLE-3 draft, through one prefill and one decode worker: greedy
+    output equals the in-process engine's on the same file without a draft, token for
+    token (the kernel's products do not depend on which rows share a call), and the
+    served name is the prepared directory's."""
+    from engine.model_store import prepare
+
+    q4_dir = prepare("smollm2", keep_quantized=True)
+    torch.set_num_threads(1)
+    llm = LLM(str(q4_dir), kv_cache_memory=96 << 20)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    reference = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    spec = ClusterSpec(
+        model=str(q4_dir),
+        draft=str(draft_dir("eagle3")),
+        num_draft_tokens=K,
+        num_prefill=1,
+        num_decode=1,
+        port=0,
+        eager=True,
+        worker_args=("--kv-cache-memory", str(96 << 20)),
+        service_args=SERVICE_ARGS,
+        log_dir=tmp_path / "logs",
+        grace_s=5.0,
+    )
+    with Cluster(spec) as cluster:
+        ours = await generate_all(cluster.router_address, prompts, NEW_TOKENS)
+        (stats,) = [await worker_stats(c) for c in cluster.decode]
+        assert cluster.router is not None
+        with urllib.request.urlopen(f"{cluster.router.base_url}/v1/models", timeout=10) as r:
+            served = [m["id"] for m in json.loads(r.read())["data"]]
+    assert ours == reference
+    assert stats.speculative.num_accepted_tokens > 0
+    assert served == ["smollm2-q4_1"]
