@@ -145,7 +145,7 @@ def closed_loop(concurrency: int, requests: int, warmup: int, output_len: int) -
 
 
 def main() -> None:
-    from serving_sides import cores, llama_server, tandem_cluster  # bench/, beside this
+    from serving_sides import NO_REPACK, cores, llama_server, tandem_cluster  # bench/, beside this
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -350,6 +350,7 @@ def main() -> None:
             "requests": args.requests or "max(32, 2 N)",
             "warmup": warmup,
             "llama_cpp": f"llama-cpp-python {LLAMA_VERSION} sdist's vendored llama.cpp",
+            "llama_cpp_no_repack": sorted(NO_REPACK),
             "cores": cores(),
             "quick": args.quick,
             "elapsed_s": round(elapsed, 1),

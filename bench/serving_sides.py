@@ -33,15 +33,39 @@ def free_port() -> int:
 def llama_server(
     binary: Path, gguf: Path, slots: int, threads: int, log_dir: Path
 ) -> Iterator[str]:
-    """A running llama-server's base URL."""
+    """A running llama-server's base URL. Where its default weight repacking crashes it at
+    start (its AMX path with a Q4_1 file, on the Sapphire Rapids VM of 2026-11-30: SIGSEGV),
+    it is started again with ``--no-repack``, which ``NO_REPACK`` then lists."""
+    try:
+        with _llama_server(binary, gguf, slots, threads, log_dir, []) as url:
+            yield url
+            return
+    except LlamaCrashedError:
+        print(f"[serving] llama-server crashed on {gguf.name}: --no-repack", file=sys.stderr)
+    NO_REPACK.add(gguf.name)
+    with _llama_server(binary, gguf, slots, threads, log_dir, ["--no-repack"]) as url:
+        yield url
+
+
+NO_REPACK: set[str] = set()  # the GGUF files llama-server ran with --no-repack
+
+
+class LlamaCrashedError(RuntimeError):
+    """llama-server died of a signal before it was healthy."""
+
+
+@contextmanager
+def _llama_server(
+    binary: Path, gguf: Path, slots: int, threads: int, log_dir: Path, flags: list[str]
+) -> Iterator[str]:
     port = free_port()
     command = [
         str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
         "-t", str(threads), "-tb", str(threads),
         "-np", str(slots), "-cb", "--ctx-size", str(slots * CTX_PER_SLOT),
-        "-a", "smollm2", "--no-webui",
+        "-a", "smollm2", "--no-webui", *flags,
     ]  # fmt: skip
-    log_path = log_dir / f"llama-server-{gguf.stem}-np{slots}.log"
+    log_path = log_dir / f"llama-server-{gguf.stem}-np{slots}{''.join(flags)}.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -49,6 +73,8 @@ def llama_server(
         while True:
             if process.poll() is not None:
                 tail = log_path.read_text(errors="replace")[-2000:]
+                if process.returncode < 0 and not flags:
+                    raise LlamaCrashedError(f"llama-server died of signal {-process.returncode}")
                 raise RuntimeError(f"llama-server exited with {process.returncode}:\n{tail}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:

@@ -149,7 +149,7 @@ def _models_prepare(args: argparse.Namespace) -> int:
                     "--keep-quantized, --name: for a known model; a .gguf file is always kept "
                     "quantized, served by its stem"
                 )
-            path = gguf_model_dir(args.name, args.cache_dir, args.tokenizer)
+            path = gguf_model_dir(args.name, args.cache_dir, args.tokenizer, force=args.force)
         else:
             if args.tokenizer:
                 raise ModelNotFoundError("--tokenizer: for a .gguf file only")

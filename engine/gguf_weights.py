@@ -1,13 +1,16 @@
 """GGUF files (llama.cpp's format) run as they are: read with the ``gguf`` package,
 llama.cpp's own reader, and served in HF names as a ``CheckpointReader`` would.
 
-Q4_0, Q4_1 and Q8_0 projections stay quantized (``GgufLinear``): the file's blocks, 16 rows
-side by side, run by ``kernels/cpu/gguf_linear.cpp`` (int16 activations, VNNI), or by
-``reference_linear`` (dequantized, then aten) where the CPU lacks AVX-512 VNNI. A tied
-embedding shares its LM head's blocks (``GgufEmbedding``): resident weights stay the
-file's size. F32, F16 and BF16 tensors load as safetensors ones do. With float32
-activations (``--dtype float32``) every tensor is dequantized at load time instead: the
-reference that transformers' own GGUF loader reproduces.
+In bf16, Q4_0, Q4_1 and Q8_0 projections stay quantized (``GgufLinear``): the file's
+blocks, 16 rows side by side, run by ``kernels/cpu/gguf_linear.cpp`` (VNNI), or by
+``reference_linear`` (dequantized, then aten: slow) where the CPU lacks AVX-512 VNNI. A
+tied embedding shares its LM head's blocks (``GgufEmbedding``): resident weights stay
+the file's size. F32, F16 and BF16 tensors load as safetensors ones do; every other type
+(K-quants among them: llama.cpp writes LM heads in Q6_K) is dequantized at load time.
+In float32 (the reference that transformers' own GGUF loader reproduces) and float16,
+every tensor is dequantized at load time. A tensor the model has no place for (Llama
+3.1's ``rope_freqs``, attention biases the config does not declare) is refused, naming
+it: the model would run without it.
 
 llama.cpp stores Llama's q and k rows permuted for its rotary layout; they are put back
 in HF's order here, row by row, on the quantized rows as they are.
@@ -43,11 +46,19 @@ logger = logging.getLogger(__name__)
 
 KEPT = (QType.Q4_0, QType.Q4_1, QType.Q8_0)  # run quantized (kernels.cpu.gguf_linear)
 PLAIN = (QType.F32, QType.F16, QType.BF16)  # loaded as safetensors tensors are
+# Every other type gguf can dequantize (the K-quants, IQ, Q5_0, ...) is dequantized at load
+# time into the model's dtype: it runs, with bf16's memory for that tensor.
 ARCHITECTURES = {"llama": "LlamaForCausalLM"}  # GGUF general.architecture -> HF's
 
 
 def type_names(types: Sequence[QType]) -> str:
     return ", ".join(t.name for t in types)
+
+
+def gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
 
 
 class GgufCheckpoint:
@@ -73,6 +84,7 @@ class GgufCheckpoint:
         self.kv_heads = int(self.field(f"{arch}.attention.head_count_kv", self.heads))
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, blocks)
+        self.used: set[str] = set()  # the file's names of the tensors looked up
 
     def field(self, key: str, default: Any = None) -> Any:
         found = self.reader.get_field(key)
@@ -86,7 +98,12 @@ class GgufCheckpoint:
         file_name = self.name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         if file_name is None or file_name not in self.tensors:
             raise WeightError(f"{name}: missing (as {file_name})")
+        self.used.add(file_name)
         return self.tensors[file_name]
+
+    def unused(self) -> list[str]:
+        """The file's tensors no lookup asked for: weights the model would run without."""
+        return sorted(set(self.tensors) - self.used)
 
     def names(self) -> set[str]:
         raise NotImplementedError("a GGUF file's tensors are looked up by HF name")
@@ -102,9 +119,10 @@ class GgufCheckpoint:
         return self.qtype(name).name
 
     def _rows(self, name: str) -> torch.Tensor | None:
-        """HF row order of ``name`` from the file's, for Llama's q and k; else None."""
+        """HF row order of ``name`` from the file's, for Llama's q and k (weights and
+        biases); else None."""
         heads = {"q_proj": self.heads, "k_proj": self.kv_heads}.get(name.split(".")[-2])
-        if heads is None or not name.endswith(".weight"):
+        if heads is None:
             return None
         rows = self.shape(name)[0]
         half = rows // heads // 2
@@ -137,11 +155,13 @@ class GgufCheckpoint:
     def get(self, name: str, part: Part | None = None) -> torch.Tensor:
         """The tensor dequantized to float32 (gguf's own dequantize), ``part`` of it."""
         tensor, qtype = self._tensor(name), self.qtype(name)
-        if qtype not in (*KEPT, *PLAIN):
+        try:
+            values = gguf.quants.dequantize(self._data(name, tensor), qtype)
+        except NotImplementedError:
             raise WeightError(
-                f"{name}: {qtype.name} is not supported; supported: {type_names(KEPT + PLAIN)}"
-            )
-        values = gguf.quants.dequantize(self._data(name, tensor), qtype)
+                f"{name}: {qtype.name} cannot be dequantized by gguf {gguf_version()}; "
+                f"these run: {type_names(KEPT + PLAIN)}, and the K-quants dequantized"
+            ) from None
         out = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy, as above
         out = out.reshape(self.shape(name))
         order = self._rows(name)
@@ -212,11 +232,9 @@ def _kept(reader: GgufCheckpoint, rule: TensorRule) -> QType | None:
     types = {reader.qtype(src.name) for src in rule.sources}
     for src in rule.sources:
         check_source(reader, src)  # type: ignore[arg-type]
-        qtype = reader.qtype(src.name)
-        if qtype not in (*KEPT, *PLAIN):
-            raise WeightError(
-                f"{src.name}: {qtype.name} is not supported; supported: {type_names(KEPT + PLAIN)}"
-            )
+        part = src.part
+        if part is not None and part.dim == 1 and (part.start % BLOCK or part.stop % BLOCK):
+            return None  # a tensor-parallel split inside a block: dequantized
     if len(types) != 1 or next(iter(types)) not in KEPT:
         return None
     rows = sum(
@@ -232,8 +250,7 @@ def quantized_rules(
     reader: GgufCheckpoint, model: nn.Module, rules: Sequence[TensorRule]
 ) -> dict[str, QType]:
     """dst -> kept type, for the rules that fill a projection's weight (or a tied
-    embedding) from sources all of one kept type; the others load dequantized. Raises
-    WeightError, naming the tensor, for a type that is not supported at all."""
+    embedding) from sources all of one kept type; the others load dequantized."""
     found: dict[str, QType] = {}
     for rule in rules:
         qtype = _kept(reader, rule) if rule.dst.endswith(".weight") else None

@@ -110,6 +110,11 @@ def prepare(
         raise ModelNotFoundError(f"--name: {dir_name!r} is not a plain directory name")
     target = root / dir_name
     if not force and (target / MANIFEST).is_file():
+        if (target / GGUF_NAME).exists() != keep_quantized:
+            kind = "a GGUF file kept quantized" if not keep_quantized else "fp32 safetensors"
+            raise ModelNotFoundError(
+                f"{target} already holds {kind}; --force replaces it, or choose --name"
+            )
         logger.info("%s is already prepared in %s", dir_name, target)
         return target
 
@@ -120,7 +125,7 @@ def prepare(
         if keep_quantized:
             logger.info("keeping %s quantized in %s", gguf_path.name, target)
             _link_or_copy(gguf_path, tmp / GGUF_NAME)
-            _describe_gguf(tmp / GGUF_NAME, tmp, None, served_name=dir_name)
+            _describe_gguf(gguf_path, tmp, None, served_name=dir_name)
         else:
             logger.info("converting %s to safetensors in %s", gguf_path.name, target)
             _convert(source, gguf_path, tmp)
@@ -153,6 +158,10 @@ def resolve_model(
     path = Path(name_or_dir).expanduser()
     if path.suffix == ".gguf":
         return gguf_model_dir(path, cache_dir, tokenizer)
+    if tokenizer:
+        raise ModelNotFoundError(
+            "--tokenizer: for a .gguf --model only (a model directory has its own tokenizer)"
+        )
     if path.is_dir():
         if (path / "config.json").is_file():
             return path
@@ -170,33 +179,39 @@ def resolve_model(
 
 
 def gguf_key(path: Path, tokenizer: Path | None) -> str:
-    """The name of a GGUF file's model directory: its stem and a hash of where it lies,
-    its size and time, and the tokenizer directory given (router.models computes it too)."""
+    """The name of a GGUF file's model directory: the stem of the path given and a hash of
+    where the file lies, its size and time, and the tokenizer directory given (resolved;
+    router.models computes it too)."""
     st = path.stat()
     parts = [str(path.resolve()), str(st.st_size), str(st.st_mtime_ns), str(tokenizer or "")]
     return f"{path.stem}-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:12]}"
 
 
 def gguf_model_dir(
-    path: str | Path, cache_dir: str | Path | None = None, tokenizer: str | Path | None = None
+    path: str | Path,
+    cache_dir: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    force: bool = False,
 ) -> Path:
     """The model directory of a GGUF file given as ``--model``: config.json, the
     tokenizer (from the file's metadata, or ``tokenizer``'s directory) and a link
-    ``model.gguf`` to the file, made once in ``<cache>/.gguf/`` and found again by the
-    file's path, size and time. Its served name is the file's stem. The file is checked
-    here: one that is not GGUF, is truncated, or holds another architecture is refused,
-    naming it."""
+    ``model.gguf`` to the file, made once in ``<cache>/.gguf/`` (again with ``force``) and
+    found again by the file's path, size and time. Its served name is the file's stem (of
+    the path given: a hub snapshot's link names the model, its blob a hash). The file is
+    checked here: one that is not GGUF, is truncated, or holds another architecture is
+    refused, naming it. Processes that make the same directory at once keep the first."""
     from engine.gguf_weights import GgufCheckpoint  # numpy and torch: not for `models list`
     from engine.weights import WeightError
 
-    gguf_path = Path(path).expanduser().resolve()
-    if not gguf_path.is_file():
+    given = Path(path).expanduser()
+    if not given.is_file():
         raise ModelNotFoundError(f"--model: {path} is no file")
+    gguf_path = given.resolve()
     tokenizer_dir = Path(tokenizer).expanduser().resolve() if tokenizer else None
     if tokenizer_dir is not None and not (tokenizer_dir / "tokenizer_config.json").is_file():
         raise ModelNotFoundError(f"--tokenizer: {tokenizer} holds no tokenizer_config.json")
-    target = _root(cache_dir) / GGUF_DIRS / gguf_key(gguf_path, tokenizer_dir)
-    if (target / MANIFEST).is_file():
+    target = _root(cache_dir) / GGUF_DIRS / gguf_key(given, tokenizer_dir)
+    if not force and (target / MANIFEST).is_file():
         return target
     try:
         GgufCheckpoint(gguf_path).close()
@@ -206,8 +221,16 @@ def gguf_model_dir(
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         (tmp / GGUF_NAME).symlink_to(gguf_path)
-        _describe_gguf(tmp / GGUF_NAME, tmp, tokenizer_dir, served_name=gguf_path.stem)
-        _replace_dir(tmp, target)
+        _describe_gguf(gguf_path, tmp, tokenizer_dir, served_name=given.stem)
+        if force:
+            _replace_dir(tmp, target)
+        else:
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private
+            try:
+                tmp.rename(target)
+            except OSError:  # made meanwhile by another process: its directory is whole
+                if not (target / MANIFEST).is_file():
+                    raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -229,6 +252,28 @@ def _describe_gguf(
 ) -> None:
     """config.json, generation_config.json, the tokenizer and the manifest of a GGUF
     model directory ``out``, from the file's metadata (transformers' GGUF readers)."""
+    try:
+        _write_gguf_description(gguf_path, out, tokenizer_dir)
+    except Exception as exc:  # transformers' readers: a file without tokenizer metadata, ...
+        hint = "" if tokenizer_dir else "; give a tokenizer directory with --tokenizer DIR"
+        raise ModelNotFoundError(
+            f"--model: {gguf_path.name}: its config or tokenizer could not be read ({exc}){hint}"
+        ) from None
+    real = gguf_path.resolve()
+    manifest = {
+        "name": served_name,
+        "served_name": served_name,
+        "gguf_file": str(real),
+        "gguf_bytes": real.stat().st_size,
+        "weights": "GGUF, kept quantized (Q4_0, Q4_1 and Q8_0 projections)",
+        "tokenizer": str(tokenizer_dir) if tokenizer_dir else "the GGUF file's metadata",
+        "transformers_version": version("transformers"),
+        "prepared_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _write_gguf_description(gguf_path: Path, out: Path, tokenizer_dir: Path | None) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     folder, file = str(gguf_path.parent), gguf_path.name
@@ -246,18 +291,6 @@ def _describe_gguf(
     else:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     tokenizer.save_pretrained(out)
-    real = gguf_path.resolve()
-    manifest = {
-        "name": served_name,
-        "served_name": served_name,
-        "gguf_file": str(real),
-        "gguf_bytes": real.stat().st_size,
-        "weights": "GGUF, kept quantized (Q4_0, Q4_1 and Q8_0 projections)",
-        "tokenizer": str(tokenizer_dir) if tokenizer_dir else "the GGUF file's metadata",
-        "transformers_version": version("transformers"),
-        "prepared_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

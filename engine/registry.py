@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ from engine.models.layers import Linear
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shard import Shard, TensorParallelError, check_divisible
 from engine.weights import CheckpointReader, Part, Source, TensorRule, WeightError, load_weights
+
+logger = logging.getLogger(__name__)
 
 # What ``load_model`` returns beside the model: the config of one of the architectures.
 ModelConfig = Llama3Config | DeepseekV3Config
@@ -314,13 +317,30 @@ def _load_gguf(
     reader = GgufCheckpoint(path)  # a file it cannot open is refused naming it
     try:
         kept = {}
-        if config.dtype != torch.float32:
+        if config.dtype == torch.bfloat16:  # float32 (the reference) and float16: dequantized
             kept = gguf_rules(reader, model, rules)
             swap_gguf(model, kept, config.tie_word_embeddings)
         model = model.to_empty(device=device)
         model.finalize()  # type: ignore[operator]
         preloaded = fill_gguf(model, reader, rules, kept)
         load_weights(model, reader, [r for r in rules if r.dst not in kept], preloaded)  # type: ignore[arg-type]
+        if unused := reader.unused():
+            raise WeightError(
+                f"{len(unused)} tensor(s) the model has no place for, e.g. {unused[:3]} (a "
+                "rope_freqs tensor is Llama 3.1's rope scaling, not supported for GGUF files "
+                "yet): it would run without them"
+            )
+        dequantized = sorted(
+            {reader.dtype(s.name) for r in rules for s in r.sources if r.dst not in kept}
+            - {"F32", "F16", "BF16"}
+        )
+        if dequantized and kept:
+            logger.warning(
+                "%s: %s tensors dequantized at load time (only Q4_0, Q4_1 and Q8_0 stay in "
+                "their blocks), with bf16's memory",
+                path.name,
+                ", ".join(dequantized),
+            )
     except WeightError as exc:
         raise WeightError(f"{path}: {exc}") from None
     finally:
@@ -356,9 +376,10 @@ def load_whole_vocabulary(
     rules = [_one("embed_tokens.weight", "model.embed_tokens.weight", (v, h))]
     if not config.tie_word_embeddings:
         rules.append(_one("lm_head.weight", "lm_head.weight", (v, h)))
-    reader = CheckpointReader(model_dir)
+    gguf = gguf_file(model_dir)
+    reader = GgufCheckpoint(gguf) if gguf is not None else CheckpointReader(model_dir)
     try:
-        load_weights(vocab, reader, rules)
+        load_weights(vocab, reader, rules)  # type: ignore[arg-type]  # GGUF: dequantized
     finally:
         reader.close()
     return vocab.eval()

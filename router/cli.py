@@ -53,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name",
         help="name clients use (default: the directory's; a .gguf file's stem)",
     )
+    group.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="with --model FILE.gguf: the tokenizer directory the workers were given",
+    )
     group.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     group.add_argument("--draft", metavar="DIR", help="the workers' draft (shown by ListModels)")
     group.add_argument("--threads", type=int, help="threads of the tokenizer's pool")
@@ -122,7 +127,7 @@ def make_service(runtime: Runtime) -> RouterComponent:
     from router.validation import ModelInfo, RequestValidator
 
     args = runtime.args
-    model_dir = resolve_model_dir(args.model)
+    model_dir = resolve_model_dir(args.model, tokenizer=args.tokenizer)
     tokenizer = load_tokenizer(model_dir)
     name = args.served_model_name or served_name(model_dir)
     model = ModelInfo.from_dir(model_dir, name, args.max_model_len)

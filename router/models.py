@@ -25,14 +25,17 @@ def default_cache_dir() -> Path:
     return base / "models"
 
 
-def resolve_model_dir(name_or_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
+def resolve_model_dir(
+    name_or_dir: str | Path, cache_dir: str | Path | None = None, tokenizer: str | None = None
+) -> Path:
     """A model directory (one holding config.json) or the directory of a prepared model."""
     path = Path(name_or_dir).expanduser()
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"--model: {path} is no file")
-        made = root / GGUF_DIRS / gguf_key(path.resolve(), None)
+        tokenizer_dir = Path(tokenizer).expanduser().resolve() if tokenizer else None
+        made = root / GGUF_DIRS / gguf_key(path, tokenizer_dir)
         if (made / MANIFEST).is_file():
             return made
         raise ModelNotFoundError(
@@ -57,7 +60,9 @@ def resolve_model_dir(name_or_dir: str | Path, cache_dir: str | Path | None = No
 
 
 def gguf_key(path: Path, tokenizer: Path | None) -> str:
-    """engine.model_store.gguf_key, without the engine (a test keeps the two equal)."""
+    """engine.model_store.gguf_key, without the engine (a test keeps the two equal): the
+    stem of the path given, and a hash of the file's place, size and time and the
+    tokenizer directory."""
     st = path.stat()
     parts = [str(path.resolve()), str(st.st_size), str(st.st_mtime_ns), str(tokenizer or "")]
     return f"{path.stem}-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:12]}"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from engine.engine_config import FP8_WEIGHTS
 from ledger.redis_connect import add_redis_arguments
 from serving.auth import add_auth_token_argument, add_cluster_secret_argument
-from serving.engine_setup import add_speculation_arguments
+from serving.engine_setup import add_model_arguments, add_speculation_arguments
 
 if TYPE_CHECKING:
     from ledger.audit import AllocatorReport
@@ -35,18 +35,7 @@ def register_serve(subparsers: Any) -> None:
         "cluster secret and the embedded Redis a password (given or random, handed over in "
         "their environment).",
     )
-    parser.add_argument(
-        "--model", required=True, help="HF model directory, a prepared name, or a .gguf file"
-    )
-    parser.add_argument(
-        "--served-model-name",
-        help="name clients use (default: the directory's; a .gguf file's stem)",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        metavar="DIR",
-        help="with --model FILE.gguf: a HF tokenizer directory instead of the file's metadata",
-    )
+    add_model_arguments(parser)
     add_speculation_arguments(parser)
     parser.add_argument(
         "--prefill", type=int, help="prefill worker processes (default: 1; 0 with --colocate)"

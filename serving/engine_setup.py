@@ -27,21 +27,26 @@ DRAFT_METHODS = (*MODEL_DRAFT_KINDS, "suffix")  # suffix: engine.spec.config.MOD
 SUFFIX_CACHE_TOKENS = 1 << 18  # engine.spec.suffix.SuffixConfig.shared_tokens
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `tandem prefill`, `tandem decode` and `tandem serve` that shape the engine."""
-    group = parser.add_argument_group("model and engine")
-    group.add_argument(
+def add_model_arguments(parser: Any) -> None:
+    """--model, --served-model-name and --tokenizer: the workers' and `tandem serve`'s."""
+    parser.add_argument(
         "--model", required=True, help="HF model directory, a prepared name, or a .gguf file"
     )
-    group.add_argument(
+    parser.add_argument(
         "--served-model-name",
         help="name clients use (default: the directory's; a .gguf file's stem)",
     )
-    group.add_argument(
+    parser.add_argument(
         "--tokenizer",
         metavar="DIR",
         help="with --model FILE.gguf: a HF tokenizer directory instead of the file's metadata",
     )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `tandem prefill`, `tandem decode` and `tandem serve` that shape the engine."""
+    group = parser.add_argument_group("model and engine")
+    add_model_arguments(group)
     group.add_argument(
         "--dtype",
         choices=["bfloat16", "float16", "float32"],

@@ -135,8 +135,9 @@ class Llama3Model(nn.Module):
     def finalize(self) -> None:
         """Restores what materialising from the meta device loses: weight ties and buffers.
         A GGUF embedding tied to its quantized LM head reads that head's blocks itself."""
-        if self.config.tie_word_embeddings and isinstance(self.embed_tokens, nn.Embedding):
-            self.lm_head.weight = self.embed_tokens.weight
+        weight = getattr(self.embed_tokens, "weight", None)  # a GgufEmbedding has none
+        if self.config.tie_word_embeddings and weight is not None:
+            self.lm_head.weight = weight
         self.rotary.reset_buffers(self.norm.weight.device)
 
     def forward(

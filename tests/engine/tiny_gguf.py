@@ -82,11 +82,13 @@ def write_gguf(
     overrides: dict[str, QType] | None = None,
     arch: str = "llama",
     metadata: dict[str, int] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """``model`` as a GGUF file: projections in ``qtype`` (``overrides``: by GGUF tensor
     name), the embedding (and an untied LM head) in ``embedding`` (default ``qtype``),
     the tokenizer of the GGUF file ``tokenizer_source`` (None: none, which is quicker);
-    ``metadata``: integer fields written instead of the model's (a file that lies)."""
+    ``metadata``: integer fields written instead of the model's (a file that lies);
+    ``extra``: tensors beside the model's, as they are."""
     c = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(c.num_hidden_layers)
@@ -134,12 +136,12 @@ def write_gguf(
             writer.add_tensor(name, w.astype(np.float32 if chosen == QType.F32 else np.float16))
         elif chosen in (QType.Q4_0, QType.Q4_1, QType.Q8_0):
             writer.add_tensor(name, gguf.quants.quantize(w, chosen), raw_dtype=chosen)
-        else:  # a type the writer cannot make (K-quants): its bytes, at random
+        else:  # a type the writer cannot make (K-quants): all-zero blocks, weights of 0
             block, size = gguf.GGML_QUANT_SIZES[chosen]
-            raw = np.random.default_rng(0).integers(
-                0, 256, (w.shape[0], w.shape[1] // block * size)
-            )
-            writer.add_tensor(name, raw.astype(np.uint8), raw_dtype=chosen)
+            raw = np.zeros((w.shape[0], w.shape[1] // block * size), dtype=np.uint8)
+            writer.add_tensor(name, raw, raw_dtype=chosen)
+    for name, values in (extra or {}).items():
+        writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -62,8 +62,13 @@ def test_a_gguf_file_resolves_to_the_directory_the_engine_made(tmp_path: Path) -
     gguf.write_bytes(b"GGUF")  # only its path, size and time count here
     with pytest.raises(ModelNotFoundError, match=r"tandem models prepare .*Tiny\.Q4_1\.gguf"):
         resolve_model_dir(gguf, tmp_path / "cache")
-    key = model_store.gguf_key(gguf.resolve(), None)
-    assert router_models.gguf_key(gguf.resolve(), None) == key
+    key = model_store.gguf_key(gguf, None)
+    assert router_models.gguf_key(gguf, None) == key
+    assert router_models.gguf_key(gguf, tmp_path) == model_store.gguf_key(gguf, tmp_path) != key
+    # A link (a hub snapshot's, to a blob named by its hash) keeps its own stem.
+    link = tmp_path / "Linked.Q4_1.gguf"
+    link.symlink_to(gguf)
+    assert router_models.gguf_key(link, None).startswith("Linked.Q4_1-")
     made = tmp_path / "cache" / model_store.GGUF_DIRS / key
     made.mkdir(parents=True)
     (made / model_store.MANIFEST).write_text('{"served_name": "Tiny.Q4_1"}')

@@ -70,7 +70,7 @@ def capture_cluster_specs(monkeypatch: pytest.MonkeyPatch) -> list[ClusterSpec]:
             raise ClusterError("captured")
 
     monkeypatch.setattr("serving.launcher.Cluster", Captured)
-    monkeypatch.setattr("engine.model_store.resolve_model", lambda name: Path("/models/m"))
+    monkeypatch.setattr("engine.model_store.resolve_model", lambda name, **_: Path("/models/m"))
     return specs
 
 
