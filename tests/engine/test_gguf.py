@@ -333,3 +333,60 @@ def test_tp_2_splits_the_blocks(files, prompts) -> None:
     whole, _ = greedy(model_dir, prompts, dtype="bfloat16")
     agree = sum(a == b for a, b in zip(split, whole, strict=True))
     assert agree >= len(prompts) - 1, (split, whole)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernel_runs(), reason="needs the CPU kernels and AVX-512 VNNI")
+def test_sampled_speculation_on_a_quantized_target_is_lossless(tmp_path, smollm2_dir) -> None:
+    """A vocabulary of 16, Q4_1 projections run by the kernel in bf16, a random EAGLE
+    draft sampled: the joint distribution of the first three tokens passes the
+    chi-square test against the exact one, enumerated with transformers on the same file
+    (fp32); accepting every draft fails it."""
+    from engine.spec.config import SpeculativeConfig
+    from tests.engine.spec.test_spec_sampled import (
+        VOCAB,
+        chi_square_p,
+        exact_joint,
+        sample_joint,
+    )
+    from tests.engine.tiny_drafts import build_random_draft
+
+    model = tiny_llama(vocab_size=VOCAB, seed=7)
+    with torch.no_grad():  # logits of a few units: every token of the 16 gets sampled
+        model.model.embed_tokens.weight.mul_(0.5)
+    path = write_gguf(tmp_path / "v16.gguf", model, None, qtype=QType.Q4_1, embedding=QType.Q8_0)
+    model_dir = gguf_model_dir(path, tmp_path / "cache", tokenizer=smollm2_dir)
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    draft = build_random_draft(model_dir, tmp_path / "eagle", "eagle", std=0.3)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0)
+    exact = exact_joint(reference, params)
+
+    def engine(spec: SpeculativeConfig) -> LLMEngine:
+        config = EngineConfig(
+            model=str(model_dir),
+            dtype="bfloat16",
+            block_size=4,
+            kv_cache_memory=64 << 20,
+            max_num_seqs=1024,
+            max_num_batched_tokens=8192,
+            enable_prefix_caching=False,
+            speculative=spec,
+        )
+        return LLMEngine(config)
+
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=2, sample_drafts=True)
+    lossless = engine(spec)
+    assert isinstance(lossless.runner.model.layers[0].mlp.down_proj, GgufLinear)
+    counts = sample_joint(lossless, params)
+    assert lossless.spec is not None and 0 < lossless.spec.stats.acceptance_rate < 1
+    assert chi_square_p(counts, exact) > 1e-3
+    wrong = SpeculativeConfig(
+        str(draft),
+        num_draft_tokens=2,
+        sample_drafts=True,
+        acceptance="synthetic",
+        synthetic_acceptance_rates=(1.0, 1.0),
+    )
+    assert chi_square_p(sample_joint(engine(wrong), params), exact) < 1e-6
