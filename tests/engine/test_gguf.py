@@ -346,6 +346,7 @@ def test_sampled_speculation_on_a_quantized_target_is_lossless(tmp_path, smollm2
     from tests.engine.spec.test_spec_sampled import (
         VOCAB,
         chi_square_p,
+        engine_for,
         exact_joint,
         sample_joint,
     )
@@ -364,17 +365,7 @@ def test_sampled_speculation_on_a_quantized_target_is_lossless(tmp_path, smollm2
     exact = exact_joint(reference, params)
 
     def engine(spec: SpeculativeConfig) -> LLMEngine:
-        config = EngineConfig(
-            model=str(model_dir),
-            dtype="bfloat16",
-            block_size=4,
-            kv_cache_memory=64 << 20,
-            max_num_seqs=1024,
-            max_num_batched_tokens=8192,
-            enable_prefix_caching=False,
-            speculative=spec,
-        )
-        return LLMEngine(config)
+        return engine_for(model_dir, spec, dtype="bfloat16")
 
     spec = SpeculativeConfig(str(draft), num_draft_tokens=2, sample_drafts=True)
     lossless = engine(spec)

@@ -92,11 +92,11 @@ def chi_square_p(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
     return float(chi2.sf(stat, df=len(e) - 1))
 
 
-def engine_for(model_dir, spec: SpeculativeConfig | None) -> LLMEngine:
+def engine_for(model_dir, spec: SpeculativeConfig | None, dtype: str = "float32") -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=str(model_dir),
-            dtype="float32",
+            dtype=dtype,
             block_size=4,
             kv_cache_memory=64 << 20,
             max_num_seqs=1024,
