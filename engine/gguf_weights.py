@@ -49,6 +49,9 @@ PLAIN = (QType.F32, QType.F16, QType.BF16)  # loaded as safetensors tensors are
 # Every other type gguf can dequantize (the K-quants, IQ, Q5_0, ...) is dequantized at load
 # time into the model's dtype: it runs, with bf16's memory for that tensor.
 ARCHITECTURES = {"llama": "LlamaForCausalLM"}  # GGUF general.architecture -> HF's
+# A GGUF model directory's weights, beside its config.json: engine.model_store writes it
+# (which imports this module only when it needs torch; a test keeps the two names equal).
+GGUF_NAME = "model.gguf"
 
 
 def type_names(types: Sequence[QType]) -> str:
@@ -104,9 +107,6 @@ class GgufCheckpoint:
     def unused(self) -> list[str]:
         """The file's tensors no lookup asked for: weights the model would run without."""
         return sorted(set(self.tensors) - self.used)
-
-    def names(self) -> set[str]:
-        raise NotImplementedError("a GGUF file's tensors are looked up by HF name")
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The HF shape: [rows, columns] (GGUF lists its dimensions the other way)."""
@@ -293,9 +293,9 @@ def swap_gguf(model: nn.Module, kept: dict[str, QType], tied: bool) -> None:
 
 def fill_gguf(
     model: nn.Module, reader: GgufCheckpoint, rules: Sequence[TensorRule], kept: dict[str, QType]
-) -> set[str]:
-    """Fills what ``swap_gguf`` prepared, once the model is materialised; returns the
-    parameters filled (for ``load_weights``): none, the blocks are buffers."""
+) -> None:
+    """Fills what ``swap_gguf`` prepared, once the model is materialised (buffers, not
+    parameters: ``load_weights`` fills the rest)."""
     use_kernel = kernel_runs()
     modules: dict[str, GgufLinear] = {}
     for dst in kept:
@@ -320,7 +320,6 @@ def fill_gguf(
             "kernels are not built (`%s`)",
             cpu_kernels.BUILD_COMMAND,
         )
-    return set()
 
 
 def gguf_file(model_dir: str | Path) -> Path | None:
@@ -328,6 +327,3 @@ def gguf_file(model_dir: str | Path) -> Path | None:
     as ``engine.model_store`` writes it), or None for a safetensors directory."""
     path = Path(model_dir) / GGUF_NAME
     return path.resolve() if path.exists() else None
-
-
-GGUF_NAME = "model.gguf"  # a GGUF model directory's weights, beside its config.json

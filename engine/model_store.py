@@ -276,9 +276,11 @@ def _describe_gguf(
 def _write_gguf_description(gguf_path: Path, out: Path, tokenizer_dir: Path | None) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from engine.gguf_weights import ARCHITECTURES
+
     folder, file = str(gguf_path.parent), gguf_path.name
     config = AutoConfig.from_pretrained(folder, gguf_file=file)
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [ARCHITECTURES[config.model_type]]  # checked when the file opened
     for key in ("quantization_config", "_model_name_or_path"):
         if hasattr(config, key):
             delattr(config, key)

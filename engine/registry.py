@@ -312,8 +312,8 @@ def _load_gguf(
     rules: list[TensorRule],
     device: str | torch.device,
 ) -> tuple[nn.Module, ModelConfig]:
-    """A model directory's GGUF file (engine.gguf_weights): Q4_0, Q4_1 and Q8_0 projections
-    kept quantized, except with float32 activations (the reference: all dequantized)."""
+    """A model directory's GGUF file (engine.gguf_weights): in bf16, Q4_0, Q4_1 and Q8_0
+    projections kept quantized; in float32 (the reference) and float16, all dequantized."""
     reader = GgufCheckpoint(path)  # a file it cannot open is refused naming it
     try:
         kept = {}
@@ -322,8 +322,8 @@ def _load_gguf(
             swap_gguf(model, kept, config.tie_word_embeddings)
         model = model.to_empty(device=device)
         model.finalize()  # type: ignore[operator]
-        preloaded = fill_gguf(model, reader, rules, kept)
-        load_weights(model, reader, [r for r in rules if r.dst not in kept], preloaded)  # type: ignore[arg-type]
+        fill_gguf(model, reader, rules, kept)
+        load_weights(model, reader, [r for r in rules if r.dst not in kept])  # type: ignore[arg-type]
         if unused := reader.unused():
             raise WeightError(
                 f"{len(unused)} tensor(s) the model has no place for, e.g. {unused[:3]} (a "

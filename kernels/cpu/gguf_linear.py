@@ -8,8 +8,8 @@ and a tied embedding's lookup); ``reference_linear`` is the product the kernel c
 on aten. The kernel quantizes each row of x to int16 per block of 32 and sums each
 block's products exactly in int32 (AVX-512 VNNI), scaled per block in fp32.
 
-Measured at SmolLM2-135M shapes, one thread, weights cache-hot (``python -m
-kernels.cpu.gguf_linear``): see bench/RESULTS.md.
+``python -m kernels.cpu.gguf_linear [THREADS]`` times the products at SmolLM2-135M's
+shapes, weights cache-hot.
 """
 
 from __future__ import annotations

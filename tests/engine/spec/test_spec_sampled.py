@@ -92,6 +92,17 @@ def chi_square_p(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
     return float(chi2.sf(stat, df=len(e) - 1))
 
 
+def accepting_every_draft(draft) -> SpeculativeConfig:
+    """Two sampled drafts, both always accepted: not lossless (a test must catch it)."""
+    return SpeculativeConfig(
+        str(draft),
+        num_draft_tokens=2,
+        sample_drafts=True,
+        acceptance="synthetic",
+        synthetic_acceptance_rates=(1.0, 1.0),
+    )
+
+
 def engine_for(model_dir, spec: SpeculativeConfig | None, dtype: str = "float32") -> LLMEngine:
     return LLMEngine(
         EngineConfig(
@@ -121,13 +132,7 @@ def test_joint_of_three_tokens_matches_target_only(target, setting):
     assert 0 < engine.spec.stats.acceptance_rate < 1
     assert chi_square_p(counts, exact) > 1e-3
     # Accepting every draft is not lossless, and the same test must say so.
-    wrong = SpeculativeConfig(
-        str(draft),
-        num_draft_tokens=2,
-        sample_drafts=True,
-        acceptance="synthetic",
-        synthetic_acceptance_rates=(1.0, 1.0),
-    )
+    wrong = accepting_every_draft(draft)
     assert chi_square_p(sample_joint(engine_for(model_dir, wrong), params), exact) < 1e-6
 
 
