@@ -54,6 +54,14 @@ def test_messages_are_kept_reproducibly_and_never_excluded_ones(
     # The same seeds write the same messages; an excluded one is never kept.
     again = run(recipe, exclude=[first[0]])
     assert again[:4] == first[1:] and first[0] not in again and len(again) == 5
-    # Another recipe is generated afresh (and replaces the cache).
-    assert run(SelfInstructRecipe(count=2, seed=3), cache=cache) == first[:2]
+    # Another recipe is generated afresh and replaces the cache. (Its messages are not
+    # compared with the first ones: it samples a smaller batch, and the bf16 products are
+    # chosen per row count, per machine (kernels.cpu.gemm_plan), so its rows may round
+    # differently.)
+    lines.clear()
+    two = run(SelfInstructRecipe(count=2, seed=3), cache=cache)
+    assert len(two) == 2 and not any("reusing" in line for line in lines)
     assert len(cache.read_text().splitlines()) == 1 + 2
+    lines.clear()
+    assert run(SelfInstructRecipe(count=2, seed=3), cache=cache) == two
+    assert lines == [f"self-instruct: reusing 2 messages from {cache}"]
