@@ -17,6 +17,9 @@ plus the rows' KV); steps/s = bandwidth / bytes.
     PYTHONPATH=. python bench/gpu_step.py                 # on a GPU: both shapes
     PYTHONPATH=. python bench/gpu_step.py --quick         # CPU check: SmolLM2's shape only
 
+On CUDA it also times the W8A8 block-FP8 product (``kernels/triton/fp8_gemm.py``) against
+bf16's at one of DeepSeek-V3's shapes.
+
 The last line is one JSON object (ms per step by model, setting, mode and batch, and the
 headline figures named in issue 24).
 """
@@ -153,6 +156,28 @@ def copy_bandwidth(device: torch.device) -> float:
     dst = torch.empty_like(src)
     seconds = time_per_call(lambda: dst.copy_(src), device, 10)
     return 2 * n / seconds
+
+
+def fp8_gemm_times(device: torch.device) -> dict[str, dict[str, float]]:
+    """ms per product of DeepSeek-V3's MLP down projection (2048 -> 7168, 128x128 blocks):
+    bf16 ``F.linear`` against the W8A8 block-FP8 kernel (its activations' quantization
+    included), by rows."""
+    from kernels.triton import fp8_gemm
+
+    n, k = 7168, 2048
+    weight = torch.randn(n, k, device=device).to(torch.bfloat16)
+    weight_fp8 = weight.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.ones(n, k // 128, device=device)
+    times: dict[str, dict[str, float]] = {}
+    for rows in (1, 16, 64, 256, 1024):
+        x = torch.randn(rows, k, device=device).to(torch.bfloat16)
+        bf16 = time_per_call(lambda x=x: torch.nn.functional.linear(x, weight), device, 50)
+        w8a8 = time_per_call(
+            lambda x=x: fp8_gemm.block_fp8_linear(x, weight_fp8, scale, 128), device, 50
+        )
+        times[str(rows)] = {"bf16": round(bf16 * 1e3, 4), "w8a8": round(w8a8 * 1e3, 4)}
+        log(f"FP8 W8A8 {rows} rows: {w8a8 * 1e3:.3f} ms, bf16 {bf16 * 1e3:.3f} ms")
+    return times
 
 
 class StepBench:
@@ -366,6 +391,15 @@ def main() -> None:
         log(f"{name}: transformers generate {hf_tok_s:.1f} tok/s at batch 1")
         if name != models[-1]:  # what a run cut off later keeps (scripts/gpu_check)
             print(json.dumps({**result, "partial": True}), flush=True)
+    if device.type == "cuda":  # the interpreter would take minutes on CPU
+        times = fp8_gemm_times(device)
+        result["fp8_gemm_ms_deepseek_v3_down"] = times
+        result["w8a8_over_bf16_gemm_time_64_rows"] = round(
+            times["64"]["w8a8"] / times["64"]["bf16"], 3
+        )
+    else:
+        result["fp8_gemm_ms_deepseek_v3_down"] = None
+        result["w8a8_over_bf16_gemm_time_64_rows"] = None
     if "8b" not in models:
         for key in ("roofline_steps_s_8b_bs1", "tandem_steps_s_8b_bs1",
                     "roofline_fraction_8b_bs1", "spec_step_over_plain_step_8b_bs1"):  # fmt: skip

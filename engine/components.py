@@ -53,6 +53,16 @@ def kernels_for(kernels: str, attention_backend: str) -> str:
     return "triton" if attention_backend in ("triton", "flash_attn") else "torch"
 
 
+def fp8_weights_for(fp8_weights: str, kernels: str) -> str:
+    """What ``EngineConfig.fp8_weights`` means: "auto" keeps a block-FP8 checkpoint's
+    projections FP8 where the Triton kernels run (W8A8 products, half of bf16's bytes) and
+    dequantizes them once at load time elsewhere (the packed bf16 products ran 2-3x faster
+    than kept FP8 on CPU, bench/RESULTS.md)."""
+    if fp8_weights != "auto":
+        return fp8_weights
+    return "keep" if kernels == "triton" else "dequantize"
+
+
 def resolved_kernels(config: EngineConfig) -> tuple[str, str]:
     """(attention backend, kernels) that ``config``'s "auto"s resolve to on its device."""
     attention = config.attention_backend
@@ -97,7 +107,10 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
         # What rank 0 runs, resolved here: every rank's layers swap in the same kernels.
         attention, kernels = resolved_kernels(config)
         rank_config = dataclasses.replace(
-            RankConfig.of(config), attention_backend=attention, kernels=kernels
+            RankConfig.of(config),
+            attention_backend=attention,
+            kernels=kernels,
+            fp8_weights=fp8_weights_for(config.fp8_weights, kernels),
         )
         ranks = RankGroup.start(rank_config)
         torch.set_num_threads(rank_threads(rank_config))
@@ -116,7 +129,8 @@ def _build(
     model, model_config = load_model(
         config.model, dtype=config.dtype, max_length=config.max_model_len, device=device, tp=tp
     )
-    if config.fp8_weights == "dequantize":  # a block-FP8 checkpoint's projections, once
+    attention, kernels = resolved_kernels(config)
+    if fp8_weights_for(config.fp8_weights, kernels) == "dequantize":  # once, at load time
         dequantize_fp8(model, model_config.dtype)
     packed: list[torch.nn.Module] = []  # models whose products use_packed_gemm prepared
     if device.type == "cpu" and config.cpu_gemm != "aten":
@@ -183,7 +197,6 @@ def _build(
     scheduler = Scheduler(
         SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), block_manager
     )
-    attention, kernels = resolved_kernels(config)
     if kernels == "triton":  # swapped in once: the torch path keeps its modules
         rope = attention != "torch"  # the torch backend's metadata has no positions
         use_triton_kernels(model, rope=rope)

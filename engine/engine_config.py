@@ -9,7 +9,7 @@ from engine.spec.config import SpeculativeConfig
 PREEMPTION_MODES = ("recompute", "hand_back")
 KERNELS = ("auto", "torch", "triton")  # EngineConfig.kernels
 CPU_GEMM = ("measured", "kernel", "onednn", "aten")  # EngineConfig.cpu_gemm
-FP8_WEIGHTS = ("dequantize", "keep")  # EngineConfig.fp8_weights
+FP8_WEIGHTS = ("auto", "dequantize", "keep")  # EngineConfig.fp8_weights
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,11 @@ class EngineConfig:
     build_cpu_kernels: bool = True
     # A block-FP8 checkpoint's projections (engine/fp8.py): "dequantize" them once at load
     # time into bf16 (or the dtype's) weights that the packed products run, or "keep" them
-    # FP8 in memory (half of bf16), dequantized by each product (kernels/cpu/fp8_dequant.cpp).
-    fp8_weights: str = "dequantize"
+    # FP8 in memory (half of bf16): W8A8 products on the Triton kernels' path
+    # (kernels/triton/fp8_gemm.py), else each product dequantizes its weight
+    # (kernels/cpu/fp8_dequant.cpp). auto: keep where the Triton kernels run, else dequantize
+    # (engine.components.fp8_weights_for).
+    fp8_weights: str = "auto"
     speculative: SpeculativeConfig | None = None  # draft model and how to speculate
     # When blocks run out mid-decode, the newest request is preempted: "recompute" keeps it
     # waiting here to be prefilled again; "hand_back" (decode workers) ends it with

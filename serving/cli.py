@@ -115,8 +115,9 @@ def register_serve(subparsers: Any) -> None:
         "--fp8-weights",
         choices=FP8_WEIGHTS,
         help="a block-FP8 checkpoint's projections on every worker: dequantized once at load "
-        "time (the workers' default) or kept FP8 (half of bf16's weight bytes, 0.35-0.55x its "
-        "speed on CPU)",
+        "time or kept FP8 (half of bf16's weight bytes; W8A8 Triton products on the GPU path, "
+        "0.35-0.55x bf16's speed on CPU). The workers' default, auto, keeps them where the "
+        "Triton kernels run",
     )
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument(

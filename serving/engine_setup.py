@@ -67,10 +67,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--fp8-weights",
         choices=FP8_WEIGHTS,
-        default="dequantize",
-        help="a block-FP8 checkpoint's projections: dequantize them once at load time "
-        "(as fast as bf16) or keep them FP8 (half of bf16's weight bytes, each product "
-        "dequantizing its weight: 0.35-0.55x bf16's speed on CPU) (default: dequantize)",
+        default="auto",
+        help="a block-FP8 checkpoint's projections: dequantize them once at load time (as "
+        "fast as bf16 on CPU) or keep them FP8 (half of bf16's weight bytes; W8A8 Triton "
+        "products on the GPU path, 0.35-0.55x bf16's speed on CPU). auto: keep where the "
+        "Triton kernels run, else dequantize (default: auto)",
     )
     group.add_argument(
         "--tensor-parallel-size",

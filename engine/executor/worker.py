@@ -48,7 +48,7 @@ class RankConfig:
     attention_backend: str = "auto"
     kernels: str = "torch"  # resolved by rank 0: "torch", or "triton" (its layers swapped in)
     cpu_gemm: str = "measured"
-    fp8_weights: str = "dequantize"
+    fp8_weights: str = "dequantize"  # resolved by rank 0: "dequantize" or "keep"
     build_cpu_kernels: bool = True
     num_threads: int | None = None
     torch_compile: bool = False

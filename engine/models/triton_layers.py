@@ -1,5 +1,6 @@
 """The GPU path's layers: RMSNorm (with the residual adds fused), RoPE and SiLU-and-mul
-through ``kernels.triton.elementwise``.
+through ``kernels.triton.elementwise``, and kept block-FP8 projections as W8A8 products
+(``kernels.triton.fp8_gemm``).
 
 ``use_triton_kernels`` swaps them into a loaded model once, in place, sharing its
 parameters, so the torch path keeps its own modules untouched (nothing is decided per
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.fp8 import Fp8Linear, QuantizationError
 from engine.models.deepseek_v3 import DeepseekV3DecoderLayer, MultiHeadLatentAttention
 from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from engine.models.llama3 import (
@@ -58,6 +60,23 @@ class TritonRMSNorm(nn.Module):
         """(norm(x + residual), x + residual), [T, H] each, in one pass."""
         out: tuple[torch.Tensor, torch.Tensor] = self._ops.rms_norm(
             x.contiguous(), self.weight, self.eps, residual.contiguous()
+        )
+        return out
+
+
+class TritonFp8Linear(nn.Module):
+    """``Fp8Linear`` as W8A8 (``kernels.triton.fp8_gemm``): its tokens quantized per block
+    of ``block_k`` channels, then products of FP8 blocks on the tensor cores."""
+
+    def __init__(self, linear: Fp8Linear, ops: ModuleType) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.scale, self.bias = linear.weight, linear.scale, linear.bias
+        self.block_k, self._ops = linear.block.block_k, ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self._ops.block_fp8_linear(
+            x, self.weight, self.scale, self.block_k, self.bias
         )
         return out
 
@@ -229,7 +248,9 @@ class FusedDecoder(nn.Module):
 
 def use_triton_kernels(model: nn.Module, *, rope: bool = True) -> int:
     """Swaps the Triton layers into ``model`` (a target or a drafter), sharing its weights:
-    every ``RMSNorm`` and ``GatedMLP``, every Llama-3 and DeepSeek-V3 decoder layer, and,
+    every kept block-FP8 projection (W8A8; refused, naming it, for blocks the kernel
+    cannot run), every ``RMSNorm`` and ``GatedMLP``, every Llama-3 and DeepSeek-V3 decoder
+    layer, and,
     with ``rope`` (an attention backend whose metadata carries ``positions``), the
     ``Llama3Attention`` and ``MultiHeadLatentAttention`` of a module with a ``rotary``
     (llama3 and YaRN scaling included). A model run by ``run_decoder`` whose layers all
@@ -247,6 +268,14 @@ def use_triton_kernels(model: nn.Module, *, rope: bool = True) -> int:
                 sub, TritonLatentAttention
             ):
                 rotations[id(sub)] = (inv_freq.to(rotary.cos.device), factor)
+    from kernels.triton import fp8_gemm
+
+    for path, module in model.named_modules():
+        if isinstance(module, Fp8Linear) and not fp8_gemm.supports(module.block.block_k):
+            raise QuantizationError(
+                f"{path}.weight: blocks of {module.block.block_k} columns; the GPU's W8A8 "
+                "kernel runs a power of two from 32 to 256. Use --fp8-weights dequantize"
+            )
     swapped = 0
 
     def swap(parent: nn.Module) -> None:
@@ -254,7 +283,9 @@ def use_triton_kernels(model: nn.Module, *, rope: bool = True) -> int:
         for name, child in list(parent.named_children()):
             swap(child)
             new: nn.Module | None = None
-            if isinstance(child, RMSNorm):
+            if isinstance(child, Fp8Linear):
+                new = TritonFp8Linear(child, fp8_gemm)
+            elif isinstance(child, RMSNorm):
                 new = TritonRMSNorm(child, ops)
             elif isinstance(child, GatedMLP):
                 new = TritonGatedMLP(child, ops)

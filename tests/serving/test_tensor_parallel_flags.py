@@ -110,10 +110,11 @@ def test_serve_refuses_sizes_it_cannot_run(
 def test_fp8_weights_reach_the_engine_config_and_serve_passes_them_on(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """A block-FP8 checkpoint's projections: dequantized at load time unless a worker is
-    told to keep them FP8; `tandem serve --fp8-weights` tells every worker."""
+    """A block-FP8 checkpoint's projections: "auto" (kept FP8 on the Triton kernels' path,
+    dequantized at load time elsewhere) unless a worker is told otherwise; `tandem serve
+    --fp8-weights` tells every worker."""
     _, config = built_config(monkeypatch, tmp_path, True, [])
-    assert config.fp8_weights == "dequantize"
+    assert config.fp8_weights == "auto"
     _, config = built_config(monkeypatch, tmp_path, False, ["--fp8-weights", "keep"])
     assert config.fp8_weights == "keep"
     specs = capture_cluster_specs(monkeypatch)

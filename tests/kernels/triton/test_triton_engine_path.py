@@ -48,11 +48,14 @@ def run(
     dtype: str = "float32",
     device: str = "cpu",
     prompts: tuple[str, ...] = tuple(PROMPTS),
+    **config: object,
 ) -> tuple[dict[str, list], LLMEngine]:
-    """``fuse`` False: the Triton layers one by one, each adding its own residual stream."""
+    """``fuse`` False: the Triton layers one by one, each adding its own residual stream.
+    ``config``: more EngineConfig fields."""
     engine = LLMEngine(
         EngineConfig(model=str(model), dtype=dtype, device=device, kv_cache_memory=1 << 20,
-                     block_size=4, attention_backend=attention, speculative=speculative)
+                     block_size=4, attention_backend=attention, speculative=speculative,
+                     **config)  # type: ignore[arg-type]
     )  # fmt: skip
     assert engine.kernels == ("triton" if attention == "triton" else "torch")
     if not fuse:

@@ -15,6 +15,7 @@ from engine.spec.acceptance import accept
 from kernels.reference import attention as ref_attention
 from kernels.reference import blocks as ref_blocks
 from kernels.reference import elementwise as ref_elementwise
+from kernels.reference import fp8_gemm as ref_fp8_gemm
 from kernels.triton import attention, blocks, elementwise, sampling
 from kv_transfer.checksum import checksum_kind, running_checksum
 from kv_transfer.copying import byte_view, pack_runs, unpack_runs
@@ -189,3 +190,25 @@ def test_rejection_sampling_at_the_llama3_vocabulary_equals_the_engines_accept()
         else:
             got = sampling.rejection_sample(probs, drafts, draw_u, draft_probs, accept_u)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64, 300])
+def test_w8a8_block_fp8_at_deepseek_v3_shapes_bf16(rows: int) -> None:
+    """DeepSeek-V3's MLP down projection (2048 -> 7168) and its transpose, 128x128 blocks:
+    the activations' FP8 codes equal torch's conversion; the product equals the same
+    quantization in torch within bf16's rounding of the result."""
+    from kernels.triton import fp8_gemm
+
+    torch.manual_seed(rows)
+    for n, k in ((7168, 2048), (2048, 7168)):
+        x = (torch.randn(rows, k, device=CUDA) * 3).to(torch.bfloat16)
+        weight = torch.randn(n, k, device=CUDA).clamp(-8, 8).to(torch.float8_e4m3fn)
+        scale = 10 ** (torch.rand(n, k // 128, device=CUDA) * 2 - 3)
+        q, q_scale = fp8_gemm.quantize_per_token_group(x, 128)
+        want_q, want_scale = ref_fp8_gemm.quantize_per_token_group(x, 128)
+        assert torch.equal(q_scale, want_scale)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        got = fp8_gemm.block_fp8_linear(x, weight, scale, 128).float()
+        want = ref_fp8_gemm.block_fp8_linear(x.float(), weight, scale, 128)
+        magnitude = x.float().abs() @ (weight.float() * scale.repeat_interleave(128, 1)).abs().T
+        assert ((got - want).abs() <= 2**-8 * want.abs() + 1e-5 * magnitude + 1e-6).all()
