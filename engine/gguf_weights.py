@@ -8,9 +8,11 @@ tied embedding shares its LM head's blocks (``GgufEmbedding``): resident weights
 the file's size. F32, F16 and BF16 tensors load as safetensors ones do; every other type
 (K-quants among them: llama.cpp writes LM heads in Q6_K) is dequantized at load time.
 In float32 (the reference that transformers' own GGUF loader reproduces) and float16,
-every tensor is dequantized at load time. A tensor the model has no place for (Llama
-3.1's ``rope_freqs``, attention biases the config does not declare) is refused, naming
-it: the model would run without it.
+every tensor is dequantized at load time. A tensor the model has no place for (attention
+biases the config does not declare, ...) is refused, naming it: the model would run
+without it. Llama 3.1's rope scaling, which llama.cpp stores as a divisor per frequency
+(``rope_freqs``), becomes the llama3 ``rope_parameters`` that give those divisors
+(``fit_llama3_rope``), in the model directory's config.json and checked again at load.
 
 llama.cpp stores Llama's q and k rows permuted for its rotary layout; they are put back
 in HF's order here, row by row, on the quantized rows as they are.
@@ -29,6 +31,8 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from torch import nn
 
+from engine.config import Llama3RopeScaling
+from engine.models.layers import rope_inv_freq
 from engine.weights import Part, TensorRule, WeightError, check_source
 from kernels.cpu import extension as cpu_kernels
 from kernels.cpu.gguf_linear import (
@@ -52,6 +56,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM"}  # GGUF general.architecture -> HF
 # A GGUF model directory's weights, beside its config.json: engine.model_store writes it
 # (which imports this module only when it needs torch; a test keeps the two names equal).
 GGUF_NAME = "model.gguf"
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+'s rope scaling: a divisor per frequency
 
 
 def type_names(types: Sequence[QType]) -> str:
@@ -103,6 +108,37 @@ class GgufCheckpoint:
             raise WeightError(f"{name}: missing (as {file_name})")
         self.used.add(file_name)
         return self.tensors[file_name]
+
+    def rope_scaling(self) -> Llama3RopeScaling | None:
+        """Llama 3.1+'s rope scaling, which llama.cpp stores as a divisor per frequency
+        (``rope_freqs.weight``): the llama3 parameters that give those divisors, or None
+        without the tensor (or with divisors of 1). Raises WeightError, naming the tensor,
+        for divisors that no llama3 parameters give."""
+        tensor = self.tensors.get(ROPE_FREQS)
+        if tensor is None:
+            return None
+        self.used.add(ROPE_FREQS)
+        divisors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+        arch = self.arch
+        width = int(self.field(f"{arch}.embedding_length"))
+        head_dim = int(self.field(f"{arch}.rope.dimension_count", width // self.heads))
+        theta = float(self.field(f"{arch}.rope.freq_base", 10000.0))
+        if divisors.shape != (head_dim // 2,):
+            raise WeightError(
+                f"{ROPE_FREQS}: {divisors.size} divisors for {head_dim // 2} frequencies"
+            )
+        if np.all(divisors == 1.0):
+            return None
+        given = self.reader.get_field(f"{arch}.rope.scaling.original_context_length")
+        scaling = fit_llama3_rope(
+            divisors, head_dim, theta, int(given.contents()) if given is not None else None
+        )
+        if scaling is None:
+            raise WeightError(
+                f"{ROPE_FREQS}: divisors {divisors.round(4).tolist()} are not llama3 rope "
+                "scaling's (factor, low and high frequency factors, original context)"
+            )
+        return scaling
 
     def unused(self) -> list[str]:
         """The file's tensors no lookup asked for: weights the model would run without."""
@@ -180,6 +216,27 @@ class GgufCheckpoint:
 
     def close(self) -> None:
         self.reader = None  # type: ignore[assignment]  # the memory map goes with it
+
+
+def fit_llama3_rope(
+    divisors: np.ndarray, head_dim: int, theta: float, original: int | None
+) -> Llama3RopeScaling | None:
+    """The llama3 rope scaling whose frequencies are the unscaled ones over ``divisors``
+    (within fp32 rounding), among factors of the largest divisor and the published models'
+    values, low and high frequency factors 1 and 4 (also 0.5 to 8), and original
+    contexts of ``original`` or a power of two from 1024 to 131072; None if none fits.
+    Where several fit, they give the same frequencies at this ``head_dim``."""
+    base = rope_inv_freq(head_dim, theta, None)
+    factors = dict.fromkeys([float(divisors.max()), 8.0, 32.0, 16.0, 4.0, 2.0])
+    originals = [original] if original else [2**i for i in range(10, 18)]
+    for factor in factors:
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (0.5, 4.0), (2.0, 8.0)):
+            for context in originals:
+                scaling = Llama3RopeScaling(factor, low, high, context)
+                got = (base / rope_inv_freq(head_dim, theta, scaling)).numpy()
+                if np.allclose(got, divisors, rtol=1e-5, atol=0.0):
+                    return scaling
+    return None
 
 
 class GgufLinear(nn.Module):

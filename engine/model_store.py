@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -125,7 +125,7 @@ def prepare(
         if keep_quantized:
             logger.info("keeping %s quantized in %s", gguf_path.name, target)
             _link_or_copy(gguf_path, tmp / GGUF_NAME)
-            _describe_gguf(gguf_path, tmp, None, served_name=dir_name)
+            _describe_gguf(gguf_path, tmp, None, dir_name, None)  # SmolLM2: no rope scaling
         else:
             logger.info("converting %s to safetensors in %s", gguf_path.name, target)
             _convert(source, gguf_path, tmp)
@@ -214,14 +214,20 @@ def gguf_model_dir(
     if not force and (target / MANIFEST).is_file():
         return target
     try:
-        GgufCheckpoint(gguf_path).close()
+        checkpoint = GgufCheckpoint(gguf_path)  # its errors name the file
     except WeightError as exc:
         raise ModelNotFoundError(f"--model: {exc}") from None
+    try:
+        rope_scaling = checkpoint.rope_scaling()
+    except WeightError as exc:
+        raise ModelNotFoundError(f"--model: {gguf_path.name}: {exc}") from None
+    finally:
+        checkpoint.close()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         (tmp / GGUF_NAME).symlink_to(gguf_path)
-        _describe_gguf(gguf_path, tmp, tokenizer_dir, served_name=given.stem)
+        _describe_gguf(gguf_path, tmp, tokenizer_dir, given.stem, rope_scaling)
         if force:
             _replace_dir(tmp, target)
         else:
@@ -248,12 +254,17 @@ def served_name(model_dir: str | Path) -> str:
 
 
 def _describe_gguf(
-    gguf_path: Path, out: Path, tokenizer_dir: Path | None, served_name: str
+    gguf_path: Path,
+    out: Path,
+    tokenizer_dir: Path | None,
+    served_name: str,
+    rope_scaling: Any,  # engine.config.Llama3RopeScaling | None, from the file's rope_freqs
 ) -> None:
     """config.json, generation_config.json, the tokenizer and the manifest of a GGUF
-    model directory ``out``, from the file's metadata (transformers' GGUF readers)."""
+    model directory ``out``, from the file's metadata (transformers' GGUF readers, which
+    leave out Llama 3.1's rope scaling: ``rope_scaling`` adds it)."""
     try:
-        _write_gguf_description(gguf_path, out, tokenizer_dir)
+        _write_gguf_description(gguf_path, out, tokenizer_dir, rope_scaling)
     except Exception as exc:  # transformers' readers: a file without tokenizer metadata, ...
         hint = "" if tokenizer_dir else "; give a tokenizer directory with --tokenizer DIR"
         raise ModelNotFoundError(
@@ -273,7 +284,9 @@ def _describe_gguf(
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-def _write_gguf_description(gguf_path: Path, out: Path, tokenizer_dir: Path | None) -> None:
+def _write_gguf_description(
+    gguf_path: Path, out: Path, tokenizer_dir: Path | None, rope_scaling: Any
+) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from engine.gguf_weights import ARCHITECTURES
@@ -286,6 +299,13 @@ def _write_gguf_description(gguf_path: Path, out: Path, tokenizer_dir: Path | No
             delattr(config, key)
     # GGUF stores rms_norm_eps as float32 (1e-5 -> 9.99999974e-06); restore the short value.
     config.rms_norm_eps = float(str(np.float32(config.rms_norm_eps)))
+    if rope_scaling is not None:
+        theta = config.rope_parameters["rope_theta"]
+        config.rope_parameters = {
+            "rope_type": "llama3",
+            "rope_theta": theta,
+            **asdict(rope_scaling),
+        }
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     if tokenizer_dir is not None:

@@ -15,7 +15,7 @@ from torch import nn
 from engine.config import ConfigError, Llama3Config, read_hf_config
 from engine.deepseek_v3_config import DeepseekV3Config
 from engine.fp8 import fill_fp8, quantized_rules, swap_fp8
-from engine.gguf_weights import GgufCheckpoint, fill_gguf, gguf_file, swap_gguf
+from engine.gguf_weights import ROPE_FREQS, GgufCheckpoint, fill_gguf, gguf_file, swap_gguf
 from engine.gguf_weights import quantized_rules as gguf_rules
 from engine.models.layers import Linear
 from engine.parallel.group import TensorParallelGroup
@@ -324,11 +324,16 @@ def _load_gguf(
         model.finalize()  # type: ignore[operator]
         fill_gguf(model, reader, rules, kept)
         load_weights(model, reader, [r for r in rules if r.dst not in kept])  # type: ignore[arg-type]
+        scaling = reader.rope_scaling()  # made config.json's rope_parameters
+        if scaling is not None and scaling != getattr(config, "rope_scaling", None):
+            raise WeightError(
+                f"{ROPE_FREQS}: the file's rope scaling is {scaling}, but config.json's is "
+                f"{getattr(config, 'rope_scaling', None)}; prepare the model directory again"
+            )
         if unused := reader.unused():
             raise WeightError(
-                f"{len(unused)} tensor(s) the model has no place for, e.g. {unused[:3]} (a "
-                "rope_freqs tensor is Llama 3.1's rope scaling, not supported for GGUF files "
-                "yet): it would run without them"
+                f"{len(unused)} tensor(s) the model has no place for, e.g. {unused[:3]}: it "
+                "would run without them"
             )
         dequantized = sorted(
             {reader.dtype(s.name) for r in rules for s in r.sources if r.dst not in kept}

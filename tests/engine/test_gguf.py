@@ -7,6 +7,7 @@ Files Tandem cannot run are refused when they load, naming the file and what is 
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -16,8 +17,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from engine.config import Llama3RopeScaling
 from engine.gguf_weights import GgufEmbedding, GgufLinear, kernel_runs
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_store import ModelNotFoundError, gguf_model_dir, resolve_model, served_name
@@ -26,7 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.weights import WeightError
 from tests.comparator import compare_greedy
 from tests.engine.test_llama3_logits import hf_logits, make_engine, run_teacher_forced
-from tests.engine.tiny_gguf import SMALL_VOCAB, tiny_llama, write_gguf
+from tests.engine.tiny_gguf import SMALL_VOCAB, llama3_rope_freqs, tiny_llama, write_gguf
 
 NEW_TOKENS = 10
 
@@ -182,6 +184,36 @@ def test_untied_lm_head_and_mixed_types(tmp_path, smollm2_dir, prompts) -> None:
     assert isinstance(tandem.layers[1].self_attn.qkv_proj, GgufLinear)
 
 
+def test_llama_3_1_rope_scaling_comes_from_rope_freqs(tmp_path, smollm2_dir, prompts) -> None:
+    """Llama 3.1+'s rope scaling, which llama.cpp stores as a divisor per frequency,
+    becomes config.json's llama3 rope_parameters (transformers' GGUF reader leaves it out,
+    and runs the file unscaled): greedy output in fp32 equals transformers running the
+    file's weights with them."""
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}  # fmt: skip
+    divisors = llama3_rope_freqs(16, 10000.0, 8.0, 1.0, 4.0, 1024)
+    assert divisors[0] == 1.0 and 1.0 < divisors[4] < 8.0 and divisors[7] == 8.0  # each kind
+    model = tiny_llama(vocab_size=SMALL_VOCAB, rope=rope)
+    path = write_gguf(
+        tmp_path / "llama31.gguf", model, None, qtype=QType.Q8_0,
+        extra={"rope_freqs.weight": divisors},
+    )  # fmt: skip
+    model_dir = gguf_model_dir(path, tmp_path / "cache", tokenizer=smollm2_dir)
+    assert json.loads((model_dir / "config.json").read_text())["rope_parameters"] == rope
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, config=AutoConfig.from_pretrained(model_dir),
+        dtype=torch.float32,
+    ).eval()  # fmt: skip
+    ours, engine = greedy(model_dir, prompts, dtype="float32")
+    compare_greedy(reference, prompts, ours, references(reference, prompts))
+    assert engine.model_config.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 1024)
+    unscaled = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    long = prompts[-1]
+    assert (hf_logits(reference, long) - hf_logits(unscaled, long)).abs().max() > 1e-3
+
+
 def test_tokenizer_config_and_served_name_come_from_the_file(
     tmp_path, tokenizer_source, smollm2_dir
 ) -> None:
@@ -240,15 +272,29 @@ def test_bad_files_are_refused_naming_the_file(tmp_path, smollm2_dir) -> None:
         model,
         None,
         qtype=QType.Q8_0,
-        extra={"rope_freqs.weight": np.ones(8, dtype=np.float32)},
+        extra={"blk.0.attn_q.bias": np.ones(64, dtype=np.float32)},
     )
     model_dir = gguf_model_dir(extra, cache, tokenizer=smollm2_dir)
     with pytest.raises(
         WeightError,
         match=r"extra\.gguf: 1 tensor\(s\) the model has no place for, e\.g\. "
-        r"\['rope_freqs\.weight'\]",
+        r"\['blk\.0\.attn_q\.bias'\]",
     ):
         greedy(model_dir, [], dtype="float32")
+    # Rope divisors that no llama3 scaling gives.
+    odd = write_gguf(
+        tmp_path / "odd_rope.gguf",
+        model,
+        None,
+        qtype=QType.Q8_0,
+        extra={"rope_freqs.weight": np.array([1, 3, 1, 2, 5, 1, 1, 7], dtype=np.float32)},
+    )
+    with pytest.raises(
+        ModelNotFoundError,
+        match=r"odd_rope\.gguf: rope_freqs\.weight: divisors \[1\.0, 3\.0, .*\] are not "
+        "llama3 rope scaling's",
+    ):
+        gguf_model_dir(odd, cache, tokenizer=smollm2_dir)
 
     lying = write_gguf(
         tmp_path / "lying.gguf",

@@ -5,7 +5,9 @@ rotary layout, 2-D tensors in a chosen type, norms in F32, and SmolLM2's tokeniz
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -32,11 +34,16 @@ TOKENIZER_FIELDS = (
 
 
 def tiny_llama(
-    *, intermediate_size: int = 128, tied: bool = True, seed: int = 0, vocab_size: int = VOCAB
+    *,
+    intermediate_size: int = 128,
+    tied: bool = True,
+    seed: int = 0,
+    vocab_size: int = VOCAB,
+    rope: dict[str, Any] | None = None,
 ) -> LlamaForCausalLM:
     """Hidden 64, 4 heads of 16, 2 KV heads, 2 layers; each 32-weight block of every
     projection scaled by its own factor (0.1 to 10), so that a block's scale applied to
-    the wrong rows or columns shows."""
+    the wrong rows or columns shows. ``rope``: its rope_parameters (default: theta 1e4)."""
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -45,7 +52,7 @@ def tiny_llama(
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
         rms_norm_eps=1e-5,
         tie_word_embeddings=tied,
         bos_token_id=1,
@@ -147,3 +154,22 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama3_rope_freqs(
+    head_dim: int, theta: float, factor: float, low: float, high: float, original: int
+) -> np.ndarray:
+    """``rope_freqs.weight`` as llama.cpp's converter writes it for Llama 3.1+: per
+    frequency, 1 where its wavelength is short, ``factor`` where long, between them the
+    smoothed divisor; float32."""
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < original / high:
+            divisors.append(1.0)
+        elif wavelen > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
