@@ -119,8 +119,15 @@ def add_in_process_generate(parser: Any) -> Callable[[argparse.Namespace], int]:
         type=int,
         default=1,
         metavar="N",
-        help="split the model over N ranks, each a process of its own (a Llama-3 model whose "
-        "heads divide by N); on CPU each rank gets its share of --threads (default: 1)",
+        help="split the model over N ranks, each a process of its own (a Llama-3 or "
+        "DeepSeek-V3 model whose heads divide by N); on CPU each rank gets its share of "
+        "--threads (default: 1)",
+    )
+    parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="a mixture of experts (DeepSeek-V3) split over the ranks: each holds a share of the "
+        "routed experts whole, rather than every expert's share of channels",
     )
     parser.add_argument(
         "--fp8-weights",
@@ -237,6 +244,7 @@ def _generate(args: argparse.Namespace) -> int:
             torch_compile=args.torch_compile,
             num_threads=args.threads,
             tensor_parallel_size=args.tensor_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
             fp8_weights=args.fp8_weights,
         )
         load_s = time.perf_counter() - start

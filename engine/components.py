@@ -13,11 +13,12 @@ import torch
 
 from engine.attention import get_backend, select_backend
 from engine.block_manager import BlockManager
-from engine.config import Llama3Config
+from engine.config import read_hf_config
 from engine.engine_config import EngineConfig
 from engine.executor.multiproc import RankGroup, rank_threads
 from engine.executor.shared_kv import SharedKv
 from engine.executor.worker import RankConfig
+from engine.fp8 import BlockFp8, QuantizationError
 from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.model_runner import ModelRunner
 from engine.models.layers import dequantize_fp8, release_packed_weights, use_packed_gemm
@@ -53,14 +54,33 @@ def kernels_for(kernels: str, attention_backend: str) -> str:
     return "triton" if attention_backend in ("triton", "flash_attn") else "torch"
 
 
-def fp8_weights_for(fp8_weights: str, kernels: str) -> str:
-    """What ``EngineConfig.fp8_weights`` means: "auto" keeps a block-FP8 checkpoint's
-    projections FP8 where the Triton kernels run (W8A8 products, half of bf16's bytes) and
-    dequantizes them once at load time elsewhere (the packed bf16 products ran 2-3x faster
-    than kept FP8 on CPU, bench/RESULTS.md)."""
-    if fp8_weights != "auto":
-        return fp8_weights
-    return "keep" if kernels == "triton" else "dequantize"
+def fp8_weights_for(config: EngineConfig, kernels: str) -> str:
+    """What ``config.fp8_weights`` means for its block-FP8 checkpoint: "auto" keeps the
+    projections FP8 where the Triton kernels run them (W8A8 products, half of bf16's bytes:
+    blocks the kernel runs, on a GPU with FP8 arithmetic, sm_89 on) and dequantizes them
+    once at load time elsewhere (the packed bf16 products ran 2-3x faster than kept FP8 on
+    CPU, bench/RESULTS.md). Raises QuantizationError for "keep" on the Triton kernels with
+    blocks the kernel cannot run, before anything loads."""
+    if kernels != "triton" or config.fp8_weights == "dequantize":
+        return "dequantize" if config.fp8_weights == "auto" else config.fp8_weights
+    block = BlockFp8.from_hf(read_hf_config(config.model).get("quantization_config"))
+    if block is None:
+        return "dequantize" if config.fp8_weights == "auto" else config.fp8_weights
+    from kernels.triton.fp8_gemm import supports  # imports triton: on the Triton path only
+
+    device = torch.device(config.device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    why = ""
+    if not supports(block.block_k):
+        why = (
+            f"quantization_config.weight_block_size: blocks of {block.block_k} columns; the "
+            "GPU's W8A8 kernel runs a power of two from 32 to 256"
+        )
+    elif capability is not None and capability < (8, 9):
+        why = f"{device} (sm_{capability[0]}{capability[1]}) has no FP8 arithmetic (sm_89 on)"
+    if why and config.fp8_weights == "keep":
+        raise QuantizationError(f"{why}. Use --fp8-weights dequantize")
+    return "dequantize" if why else "keep"
 
 
 def resolved_kernels(config: EngineConfig) -> tuple[str, str]:
@@ -103,6 +123,7 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
             config.tensor_parallel_size,
             dtype=config.dtype,
             max_length=config.max_model_len,
+            expert_parallel=config.enable_expert_parallel,
         )
         # What rank 0 runs, resolved here: every rank's layers swap in the same kernels.
         attention, kernels = resolved_kernels(config)
@@ -110,7 +131,7 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
             RankConfig.of(config),
             attention_backend=attention,
             kernels=kernels,
-            fp8_weights=fp8_weights_for(config.fp8_weights, kernels),
+            fp8_weights=fp8_weights_for(config, kernels),
         )
         ranks = RankGroup.start(rank_config)
         torch.set_num_threads(rank_threads(rank_config))
@@ -126,11 +147,17 @@ def _build(
     config: EngineConfig, tokenizer: Any | None, device: torch.device, ranks: RankGroup | None
 ) -> EngineComponents:
     tp = ranks.tp if ranks is not None else TensorParallelGroup.single()
-    model, model_config = load_model(
-        config.model, dtype=config.dtype, max_length=config.max_model_len, device=device, tp=tp
-    )
     attention, kernels = resolved_kernels(config)
-    if fp8_weights_for(config.fp8_weights, kernels) == "dequantize":  # once, at load time
+    fp8_weights = fp8_weights_for(config, kernels)  # what cannot run is refused before loading
+    model, model_config = load_model(
+        config.model,
+        dtype=config.dtype,
+        max_length=config.max_model_len,
+        device=device,
+        tp=tp,
+        expert_parallel=config.enable_expert_parallel,
+    )
+    if fp8_weights == "dequantize":  # once, at load time
         dequantize_fp8(model, model_config.dtype)
     packed: list[torch.nn.Module] = []  # models whose products use_packed_gemm prepared
     if device.type == "cpu" and config.cpu_gemm != "aten":
@@ -153,9 +180,8 @@ def _build(
         # Split, the draft runs on rank 0 alone: it borrows a whole embedding and LM head.
         borrowed = model
         if tp.size > 1 and not config.speculative.is_model_free:
-            assert isinstance(model_config, Llama3Config)  # the only split architecture
             borrowed = load_whole_vocabulary(config.model, model_config, device)
-        drafter = load_speculator(config.speculative, borrowed, device)
+        drafter = load_speculator(config.speculative, borrowed, device, config.model)
         if drafter is not None and device.type == "cpu" and config.cpu_gemm != "aten":
             assert isinstance(drafter, torch.nn.Module)
             for module in [drafter] if borrowed is model else [drafter, borrowed]:

@@ -115,6 +115,12 @@ class DeepseekV3Config:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     quantization: BlockFp8 | None = None  # its released checkpoint's block FP8 (engine.fp8)
+    # Multi-token-prediction layers stored after the last (layers L..L+n-1): the MTP draft's
+    # (engine.spec.drafters.mtp); the target never reads them.
+    num_nextn_predict_layers: int = 0
+    # Split over ranks: the routed experts split whole, not by channels (engine.models.moe);
+    # EngineConfig.enable_expert_parallel.
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -242,6 +248,7 @@ class DeepseekV3Config:
             eos_token_ids=eos_ids,
             bos_token_id=get("bos_token_id"),
             quantization=quantization,
+            num_nextn_predict_layers=get("num_nextn_predict_layers") or 0,
         )
 
 

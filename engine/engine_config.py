@@ -75,9 +75,12 @@ class EngineConfig:
     # refused (INVALID_ARGUMENT); compiled grammars kept, least recently used dropped first.
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 64
-    # Ranks a Llama-3 target is split over (engine.parallel), each in a process of its own
-    # (engine.executor: this one is rank 0); on the torch kernels, without CUDA graphs.
+    # Ranks a Llama-3 or DeepSeek-V3 target is split over (engine.parallel), each in a
+    # process of its own (engine.executor: this one is rank 0); without CUDA graphs.
     tensor_parallel_size: int = 1
+    # A mixture of experts split over the ranks: its routed experts whole, a share per
+    # rank (expert parallelism), rather than every expert's channels (engine.models.moe).
+    enable_expert_parallel: bool = False
 
     @property
     def uses_cuda_graphs(self) -> bool:

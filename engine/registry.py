@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -14,13 +15,22 @@ from torch import nn
 
 from engine.config import ConfigError, Llama3Config, read_hf_config
 from engine.deepseek_v3_config import DeepseekV3Config
+from engine.deepseek_v3_weights import deepseek_v3_weight_rules
 from engine.fp8 import fill_fp8, quantized_rules, swap_fp8
 from engine.gguf_weights import ROPE_FREQS, GgufCheckpoint, fill_gguf, gguf_file, swap_gguf
 from engine.gguf_weights import quantized_rules as gguf_rules
 from engine.models.layers import Linear
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shard import Shard, TensorParallelError, check_divisible
-from engine.weights import CheckpointReader, Part, Source, TensorRule, WeightError, load_weights
+from engine.weights import (
+    CheckpointReader,
+    Source,
+    TensorRule,
+    WeightError,
+    load_weights,
+    one_rule,
+    run_part,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +46,6 @@ class Architecture:
     model_class: Callable[[Any, TensorParallelGroup], nn.Module]
     # (its config, this rank's shard) -> the weight adapter, reading the rank's parts
     weight_rules: Callable[[Any, Shard], list[TensorRule]]
-
-
-def _one(dst: str, src: str, shape: tuple[int, ...], part: Part | None = None) -> TensorRule:
-    return TensorRule(dst, (Source(src, shape, part),))
-
-
-def _part(dim: int, run: range, scale: int = 1) -> Part:
-    """``run`` of heads or channels (each ``scale`` rows or columns wide) as a Part."""
-    return Part(dim, run.start * scale, run.stop * scale)
 
 
 def decoder_layer_rules(
@@ -72,9 +73,9 @@ def decoder_layer_rules(
     if shard is not None and shard.size > 1:
         d = config.head_dim
         heads = shard.even(config.num_attention_heads, "num_attention_heads")
-        qs, ks = _part(0, heads, d), _part(0, shard.kv_heads(config.num_key_value_heads), d)
+        qs, ks = run_part(0, heads, d), run_part(0, shard.kv_heads(config.num_key_value_heads), d)
         channels = shard.even(inter, "intermediate_size")
-        cs, qc, dc = _part(0, channels), _part(1, heads, d), _part(1, channels)
+        cs, qc, dc = run_part(0, channels), run_part(1, heads, d), run_part(1, channels)
     rules = [
         TensorRule(
             f"{ours}.self_attn.qkv_proj.weight",
@@ -84,7 +85,7 @@ def decoder_layer_rules(
                 Source(f"{attn}.v_proj.weight", (kv, inp), ks),
             ),
         ),
-        _one(f"{ours}.self_attn.o_proj.weight", f"{attn}.o_proj.weight", (h, q), qc),
+        one_rule(f"{ours}.self_attn.o_proj.weight", f"{attn}.o_proj.weight", (h, q), qc),
         TensorRule(
             f"{ours}.mlp.gate_up_proj.weight",
             (
@@ -92,7 +93,7 @@ def decoder_layer_rules(
                 Source(f"{mlp}.up_proj.weight", (inter, h), cs),
             ),
         ),
-        _one(f"{ours}.mlp.down_proj.weight", f"{mlp}.down_proj.weight", (h, inter), dc),
+        one_rule(f"{ours}.mlp.down_proj.weight", f"{mlp}.down_proj.weight", (h, inter), dc),
     ]
     if config.attention_bias:
         rules.append(
@@ -106,7 +107,7 @@ def decoder_layer_rules(
             )
         )
         if is_first:
-            rules.append(_one(f"{ours}.self_attn.o_proj.bias", f"{attn}.o_proj.bias", (h,)))
+            rules.append(one_rule(f"{ours}.self_attn.o_proj.bias", f"{attn}.o_proj.bias", (h,)))
     if config.mlp_bias:
         rules.append(
             TensorRule(
@@ -118,8 +119,8 @@ def decoder_layer_rules(
             )
         )
         if is_first:
-            rules.append(_one(f"{ours}.mlp.down_proj.bias", f"{mlp}.down_proj.bias", (h,)))
-    rules.extend(_one(f"{ours}.{norm}.weight", f"{hf}.{norm}.weight", (h,)) for norm in norms)
+            rules.append(one_rule(f"{ours}.mlp.down_proj.bias", f"{mlp}.down_proj.bias", (h,)))
+    rules.extend(one_rule(f"{ours}.{norm}.weight", f"{hf}.{norm}.weight", (h,)) for norm in norms)
     return rules
 
 
@@ -129,13 +130,13 @@ def llama_weight_rules(config: Llama3Config, shard: Shard | None = None) -> list
     h, v = config.hidden_size, config.vocab_size
     vocab = None
     if shard is not None and shard.size > 1:
-        vocab = _part(0, shard.vocab(v))
-    rules = [_one("embed_tokens.weight", "model.embed_tokens.weight", (v, h), vocab)]
+        vocab = run_part(0, shard.vocab(v))
+    rules = [one_rule("embed_tokens.weight", "model.embed_tokens.weight", (v, h), vocab)]
     for i in range(config.num_hidden_layers):
         rules.extend(decoder_layer_rules(config, f"model.layers.{i}", f"layers.{i}", shard=shard))
-    rules.append(_one("norm.weight", "model.norm.weight", (h,)))
+    rules.append(one_rule("norm.weight", "model.norm.weight", (h,)))
     if not config.tie_word_embeddings:
-        rules.append(_one("lm_head.weight", "lm_head.weight", (v, h), vocab))
+        rules.append(one_rule("lm_head.weight", "lm_head.weight", (v, h), vocab))
     return rules
 
 
@@ -151,98 +152,15 @@ def _llama_model(config: Llama3Config, tp: TensorParallelGroup) -> nn.Module:
     return Llama3Model(config, tp)
 
 
-def mla_attention_rules(
-    config: DeepseekV3Config, hf: str, ours: str, in_features: int | None = None
-) -> list[TensorRule]:
-    """One HF MLA attention (prefix ``hf``) -> Tandem's (prefix ``ours``), names unchanged.
-    ``in_features``: the input width when it is not ``hidden_size`` (EAGLE-3 drafts)."""
-    c, h = config, config.hidden_size
-    inp = in_features or h
-    q_out = c.num_attention_heads * c.qk_head_dim
-    pairs: list[tuple[str, tuple[int, ...]]] = [
-        ("kv_a_proj_with_mqa.weight", (c.kv_lora_rank + c.qk_rope_head_dim, inp)),
-        ("kv_a_layernorm.weight", (c.kv_lora_rank,)),
-        (
-            "kv_b_proj.weight",
-            (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
-        ),
-        ("o_proj.weight", (h, c.num_attention_heads * c.v_head_dim)),
-    ]
-    if c.q_lora_rank is None:
-        pairs.append(("q_proj.weight", (q_out, inp)))
-    else:
-        pairs += [
-            ("q_a_proj.weight", (c.q_lora_rank, inp)),
-            ("q_a_layernorm.weight", (c.q_lora_rank,)),
-            ("q_b_proj.weight", (q_out, c.q_lora_rank)),
-        ]
-    if c.attention_bias:
-        pairs.append(("kv_a_proj_with_mqa.bias", (c.kv_lora_rank + c.qk_rope_head_dim,)))
-        pairs.append(("o_proj.bias", (h,)))
-        if c.q_lora_rank is not None:
-            pairs.append(("q_a_proj.bias", (c.q_lora_rank,)))
-    return [_one(f"{ours}.{name}", f"{hf}.{name}", shape) for name, shape in pairs]
-
-
-def deepseek_v3_weight_rules(
-    config: DeepseekV3Config, shard: Shard | None = None
-) -> list[TensorRule]:
-    """HF DeepSeek-V3 tensors (experts one by one, as DeepSeek and transformers save them)
-    -> Tandem's fused gate_up parameters; the MTP layers past the last one are not read."""
-    c, h = config, config.hidden_size
-    rules = [_one("embed_tokens.weight", "model.embed_tokens.weight", (c.vocab_size, h))]
-
-    def mlp(hf: str, ours: str, inter: int) -> list[TensorRule]:
-        gate_up = (
-            Source(f"{hf}.gate_proj.weight", (inter, h)),
-            Source(f"{hf}.up_proj.weight", (inter, h)),
-        )
-        return [
-            TensorRule(f"{ours}.gate_up_proj.weight", gate_up),
-            _one(f"{ours}.down_proj.weight", f"{hf}.down_proj.weight", (h, inter)),
-        ]
-
-    for i in range(c.num_hidden_layers):
-        hf, ours = f"model.layers.{i}", f"layers.{i}"
-        rules += mla_attention_rules(c, f"{hf}.self_attn", f"{ours}.self_attn")
-        rules += [
-            _one(f"{ours}.{n}.weight", f"{hf}.{n}.weight", (h,))
-            for n in ("input_layernorm", "post_attention_layernorm")
-        ]
-        if i < c.first_k_dense_replace:
-            rules += mlp(f"{hf}.mlp", f"{ours}.mlp", c.intermediate_size)
-            continue
-        e = c.n_routed_experts
-        rules.append(_one(f"{ours}.mlp.gate.weight", f"{hf}.mlp.gate.weight", (e, h)))
-        rules.append(
-            _one(
-                f"{ours}.mlp.gate.e_score_correction_bias",
-                f"{hf}.mlp.gate.e_score_correction_bias",
-                (e,),
-            )
-        )
-        for j in range(e):
-            rules += mlp(
-                f"{hf}.mlp.experts.{j}", f"{ours}.mlp.experts.{j}", c.moe_intermediate_size
-            )
-        if c.n_shared_experts:
-            inter = c.moe_intermediate_size * c.n_shared_experts
-            rules += mlp(f"{hf}.mlp.shared_experts", f"{ours}.mlp.shared_experts", inter)
-    rules.append(_one("norm.weight", "model.norm.weight", (h,)))
-    if not c.tie_word_embeddings:
-        rules.append(_one("lm_head.weight", "lm_head.weight", (c.vocab_size, h)))
-    return rules
-
-
 def _deepseek_v3_model(config: DeepseekV3Config, tp: TensorParallelGroup) -> nn.Module:
     from engine.models.deepseek_v3 import DeepseekV3Model
 
-    if tp.size > 1:
+    if tp.size > 1 and not tp.shard.vocab(config.vocab_size):
         raise TensorParallelError(
-            f"tensor_parallel_size: {tp.size}; DeepSeek-V3 runs on one device for now "
-            "(its data-parallel attention and expert parallelism are not built)"
+            f"tensor_parallel_size: {tp.size} leaves a rank no row of vocab_size "
+            f"{config.vocab_size}"
         )
-    return DeepseekV3Model(config)
+    return DeepseekV3Model(config, tp)  # what does not divide raises, naming the numbers
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -276,12 +194,12 @@ def load_model(
     max_length: int | None = None,
     device: str | torch.device = "cpu",
     tp: TensorParallelGroup | None = None,
+    expert_parallel: bool = False,
 ) -> tuple[nn.Module, ModelConfig]:
     """Reads config.json, builds the declared model and fills it from safetensors; with
-    ``tp``, this rank's part of it, read from the files alone."""
-    hf = read_hf_config(model_dir)
-    arch = get_architecture(hf)
-    config = arch.config_from_hf(hf, dtype=dtype, max_length=max_length)
+    ``tp``, this rank's part of it, read from the files alone (``expert_parallel``: a
+    mixture of experts' routed experts split whole, not by channels)."""
+    arch, config = _model_config(model_dir, dtype, max_length, expert_parallel)
     tp = tp or TensorParallelGroup.single()
     with torch.device("meta"):
         model = arch.model_class(config, tp)
@@ -354,11 +272,11 @@ def _load_gguf(
 
 
 class WholeVocabulary(nn.Module):
-    """A split Llama-3 target's embedding and LM head, whole: what a draft on rank 0
+    """A split target's embedding and LM head, whole: what a draft on rank 0
     borrows from its target (``embed_tokens``, ``lm_head``, ``config``), so that it looks
     tokens up and scores them without the other ranks."""
 
-    def __init__(self, config: Llama3Config) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -371,16 +289,16 @@ class WholeVocabulary(nn.Module):
 
 
 def load_whole_vocabulary(
-    model_dir: str | Path, config: Llama3Config, device: torch.device
+    model_dir: str | Path, config: ModelConfig, device: torch.device
 ) -> WholeVocabulary:
     with torch.device("meta"):
         vocab = WholeVocabulary(config)
     vocab = vocab.to_empty(device=device).to(config.dtype)
     vocab.finalize()
     h, v = config.hidden_size, config.vocab_size
-    rules = [_one("embed_tokens.weight", "model.embed_tokens.weight", (v, h))]
+    rules = [one_rule("embed_tokens.weight", "model.embed_tokens.weight", (v, h))]
     if not config.tie_word_embeddings:
-        rules.append(_one("lm_head.weight", "lm_head.weight", (v, h)))
+        rules.append(one_rule("lm_head.weight", "lm_head.weight", (v, h)))
     gguf = gguf_file(model_dir)
     reader = GgufCheckpoint(gguf) if gguf is not None else CheckpointReader(model_dir)
     try:
@@ -390,30 +308,64 @@ def load_whole_vocabulary(
     return vocab.eval()
 
 
+def _model_config(
+    model_dir: str | Path, dtype: str | torch.dtype, max_length: int | None, expert_parallel: bool
+) -> tuple[Architecture, ModelConfig]:
+    hf = read_hf_config(model_dir)
+    arch = get_architecture(hf)
+    config = arch.config_from_hf(hf, dtype=dtype, max_length=max_length)
+    if expert_parallel:
+        if not isinstance(config, DeepseekV3Config):
+            raise ConfigError(
+                f"enable_expert_parallel: {arch.name} has no experts to split; leave it off"
+            )
+        config = dataclasses.replace(config, expert_parallel=True)
+    return arch, config
+
+
 def check_split(
-    model_dir: str | Path, size: int, *, dtype: str = "bfloat16", max_length: int | None = None
+    model_dir: str | Path,
+    size: int,
+    *,
+    dtype: str = "bfloat16",
+    max_length: int | None = None,
+    expert_parallel: bool = False,
 ) -> None:
     """Raises TensorParallelError (naming the numbers) where the model in ``model_dir``
     cannot be split over ``size`` ranks: built on the meta device as rank 0's part, before
     any rank starts or reads a weight."""
-    hf = read_hf_config(model_dir)
-    arch = get_architecture(hf)
-    config = arch.config_from_hf(hf, dtype=dtype, max_length=max_length)
+    arch, config = _model_config(model_dir, dtype, max_length, expert_parallel)
     with torch.device("meta"):
         arch.model_class(config, TensorParallelGroup(Shard(0, size), None))
     block = getattr(config, "quantization", None)
-    if block is not None and size > 1 and isinstance(config, Llama3Config):
+    if block is not None and size > 1:
         # Row-parallel projections split their columns: FP8 blocks must not straddle ranks.
-        for name, columns in (
-            ("num_attention_heads x head_dim", config.q_size),
-            ("intermediate_size", config.intermediate_size),
-        ):
+        for name, columns in _row_parallel_columns(config):
             if (columns // size) % block.block_k:
                 raise TensorParallelError(
                     f"tensor_parallel_size: {size} splits {name} {columns} into runs of "
                     f"{columns // size} columns, not whole {block.block_k}-column FP8 "
                     "blocks (weight_block_size)"
                 )
+
+
+def _row_parallel_columns(config: ModelConfig) -> list[tuple[str, int]]:
+    """(what, columns) of each row-parallel projection: what its ranks split by columns."""
+    if isinstance(config, Llama3Config):
+        return [
+            ("num_attention_heads x head_dim", config.q_size),
+            ("intermediate_size", config.intermediate_size),
+        ]
+    c = config
+    found = [("num_attention_heads x v_head_dim", c.num_attention_heads * c.v_head_dim)]
+    if c.first_k_dense_replace:
+        found.append(("intermediate_size", c.intermediate_size))
+    if c.first_k_dense_replace < c.num_hidden_layers:
+        if not c.expert_parallel:
+            found.append(("moe_intermediate_size", c.moe_intermediate_size))
+        if c.n_shared_experts:
+            found.append(("shared experts' size", c.moe_intermediate_size * c.n_shared_experts))
+    return found
 
 
 def eos_token_ids(model_dir: Path, config: ModelConfig) -> frozenset[int]:

@@ -48,6 +48,16 @@ class TensorRule:
     sources: tuple[Source, ...]
 
 
+def one_rule(dst: str, src: str, shape: tuple[int, ...], part: Part | None = None) -> TensorRule:
+    """Parameter ``dst`` from the one tensor ``src`` (or its ``part``)."""
+    return TensorRule(dst, (Source(src, shape, part),))
+
+
+def run_part(dim: int, run: range, scale: int = 1) -> Part:
+    """``run`` of heads or channels (each ``scale`` rows or columns wide) as a Part."""
+    return Part(dim, run.start * scale, run.stop * scale)
+
+
 class CheckpointReader:
     """Name -> file index over a checkpoint directory; tensors are read lazily."""
 

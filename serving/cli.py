@@ -88,8 +88,15 @@ def register_serve(subparsers: Any) -> None:
         default=1,
         metavar="N",
         help="each worker splits the model over N ranks, each a process of its own, sharing "
-        "the worker's threads (a Llama-3 model whose heads divide by N); --prefill-tp and "
-        "--decode-tp set one role's (default: 1)",
+        "the worker's threads (a Llama-3 or DeepSeek-V3 model whose heads divide by N); "
+        "--prefill-tp and --decode-tp set one role's (default: 1)",
+    )
+    parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="every worker: "
+        + "a mixture of experts (DeepSeek-V3) split over the ranks: each holds a share of the "
+        "routed experts whole, rather than every expert's share of channels",
     )
     parser.add_argument(
         "--prefill-tp",
@@ -236,6 +243,8 @@ def _serve(args: argparse.Namespace) -> int:
     ):
         if value is not None:
             worker_args += [option, str(value)]
+    if args.enable_expert_parallel:
+        worker_args.append("--enable-expert-parallel")
     router_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     if args.served_model_name:
         worker_args += ["--served-model-name", args.served_model_name]

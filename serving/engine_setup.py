@@ -79,9 +79,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="split the model over N ranks, each a process of its own started by this one, "
-        "one worker in the ledger (a Llama-3 model whose heads divide by N); on CPU each "
+        "one worker in the ledger (a Llama-3 or DeepSeek-V3 model whose heads divide by N); "
+        "on CPU each "
         "rank gets its share of --threads and compiles its shard. KV travels between "
         "workers as whole heads, so prefill and decode workers may differ in N (default: 1)",
+    )
+    group.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="a mixture of experts (DeepSeek-V3) split over the ranks: each holds a share of the "
+        "routed experts whole, rather than every expert's share of channels",
     )
     group.add_argument(
         "--attention-backend",
@@ -307,6 +314,7 @@ def build_engine(
         preemption=preemption,
         torch_compile=is_decoding and not args.eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         fp8_weights=args.fp8_weights,
         attention_backend=args.attention_backend,
         kernels=args.kernels,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +29,11 @@ def compile_decode_model(model: nn.Module, kv_cache: PagedKVCache) -> nn.Module:
     - size_asserts off: inductor's wrapper otherwise checks the size and stride of about
       280 buffers on every call, a tenth of a batch-1 step (bench/RESULTS.md). No guards
       on the modules' attributes either: the model is fixed once loaded, and checking them
-      costs a tenth of a batch-1 step too.
+      costs a tenth of a batch-1 step too. Only for a model whose forward traces as one
+      graph (``traces_whole``): where it breaks (DeepSeek-V3's experts, chosen per step),
+      dynamo compiles the modules called from the break one frame at a time, every
+      ``Linear`` from one code object, and without guards on them the graph of one
+      projection ran for another of another shape.
     - Graphs are this engine's own (dynamo otherwise keys them on the code of ``forward``,
       shared by every model in the process) and up to DECODE_RECOMPILE_LIMIT of them:
       speculative verification adds graphs per tapped layers and per 1 or several tokens
@@ -51,15 +56,15 @@ def compile_decode_model(model: nn.Module, kv_cache: PagedKVCache) -> nn.Module:
         torch._dynamo.mark_static(tensor)
         if tensor._base is not None:  # a view (the panels): its base is an input too
             torch._dynamo.mark_static(tensor._base)
+    options: dict[str, Any] = {"size_asserts": False}
+    if getattr(model, "traces_whole", False):
+        options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
     compiled: nn.Module = torch.compile(  # type: ignore[call-overload]
         model,
         dynamic=True,
         isolate_recompiles=True,
         recompile_limit=DECODE_RECOMPILE_LIMIT,
-        options={
-            "size_asserts": False,
-            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-        },
+        options=options,
     )
     return compiled
 

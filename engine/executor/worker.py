@@ -39,6 +39,7 @@ class RankConfig:
 
     model: str
     tensor_parallel_size: int
+    enable_expert_parallel: bool = False
     dtype: str = "bfloat16"
     max_model_len: int | None = None
     block_size: int = 16
@@ -65,7 +66,12 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     if device.type == "cpu":
         cpu_kernels.load(build=config.build_cpu_kernels)
     model, model_config = load_model(
-        config.model, dtype=config.dtype, max_length=config.max_model_len, device=device, tp=tp
+        config.model,
+        dtype=config.dtype,
+        max_length=config.max_model_len,
+        device=device,
+        tp=tp,
+        expert_parallel=config.enable_expert_parallel,
     )
     if config.fp8_weights == "dequantize":  # as rank 0's build_components does
         dequantize_fp8(model, model_config.dtype)

@@ -29,6 +29,8 @@ from engine.models.llama3 import (
     run_decoder,
 )
 from engine.models.moe import DeepseekV3MoE
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.layers import VocabParallelEmbedding
 
 
 class YarnRotaryEmbedding(RotaryEmbedding):
@@ -58,18 +60,28 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MultiHeadLatentAttention(nn.Module):
-    def __init__(self, config: DeepseekV3Config, in_features: int | None = None) -> None:
-        """``in_features``: width of the input when it is not ``hidden_size`` (EAGLE-3)."""
+    def __init__(
+        self,
+        config: DeepseekV3Config,
+        in_features: int | None = None,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
+        """``in_features``: width of the input when it is not ``hidden_size`` (EAGLE-3).
+        ``tp``: this rank's heads only (their query, ``kv_b_proj`` and ``o_proj`` parts);
+        the latent and its projection are every rank's, so each caches the whole latent.
+        o_proj's partial sums are all-reduced, its bias added by rank 0."""
         super().__init__()
         c = config
-        self.num_heads, self.kv_lora_rank = c.num_attention_heads, c.kv_lora_rank
+        self.tp = tp or TensorParallelGroup.single()
+        heads = len(self.tp.shard.even(c.num_attention_heads, "num_attention_heads"))
+        self.num_heads, self.kv_lora_rank = heads, c.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = (
             c.qk_nope_head_dim,
             c.qk_rope_head_dim,
             c.v_head_dim,
         )
         self.rope_interleave = c.rope_interleave
-        h, q_out = c.hidden_size, c.num_attention_heads * c.qk_head_dim
+        h, q_out = c.hidden_size, heads * c.qk_head_dim
         inp = in_features or h
         self.q_proj: Linear | None = None
         self.q_a_proj: Linear | None = None
@@ -88,9 +100,10 @@ class MultiHeadLatentAttention(nn.Module):
         # A torch Linear, not ours: its weight is read as W_UK and W_UV, never multiplied
         # as a whole, and must survive ``release_packed_weights``.
         self.kv_b_proj = nn.Linear(
-            c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
+            c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
         )
-        self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, h, bias=c.attention_bias)
+        o_bias = c.attention_bias and self.tp.shard.rank == 0
+        self.o_proj = Linear(heads * c.v_head_dim, h, bias=o_bias)
         # The backend scales scores by 1/sqrt(its head width); the query makes up the rest.
         self.query_scale = c.softmax_scale * (c.kv_lora_rank + c.qk_rope_head_dim) ** 0.5
 
@@ -121,7 +134,7 @@ class MultiHeadLatentAttention(nn.Module):
         # Keys and values are the same cached vector; the values' rope part is dropped after.
         out = backend.forward(query, entry, entry, pool, pool, attn_metadata)  # [T, heads, L+R]
         out = torch.einsum("thl,hvl->thv", out[..., :lat], w_uv)  # [T, heads, v]
-        return self.o_proj(out.reshape(t, heads * self.v_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, heads * self.v_dim)))
 
     def rotate(
         self,
@@ -140,13 +153,15 @@ class MultiHeadLatentAttention(nn.Module):
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, config: DeepseekV3Config, layer_id: int) -> None:
+    def __init__(
+        self, config: DeepseekV3Config, layer_id: int, tp: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = MultiHeadLatentAttention(config)
+        self.self_attn = MultiHeadLatentAttention(config, tp=tp)
         self.mlp: nn.Module = (
-            GatedMLP(config.hidden_size, config.intermediate_size, bias=False)
+            GatedMLP(config.hidden_size, config.intermediate_size, bias=False, tp=tp)
             if layer_id < config.first_k_dense_replace
-            else DeepseekV3MoE(config)
+            else DeepseekV3MoE(config, tp)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -181,17 +196,23 @@ class DeepseekV3Model(nn.Module):
 
     The same forward as ``Llama3Model``: one ragged batch of prompt chunks and decode rows
     over the paged cache, hidden states of the layers ``return_hidden_states`` names.
+    Under tensor parallelism (``tp``), each holds this rank's part: its heads, MLP and
+    expert channels (or its experts, with ``config.expert_parallel``), vocabulary rows.
     """
 
-    def __init__(self, config: DeepseekV3Config) -> None:
+    def __init__(self, config: DeepseekV3Config, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp or TensorParallelGroup.single()
+        vocab, h = config.vocab_size, config.hidden_size
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = nn.Embedding(vocab, h)
+        if self.tp.size > 1:
+            self.embed_tokens = VocabParallelEmbedding(vocab, h, self.tp)
         self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            DeepseekV3DecoderLayer(config, i, self.tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(h, len(self.tp.shard.vocab(vocab)), bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = YarnRotaryEmbedding(

@@ -109,6 +109,8 @@ class Llama3Model(nn.Module):
     """Embedding, decoder layers, final norm and lm_head; logits only where asked. Under
     tensor parallelism (``tp``), each holds this rank's part (engine.parallel.shard)."""
 
+    traces_whole = True  # its forward is one graph when compiled (compile_decode_model)
+
     def __init__(self, config: Llama3Config, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
@@ -210,6 +212,6 @@ def run_decoder(
 
 def whole_logits(model: Any, logits: torch.Tensor) -> torch.Tensor:
     """``logits`` of every vocabulary row: split, this rank's columns gathered with the
-    other ranks' (DeepSeek-V3 runs on one device: no ``tp``)."""
+    other ranks' (a draft: no ``tp``)."""
     tp = getattr(model, "tp", None)
     return logits if tp is None else gather_logits(tp, logits, model.config.vocab_size)

@@ -9,6 +9,7 @@ from torch import nn
 
 from engine.deepseek_v3_config import DeepseekV3Config
 from engine.models.layers import GatedMLP
+from engine.parallel.group import TensorParallelGroup
 
 
 class TopkRouter(nn.Module):
@@ -58,17 +59,37 @@ class TopkRouter(nn.Module):
 
 
 class DeepseekV3MoE(nn.Module):
-    """Routed experts weighted by the router, plus shared experts every token goes through."""
+    """Routed experts weighted by the router, plus shared experts every token goes through.
 
-    def __init__(self, config: DeepseekV3Config) -> None:
+    Split over ranks (``tp``), every rank routes the same tokens and the rank's partial
+    output is all-reduced once, after the shared experts:
+
+    - **Tensor parallel** (default): every expert's intermediate channels are split, as a
+      dense MLP's are; each rank runs every chosen expert on its channels.
+    - **Expert parallel** (``config.expert_parallel``): the routed experts are split whole,
+      ``n_routed_experts / size`` a rank (``expert_ids``); each rank runs the chosen experts
+      it holds. The shared experts stay tensor-parallel: their partial sums ride the same
+      all-reduce, so expert parallelism adds no collective.
+    """
+
+    def __init__(self, config: DeepseekV3Config, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp or TensorParallelGroup.single()
+        shard = self.tp.shard
         inter = config.moe_intermediate_size
         self.gate = TopkRouter(config)
+        if config.expert_parallel:
+            self.expert_ids = shard.even(config.n_routed_experts, "n_routed_experts")
+            expert_inter = inter
+        else:
+            self.expert_ids = range(config.n_routed_experts)
+            expert_inter = len(shard.even(inter, "moe_intermediate_size"))
         self.experts = nn.ModuleList(
-            GatedMLP(config.hidden_size, inter, bias=False) for _ in range(config.n_routed_experts)
+            GatedMLP(config.hidden_size, expert_inter, bias=False) for _ in self.expert_ids
         )
+        shared = inter * config.n_shared_experts
         self.shared_experts = (
-            GatedMLP(config.hidden_size, inter * config.n_shared_experts, bias=False)
+            GatedMLP(config.hidden_size, len(shard.even(shared, "shared experts' size")), False)
             if config.n_shared_experts
             else None
         )
@@ -76,13 +97,16 @@ class DeepseekV3MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         ids, weights = self.gate(x)
         out = torch.zeros_like(x)
+        first, last = self.expert_ids.start, self.expert_ids.stop
         # Experts in ascending id, each over the tokens that chose it (as transformers sums).
         for expert in ids.unique().tolist():
+            if not first <= expert < last:
+                continue  # another rank's
             tokens, slot = torch.where(ids == expert)
-            y = self.experts[expert](x[tokens]) * weights[tokens, slot, None]  # fp32
+            y = self.experts[expert - first](x[tokens]) * weights[tokens, slot, None]  # fp32
             # Each token once per expert: a gather and a put (index_add_ took 3.5 ms for
             # 3 rows on this CPU, about 200 times longer).
             out[tokens] = out[tokens] + y.to(out.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.tp.all_reduce(out)

@@ -71,8 +71,11 @@ class TritonFp8Linear(nn.Module):
     def __init__(self, linear: Fp8Linear, ops: ModuleType) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.scale, self.bias = linear.weight, linear.scale, linear.bias
-        self.block_k, self._ops = linear.block.block_k, ops
+        self.weight: torch.Tensor
+        self.scale: torch.Tensor
+        self.register_buffer("weight", linear.weight, persistent=False)  # shared, as a buffer
+        self.register_buffer("scale", linear.scale, persistent=False)
+        self.bias, self.block_k, self._ops = linear.bias, linear.block.block_k, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self._ops.block_fp8_linear(

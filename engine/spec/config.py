@@ -9,13 +9,16 @@ from engine.spec.suffix import SuffixConfig
 MAX_DRAFT_TOKENS = 16  # bounded by the RoPE slack past max_seq_len (2K + 3 positions)
 ACCEPTANCE_MODES = ("lossless", "synthetic")
 MODEL_FREE_KINDS = ("suffix",)  # drafts without a draft model (engine.spec.suffix)
+# Draft models read from the target's own files: DeepSeek-V3's MTP layer (drafters.mtp).
+TARGET_FILE_KINDS = ("mtp",)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    draft_model: str  # HF-format draft directory (EAGLE, EAGLE-3 or DFlash layout); "" for suffix
+    # HF-format draft directory (EAGLE, EAGLE-3 or DFlash layout); "" for suffix and mtp
+    draft_model: str
     num_draft_tokens: int = 5  # K; a DFlash draft forces its block_size - 1
-    # "eagle" | "eagle3" | "dflash" | "suffix"; None: read from the draft config
+    # "eagle" | "eagle3" | "dflash" | "suffix" | "mtp"; None: read from the draft config
     kind: str | None = None
     target_layer_ids: tuple[int, ...] | None = None  # EAGLE-3 taps, overriding the config
     adaptive: bool = False  # choose K per step (0..K) from measured costs and acceptance
@@ -28,13 +31,22 @@ class SpeculativeConfig:
     def is_model_free(self) -> bool:
         return self.kind in MODEL_FREE_KINDS
 
+    @property
+    def reads_target_files(self) -> bool:
+        return self.kind in TARGET_FILE_KINDS
+
     def __post_init__(self) -> None:
+        if self.reads_target_files and self.draft_model:
+            raise ValueError(
+                f"draft_model: kind {self.kind!r} reads its layer from the target's own files; "
+                f"give no draft directory (got {self.draft_model!r})"
+            )
         if self.is_model_free and self.draft_model:
             raise ValueError(
                 f"draft_model: kind {self.kind!r} drafts without a model; combining it with "
                 f"the draft {self.draft_model!r} is not built yet"
             )
-        if not self.is_model_free and not self.draft_model:
+        if not (self.is_model_free or self.reads_target_files) and not self.draft_model:
             raise ValueError(f"draft_model: kind {self.kind!r} needs a draft directory")
         if self.is_model_free and self.sample_drafts:
             raise ValueError(

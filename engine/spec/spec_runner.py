@@ -40,11 +40,16 @@ class DecodeResult:
 
 
 def load_speculator(
-    config: SpeculativeConfig, target: nn.Module, device: torch.device
+    config: SpeculativeConfig, target: nn.Module, device: torch.device, target_dir: str
 ) -> Drafter | None:
-    """The draft model; None for a kind that drafts without one (suffix decoding)."""
+    """The draft model; None for a kind that drafts without one (suffix decoding). MTP
+    reads its layer from the target's files (``target_dir``)."""
     if config.is_model_free:
         return None
+    if config.reads_target_files:
+        from engine.spec.drafters.mtp import load_mtp
+
+        return load_mtp(target_dir, target, device)
     return load_drafter(config.draft_model, target, device, config.kind, config.target_layer_ids)  # type: ignore[arg-type]
 
 

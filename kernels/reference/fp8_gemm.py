@@ -17,7 +17,10 @@ def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor,
     padded = torch.zeros(m, groups * group, device=x.device)
     padded[:, :k] = x.float()
     tiles = padded.view(m, groups, group)
-    scale = torch.div(tiles.abs().amax(dim=-1).clamp(min=1e-10), FP8_MAX)  # [M, G]
+    amax = tiles.abs().amax(dim=-1).clamp(min=1e-10)  # [M, G]
+    # A true division, as the kernel's: CUDA's division by a Python number multiplies by
+    # its reciprocal instead, one ulp off for about half the values.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (tiles / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(m, -1)[:, :k].contiguous(), scale
 

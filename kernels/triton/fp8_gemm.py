@@ -6,9 +6,10 @@ channels as they come, and every block's product in FP8 with an fp32 accumulator
 ``quantize_per_token_group`` scales each token's group of ``group`` channels so that its
 largest magnitude maps to 448 (float8_e4m3fn's largest finite value) and rounds to the
 nearest FP8 value, ties to even: bit for bit ``(x / s).to(torch.float8_e4m3fn)`` with
-``s = amax / 448``. The rounding is computed here in fp32 (``_round_to_e4m3``), then
-converted exactly, rather than left to Triton's own conversion: the interpreter's rounds
-values near a binade's top down a whole binade (31.0 to 16.0), and ties away from even.
+``s = amax / 448`` (a NaN makes its group's scale and codes NaN). The rounding is computed
+here in fp32 (``_round_to_e4m3``) and the FP8 bits are written from it (``_e4m3_bits``),
+rather than left to Triton's own conversion: the interpreter's rounds values near a
+binade's top down a whole binade (31.0 to 16.0), ties away from even, and NaN to 384.
 
 ``block_fp8_matmul`` multiplies block by block, ``out[m, n] = sum_g xs[m, g] * ws[n, g] *
 (xq[m, g-block] . wq[n, g-block])``: a tile of rows times a tile of output columns per
@@ -48,7 +49,24 @@ def _round_to_e4m3(y):
     subnormal = ((scaled + 8388608.0) - 8388608.0) * 0.001953125
     r = tl.minimum(tl.where(a < 0.015625, subnormal, normal), 448.0)  # 2**-6: least normal
     sign = y.to(tl.int32, bitcast=True) & -0x80000000  # kept on a zero too: -0.0 stays
-    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    rounded = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(y != y, y, rounded)  # NaN stays NaN (the GPU's min drops a NaN operand)
+
+
+@triton.jit
+def _e4m3_bits(y):
+    """``y`` (fp32) rounded as ``_round_to_e4m3`` does, as float8_e4m3fn's bits (uint8):
+    sign, 4 exponent bits (bias 7), 3 mantissa bits; below 2**-6, a multiple of 2**-9 with
+    exponent 0; NaN 0x7F."""
+    r = _round_to_e4m3(y)
+    a = tl.abs(r)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = (((bits >> 23) - 120) << 3) | ((bits >> 20) & 7)  # fp32's bias 127, FP8's 7
+    subnormal = (tl.where(a < 0.015625, a, 0.0) * 512.0).to(tl.int32)  # NaN: not cast
+    code = tl.where(a < 0.015625, subnormal, normal)
+    code = tl.where(r != r, 0x7F, code)
+    sign = (r.to(tl.int32, bitcast=True) >> 24) & 0x80
+    return (code | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -61,9 +79,9 @@ def _quantize_kernel(
     mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
     x = tl.load(x_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10)
-    scale = tl.math.div_rn(amax, 448.0)
-    q = _round_to_e4m3(tl.math.div_rn(x, scale))
-    tl.store(q_ptr + row * K + cols, q.to(tl.float8e4nv), mask=mask)
+    has_nan = tl.sum((x != x).to(tl.int32), axis=0) > 0  # the GPU's max drops a NaN
+    scale = tl.where(has_nan, float("nan"), tl.math.div_rn(amax, 448.0))
+    tl.store(q_ptr + row * K + cols, _e4m3_bits(tl.math.div_rn(x, scale)), mask=mask)
     tl.store(scale_ptr + row * num_groups + group, scale)
 
 
@@ -78,7 +96,13 @@ def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor,
     scale = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
     if m and k:
         _quantize_kernel[(m, num_groups)](
-            x, q, scale, k, num_groups, GROUP=group, BLOCK=triton.next_power_of_2(group)
+            x,
+            q.view(torch.uint8),
+            scale,
+            k,
+            num_groups,
+            GROUP=group,
+            BLOCK=triton.next_power_of_2(group),
         )
     return q, scale
 

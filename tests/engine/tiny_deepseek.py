@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 YARN = {
@@ -84,10 +86,17 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def build_tiny_deepseek(
-    out: Path, shape: str, *, vocab_size: int = 320, num_layers: int = 5, seed: int = 0
+    out: Path,
+    shape: str,
+    *,
+    vocab_size: int = 320,
+    num_layers: int = 5,
+    seed: int = 0,
+    **overrides: Any,
 ) -> DeepseekV3ForCausalLM:
-    """Saves a random model to ``out``; returns it in fp32 eval mode."""
-    kwargs = dict(SHAPES[shape])
+    """Saves a random model to ``out`` (``overrides``: config fields over the shape's);
+    returns it in fp32 eval mode."""
+    kwargs = {**SHAPES[shape], **overrides}
     kwargs.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
     kwargs["rope_parameters"].setdefault("rope_theta", 10000.0)
     config = DeepseekV3Config(
@@ -110,3 +119,30 @@ def build_tiny_deepseek(
                 gate.e_score_correction_bias.normal_(0, 0.2)
     model.save_pretrained(out)
     return model
+
+
+def build_tiny_deepseek_with_mtp(
+    out: Path, shape: str, *, vocab_size: int = 320, num_layers: int = 3, seed: int = 0
+) -> DeepseekV3ForCausalLM:
+    """A random target of ``num_layers`` layers saved with one multi-token-prediction layer
+    after them, as DeepSeek-V3 is released (``model.layers.{L}``: a decoder layer with
+    experts, ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, ``shared_head.head``
+    and its copy of the embedding); returns the target, which never reads that layer."""
+    whole = build_tiny_deepseek(
+        out, shape, vocab_size=vocab_size, num_layers=num_layers + 1, seed=seed
+    )
+    tensors = load_file(out / "model.safetensors")
+    mtp = f"model.layers.{num_layers}"
+    h = whole.config.hidden_size
+    gen = torch.Generator().manual_seed(seed + 7)
+    tensors[f"{mtp}.enorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    tensors[f"{mtp}.hnorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    tensors[f"{mtp}.eh_proj.weight"] = 0.1 * torch.randn(h, 2 * h, generator=gen)
+    tensors[f"{mtp}.shared_head.norm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    tensors[f"{mtp}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    tensors[f"{mtp}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    config.update(num_hidden_layers=num_layers, num_nextn_predict_layers=1)
+    (out / "config.json").write_text(json.dumps(config))
+    return DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.config import ConfigError, Llama3Config
 from engine.deepseek_v3_config import DeepseekV3Config
+from engine.deepseek_v3_weights import mla_attention_rules
 from engine.models.deepseek_v3 import (
     DeepseekV3Model,
     MultiHeadLatentAttention,
@@ -28,7 +29,7 @@ from engine.models.deepseek_v3 import (
 )
 from engine.models.layers import GatedMLP, Linear, RMSNorm
 from engine.models.llama3 import ROPE_SLACK_POSITIONS, ReturnHiddenStates
-from engine.registry import decoder_layer_rules, mla_attention_rules
+from engine.registry import decoder_layer_rules
 from engine.spec.drafters.base import (
     DraftConfigError,
     KVLayers,
@@ -241,7 +242,7 @@ class Eagle3DeepseekV3(DeepseekV3Eagle3Dispatch):
     def __init__(
         self,
         config: DeepseekV3Config,
-        target: DeepseekV3Model,
+        target: DeepseekV3Model,  # or a split target's WholeVocabulary (config, embed_tokens)
         layer_ids: tuple[int, ...],
         draft_vocab_size: int,
     ) -> None:
@@ -276,9 +277,9 @@ def load_eagle3_mla(
 ) -> Eagle3DeepseekV3:
     """An MLA EAGLE-3 draft (its config has ``kv_lora_rank``) for a DeepSeek-V3 target, from
     its public layout (``layers.0.*``; None: random)."""
-    if not isinstance(target, DeepseekV3Model):
+    tc = getattr(target, "config", None)  # a split target's: its WholeVocabulary's
+    if not isinstance(tc, DeepseekV3Config):
         raise DraftConfigError("kv_lora_rank: an MLA EAGLE-3 draft needs a DeepSeek-V3 target")
-    tc = target.config
     shaped = {**hf, "max_position_embeddings": tc.max_seq_len}
     shaped.setdefault("vocab_size", tc.vocab_size)
     try:
@@ -307,7 +308,7 @@ def load_eagle3_mla(
             module.d2t.copy_(checked_d2t(d2t, draft_vocab, tc.vocab_size))
 
     return build_draft(
-        lambda: Eagle3DeepseekV3(config, target, ids, draft_vocab),
+        lambda: Eagle3DeepseekV3(config, cast(DeepseekV3Model, target), ids, draft_vocab),
         draft_dir,
         rules,
         device,
@@ -328,6 +329,11 @@ def checked_d2t(d2t: torch.Tensor | None, draft_vocab: int, vocab: int) -> torch
     return d2t.to(torch.int64)
 
 
+def is_deepseek_v3(target: nn.Module) -> bool:
+    """A DeepSeek-V3 target, or what a draft borrows of a split one (``WholeVocabulary``)."""
+    return isinstance(getattr(target, "config", None), DeepseekV3Config)
+
+
 def load_any_eagle3(
     draft_dir: str | Path | None,
     hf: dict[str, Any],
@@ -339,5 +345,5 @@ def load_any_eagle3(
     DeepSeek-V3 target's draft, in its cache layout), else multi-head attention."""
     if hf.get("kv_lora_rank"):
         return load_eagle3_mla(draft_dir, hf, target, device, layer_ids)
-    mha = Eagle3MHADeepseekV3 if isinstance(target, DeepseekV3Model) else None
+    mha = Eagle3MHADeepseekV3 if is_deepseek_v3(target) else None
     return load_eagle3(draft_dir, hf, target, device, layer_ids, mha)  # type: ignore[arg-type]

@@ -2,7 +2,8 @@
 
 ``Eagle3DeepseekV3Inputs`` (the MLA draft) and ``Eagle3MHADeepseekV3Inputs`` (the MHA draft)
 keep the seed's field names and meanings. Fields for several devices, LoRA and expert
-parallelism keep their place and stay empty: Tandem runs a target on one device.
+parallelism keep their place and stay empty: a draft runs on one device (rank 0 of a
+split target).
 
 A DeepSeek-V3 draft builds its inputs when it extends (the verify width 1+K in a unified
 step, a prompt chunk's width at prefill) and dispatches every forward of the step through

@@ -118,6 +118,9 @@ def build_draft(
     with torch.device("meta"):
         module = factory()
     module = module.to_empty(device=device).to(dtype)
+    finalize = getattr(module, "finalize", None)
+    if finalize is not None:  # what the cast changed back (a router's fp32), before loading
+        finalize()
     module.weight_rules = rules  # type: ignore[assignment]  # how to save it again
     for sub in module.modules():
         if isinstance(sub, RotaryEmbedding):

@@ -55,6 +55,9 @@ ConfigMap ($(TANDEM_...) is expanded by the kubelet), probes and the drain. dict
     {{- if gt (int $v.engine.tensorParallelSize) 1 }}
     - --tensor-parallel-size=$({{ $env }}TENSOR_PARALLEL_SIZE)
     {{- end }}
+    {{- if $v.engine.expertParallel }}
+    - --enable-expert-parallel
+    {{- end }}
     {{- if $v.engine.eager }}
     - --eager
     {{- end }}

@@ -53,9 +53,14 @@ def test_quantization_scales_each_tokens_groups(ops, device) -> None:
     x = torch.randn(7, 320) * torch.logspace(-3, 2, 320)  # a part group at the end
     x[3, 200] = 900.0  # an outlier takes its group's scale alone
     x[5, :128] = 0.0  # a group of zeros
+    x[6, 250] = float("nan")  # a NaN makes its group's scale and codes NaN, as in torch
     q, scale = ops.quantize_per_token_group(x.to(device), 128)
     assert q.shape == (7, 320) and scale.shape == (7, 3)
     want_q, want_scale = reference.quantize_per_token_group(x, 128)
+    assert scale[6, 1].isnan() and want_scale[6, 1].isnan()
+    assert q[6, 128:256].float().isnan().all() and want_q[6, 128:256].float().isnan().all()
+    q[6, 128:256], want_q[6, 128:256] = 0.0, 0.0
+    scale[6, 1], want_scale[6, 1] = 0.0, 0.0
     assert torch.equal(scale.cpu(), want_scale)
     assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
     assert q[3, 200].float().item() == 448.0 and not q[5, :128].float().any()
@@ -128,7 +133,7 @@ def test_the_engine_runs_kept_fp8_projections_as_w8a8(ops, tmp_path, monkeypatch
     """A block-FP8 Llama-3 on the GPU path keeps its projections FP8 by default ("auto")
     and runs each as the W8A8 kernel: the tokens and logprobs of the torch path whose
     projections compute the same quantization in plain torch. Blocks the kernel cannot run
-    are refused at load time, naming the tensor."""
+    are dequantized, or refused when told to keep them."""
     from engine.fp8 import BlockFp8, Fp8Linear, QuantizationError
     from engine.models.triton_layers import TritonFp8Linear
     from tests.engine.test_fp8 import QUANTIZED, build_fp8, write_fp8
@@ -147,9 +152,12 @@ def test_the_engine_runs_kept_fp8_projections_as_w8a8(ops, tmp_path, monkeypatch
     assert len(kept) == 2 * 4  # per layer: q/k/v, o, gate/up, down
     assert all(m.weight.dtype == FP8 for m in kept)
     assert_same(got, expected)
-    # Blocks the kernel cannot run are refused at load time, naming the tensor.
+    # Blocks the kernel cannot run: "auto" dequantizes them at load time, "keep" is refused
+    # before anything loads.
     (tmp_path / "odd").mkdir()
     write_fp8(tmp_path / "plain", tmp_path / "odd", BlockFp8(64, 48), QUANTIZED, seed=1)
-    refused = r"^layers\.0\.self_attn\.qkv_proj\.weight: blocks of 48 columns"
+    _, engine = run(tmp_path / "odd" / "fp8", "triton", None, prompts=("greedy",))
+    assert not any(isinstance(m, TritonFp8Linear) for m in engine.runner.model.modules())
+    refused = r"weight_block_size: blocks of 48 columns; the GPU's W8A8 kernel runs"
     with pytest.raises(QuantizationError, match=refused):
-        run(tmp_path / "odd" / "fp8", "triton", None)
+        run(tmp_path / "odd" / "fp8", "triton", None, fp8_weights="keep")

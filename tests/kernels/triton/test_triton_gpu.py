@@ -211,4 +211,6 @@ def test_w8a8_block_fp8_at_deepseek_v3_shapes_bf16(rows: int) -> None:
         got = fp8_gemm.block_fp8_linear(x, weight, scale, 128).float()
         want = ref_fp8_gemm.block_fp8_linear(x.float(), weight, scale, 128)
         magnitude = x.float().abs() @ (weight.float() * scale.repeat_interleave(128, 1)).abs().T
-        assert ((got - want).abs() <= 2**-8 * want.abs() + 1e-5 * magnitude + 1e-6).all()
+        # Hopper accumulates FP8 products in the tensor cores at about 14 bits, promoted to
+        # fp32 once per 128-column block (as DeepSeek-V3 was trained); bf16 rounds the result.
+        assert ((got - want).abs() <= 2**-8 * want.abs() + 2**-12 * magnitude + 1e-6).all()

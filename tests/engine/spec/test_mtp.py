@@ -1,0 +1,107 @@
+"""DeepSeek-V3's own MTP layer as its draft (``--draft-method mtp``): read from the
+target's files (the layer after the last, which the target never reads), it drafts
+through its own latent cache, and speculative output equals target-only output, on one
+device and split over two ranks with experts split. What cannot draft so is refused,
+naming the field."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from engine.spec.drafters.base import DraftConfigError
+from engine.spec.drafters.mtp import MtpDrafter
+from tests.engine.tiny_deepseek import build_tiny_deepseek, build_tiny_deepseek_with_mtp
+from tests.engine.tiny_models import build_tiny_llama
+
+VOCAB = 97
+MTP = SpeculativeConfig("", kind="mtp", num_draft_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("mtp")
+    build_tiny_deepseek_with_mtp(out, "qlora_yarn_mscale_interleaved", vocab_size=VOCAB)
+    return out
+
+
+def greedy(model_dir: Path, **kw: object) -> tuple[list[list[int]], LLMEngine]:
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 12, 3)]
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), dtype="float32", block_size=4,
+                     kv_cache_memory=4 << 20, num_threads=2, **kw)  # type: ignore[arg-type]
+    )  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    finally:
+        engine.close()
+    return [done[str(i)] for i in range(len(prompts))], engine
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_mtp_drafts_leave_the_output_as_the_target_alone_gives(target, size) -> None:
+    split = {"tensor_parallel_size": size, "enable_expert_parallel": size > 1}
+    alone, _ = greedy(target, **split)
+    ours, engine = greedy(target, speculative=MTP, **split)
+    assert ours == alone
+    assert engine.spec is not None and isinstance(engine.spec.drafter, MtpDrafter)
+    stats = engine.spec.stats
+    assert stats.num_draft_tokens > 0
+    tau = stats.mean_accepted_length  # tokens per verifying step and row
+    print(f"MTP tau at K=3, TP {size}: {tau:.2f}")
+    assert tau == 1 + stats.num_accepted_tokens / stats.num_drafts and 1.0 <= tau <= 4.0
+    drafter = engine.spec.drafter
+    assert drafter.target_hidden.layer_ids == (2,)  # the last layer's output, before its norm
+    assert len(engine.kv_pools["draft"].layers) == 1  # its own latent cache, one layer
+
+
+def test_what_cannot_draft_with_mtp_is_refused(tmp_path) -> None:
+    build_tiny_deepseek(tmp_path / "no_mtp", "qlora_yarn_mscale_interleaved", vocab_size=VOCAB,
+                        num_layers=2)  # fmt: skip
+    with pytest.raises(DraftConfigError, match="its checkpoint has no MTP layer"):
+        greedy(tmp_path / "no_mtp", speculative=MTP)
+    build_tiny_llama(tmp_path / "llama", "gqa4_llama3rope_hd72_mlpbias", num_layers=1,
+                     vocab_size=VOCAB)  # fmt: skip
+    with pytest.raises(DraftConfigError, match="mtp needs a DeepSeek-V3 target"):
+        greedy(tmp_path / "llama", speculative=MTP)
+    with pytest.raises(ValueError, match="reads its layer from the target's own files"):
+        SpeculativeConfig("some/draft", kind="mtp")
+
+
+def test_an_mtp_layer_that_knows_the_target_is_accepted_whole(tmp_path) -> None:
+    """A target whose layers add nothing (attention and MLP outputs zeroed) picks each
+    next token from the current one alone: t_{i+1} = f(t_i). An MTP layer that passes
+    ``enorm(embed(t_{i+1}))`` through (``eh_proj = [I | 0]``, its block adding nothing)
+    and scores it with the target's final norm and head predicts f(t_{i+1}) = t_{i+2}:
+    every draft is accepted. Reading ``h_i`` first, it would predict t_{i+1} instead."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "markov"
+    build_tiny_deepseek_with_mtp(out, "qlora_yarn_mscale_interleaved", vocab_size=VOCAB)
+    tensors = load_file(out / "model.safetensors")
+    for name, t in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = torch.zeros_like(t)
+    mtp = "model.layers.3"
+    h = tensors[f"{mtp}.eh_proj.weight"].shape[0]
+    tensors[f"{mtp}.eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    tensors[f"{mtp}.enorm.weight"] = torch.ones(h)
+    tensors[f"{mtp}.shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, out / "model.safetensors")
+    alone, _ = greedy(out)
+    ours, engine = greedy(out, speculative=MTP)
+    assert ours == alone
+    assert engine.spec is not None
+    assert engine.spec.stats.acceptance_rate > 0.9
