@@ -104,9 +104,10 @@ def add_in_process_generate(parser: Any) -> Callable[[argparse.Namespace], int]:
     )
     parser.add_argument(
         "--draft-method",
-        choices=("suffix",),
-        help="suffix: drafts matched from the prompt and output so far, no draft model "
-        "(instead of --draft)",
+        choices=("suffix", "mtp"),
+        help="instead of --draft: suffix: drafts matched from the prompt and output so far, "
+        "no draft model; mtp: DeepSeek-V3's own multi-token-prediction layer, read from the "
+        "model's files",
     )
     parser.add_argument(
         "--num-draft-tokens", type=int, default=5, help="K, drafts per step (DFlash: its block)"

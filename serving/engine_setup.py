@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # torch: imported by the functions that need it, so `--help` 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 MODEL_DRAFT_KINDS = ("eagle", "eagle3", "dflash")  # engine.spec.drafters.DRAFTERS
-DRAFT_METHODS = (*MODEL_DRAFT_KINDS, "suffix")  # suffix: engine.spec.config.MODEL_FREE_KINDS
+# suffix: engine.spec.config.MODEL_FREE_KINDS; mtp: TARGET_FILE_KINDS (the target's own layer)
+DRAFT_METHODS = (*MODEL_DRAFT_KINDS, "suffix", "mtp")
 SUFFIX_CACHE_TOKENS = 1 << 18  # engine.spec.suffix.SuffixConfig.shared_tokens
 
 
@@ -140,7 +141,9 @@ def add_speculation_arguments(group: argparse._ActionsContainer) -> None:
         choices=DRAFT_METHODS,
         help="how decode workers draft: suffix: from the request's own prompt and output and "
         "recent outputs, with no draft model (wins where text repeats: code edits, quoting, "
-        "JSON); eagle, eagle3, dflash: the --draft model's kind, checked against its config "
+        "JSON); mtp: DeepSeek-V3's own multi-token-prediction layer, read from the model's "
+        "files (no --draft); eagle, eagle3, dflash: the --draft model's kind, checked against "
+        "its config "
         "(default: the --draft model's kind, else no speculation)",
     )
     group.add_argument(
@@ -210,6 +213,11 @@ def check_engine_arguments(args: argparse.Namespace, prog: str) -> bool:
 
 def draft_method_error(draft: str | None, method: str | None) -> str | None:
     """Why ``--draft-method`` does not fit ``--draft``, naming both; None where it does."""
+    if method == "mtp" and draft:
+        return (
+            "--draft-method mtp, --draft: the MTP layer comes from the model's own files; "
+            "give no --draft"
+        )
     if method == "suffix" and draft:
         return (
             "--draft-method suffix, --draft: combining suffix drafts with a draft model is "
@@ -241,7 +249,7 @@ class ModelSpec:
     served_name: str
     draft_dir: Path | None
     num_draft_tokens: int
-    draft_method: str | None = None  # --draft-method: "suffix" drafts without a draft_dir
+    draft_method: str | None = None  # --draft-method: "suffix" and "mtp" without a draft_dir
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSpec:
@@ -294,6 +302,13 @@ def build_engine(
             # a decode worker's steps; a prefill worker's first drafts are always K deep
             adaptive=is_decoding and args.adaptive_speculation,
         )
+    elif spec.draft_method == "mtp":  # both roles: a prefill worker makes the first drafts
+        speculative = SpeculativeConfig(
+            "",
+            num_draft_tokens=spec.num_draft_tokens,
+            kind="mtp",
+            adaptive=is_decoding and args.adaptive_speculation,
+        )
     elif spec.draft_method == "suffix" and is_decoding:  # a prefill worker has none to make
         speculative = SpeculativeConfig(
             "",
@@ -329,19 +344,29 @@ def build_engine(
 
 def draft_config(engine: LLMEngine, spec: ModelSpec) -> worker_pb2.DraftConfig | None:
     """The engine's draft model as the wire describes it, with its fingerprint; None
-    without one (suffix decoding has none: its KV and drafts are the decode worker's own)."""
-    if engine.spec is None or engine.spec.drafter is None or spec.draft_dir is None:
+    without one (suffix decoding has none: its KV and drafts are the decode worker's own).
+    An MTP draft's files are the model's: its fingerprint covers their names and sizes and
+    the model's config, not their bytes (hundreds of gigabytes)."""
+    if engine.spec is None or engine.spec.drafter is None:
+        return None
+    if spec.draft_dir is None and spec.draft_method != "mtp":
         return None
     signature = engine.spec.drafter.signature()
     message = worker_pb2.DraftConfig(
         kind=signature.kind,
-        draft_model=spec.draft_dir.name,
+        draft_model=spec.draft_dir.name if spec.draft_dir else f"{spec.model_dir.name}:mtp",
         num_draft_tokens=engine.spec.k,
         block_size=signature.block_size,
         mask_token_id=signature.mask_token_id,
         target_layer_ids=[int(i) for i in signature.target_layer_ids],
     )
     digest = hashlib.sha256(message.SerializeToString(deterministic=True))
+    if spec.draft_dir is None:  # mtp
+        for path in sorted(spec.model_dir.glob("*.safetensors")):
+            digest.update(f"{path.name}:{path.stat().st_size}".encode())
+        digest.update((spec.model_dir / "config.json").read_bytes())
+        message.fingerprint = digest.hexdigest()[:32]
+        return message
     for path in [*sorted(spec.draft_dir.glob("*.safetensors")), spec.draft_dir / "config.json"]:
         digest.update(path.name.encode())
         with path.open("rb") as f:

@@ -146,3 +146,22 @@ def build_tiny_deepseek_with_mtp(
     config.update(num_hidden_layers=num_layers, num_nextn_predict_layers=1)
     (out / "config.json").write_text(json.dumps(config))
     return DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+def make_mtp_know_the_target(out: Path) -> None:
+    """Rewrites the model in ``out`` (saved by ``build_tiny_deepseek_with_mtp``) so that its
+    layers add nothing (attention and MLP outputs zeroed): each next token follows from
+    the current one alone, t_{i+1} = f(t_i). Its MTP layer then passes
+    ``enorm(embed(t_{i+1}))`` through (``eh_proj = [I | 0]``, its block adding nothing) and
+    scores it with the target's final norm and head: it predicts f(t_{i+1}) = t_{i+2}, so
+    its drafts are accepted (reading ``h_i`` first, it would predict t_{i+1} again)."""
+    tensors = load_file(out / "model.safetensors")
+    for name, t in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = torch.zeros_like(t)
+    mtp = f"model.layers.{json.loads((out / 'config.json').read_text())['num_hidden_layers']}"
+    h = tensors[f"{mtp}.eh_proj.weight"].shape[0]
+    tensors[f"{mtp}.eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    tensors[f"{mtp}.enorm.weight"] = torch.ones(h)
+    tensors[f"{mtp}.shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, out / "model.safetensors")

@@ -1,8 +1,9 @@
 """A tiny DeepSeek-V3 through the disaggregated cluster (`tandem serve`: router, prefill and
 decode worker processes, a real Redis) with each EAGLE-3 draft of issue 25: the MLA draft
 (its pools in the target's latent layout) and the MHA draft (its own K/V pools beside the
-target's latent ones). The prefill worker pushes MLA blocks; greedy output and the
-decode worker's draft counters equal one offline engine's, token for token, in fp32."""
+target's latent ones); and with its own MTP layer (`--draft-method mtp`, no draft
+directory). The prefill worker pushes MLA blocks; greedy output and the decode worker's
+draft counters equal one offline engine's, token for token, in fp32."""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from serving.launcher import Cluster
-from tests.engine.tiny_deepseek import build_tiny_deepseek
+from tests.engine.tiny_deepseek import (
+    build_tiny_deepseek,
+    build_tiny_deepseek_with_mtp,
+    make_mtp_know_the_target,
+)
 from tests.engine.tiny_drafts import build_random_draft
 from tests.services.cluster_helpers import (
     TINY_VOCAB,
@@ -56,7 +61,13 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     hf = json.loads((target / "config.json").read_text())
     build_random_draft(target, out / "mla", "eagle3", **DRAFTS["mla"])  # type: ignore[arg-type]
     build_random_draft(target, out / "mha", "eagle3", **DRAFTS["mha"], **mha_fields(hf))  # type: ignore[arg-type]
-    return {"target": target, "mla": out / "mla", "mha": out / "mha"}
+    mtp = out / "mtp_target"  # a target with an MTP layer whose drafts are accepted
+    build_tiny_deepseek_with_mtp(
+        mtp, "qlora_yarn_mscale_interleaved", vocab_size=TINY_VOCAB, num_layers=2
+    )
+    make_mtp_know_the_target(mtp)
+    save_char_tokenizer(mtp, TINY_VOCAB)
+    return {"target": target, "mla": out / "mla", "mha": out / "mha", "mtp": mtp}
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +78,12 @@ def clusters(
     draft and through shared memory for the MHA draft."""
 
     def start(variant: str, transport: str) -> Cluster:
+        is_mtp = variant == "mtp"
         spec = tiny_cluster_spec(
-            model_dirs["target"],
+            model_dirs["mtp" if is_mtp else "target"],
             tmp_path_factory.mktemp(f"logs_{variant}"),
-            draft=str(model_dirs[variant]),
+            draft=None if is_mtp else str(model_dirs[variant]),
+            draft_method="mtp" if is_mtp else None,
             num_draft_tokens=K,
             adaptive_speculation=False,  # K every step: counters as one engine's
             worker_args=(
@@ -80,8 +93,9 @@ def clusters(
         )
         return Cluster(spec).start(timeout_s=120)
 
-    with ThreadPoolExecutor(2) as pool:
-        futures = {v: pool.submit(start, v, t) for v, t in (("mla", "grpc"), ("mha", "auto"))}
+    variants = (("mla", "grpc"), ("mha", "auto"), ("mtp", "grpc"))
+    with ThreadPoolExecutor(len(variants)) as pool:
+        futures = {v: pool.submit(start, v, t) for v, t in variants}
         try:
             yield {variant: future.result() for variant, future in futures.items()}
         finally:
@@ -90,8 +104,9 @@ def clusters(
                     future.result().stop()
 
 
-def offline(target: Path, draft: Path) -> tuple[list[list[int]], LLMEngine]:
-    """Greedy tokens of PROMPTS from one in-process engine with ``draft``, and the engine."""
+def offline(target: Path, draft: Path | None) -> tuple[list[list[int]], LLMEngine]:
+    """Greedy tokens of PROMPTS from one in-process engine with ``draft`` (None: the
+    target's MTP layer), and the engine."""
     engine = LLMEngine(
         EngineConfig(
             model=str(target),
@@ -99,7 +114,9 @@ def offline(target: Path, draft: Path) -> tuple[list[list[int]], LLMEngine]:
             block_size=BLOCK_SIZE,
             kv_cache_memory=4 << 20,
             num_threads=1,
-            speculative=SpeculativeConfig(str(draft), num_draft_tokens=K),
+            speculative=SpeculativeConfig(
+                str(draft or ""), num_draft_tokens=K, kind=None if draft else "mtp"
+            ),
         )
     )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -113,11 +130,11 @@ def offline(target: Path, draft: Path) -> tuple[list[list[int]], LLMEngine]:
     return [done[str(i)] for i in range(len(PROMPTS))], engine
 
 
-def block_bytes(target: Path, draft: Path) -> int:
+def block_bytes(target: Path, draft: Path | None) -> int:
     """Bytes of one block id over every layer in fp32: the target's one latent+rope pool
-    per layer, and the draft's one (MLA) or two (K and V) pools."""
+    per layer, and the draft's one (MLA, MTP) or two (K and V) pools."""
     target_hf = json.loads((target / "config.json").read_text())
-    draft_hf = json.loads((draft / "config.json").read_text())
+    draft_hf = json.loads((draft / "config.json").read_text()) if draft else target_hf
     mla = DeepseekV3Config.from_hf(target_hf)
     latent = mla.kv_lora_rank + mla.qk_rope_head_dim
     if draft_hf.get("kv_lora_rank"):
@@ -127,11 +144,13 @@ def block_bytes(target: Path, draft: Path) -> int:
     return 4 * BLOCK_SIZE * (mla.num_hidden_layers * latent + draft_bytes)
 
 
-@pytest.mark.parametrize("variant", ["mla", "mha"])
+@pytest.mark.parametrize("variant", ["mla", "mha", "mtp"])
 async def test_greedy_through_the_cluster_equals_the_offline_engine(
     clusters: dict[str, Cluster], model_dirs: dict[str, Path], variant: str
 ) -> None:
-    cluster, target, draft = clusters[variant], model_dirs["target"], model_dirs[variant]
+    cluster = clusters[variant]
+    target = model_dirs["mtp" if variant == "mtp" else "target"]
+    draft = None if variant == "mtp" else model_dirs[variant]
     ours = await generate_all(cluster.router_address, PROMPTS, max_tokens=MAX_TOKENS)
     refs, engine = offline(target, draft)
     assert ours == refs

@@ -149,6 +149,7 @@ def test_a_draft_method_that_does_not_fit_the_draft_is_refused(
         (["--draft", eagle3, "--draft-method", "eagle"], "--draft-method eagle: the draft"),
         (["--draft", eagle3, "--draft-method", "suffix"], "--draft-method suffix, --draft:"),
         (["--draft-method", "dflash"], "--draft-method dflash: needs --draft DIR"),
+        (["--draft", eagle3, "--draft-method", "mtp"], "--draft-method mtp, --draft: the MTP"),
     ]
     for argv, error in cases:
         assert cli.run(parser.parse_args([*REQUIRED, *argv])) == 2

@@ -10,14 +10,17 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from engine.spec.drafters.base import DraftConfigError
 from engine.spec.drafters.mtp import MtpDrafter
-from tests.engine.tiny_deepseek import build_tiny_deepseek, build_tiny_deepseek_with_mtp
+from tests.engine.tiny_deepseek import (
+    build_tiny_deepseek,
+    build_tiny_deepseek_with_mtp,
+    make_mtp_know_the_target,
+)
 from tests.engine.tiny_models import build_tiny_llama
 
 VOCAB = 97
@@ -81,25 +84,11 @@ def test_what_cannot_draft_with_mtp_is_refused(tmp_path) -> None:
 
 
 def test_an_mtp_layer_that_knows_the_target_is_accepted_whole(tmp_path) -> None:
-    """A target whose layers add nothing (attention and MLP outputs zeroed) picks each
-    next token from the current one alone: t_{i+1} = f(t_i). An MTP layer that passes
-    ``enorm(embed(t_{i+1}))`` through (``eh_proj = [I | 0]``, its block adding nothing)
-    and scores it with the target's final norm and head predicts f(t_{i+1}) = t_{i+2}:
-    every draft is accepted. Reading ``h_i`` first, it would predict t_{i+1} instead."""
-    from safetensors.torch import load_file, save_file
-
+    """``make_mtp_know_the_target``: every draft is accepted (reading the target's hidden
+    state first in its concatenation, none would be)."""
     out = tmp_path / "markov"
     build_tiny_deepseek_with_mtp(out, "qlora_yarn_mscale_interleaved", vocab_size=VOCAB)
-    tensors = load_file(out / "model.safetensors")
-    for name, t in tensors.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensors[name] = torch.zeros_like(t)
-    mtp = "model.layers.3"
-    h = tensors[f"{mtp}.eh_proj.weight"].shape[0]
-    tensors[f"{mtp}.eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
-    tensors[f"{mtp}.enorm.weight"] = torch.ones(h)
-    tensors[f"{mtp}.shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
-    save_file(tensors, out / "model.safetensors")
+    make_mtp_know_the_target(out)
     alone, _ = greedy(out)
     ours, engine = greedy(out, speculative=MTP)
     assert ours == alone
