@@ -18,7 +18,7 @@ plus the rows' KV); steps/s = bandwidth / bytes.
     PYTHONPATH=. python bench/gpu_step.py --quick         # CPU check: SmolLM2's shape only
 
 On CUDA it also times the W8A8 block-FP8 product (``kernels/triton/fp8_gemm.py``) against
-bf16's at one of DeepSeek-V3's shapes.
+bf16's at one of DeepSeek-V3's shapes, and one DeepSeek-V3 MoE layer at its real shape.
 
 The last line is one JSON object (ms per step by model, setting, mode and batch, and the
 headline figures named in issue 24).
@@ -177,6 +177,35 @@ def fp8_gemm_times(device: torch.device) -> dict[str, dict[str, float]]:
         )
         times[str(rows)] = {"bf16": round(bf16 * 1e3, 4), "w8a8": round(w8a8 * 1e3, 4)}
         log(f"FP8 W8A8 {rows} rows: {w8a8 * 1e3:.3f} ms, bf16 {bf16 * 1e3:.3f} ms")
+    return times
+
+
+def deepseek_moe_times(device: torch.device, **shape: int) -> dict[str, float]:
+    """ms per forward of one DeepSeek-V3 MoE layer at its real shape (hidden 7168, 256
+    experts of 2048 channels, 8 chosen per token among the best 4 of 8 groups, one shared
+    expert; random bf16 weights, 22 GB), eager, by rows."""
+    from engine.deepseek_v3_config import DeepseekV3Config
+    from engine.models.moe import DeepseekV3MoE
+
+    hf = {
+        "hidden_size": 7168, "num_hidden_layers": 61, "vocab_size": 129280,
+        "num_attention_heads": 128, "max_position_embeddings": 4096,
+        "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8,
+        "n_group": 8, "topk_group": 4, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+        **shape,  # smaller, to try it on CPU
+    }  # fmt: skip
+    config = DeepseekV3Config.from_hf(hf, dtype="bfloat16")
+    with torch.device(device):
+        moe = DeepseekV3MoE(config).to(torch.bfloat16)
+        for p in moe.parameters():
+            p.data.normal_(0, 0.02)
+        moe.gate.keep_fp32()
+    times: dict[str, float] = {}
+    for rows in (1, 8, 32):
+        x = torch.randn(rows, config.hidden_size, device=device).to(torch.bfloat16)
+        seconds = time_per_call(lambda x=x: moe(x), device, 10)
+        times[str(rows)] = round(seconds * 1e3, 3)
+        log(f"DeepSeek-V3 MoE layer, {rows} rows: {seconds * 1e3:.2f} ms")
     return times
 
 
@@ -397,9 +426,11 @@ def main() -> None:
         result["w8a8_over_bf16_gemm_time_64_rows"] = round(
             times["64"]["w8a8"] / times["64"]["bf16"], 3
         )
+        result["moe_layer_ms_deepseek_v3"] = deepseek_moe_times(device)
     else:
         result["fp8_gemm_ms_deepseek_v3_down"] = None
         result["w8a8_over_bf16_gemm_time_64_rows"] = None
+        result["moe_layer_ms_deepseek_v3"] = None
     if "8b" not in models:
         for key in ("roofline_steps_s_8b_bs1", "tandem_steps_s_8b_bs1",
                     "roofline_fraction_8b_bs1", "spec_step_over_plain_step_8b_bs1"):  # fmt: skip
