@@ -164,6 +164,10 @@ class BlockManager:
                 block.hash, block.token_ids = h, tokens
                 self._by_hash[h] = block.block_id
 
+    def num_prefix_hits(self, seq: BlockOwner) -> int:
+        """Blocks of ``seq``'s prefix that allocating it would take from the cache."""
+        return len(self._prefix_hits(seq))
+
     def _prefix_hits(self, seq: BlockOwner) -> list[int]:
         """Cached blocks matching ``seq``'s prefix, leaving at least one token to compute."""
         if not self.enable_prefix_caching or not getattr(seq, "reads_prefix_cache", True):

@@ -67,6 +67,9 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    # Data-parallel attention: the rank whose pool holds its blocks, chosen when it first
+    # gets some (engine.dp_blocks); its block ids are that rank's.
+    dp_rank: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it (stop strings: not here)
     logprobs: list[TokenLogprobs] = field(default_factory=list)

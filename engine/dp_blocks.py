@@ -1,0 +1,101 @@
+"""The KV blocks of data-parallel attention (DeepSeek-V3's latent cache, issue 39): each
+data-parallel rank attends its own rows over its own pool, so blocks are managed per rank,
+one ``BlockManager`` each, with block ids local to that rank's pool.
+
+A request is placed on one rank when it first gets blocks (``allocate``) and keeps it
+while it holds any; once freed (finished, or preempted to be recomputed) it may be placed
+again elsewhere. The place: the rank whose prefix cache holds most of its prompt, then
+the one with most free blocks, then the lowest. Capacity is per rank: a request is
+admitted only where one rank can hold it, whatever the others have free.
+"""
+
+from __future__ import annotations
+
+from engine.block_manager import BlockManager, BlockOwner
+
+
+class DataParallelBlocks:
+    """``num_ranks`` block managers of ``num_blocks`` each, behind ``BlockManager``'s
+    interface; a request's calls go to its rank's (``seq.dp_rank``)."""
+
+    def __init__(
+        self,
+        num_ranks: int,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_lookahead_slots: int = 0,
+    ) -> None:
+        if num_ranks < 1:
+            raise ValueError(f"data_parallel_size: {num_ranks}, must be at least 1")
+        self.ranks = [
+            BlockManager(num_blocks, block_size, enable_prefix_caching, num_lookahead_slots)
+            for _ in range(num_ranks)
+        ]
+        self.num_blocks = num_blocks  # per rank: the most one request can ever hold
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_lookahead_slots = num_lookahead_slots
+
+    @property
+    def free_blocks_per_rank(self) -> list[int]:
+        return [rank.num_free_blocks for rank in self.ranks]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(self.free_blocks_per_rank)
+
+    @property
+    def num_clean_blocks(self) -> int:
+        return sum(rank.num_clean_blocks for rank in self.ranks)
+
+    @property
+    def num_prefix_hit_blocks(self) -> int:
+        return sum(rank.num_prefix_hit_blocks for rank in self.ranks)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _place(self, seq: BlockOwner) -> int | None:
+        """The rank ``seq`` would be placed on, or None where no rank can hold it."""
+        fits = [r for r, rank in enumerate(self.ranks) if rank.can_allocate(seq)]
+        if not fits:
+            return None
+        free = self.free_blocks_per_rank
+
+        def preference(r: int) -> tuple[int, int, int]:
+            return (self.ranks[r].num_prefix_hits(seq), free[r], -r)
+
+        return max(fits, key=preference)
+
+    def can_allocate(self, seq: BlockOwner) -> bool:
+        return self._place(seq) is not None
+
+    def allocate(self, seq: BlockOwner) -> None:
+        rank = self._place(seq)
+        if rank is None:
+            raise MemoryError(
+                f"KV cache: no data-parallel rank has room for {len(seq.token_ids)} tokens "
+                f"(free blocks per rank: {self.free_blocks_per_rank})"
+            )
+        seq.dp_rank = rank  # type: ignore[attr-defined]
+        self.ranks[rank].allocate(seq)
+
+    def _of(self, seq: BlockOwner) -> BlockManager:
+        return self.ranks[getattr(seq, "dp_rank", 0)]
+
+    def can_append(self, seq: BlockOwner, num_new_tokens: int) -> bool:
+        return self._of(seq).can_append(seq, num_new_tokens)
+
+    def append(self, seq: BlockOwner, num_new_tokens: int) -> None:
+        self._of(seq).append(seq, num_new_tokens)
+
+    def free(self, seq: BlockOwner) -> None:
+        self._of(seq).free(seq)
+
+    def cache_computed_blocks(self, seq: BlockOwner, num_tokens: int | None = None) -> None:
+        self._of(seq).cache_computed_blocks(seq, num_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        for rank in self.ranks:
+            rank.reset_prefix_cache()

@@ -1,0 +1,57 @@
+"""DataParallelBlocks: each data-parallel rank's blocks in its own manager, ids local to
+its pool; a request placed where its cached prefix is, else where most blocks are free,
+and admitted only where one rank can hold it."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.dp_blocks import DataParallelBlocks
+from tests.engine.test_block_manager import compute, make_seq
+
+
+def test_requests_spread_over_ranks_with_ids_of_their_own_pool() -> None:
+    blocks = DataParallelBlocks(2, num_blocks=6, block_size=4)
+    first, second, third = make_seq([1] * 8), make_seq([2] * 8), make_seq([3] * 4)
+    for seq in (first, second, third):
+        blocks.allocate(seq)
+    assert (first.dp_rank, second.dp_rank, third.dp_rank) == (0, 1, 0)  # most free, lowest
+    assert first.block_table == [0, 1] and second.block_table == [0, 1]  # each rank's ids
+    assert third.block_table == [2]
+    assert blocks.free_blocks_per_rank == [3, 4] and blocks.num_free_blocks == 7
+    second.num_computed_tokens = 8
+    blocks.append(second, 1)  # its ninth token: a third block, on rank 1
+    assert second.block_table == [0, 1, 2] and blocks.free_blocks_per_rank == [3, 3]
+    blocks.free(first)
+    assert blocks.free_blocks_per_rank == [5, 3]
+
+
+def test_a_cached_prefix_draws_its_request_to_the_rank_holding_it() -> None:
+    blocks = DataParallelBlocks(2, num_blocks=8, block_size=4)
+    prompt = list(range(10, 22))  # three blocks
+    first = make_seq(prompt)
+    blocks.allocate(first)
+    compute(blocks.ranks[first.dp_rank], first)
+    blocks.free(first)  # its blocks stay cached on rank 0, free but evictable
+    hog = make_seq([5] * 8)
+    blocks.allocate(hog)  # a tie in free blocks: rank 0, which now has fewer
+    assert hog.dp_rank == 0 and blocks.free_blocks_per_rank == [6, 8]
+    again = make_seq([*prompt, 99])
+    blocks.allocate(again)
+    assert again.dp_rank == 0 and again.num_cached_tokens == 12
+    assert blocks.num_prefix_hit_blocks == 3
+
+
+def test_capacity_is_per_rank() -> None:
+    blocks = DataParallelBlocks(2, num_blocks=4, block_size=4)
+    blocks.allocate(make_seq([1] * 4))
+    blocks.allocate(make_seq([2] * 4))
+    assert blocks.free_blocks_per_rank == [3, 3]
+    big = make_seq([3] * 16)  # four blocks: six free in all, three on each rank
+    assert not blocks.can_allocate(big)
+    with pytest.raises(MemoryError, match=r"no data-parallel rank has room .* \[3, 3\]"):
+        blocks.allocate(big)
+    fits = make_seq([4] * 12)
+    assert blocks.can_allocate(fits)
+    blocks.allocate(fits)
+    assert blocks.free_blocks_per_rank == [0, 3]
