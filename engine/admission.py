@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
+from engine.dp_blocks import KvBlocks
 from engine.kv_cache import KVCacheCapacityError
 from engine.sampling_params import SamplingParams
 
@@ -19,7 +19,7 @@ def check_request(
     vocab_size: int,
     has_tokenizer: bool,
     max_model_len: int,
-    block_manager: BlockManager,
+    block_manager: KvBlocks,
 ) -> None:
     """RequestError naming the field, unless the request fits the model: ``token_ids`` are
     the prompt's ``num_prompt_tokens``, then any resumed output. KVCacheCapacityError when

@@ -125,6 +125,14 @@ def add_in_process_generate(parser: Any) -> Callable[[argparse.Namespace], int]:
         "--threads (default: 1)",
     )
     parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="DeepSeek-V3: N ranks, each attending its own requests over its own latent "
+        "cache, the experts split over them (eager, no drafts; default: 1)",
+    )
+    parser.add_argument(
         "--enable-expert-parallel",
         action="store_true",
         help="a mixture of experts (DeepSeek-V3) split over the ranks: each holds a share of the "
@@ -246,6 +254,7 @@ def _generate(args: argparse.Namespace) -> int:
             num_threads=args.threads,
             tensor_parallel_size=args.tensor_parallel_size,
             enable_expert_parallel=args.enable_expert_parallel,
+            data_parallel_size=args.data_parallel_size,
             fp8_weights=args.fp8_weights,
         )
         load_s = time.perf_counter() - start

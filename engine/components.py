@@ -14,6 +14,7 @@ import torch
 from engine.attention import get_backend, select_backend
 from engine.block_manager import BlockManager
 from engine.config import read_hf_config
+from engine.dp_blocks import DataParallelBlocks, KvBlocks
 from engine.engine_config import EngineConfig
 from engine.executor.multiproc import RankGroup, rank_threads
 from engine.executor.shared_kv import SharedKv
@@ -100,7 +101,7 @@ class EngineComponents:
     # Split over ranks that share memory: every rank's heads of kv_cache (kv_cache's pools
     # are views of it), what a KV transfer reads and writes; else None.
     whole_kv_cache: PagedKVCache | None
-    block_manager: BlockManager
+    block_manager: KvBlocks
     scheduler: Scheduler
     kernels: str  # "torch" or "triton"
     runner: ModelRunner
@@ -117,13 +118,14 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
     if device.type == "cpu":  # loaded (or built) now: before packing, not in the first step
         cpu_kernels.load(build=config.build_cpu_kernels)  # and before other ranks load it
     ranks = None
-    if config.tensor_parallel_size > 1:
+    if config.world_size > 1:
         check_split(
             config.model,
-            config.tensor_parallel_size,
+            config.world_size,
             dtype=config.dtype,
             max_length=config.max_model_len,
             expert_parallel=config.enable_expert_parallel,
+            data_parallel_size=config.data_parallel_size,
         )
         # What rank 0 runs, resolved here: every rank's layers swap in the same kernels.
         attention, kernels = resolved_kernels(config)
@@ -156,6 +158,7 @@ def _build(
         device=device,
         tp=tp,
         expert_parallel=config.enable_expert_parallel,
+        data_parallel_size=config.data_parallel_size,
     )
     if fp8_weights == "dequantize":  # once, at load time
         dequantize_fp8(model, model_config.dtype)
@@ -201,12 +204,14 @@ def _build(
     )
     num_blocks = tp.agree_min(num_blocks)  # every rank's scheduler plans the same blocks
     whole_kv = None  # split: every rank's KV heads, for transfers (engine.executor.shared_kv)
-    shared = SharedKv.open(tp, whole_kv_params, num_blocks) if tp.size > 1 else None
+    # Data-parallel ranks' pools hold different requests: each its own, none shared.
+    is_split = tp.size > 1 and config.data_parallel_size == 1
+    shared = SharedKv.open(tp, whole_kv_params, num_blocks) if is_split else None
     if shared is not None:
         kv_cache, whole_kv = shared.rank, shared.whole
     else:
         kv_cache = PagedKVCache(kv_params, num_blocks, device)
-        if tp.size > 1:
+        if is_split:
             logger.warning(
                 "tensor_parallel_size %d: the ranks' KV pools are not shared (%s), so this "
                 "engine's KV cannot be sent to or received from other workers",
@@ -214,12 +219,20 @@ def _build(
                 "CUDA ranks" if device.type == "cuda" else "the shared segment could not be mapped",
             )
     # With CUDA graphs the last block is no request's: padded rows write there.
-    block_manager = BlockManager(
+    block_manager: KvBlocks = BlockManager(
         num_blocks - config.uses_cuda_graphs,
         config.block_size,
         config.enable_prefix_caching,
         lookahead,
     )
+    if config.data_parallel_size > 1:  # each rank's pool, its requests' blocks
+        block_manager = DataParallelBlocks(
+            config.data_parallel_size,
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            lookahead,
+        )
     scheduler = Scheduler(
         SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), block_manager
     )
@@ -237,6 +250,7 @@ def _build(
         compile_decode=config.torch_compile,
         sampling_kernels=sampling_kernels(kernels),
         ranks=ranks,
+        data_parallel_size=config.data_parallel_size,
     )
     spec: SpecRunner | None = None
     if config.speculative is not None and config.speculative.is_model_free:

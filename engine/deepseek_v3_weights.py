@@ -11,6 +11,9 @@ Split over ranks (``engine.parallel.shard``), a rank reads:
   own experts whole (``DeepseekV3MoE.expert_ids``), renumbered from 0. The router is every
   rank's.
 - **Vocabulary.** Its rows of the embedding and the LM head.
+
+Under data-parallel attention (``config.data_parallel_size``) every rank holds the whole
+model but the experts: the routed ones split as above, the shared ones by channels.
 """
 
 from __future__ import annotations
@@ -84,8 +87,12 @@ def decoder_layer_rules(
     config: DeepseekV3Config, layer_id: int, hf: str, ours: str, shard: Shard
 ) -> list[TensorRule]:
     """One HF decoder layer (prefix ``hf``): its attention, norms and MLP (dense before
-    ``first_k_dense_replace``, else experts) -> Tandem's (prefix ``ours``), ``shard``'s."""
+    ``first_k_dense_replace``, else experts) -> Tandem's (prefix ``ours``), ``shard``'s.
+    Under data-parallel attention only the experts are split: the rest is whole."""
     c, h = config, config.hidden_size
+    moe_shard = shard
+    if c.data_parallel_size > 1:
+        shard = Shard(0, 1)
     rules = mla_attention_rules(c, f"{hf}.self_attn", f"{ours}.self_attn", shard=shard)
     rules += [
         one_rule(f"{ours}.{n}.weight", f"{hf}.{n}.weight", (h,))
@@ -98,8 +105,8 @@ def decoder_layer_rules(
     rules.append(one_rule(f"{ours}.mlp.gate.weight", f"{hf}.mlp.gate.weight", (e, h)))
     bias = "mlp.gate.e_score_correction_bias"
     rules.append(one_rule(f"{ours}.{bias}", f"{hf}.{bias}", (e,)))
-    held = shard.even(e, "n_routed_experts") if c.expert_parallel else range(e)
-    split = Shard(0, 1) if c.expert_parallel else shard
+    held = moe_shard.even(e, "n_routed_experts") if c.expert_parallel else range(e)
+    split = Shard(0, 1) if c.expert_parallel else moe_shard
     for j in held:
         rules += _mlp_rules(
             f"{hf}.mlp.experts.{j}",
@@ -116,7 +123,7 @@ def decoder_layer_rules(
             f"{ours}.mlp.shared_experts",
             h,
             shared,
-            shard,
+            moe_shard,
             "shared experts' size",
         )
     return rules
@@ -130,7 +137,8 @@ def deepseek_v3_weight_rules(
     the last one are not read."""
     c, h = config, config.hidden_size
     shard = shard or Shard(0, 1)
-    vocab = run_part(0, shard.vocab(c.vocab_size)) if shard.size > 1 else None
+    split_vocab = shard.size > 1 and c.data_parallel_size == 1  # else every rank's whole
+    vocab = run_part(0, shard.vocab(c.vocab_size)) if split_vocab else None
     rules = [one_rule("embed_tokens.weight", "model.embed_tokens.weight", (c.vocab_size, h), vocab)]
     for i in range(c.num_hidden_layers):
         rules += decoder_layer_rules(c, i, f"model.layers.{i}", f"layers.{i}", shard)

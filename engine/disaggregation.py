@@ -17,9 +17,9 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from engine.block_manager import BlockManager
     from engine.config import Llama3Config
     from engine.deepseek_v3_config import DeepseekV3Config
+    from engine.dp_blocks import KvBlocks
     from engine.engine_config import EngineConfig
     from engine.model_runner import ModelRunner
     from engine.scheduler import Scheduler
@@ -34,7 +34,7 @@ class Disaggregation:
     config: EngineConfig
     kv_cache: PagedKVCache
     whole_kv_cache: PagedKVCache | None
-    block_manager: BlockManager
+    block_manager: KvBlocks
     scheduler: Scheduler
     runner: ModelRunner
     spec: SpecRunner | None

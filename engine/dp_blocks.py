@@ -33,6 +33,7 @@ class DataParallelBlocks:
             for _ in range(num_ranks)
         ]
         self.num_blocks = num_blocks  # per rank: the most one request can ever hold
+        self.num_placed = [0] * num_ranks  # requests placed on each rank, so far
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_lookahead_slots = num_lookahead_slots
@@ -48,6 +49,11 @@ class DataParallelBlocks:
     @property
     def num_clean_blocks(self) -> int:
         return sum(rank.num_clean_blocks for rank in self.ranks)
+
+    @property
+    def clean_block_ids(self) -> list[int]:
+        """Rank 0's free blocks that hold no cached prefix (what a warm-up may write)."""
+        return self.ranks[0].clean_block_ids
 
     @property
     def num_prefix_hit_blocks(self) -> int:
@@ -80,6 +86,7 @@ class DataParallelBlocks:
             )
         seq.dp_rank = rank  # type: ignore[attr-defined]
         self.ranks[rank].allocate(seq)
+        self.num_placed[rank] += 1
 
     def _of(self, seq: BlockOwner) -> BlockManager:
         return self.ranks[getattr(seq, "dp_rank", 0)]
@@ -99,3 +106,7 @@ class DataParallelBlocks:
     def reset_prefix_cache(self) -> None:
         for rank in self.ranks:
             rank.reset_prefix_cache()
+
+
+# What the scheduler allocates from: one pool's blocks, or each data-parallel rank's.
+KvBlocks = BlockManager | DataParallelBlocks

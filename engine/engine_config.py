@@ -81,6 +81,10 @@ class EngineConfig:
     # A mixture of experts split over the ranks: its routed experts whole, a share per
     # rank (expert parallelism), rather than every expert's channels (engine.models.moe).
     enable_expert_parallel: bool = False
+    # Data-parallel attention (DeepSeek-V3): this many ranks, each attending its own
+    # requests' rows over its own KV pool with the whole attention, the experts split over
+    # them (engine.dp_blocks, engine.models.moe.DataParallelStep). Eager, without drafts.
+    data_parallel_size: int = 1
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -114,6 +118,29 @@ class EngineConfig:
             )
         if self.tensor_parallel_size > 1:
             self._check_split()
+        self._check_data_parallel()
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the engine: data-parallel ranks times tensor-parallel ones."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    def _check_data_parallel(self) -> None:
+        """What data-parallel attention covers for now."""
+        size = self.data_parallel_size
+        if size < 1:
+            raise ValueError(f"data_parallel_size: {size}, must be at least 1")
+        why = ""
+        if size == 1:
+            return
+        if self.tensor_parallel_size > 1:
+            why = "tensor_parallel_size > 1 (tensor parallelism inside each rank is not built)"
+        elif self.speculative is not None:
+            why = "speculative decoding (drafts beside each rank's rows are not built yet)"
+        elif self.torch_compile or self.uses_cuda_graphs or self.enable_overlap_scheduler:
+            why = "compiled steps or CUDA graphs (eager only for now); turn them off"
+        if why:
+            raise ValueError(f"data_parallel_size: {size} does not run with {why}")
 
     def _check_split(self) -> None:
         """What tensor parallelism covers for now: no CUDA graphs."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from engine.dp_blocks import DataParallelBlocks
 from engine.llm_engine import LLMEngine
 
 
@@ -58,10 +59,18 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
 
 
 def owned_block_ids(engine: LLMEngine) -> tuple[list[int], list[int]]:
-    """Block ids held by requests, and free ones holding a cached prefix (for audits)."""
-    blocks = engine.block_manager.blocks
-    owned = [b.block_id for b in blocks if b.ref_count > 0]
-    cached = [b.block_id for b in blocks if b.ref_count == 0 and b.hash is not None]
+    """Block ids held by requests, and free ones holding a cached prefix (for audits).
+    Data-parallel ranks' ids are numbered on: rank r's block b is ``r * num_blocks + b``."""
+    manager = engine.block_manager
+    ranks = manager.ranks if isinstance(manager, DataParallelBlocks) else [manager]
+    owned: list[int] = []
+    cached: list[int] = []
+    for r, rank in enumerate(ranks):
+        first = r * rank.num_blocks
+        owned += [first + b.block_id for b in rank.blocks if b.ref_count > 0]
+        cached += [
+            first + b.block_id for b in rank.blocks if b.ref_count == 0 and b.hash is not None
+        ]
     return owned, cached
 
 

@@ -35,6 +35,7 @@ class ModelInputs:
     layout: BatchLayout
     logit_indices: torch.Tensor  # [N * n] int64: last n tokens of each row that samples
     sample_rows: list[int]  # host: which rows those are
+    dp_ranks: torch.Tensor | None = None  # [B] int64: each row's data-parallel rank
 
 
 RowLogprobs = tuple[float, list[int], list[float]]  # chosen token's, top-n ids, top-n values
@@ -115,8 +116,10 @@ class ModelRunner:
         compile_decode: bool = False,
         sampling_kernels: SamplingKernels = TORCH_SAMPLING,
         ranks: RankGroup | None = None,
+        data_parallel_size: int = 1,
     ) -> None:
         self.model = model
+        self.data_parallel_size = data_parallel_size  # rows name their rank where over 1
         self.sampling_kernels = sampling_kernels  # where filters and draws run
         # What decode steps call: the model, or its compiled form (engine.executor.uniproc).
         self.decode_model: nn.Module = model
@@ -161,6 +164,11 @@ class ModelRunner:
                 ]
             ),
             sample_rows=sample_rows,
+            dp_ranks=(
+                self._tensor([seq.dp_rank for seq in batch.seqs])
+                if self.data_parallel_size > 1
+                else None
+            ),
         )
 
     def layout(self, spans: list[tuple[Sequence, int, int]]) -> BatchLayout:
@@ -214,6 +222,7 @@ class ModelRunner:
             return_hidden_states,
             metadata,
             on_layer,
+            inputs.dp_ranks,
         )
         return self.executor.forward(forward, compiled=is_decode)
 

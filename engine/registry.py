@@ -155,7 +155,7 @@ def _llama_model(config: Llama3Config, tp: TensorParallelGroup) -> nn.Module:
 def _deepseek_v3_model(config: DeepseekV3Config, tp: TensorParallelGroup) -> nn.Module:
     from engine.models.deepseek_v3 import DeepseekV3Model
 
-    if tp.size > 1 and not tp.shard.vocab(config.vocab_size):
+    if tp.size > 1 and config.data_parallel_size == 1 and not tp.shard.vocab(config.vocab_size):
         raise TensorParallelError(
             f"tensor_parallel_size: {tp.size} leaves a rank no row of vocab_size "
             f"{config.vocab_size}"
@@ -195,11 +195,13 @@ def load_model(
     device: str | torch.device = "cpu",
     tp: TensorParallelGroup | None = None,
     expert_parallel: bool = False,
+    data_parallel_size: int = 1,
 ) -> tuple[nn.Module, ModelConfig]:
     """Reads config.json, builds the declared model and fills it from safetensors; with
     ``tp``, this rank's part of it, read from the files alone (``expert_parallel``: a
-    mixture of experts' routed experts split whole, not by channels)."""
-    arch, config = _model_config(model_dir, dtype, max_length, expert_parallel)
+    mixture of experts' routed experts split whole, not by channels; ``data_parallel_size``
+    over 1: data-parallel attention, only the experts split)."""
+    arch, config = _model_config(model_dir, dtype, max_length, expert_parallel, data_parallel_size)
     tp = tp or TensorParallelGroup.single()
     with torch.device("meta"):
         model = arch.model_class(config, tp)
@@ -309,17 +311,29 @@ def load_whole_vocabulary(
 
 
 def _model_config(
-    model_dir: str | Path, dtype: str | torch.dtype, max_length: int | None, expert_parallel: bool
+    model_dir: str | Path,
+    dtype: str | torch.dtype,
+    max_length: int | None,
+    expert_parallel: bool,
+    data_parallel_size: int = 1,
 ) -> tuple[Architecture, ModelConfig]:
     hf = read_hf_config(model_dir)
     arch = get_architecture(hf)
     config = arch.config_from_hf(hf, dtype=dtype, max_length=max_length)
-    if expert_parallel:
-        if not isinstance(config, DeepseekV3Config):
+    if not isinstance(config, DeepseekV3Config):
+        if expert_parallel:
             raise ConfigError(
                 f"enable_expert_parallel: {arch.name} has no experts to split; leave it off"
             )
-        config = dataclasses.replace(config, expert_parallel=True)
+        if data_parallel_size > 1:
+            raise ConfigError(
+                f"data_parallel_size: {data_parallel_size}; data-parallel attention is built "
+                f"for DeepSeek-V3's latent cache, not {arch.name} (use tensor_parallel_size)"
+            )
+    if isinstance(config, DeepseekV3Config):
+        config = dataclasses.replace(
+            config, expert_parallel=expert_parallel, data_parallel_size=data_parallel_size
+        )
     return arch, config
 
 
@@ -330,11 +344,12 @@ def check_split(
     dtype: str = "bfloat16",
     max_length: int | None = None,
     expert_parallel: bool = False,
+    data_parallel_size: int = 1,
 ) -> None:
     """Raises TensorParallelError (naming the numbers) where the model in ``model_dir``
     cannot be split over ``size`` ranks: built on the meta device as rank 0's part, before
     any rank starts or reads a weight."""
-    arch, config = _model_config(model_dir, dtype, max_length, expert_parallel)
+    arch, config = _model_config(model_dir, dtype, max_length, expert_parallel, data_parallel_size)
     with torch.device("meta"):
         arch.model_class(config, TensorParallelGroup(Shard(0, size), None))
     block = getattr(config, "quantization", None)
@@ -357,9 +372,11 @@ def _row_parallel_columns(config: ModelConfig) -> list[tuple[str, int]]:
             ("intermediate_size", config.intermediate_size),
         ]
     c = config
-    found = [("num_attention_heads x v_head_dim", c.num_attention_heads * c.v_head_dim)]
-    if c.first_k_dense_replace:
-        found.append(("intermediate_size", c.intermediate_size))
+    found = []
+    if c.data_parallel_size == 1:  # data-parallel attention: attention and dense MLPs whole
+        found.append(("num_attention_heads x v_head_dim", c.num_attention_heads * c.v_head_dim))
+        if c.first_k_dense_replace:
+            found.append(("intermediate_size", c.intermediate_size))
     if c.first_k_dense_replace < c.num_hidden_layers:
         if not c.expert_parallel:
             found.append(("moe_intermediate_size", c.moe_intermediate_size))

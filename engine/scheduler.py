@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
+from engine.dp_blocks import KvBlocks
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -49,7 +49,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: KvBlocks) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()

@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Protocol
 
-from engine.block_manager import BlockManager
+from engine.dp_blocks import KvBlocks
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
 from engine.spec.spec_runner import SpecRunner
@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 class Warmable(Protocol):
     """What the warm-up uses of an ``LLMEngine``."""
 
-    block_manager: BlockManager
+    block_manager: KvBlocks
     spec: SpecRunner | None
 
     def add_request(

@@ -17,7 +17,7 @@ import torch
 from engine.attention.base import BatchLayout
 from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs, ReturnHiddenStates
 
-MESSAGE_FORMAT = 1  # bumped whenever the layout below changes
+MESSAGE_FORMAT = 2  # bumped whenever the layout below changes
 OP_FORWARD, OP_STOP = 1, 2
 
 
@@ -29,6 +29,8 @@ class ForwardInputs:
     return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES
     metadata: Any = None  # the backend's, from ``layout``; None: built by the executor
     on_layer: Callable[[int], None] | None = None  # told once layer i wrote its KV
+    # Data-parallel attention: each row's rank ([B] int64); each rank runs its rows only.
+    dp_ranks: torch.Tensor | None = None
 
 
 # What speculative steps call for their verification: the compiled forward, where compiled.
@@ -94,6 +96,7 @@ def encode(inputs: ForwardInputs, *, compiled: bool) -> torch.Tensor:
     w.optional(list(hidden.layer_ids))
     w.optional(layout.query_lens)
     w.optional(layout.context_lens_host)
+    w.optional(None if inputs.dp_ranks is None else inputs.dp_ranks.tolist())
     return torch.cat(w.parts)
 
 
@@ -131,4 +134,7 @@ def decode(message: torch.Tensor, device: torch.device) -> tuple[ForwardInputs, 
         context_lens_host=r.optional(),
     )
     hidden = ReturnHiddenStates(tuple(layer_ids), bool(final))
-    return ForwardInputs(tokens, layout, logit_indices, hidden), bool(compiled)
+    ranks = r.optional()
+    dp_ranks = None if ranks is None else torch.tensor(ranks, dtype=torch.int64, device=device)
+    inputs = ForwardInputs(tokens, layout, logit_indices, hidden, dp_ranks=dp_ranks)
+    return inputs, bool(compiled)

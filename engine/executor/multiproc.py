@@ -58,7 +58,7 @@ def rank_threads(config: RankConfig) -> int:
     """Each rank's share of the CPU threads: ``num_threads`` (else every core) divided
     among the ranks, at least one."""
     total = config.num_threads or os.cpu_count() or 1
-    return max(1, total // config.tensor_parallel_size)
+    return max(1, total // (config.tensor_parallel_size * config.data_parallel_size))
 
 
 class RankGroup:
@@ -88,7 +88,7 @@ class RankGroup:
     def start(cls, config: RankConfig, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> RankGroup:
         """Spawns ranks 1.. and joins their group as rank 0; returns once all have joined.
         They then load their shards as this process loads rank 0's."""
-        size = config.tensor_parallel_size
+        size = config.tensor_parallel_size * config.data_parallel_size
         device = torch.device(config.device)
         if dist.is_initialized():  # the group is the process's default one
             raise RuntimeError(

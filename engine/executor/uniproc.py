@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.executor import data_parallel
 from engine.executor.inputs import ForwardInputs, TargetForward
 from engine.kv_cache import PagedKVCache
 from engine.models.llama3 import ModelOutputs
@@ -88,6 +89,13 @@ class UniprocExecutor:
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, *, compiled: bool = False) -> ModelOutputs:
+        dp = getattr(self.model, "dp", None)
+        if inputs.dp_ranks is not None and dp is not None:  # this rank's rows only
+            idle = cast(Callable[[], ModelOutputs], self.model.idle_pass)
+            return data_parallel.forward(inputs, dp, self._forward_rows, idle)
+        return self._forward_rows(inputs, compiled=compiled)
+
+    def _forward_rows(self, inputs: ForwardInputs, *, compiled: bool = False) -> ModelOutputs:
         metadata = inputs.metadata
         if metadata is None:
             metadata = self.backend.build_metadata(inputs.layout)

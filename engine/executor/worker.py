@@ -40,6 +40,7 @@ class RankConfig:
     model: str
     tensor_parallel_size: int
     enable_expert_parallel: bool = False
+    data_parallel_size: int = 1
     dtype: str = "bfloat16"
     max_model_len: int | None = None
     block_size: int = 16
@@ -72,6 +73,7 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
         device=device,
         tp=tp,
         expert_parallel=config.enable_expert_parallel,
+        data_parallel_size=config.data_parallel_size,
     )
     if config.fp8_weights == "dequantize":  # as rank 0's build_components does
         dequantize_fp8(model, model_config.dtype)
@@ -92,7 +94,8 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     backend = get_backend(
         config.attention_backend, device=config.device, block_size=config.block_size
     )
-    shared = SharedKv.open(tp, whole_params, num_blocks)  # as rank 0 opens it
+    # As rank 0 opens it (data-parallel ranks' pools hold different requests: their own).
+    shared = SharedKv.open(tp, whole_params, num_blocks) if config.data_parallel_size == 1 else None
     kv_cache = PagedKVCache(params, num_blocks, device) if shared is None else shared.rank
     decode_model = compile_decode_model(model, kv_cache) if config.torch_compile else None
     return UniprocExecutor(model, kv_cache, backend, decode_model)

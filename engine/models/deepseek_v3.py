@@ -27,8 +27,9 @@ from engine.models.llama3 import (
     ModelOutputs,
     ReturnHiddenStates,
     run_decoder,
+    whole_logits,
 )
-from engine.models.moe import DeepseekV3MoE
+from engine.models.moe import DataParallelStep, DeepseekV3MoE
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.layers import VocabParallelEmbedding
 
@@ -154,14 +155,19 @@ class MultiHeadLatentAttention(nn.Module):
 
 class DeepseekV3DecoderLayer(nn.Module):
     def __init__(
-        self, config: DeepseekV3Config, layer_id: int, tp: TensorParallelGroup | None = None
+        self,
+        config: DeepseekV3Config,
+        layer_id: int,
+        tp: TensorParallelGroup | None = None,
+        moe_group: TensorParallelGroup | None = None,  # default: tp
+        dp: DataParallelStep | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = MultiHeadLatentAttention(config, tp=tp)
         self.mlp: nn.Module = (
             GatedMLP(config.hidden_size, config.intermediate_size, bias=False, tp=tp)
             if layer_id < config.first_k_dense_replace
-            else DeepseekV3MoE(config, tp)
+            else DeepseekV3MoE(config, moe_group or tp, dp)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -203,13 +209,21 @@ class DeepseekV3Model(nn.Module):
     def __init__(self, config: DeepseekV3Config, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.tp = tp or TensorParallelGroup.single()
+        group = tp or TensorParallelGroup.single()
+        # Data-parallel attention: every rank holds the whole model but the experts, split
+        # over ``group``; the rows a step gives each rank are in ``dp`` (DataParallelStep).
+        self.moe_group = group
+        self.tp = TensorParallelGroup.single() if config.data_parallel_size > 1 else group
+        self.dp: DataParallelStep | None = None
+        if config.data_parallel_size > 1:
+            self.dp = DataParallelStep(group)
         vocab, h = config.vocab_size, config.hidden_size
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding = nn.Embedding(vocab, h)
         if self.tp.size > 1:
             self.embed_tokens = VocabParallelEmbedding(vocab, h, self.tp)
         self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(config, i, self.tp) for i in range(config.num_hidden_layers)
+            DeepseekV3DecoderLayer(config, i, self.tp, group, self.dp)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(h, len(self.tp.shard.vocab(vocab)), bias=False)
@@ -234,6 +248,16 @@ class DeepseekV3Model(nn.Module):
             if isinstance(layer.mlp, DeepseekV3MoE):
                 layer.mlp.gate.keep_fp32()
 
+    def idle_pass(self) -> ModelOutputs:
+        """A data-parallel rank with no rows this step: it joins the others' collectives
+        (each MoE layer's gather and all-reduce, the logits' gather) with none of its own."""
+        x = self.embed_tokens.weight.new_zeros(0, self.config.hidden_size)
+        for layer in self.layers:
+            if isinstance(layer.mlp, DeepseekV3MoE):
+                layer.mlp(x)
+        empty = x.new_zeros(0, self.config.vocab_size, dtype=torch.float32)
+        return ModelOutputs(logits=whole_logits(self, empty))
+
     def forward(
         self,
         tokens: torch.Tensor,  # [T] int64
@@ -245,6 +269,8 @@ class DeepseekV3Model(nn.Module):
         return_hidden_states: ReturnHiddenStates = NO_HIDDEN_STATES,
         on_layer: Callable[[int], None] | None = None,  # told once layer i wrote its KV
     ) -> ModelOutputs:
+        if self.dp is not None and tokens.numel() == 0:
+            return self.idle_pass()
         return run_decoder(
             self,
             tokens,

@@ -214,4 +214,7 @@ def whole_logits(model: Any, logits: torch.Tensor) -> torch.Tensor:
     """``logits`` of every vocabulary row: split, this rank's columns gathered with the
     other ranks' (a draft: no ``tp``)."""
     tp = getattr(model, "tp", None)
-    return logits if tp is None else gather_logits(tp, logits, model.config.vocab_size)
+    if tp is not None:
+        logits = gather_logits(tp, logits, model.config.vocab_size)
+    dp = getattr(model, "dp", None)  # data-parallel attention: every rank's rows, in rank order
+    return logits if dp is None else dp.gather_rows(logits, dp.logits)

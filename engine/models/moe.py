@@ -3,6 +3,8 @@ top-k, routed scaling factor, shared experts."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,6 +60,34 @@ class TopkRouter(nn.Module):
         return ids, weights * self.routed_scaling_factor
 
 
+@dataclass
+class DataParallelStep:
+    """One step of data-parallel attention (``EngineConfig.data_parallel_size``): how many
+    tokens, and how many rows of logits, each rank of ``group`` runs, in rank order. The
+    executor sets them before every forward; each rank's experts then see every rank's
+    tokens (``gather_rows``) and hand each rank back its own (``own_rows``)."""
+
+    group: TensorParallelGroup
+    tokens: list[int] = field(default_factory=list)
+    logits: list[int] = field(default_factory=list)
+
+    def gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every rank's ``counts[r]`` rows of ``x``, concatenated in rank order, on every
+        rank: one all-gather of the rows padded to the most any rank has."""
+        most = max(counts)
+        if most == 0:
+            return x
+        if x.shape[0] < most:
+            x = torch.cat([x, x.new_zeros(most - x.shape[0], *x.shape[1:])])
+        everyone = self.group.all_gather(x.contiguous(), dim=0)  # [size * most, ...]
+        return torch.cat([everyone[r * most : r * most + n] for r, n in enumerate(counts)])
+
+    def own_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This rank's rows of ``x`` (every rank's ``counts`` of rows, in rank order)."""
+        start = sum(counts[: self.group.shard.rank])
+        return x[start : start + counts[self.group.shard.rank]]
+
+
 class DeepseekV3MoE(nn.Module):
     """Routed experts weighted by the router, plus shared experts every token goes through.
 
@@ -70,11 +100,20 @@ class DeepseekV3MoE(nn.Module):
       ``n_routed_experts / size`` a rank (``expert_ids``); each rank runs the chosen experts
       it holds. The shared experts stay tensor-parallel: their partial sums ride the same
       all-reduce, so expert parallelism adds no collective.
+
+    Under data-parallel attention (``dp``) each rank brings its own tokens: they are
+    gathered from every rank first, and each rank keeps its own rows of the sum.
     """
 
-    def __init__(self, config: DeepseekV3Config, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: DeepseekV3Config,
+        tp: TensorParallelGroup | None = None,
+        dp: DataParallelStep | None = None,
+    ) -> None:
         super().__init__()
         self.tp = tp or TensorParallelGroup.single()
+        self.dp = dp
         shard = self.tp.shard
         inter = config.moe_intermediate_size
         self.gate = TopkRouter(config)
@@ -95,6 +134,13 @@ class DeepseekV3MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        if self.dp is None:
+            return self.combined(x)
+        everyone = self.dp.gather_rows(x, self.dp.tokens)
+        return self.dp.own_rows(self.combined(everyone), self.dp.tokens)
+
+    def combined(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's partial output over the same tokens, all-reduced."""
         ids, weights = self.gate(x)
         out = torch.zeros_like(x)
         first, last = self.expert_ids.start, self.expert_ids.stop

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_manager import BlockManager
+from engine.dp_blocks import KvBlocks
 from engine.sampler import SamplingTensors
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec.graph_runner import PendingStep
@@ -89,7 +89,7 @@ def may_continue(seq: Sequence, k: int) -> bool:
     )
 
 
-def reserve(blocks: BlockManager, running: list[Sequence], step: AheadStep) -> bool:
+def reserve(blocks: KvBlocks, running: list[Sequence], step: AheadStep) -> bool:
     """Grows the tables of ``step``'s rows that may continue for their worst case (K+1
     tokens accepted in ``step``, then one more step), if the free blocks hold that and what
     every other running row needs now; False (nothing reserved) when they do not: the
