@@ -4,9 +4,10 @@ one ``BlockManager`` each, with block ids local to that rank's pool.
 
 A request is placed on one rank when it first gets blocks (``allocate``) and keeps it
 while it holds any; once freed (finished, or preempted to be recomputed) it may be placed
-again elsewhere. The place: the rank whose prefix cache holds most of its prompt, then
-the one with most free blocks, then the lowest. Capacity is per rank: a request is
-admitted only where one rank can hold it, whatever the others have free.
+again elsewhere. The place: the rank with most free blocks, counting the blocks of its
+prompt that rank has cached as free too (so a shared prefix does not pull every request
+onto one rank), then the lowest. Capacity is per rank: a request is admitted only where
+one rank can hold it, whatever the others have free.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class DataParallelBlocks:
         self.num_lookahead_slots = num_lookahead_slots
 
     @property
+    def total_blocks(self) -> int:
+        """Every rank's blocks together (``num_blocks`` is one rank's)."""
+        return self.num_blocks * len(self.ranks)
+
+    @property
     def free_blocks_per_rank(self) -> list[int]:
         return [rank.num_free_blocks for rank in self.ranks]
 
@@ -69,8 +75,10 @@ class DataParallelBlocks:
             return None
         free = self.free_blocks_per_rank
 
-        def preference(r: int) -> tuple[int, int, int]:
-            return (self.ranks[r].num_prefix_hits(seq), free[r], -r)
+        def preference(r: int) -> tuple[int, int]:
+            # Blocks it would find cached count as free ones: a shared prefix draws
+            # requests to its rank only while that rank is no fuller than the others.
+            return (self.ranks[r].num_prefix_hits(seq) + free[r], -r)
 
         return max(fits, key=preference)
 

@@ -44,7 +44,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
     bm = engine.block_manager
     spec = engine.spec.stats if engine.spec is not None else None
     return EngineStats(
-        num_blocks=bm.num_blocks,
+        num_blocks=bm.total_blocks if isinstance(bm, DataParallelBlocks) else bm.num_blocks,
         num_free_blocks=bm.num_free_blocks,
         num_running=len(engine.scheduler.running),
         num_waiting=len(engine.scheduler.waiting),

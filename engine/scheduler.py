@@ -75,7 +75,7 @@ class Scheduler:
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_append(seq, num_new):
-                victim = self._victim()
+                victim = self._victim(seq)
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
@@ -121,13 +121,15 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def _victim(self) -> Sequence:
-        """The newest running request, passing over prefill-only ones while there are
-        others: on a co-located worker, such a row computes a prompt into blocks it was
-        reserved, needs no more and hands them to decoding in place; handed back, it would
-        leave its prefill side nothing to hand over."""
-        decoding = [s for s in self.running if not s.is_prefill_only]
-        return (decoding or self.running)[-1]
+    def _victim(self, needing: Sequence) -> Sequence:
+        """The newest running request whose blocks ``needing`` could use (under
+        data-parallel attention, one of its rank's), passing over prefill-only ones while
+        there are others: on a co-located worker, such a row computes a prompt into blocks
+        it was reserved, needs no more and hands them to decoding in place; handed back,
+        it would leave its prefill side nothing to hand over."""
+        pool = [s for s in self.running if s.dp_rank == needing.dp_rank]
+        decoding = [s for s in pool if not s.is_prefill_only]
+        return (decoding or pool)[-1]
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -2,7 +2,8 @@
 the engine (and tokenizer), the draft's DraftConfig with its fingerprint, the KV layout.
 
 Two workers can hand KV to each other only if their layouts match, draft fingerprint
-included: the fingerprint hashes the drafter's settings and its weights.
+included: the fingerprint hashes the drafter's settings and its weights (an MTP draft's,
+which are the model's own: the model's config and its files' names and sizes).
 """
 
 from __future__ import annotations
@@ -354,7 +355,7 @@ def draft_config(engine: LLMEngine, spec: ModelSpec) -> worker_pb2.DraftConfig |
     signature = engine.spec.drafter.signature()
     message = worker_pb2.DraftConfig(
         kind=signature.kind,
-        draft_model=spec.draft_dir.name if spec.draft_dir else f"{spec.model_dir.name}:mtp",
+        draft_model=spec.draft_dir.name if spec.draft_dir else f"{spec.served_name}:mtp",
         num_draft_tokens=engine.spec.k,
         block_size=signature.block_size,
         mask_token_id=signature.mask_token_id,

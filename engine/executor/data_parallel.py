@@ -31,6 +31,9 @@ def forward(
 ) -> ModelOutputs:
     """This rank's part of the step; the logits of every row that gets some, in order."""
     assert inputs.dp_ranks is not None
+    # Neither a prefill worker's per-layer pushes nor a draft's hidden states run here yet
+    # (EngineConfig refuses drafts with data-parallel attention).
+    assert inputs.on_layer is None and not inputs.return_hidden_states.layer_ids
     layout = inputs.layout
     assert layout.query_lens is not None and layout.context_lens_host is not None
     row_ranks = inputs.dp_ranks.tolist()
@@ -39,10 +42,11 @@ def forward(
     logit_tokens = inputs.logit_indices.tolist()
     logit_ranks = [row_ranks[bisect.bisect_right(offsets, t) - 1] for t in logit_tokens]
     size, me = dp.group.size, dp.group.shard.rank
-    dp.tokens = [sum(q for q, r in zip(query_lens, row_ranks, strict=True) if r == k)
-                 for k in range(size)]  # fmt: skip
+    dp.data_parallel_splits = [[row for row, r in enumerate(row_ranks) if r == k]
+                               for k in range(size)]  # fmt: skip
+    dp.tokens = [sum(query_lens[row] for row in rows) for rows in dp.data_parallel_splits]
     dp.logits = [logit_ranks.count(k) for k in range(size)]
-    mine = [row for row, rank in enumerate(row_ranks) if rank == me]
+    mine = dp.data_parallel_splits[me]
     out = run(_rows(inputs, mine, offsets, logit_tokens)) if mine else idle()
     # Rank-major back to the batch's order: the j-th logit row of rank k sits at
     # start[k] + j of what every rank gathered.

@@ -68,8 +68,10 @@ class DataParallelStep:
     tokens (``gather_rows``) and hand each rank back its own (``own_rows``)."""
 
     group: TensorParallelGroup
-    tokens: list[int] = field(default_factory=list)
-    logits: list[int] = field(default_factory=list)
+    # The seed's name: the batch's rows each rank owns, per rank, in rank order.
+    data_parallel_splits: list[list[int]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # per rank: its rows' tokens
+    logits: list[int] = field(default_factory=list)  # per rank: its rows' rows of logits
 
     def gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every rank's ``counts[r]`` rows of ``x``, concatenated in rank order, on every

@@ -55,3 +55,24 @@ def test_capacity_is_per_rank() -> None:
     assert blocks.can_allocate(fits)
     blocks.allocate(fits)
     assert blocks.free_blocks_per_rank == [0, 3]
+
+
+def test_a_row_that_cannot_grow_preempts_only_on_its_own_rank() -> None:
+    """Rank 0's request needs a block and its rank has none: freeing rank 1's requests
+    would not help it, so it is the one preempted, and they keep running."""
+    from engine.scheduler import Scheduler, SchedulerConfig
+
+    blocks = DataParallelBlocks(2, num_blocks=3, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(8, 64), blocks)
+    # Rank 0 full with the first; the others fit in a block each on rank 1, growing or not.
+    first, second, third = make_seq([1] * 12), make_seq([2] * 2), make_seq([3] * 2)
+    for seq in (first, second, third):
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert [s.dp_rank for s in batch.seqs] == [0, 1, 1]
+    for seq in batch.seqs:  # their prompts computed, each a token longer
+        seq.num_computed_tokens = seq.num_tokens
+        seq.token_ids.append(9)
+    batch = scheduler.schedule()
+    assert batch.preempted == [first]
+    assert batch.seqs == [second, third]

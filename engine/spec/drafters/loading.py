@@ -112,6 +112,7 @@ def build_draft(
     load_extra: Callable[[M, CheckpointReader], None] | None = None,
     *,
     seed: int = 0,
+    preload: Callable[[M, CheckpointReader], set[str]] | None = None,
 ) -> M:
     """Builds a draft module on the meta device, materialises it and fills its weights
     (``draft_dir`` None: a fresh random draft, to train or to test with)."""
@@ -132,7 +133,9 @@ def build_draft(
         return module.eval()
     reader = CheckpointReader(draft_dir)
     try:
-        load_weights(module, reader, rules)
+        # Parameters another loader fills first (a block-FP8 layer's, dequantized).
+        preloaded = preload(module, reader) if preload is not None else set()
+        load_weights(module, reader, rules, preloaded)
         if load_extra is not None:
             load_extra(module, reader)
     finally:

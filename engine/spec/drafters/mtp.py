@@ -5,11 +5,12 @@ its own: its weights come from the target's files, which the target never reads.
 
 One step, as those servers run the released weights: ``x = eh_proj(concat(enorm(embed(
 t_{i+1})), hnorm(h_i)))``, then the MTP decoder layer (latent attention over its own
-cache, in the target's MLA layout, and a mixture of experts), whose output ``g`` the
-shared head scores (``shared_head.head(shared_head.norm(g))``). ``h_i`` is the target's
-last layer's output before its final norm. The chain feeds ``g`` back as the next step's
-``h``, the one MTP layer run again, as they do for more than one draft token. The
-embedding is the target's (the checkpoint's copy in the layer is the same tensor).
+cache, in the target's MLA layout, and a mixture of experts), whose output, normed by
+``shared_head.norm``, the shared head scores. ``h_i`` is the target's last hidden state
+after its final norm. The chain feeds the normed output back as the next step's ``h``,
+the one MTP layer run again, as they do for more than one draft token. The embedding is
+the target's (the checkpoint's copy in the layer is the same tensor). In a block-FP8
+checkpoint (as released) the layer's FP8 projections are dequantized at load time.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.deepseek_v3_config import DeepseekV3Config
 from engine.deepseek_v3_weights import decoder_layer_rules
+from engine.fp8 import fill_fp8, quantized_rules
 from engine.models.deepseek_v3 import DeepseekV3DecoderLayer, YarnRotaryEmbedding
 from engine.models.layers import Linear, RMSNorm
 from engine.models.llama3 import ROPE_SLACK_POSITIONS, ModelOutputs, ReturnHiddenStates
@@ -47,14 +49,14 @@ class MtpDrafter(nn.Module):
     max_num_layers: ClassVar[int | None] = 1
     fixed_num_draft_tokens: int | None = None
 
-    def __init__(self, config: DeepseekV3Config, target: nn.Module, num_target_layers: int) -> None:
+    def __init__(self, config: DeepseekV3Config, target: nn.Module) -> None:
         """``config``: the target's, one layer (the MTP layer's cache); ``target``: a
         DeepSeek-V3 model (or a split one's ``WholeVocabulary``), its embedding borrowed."""
         super().__init__()
         h = config.hidden_size
         self.config = config
-        # The target's last layer's output, before its final norm.
-        self.target_hidden = ReturnHiddenStates(layer_ids=(num_target_layers - 1,))
+        # The target's last hidden state after its final norm, as vLLM and SGLang feed it.
+        self.target_hidden = ReturnHiddenStates(final=True)
         self.enorm = RMSNorm(h, config.rms_norm_eps)
         self.hnorm = RMSNorm(h, config.rms_norm_eps)
         self.eh_proj = Linear(2 * h, h, bias=False)
@@ -86,8 +88,8 @@ class MtpDrafter(nn.Module):
         return DraftSignature(self.kind)
 
     def features(self, out: ModelOutputs) -> torch.Tensor:
-        (layer,) = self.target_hidden.layer_ids
-        return out.hidden_states[layer]
+        assert out.final_hidden_state is not None
+        return out.final_hidden_state
 
     def _forward(
         self,
@@ -100,13 +102,12 @@ class MtpDrafter(nn.Module):
     ) -> torch.Tensor:
         embed = self.enorm(self._embed[0](tokens))  # [T, H]
         x = self.eh_proj(torch.cat([embed, self.hnorm(hidden)], dim=-1))
-        out: torch.Tensor = self.block(
-            x, self.rotary.lookup(layout.positions), kv[0], backend, metadata
-        )
+        g = self.block(x, self.rotary.lookup(layout.positions), kv[0], backend, metadata)
+        out: torch.Tensor = self.head_norm(g)  # what the head scores and the chain feeds back
         return out
 
     def logits(self, g: torch.Tensor) -> DraftLogits:
-        return DraftLogits(self.head(self.head_norm(g)).float())
+        return DraftLogits(self.head(g).float())
 
     def extend(
         self,
@@ -173,6 +174,19 @@ def load_mtp(target_dir: str | Path, target: nn.Module, device: torch.device) ->
     ]
 
     def factory() -> MtpDrafter:
-        return MtpDrafter(config, target, tc.num_hidden_layers)
+        return MtpDrafter(config, target)
 
-    return build_draft(factory, target_dir, rules, device, config.dtype)
+    block = tc.quantization
+    if block is None:
+        return build_draft(factory, target_dir, rules, device, config.dtype)
+    reader = CheckpointReader(target_dir)
+    try:
+        fp8 = quantized_rules(reader, rules)  # the layer's FP8 projections: dequantized
+    finally:
+        reader.close()
+
+    def dequantized(module: MtpDrafter, reader: CheckpointReader) -> set[str]:
+        return fill_fp8(module, reader, fp8, block)
+
+    plain = [rule for rule in rules if rule not in fp8]
+    return build_draft(factory, target_dir, plain, device, config.dtype, preload=dequantized)

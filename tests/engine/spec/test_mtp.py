@@ -10,8 +10,10 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.models.llama3 import ReturnHiddenStates
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from engine.spec.drafters.base import DraftConfigError
@@ -66,7 +68,7 @@ def test_mtp_drafts_leave_the_output_as_the_target_alone_gives(target, size) -> 
     print(f"MTP tau at K=3, TP {size}: {tau:.2f}")
     assert tau == 1 + stats.num_accepted_tokens / stats.num_drafts and 1.0 <= tau <= 4.0
     drafter = engine.spec.drafter
-    assert drafter.target_hidden.layer_ids == (2,)  # the last layer's output, before its norm
+    assert drafter.target_hidden == ReturnHiddenStates(final=True)  # after the final norm
     assert len(engine.kv_pools["draft"].layers) == 1  # its own latent cache, one layer
 
 
@@ -94,3 +96,33 @@ def test_an_mtp_layer_that_knows_the_target_is_accepted_whole(tmp_path) -> None:
     assert ours == alone
     assert engine.spec is not None
     assert engine.spec.stats.acceptance_rate > 0.9
+
+
+def test_a_block_fp8_target_drafts_with_its_mtp_layer_dequantized(tmp_path) -> None:
+    """As DeepSeek-V3 is released: the MTP layer's projections are FP8 too. They are
+    dequantized at load time (the draft runs bf16 or the dtype's products), equal to the
+    dequantized reference, and speculation stays lossless with the target kept FP8."""
+    from safetensors.torch import load_file
+
+    from engine.fp8 import BlockFp8
+    from tests.engine.test_fp8 import DEEPSEEK_QUANTIZED, write_fp8
+
+    plain = tmp_path / "plain"
+    build_tiny_deepseek_with_mtp(plain, "qlora_yarn_mscale_interleaved", vocab_size=VOCAB)
+    write_fp8(plain, tmp_path, BlockFp8(16, 32), DEEPSEEK_QUANTIZED, seed=5)
+    assert (
+        load_file(tmp_path / "fp8" / "model.safetensors")[
+            "model.layers.3.self_attn.q_b_proj.weight"
+        ].dtype
+        == torch.float8_e4m3fn
+    )
+    alone, _ = greedy(tmp_path / "fp8", fp8_weights="keep")
+    ours, engine = greedy(tmp_path / "fp8", fp8_weights="keep", speculative=MTP)
+    assert ours == alone
+    assert engine.spec is not None
+    drafter = engine.spec.drafter
+    reference = load_file(tmp_path / "dequantized" / "model.safetensors")
+    assert torch.equal(
+        drafter.block.self_attn.q_b_proj.weight,
+        reference["model.layers.3.self_attn.q_b_proj.weight"],
+    )
