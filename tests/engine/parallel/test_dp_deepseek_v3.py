@@ -108,3 +108,42 @@ def test_what_data_parallel_attention_does_not_run_is_refused(model, tmp_path) -
     build_tiny_llama(llama, "gqa4_llama3rope_hd72_mlpbias", num_layers=1, vocab_size=VOCAB)
     with pytest.raises(ConfigError, match="data_parallel_size: 2; data-parallel attention is"):
         data_parallel(llama, [])
+
+
+def run_logprobs(model_dir: Path, prompts: list[list[int]], **kw: object) -> tuple[list, object]:
+    """Greedy tokens and prompt logprobs (every other request) with chunked prefill."""
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), dtype="float32", block_size=4, num_threads=2,
+                     max_num_batched_tokens=5, **kw)  # type: ignore[arg-type]
+    )  # fmt: skip
+    try:
+        for i, p in enumerate(prompts):
+            params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                    prompt_logprobs=2 if i % 2 else None)  # fmt: skip
+            engine.add_request(str(i), p, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+    finally:
+        engine.close()
+    return [done[str(i)] for i in range(len(prompts))], engine
+
+
+def test_chunked_prompts_logprobs_and_preemption_as_on_one_rank(model, prompts) -> None:
+    """Prompt chunks of 5 tokens (a rank may have rows but no logits in a step), prompt
+    logprobs on every other request (logit rows after the sampling ones), and a cache
+    small enough to preempt: tokens and logprobs as one rank gives them."""
+    model_dir, _ = model
+    one, _ = run_logprobs(model_dir, prompts, kv_cache_memory=4 << 20)
+    two, engine = run_logprobs(model_dir, prompts, kv_cache_memory=7 * 4 * 3 * 64 * 4,
+                               data_parallel_size=2)  # fmt: skip
+    assert engine.scheduler.num_preemptions > 0  # 7 blocks a rank
+    for a, b in zip(one, two, strict=True):
+        assert a.token_ids == b.token_ids
+        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+        for x, y in zip(a.prompt_logprobs or [], b.prompt_logprobs or [], strict=True):
+            assert x.token_id == y.token_id and x.top.keys() == y.top.keys()
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
