@@ -1,0 +1,92 @@
+"""LoRA adapters in PEFT's format, against PEFT itself: adapters made and saved by peft
+on a tiny Llama, read back by ``engine.lora``, give peft's deltas (its ``lora_B(lora_A(x))
+* scaling``) module by module, with rank_pattern, alpha_pattern and rslora, over a batch
+of token groups each with its adapter or none. What Tandem cannot serve is refused,
+naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine.lora.adapter import TARGETS, LoraError, load_adapter
+from engine.lora.ops import lora_delta
+
+
+def tiny_llama(hidden: int = 64) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=hidden,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def shapes_of(model: LlamaForCausalLM) -> dict[str, tuple[int, int]]:
+    layer = model.model.layers[0]
+    mods = {**dict(layer.self_attn.named_children()), **dict(layer.mlp.named_children())}
+    return {t: tuple(mods[t].weight.shape) for t in TARGETS}  # type: ignore[misc]
+
+
+def save_adapter(out: Path, model: LlamaForCausalLM, **config: object):
+    """``model`` wrapped by peft with ``config``, its B matrices random (peft starts them
+    at zero), saved to ``out``; returns the peft model."""
+    peft_model = get_peft_model(model, LoraConfig(**config))  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    peft_model.save_pretrained(out)
+    return peft_model
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_deltas_equal_peft_module_by_module(tmp_path, rslora: bool) -> None:
+    peft_model = save_adapter(
+        tmp_path / "a", tiny_llama(), r=8, lora_alpha=16, use_rslora=rslora,
+        target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+        rank_pattern={"down_proj": 4}, alpha_pattern={"layers.1.self_attn.o_proj": 5},
+    )  # fmt: skip
+    adapter = load_adapter("a", tmp_path / "a", shapes_of(tiny_llama()), 2, max_rank=64)
+    assert len(adapter.modules) == 2 * 4 and adapter.max_rank == 8
+    down = adapter.modules["model.layers.0.mlp.down_proj"]
+    assert down.rank == 4 and down.scaling == pytest.approx(16 / (2.0 if rslora else 4))
+    o_proj = adapter.modules["model.layers.1.self_attn.o_proj"]
+    assert o_proj.scaling == pytest.approx(5 / (8**0.5 if rslora else 8))
+    offsets, ids = [0, 3, 5, 9], [0, -1, 0]  # the adapter, none, the adapter again
+    for module, weights in adapter.modules.items():
+        peft_layer = peft_model.base_model.model.get_submodule(module)
+        x = torch.randn(9, weights.a.shape[1])
+        got = lora_delta(x, offsets, ids, [weights], weights.b.shape[0])
+        expected = peft_layer.lora_B["default"](peft_layer.lora_A["default"](x))
+        expected = expected * peft_layer.scaling["default"]
+        assert torch.allclose(got[:3], expected[:3], atol=1e-6), module
+        assert torch.allclose(got[5:], expected[5:], atol=1e-6), module
+        assert not got[3:5].any()  # no adapter: no delta
+
+
+def test_what_cannot_be_served_is_refused_naming_the_field(tmp_path) -> None:
+    shapes = shapes_of(tiny_llama())
+    save_adapter(tmp_path / "big", tiny_llama(), r=128, target_modules=["q_proj"])
+    with pytest.raises(LoraError, match="r: 128 exceeds the largest rank served, 64"):
+        load_adapter("big", tmp_path / "big", shapes, 2, max_rank=64)
+    save_adapter(tmp_path / "head", tiny_llama(), r=4, target_modules=["q_proj", "lm_head"])
+    with pytest.raises(LoraError, match=r"target_modules: \['lm_head'\] not supported"):
+        load_adapter("head", tmp_path / "head", shapes, 2, max_rank=64)
+    save_adapter(tmp_path / "other", tiny_llama(hidden=48), r=4, target_modules=["q_proj"])
+    with pytest.raises(LoraError, match="an adapter for another base model"):
+        load_adapter("other", tmp_path / "other", shapes, 2, max_rank=64)
+    save_adapter(tmp_path / "bias", tiny_llama(), r=4, target_modules=["q_proj"], bias="all")
+    with pytest.raises(LoraError, match="bias: 'all' is not supported"):
+        load_adapter("bias", tmp_path / "bias", shapes, 2, max_rank=64)
+    with pytest.raises(LoraError, match=r"holds no adapter_config\.json"):
+        load_adapter("none", tmp_path, shapes, 2, max_rank=64)
