@@ -36,6 +36,13 @@ def block_hash(parent: int | None, token_ids: Seq[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def chain_root(seq: BlockOwner) -> int | None:
+    """What a request's first block hash chains on: nothing, or its LoRA adapter (KV made
+    under one adapter is never another's, nor the base model's)."""
+    lora_id = getattr(seq, "lora_id", -1)
+    return None if lora_id < 0 else block_hash(None, [-1 - lora_id])
+
+
 @dataclass
 class Block:
     block_id: int
@@ -156,7 +163,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else chain_root(seq)
             h = block_hash(parent, tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
@@ -175,7 +182,7 @@ class BlockManager:
         bs = self.block_size
         max_hits = (len(seq.token_ids) - 1) // bs
         hits: list[int] = []
-        parent: int | None = None
+        parent = chain_root(seq)
         for i in range(max_hits):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             parent = block_hash(parent, tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import torch
 
 from engine.attention import get_backend, select_backend
 from engine.block_manager import BlockManager
-from engine.config import read_hf_config
+from engine.config import Llama3Config, read_hf_config
 from engine.dp_blocks import DataParallelBlocks, KvBlocks
 from engine.engine_config import EngineConfig
 from engine.executor.multiproc import RankGroup, rank_threads
@@ -107,6 +107,7 @@ class EngineComponents:
     runner: ModelRunner
     spec: SpecRunner | None  # with speculation (config.speculative): a draft model, or suffix
     num_blocks: int  # in each KV pool, the CUDA graphs' padding block included
+    lora_names: dict[str, int] = field(default_factory=dict)  # LoRA adapters' names -> ids
 
 
 def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineComponents:
@@ -145,6 +146,30 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
         raise
 
 
+def load_lora(config: EngineConfig, model: torch.nn.Module, model_config: Any) -> dict[str, int]:
+    """``config.lora_modules`` read, checked against the model and swapped into it
+    (``engine.lora``); their names -> ids."""
+    if not config.lora_modules:
+        return {}
+    if not isinstance(model_config, Llama3Config):
+        raise ValueError("lora_modules: LoRA adapters run on Llama-3 models only for now")
+    from engine.lora.adapter import TARGETS, load_adapter
+    from engine.lora.layers import use_lora
+
+    c = model_config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    h, inter = c.hidden_size, c.intermediate_size
+    widths = (q, kv, kv, h, inter, inter, h)
+    inputs = (h, h, h, q, h, h, inter)
+    shapes = {t: (o, i) for t, o, i in zip(TARGETS, widths, inputs, strict=True)}
+    adapters = [
+        load_adapter(name, path, shapes, c.num_hidden_layers, config.max_lora_rank)
+        for name, path in config.lora_modules
+    ]
+    use_lora(model, adapters)
+    return {adapter.name: i for i, adapter in enumerate(adapters)}
+
+
 def _build(
     config: EngineConfig, tokenizer: Any | None, device: torch.device, ranks: RankGroup | None
 ) -> EngineComponents:
@@ -162,6 +187,7 @@ def _build(
     )
     if fp8_weights == "dequantize":  # once, at load time
         dequantize_fp8(model, model_config.dtype)
+    lora_names = load_lora(config, model, model_config)
     packed: list[torch.nn.Module] = []  # models whose products use_packed_gemm prepared
     if device.type == "cpu" and config.cpu_gemm != "aten":
         use_packed_gemm(model, config.cpu_gemm)
@@ -274,4 +300,5 @@ def _build(
         runner=runner,
         spec=spec,
         num_blocks=num_blocks,
+        lora_names=lora_names,
     )

@@ -85,6 +85,10 @@ class EngineConfig:
     # requests' rows over its own KV pool with the whole attention, the experts split over
     # them (engine.dp_blocks, engine.models.moe.DataParallelStep). Eager, without drafts.
     data_parallel_size: int = 1
+    # LoRA adapters (PEFT's format) served beside the model, by name: (name, directory)
+    # pairs (engine.lora). A request names one, or none. Eager, one device, no drafts.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 64  # adapters of a higher rank are refused
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -119,6 +123,24 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             self._check_split()
         self._check_data_parallel()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """What LoRA adapters run with for now."""
+        if not self.lora_modules:
+            return
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules: names repeat: {names}")
+        why = ""
+        if self.world_size > 1:
+            why = "several ranks (tensor or data parallelism)"
+        elif self.speculative is not None:
+            why = "speculative decoding"
+        elif self.torch_compile or self.uses_cuda_graphs:
+            why = "compiled steps or CUDA graphs (eager only for now); turn them off"
+        if why:
+            raise ValueError(f"lora_modules: adapters do not run with {why} yet")
 
     @property
     def world_size(self) -> int:

@@ -63,6 +63,7 @@ class LLMEngine(Disaggregation):
         self.kernels = parts.kernels
         self.runner = parts.runner
         self.spec = parts.spec
+        self.lora_names = parts.lora_names  # LoRA adapters a request may name
         self._seqs: dict[str, Sequence] = {}
         self.stops = StopChecker(parts.eos_token_ids)
         self._new_seed = functools.partial(secrets.randbits, 63)
@@ -107,13 +108,21 @@ class LLMEngine(Disaggregation):
         *,
         is_prefill_only: bool = False,
         num_output_tokens_sent: int = 0,
+        lora: str | None = None,
     ) -> None:
         """Queues a request. ``is_prefill_only`` (a prefill worker): stop after the first
         token and keep the blocks until ``drop_request``; ``take_prefilled`` returns the
         result. ``num_output_tokens_sent``: the last ids of ``prompt_token_ids`` are output
         an earlier attempt generated and sent (a preempted request resumed); they count
-        towards max_tokens, and its first delta's start has them (for stop strings)."""
+        towards max_tokens, and its first delta's start has them (for stop strings).
+        ``lora``: the name of one of the engine's LoRA adapters to run it under."""
+        if lora is not None and lora not in self.lora_names:
+            raise RequestError(
+                f"lora: {lora!r} is not an adapter of this engine; adapters: "
+                f"{sorted(self.lora_names)}"
+            )
         seq = self._new_sequence(request_id, prompt_token_ids, params, num_output_tokens_sent)
+        seq.lora_id = -1 if lora is None else self.lora_names[lora]
         seq.is_prefill_only = is_prefill_only
         self.scheduler.add(seq)
 

@@ -6,7 +6,7 @@ import functools
 import itertools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +36,9 @@ class ModelInputs:
     logit_indices: torch.Tensor  # [N * n] int64: last n tokens of each row that samples
     sample_rows: list[int]  # host: which rows those are
     dp_ranks: torch.Tensor | None = None  # [B] int64: each row's data-parallel rank
+    # LoRA: runs of rows under one adapter, as token offsets [G + 1], and their adapters.
+    lora_grouped_offsets: list[int] = field(default_factory=list)
+    lora_ids: list[int] = field(default_factory=list)
 
 
 RowLogprobs = tuple[float, list[int], list[float]]  # chosen token's, top-n ids, top-n values
@@ -96,6 +99,22 @@ class StepOutput:
     kv_step: StepKv | None = None  # what the layer listener was told (None without one)
     # (row, entries of the prompt tokens after this step's positions) per row asking for them.
     prompt_logprobs: list[tuple[int, list[TokenLogprobs]]] | None = None
+
+
+def lora_groups(batch: ScheduledBatch) -> dict[str, list[int]]:
+    """The batch's runs of consecutive rows under one LoRA adapter (or none), as token
+    offsets and adapter ids; empty where no row has an adapter."""
+    if all(seq.lora_id < 0 for seq in batch.seqs):
+        return {}
+    offsets: list[int] = [0]
+    ids: list[int] = []
+    for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        if ids and ids[-1] == seq.lora_id:
+            offsets[-1] += num_new
+        else:
+            ids.append(seq.lora_id)
+            offsets.append(offsets[-1] + num_new)
+    return {"lora_grouped_offsets": offsets, "lora_ids": ids}
 
 
 class ModelRunner:
@@ -169,6 +188,7 @@ class ModelRunner:
                 if self.data_parallel_size > 1
                 else None
             ),
+            **lora_groups(batch),
         )
 
     def layout(self, spans: list[tuple[Sequence, int, int]]) -> BatchLayout:
@@ -215,6 +235,10 @@ class ModelRunner:
         # verification calls it itself. Prompt chunks stay eager: each query length would
         # be a graph of its own, for work whose small ops matter less.
         is_decode = inputs.layout.max_query_len == 1 and on_layer is None
+        lora = getattr(self.model, "lora_step", None)
+        if lora is not None:  # this step's groups, none where the inputs have none
+            lora.lora_grouped_offsets = inputs.lora_grouped_offsets
+            lora.lora_ids = inputs.lora_ids
         forward = ForwardInputs(
             inputs.tokens,
             inputs.layout,

@@ -36,15 +36,15 @@ def shapes_of(model: LlamaForCausalLM) -> dict[str, tuple[int, int]]:
     return {t: tuple(mods[t].weight.shape) for t in TARGETS}  # type: ignore[misc]
 
 
-def save_adapter(out: Path, model: LlamaForCausalLM, **config: object):
-    """``model`` wrapped by peft with ``config``, its B matrices random (peft starts them
-    at zero), saved to ``out``; returns the peft model."""
+def save_adapter(out: Path, model: LlamaForCausalLM, std: float = 0.1, **config: object):
+    """``model`` wrapped by peft with ``config``, its A and B matrices random of ``std``
+    (peft starts B at zero), saved to ``out``; returns the peft model."""
     peft_model = get_peft_model(model, LoraConfig(**config))  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
     peft_model.save_pretrained(out)
     return peft_model
 

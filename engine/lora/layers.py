@@ -1,0 +1,96 @@
+"""Adapters applied in a Llama-3 model: each adapted projection gains, per token group of
+the step, its adapter's delta (``ops.lora_delta``). Tandem's fused projections (q/k/v,
+gate/up) take each part's delta into that part's columns.
+
+``use_lora`` swaps ``LoraLinear`` in for every projection an adapter targets, sharing the
+base weights, and returns the model's ``LoraStep``: the runner fills it with the step's
+``lora_grouped_offsets`` and ``lora_ids`` before every forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine.lora.adapter import LoraAdapter, LoraWeights
+from engine.lora.ops import lora_delta
+
+# Tandem's projection -> (its part's HF name, the part's share of its output)
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+@dataclass
+class LoraStep:
+    """One step's token groups, each under one adapter (-1: none), as the seed names them."""
+
+    lora_grouped_offsets: list[int] = field(default_factory=list)  # [G + 1]
+    lora_ids: list[int] = field(default_factory=list)  # [G]
+
+    @property
+    def is_active(self) -> bool:
+        return any(i >= 0 for i in self.lora_ids)
+
+
+class LoraLinear(nn.Module):
+    """``base`` plus each token group's adapter delta, part by part (``parts``: the HF
+    module names of its parts with their output widths; ``weights[p][id]``: part p's
+    weights in adapter ``id``, or None)."""
+
+    def __init__(
+        self,
+        base: nn.Module,
+        parts: Sequence[int],
+        weights: Sequence[Sequence[LoraWeights | None]],
+        step: LoraStep,
+    ) -> None:
+        super().__init__()
+        self.base, self.parts, self.weights, self.step = base, list(parts), weights, step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.base(x)
+        step = self.step
+        if not step.is_active:
+            return y
+        x2 = x.reshape(-1, x.shape[-1])
+        deltas = [
+            lora_delta(x2, step.lora_grouped_offsets, step.lora_ids, by_id, width)
+            for by_id, width in zip(self.weights, self.parts, strict=True)
+        ]
+        return y + torch.cat(deltas, dim=-1).view(y.shape).to(y.dtype)
+
+
+def use_lora(model: nn.Module, adapters: Sequence[LoraAdapter]) -> LoraStep:
+    """Swaps ``LoraLinear`` in for every projection of ``model`` (a Llama-3, one device)
+    that one of ``adapters`` targets; adapter i is ``lora_ids`` i."""
+    step = LoraStep()
+    layers = model.layers
+    assert isinstance(layers, nn.ModuleList)
+    for i, layer in enumerate(layers):
+        for ours, parts in FUSED.items():
+            names = [f"model.layers.{i}.{part}" for part in parts]
+            weights = [[a.modules.get(name) for a in adapters] for name in names]
+            if not any(w for by_id in weights for w in by_id):
+                continue
+            owner_name, attr = ours.split(".")
+            owner = getattr(layer, owner_name)
+            base = getattr(owner, attr)
+            setattr(owner, attr, LoraLinear(base, _widths(owner, attr), weights, step))
+    model.lora_step = step  # type: ignore[assignment]
+    return step
+
+
+def _widths(owner: nn.Module, attr: str) -> list[int]:
+    """The output widths of projection ``attr``'s parts: q, k and v; gate and up; or one."""
+    if attr == "qkv_proj":
+        return [owner.q_size, owner.kv_size, owner.kv_size]  # type: ignore[list-item]
+    if attr == "gate_up_proj":
+        return [owner.intermediate_size] * 2  # type: ignore[list-item]
+    return [getattr(owner, attr).out_features]
