@@ -37,10 +37,10 @@ def block_hash(parent: int | None, token_ids: Seq[int]) -> int:
 
 
 def chain_root(seq: BlockOwner) -> int | None:
-    """What a request's first block hash chains on: nothing, or its LoRA adapter (KV made
-    under one adapter is never another's, nor the base model's)."""
-    lora_id = getattr(seq, "lora_id", -1)
-    return None if lora_id < 0 else block_hash(None, [-1 - lora_id])
+    """What a request's first block hash chains on: nothing, or its LoRA adapter's digest
+    (KV made under one adapter is never another's, nor the base model's)."""
+    salt = getattr(seq, "cache_salt", None)
+    return None if salt is None else block_hash(None, [salt])
 
 
 @dataclass

@@ -18,7 +18,7 @@ from engine.dp_blocks import DataParallelBlocks, KvBlocks
 from engine.engine_config import EngineConfig
 from engine.executor.multiproc import RankGroup, rank_threads
 from engine.executor.shared_kv import SharedKv
-from engine.executor.worker import RankConfig
+from engine.executor.worker import RankConfig, load_shard
 from engine.fp8 import BlockFp8, QuantizationError
 from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.model_runner import ModelRunner
@@ -29,7 +29,6 @@ from engine.registry import (
     ModelConfig,
     check_split,
     eos_token_ids,
-    load_model,
     load_whole_vocabulary,
 )
 from engine.sampling_kernels import sampling_kernels
@@ -107,7 +106,8 @@ class EngineComponents:
     runner: ModelRunner
     spec: SpecRunner | None  # with speculation (config.speculative): a draft model, or suffix
     num_blocks: int  # in each KV pool, the CUDA graphs' padding block included
-    lora_names: dict[str, int] = field(default_factory=dict)  # LoRA adapters' names -> ids
+    # LoRA adapters' names -> (ids, digests: what their requests' prefix hashes chain on)
+    lora_names: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineComponents:
@@ -146,9 +146,11 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
         raise
 
 
-def load_lora(config: EngineConfig, model: torch.nn.Module, model_config: Any) -> dict[str, int]:
+def load_lora(
+    config: EngineConfig, model: torch.nn.Module, model_config: Any
+) -> dict[str, tuple[int, int]]:
     """``config.lora_modules`` read, checked against the model and swapped into it
-    (``engine.lora``); their names -> ids."""
+    (``engine.lora``); their names -> (ids, digests)."""
     if not config.lora_modules:
         return {}
     if not isinstance(model_config, Llama3Config):
@@ -162,12 +164,13 @@ def load_lora(config: EngineConfig, model: torch.nn.Module, model_config: Any) -
     widths = (q, kv, kv, h, inter, inter, h)
     inputs = (h, h, h, q, h, h, inter)
     shapes = {t: (o, i) for t, o, i in zip(TARGETS, widths, inputs, strict=True)}
+    device = next(model.parameters()).device
     adapters = [
-        load_adapter(name, path, shapes, c.num_hidden_layers, config.max_lora_rank)
+        load_adapter(name, path, shapes, c.num_hidden_layers, config.max_lora_rank, device)
         for name, path in config.lora_modules
     ]
     use_lora(model, adapters)
-    return {adapter.name: i for i, adapter in enumerate(adapters)}
+    return {adapter.name: (i, adapter.salt) for i, adapter in enumerate(adapters)}
 
 
 def _build(
@@ -176,15 +179,7 @@ def _build(
     tp = ranks.tp if ranks is not None else TensorParallelGroup.single()
     attention, kernels = resolved_kernels(config)
     fp8_weights = fp8_weights_for(config, kernels)  # what cannot run is refused before loading
-    model, model_config = load_model(
-        config.model,
-        dtype=config.dtype,
-        max_length=config.max_model_len,
-        device=device,
-        tp=tp,
-        expert_parallel=config.enable_expert_parallel,
-        data_parallel_size=config.data_parallel_size,
-    )
+    model, model_config = load_shard(config, tp, device)
     if fp8_weights == "dequantize":  # once, at load time
         dequantize_fp8(model, model_config.dtype)
     lora_names = load_lora(config, model, model_config)

@@ -132,6 +132,8 @@ class EngineConfig:
         names = [name for name, _ in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError(f"lora_modules: names repeat: {names}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank: {self.max_lora_rank}, must be at least 1")
         why = ""
         if self.world_size > 1:
             why = "several ranks (tensor or data parallelism)"

@@ -121,8 +121,11 @@ class LLMEngine(Disaggregation):
                 f"lora: {lora!r} is not an adapter of this engine; adapters: "
                 f"{sorted(self.lora_names)}"
             )
+        if lora is not None and is_prefill_only:
+            raise RequestError("lora: adapters on a prefill worker (KV handed on) are not built")
         seq = self._new_sequence(request_id, prompt_token_ids, params, num_output_tokens_sent)
-        seq.lora_id = -1 if lora is None else self.lora_names[lora]
+        if lora is not None:
+            seq.lora_id, seq.cache_salt = self.lora_names[lora]
         seq.is_prefill_only = is_prefill_only
         self.scheduler.add(seq)
 

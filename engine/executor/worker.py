@@ -26,7 +26,7 @@ from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
 from engine.models.layers import dequantize_fp8, release_packed_weights, use_packed_gemm
 from engine.models.triton_layers import use_triton_kernels
 from engine.parallel.group import TensorParallelGroup
-from engine.registry import load_model
+from engine.registry import ModelConfig, load_model
 from kernels.cpu import extension as cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -61,12 +61,12 @@ class RankConfig:
         return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
 
-def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device) -> UniprocExecutor:
-    """This rank's shard, packed for the CPU's products, and its KV heads' pools, with as
-    many blocks as every rank holds (the collective rank 0's ``build_components`` runs)."""
-    if device.type == "cpu":
-        cpu_kernels.load(build=config.build_cpu_kernels)
-    model, model_config = load_model(
+def load_shard(
+    config: Any, tp: TensorParallelGroup, device: torch.device
+) -> tuple[torch.nn.Module, ModelConfig]:
+    """This rank's part of the target that ``config`` (an EngineConfig or a RankConfig:
+    the same fields) names: rank 0's ``build_components`` and the other ranks alike."""
+    return load_model(
         config.model,
         dtype=config.dtype,
         max_length=config.max_model_len,
@@ -75,6 +75,14 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
         expert_parallel=config.enable_expert_parallel,
         data_parallel_size=config.data_parallel_size,
     )
+
+
+def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device) -> UniprocExecutor:
+    """This rank's shard, packed for the CPU's products, and its KV heads' pools, with as
+    many blocks as every rank holds (the collective rank 0's ``build_components`` runs)."""
+    if device.type == "cpu":
+        cpu_kernels.load(build=config.build_cpu_kernels)
+    model, model_config = load_shard(config, tp, device)
     if config.fp8_weights == "dequantize":  # as rank 0's build_components does
         dequantize_fp8(model, model_config.dtype)
     if device.type == "cpu" and config.cpu_gemm != "aten":

@@ -8,17 +8,19 @@ it. ``rank_pattern`` and ``alpha_pattern`` give some modules their own ``r`` and
 key applies to the modules whose name ends with it (the name, or a dotted suffix of it;
 PEFT's rule), the first key that applies winning.
 
-Refused, naming the field: a target Tandem does not run, a rank above ``max_rank``,
-tensors of shapes another base model would have, and what PEFT can save but Tandem does
-not apply (trained biases, ``modules_to_save``, DoRA, ``fan_in_fan_out``).
+Refused, naming the field: a target Tandem does not run, a rank above ``max_rank``, and
+what PEFT can save but Tandem does not apply (trained biases, ``modules_to_save``, DoRA,
+QALoRA, activated LoRA, trainable tokens, ``fan_in_fan_out``); naming the tensor:
+tensors of shapes another base model would have, or that no target takes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,9 @@ class LoraAdapter:
     path: Path
     base_model: str | None  # its config's base_model_name_or_path, as PEFT saved it
     modules: dict[str, LoraWeights]  # "model.layers.{i}.{self_attn|mlp}.{target}" ->
+    # Its files' digest: what its requests' prefix-cache hashes chain on, so that KV made
+    # under it is never another adapter's (nor one loaded later under the same name).
+    salt: int = 0
 
     @property
     def max_rank(self) -> int:
@@ -67,17 +72,20 @@ def _pattern(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
     return default
 
 
-def _targets(config: dict[str, Any]) -> set[str]:
-    """The projection names the adapter's ``target_modules`` name (a list, or a regex
-    over module names); refused where it names one Tandem does not run."""
+def _targeting(config: dict[str, Any]) -> Callable[[str], bool]:
+    """Whether the adapter's ``target_modules`` names a module (by its full name), as PEFT
+    reads them: a regex over full names, or names each matching a module whose name is
+    it or ends with it after a dot. Refused where a listed name ends in no projection
+    Tandem adapts."""
     targets = config.get("target_modules")
-    if isinstance(targets, str):  # a regex over full module names
-        return {t for t in TARGETS if re.fullmatch(targets, f"model.layers.0.x.{t}")}
-    names = set(targets or ())
-    unknown = sorted(names - set(TARGETS))
+    if isinstance(targets, str):
+        pattern = re.compile(targets)
+        return lambda module: pattern.fullmatch(module) is not None
+    names = list(targets or ())
+    unknown = [n for n in names if n.rsplit(".", 1)[-1] not in TARGETS]
     if unknown:
         raise LoraError(f"target_modules: {unknown} not supported; supported: {list(TARGETS)}")
-    return names
+    return lambda module: any(module == n or module.endswith("." + n) for n in names)
 
 
 def load_adapter(
@@ -86,6 +94,7 @@ def load_adapter(
     shapes: Mapping[str, tuple[int, int]],  # target -> (out, in) of the base projection
     num_layers: int,
     max_rank: int,
+    device: torch.device | str = "cpu",
 ) -> LoraAdapter:
     """Reads and checks the PEFT adapter in ``path`` for a base whose projections have
     ``shapes`` over ``num_layers`` layers."""
@@ -96,7 +105,15 @@ def load_adapter(
     config = json.loads(config_file.read_text())
     if config.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"peft_type: {config['peft_type']!r}; only LORA adapters run")
-    for field, allowed in (("bias", "none"), ("use_dora", False), ("fan_in_fan_out", False)):
+    for field, allowed in (
+        ("bias", "none"),
+        ("use_dora", False),
+        ("fan_in_fan_out", False),
+        ("lora_bias", False),
+        ("use_qalora", False),
+        ("alora_invocation_tokens", None),  # activated LoRA: deltas from those tokens on
+        ("trainable_token_indices", None),
+    ):
         if config.get(field, allowed) not in (allowed, None):
             raise LoraError(f"{field}: {config[field]!r} is not supported; allowed: {allowed!r}")
     if config.get("modules_to_save"):
@@ -104,19 +121,21 @@ def load_adapter(
             f"modules_to_save: {config['modules_to_save']} (fully trained modules) are not "
             "supported"
         )
-    targets = _targets(config)
+    targets = _targeting(config)
     r_default, alpha_default = int(config["r"]), float(config.get("lora_alpha", 8))
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     rslora = bool(config.get("use_rslora", False))
     tensors = load_file(path / WEIGHTS_FILE)
     modules: dict[str, LoraWeights] = {}
     for i in range(num_layers):
-        for target in sorted(targets):
+        for target in TARGETS:
             part = "self_attn" if target in TARGETS[:4] else "mlp"
             module = f"model.layers.{i}.{part}.{target}"
             a_name, b_name = f"{PREFIX}{module}.lora_A.weight", f"{PREFIX}{module}.lora_B.weight"
-            if a_name not in tensors:  # layers_to_transform and the like: not adapted
+            if not targets(module) or a_name not in tensors:  # layers_to_transform: not here
                 continue
+            if b_name not in tensors:
+                raise LoraError(f"{b_name}: missing beside {a_name}")
             a, b = tensors.pop(a_name), tensors.pop(b_name)
             r = int(_pattern(ranks, module, r_default))
             if r > max_rank:
@@ -131,7 +150,12 @@ def load_adapter(
                 )
             alpha = float(_pattern(alphas, module, alpha_default))
             scaling = alpha / (math.sqrt(r) if rslora else r)
-            modules[module] = LoraWeights(a.float(), b.float(), scaling)
+            modules[module] = LoraWeights(
+                a.to(device, torch.float32), b.to(device, torch.float32), scaling
+            )
     if tensors:
         raise LoraError(f"{sorted(tensors)[0]}: a tensor no target of this base takes")
-    return LoraAdapter(name, path, config.get("base_model_name_or_path"), modules)
+    digest = hashlib.blake2b(config_file.read_bytes(), digest_size=8)
+    digest.update((path / WEIGHTS_FILE).read_bytes())
+    salt = int.from_bytes(digest.digest(), "little") >> 1  # an int64: chains prefix hashes
+    return LoraAdapter(name, path, config.get("base_model_name_or_path"), modules, salt)

@@ -54,6 +54,17 @@ class YarnRotaryEmbedding(RotaryEmbedding):
         return self.yarn.inv_freq(self.head_dim, self.theta), self.yarn.cos_sin_factor
 
 
+def yarn_rotary(config: DeepseekV3Config) -> YarnRotaryEmbedding:
+    """The rope tables of ``config``'s rotary dims, its whole context and slack."""
+    return YarnRotaryEmbedding(
+        config.qk_rope_head_dim,
+        config.max_seq_len + ROPE_SLACK_POSITIONS,
+        config.rope_theta,
+        config.rope_scaling,
+        config.dtype,
+    )
+
+
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
     """Rotary dims stored as pairs ``(x0, x1), (x2, x3), ...`` -> ``[x0, x2, ..., x1, x3, ...]``,
     the halves ``rotate`` pairs up (DeepSeek's checkpoints interleave them)."""
@@ -229,13 +240,7 @@ class DeepseekV3Model(nn.Module):
         self.lm_head = Linear(h, len(self.tp.shard.vocab(vocab)), bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = YarnRotaryEmbedding(
-            config.qk_rope_head_dim,
-            config.max_seq_len + ROPE_SLACK_POSITIONS,
-            config.rope_theta,
-            config.rope_scaling,
-            config.dtype,
-        )
+        self.rotary = yarn_rotary(config)
         self.eagle3_layer_ids = eagle3_layer_ids(config.num_hidden_layers)
 
     def finalize(self) -> None:

@@ -6,11 +6,13 @@ naming the field."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.lora.adapter import TARGETS, LoraError, load_adapter
@@ -90,3 +92,46 @@ def test_what_cannot_be_served_is_refused_naming_the_field(tmp_path) -> None:
         load_adapter("bias", tmp_path / "bias", shapes, 2, max_rank=64)
     with pytest.raises(LoraError, match=r"holds no adapter_config\.json"):
         load_adapter("none", tmp_path, shapes, 2, max_rank=64)
+
+
+def test_target_modules_as_peft_reads_them(tmp_path) -> None:
+    """A regex over full module names, dotted names, and layers_to_transform: the same
+    modules adapted as peft adapts, each with peft's delta."""
+    shapes = shapes_of(tiny_llama())
+    cases = {
+        "regex": dict(target_modules=r".*\.layers\.1\.self_attn\.(q|v)_proj"),
+        "dotted": dict(target_modules=["self_attn.o_proj", "mlp.up_proj"]),
+        "layers": dict(target_modules=["k_proj"], layers_to_transform=[0]),
+    }
+    dotted = ("self_attn.o_proj", "mlp.up_proj")
+    expected = {
+        "regex": {"model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"},
+        "dotted": {f"model.layers.{i}.{m}" for i in (0, 1) for m in dotted},
+        "layers": {"model.layers.0.self_attn.k_proj"},
+    }
+    for case, config in cases.items():
+        peft_model = save_adapter(tmp_path / case, tiny_llama(), r=4, **config)
+        adapter = load_adapter(case, tmp_path / case, shapes, 2, max_rank=64)
+        assert set(adapter.modules) == expected[case], case
+        for module, weights in adapter.modules.items():
+            peft_layer = peft_model.base_model.model.get_submodule(module)
+            x = torch.randn(3, weights.a.shape[1])
+            want = peft_layer.lora_B["default"](peft_layer.lora_A["default"](x))
+            got = lora_delta(x, [0, 3], [0], [weights], weights.b.shape[0])
+            assert torch.allclose(got, want * peft_layer.scaling["default"], atol=1e-6)
+
+
+def test_fields_and_tensors_it_would_misread_are_refused(tmp_path) -> None:
+    shapes = shapes_of(tiny_llama())
+    save_adapter(tmp_path / "a", tiny_llama(), r=4, target_modules=["q_proj"])
+    config_file = tmp_path / "a" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "alora_invocation_tokens": [5, 6]}))
+    with pytest.raises(LoraError, match=r"alora_invocation_tokens: \[5, 6\] is not supported"):
+        load_adapter("a", tmp_path / "a", shapes, 2, max_rank=64)
+    config_file.write_text(json.dumps(config))
+    tensors = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    extra = "base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight"
+    save_file({**tensors, extra: torch.zeros(4, 64)}, tmp_path / "a" / "adapter_model.safetensors")
+    with pytest.raises(LoraError, match=r"o_proj\.lora_A\.weight: a tensor no target of this"):
+        load_adapter("a", tmp_path / "a", shapes, 2, max_rank=64)

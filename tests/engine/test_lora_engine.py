@@ -54,7 +54,8 @@ def test_a_mixed_batch_equals_each_adapter_merged(base_and_adapters) -> None:
     adapters = (("a", str(out / "a")), ("b", str(out / "b")))
     engine = LLMEngine(
         EngineConfig(model=str(out / "base"), dtype="float32", block_size=4,
-                     kv_cache_memory=4 << 20, lora_modules=adapters)
+                     kv_cache_memory=4 << 20, lora_modules=adapters,
+                     max_num_batched_tokens=7)  # prompt chunks beside decode rows
     )  # fmt: skip
     assert sum(isinstance(m, LoraLinear) for m in engine.runner.model.modules()) == 2 * 4
     rng = random.Random(0)
@@ -77,6 +78,9 @@ def test_a_mixed_batch_equals_each_adapter_merged(base_and_adapters) -> None:
     assert engine.block_manager.num_prefix_hit_blocks > 0
     with pytest.raises(RequestError, match=r"lora: 'c' is not an adapter of this engine"):
         engine.add_request("x", prompts[0], SamplingParams(max_tokens=2), lora="c")
+    with pytest.raises(RequestError, match="lora: adapters on a prefill worker"):
+        engine.add_request("y", prompts[0], SamplingParams(max_tokens=2), lora="a",
+                           is_prefill_only=True)  # fmt: skip
 
 
 def test_what_adapters_do_not_run_with_yet_is_refused(base_and_adapters) -> None:

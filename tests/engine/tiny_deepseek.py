@@ -165,3 +165,17 @@ def make_mtp_know_the_target(out: Path) -> None:
     tensors[f"{mtp}.enorm.weight"] = torch.ones(h)
     tensors[f"{mtp}.shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
     save_file(tensors, out / "model.safetensors")
+
+
+def write_biased_router(src: Path, dst: Path, bias: list[float]) -> None:
+    """``src``'s model in ``dst`` with every router's ``e_score_correction_bias`` set to
+    ``bias`` (steering every token to the experts it favours)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    for name in tensors:
+        if name.endswith("e_score_correction_bias"):
+            tensors[name] = torch.tensor(bias)
+    save_file(tensors, dst / "model.safetensors")

@@ -110,10 +110,14 @@ class EagleDrafter(nn.Module):
             args,
             k,
             select,
-            logits=lambda g: DraftLogits(self._target[1](g).float()),
+            logits=self.logits,
             step=lambda tokens, g, layout, md: self._forward(tokens, g, layout, md, kv, backend),
             backend=backend,
         )
+
+    def logits(self, g: torch.Tensor) -> DraftLogits:
+        """The next token's scores from the draft state ``g``: the target's LM head."""
+        return DraftLogits(self._target[1](g).float())
 
 
 def load_eagle(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,35 +26,29 @@ from engine.attention.base import AttentionBackend, BatchLayout
 from engine.deepseek_v3_config import DeepseekV3Config
 from engine.deepseek_v3_weights import decoder_layer_rules
 from engine.fp8 import fill_fp8, quantized_rules
-from engine.models.deepseek_v3 import DeepseekV3DecoderLayer, YarnRotaryEmbedding
+from engine.models.deepseek_v3 import DeepseekV3DecoderLayer, yarn_rotary
 from engine.models.layers import Linear, RMSNorm
-from engine.models.llama3 import ROPE_SLACK_POSITIONS, ModelOutputs, ReturnHiddenStates
+from engine.models.llama3 import ReturnHiddenStates
 from engine.models.moe import DeepseekV3MoE
 from engine.parallel.shard import Shard
-from engine.spec.drafters.base import (
-    DraftConfigError,
-    DraftLogits,
-    DraftSignature,
-    KVLayers,
-    ProposeArgs,
-    SelectFn,
-    propose_chain,
-)
+from engine.spec.drafters.base import DraftConfigError, DraftLogits, KVLayers
+from engine.spec.drafters.eagle import EagleDrafter
 from engine.spec.drafters.loading import build_draft
 from engine.weights import CheckpointReader, one_rule
 
 
-class MtpDrafter(nn.Module):
+class MtpDrafter(EagleDrafter):
+    """EAGLE's chain (``extend``, ``propose``, the target's final-normed hidden state as
+    features) over the MTP layer, scored by its own shared head."""
+
     kind = "mtp"
-    max_num_layers: ClassVar[int | None] = 1
-    fixed_num_draft_tokens: int | None = None
 
     def __init__(self, config: DeepseekV3Config, target: nn.Module) -> None:
         """``config``: the target's, one layer (the MTP layer's cache); ``target``: a
         DeepSeek-V3 model (or a split one's ``WholeVocabulary``), its embedding borrowed."""
-        super().__init__()
+        nn.Module.__init__(self)  # EAGLE's wiring, none of its layers
         h = config.hidden_size
-        self.config = config
+        self.config = config  # type: ignore[assignment]
         # The target's last hidden state after its final norm, as vLLM and SGLang feed it.
         self.target_hidden = ReturnHiddenStates(final=True)
         self.enorm = RMSNorm(h, config.rms_norm_eps)
@@ -66,13 +60,7 @@ class MtpDrafter(nn.Module):
         )
         self.head_norm = RMSNorm(h, config.rms_norm_eps)
         self.head = Linear(h, config.vocab_size, bias=False)
-        self.rotary = YarnRotaryEmbedding(
-            config.qk_rope_head_dim,
-            config.max_seq_len + ROPE_SLACK_POSITIONS,
-            config.rope_theta,
-            config.rope_scaling,
-            config.dtype,
-        )
+        self.rotary = yarn_rotary(config)
         embed = target.embed_tokens
         assert isinstance(embed, nn.Module)
         self._embed: tuple[nn.Module] = (embed,)  # borrowed, not registered
@@ -83,13 +71,6 @@ class MtpDrafter(nn.Module):
         moe = self.block.mlp
         assert isinstance(moe, DeepseekV3MoE)
         moe.gate.keep_fp32()
-
-    def signature(self) -> DraftSignature:
-        return DraftSignature(self.kind)
-
-    def features(self, out: ModelOutputs) -> torch.Tensor:
-        assert out.final_hidden_state is not None
-        return out.final_hidden_state
 
     def _forward(
         self,
@@ -108,37 +89,6 @@ class MtpDrafter(nn.Module):
 
     def logits(self, g: torch.Tensor) -> DraftLogits:
         return DraftLogits(self.head(g).float())
-
-    def extend(
-        self,
-        tokens: torch.Tensor,
-        features: torch.Tensor,
-        layout: BatchLayout,
-        metadata: Any,
-        kv: KVLayers,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        return self._forward(tokens, features, layout, metadata, kv, backend)
-
-    def propose(
-        self,
-        state: torch.Tensor | None,
-        args: ProposeArgs,
-        k: int,
-        select: SelectFn,
-        kv: KVLayers,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        assert state is not None
-        return propose_chain(
-            state[args.last_index],
-            args,
-            k,
-            select,
-            logits=self.logits,
-            step=lambda tokens, g, layout, md: self._forward(tokens, g, layout, md, kv, backend),
-            backend=backend,
-        )
 
 
 def load_mtp(target_dir: str | Path, target: nn.Module, device: torch.device) -> MtpDrafter:

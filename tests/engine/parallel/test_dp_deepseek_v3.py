@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine.config import ConfigError
 from engine.dp_blocks import DataParallelBlocks
 from engine.spec.config import SpeculativeConfig
 from tests.comparator import compare_greedy
 from tests.engine.parallel.test_tp_deepseek_v3 import SHAPE, VOCAB, greedy, references
-from tests.engine.tiny_deepseek import build_tiny_deepseek
+from tests.engine.tiny_deepseek import build_tiny_deepseek, write_biased_router
 from tests.engine.tiny_models import build_tiny_llama
 
 
@@ -62,15 +61,7 @@ def test_an_idle_rank_and_one_ranks_experts_give_the_same_tokens(model, prompts,
     compare_greedy(hf, prompts[1:2], ours, references(hf, prompts[1:2]))
     assert engine.block_manager.num_placed == [1, 0]
     biased = tmp_path / "biased"
-    biased.mkdir()
-    for f in model_dir.iterdir():
-        if f.name != "model.safetensors":
-            (biased / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(model_dir / "model.safetensors")
-    for name in tensors:
-        if name.endswith("e_score_correction_bias"):
-            tensors[name] = torch.tensor([5.0] * 4 + [0.0] * 4)
-    save_file(tensors, biased / "model.safetensors")
+    write_biased_router(model_dir, biased, [5.0] * 4 + [0.0] * 4)
     hf_biased = type(hf).from_pretrained(biased, dtype=torch.float32).eval()
     ours, _ = data_parallel(biased, prompts, enable_expert_parallel=True)
     compare_greedy(hf_biased, prompts, ours, references(hf_biased, prompts))

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3ForCausalLM
 
 from engine.config import ConfigError
@@ -25,7 +24,7 @@ from engine.parallel.shard import TensorParallelError
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from tests.comparator import compare_greedy
-from tests.engine.tiny_deepseek import build_tiny_deepseek
+from tests.engine.tiny_deepseek import build_tiny_deepseek, write_biased_router
 from tests.engine.tiny_drafts import build_random_draft
 from tests.engine.tiny_models import build_tiny_llama
 
@@ -114,15 +113,7 @@ def test_every_token_on_one_ranks_experts_and_an_mla_draft(model, prompts, tmp_p
     vocabulary: speculative output equals target-only output."""
     model_dir, hf = model
     biased = tmp_path / "biased"
-    biased.mkdir()
-    for f in model_dir.iterdir():
-        if f.name != "model.safetensors":
-            (biased / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(model_dir / "model.safetensors")
-    for name in tensors:
-        if name.endswith("e_score_correction_bias"):
-            tensors[name] = torch.tensor([5.0] * 4 + [0.0] * 4)
-    save_file(tensors, biased / "model.safetensors")
+    write_biased_router(model_dir, biased, [5.0] * 4 + [0.0] * 4)
     hf_biased = type(hf).from_pretrained(biased, dtype=torch.float32).eval()
     refs = references(hf_biased, prompts)
     ours, _ = greedy(biased, prompts, 2, enable_expert_parallel=True)

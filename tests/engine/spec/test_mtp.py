@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.models.llama3 import ReturnHiddenStates
-from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from engine.spec.drafters.base import DraftConfigError
 from engine.spec.drafters.mtp import MtpDrafter
+from tests.engine.parallel.test_tp_deepseek_v3 import greedy as tp_greedy
 from tests.engine.tiny_deepseek import (
     build_tiny_deepseek,
     build_tiny_deepseek_with_mtp,
@@ -37,22 +37,12 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def greedy(model_dir: Path, **kw: object) -> tuple[list[list[int]], LLMEngine]:
+    """Greedy tokens of three prompts (``tp_greedy``'s engine; ``tensor_parallel_size``
+    in ``kw``, default 1)."""
     rng = random.Random(2)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 12, 3)]
-    engine = LLMEngine(
-        EngineConfig(model=str(model_dir), dtype="float32", block_size=4,
-                     kv_cache_memory=4 << 20, num_threads=2, **kw)  # type: ignore[arg-type]
-    )  # fmt: skip
-    try:
-        params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        done: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-    finally:
-        engine.close()
-    return [done[str(i)] for i in range(len(prompts))], engine
+    size = int(kw.pop("tensor_parallel_size", 1))  # type: ignore[call-overload]
+    return tp_greedy(model_dir, prompts, size, **kw)
 
 
 @pytest.mark.parametrize("size", [1, 2])
