@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.parallel import decode_steps, timed
+from bench.parallel import decode_steps, side_figures, timed
 
 SHAPE = dict(
     hidden_size=1024,
@@ -141,12 +140,8 @@ def run_side(name: str, model_dir: str, tokens: int) -> dict[str, float]:
 
 def side(name: str, model_dir: Path, tokens: int) -> dict[str, float]:
     """``run_side`` in a fresh process (``--side``): its last line is its figures."""
-    command = [sys.executable, __file__, "--side", name, "--model-dir", str(model_dir)]
-    done = subprocess.run(
-        [*command, "--tokens", str(tokens)], check=True, stdout=subprocess.PIPE, text=True
-    )
-    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-    return figures
+    args = ["--side", name, "--model-dir", str(model_dir), "--tokens", str(tokens)]
+    return side_figures(__file__, args)
 
 
 def main() -> None:

@@ -159,26 +159,19 @@ def run_side(size: int, model_dir: str, tokens: int, compiled: bool) -> dict[str
     return figures
 
 
-def side(size: int, model_dir: Path, tokens: int, compiled: bool) -> dict[str, float]:
-    """``run_side`` in a fresh process (``--side``): its last line is its figures."""
+def side_figures(script: str, args: list[str]) -> dict[str, float]:
+    """``script`` run with ``args`` in a fresh process: its last line, as JSON."""
     done = subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            "--side",
-            str(size),
-            "--model-dir",
-            str(model_dir),
-            "--tokens",
-            str(tokens),
-            *(["--torch-compile"] if compiled else []),
-        ],
-        check=True,
-        stdout=subprocess.PIPE,
-        text=True,
+        [sys.executable, script, *args], check=True, stdout=subprocess.PIPE, text=True
     )
     figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
     return figures
+
+
+def side(size: int, model_dir: Path, tokens: int, compiled: bool) -> dict[str, float]:
+    """``run_side`` in a fresh process (``--side``): its last line is its figures."""
+    args = ["--side", str(size), "--model-dir", str(model_dir), "--tokens", str(tokens)]
+    return side_figures(__file__, [*args, *(["--torch-compile"] if compiled else [])])
 
 
 def main() -> None:

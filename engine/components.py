@@ -118,6 +118,10 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
     device = torch.device(config.device)
     if device.type == "cpu":  # loaded (or built) now: before packing, not in the first step
         cpu_kernels.load(build=config.build_cpu_kernels)  # and before other ranks load it
+    # What rank 0 runs, resolved here: every rank's layers swap in the same kernels; and
+    # block-FP8 weights that cannot run as told are refused before anything loads.
+    attention, kernels = resolved_kernels(config)
+    fp8_weights = fp8_weights_for(config, kernels)
     ranks = None
     if config.world_size > 1:
         check_split(
@@ -128,18 +132,16 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
             expert_parallel=config.enable_expert_parallel,
             data_parallel_size=config.data_parallel_size,
         )
-        # What rank 0 runs, resolved here: every rank's layers swap in the same kernels.
-        attention, kernels = resolved_kernels(config)
         rank_config = dataclasses.replace(
             RankConfig.of(config),
             attention_backend=attention,
             kernels=kernels,
-            fp8_weights=fp8_weights_for(config, kernels),
+            fp8_weights=fp8_weights,
         )
         ranks = RankGroup.start(rank_config)
         torch.set_num_threads(rank_threads(rank_config))
     try:
-        return _build(config, tokenizer, device, ranks)
+        return _build(config, tokenizer, device, ranks, fp8_weights)
     except BaseException:
         if ranks is not None:
             ranks.close()
@@ -159,8 +161,7 @@ def load_lora(
     from engine.lora.layers import use_lora
 
     c = model_config
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    h, inter = c.hidden_size, c.intermediate_size
+    q, kv, h, inter = c.q_size, c.kv_size, c.hidden_size, c.intermediate_size
     widths = (q, kv, kv, h, inter, inter, h)
     inputs = (h, h, h, q, h, h, inter)
     shapes = {t: (o, i) for t, o, i in zip(TARGETS, widths, inputs, strict=True)}
@@ -174,11 +175,14 @@ def load_lora(
 
 
 def _build(
-    config: EngineConfig, tokenizer: Any | None, device: torch.device, ranks: RankGroup | None
+    config: EngineConfig,
+    tokenizer: Any | None,
+    device: torch.device,
+    ranks: RankGroup | None,
+    fp8_weights: str,  # fp8_weights_for's
 ) -> EngineComponents:
     tp = ranks.tp if ranks is not None else TensorParallelGroup.single()
     attention, kernels = resolved_kernels(config)
-    fp8_weights = fp8_weights_for(config, kernels)  # what cannot run is refused before loading
     model, model_config = load_shard(config, tp, device)
     if fp8_weights == "dequantize":  # once, at load time
         dequantize_fp8(model, model_config.dtype)

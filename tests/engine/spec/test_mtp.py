@@ -54,9 +54,6 @@ def test_mtp_drafts_leave_the_output_as_the_target_alone_gives(target, size) -> 
     assert engine.spec is not None and isinstance(engine.spec.drafter, MtpDrafter)
     stats = engine.spec.stats
     assert stats.num_draft_tokens > 0
-    tau = stats.mean_accepted_length  # tokens per verifying step and row
-    print(f"MTP tau at K=3, TP {size}: {tau:.2f}")
-    assert tau == 1 + stats.num_accepted_tokens / stats.num_drafts and 1.0 <= tau <= 4.0
     drafter = engine.spec.drafter
     assert drafter.target_hidden == ReturnHiddenStates(final=True)  # after the final norm
     assert len(engine.kv_pools["draft"].layers) == 1  # its own latent cache, one layer
