@@ -76,7 +76,8 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 64
     # Ranks a Llama-3 or DeepSeek-V3 target is split over (engine.parallel), each in a
-    # process of its own (engine.executor: this one is rank 0); without CUDA graphs.
+    # process of its own (engine.executor: this one is rank 0); with CUDA graphs, each
+    # rank captures its own (engine.executor.graph_steps).
     tensor_parallel_size: int = 1
     # A mixture of experts split over the ranks: its routed experts whole, a share per
     # rank (expert parallelism), rather than every expert's channels (engine.models.moe).
@@ -120,8 +121,6 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size: {self.tensor_parallel_size}, must be at least 1"
             )
-        if self.tensor_parallel_size > 1:
-            self._check_split()
         self._check_data_parallel()
         self._check_lora()
 
@@ -167,15 +166,6 @@ class EngineConfig:
             why = f"preemption {self.preemption!r} (serving with it is not built)"
         if why:
             raise ValueError(f"data_parallel_size: {size} does not run with {why}")
-
-    def _check_split(self) -> None:
-        """What tensor parallelism covers for now: no CUDA graphs."""
-        size = self.tensor_parallel_size
-        why = ""
-        if self.uses_cuda_graphs or self.enable_overlap_scheduler:
-            why = "CUDA graphs and overlap scheduling (not captured per rank yet); turn them off"
-        if why:
-            raise ValueError(f"tensor_parallel_size: {size} does not run with {why}")
 
     def _check_overlap(self) -> None:
         """What overlap scheduling covers: the graph runner's decode steps of model drafts."""

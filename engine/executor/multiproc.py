@@ -36,6 +36,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.executor.channel import StepChannel
+from engine.executor.graph_steps import RankGraphs
 from engine.executor.inputs import ForwardInputs, encode, stop_message
 from engine.executor.uniproc import UniprocExecutor
 from engine.executor.worker import RankConfig
@@ -260,13 +261,17 @@ class MultiprocExecutor(UniprocExecutor):
     ) -> None:
         super().__init__(model, kv_cache, backend, decode_model)
         self.ranks = ranks
+        self.graph_peers: RankGraphs = RankGraphs(ranks.send, ranks.tp)
         self._broken: str | None = None  # why a forward failed: the ranks are out of step
 
     def forward(self, inputs: ForwardInputs, *, compiled: bool = False) -> ModelOutputs:
         if self._broken is not None:
             raise RankLost(f"an earlier forward failed ({self._broken}); the ranks are out of step")
         try:
-            self.ranks.send(encode(inputs, compiled=compiled))
+            if self.graph_peers.active:  # a graph runner's step (engine.executor.graph_steps)
+                self.graph_peers.forward(inputs, compiled=compiled)
+            else:
+                self.ranks.send(encode(inputs, compiled=compiled))
             return super().forward(inputs, compiled=compiled)
         except BaseException as e:
             # The other ranks may be anywhere in this forward: no later one can pair with

@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.executor import data_parallel
+from engine.executor.graph_steps import NO_PEERS, GraphPeers
 from engine.executor.inputs import ForwardInputs, TargetForward
 from engine.kv_cache import PagedKVCache
 from engine.models.llama3 import ModelOutputs
@@ -86,6 +87,8 @@ class UniprocExecutor:
         self.decode_model = decode_model if decode_model is not None else model
         self.kv_cache = kv_cache
         self.backend = backend
+        # What the graph runner tells the other ranks of its steps: none here.
+        self.graph_peers: GraphPeers = NO_PEERS
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, *, compiled: bool = False) -> ModelOutputs:

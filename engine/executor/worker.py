@@ -2,8 +2,9 @@
 (``python -m engine.executor.worker``, started by ``RankGroup``): it joins
 the group, loads its shard of the target and its KV heads' pools, and then runs each
 forward rank 0 sends it (``engine.executor.inputs``) until told to stop, or until rank 0
-is gone. It samples nothing and returns nothing: its part of each forward is its share of
-the layers' all-reduces and of the logits' gather."""
+is gone; or, for the graph runner's steps, the graphs rank 0 names
+(``engine.executor.graph_steps``). It samples nothing and returns nothing: its part of
+each forward is its share of the layers' all-reduces and of the logits' gather."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import torch
 
 from engine.attention import get_backend
 from engine.executor.channel import RankGone, StepChannel
-from engine.executor.inputs import decode
+from engine.executor.graph_steps import FollowerGraphs
+from engine.executor.inputs import ForwardStep, GraphDefine, decode
 from engine.executor.shared_kv import SharedKv
 from engine.executor.uniproc import UniprocExecutor, compile_decode_model
 from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
@@ -134,12 +136,17 @@ def run_rank(
     channel = StepChannel.attach(parent_pid, channel_fd, size - 1, rank - 1, timeout_s=timeout_s)
     try:
         executor = load_rank(config, tp, device)
+        graphs = FollowerGraphs(executor.forward, tp, device)  # the graph runner's steps
         while True:
             step = decode(channel.receive(parent_pid).view(torch.int64), device)
             if step is None:
                 return
-            inputs, compiled = step
-            executor.forward(inputs, compiled=compiled)
+            if isinstance(step, ForwardStep):
+                executor.forward(step.inputs, compiled=step.compiled)
+            elif isinstance(step, GraphDefine):
+                graphs.define(step)
+            else:
+                graphs.run(step.graph_id)
     except RankGone:
         return  # rank 0 ended without a word (killed): so does this rank
     finally:

@@ -98,6 +98,16 @@ class TensorParallelGroup:
             return out
         return self._all_gather(x, dim)
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` into every rank's ``x``, in place (a step's inputs, sent inside a
+        captured graph: NCCL's broadcast is captured with it)."""
+        if self.group is None:
+            return x
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.broadcast(x)
+        dist.broadcast(x, src=0, group=self.group)
+        return x
+
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.shm is not None and self.shm.fits(x):
             return self.shm.all_reduce(x)

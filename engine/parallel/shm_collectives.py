@@ -150,6 +150,13 @@ class ShmCollectives:
         parts = self._exchange(x)
         return torch.cat([parts[r].view_as(x) for r in range(self.size)], dim=dim)
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` into every rank's, in place."""
+        parts = self._exchange(x)
+        if self.rank != 0:
+            x.copy_(parts[0].view_as(x))
+        return x
+
     def _exchange(self, x: torch.Tensor) -> torch.Tensor:
         """Publishes ``x`` and waits for every rank's: ``[size, numel]`` views of them."""
         self.generation += 1

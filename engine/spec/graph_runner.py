@@ -14,6 +14,10 @@ while the next step runs.
 
 On CPU the runner takes the same path (buffers, padding, the same step on bucket-sized
 views) without capture, so that padding and bucketing are tested there.
+
+Split over ranks, each rank captures the target's forward of the same step in a graph of
+its own (its all-reduces inside), and rank 0 names each graph before replaying its own:
+``engine.executor.graph_steps`` (``peers``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine.executor.graph_steps import NO_PEERS, GraphPeers
 from engine.sampler import SamplingTensors
 from engine.spec.unified_step import SpecStepInputs, SpecStepOutputs, UnifiedStep
 
@@ -209,8 +214,10 @@ class StepGraphRunner:
         scratch_block: int,
         *,
         use_graphs: bool | None = None,  # None: on CUDA
+        peers: GraphPeers = NO_PEERS,  # the other ranks', split over several
     ) -> None:
         self.step, self.buffers, self.scratch_block = step, buffers, scratch_block
+        self.peers = peers
         device = buffers.tokens.device
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.buckets = batch_buckets(buffers.max_batch_size)
@@ -252,10 +259,11 @@ class StepGraphRunner:
         self.buffers.fill(None, key.bucket, self.scratch_block)
         inputs = self.buffers.step_inputs(key, self.max_context_len)
         shape = key.shape
-        self.step(inputs, shape.k_next, defer_drafter=shape.defer_drafter)  # lazy init, JIT
+        with self.peers.step(key, capturing=False):  # lazy init, JIT
+            self.step(inputs, shape.k_next, defer_drafter=shape.defer_drafter)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with self.peers.step(key, capturing=True), torch.cuda.graph(graph, pool=self.pool):
             out = self.step(inputs, shape.k_next, defer_drafter=shape.defer_drafter)
         if self.pool is None:
             self.pool = graph.pool()
@@ -295,10 +303,12 @@ class StepGraphRunner:
         self._guard_tables(inputs, k_next)
         if key in self.graphs:
             graph, out = self.graphs[key]
+            self.peers.replay(key)
             graph.replay()
         else:  # the same step on the padded views, eagerly (CPU, or shapes not captured)
             padded = self.buffers.step_inputs(key, self.max_context_len)
-            out = self.step(padded, k_next, defer_drafter=defer_drafter)
+            with self.peers.step(key, capturing=False):
+                out = self.step(padded, k_next, defer_drafter=defer_drafter)
         return _first_rows(out, inputs.tokens.shape[0])
 
     def _guard_tables(self, inputs: SpecStepInputs, k_next: int) -> None:

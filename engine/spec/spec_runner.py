@@ -124,7 +124,9 @@ class SpecRunner:
         buffers = PersistentInputBuffers.alloc(
             max_batch, max_batch * (k + 1), device, max_blocks_per_seq=width
         )
-        self.graphs = StepGraphRunner(self.step, buffers, scratch_block)
+        self.graphs = StepGraphRunner(
+            self.step, buffers, scratch_block, peers=self.runner.executor.graph_peers
+        )
         # Sampled drafts' probabilities are kept across steps: not as a graph's outputs.
         modes = (True,) if self.config.sample_drafts else (True, False)
         depths = range(k + 1) if self.config.adaptive else (k,)  # adaptive: a graph per K

@@ -62,10 +62,10 @@ def one_rank_gone(rank: int, size: int, model_dir: str, init_method: str) -> Non
 
 
 def many_all_reduces(rank: int, size: int, out_dir: str, init_method: str) -> None:
-    """60 all-reduces and all-gathers of varied sizes and dtypes through the shared segment
-    (one larger than its slots goes through gloo): each must be, on every rank, the
-    rank-order sum (or concatenation) of every rank's tensor, computed here from the same
-    seeds."""
+    """60 all-reduces, all-gathers and broadcasts of varied sizes and dtypes through the
+    shared segment (one larger than its slots goes through gloo): each must be, on every
+    rank, the rank-order sum (or concatenation) of every rank's tensor, or rank 0's,
+    computed here from the same seeds."""
     from engine.parallel import group as group_module
 
     torch.set_num_threads(1)
@@ -89,6 +89,8 @@ def many_all_reduces(rank: int, size: int, out_dir: str, init_method: str) -> No
         assert (got.float() - expected.float()).abs().max().item() <= tolerance, call
         gathered = tp.all_gather(inputs[rank].clone(), dim=call % 2)
         assert torch.equal(gathered, torch.cat(inputs, dim=call % 2)), call
+        sent = inputs[rank].clone()
+        assert tp.broadcast(sent) is sent and torch.equal(sent, inputs[0]), call  # in place
     save_file({"via_gloo": torch.tensor([num_via_gloo])}, str(Path(out_dir) / f"rank{rank}.out"))
     tp.close()
 

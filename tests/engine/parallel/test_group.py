@@ -79,9 +79,9 @@ def alive_procs(procs: list[mp.Process]) -> list[mp.Process]:
 
 
 def test_collectives_through_shared_memory_give_every_rank_the_same_result(tmp_path: Path) -> None:
-    """Three ranks, 60 all-reduces and all-gathers of varied shapes and dtypes in a row:
-    each is the rank-order sum, bit for bit, or the concatenation; the one too large for
-    the segment's slots goes through gloo."""
+    """Three ranks, 60 all-reduces, all-gathers and broadcasts of varied shapes and dtypes
+    in a row: each is the rank-order sum, bit for bit, the concatenation, or rank 0's; the
+    one too large for the segment's slots goes through gloo."""
     init = f"file://{tmp_path / 'rendezvous'}"
     mp.start_processes(
         ranks.many_all_reduces, args=(3, str(tmp_path), init), nprocs=3, start_method="spawn"

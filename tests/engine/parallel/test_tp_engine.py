@@ -246,13 +246,6 @@ def test_what_cannot_be_split_is_refused_naming_the_numbers(model) -> None:
         check_divisible(heads, config["num_key_value_heads"], heads + 1)
     with pytest.raises(TensorParallelError, match="3 does not divide num_attention_heads 8"):
         engine_for(model_dir, 3)
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2 does not run with CUDA graphs"):
-        EngineConfig(
-            model=str(model_dir),
-            tensor_parallel_size=2,
-            cuda_graphs=True,
-            speculative=SpeculativeConfig("d"),
-        )
     on_cuda = EngineConfig(
         model=str(model_dir),
         device="cuda",

@@ -1,0 +1,91 @@
+"""The graph runner's decode steps split over two ranks (``cuda_graphs=True`` on CPU: the
+same padded steps and the same protocol as CUDA's, uncaptured; engine.executor.
+graph_steps): rank 0 sends each graph's signature once, then names it, and its tensors
+travel as one broadcast inside the step. Greedy output equals target-only output, seeded
+rows draw what one device draws, an exact draft is accepted whole, and overlap scheduling
+gives the same tokens. On two GPUs, where the graphs are captured: test_tp_cuda.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.executor.graph_steps import RankGraphs
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from tests.engine.parallel.test_tp_engine import (
+    GREEDY,
+    engine_for,
+    model,  # noqa: F401  (a fixture)
+    prompts,  # noqa: F401  (a fixture)
+    run,
+    seeded,
+)
+from tests.engine.spec.test_spec_greedy import markov_target
+from tests.engine.tiny_drafts import build_random_draft
+from tests.services.cluster_helpers import engine_greedy
+
+
+def graph_steps(engine: LLMEngine) -> tuple[int, RankGraphs]:
+    """How many decode steps ran through the graph runner, and rank 0's messages."""
+    assert engine.spec is not None and engine.spec.graphs is not None
+    peers = engine.runner.executor.graph_peers
+    assert isinstance(peers, RankGraphs)
+    return engine.spec.graphs.num_graph_steps, peers
+
+
+def test_graph_steps_at_tp_2_equal_target_only_and_one_device(
+    model,  # noqa: F811
+    prompts,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    model_dir, _ = model
+    draft = build_random_draft(model_dir, tmp_path / "eagle3", "eagle3", std=0.3)
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=3)
+    requests = {str(i): p for i, p in enumerate(prompts)}
+    target_only = engine_greedy(model_dir, prompts, 12)
+    engine = engine_for(model_dir, 2, speculative=spec, cuda_graphs=True)
+    try:
+        got = run(engine, requests, GREEDY)
+        sampled = {}
+        for i, prompt in enumerate(prompts):
+            sampled |= run(engine, {f"seeded-{i}": prompt}, seeded(i))
+        steps, peers = graph_steps(engine)
+    finally:
+        engine.close()
+    assert [got[str(i)] for i in range(len(prompts))] == target_only
+    # Every decode step went through the graph runner, its forward as a named graph:
+    # defined once per bucket and shape, named every other time.
+    assert steps > 20
+    assert peers.num_defined + peers.num_named == steps
+    assert 0 < peers.num_defined <= 4
+    one = engine_for(model_dir, 1, speculative=spec, cuda_graphs=True)
+    alone = {}
+    try:
+        for i, prompt in enumerate(prompts):
+            alone |= run(one, {f"seeded-{i}": prompt}, seeded(i))
+    finally:
+        one.close()
+    assert sampled == alone
+
+
+def test_an_exact_draft_through_overlapped_graph_steps_at_tp_2(tmp_path: Path) -> None:
+    """Each step launched before the previous one is read (overlap scheduling), its
+    forward named to rank 1 ahead of the host: every draft accepted, target-only tokens."""
+    target_dir, draft_dir, _ = markov_target(tmp_path)
+    rows = [[5, 6, 7], [9] * 11, [40]]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    base = engine_greedy(target_dir, rows, 30)
+    spec = SpeculativeConfig(str(draft_dir), num_draft_tokens=4)
+    engine = engine_for(
+        target_dir, 2, speculative=spec, cuda_graphs=True, enable_overlap_scheduler=True
+    )
+    try:
+        got = run(engine, {str(i): p for i, p in enumerate(rows)}, params)
+        stats = engine.spec.stats  # type: ignore[union-attr]
+        steps, peers = graph_steps(engine)
+    finally:
+        engine.close()
+    assert [got[str(i)] for i in range(len(rows))] == base
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    assert steps >= 6 and peers.num_defined + peers.num_named == steps
