@@ -16,8 +16,8 @@ from engine.block_manager import BlockManager
 from engine.config import Llama3Config, read_hf_config
 from engine.dp_blocks import DataParallelBlocks, KvBlocks
 from engine.engine_config import EngineConfig
-from engine.executor.multiproc import RankGroup, rank_threads
-from engine.executor.shared_kv import SharedKv
+from engine.executor.multiproc import MultiprocExecutor, RankGroup, rank_threads
+from engine.executor.shared_kv import DRAFT_LABEL, SharedKv
 from engine.executor.worker import RankConfig, load_shard
 from engine.fp8 import BlockFp8, QuantizationError
 from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
@@ -39,6 +39,7 @@ from engine.spec.spec_runner import (
     num_draft_tokens,
     num_lookahead_slots,
 )
+from engine.spec.split_draft import SplitDrafter
 from engine.spec.suffix_runner import SuffixSpecRunner
 from engine.structured.grammars import Grammars
 from kernels.cpu import extension as cpu_kernels
@@ -108,6 +109,10 @@ class EngineComponents:
     num_blocks: int  # in each KV pool, the CUDA graphs' padding block included
     # LoRA adapters' names -> (ids, digests: what their requests' prefix hashes chain on)
     lora_names: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # A split draft's KV (draft_split), every rank's heads, as whole_kv_cache is the
+    # target's; None where the ranks do not share memory, or the draft is not split.
+    draft_split: bool = False
+    whole_draft_kv: PagedKVCache | None = None
 
 
 def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineComponents:
@@ -122,9 +127,9 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
     # block-FP8 weights that cannot run as told are refused before anything loads.
     attention, kernels = resolved_kernels(config)
     fp8_weights = fp8_weights_for(config, kernels)
-    ranks = None
+    ranks, split_draft = None, False
     if config.world_size > 1:
-        check_split(
+        model_config = check_split(
             config.model,
             config.world_size,
             dtype=config.dtype,
@@ -138,14 +143,40 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
             kernels=kernels,
             fp8_weights=fp8_weights,
         )
+        split_draft = draft_splits(config, model_config)
+        if split_draft:
+            assert config.speculative is not None
+            spec = config.speculative
+            rank_config = dataclasses.replace(
+                rank_config,
+                draft_model=spec.draft_model,
+                draft_kind=spec.kind,
+                draft_layer_ids=None if spec.target_layer_ids is None else [*spec.target_layer_ids],
+            )
         ranks = RankGroup.start(rank_config)
         torch.set_num_threads(rank_threads(rank_config))
     try:
-        return _build(config, tokenizer, device, ranks, fp8_weights)
+        return _build(config, tokenizer, device, ranks, fp8_weights, split_draft)
     except BaseException:
         if ranks is not None:
             ranks.close()
         raise
+
+
+def draft_splits(config: EngineConfig, model_config: ModelConfig) -> bool:
+    """Whether the draft splits over the target's ranks as the target does
+    (``engine.spec.split_draft``): a draft model beside a split Llama-3 target, unless
+    ``draft_tensor_parallel_size`` is 1. Elsewhere a draft runs on rank 0 alone."""
+    spec = config.speculative
+    return (
+        config.tensor_parallel_size > 1
+        and config.data_parallel_size == 1
+        and spec is not None
+        and not spec.is_model_free
+        and not spec.reads_target_files
+        and spec.draft_tensor_parallel_size != 1
+        and isinstance(model_config, Llama3Config)
+    )
 
 
 def load_lora(
@@ -180,6 +211,7 @@ def _build(
     device: torch.device,
     ranks: RankGroup | None,
     fp8_weights: str,  # fp8_weights_for's
+    split_draft: bool = False,  # draft_splits'
 ) -> EngineComponents:
     tp = ranks.tp if ranks is not None else TensorParallelGroup.single()
     attention, kernels = resolved_kernels(config)
@@ -203,11 +235,12 @@ def _build(
     whole_kv_params = KVCacheParams.from_config(model_config, config.block_size)
     kv_params = whole_kv_params.for_rank(tp.shard)
     plan_params = [kv_params]
-    drafter, lookahead = None, 0
+    drafter, lookahead, whole_draft_params = None, 0, None
     if config.speculative is not None:
-        # Split, the draft runs on rank 0 alone: it borrows a whole embedding and LM head.
+        # Split as the target is, the draft borrows the split target's embedding and LM
+        # head; on rank 0 alone, a whole copy of them.
         borrowed = model
-        if tp.size > 1 and not config.speculative.is_model_free:
+        if tp.size > 1 and not config.speculative.is_model_free and not split_draft:
             borrowed = load_whole_vocabulary(config.model, model_config, device)
         drafter = load_speculator(config.speculative, borrowed, device, config.model)
         if drafter is not None and device.type == "cpu" and config.cpu_gemm != "aten":
@@ -216,7 +249,9 @@ def _build(
                 use_packed_gemm(module, config.cpu_gemm)
                 packed.append(module)
         if drafter is not None:
-            plan_params.append(KVCacheParams.from_config(drafter.config, config.block_size))
+            whole_draft_params = KVCacheParams.from_config(drafter.config, config.block_size)
+            shard = tp.shard if split_draft else TensorParallelGroup.single().shard
+            plan_params.append(whole_draft_params.for_rank(shard))
         lookahead = num_lookahead_slots(num_draft_tokens(config.speculative, drafter), drafter)
     if packed:
         freed = release_packed_weights(*packed)
@@ -278,10 +313,20 @@ def _build(
         data_parallel_size=config.data_parallel_size,
     )
     spec: SpecRunner | None = None
+    whole_draft_kv = draft_kv = None
+    if split_draft:  # the draft's KV heads as the target's: shared, each rank its own
+        assert drafter is not None and whole_draft_params is not None
+        assert isinstance(runner.executor, MultiprocExecutor)
+        shared_draft = SharedKv.open(tp, whole_draft_params, num_blocks, DRAFT_LABEL)
+        if shared_draft is not None:
+            draft_kv, whole_draft_kv = shared_draft.rank, shared_draft.whole
+        else:
+            draft_kv = PagedKVCache(plan_params[1], num_blocks, device)
+        drafter = SplitDrafter(drafter, runner.executor.graph_peers, tp)
     if config.speculative is not None and config.speculative.is_model_free:
         spec = SuffixSpecRunner(config.speculative, runner, num_blocks)  # eager: ragged drafts
     elif config.speculative is not None and drafter is not None:
-        spec = SpecRunner(config.speculative, runner, drafter, num_blocks)
+        spec = SpecRunner(config.speculative, runner, drafter, num_blocks, draft_kv)
         # Overlap scheduling launches steps whose rows the host has not caught up on: a
         # K = 0 step runs the drafter (and its costs are measured so).
         spec.defer_drafter = not config.enable_overlap_scheduler
@@ -300,4 +345,6 @@ def _build(
         spec=spec,
         num_blocks=num_blocks,
         lora_names=lora_names,
+        draft_split=split_draft,
+        whole_draft_kv=whole_draft_kv,
     )

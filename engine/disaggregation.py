@@ -34,6 +34,8 @@ class Disaggregation:
     config: EngineConfig
     kv_cache: PagedKVCache
     whole_kv_cache: PagedKVCache | None
+    draft_split: bool
+    whole_draft_kv: PagedKVCache | None
     block_manager: KvBlocks
     scheduler: Scheduler
     runner: ModelRunner
@@ -48,9 +50,9 @@ class Disaggregation:
     @property
     def kv_pools(self) -> dict[str, PagedKVCache]:
         """The KV pools a transfer reads or writes, by name; one block id indexes each.
-        Split over ranks, the target's is every rank's heads (engine.executor.shared_kv):
-        whole heads, whatever the ranks, so that workers of any tensor-parallel sizes
-        map onto each other."""
+        Split over ranks, the target's (and a split draft's) is every rank's heads
+        (engine.executor.shared_kv): whole heads, whatever the ranks, so that workers of
+        any tensor-parallel sizes map onto each other."""
         target = self.kv_cache
         if self.config.tensor_parallel_size > 1:
             if self.whole_kv_cache is None:
@@ -62,6 +64,9 @@ class Disaggregation:
         pools = {"target": target}
         if self.spec is not None and self.spec.draft_kv is not None:
             pools["draft"] = self.spec.draft_kv
+            if self.draft_split:  # every rank's heads of it, as the target's
+                assert self.whole_draft_kv is not None  # shared as the target's is
+                pools["draft"] = self.whole_draft_kv
         return pools
 
     def set_layer_listener(self, listener: LayerListener | None) -> None:

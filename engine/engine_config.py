@@ -121,6 +121,12 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size: {self.tensor_parallel_size}, must be at least 1"
             )
+        draft_size = spec.draft_tensor_parallel_size if spec is not None else None
+        if draft_size not in (None, 1, self.tensor_parallel_size):
+            raise ValueError(
+                f"speculative.draft_tensor_parallel_size: {draft_size}; a draft splits over "
+                f"its target's {self.tensor_parallel_size} ranks or runs on rank 0 alone (1)"
+            )
         self._check_data_parallel()
         self._check_lora()
 

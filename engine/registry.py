@@ -345,10 +345,10 @@ def check_split(
     max_length: int | None = None,
     expert_parallel: bool = False,
     data_parallel_size: int = 1,
-) -> None:
+) -> ModelConfig:
     """Raises TensorParallelError (naming the numbers) where the model in ``model_dir``
     cannot be split over ``size`` ranks: built on the meta device as rank 0's part, before
-    any rank starts or reads a weight."""
+    any rank starts or reads a weight. Returns the model's config."""
     arch, config = _model_config(model_dir, dtype, max_length, expert_parallel, data_parallel_size)
     with torch.device("meta"):
         arch.model_class(config, TensorParallelGroup(Shard(0, size), None))
@@ -362,6 +362,7 @@ def check_split(
                     f"{columns // size} columns, not whole {block.block_k}-column FP8 "
                     "blocks (weight_block_size)"
                 )
+    return config
 
 
 def _row_parallel_columns(config: ModelConfig) -> list[tuple[str, int]]:

@@ -16,6 +16,11 @@ rank 0 cannot encode each forward's tensors on the host as eager steps do
   own graph (``replay``); a forward run again eagerly names it itself. Each rank replays
   or reruns its own.
 
+A step may hold several forwards: the target's, then a split draft's (its extend and its
+propose, ``engine.spec.split_draft``); each is a graph of its own on the other ranks,
+named in order. A split draft's forwards outside the graph runner's steps travel the same
+way, defined to run once (``ONCE``).
+
 On CPU nothing is captured: the same messages and broadcast run eagerly every step, so the
 protocol is tested there; only the capture itself is CUDA's.
 """
@@ -24,20 +29,23 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from engine.executor.inputs import (
-    ForwardInputs,
+from engine.executor.graph_wire import (
+    ONCE,
     GraphDefine,
     GraphSignature,
+    Signature,
     encode_define,
     encode_run,
+    forward_tensors,
     pack,
 )
+from engine.executor.inputs import ForwardInputs
 from engine.models.llama3 import ModelOutputs
 from engine.parallel.group import TensorParallelGroup
 
@@ -62,17 +70,18 @@ NO_PEERS = GraphPeers()
 
 
 class RankGraphs(GraphPeers):
-    """Rank 0's side: sends the messages (``send``) and each forward's broadcast."""
+    """Rank 0's side: sends the messages (``send``) and each forward's broadcasts."""
 
     def __init__(self, send: Callable[[torch.Tensor], None], tp: TensorParallelGroup) -> None:
         self.send, self.tp = send, tp
         self._ids = itertools.count()
-        self._eager: dict[GraphSignature, int] = {}  # signatures the ranks hold, eagerly
+        self._eager: dict[Signature, int] = {}  # signatures the ranks hold, eagerly
         self._captured: dict[Hashable, list[int]] = {}  # per key, its forwards' numbers
         self._key: Hashable | None = None  # the step running now
         self._capturing = False
-        self.num_defined = 0  # graphs the ranks were sent (run once or captured)
+        self.num_defined = 0  # forwards the ranks were sent to keep (run or captured)
         self.num_named = 0  # later runs or replays of them
+        self.num_once = 0  # forwards outside the graph runner's steps, run once
 
     @contextlib.contextmanager
     def step(self, key: Hashable, *, capturing: bool) -> Iterator[None]:
@@ -92,56 +101,84 @@ class RankGraphs(GraphPeers):
         for graph_id in self._captured[key]:
             self._name(graph_id)
 
-    def _name(self, graph_id: int) -> None:
-        self.send(encode_run(graph_id))
-        self.num_named += 1
-
-    def _define(self, graph_id: int, signature: GraphSignature, *, capture: bool) -> None:
-        self.send(encode_define(graph_id, signature, capture=capture))
-        self.num_defined += 1
-
     def forward(self, inputs: ForwardInputs, *, compiled: bool) -> None:
-        """Rank 0's part of one forward of a graph step, before its own shard's: the
-        message (host code: run while capturing, not on replay), then the broadcast."""
-        signature = GraphSignature.of(inputs, compiled=compiled)
+        """Rank 0's part of a graph step's target forward, before its own shard's."""
+        self.send_op(GraphSignature.of(inputs, compiled=compiled), [pack(forward_tensors(inputs))])
+
+    def send_op(self, signature: Signature, tensors: list[torch.Tensor]) -> None:
+        """The message for one forward of ``signature`` (host code: run while capturing,
+        not on replay), then its tensors' broadcasts (``signature.buffers``' order).
+        Outside the graph runner's steps, a forward run once."""
         if self._capturing:
             graph_id = next(self._ids)
             self._captured[self._key].append(graph_id)
             self._define(graph_id, signature, capture=True)
+        elif not self.active:
+            self.send(encode_define(ONCE, signature, capture=False))
+            self.num_once += 1
         elif signature in self._eager:
             self._name(self._eager[signature])
         else:
             graph_id = self._eager[signature] = next(self._ids)
             self._define(graph_id, signature, capture=False)
-        self.tp.broadcast(pack(inputs))
+        for x in tensors:
+            self.tp.broadcast(x)
+
+    def _name(self, graph_id: int) -> None:
+        self.send(encode_run(graph_id))
+        self.num_named += 1
+
+    def _define(self, graph_id: int, signature: Signature, *, capture: bool) -> None:
+        self.send(encode_define(graph_id, signature, capture=capture))
+        self.num_defined += 1
+
+
+# How a rank runs one kind of forward: (its signature, the buffers its broadcasts fill)
+# -> the forward over them.
+OpRunner = Callable[[Any, list[torch.Tensor]], Callable[[], None]]
+
+
+def target_runner(forward: Callable[..., ModelOutputs]) -> OpRunner:
+    """The target's forward (``forward``: the rank's executor's) of a ``GraphSignature``."""
+
+    def runner(signature: GraphSignature, buffers: list[torch.Tensor]) -> Callable[[], None]:
+        inputs = signature.inputs(buffers[0])
+
+        def run() -> None:
+            forward(inputs, compiled=signature.compiled)
+
+        return run
+
+    return runner
 
 
 @dataclass
 class _Graph:
-    inputs: ForwardInputs  # views of ``packed``
-    packed: torch.Tensor  # the broadcast's buffer
-    compiled: bool
+    buffers: list[torch.Tensor]  # what the forward's broadcasts fill
+    run: Callable[[], None]  # the forward over them
     cuda_graph: Any = None  # torch.cuda.CUDAGraph once captured
 
 
 class FollowerGraphs:
-    """A rank other than 0: the graphs rank 0 defined, run or replayed when named."""
+    """A rank other than 0: the forwards rank 0 defined, run or replayed when named.
+    ``runners``: how to run each kind of signature (by its class)."""
 
     def __init__(
         self,
-        forward: Callable[..., ModelOutputs],  # the rank's executor's forward
+        runners: Mapping[type, OpRunner],
         tp: TensorParallelGroup,
         device: torch.device,
     ) -> None:
-        self.forward, self.tp, self.device = forward, tp, device
+        self.runners, self.tp, self.device = runners, tp, device
         self.graphs: dict[int, _Graph] = {}
         self.pool: Any = None  # the captured graphs' memory pool, as rank 0's
 
     def define(self, message: GraphDefine) -> None:
         signature = message.signature
-        packed = torch.zeros(signature.numel, dtype=torch.int64, device=self.device)
-        graph = _Graph(signature.inputs(packed), packed, signature.compiled)
-        self.graphs[message.graph_id] = graph
+        buffers = signature.buffers(self.device)
+        graph = _Graph(buffers, self.runners[type(signature)](signature, buffers))
+        if message.graph_id != ONCE:
+            self.graphs[message.graph_id] = graph
         if not message.capture:
             self._run(graph)
             return
@@ -161,5 +198,6 @@ class FollowerGraphs:
 
     @torch.inference_mode()
     def _run(self, graph: _Graph) -> None:
-        self.tp.broadcast(graph.packed)
-        self.forward(graph.inputs, compiled=graph.compiled)
+        for x in graph.buffers:
+            self.tp.broadcast(x)
+        graph.run()

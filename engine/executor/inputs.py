@@ -5,11 +5,8 @@ Every rank runs the same forward over its own shard and KV pools: the tokens, th
 batch's layout (positions, KV slots, block tables, context lengths) and which tokens get
 logits. Each rank builds its attention backend's metadata from the layout itself.
 
-The graph runner's steps (``engine.spec.graph_runner``) send their forwards in two parts
-instead, since a captured graph cannot read its tensors on the host: the message says
-only what is fixed per graph (``GraphSignature``: the shapes and the host-side bounds),
-once per graph (``encode_define``; then ``encode_run`` names it), and the tensors travel
-on the device, inside the step, as one broadcast of ``pack``'s int64 buffer.
+The graph runner's steps, and a split draft's forwards, travel otherwise: their shapes
+in a message, their tensors as broadcasts on the device (``engine.executor.graph_wire``).
 """
 
 from __future__ import annotations
@@ -75,7 +72,7 @@ class _Reader:
     def tensor(self, device: torch.device) -> torch.Tensor:
         (ndim,) = self.ints(1)
         shape = self.ints(ndim)
-        numel = _numel(tuple(shape))
+        numel = torch.Size(shape).numel()
         x = self.values[self.at : self.at + numel].view(shape)
         self.at += numel
         return x.to(device, copy=True)
@@ -114,157 +111,24 @@ class ForwardStep:
     compiled: bool  # through the compiled forward
 
 
-@dataclass(frozen=True)
-class GraphSignature:
-    """What is fixed in a graph step's forward: everything but its tensors' values."""
-
-    compiled: bool
-    block_size: int
-    max_query_len: int
-    max_context_len: int
-    flags: tuple[bool, bool, bool]  # the layout's is_causal_prefill, is_causal, exact
-    hidden: ReturnHiddenStates
-    shapes: tuple[tuple[int, ...], ...]  # GRAPH_TENSORS' shapes
-
-    @classmethod
-    def of(cls, inputs: ForwardInputs, *, compiled: bool) -> GraphSignature:
-        layout = inputs.layout
-        if layout.query_lens is not None or layout.context_lens_host is not None:
-            raise ValueError("a graph step's layout has no host-side lengths")
-        if inputs.on_layer is not None or inputs.dp_ranks is not None:
-            raise ValueError("a graph step has no per-layer hook and no data-parallel rows")
-        return cls(
-            compiled,
-            layout.block_size,
-            layout.max_query_len,
-            layout.max_context_len,
-            (layout.is_causal_prefill, layout.is_causal, layout.is_max_context_exact),
-            inputs.return_hidden_states,
-            tuple(tuple(x.shape) for x in graph_tensors(inputs)),
-        )
-
-    @property
-    def numel(self) -> int:
-        return sum(_numel(shape) for shape in self.shapes)
-
-    def inputs(self, packed: torch.Tensor) -> ForwardInputs:
-        """The forward whose tensors are views of ``packed`` (``pack``'s layout)."""
-        views, at = [], 0
-        for shape in self.shapes:
-            views.append(packed[at : at + _numel(shape)].view(shape))
-            at += _numel(shape)
-        tokens, logit_indices, offsets, positions, slots, context_lens, tables = views
-        causal_prefill, causal, exact = self.flags
-        layout = BatchLayout(
-            input_row_offsets=offsets,
-            positions=positions,
-            slot_mapping=slots,
-            context_lens=context_lens,
-            block_tables=tables,
-            block_size=self.block_size,
-            max_query_len=self.max_query_len,
-            max_context_len=self.max_context_len,
-            is_causal_prefill=causal_prefill,
-            is_causal=causal,
-            is_max_context_exact=exact,
-        )
-        return ForwardInputs(tokens, layout, logit_indices, self.hidden)
-
-
-@dataclass(frozen=True)
-class GraphDefine:
-    graph_id: int
-    signature: GraphSignature
-    capture: bool  # into a CUDA graph (its ranks capture together), else run once
-
-
-@dataclass(frozen=True)
-class GraphRun:
-    graph_id: int
-
-
-def graph_tensors(inputs: ForwardInputs) -> list[torch.Tensor]:
-    """The tensors a graph step's forward sends, in ``pack``'s order (all int64)."""
-    layout = inputs.layout
-    return [
-        inputs.tokens,
-        inputs.logit_indices,
-        layout.input_row_offsets,
-        layout.positions,
-        layout.slot_mapping,
-        layout.context_lens,
-        layout.block_tables,
-    ]
-
-
-def pack(inputs: ForwardInputs) -> torch.Tensor:
-    """One int64 buffer of ``graph_tensors``, on their device (no host read)."""
-    parts = graph_tensors(inputs)
-    if any(x.dtype != torch.int64 for x in parts):
-        raise ValueError(f"graph step tensors must be int64: {[x.dtype for x in parts]}")
-    return torch.cat([x.reshape(-1) for x in parts])
-
-
-def encode_define(graph_id: int, signature: GraphSignature, *, capture: bool) -> torch.Tensor:
-    g = signature
-    w = _Writer()
-    w.ints(MESSAGE_FORMAT, OP_GRAPH_DEFINE, graph_id, capture, g.compiled)
-    w.ints(g.block_size, g.max_query_len, g.max_context_len, *g.flags, g.hidden.final)
-    w.optional(list(g.hidden.layer_ids))
-    w.ints(len(g.shapes))
-    for shape in g.shapes:
-        w.ints(len(shape), *shape)
-    return torch.cat(w.parts)
-
-
-def encode_run(graph_id: int) -> torch.Tensor:
-    return torch.tensor([MESSAGE_FORMAT, OP_GRAPH_RUN, graph_id], dtype=torch.int64)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    numel = 1
-    for n in shape:
-        numel *= n
-    return numel
-
-
-def _decode_define(r: _Reader) -> GraphDefine:
-    graph_id, capture, compiled = r.ints(3)
-    block_size, max_query_len, max_context_len, *flags, final = r.ints(7)
-    layer_ids = r.optional() or []
-    (count,) = r.ints(1)
-    shapes = []
-    for _ in range(count):
-        (ndim,) = r.ints(1)
-        shapes.append(tuple(r.ints(ndim)))
-    signature = GraphSignature(
-        bool(compiled),
-        block_size,
-        max_query_len,
-        max_context_len,
-        (bool(flags[0]), bool(flags[1]), bool(flags[2])),
-        ReturnHiddenStates(tuple(layer_ids), bool(final)),
-        tuple(shapes),
-    )
-    return GraphDefine(graph_id, signature, bool(capture))
-
-
-def decode(
-    message: torch.Tensor, device: torch.device
-) -> ForwardStep | GraphDefine | GraphRun | None:
-    """What a message asks a rank to run (``encode``'s inputs on ``device``); None: stop."""
-    r = _Reader(message)
-    version, op = r.ints(2)
+def message_op(message: torch.Tensor) -> int:
+    """A message's op (``OP_*``), its format checked."""
+    version, op = message[:2].tolist()
     if version != MESSAGE_FORMAT:
         raise ValueError(f"step message format {version}, this rank reads {MESSAGE_FORMAT}")
+    return int(op)
+
+
+def decode(message: torch.Tensor, device: torch.device) -> ForwardStep | None:
+    """``encode``'s forward (its inputs on ``device``); None for a stop. The graph runner's
+    messages: ``engine.executor.graph_wire.decode_message``."""
+    op = message_op(message)
     if op == OP_STOP:
         return None
-    if op == OP_GRAPH_DEFINE:
-        return _decode_define(r)
-    if op == OP_GRAPH_RUN:
-        return GraphRun(r.ints(1)[0])
     if op != OP_FORWARD:
         raise ValueError(f"step message: unknown op {op}")
+    r = _Reader(message)
+    r.at = 2
     compiled, _ = r.ints(2)
     block_size, max_query_len, max_context_len = r.ints(3)
     is_causal_prefill, is_causal, is_exact, final = r.ints(4)

@@ -1,6 +1,6 @@
 """A target split over tensor-parallel ranks: rank 0 in this process, beside the engine
 (its scheduler, sampler and drafter, as a driver rank), and ranks 1.. in processes of
-their own: fresh interpreters (``python -m engine.executor.worker``), so that nothing of
+their own: fresh interpreters (``python -m engine.rank``), so that nothing of
 this process is inherited or pickled, and a script that makes an engine needs no
 ``if __name__ == "__main__"`` guard (``multiprocessing``'s spawn would import it again).
 
@@ -127,7 +127,7 @@ class RankGroup:
         try:
             channel, fd = StepChannel.create(size - 1, timeout_s=timeout_s)
             for rank in range(1, size):
-                command = [sys.executable, "-m", "engine.executor.worker"]
+                command = [sys.executable, "-m", "engine.rank"]
                 command += ["--rank", str(rank), "--size", str(size)]
                 command += ["--init-method", init_method, "--config", spec]
                 command += ["--parent-pid", str(os.getpid()), "--channel-fd", str(fd)]

@@ -1,6 +1,7 @@
-"""A tensor-parallel worker's target KV in one shared-memory file on its host: each layer's
-K and V with every KV head, ``[num_blocks, block_size, num_kv_heads, head_dim]``, and each
-rank's pools are views of the heads it holds (``Shard.kv_heads``).
+"""A tensor-parallel worker's target KV (and a split draft's) in one shared-memory file on
+its host: each layer's K and V with every KV head, ``[num_blocks, block_size,
+num_kv_heads, head_dim]``, and each rank's pools are views of the heads it holds
+(``Shard.kv_heads``).
 
 Rank 0 reads and writes every head there, so that a KV transfer (kv_transfer, through the
 engine's ``kv_pools``) sees one worker's whole KV in one layout, whatever its ranks: the
@@ -31,7 +32,8 @@ from engine.kv_cache import KVCacheParams, PagedKVCache
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shm_collectives import map_shared_file
 
-LABEL = "tandem-tp-kv"
+LABEL = "tandem-tp-kv"  # the target's; a split draft's: DRAFT_LABEL
+DRAFT_LABEL = "tandem-tp-draft-kv"
 
 
 class SharedKv:
@@ -43,7 +45,7 @@ class SharedKv:
 
     @classmethod
     def open(
-        cls, tp: TensorParallelGroup, params: KVCacheParams, num_blocks: int
+        cls, tp: TensorParallelGroup, params: KVCacheParams, num_blocks: int, label: str = LABEL
     ) -> SharedKv | None:
         """The ranks' shared pools (a collective: every rank calls it alike) of
         ``params``'s whole heads; None on every rank where they do not share memory."""
@@ -52,7 +54,7 @@ class SharedKv:
         shape = (num_blocks, params.block_size, params.num_kv_heads, params.head_dim)
         tensor_bytes = torch.Size(shape).numel() * params.dtype.itemsize
         num_tensors = params.num_layers * params.num_tensors
-        mapped = map_shared_file(tp.shard.rank, LABEL, max(num_tensors * tensor_bytes, 1))
+        mapped = map_shared_file(tp.shard.rank, label, max(num_tensors * tensor_bytes, 1))
         if mapped is None:
             return None
         data = torch.frombuffer(mapped, dtype=torch.uint8)

@@ -26,6 +26,10 @@ class SpeculativeConfig:
     acceptance: str = "lossless"  # "synthetic": benchmark mode, NOT lossless
     synthetic_acceptance_rates: tuple[float, ...] = ()  # per position, for "synthetic"
     suffix: SuffixConfig = field(default_factory=SuffixConfig)  # kind "suffix": its matching
+    # Ranks a draft model splits over beside a split Llama-3 target: None, the target's
+    # (engine.spec.split_draft); 1, rank 0 alone (a whole copy of the embedding and LM
+    # head there). DeepSeek-V3's drafts run on rank 0 alone.
+    draft_tensor_parallel_size: int | None = None
 
     @property
     def is_model_free(self) -> bool:
@@ -52,6 +56,9 @@ class SpeculativeConfig:
             raise ValueError(
                 f"sample_drafts: kind {self.kind!r} proposes tokens, not a distribution"
             )
+        size = self.draft_tensor_parallel_size
+        if size is not None and size < 1:
+            raise ValueError(f"draft_tensor_parallel_size: {size}, must be at least 1")
         if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(
                 f"num_draft_tokens: must be in 1..{MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"

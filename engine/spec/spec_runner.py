@@ -80,11 +80,12 @@ class SpecRunner:
         runner: ModelRunner,
         drafter: Drafter | None,  # None: drafts without a model (SuffixSpecRunner)
         num_blocks: int,
+        draft_kv: PagedKVCache | None = None,  # None: made here (a split draft's: its heads)
     ) -> None:
         self.config, self.runner, self.drafter = config, runner, drafter
         self.k = num_draft_tokens(config, drafter)
-        self.draft_kv: PagedKVCache | None = None
-        if drafter is not None:
+        self.draft_kv: PagedKVCache | None = draft_kv
+        if drafter is not None and draft_kv is None:
             params = KVCacheParams.from_config(drafter.config, runner.block_size)
             self.draft_kv = PagedKVCache(params, num_blocks, runner.device)
         self.step = UnifiedStep(

@@ -140,7 +140,7 @@ async def test_greedy_with_draft_and_logprobs_equal_the_engine(
     assert worker.stats["prefills_in_place"] == "1"
     # Its model is split: rank 1 runs in a process of the worker's own.
     children = psutil.Process(cluster.decode[0].process.pid).children()
-    ranks = [c for c in children if "engine.executor.worker" in c.cmdline()]
+    ranks = [c for c in children if "engine.rank" in c.cmdline()]
     assert len(ranks) == 1 and "--rank" in ranks[0].cmdline()
     assert ledger.list_workers(WorkerRole.PREFILL) == []
 
@@ -271,7 +271,7 @@ FAULT_PROMPTS = [[(7 * i + 5 * j) % 61 + 3 for j in range(4 + 5 * i)] for i in r
 def rank_processes(worker_pid: int) -> list[psutil.Process]:
     """The worker's other tensor-parallel ranks: processes it started."""
     children = psutil.Process(worker_pid).children()
-    return [c for c in children if "engine.executor.worker" in c.cmdline()]
+    return [c for c in children if "engine.rank" in c.cmdline()]
 
 
 def has_ended(process: psutil.Process) -> bool:

@@ -29,6 +29,7 @@ from engine.models.llama3 import (
     ModelOutputs,
     ReturnHiddenStates,
 )
+from engine.parallel.layers import gather_logits
 from engine.registry import decoder_layer_rules
 from engine.spec.drafters.base import (
     DraftConfigError,
@@ -38,6 +39,7 @@ from engine.spec.drafters.base import (
     ProposeArgs,
     SelectFn,
     draft_layout,
+    draft_split,
 )
 from engine.spec.drafters.loading import build_draft, check_layer_ids, draft_llama_config
 from engine.weights import Source, TensorRule
@@ -128,10 +130,11 @@ class DflashDrafter(nn.Module):
         self.block_size = block_size
         self.fixed_num_draft_tokens: int | None = block_size - 1
         self.target_hidden = ReturnHiddenStates(layer_ids=layer_ids)
+        self.tp = draft_split(target)  # the layers' heads and channels, with a split target
         self.fc = Linear(len(layer_ids) * target.config.hidden_size, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(
-            Llama3DecoderLayer(config) for _ in range(config.num_hidden_layers)
+            Llama3DecoderLayer(config, self.tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(
@@ -161,18 +164,13 @@ class DflashDrafter(nn.Module):
         """Context K/V of every given position, per draft layer (no attention is computed)."""
         ctx = self.hidden_norm(self.fc(features))  # [T, H]
         cos, sin = self.rotary.lookup(layout.positions)
-        t, c = ctx.shape[0], self.config
+        t = ctx.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
-            proj = cast(Llama3DecoderLayer, layer).self_attn.qkv_proj
-            k, v = proj.forward_rows(ctx, c.q_size).split(c.kv_size, dim=-1)
-            k = RotaryEmbedding.rotate(k.reshape(t, c.num_key_value_heads, c.head_dim), cos, sin)
-            backend.write_kv(
-                k,
-                v.reshape(t, c.num_key_value_heads, c.head_dim),
-                k_cache,
-                v_cache,
-                layout.slot_mapping,
-            )
+            attn = cast(Llama3DecoderLayer, layer).self_attn  # this rank's KV heads
+            k, v = attn.qkv_proj.forward_rows(ctx, attn.q_size).split(attn.kv_size, dim=-1)
+            heads = (t, attn.num_kv_heads, attn.head_dim)
+            k = RotaryEmbedding.rotate(k.reshape(heads), cos, sin)
+            backend.write_kv(k, v.reshape(heads), k_cache, v_cache, layout.slot_mapping)
         return None
 
     def propose(
@@ -196,7 +194,8 @@ class DflashDrafter(nn.Module):
         for layer, kv_layer in zip(self.layers, kv, strict=True):
             x = layer(x, rope, kv_layer, backend, metadata)
         x = x.view(b, bs, -1)[:, 1 : k + 1]  # [B, k, H]: positions 1.. predict the drafts
-        logits = self._target[1](self.norm(x)).float()  # [B, k, V]
+        logits = self._target[1](self.norm(x)).float()  # [B, k, V] (split: this rank's)
+        logits = gather_logits(self.tp, logits, self.config.vocab_size)
         return torch.stack([select(DraftLogits(logits[:, j]), j) for j in range(k)], dim=1)
 
 
@@ -214,8 +213,9 @@ def load_dflash(
         TensorRule("hidden_norm.weight", (Source("hidden_norm.weight", (h,)),)),
         TensorRule("norm.weight", (Source("norm.weight", (h,)),)),
     ]
+    shard = draft_split(target).shard
     for i in range(config.num_hidden_layers):
-        rules += decoder_layer_rules(config, f"layers.{i}", f"layers.{i}")
+        rules += decoder_layer_rules(config, f"layers.{i}", f"layers.{i}", shard=shard)
     return build_draft(
         lambda: DflashDrafter(config, target, ids, fields.mask_token_id, block_size),
         draft_dir,

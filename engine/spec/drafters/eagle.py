@@ -25,6 +25,7 @@ from engine.models.llama3 import (
     ModelOutputs,
     ReturnHiddenStates,
 )
+from engine.parallel.layers import gather_logits
 from engine.registry import decoder_layer_rules
 from engine.spec.drafters.base import (
     DraftConfigError,
@@ -33,6 +34,7 @@ from engine.spec.drafters.base import (
     KVLayers,
     ProposeArgs,
     SelectFn,
+    draft_split,
     propose_chain,
 )
 from engine.spec.drafters.loading import build_draft, draft_llama_config
@@ -51,8 +53,9 @@ class EagleDrafter(nn.Module):
         h = config.hidden_size
         self.config = config
         self.target_hidden = ReturnHiddenStates(final=True)
-        self.fc = Linear(2 * h, h, bias=fc_bias)
-        self.layer = Llama3DecoderLayer(config)
+        self.tp = draft_split(target)
+        self.fc = Linear(2 * h, h, bias=fc_bias)  # whole on every rank
+        self.layer = Llama3DecoderLayer(config, self.tp)
         if not has_input_norm:
             self.layer.input_layernorm = nn.Identity()  # type: ignore[assignment]
         self.rotary = RotaryEmbedding(
@@ -117,7 +120,8 @@ class EagleDrafter(nn.Module):
 
     def logits(self, g: torch.Tensor) -> DraftLogits:
         """The next token's scores from the draft state ``g``: the target's LM head."""
-        return DraftLogits(self._target[1](g).float())
+        logits = self._target[1](g).float()
+        return DraftLogits(gather_logits(self.tp, logits, self.config.vocab_size))
 
 
 def load_eagle(
@@ -146,7 +150,8 @@ def load_eagle(
     if fc_bias:
         rules.append(TensorRule("fc.bias", (Source("fc.bias", (h,)),)))
     norms = ("input_layernorm",) * has_input_norm + ("post_attention_layernorm",)
-    rules += decoder_layer_rules(config, "layers.0", "layer", norms=norms)
+    shard = draft_split(target).shard
+    rules += decoder_layer_rules(config, "layers.0", "layer", norms=norms, shard=shard)
     return build_draft(
         lambda: EagleDrafter(config, target, fc_bias, has_input_norm),
         draft_dir,

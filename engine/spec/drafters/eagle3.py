@@ -28,6 +28,8 @@ from engine.models.llama3 import (
     ModelOutputs,
     ReturnHiddenStates,
 )
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.layers import gather_logits
 from engine.registry import decoder_layer_rules
 from engine.spec.drafters.base import (
     DraftConfigError,
@@ -36,10 +38,11 @@ from engine.spec.drafters.base import (
     KVLayers,
     ProposeArgs,
     SelectFn,
+    draft_split,
     propose_chain,
 )
 from engine.spec.drafters.loading import build_draft, check_layer_ids, draft_llama_config
-from engine.weights import CheckpointReader, Source, TensorRule, WeightError
+from engine.weights import CheckpointReader, Source, TensorRule, WeightError, run_part
 
 
 def default_eagle3_layers(num_layers: int) -> tuple[int, ...]:
@@ -49,11 +52,11 @@ def default_eagle3_layers(num_layers: int) -> tuple[int, ...]:
 
 
 class Eagle3MidLayer(nn.Module):
-    def __init__(self, config: Llama3Config) -> None:
+    def __init__(self, config: Llama3Config, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         h = config.hidden_size
-        self.self_attn = Llama3Attention(config, in_features=2 * h)
-        self.mlp = GatedMLP(h, config.intermediate_size, config.mlp_bias)
+        self.self_attn = Llama3Attention(config, in_features=2 * h, tp=tp)
+        self.mlp = GatedMLP(h, config.intermediate_size, config.mlp_bias, tp=tp)
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
@@ -89,10 +92,12 @@ class Eagle3Drafter(nn.Module):
         self.config = config
         self.layer_ids = layer_ids
         self.target_hidden = ReturnHiddenStates(layer_ids=layer_ids)
-        self.fc = Linear(len(layer_ids) * h, h, bias=False)
-        self.midlayer = Eagle3MidLayer(config)
+        # Split with a split target: the layer's heads and channels, the LM head's rows.
+        self.tp = draft_split(target)
+        self.fc = Linear(len(layer_ids) * h, h, bias=False)  # whole on every rank
+        self.midlayer = Eagle3MidLayer(config, self.tp)
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.lm_head = Linear(h, draft_vocab_size, bias=False)
+        self.lm_head = Linear(h, len(self.tp.shard.vocab(draft_vocab_size)), bias=False)
         self.d2t: torch.Tensor
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
         self.rotary = RotaryEmbedding(
@@ -119,7 +124,8 @@ class Eagle3Drafter(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> DraftLogits:
         """Scores over the draft vocabulary, which ``d2t`` maps to target ids."""
-        draft = self.lm_head(self.norm(hidden)).float()  # [B, Vd]
+        draft = self.lm_head(self.norm(hidden)).float()  # [B, Vd] (split: this rank's rows)
+        draft = gather_logits(self.tp, draft, self.d2t.numel())
         ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t  # target ids
         return DraftLogits(draft, ids, self.vocab_size)
 
@@ -203,16 +209,19 @@ def load_eagle3(
             "(the target's vocabulary)"
         )
     h = config.hidden_size
+    shard = draft_split(target).shard
+    head = run_part(0, shard.vocab(draft_vocab)) if shard.size > 1 else None
     rules = [
         TensorRule("fc.weight", (Source("fc.weight", (h, len(ids) * h)),)),
         TensorRule("norm.weight", (Source("norm.weight", (h,)),)),
-        TensorRule("lm_head.weight", (Source("lm_head.weight", (draft_vocab, h)),)),
+        TensorRule("lm_head.weight", (Source("lm_head.weight", (draft_vocab, h), head),)),
         *decoder_layer_rules(
             config,
             _layer_prefix(draft_dir),
             "midlayer",
             in_features=2 * h,
             norms=("input_layernorm", "hidden_norm", "post_attention_layernorm"),
+            shard=shard,
         ),
     ]
 

@@ -1,9 +1,10 @@
 """The graph runner's steps over split ranks, message by message (engine/executor/
-graph_steps.py, inputs.py): a graph's signature travels once and names the same shapes
-and bounds on the other side; its tensors travel packed, and unpack into views of one
-buffer; rank 0 defines a signature once, then names it; a captured step's forwards are
-named again, in order, before each replay. The ranks' side runs what it is named. Two
-ranks in real processes: tests/engine/parallel/test_tp_graphs.py."""
+graph_steps.py, graph_wire.py): a graph's signature travels once and names the same
+shapes, bounds and host lengths on the other side; its tensors travel packed, and unpack
+into views of one buffer; rank 0 defines a signature once, then names it; a captured
+step's forwards are named again, in order, before each replay; outside the graph
+runner's steps a forward is defined to run once. The ranks' side runs what it is named.
+Two ranks in real processes: tests/engine/parallel/test_tp_graphs.py."""
 
 from __future__ import annotations
 
@@ -11,19 +12,19 @@ import pytest
 import torch
 
 from engine.attention.base import BatchLayout
-from engine.executor.graph_steps import FollowerGraphs, RankGraphs
-from engine.executor.inputs import (
-    ForwardInputs,
-    ForwardStep,
+from engine.executor.graph_steps import FollowerGraphs, RankGraphs, target_runner
+from engine.executor.graph_wire import (
+    ONCE,
     GraphDefine,
     GraphRun,
     GraphSignature,
-    decode,
-    encode,
+    decode_message,
     encode_define,
     encode_run,
+    forward_tensors,
     pack,
 )
+from engine.executor.inputs import ForwardInputs, ForwardStep, encode
 from engine.models.llama3 import ReturnHiddenStates
 from engine.parallel.group import TensorParallelGroup
 
@@ -41,16 +42,11 @@ def verify_inputs(b: int, s: int, first: int) -> ForwardInputs:
 
 
 def tensors(inputs: ForwardInputs) -> list[torch.Tensor]:
-    layout = inputs.layout
-    return [
-        inputs.tokens,
-        inputs.logit_indices,
-        layout.input_row_offsets,
-        layout.positions,
-        layout.slot_mapping,
-        layout.context_lens,
-        layout.block_tables,
-    ]
+    return forward_tensors(inputs)
+
+
+def decode(message: torch.Tensor, device: torch.device) -> object:
+    return decode_message(message, device)
 
 
 def test_a_signature_travels_once_and_its_tensors_unpack_as_sent() -> None:
@@ -59,8 +55,9 @@ def test_a_signature_travels_once_and_its_tensors_unpack_as_sent() -> None:
     got = decode(encode_define(7, signature, capture=True), CPU)
     assert got == GraphDefine(7, signature, capture=True)
     assert decode(encode_run(7), CPU) == GraphRun(7)
-    assert signature.numel == sum(x.numel() for x in tensors(sent))
-    received = signature.inputs(pack(sent).clone())
+    [buffer] = signature.buffers(CPU)
+    assert buffer.numel() == sum(x.numel() for x in tensors(sent))
+    received = signature.inputs(pack(tensors(sent)).clone())
     for mine, theirs in zip(tensors(received), tensors(sent), strict=True):
         assert torch.equal(mine, theirs)
     layout = received.layout
@@ -74,13 +71,22 @@ def test_a_signature_travels_once_and_its_tensors_unpack_as_sent() -> None:
     assert isinstance(step, ForwardStep) and torch.equal(step.inputs.tokens, sent.tokens)
 
 
-def test_what_a_graph_cannot_hold_is_refused() -> None:
+def test_host_lengths_travel_and_what_cannot_is_refused() -> None:
     ragged = verify_inputs(2, 3, 0)
-    ragged.layout.query_lens = [3, 3]
-    with pytest.raises(ValueError, match="no host-side lengths"):
+    ragged.layout.query_lens, ragged.layout.context_lens_host = [3, 3], [3, 4]
+    signature = GraphSignature.of(ragged, compiled=False)
+    assert decode(encode_define(ONCE, signature, capture=False), CPU) == GraphDefine(
+        ONCE, signature, capture=False
+    )
+    layout = signature.inputs(pack(tensors(ragged))).layout
+    assert (layout.query_lens, layout.context_lens_host) == ([3, 3], [3, 4])
+    ragged.on_layer = print
+    with pytest.raises(ValueError, match="no per-layer hook"):
         GraphSignature.of(ragged, compiled=False)
     with pytest.raises(ValueError, match="unknown op 9"):
         decode(torch.tensor([3, 9]), CPU)
+    with pytest.raises(ValueError, match="unknown forward kind 7"):
+        decode(torch.tensor([3, 3, 0, 0, 7]), CPU)
     with pytest.raises(ValueError, match="step message format 2, this rank reads 3"):
         decode(torch.tensor([2, 4, 0]), CPU)
 
@@ -118,6 +124,9 @@ def test_rank_0_defines_each_signature_once_then_names_it() -> None:
         GraphRun(3),
     ]
     assert (peers.num_defined, peers.num_named) == (4, 6)
+    messages.clear()
+    peers.forward(small, compiled=True)  # outside the graph runner's steps: run once
+    assert messages == [GraphDefine(ONCE, s_small, capture=False)] and peers.num_once == 1
 
 
 def test_the_other_ranks_run_what_they_are_named() -> None:
@@ -126,12 +135,15 @@ def test_the_other_ranks_run_what_they_are_named() -> None:
     def forward(inputs: ForwardInputs, *, compiled: bool) -> None:
         ran.append((inputs.tokens.tolist(), compiled))
 
-    graphs = FollowerGraphs(forward, TensorParallelGroup.single(), CPU)
+    runners = {GraphSignature: target_runner(forward)}
+    graphs = FollowerGraphs(runners, TensorParallelGroup.single(), CPU)
     signature = GraphSignature.of(verify_inputs(1, 2, 0), compiled=False)
-    graphs.define(GraphDefine(4, signature, capture=False))  # run once, on its buffer
+    graphs.define(GraphDefine(4, signature, capture=False))  # run now, on its buffer
     assert ran == [([0, 0], False)]
-    graphs.graphs[4].packed[:2] = torch.tensor([8, 9])  # as a broadcast fills it
+    graphs.graphs[4].buffers[0][:2] = torch.tensor([8, 9])  # as a broadcast fills it
     graphs.run(4)
     assert ran[-1] == ([8, 9], False)
+    graphs.define(GraphDefine(ONCE, signature, capture=False))  # run, not kept
+    assert len(ran) == 3 and list(graphs.graphs) == [4]
     with pytest.raises(KeyError):
         graphs.run(5)

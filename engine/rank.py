@@ -1,0 +1,173 @@
+"""What a tensor-parallel rank other than rank 0 runs, in a process of its own
+(``python -m engine.rank``, started by ``RankGroup``): it joins the group, loads its shard
+of the target and its KV heads' pools (and of a split draft and its KV), and then runs
+each forward rank 0 sends it (``engine.executor.inputs``), or each graph rank 0 defines
+or names (the graph runner's steps and a split draft's forwards,
+``engine.executor.graph_steps``), until told to stop or until rank 0 is gone. It samples
+nothing and returns nothing: its part of each forward is its share of the layers'
+all-reduces, of the logits' gather and of the broadcasts from rank 0."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from torch import nn
+
+from engine.attention import get_backend
+from engine.executor.channel import RankGone, StepChannel
+from engine.executor.graph_steps import FollowerGraphs, OpRunner, target_runner
+from engine.executor.graph_wire import GraphDefine, GraphSignature, decode_message
+from engine.executor.inputs import ForwardStep
+from engine.executor.shared_kv import DRAFT_LABEL, SharedKv
+from engine.executor.uniproc import UniprocExecutor, compile_decode_model
+from engine.executor.worker import RankConfig, load_shard
+from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
+from engine.models.layers import dequantize_fp8, release_packed_weights, use_packed_gemm
+from engine.models.llama3 import Llama3Model
+from engine.models.triton_layers import use_triton_kernels
+from engine.parallel.group import TensorParallelGroup
+from engine.spec.drafters import load_drafter
+from engine.spec.split_draft import SPLIT_DRAFT_KINDS, DraftMirror
+from kernels.cpu import extension as cpu_kernels
+
+
+@dataclass
+class LoadedRank:
+    executor: UniprocExecutor  # the target's shard and KV pools
+    draft: DraftMirror | None  # a split draft's shard and KV pools
+
+
+def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device) -> LoadedRank:
+    """This rank's shards, packed for the CPU's products, and its KV heads' pools, with as
+    many blocks as every rank holds (the collectives rank 0's ``build_components`` runs,
+    in its order)."""
+    if device.type == "cpu":
+        cpu_kernels.load(build=config.build_cpu_kernels)
+    model, model_config = load_shard(config, tp, device)
+    if config.fp8_weights == "dequantize":  # as rank 0's build_components does
+        dequantize_fp8(model, model_config.dtype)
+    drafter = None
+    modules: list[nn.Module] = [model]
+    if config.draft_model:  # split as the target is: a Llama-3 target's draft
+        assert isinstance(model, Llama3Model)
+        layer_ids = None if config.draft_layer_ids is None else tuple(config.draft_layer_ids)
+        drafter = load_drafter(config.draft_model, model, device, config.draft_kind, layer_ids)
+        modules.append(cast(nn.Module, drafter))
+    if device.type == "cpu" and config.cpu_gemm != "aten":
+        for module in modules:
+            use_packed_gemm(module, config.cpu_gemm)
+        release_packed_weights(*modules)
+    if config.kernels == "triton":  # as rank 0's build_components swaps them in
+        for module in modules:
+            use_triton_kernels(module, rope=config.attention_backend != "torch")
+    whole_params = KVCacheParams.from_config(model_config, config.block_size)
+    plan = [whole_params.for_rank(tp.shard)]
+    if drafter is not None:
+        whole_draft = KVCacheParams.from_config(drafter.config, config.block_size)
+        plan.append(whole_draft.for_rank(tp.shard))
+    num_blocks = plan_num_blocks(
+        plan,
+        device,
+        memory_bytes=config.kv_cache_memory,
+        memory_fraction=config.kv_cache_memory_fraction,
+    )
+    num_blocks = tp.agree_min(num_blocks)
+    backend = get_backend(
+        config.attention_backend, device=config.device, block_size=config.block_size
+    )
+    # As rank 0 opens it (data-parallel ranks' pools hold different requests: their own).
+    shared = SharedKv.open(tp, whole_params, num_blocks) if config.data_parallel_size == 1 else None
+    kv_cache = PagedKVCache(plan[0], num_blocks, device) if shared is None else shared.rank
+    decode_model = compile_decode_model(model, kv_cache) if config.torch_compile else None
+    executor = UniprocExecutor(model, kv_cache, backend, decode_model)
+    mirror = None
+    if drafter is not None:
+        shared = SharedKv.open(tp, whole_draft, num_blocks, DRAFT_LABEL)
+        draft_kv = PagedKVCache(plan[1], num_blocks, device) if shared is None else shared.rank
+        mirror = DraftMirror(drafter, draft_kv, backend, tp)
+    return LoadedRank(executor, mirror)
+
+
+def run_rank(
+    rank: int,
+    size: int,
+    init_method: str,
+    config_json: str,
+    parent_pid: int,
+    channel_fd: int,
+    backend: str,
+    timeout_s: float,
+) -> None:
+    """The process of rank ``rank`` (1..size-1)."""
+    # Signals to the process group (a terminal's Ctrl-C, a supervisor's SIGTERM) are rank
+    # 0's to handle: it stops this rank, or this rank leaves once rank 0 is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    config = RankConfig(**json.loads(config_json))
+    torch.set_num_threads(config.num_threads or 1)
+    device = torch.device(config.device)
+    if device.type == "cuda":  # rank r on the device r places after rank 0's
+        device = torch.device("cuda", (device.index or 0) + rank)
+        torch.cuda.set_device(device)
+    tp = TensorParallelGroup.join(rank, size, init_method, backend=backend, timeout_s=timeout_s)
+    channel = StepChannel.attach(parent_pid, channel_fd, size - 1, rank - 1, timeout_s=timeout_s)
+    try:
+        loaded = load_rank(config, tp, device)
+        executor = loaded.executor
+        runners: dict[type, OpRunner] = {GraphSignature: target_runner(executor.forward)}
+        if loaded.draft is not None:
+            runners.update(loaded.draft.runners())
+        graphs = FollowerGraphs(runners, tp, device)
+        while True:
+            message = channel.receive(parent_pid).view(torch.int64)
+            step = decode_message(message, device, SPLIT_DRAFT_KINDS)
+            if step is None:
+                return
+            if isinstance(step, ForwardStep):
+                executor.forward(step.inputs, compiled=step.compiled)
+            elif isinstance(step, GraphDefine):
+                graphs.define(step)
+            else:
+                graphs.run(step.graph_id)
+    except RankGone:
+        return  # rank 0 ended without a word (killed): so does this rank
+    finally:
+        channel.close()
+        tp.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="One tensor-parallel rank (1..size-1) of an engine; started by the "
+        "engine's rank 0 (engine.executor.multiproc), not by hand."
+    )
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--size", type=int, required=True)
+    parser.add_argument("--init-method", required=True, help="the group's rendezvous")
+    parser.add_argument("--config", required=True, help="RankConfig as JSON")
+    parser.add_argument("--parent-pid", type=int, required=True, help="rank 0's process")
+    parser.add_argument("--channel-fd", type=int, required=True, help="rank 0's step channel")
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--timeout-s", type=float, required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format=f"rank {args.rank}: %(message)s")
+    run_rank(
+        args.rank,
+        args.size,
+        args.init_method,
+        args.config,
+        args.parent_pid,
+        args.channel_fd,
+        args.backend,
+        args.timeout_s,
+    )
+
+
+if __name__ == "__main__":
+    main()
