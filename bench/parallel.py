@@ -15,12 +15,20 @@ Timed on rank 0, per decode step:
 - the in-process executor's own cost (TP 1): ``UniprocExecutor.forward`` less the
   model's forward inside it.
 
+With ``--draft``, every side speculates with a random one-layer EAGLE-3 draft of the
+model's shapes (K = 3 every step), and TP 2 runs twice: the draft split as the target is
+(``engine.spec.split_draft``), and the draft on rank 0 alone
+(``draft_tensor_parallel_size=1``). Each decode step then verifies and drafts.
+
     python bench/parallel.py            # 128 tokens, batches of 1 and 8
     python bench/parallel.py --quick    # 32 tokens
     python bench/parallel.py --torch-compile    # both sides compiled
+    python bench/parallel.py --draft --quick    # speculative steps, the draft split or not
 
 The last line is one JSON object: ``tp_over_tp1_bs1`` and ``tp_over_tp1_bs8`` (TP 2's
-decode speed over TP 1's), and per batch the step, collective and broadcast times in ms.
+decode speed over TP 1's), and per batch the step, collective and broadcast times in ms;
+with ``--draft``, also ``tp_rank0_draft_over_tp1_bs1`` and ``_bs8`` (the draft on rank 0
+alone).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ SHAPE = dict(
     vocab_size=32000,
 )
 BATCHES = (1, 8)
+DRAFT_K = 3
 
 
 def make_model(model_dir: Path) -> None:
@@ -65,6 +74,30 @@ def make_model(model_dir: Path) -> None:
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(str(model_dir))
+
+
+def make_draft(model_dir: Path) -> Path:
+    """A random one-layer EAGLE-3 draft of the model's shapes (bf16), made once."""
+    draft_dir = model_dir / "eagle3"
+    if (draft_dir / "config.json").is_file():
+        return draft_dir
+    import torch
+
+    from engine.registry import load_model
+    from engine.spec.drafters import new_drafter, save_drafter
+
+    target, _ = load_model(model_dir, dtype="bfloat16")
+    hf = json.loads((model_dir / "config.json").read_text())
+    layers = hf["num_hidden_layers"]
+    hf.update(
+        num_hidden_layers=1,
+        architectures=["LlamaForCausalLMEagle3"],
+        draft_vocab_size=hf["vocab_size"],
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [2, layers // 2, layers - 3]},
+    )
+    drafter = new_drafter("eagle3", hf, target, torch.device("cpu"))  # type: ignore[arg-type]
+    save_drafter(drafter, draft_dir, hf, dtype=torch.bfloat16)
+    return draft_dir
 
 
 def decode_steps(
@@ -106,11 +139,22 @@ def timed(owner: Any, name: str, spent: dict[str, float], key: str) -> None:
     setattr(owner, name, torch.compiler.disable(call))
 
 
-def run_side(size: int, model_dir: str, tokens: int, compiled: bool) -> dict[str, float]:
-    """One side: the engine over ``size`` ranks, its decode steps and what they spent."""
+def run_side(
+    size: int, model_dir: str, tokens: int, compiled: bool, draft: str = ""
+) -> dict[str, float]:
+    """One side: the engine over ``size`` ranks, its decode steps and what they spent.
+    ``draft``: "" none, "split" split as the target is, "rank0" on rank 0 alone."""
     from engine.executor.inputs import encode
     from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.spec.config import SpeculativeConfig
 
+    speculative = None
+    if draft:
+        speculative = SpeculativeConfig(
+            str(Path(model_dir) / "eagle3"),
+            num_draft_tokens=DRAFT_K,
+            draft_tensor_parallel_size=1 if draft == "rank0" else None,
+        )
     config = EngineConfig(
         model=model_dir,
         dtype="bfloat16",
@@ -119,6 +163,7 @@ def run_side(size: int, model_dir: str, tokens: int, compiled: bool) -> dict[str
         tensor_parallel_size=size,
         torch_compile=compiled,
         warm_up=compiled,  # compiled before the steps are timed
+        speculative=speculative,
     )
     engine = LLMEngine(config)
     executor: Any = engine.runner.executor
@@ -168,10 +213,13 @@ def side_figures(script: str, args: list[str]) -> dict[str, float]:
     return figures
 
 
-def side(size: int, model_dir: Path, tokens: int, compiled: bool) -> dict[str, float]:
+def side(
+    size: int, model_dir: Path, tokens: int, compiled: bool, draft: str = ""
+) -> dict[str, float]:
     """``run_side`` in a fresh process (``--side``): its last line is its figures."""
     args = ["--side", str(size), "--model-dir", str(model_dir), "--tokens", str(tokens)]
-    return side_figures(__file__, [*args, *(["--torch-compile"] if compiled else [])])
+    args += ["--torch-compile"] if compiled else []
+    return side_figures(__file__, [*args, *(["--side-draft", draft] if draft else [])])
 
 
 def main() -> None:
@@ -190,22 +238,42 @@ def main() -> None:
         help="both sides' decode steps through torch.compile (each rank compiles its shard, "
         "the collectives as ops of its graphs)",
     )
+    parser.add_argument(
+        "--draft",
+        action="store_true",
+        help=f"speculative steps with a random EAGLE-3 draft (K={DRAFT_K}); TP 2 with the "
+        "draft split and with it on rank 0 alone",
+    )
     parser.add_argument("--side", type=int, help=argparse.SUPPRESS)  # one side, in its process
+    parser.add_argument("--side-draft", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     tokens = 32 if args.quick else args.tokens
+    compiled = args.torch_compile
     if args.side:
-        print(json.dumps(run_side(args.side, str(args.model_dir), tokens, args.torch_compile)))
+        figures = run_side(args.side, str(args.model_dir), tokens, compiled, args.side_draft)
+        print(json.dumps(figures))
         return
     make_model(args.model_dir)
-    tp1 = side(1, args.model_dir, tokens, args.torch_compile)
+    if args.draft:
+        make_draft(args.model_dir)
+    draft = "split" if args.draft else ""
+    tp1 = side(1, args.model_dir, tokens, compiled, draft)
     print(f"TP 1, 2 threads: {tp1}", flush=True)
-    tp2 = side(2, args.model_dir, tokens, args.torch_compile)
-    print(f"TP 2, 1 thread a rank: {tp2}", flush=True)
+    tp2 = side(2, args.model_dir, tokens, compiled, draft)
+    print(f"TP 2, 1 thread a rank{', the draft split' if draft else ''}: {tp2}", flush=True)
     result: dict[str, Any] = {
         f"tp_over_tp1_bs{b}": round(tp1[f"step_ms_bs{b}"] / tp2[f"step_ms_bs{b}"], 3)
         for b in BATCHES
     }
-    setup = {**SHAPE, "dtype": "bfloat16", "tokens": tokens, "compiled": args.torch_compile}
+    if args.draft:
+        rank0 = side(2, args.model_dir, tokens, compiled, "rank0")
+        print(f"TP 2, the draft on rank 0 alone: {rank0}", flush=True)
+        for b in BATCHES:
+            ratio = tp1[f"step_ms_bs{b}"] / rank0[f"step_ms_bs{b}"]
+            result[f"tp_rank0_draft_over_tp1_bs{b}"] = round(ratio, 3)
+        result["tp2_rank0_draft"] = rank0
+    setup = {**SHAPE, "dtype": "bfloat16", "tokens": tokens, "compiled": compiled}
+    setup.update(draft=f"eagle3, one layer, K={DRAFT_K}" if args.draft else "none")
     result.update({"tp1": tp1, "tp2": tp2, "setup": setup})
     print(json.dumps(result))
 

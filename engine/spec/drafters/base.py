@@ -17,7 +17,7 @@ import torch
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.config import Llama3Config
 from engine.deepseek_v3_config import DeepseekV3Config
-from engine.models.llama3 import ModelOutputs, ReturnHiddenStates
+from engine.models.llama3 import Llama3Model, ModelOutputs, ReturnHiddenStates
 from engine.parallel.group import TensorParallelGroup
 
 KVLayers = Sequence[tuple[torch.Tensor, ...]]  # per layer its pools: (k, v)
@@ -140,12 +140,14 @@ class Drafter(Protocol):
 
 
 def draft_split(target: Any) -> TensorParallelGroup:
-    """The ranks a draft splits over: its target's, where it borrows a split target's
-    embedding and LM head (a draft split as its target is: each rank its share of the draft
-    layers' heads and channels, and of the LM head's vocabulary); one rank where it
-    borrows a whole one (``WholeVocabulary``: the draft on rank 0 alone)."""
-    tp = getattr(target, "tp", None)
-    return tp if isinstance(tp, TensorParallelGroup) else TensorParallelGroup.single()
+    """The ranks a draft splits over: its target's, where it borrows a split Llama-3
+    target's embedding and LM head (a draft split as its target is: each rank its share of
+    the draft layers' heads and channels, and of the LM head's vocabulary); one rank where
+    it borrows a whole one (``WholeVocabulary``: the draft on rank 0 alone), and beside
+    DeepSeek-V3."""
+    if isinstance(target, Llama3Model):
+        return target.tp
+    return TensorParallelGroup.single()
 
 
 def draft_layout(

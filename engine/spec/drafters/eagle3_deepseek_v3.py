@@ -29,6 +29,7 @@ from engine.models.deepseek_v3 import (
 )
 from engine.models.layers import GatedMLP, Linear, RMSNorm
 from engine.models.llama3 import ROPE_SLACK_POSITIONS, ReturnHiddenStates
+from engine.parallel.group import TensorParallelGroup
 from engine.registry import decoder_layer_rules
 from engine.spec.drafters.base import (
     DraftConfigError,
@@ -251,6 +252,7 @@ class Eagle3DeepseekV3(DeepseekV3Eagle3Dispatch):
         self.config = config
         self.layer_ids = layer_ids
         self.target_hidden = ReturnHiddenStates(layer_ids=layer_ids)
+        self.tp = TensorParallelGroup.single()  # on rank 0 alone (draft_split)
         self.fc = Linear(len(layer_ids) * h, h, bias=False)
         self.midlayer = Eagle3MLAMidLayer(config)  # type: ignore[assignment]
         self.norm = RMSNorm(h, config.rms_norm_eps)

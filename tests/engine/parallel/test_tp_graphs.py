@@ -3,16 +3,21 @@ same padded steps and the same protocol as CUDA's, uncaptured; engine.executor.
 graph_steps): rank 0 sends each graph's signature once, then names it, and its tensors
 travel as one broadcast inside the step. Greedy output equals target-only output, seeded
 rows draw what one device draws, an exact draft is accepted whole, and overlap scheduling
-gives the same tokens. On two GPUs, where the graphs are captured: test_tp_cuda.py."""
+gives the same tokens. A draft splits as its target does, or runs on rank 0 alone. On two
+GPUs, where the graphs are captured: test_tp_cuda.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import pytest
 
 from engine.executor.graph_steps import RankGraphs
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
+from engine.spec.split_draft import SplitDrafter
 from tests.engine.parallel.test_tp_engine import (
     GREEDY,
     engine_for,
@@ -91,3 +96,38 @@ def test_an_exact_draft_through_overlapped_graph_steps_at_tp_2(tmp_path: Path) -
     assert [got[str(i)] for i in range(len(rows))] == base
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
     assert steps >= 6 and peers.num_defined + peers.num_named == 3 * steps
+
+
+def test_a_draft_splits_with_its_target_or_runs_on_rank_0_alone(
+    model,  # noqa: F811
+    prompts,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Split, rank 0 holds half of the draft's KV heads and of its LM head's rows, and a
+    transfer sees the draft's whole KV; ``draft_tensor_parallel_size=1`` keeps the whole
+    draft on rank 0. Both give target-only output."""
+    model_dir, _ = model
+    draft = build_random_draft(model_dir, tmp_path / "eagle3", "eagle3", std=0.3)
+    requests = {str(i): p for i, p in enumerate(prompts)}
+    target_only = engine_greedy(model_dir, prompts, 12)
+    whole_heads = json.loads((draft / "config.json").read_text())["num_key_value_heads"]
+    for size, rows, heads in ((None, 34, whole_heads // 2), (1, 67, whole_heads)):
+        spec = SpeculativeConfig(str(draft), num_draft_tokens=3, draft_tensor_parallel_size=size)
+        engine = engine_for(model_dir, 2, speculative=spec)
+        try:
+            got = run(engine, requests, GREEDY)
+            assert engine.spec is not None and engine.spec.draft_kv is not None
+            drafter = engine.spec.drafter
+            assert isinstance(drafter, SplitDrafter) == (size is None)
+            assert drafter.lm_head.weight.shape[0] == rows  # type: ignore[union-attr]
+            assert engine.spec.draft_kv.params.num_kv_heads == heads
+            assert engine.kv_pools["draft"].params.num_kv_heads == whole_heads
+        finally:
+            engine.close()
+        assert [got[str(i)] for i in range(len(prompts))] == target_only
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size: 3; a draft splits over"):
+        engine_for(
+            model_dir,
+            2,
+            speculative=SpeculativeConfig(str(draft), draft_tensor_parallel_size=3),
+        )
