@@ -308,6 +308,7 @@ def _build(
         get_backend(attention, device=config.device, block_size=config.block_size),
         device,
         compile_decode=config.torch_compile,
+        cpp_wrapper=config.compile_cpp_wrapper,
         sampling_kernels=sampling_kernels(kernels),
         ranks=ranks,
         data_parallel_size=config.data_parallel_size,

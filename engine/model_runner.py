@@ -133,6 +133,7 @@ class ModelRunner:
         device: torch.device,
         *,
         compile_decode: bool = False,
+        cpp_wrapper: bool = False,  # compiled through inductor's C++ wrapper
         sampling_kernels: SamplingKernels = TORCH_SAMPLING,
         ranks: RankGroup | None = None,
         data_parallel_size: int = 1,
@@ -143,7 +144,7 @@ class ModelRunner:
         # What decode steps call: the model, or its compiled form (engine.executor.uniproc).
         self.decode_model: nn.Module = model
         if compile_decode:
-            self.decode_model = compile_decode_model(model, kv_cache)
+            self.decode_model = compile_decode_model(model, kv_cache, cpp_wrapper=cpp_wrapper)
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device

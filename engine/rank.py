@@ -84,7 +84,9 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     # As rank 0 opens it (data-parallel ranks' pools hold different requests: their own).
     shared = SharedKv.open(tp, whole_params, num_blocks) if config.data_parallel_size == 1 else None
     kv_cache = PagedKVCache(plan[0], num_blocks, device) if shared is None else shared.rank
-    decode_model = compile_decode_model(model, kv_cache) if config.torch_compile else None
+    decode_model = None
+    if config.torch_compile:
+        decode_model = compile_decode_model(model, kv_cache, cpp_wrapper=config.compile_cpp_wrapper)
     executor = UniprocExecutor(model, kv_cache, backend, decode_model)
     mirror = None
     if drafter is not None:

@@ -408,10 +408,13 @@ def sample(
     greedy rows' grammars, checked against their argmax. [B] int64"""
     if t.penalties is not None:
         logits = penalized(logits[:, None], t.penalties)[:, 0]
-    greedy = logits.argmax(dim=-1)
+    # max, not argmax: the same first maximum (a NaN where there is one), and its value,
+    # which is_faulty would otherwise gather (half argmax's cost alone, on CPU).
+    best, argmax = logits.max(dim=-1)
+    greedy = argmax
     if masks is not None:  # a masked logit is -inf whether masked before penalties or after
         greedy = masks.greedy(logits, greedy)
-    faulty = is_faulty(logits, greedy)
+    faulty = ~torch.isfinite(best) if greedy is argmax else is_faulty(logits, greedy)
     if not t.all_greedy:
         keys = row_keys(t.seeds, t.positions)
         if kernels is None:

@@ -113,16 +113,21 @@ class TorchAttentionBackend:
         device = offsets.device
         num_rows = offsets.numel() - 1
         q_len, c_len = layout.max_query_len, layout.max_context_len
-        starts, lens = offsets[:-1], offsets[1:] - offsets[:-1]  # [B]
-
-        local = torch.arange(q_len, device=device)  # [Q]
-        local = torch.minimum(local[None, :], (lens - 1).clamp(min=0)[:, None])  # [B, Q]
-        query_gather = (starts[:, None] + local).reshape(-1)
-        token_row = torch.repeat_interleave(
-            torch.arange(num_rows, device=device), lens, output_size=layout.positions.numel()
-        )  # [T]
-        token_local = torch.arange(layout.positions.numel(), device=device) - starts[token_row]
-        query_scatter = token_row * q_len + token_local
+        if q_len == 1 and layout.positions.numel() == num_rows:
+            # Decode rows only, one token each: both maps are the identity (what the
+            # general case below computes then), without its dozen small ops.
+            query_gather = torch.arange(num_rows, device=device)
+            query_scatter = torch.arange(num_rows, device=device)
+        else:
+            starts, lens = offsets[:-1], offsets[1:] - offsets[:-1]  # [B]
+            local = torch.arange(q_len, device=device)  # [Q]
+            local = torch.minimum(local[None, :], (lens - 1).clamp(min=0)[:, None])  # [B, Q]
+            query_gather = (starts[:, None] + local).reshape(-1)
+            token_row = torch.repeat_interleave(
+                torch.arange(num_rows, device=device), lens, output_size=layout.positions.numel()
+            )  # [T]
+            token_local = torch.arange(layout.positions.numel(), device=device) - starts[token_row]
+            query_scatter = token_row * q_len + token_local
 
         ctx = torch.arange(c_len, device=device)  # [C]
         block_idx = (ctx // layout.block_size).clamp(max=layout.block_tables.shape[1] - 1)

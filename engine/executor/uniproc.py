@@ -20,7 +20,9 @@ from engine.models.llama3 import ModelOutputs
 DECODE_RECOMPILE_LIMIT = 32
 
 
-def compile_decode_model(model: nn.Module, kv_cache: PagedKVCache) -> nn.Module:
+def compile_decode_model(
+    model: nn.Module, kv_cache: PagedKVCache, *, cpp_wrapper: bool = False
+) -> nn.Module:
     """torch.compile of ``model`` with dynamic shapes, for decode steps (batch size and
     context length are symbolic: a graph for one row and one for several, not one per
     shape). On CPU inductor fuses the ~40 small ops per layer around the matrix products
@@ -42,6 +44,9 @@ def compile_decode_model(model: nn.Module, kv_cache: PagedKVCache) -> nn.Module:
       and rows. Past the limit dynamo runs the forward eagerly without a word; with
       dynamo's default of 8 shared by every engine, the speculative engines of a
       benchmark process ran eagerly.
+    - ``cpp_wrapper``: inductor's C++ wrapper calls the graph's kernels instead of its
+      Python one: a SmolLM2 Q4_1 step at batch 1 took 8.8 ms instead of 10.5, but compiling
+      from a cold cache takes 4-5x as long (bench/RESULTS.md). Off by default.
     - The KV pools and the modules' own tensors (packed weight panels, rope tables) keep
       their shapes for the engine's life: static, not symbols. As symbols (dynamic=True
       makes every input's sizes one), the shape guards on their sizes and strides take
@@ -58,7 +63,7 @@ def compile_decode_model(model: nn.Module, kv_cache: PagedKVCache) -> nn.Module:
         torch._dynamo.mark_static(tensor)
         if tensor._base is not None:  # a view (the panels): its base is an input too
             torch._dynamo.mark_static(tensor._base)
-    options: dict[str, Any] = {"size_asserts": False}
+    options: dict[str, Any] = {"size_asserts": False, "cpp_wrapper": cpp_wrapper}
     if getattr(model, "traces_whole", False):
         options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
     compiled: nn.Module = torch.compile(  # type: ignore[call-overload]

@@ -39,6 +39,7 @@ class RankConfig:
     build_cpu_kernels: bool = True
     num_threads: int | None = None
     torch_compile: bool = False
+    compile_cpp_wrapper: bool = False
     # A draft split as the target is (engine.spec.split_draft), "" where there is none or
     # it runs on rank 0 alone: its directory, kind and tapped layers as rank 0 reads them.
     draft_model: str = ""
