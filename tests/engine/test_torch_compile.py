@@ -146,3 +146,13 @@ def test_compiled_suffix_drafts_compile_nothing_after_the_warm_up(target):
     assert alone.token_ids == out[str(len(PROMPTS))].token_ids
     assert_same_greedy(hf_model, out, base, requests)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_steps_compiled_through_the_cpp_wrapper_equal_eager(target):
+    """``compile_cpp_wrapper``: the same graphs, their kernels called from C++."""
+    model_dir, hf_model = target
+    requests = {str(i): (p, greedy(12 + 2 * i)) for i, p in enumerate(PROMPTS)}
+    eager = run(engine_for(model_dir), requests)
+    engine = engine_for(model_dir, torch_compile=True, compile_cpp_wrapper=True)
+    assert engine.runner.decode_model is not engine.runner.model
+    assert_same_greedy(hf_model, run(engine, requests), eager, requests)
