@@ -321,9 +321,9 @@ def _build(
         shared_draft = SharedKv.open(tp, whole_draft_params, num_blocks, DRAFT_LABEL)
         if shared_draft is not None:
             draft_kv, whole_draft_kv = shared_draft.rank, shared_draft.whole
-        else:
+        else:  # as the target's (warned above): kv_pools refuses
             draft_kv = PagedKVCache(plan_params[1], num_blocks, device)
-        drafter = SplitDrafter(drafter, runner.executor.graph_peers, tp)
+        drafter = SplitDrafter(drafter, runner.executor)
     if config.speculative is not None and config.speculative.is_model_free:
         spec = SuffixSpecRunner(config.speculative, runner, num_blocks)  # eager: ragged drafts
     elif config.speculative is not None and drafter is not None:

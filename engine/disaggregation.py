@@ -65,7 +65,11 @@ class Disaggregation:
         if self.spec is not None and self.spec.draft_kv is not None:
             pools["draft"] = self.spec.draft_kv
             if self.draft_split:  # every rank's heads of it, as the target's
-                assert self.whole_draft_kv is not None  # shared as the target's is
+                if self.whole_draft_kv is None:
+                    raise RuntimeError(
+                        "kv_pools: KV transfer of a split draft needs its ranks' KV in shared "
+                        "memory, as CPU ranks of one host have it; not built for CUDA ranks"
+                    )
                 pools["draft"] = self.whole_draft_kv
         return pools
 

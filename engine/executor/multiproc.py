@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -265,17 +265,23 @@ class MultiprocExecutor(UniprocExecutor):
         self._broken: str | None = None  # why a forward failed: the ranks are out of step
 
     def forward(self, inputs: ForwardInputs, *, compiled: bool = False) -> ModelOutputs:
-        if self._broken is not None:
-            raise RankLost(f"an earlier forward failed ({self._broken}); the ranks are out of step")
-        try:
+        with self.in_step():
             if self.graph_peers.active:  # a graph runner's step (engine.executor.graph_steps)
                 self.graph_peers.forward(inputs, compiled=compiled)
             else:
                 self.ranks.send(encode(inputs, compiled=compiled))
             return super().forward(inputs, compiled=compiled)
+
+    @contextlib.contextmanager
+    def in_step(self) -> Iterator[None]:
+        """Around anything the other ranks run alongside (a forward, a split draft's): a
+        failure inside leaves them anywhere in it, so no later one can pair with theirs,
+        and the engine cannot step again (``RankLost``)."""
+        if self._broken is not None:
+            raise RankLost(f"an earlier forward failed ({self._broken}); the ranks are out of step")
+        try:
+            yield
         except BaseException as e:
-            # The other ranks may be anywhere in this forward: no later one can pair with
-            # theirs. The engine cannot step again.
             self._broken = f"{type(e).__name__}: {e}"
             if isinstance(e, Exception) and not isinstance(e, RankLost):
                 raise RankLost(f"a forward failed on rank 0 ({self._broken})") from e

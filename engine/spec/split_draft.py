@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from engine.attention.base import AttentionBackend, BatchLayout
-from engine.executor.graph_steps import OpRunner, RankGraphs
+from engine.executor.graph_steps import OpRunner
 from engine.executor.graph_wire import (
     DTYPES,
     TARGET_KINDS,
@@ -35,6 +35,7 @@ from engine.executor.graph_wire import (
     views,
 )
 from engine.executor.inputs import ForwardInputs
+from engine.executor.multiproc import MultiprocExecutor
 from engine.kv_cache import PagedKVCache
 from engine.models.llama3 import ModelOutputs
 from engine.parallel.group import TensorParallelGroup
@@ -129,12 +130,15 @@ SPLIT_DRAFT_KINDS: SignatureKinds = {
 
 class SplitDrafter:
     """Rank 0's drafter: ``drafter`` (its shard), each forward sent to the other ranks
-    first (``peers``: the executor's). Everything else is the drafter's own."""
+    first (through ``executor``'s graph peers), and failing as the target's forwards fail
+    (``executor.in_step``: the ranks out of step, the engine stopped). Everything else is
+    the drafter's own."""
 
     max_num_layers: ClassVar[int | None] = None  # the drafter's kind checked it at load
 
-    def __init__(self, drafter: Drafter, peers: RankGraphs, tp: TensorParallelGroup) -> None:
-        self.drafter, self.peers, self.tp = drafter, peers, tp
+    def __init__(self, drafter: Drafter, executor: MultiprocExecutor) -> None:
+        self.drafter, self.executor = drafter, executor
+        self.peers, self.tp = executor.graph_peers, executor.ranks.tp
         self.kind = drafter.kind
         self.target_hidden = drafter.target_hidden
         self.fixed_num_draft_tokens = drafter.fixed_num_draft_tokens
@@ -163,10 +167,11 @@ class SplitDrafter:
     ) -> torch.Tensor | None:
         inputs = ForwardInputs(tokens, layout, tokens.new_zeros(0))  # no logits
         features = features.contiguous()
-        self.peers.send_op(
-            ExtendSignature.of(inputs, features), [pack(forward_tensors(inputs)), features]
-        )
-        return self.drafter.extend(tokens, features, layout, metadata, kv, backend)
+        with self.executor.in_step():
+            self.peers.send_op(
+                ExtendSignature.of(inputs, features), [pack(forward_tensors(inputs)), features]
+            )
+            return self.drafter.extend(tokens, features, layout, metadata, kv, backend)
 
     def propose(
         self,
@@ -177,12 +182,12 @@ class SplitDrafter:
         kv: KVLayers,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        self.peers.send_op(ProposeSignature.of(args, k), [pack(propose_tensors(args))])
-
         def chosen_for_all(scores: DraftLogits, j: int) -> torch.Tensor:
             return self.tp.broadcast(select(scores, j).contiguous())
 
-        return self.drafter.propose(state, args, k, chosen_for_all, kv, backend)
+        with self.executor.in_step():
+            self.peers.send_op(ProposeSignature.of(args, k), [pack(propose_tensors(args))])
+            return self.drafter.propose(state, args, k, chosen_for_all, kv, backend)
 
 
 class DraftMirror:

@@ -148,11 +148,19 @@ def test_compiled_suffix_drafts_compile_nothing_after_the_warm_up(target):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_steps_compiled_through_the_cpp_wrapper_equal_eager(target):
+def test_steps_compiled_through_the_cpp_wrapper_equal_eager(target, monkeypatch):
     """``compile_cpp_wrapper``: the same graphs, their kernels called from C++."""
     model_dir, hf_model = target
     requests = {str(i): (p, greedy(12 + 2 * i)) for i, p in enumerate(PROMPTS)}
     eager = run(engine_for(model_dir), requests)
+    compile_options: list[dict[str, Any]] = []
+    compile = torch.compile
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        compile_options.append(kwargs.get("options", {}))
+        return compile(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recorded)
     engine = engine_for(model_dir, torch_compile=True, compile_cpp_wrapper=True)
-    assert engine.runner.decode_model is not engine.runner.model
+    assert [o["cpp_wrapper"] for o in compile_options] == [True]
     assert_same_greedy(hf_model, run(engine, requests), eager, requests)

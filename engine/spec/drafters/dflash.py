@@ -171,6 +171,10 @@ class DflashDrafter(nn.Module):
             heads = (t, attn.num_kv_heads, attn.head_dim)
             k = RotaryEmbedding.rotate(k.reshape(heads), cos, sin)
             backend.write_kv(k, v.reshape(heads), k_cache, v_cache, layout.slot_mapping)
+        if self.tp.size > 1:
+            # No collective above: once this returns on rank 0, every rank has written its
+            # heads (a KV transfer reads the whole draft KV next; engine.executor.shared_kv).
+            self.tp.all_reduce(ctx.new_zeros(1))
         return None
 
     def propose(

@@ -3,8 +3,9 @@ same padded steps and the same protocol as CUDA's, uncaptured; engine.executor.
 graph_steps): rank 0 sends each graph's signature once, then names it, and its tensors
 travel as one broadcast inside the step. Greedy output equals target-only output, seeded
 rows draw what one device draws, an exact draft is accepted whole, and overlap scheduling
-gives the same tokens. A draft splits as its target does, or runs on rank 0 alone. On two
-GPUs, where the graphs are captured: test_tp_cuda.py."""
+gives the same tokens. A draft splits as its target does, or runs on rank 0 alone; a
+failure inside its forward stops the engine. On two GPUs, where the graphs are captured:
+test_tp_cuda.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine.executor.graph_steps import RankGraphs
+from engine.executor.multiproc import RankLost
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
@@ -131,3 +133,30 @@ def test_a_draft_splits_with_its_target_or_runs_on_rank_0_alone(
             2,
             speculative=SpeculativeConfig(str(draft), draft_tensor_parallel_size=3),
         )
+
+
+def test_a_failure_inside_a_split_draft_stops_the_engine(
+    model,  # noqa: F811
+    prompts,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Rank 1 may be anywhere in the draft's forward when rank 0's fails: no later
+    collective can pair with its, so the engine refuses to step again (``RankLost``)."""
+    model_dir, _ = model
+    draft = build_random_draft(model_dir, tmp_path / "eagle3", "eagle3", std=0.3)
+    engine = engine_for(model_dir, 2, speculative=SpeculativeConfig(str(draft)))
+    try:
+        assert isinstance(engine.spec.drafter, SplitDrafter)  # type: ignore[union-attr]
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("injected")
+
+        engine.spec.drafter.drafter.propose = broken  # type: ignore[union-attr]
+        engine.add_request("0", prompts[0], GREEDY)
+        with pytest.raises(RankLost, match=r"a forward failed on rank 0 .*injected"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        with pytest.raises(RankLost, match="an earlier forward failed"):
+            engine.step()
+    finally:
+        engine.close()
