@@ -91,7 +91,8 @@ class EngineConfig:
     # them (engine.dp_blocks, engine.models.moe.DataParallelStep). Eager, without drafts.
     data_parallel_size: int = 1
     # LoRA adapters (PEFT's format) served beside the model, by name: (name, directory)
-    # pairs (engine.lora). A request names one, or none. Eager, one device, no drafts.
+    # pairs (engine.lora). A request names one, or none; drafts stay the base model's.
+    # Eager, one device.
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 64  # adapters of a higher rank are refused
 
@@ -146,8 +147,6 @@ class EngineConfig:
         why = ""
         if self.world_size > 1:
             why = "several ranks (tensor or data parallelism)"
-        elif self.speculative is not None:
-            why = "speculative decoding"
         elif self.torch_compile or self.uses_cuda_graphs:
             why = "compiled steps or CUDA graphs (eager only for now); turn them off"
         if why:

@@ -104,11 +104,16 @@ class StepOutput:
 def lora_groups(batch: ScheduledBatch) -> dict[str, list[int]]:
     """The batch's runs of consecutive rows under one LoRA adapter (or none), as token
     offsets and adapter ids; empty where no row has an adapter."""
-    if all(seq.lora_id < 0 for seq in batch.seqs):
+    return row_lora_groups(batch.seqs, batch.num_new_tokens)
+
+
+def row_lora_groups(seqs: list[Sequence], tokens_per_row: list[int]) -> dict[str, list[int]]:
+    """``lora_groups`` of rows of ``tokens_per_row`` tokens each (a speculative step's)."""
+    if all(seq.lora_id < 0 for seq in seqs):
         return {}
     offsets: list[int] = [0]
     ids: list[int] = []
-    for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+    for seq, num_new in zip(seqs, tokens_per_row, strict=True):
         if ids and ids[-1] == seq.lora_id:
             offsets[-1] += num_new
         else:
@@ -236,10 +241,7 @@ class ModelRunner:
         # verification calls it itself. Prompt chunks stay eager: each query length would
         # be a graph of its own, for work whose small ops matter less.
         is_decode = inputs.layout.max_query_len == 1 and on_layer is None
-        lora = getattr(self.model, "lora_step", None)
-        if lora is not None:  # this step's groups, none where the inputs have none
-            lora.lora_grouped_offsets = inputs.lora_grouped_offsets
-            lora.lora_ids = inputs.lora_ids
+        self.use_lora_groups(inputs.lora_grouped_offsets, inputs.lora_ids)
         forward = ForwardInputs(
             inputs.tokens,
             inputs.layout,
@@ -250,6 +252,12 @@ class ModelRunner:
             inputs.dp_ranks,
         )
         return self.executor.forward(forward, compiled=is_decode)
+
+    def use_lora_groups(self, offsets: list[int], ids: list[int]) -> None:
+        """The next forward's LoRA token groups (``row_lora_groups``'); none: no adapter."""
+        lora = getattr(self.model, "lora_step", None)
+        if lora is not None:
+            lora.lora_grouped_offsets, lora.lora_ids = offsets, ids
 
     def notify_layer(self, pool: str, layer: int, *, step: StepKv) -> None:
         """Tells the listener that ``layer`` of ``pool`` is written for ``step``."""

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine.kv_cache import KVCacheParams, PagedKVCache
-from engine.model_runner import ModelRunner, RowLogprobs, StepOutput
+from engine.model_runner import ModelRunner, RowLogprobs, StepOutput, row_lora_groups
 from engine.sampler import SamplingTensors, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
@@ -249,6 +249,7 @@ class SpecRunner:
                 self.adaptive.charge(time.perf_counter() - started)
             started = time.perf_counter()
         inputs = self._step_inputs(seqs, k, k_next, lengths)
+        self._verify_under_adapters(seqs, inputs)
         if (
             self.graphs is not None and inputs.grammar is None and inputs.draft_lengths is None
         ):  # one wait, for the tokens' pinned host copies
@@ -286,6 +287,14 @@ class SpecRunner:
             results.append(DecodeResult(tokens, None if logprobs is None else logprobs[i]))
         self._decode_ended = time.perf_counter()
         return results
+
+    def _verify_under_adapters(self, seqs: list[Sequence], inputs: SpecStepInputs) -> None:
+        """Rows under LoRA adapters verify under them; drafts stay the base model's."""
+        k, packed = inputs.draft_tokens.shape[1], inputs.packed_lengths
+        per_row = [k + 1] * len(seqs) if packed is None else [1 + n for n in packed]
+        groups = row_lora_groups(seqs, per_row)
+        offsets, ids = groups.get("lora_grouped_offsets", []), groups.get("lora_ids", [])
+        self.runner.use_lora_groups(offsets, ids)
 
     def launch_depth(self, seqs: list[Sequence]) -> int:
         """Overlap scheduling: the drafts that a step launched over ``seqs`` proposes (its
@@ -470,6 +479,7 @@ class SpecRunner:
             draft_lengths=lengths,
             packed_lengths=packed_lengths,
         )
+        self.runner.use_lora_groups([], [])  # scratch rows: the base model's
         start = time.perf_counter()
         self.step(inputs, k, defer_drafter=defer_drafter)
         return time.perf_counter() - start

@@ -107,6 +107,7 @@ class SuffixSpecRunner(SpecRunner):
         if min(lengths, default=k) < k:  # each row verifies its own drafts only
             inputs.packed_lengths = lengths
         inputs.return_logits = any(s.params.logprobs is not None for s in seqs)
+        self._verify_under_adapters(seqs, inputs)
         out = self.step(inputs, 0)
         num_accepted, emitted = out.num_accepted.tolist(), out.emitted.tolist()  # completed
         self.stats.record_rows(k, lengths, num_accepted)

@@ -1,8 +1,9 @@
 """LoRA adapters served by the engine, in mixed batches: two PEFT adapters and the base
 model in one batch, each request's greedy output in fp32 equal to transformers running
 its adapter merged into the base (the tie-aware comparator); the prefix cache never
-hands KV made under one adapter to another or to the base. Unknown adapters and what
-adapters do not run with yet are refused, naming the field."""
+hands KV made under one adapter to another or to the base. Speculating (an EAGLE-3
+draft, suffix decoding), a mixed batch gives what it gives without drafts. Unknown
+adapters and what adapters do not run with yet are refused, naming the field."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from transformers import LlamaForCausalLM
 from engine.llm_engine import EngineConfig, LLMEngine, RequestError
 from engine.lora.layers import LoraLinear
 from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
 from tests.comparator import compare_greedy
 from tests.engine.test_lora_adapter import save_adapter
+from tests.engine.tiny_drafts import build_random_draft
 from tests.engine.tiny_models import build_tiny_llama
 
 VOCAB = 61
@@ -91,3 +94,29 @@ def test_what_adapters_do_not_run_with_yet_is_refused(base_and_adapters) -> None
     with pytest.raises(ValueError, match="lora_modules: names repeat"):
         EngineConfig(model=str(out / "base"),
                      lora_modules=(("a", str(out / "a")), ("a", str(out / "b"))))  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "suffix"])
+def test_a_mixed_batch_speculating_equals_it_without_drafts(
+    base_and_adapters, tmp_path, kind: str
+) -> None:
+    """Drafts stay the base model's (an EAGLE-3 draft, or suffix decoding's); each row
+    verifies them under its own adapter, so the output is what the mixed batch gives
+    without drafts."""
+    out, _, _ = base_and_adapters
+    adapters = (("a", str(out / "a")), ("b", str(out / "b")))
+    config = dict(model=str(out / "base"), dtype="float32", block_size=4,
+                  kv_cache_memory=4 << 20, lora_modules=adapters)  # fmt: skip
+    if kind == "suffix":
+        spec = SpeculativeConfig("", num_draft_tokens=3, kind="suffix")
+    else:
+        draft = build_random_draft(out / "base", tmp_path / "eagle3", "eagle3", std=0.3)
+        spec = SpeculativeConfig(str(draft), num_draft_tokens=3)
+    rng = random.Random(1)
+    motif = [rng.randrange(3, VOCAB) for _ in range(4)]  # repeats: suffix drafts find it
+    prompts = [motif * 3 + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (2, 5, 1, 7)]
+    requests = list(zip(prompts, ["a", None, "b", "a"], strict=True))
+    plain = run(LLMEngine(EngineConfig(**config)), requests)  # type: ignore[arg-type]
+    engine = LLMEngine(EngineConfig(**config, speculative=spec))  # type: ignore[arg-type]
+    assert run(engine, requests) == plain
+    assert engine.spec is not None and engine.spec.stats.num_draft_tokens > 0
