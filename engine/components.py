@@ -294,7 +294,8 @@ def _build(
             lookahead,
         )
     scheduler = Scheduler(
-        SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), block_manager
+        SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras),
+        block_manager,
     )
     if kernels == "triton":  # swapped in once: the torch path keeps its modules
         rope = attention != "torch"  # the torch backend's metadata has no positions

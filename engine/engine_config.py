@@ -95,6 +95,9 @@ class EngineConfig:
     # Eager, one device.
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 64  # adapters of a higher rank are refused
+    # Adapters one step runs: requests under others sit steps out, the earliest
+    # requests' adapters first (engine.scheduler); None: no bound.
+    max_loras: int | None = 8
 
     @property
     def uses_cuda_graphs(self) -> bool:

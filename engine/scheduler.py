@@ -5,6 +5,10 @@ with ``num_tokens - num_computed_tokens`` tokens to compute, served within the s
 token budget. Running requests go first; waiting ones are admitted while blocks and
 budget last. When blocks run out, the newest running request is preempted by
 recompute: its blocks are freed and it waits again, keeping the tokens it has.
+
+At most ``max_loras`` LoRA adapters run in one step: a request under another adapter
+sits the step out (running, its blocks kept; or waiting, its place kept), the earliest
+requests' adapters first. Requests without an adapter are never held back by it.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ from engine.sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 64  # rows per step
     max_num_batched_tokens: int = 1024  # tokens per step; long prompts are chunked to fit
+    max_loras: int | None = None  # LoRA adapters per step; None: no bound
 
     def __post_init__(self) -> None:
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras: must be >= 1, got {self.max_loras}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -67,11 +74,14 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        adapters: set[int] = set()  # the step's LoRA adapters so far
 
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier row
+                continue
+            if not self._takes_adapter(seq, adapters):
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_append(seq, num_new):
@@ -87,11 +97,15 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
 
+        held: list[Sequence] = []  # waiting under an adapter the step has no room for
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if batch.preempted or not self.block_manager.can_allocate(seq):
                 break
             self.waiting.popleft()
+            if not self._takes_adapter(seq, adapters):
+                held.append(seq)
+                continue
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -99,7 +113,19 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(held))  # in their places, ahead of the rest
         return batch
+
+    def _takes_adapter(self, seq: Sequence, adapters: set[int]) -> bool:
+        """Whether ``seq``'s adapter (if any) runs in this step: already among
+        ``adapters``, or added while there is room for one more."""
+        limit = self.config.max_loras
+        if seq.lora_id < 0 or seq.lora_id in adapters:
+            return True
+        if limit is not None and len(adapters) >= limit:
+            return False
+        adapters.add(seq.lora_id)
+        return True
 
     def finish(self, seq: Sequence) -> None:
         """Releases a finished or aborted request's blocks and forgets it."""

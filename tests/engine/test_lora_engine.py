@@ -120,3 +120,28 @@ def test_a_mixed_batch_speculating_equals_it_without_drafts(
     engine = LLMEngine(EngineConfig(**config, speculative=spec))  # type: ignore[arg-type]
     assert run(engine, requests) == plain
     assert engine.spec is not None and engine.spec.stats.num_draft_tokens > 0
+
+
+def test_one_adapter_a_step_gives_what_a_mixed_batch_gives(base_and_adapters) -> None:
+    """``max_loras=1``: requests under the other adapter sit steps out; each request's
+    tokens are what the unbounded mixed batch gives, and no step ran two adapters."""
+    out, _, _ = base_and_adapters
+    adapters = (("a", str(out / "a")), ("b", str(out / "b")))
+    config = dict(model=str(out / "base"), dtype="float32", block_size=4,
+                  kv_cache_memory=4 << 20, lora_modules=adapters)  # fmt: skip
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (4, 6, 3, 5, 2)]
+    requests = list(zip(prompts, ["a", "b", None, "b", "a"], strict=True))
+    mixed = run(LLMEngine(EngineConfig(**config, max_loras=None)), requests)  # type: ignore[arg-type]
+    engine = LLMEngine(EngineConfig(**config, max_loras=1))  # type: ignore[arg-type]
+    lora_step = engine.runner.model.lora_step
+    seen: list[set[int]] = []
+    forward = engine.runner.executor.forward
+
+    def recorded(*args: object, **kwargs: object) -> object:
+        seen.append({i for i in lora_step.lora_ids if i >= 0})
+        return forward(*args, **kwargs)  # type: ignore[arg-type]
+
+    engine.runner.executor.forward = recorded  # type: ignore[method-assign]
+    assert run(engine, requests) == mixed
+    assert max(len(ids) for ids in seen) == 1 and {0, 1} <= set().union(*seen)

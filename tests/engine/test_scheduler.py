@@ -314,3 +314,35 @@ def test_a_prefill_only_row_in_its_reserved_blocks_is_passed_over_for_preemption
     assert [s.request_id for s in batch.preempted] == ["b"]
     rows = [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
     assert rows == [("a", 1), ("c", 4)]
+
+
+def test_at_most_max_loras_adapters_run_in_a_step_the_earliest_first() -> None:
+    """Requests under adapters 0, 1, 0, none, 2, 1 with room for one adapter a step: each
+    step runs one adapter and every request without one; the earliest requests' adapter
+    goes first, the others sit steps out in their places, and all of them finish."""
+    bm = BlockManager(64, 4)
+    sch = Scheduler(SchedulerConfig(8, 64, max_loras=1), bm)
+    seqs = []
+    for i, lora in enumerate([0, 1, 0, -1, 2, 1]):
+        seq = Sequence(f"r{i}", [1, 2, 3], 3, SamplingParams(max_tokens=2 + i % 2), 0)
+        seq.lora_id = lora
+        seqs.append(seq)
+        sch.add(seq)
+    order: list[tuple[str, ...]] = []
+    while sch.has_unfinished:
+        batch = sch.schedule()
+        assert len({s.lora_id for s in batch.seqs if s.lora_id >= 0}) <= 1
+        assert seqs[3] in batch.seqs or seqs[3].status is SequenceStatus.FINISHED
+        order.append(tuple(s.request_id for s in batch.seqs))
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(5)
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    sch.finish(seq)
+    assert order[0] == ("r0", "r2", "r3")  # adapter 0 (r0's), and r3 without one
+    assert [s.status for s in seqs] == [SequenceStatus.FINISHED] * 6
+    # Adapter 1 (r1's, the next earliest), r5 with it, before adapter 2 (r4's).
+    ids = ("r1", "r4", "r5")
+    first = {rid: next(i for i, step in enumerate(order) if rid in step) for rid in ids}
+    assert first["r1"] == first["r5"] < first["r4"]
