@@ -41,31 +41,37 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     return out, hf
 
 
-def greedy(model_dir: Path, size: int, kernels: str, prompts: list[list[int]]) -> list[list[int]]:
-    attention = "triton" if kernels == "triton" else "torch"
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            device="cuda",
-            block_size=4,
-            kv_cache_memory=8 << 20,
-            attention_backend=attention,
-            kernels=kernels,
-            cuda_graphs=False,
-            tensor_parallel_size=size,
-        )
+def cuda_engine(model_dir: Path, size: int, kernels: str, **kw: object) -> LLMEngine:
+    config: dict[str, object] = dict(
+        model=str(model_dir),
+        dtype="float32",
+        device="cuda",
+        block_size=4,
+        kv_cache_memory=8 << 20,
+        attention_backend="triton" if kernels == "triton" else "torch",
+        kernels=kernels,
+        cuda_graphs=False,
+        tensor_parallel_size=size,
     )
+    return LLMEngine(EngineConfig(**{**config, **kw}))  # type: ignore[arg-type]
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def greedy(model_dir: Path, size: int, kernels: str, prompts: list[list[int]]) -> list[list[int]]:
+    engine = cuda_engine(model_dir, size, kernels)
     try:
         if size > 1:
             with pytest.raises(RuntimeError, match="not built for CUDA ranks"):
                 engine.kv_pools  # noqa: B018
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, GREEDY)
-        done: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-        return [done[str(i)] for i in range(len(prompts))]
+        return generate(engine, prompts)
     finally:
         engine.close()
 
@@ -94,27 +100,10 @@ def test_captured_graph_steps_on_two_gpus_equal_target_only(model, tmp_path: Pat
     rng = random.Random(5)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 9, 17, 6)]
     base = greedy(model_dir, 1, "torch", prompts)
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            device="cuda",
-            block_size=4,
-            kv_cache_memory=8 << 20,
-            attention_backend="torch",
-            kernels="torch",
-            cuda_graphs=True,
-            max_num_seqs=4,
-            tensor_parallel_size=2,
-            speculative=SpeculativeConfig(str(draft), num_draft_tokens=3),
-        )
-    )
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=3)
+    engine = cuda_engine(model_dir, 2, "torch", cuda_graphs=True, max_num_seqs=4, speculative=spec)
     try:
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, GREEDY)
-        done: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        got = generate(engine, prompts)
         assert engine.spec is not None and engine.spec.graphs is not None
         graphs = engine.spec.graphs
         peers = engine.runner.executor.graph_peers
@@ -123,4 +112,4 @@ def test_captured_graph_steps_on_two_gpus_equal_target_only(model, tmp_path: Pat
         assert peers.num_named >= graphs.num_graph_steps  # replays named to rank 1
     finally:
         engine.close()
-    assert [done[str(i)] for i in range(len(prompts))] == base
+    assert got == base
