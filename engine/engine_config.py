@@ -95,8 +95,8 @@ class EngineConfig:
     # Eager, one device.
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 64  # adapters of a higher rank are refused
-    # Adapters one step runs: requests under others sit steps out, the earliest
-    # requests' adapters first (engine.scheduler); None: no bound.
+    # Adapters one step runs, the earliest requests' (running or waiting): requests under
+    # others sit steps out (engine.scheduler); None: no bound.
     max_loras: int | None = 8
 
     @property

@@ -6,13 +6,15 @@ token budget. Running requests go first; waiting ones are admitted while blocks 
 budget last. When blocks run out, the newest running request is preempted by
 recompute: its blocks are freed and it waits again, keeping the tokens it has.
 
-At most ``max_loras`` LoRA adapters run in one step: a request under another adapter
-sits the step out (running, its blocks kept; or waiting, its place kept), the earliest
-requests' adapters first. Requests without an adapter are never held back by it.
+At most ``max_loras`` LoRA adapters run in one step: those of the earliest requests,
+running or waiting, so that a request's adapter gets its turn once the requests before
+it do. A request under another adapter sits the step out (running, its blocks kept; or
+waiting, its place kept). Requests without an adapter are never held back by it.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -62,9 +64,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        seq.arrival = next(self._arrivals)
         self.waiting.append(seq)
 
     @property
@@ -74,7 +78,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        adapters: set[int] = set()  # the step's LoRA adapters so far
+        adapters = self._step_adapters()
 
         for seq in list(self.running):
             if budget == 0:
@@ -97,15 +101,17 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
 
-        held: list[Sequence] = []  # waiting under an adapter the step has no room for
+        held: list[Sequence] = []  # waiting under an adapter not in this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if batch.preempted or not self.block_manager.can_allocate(seq):
+            if batch.preempted:
+                break
+            if not self._takes_adapter(seq, adapters):
+                held.append(self.waiting.popleft())
+                continue
+            if not self.block_manager.can_allocate(seq):
                 break
             self.waiting.popleft()
-            if not self._takes_adapter(seq, adapters):
-                held.append(seq)
-                continue
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -116,16 +122,23 @@ class Scheduler:
         self.waiting.extendleft(reversed(held))  # in their places, ahead of the rest
         return batch
 
-    def _takes_adapter(self, seq: Sequence, adapters: set[int]) -> bool:
-        """Whether ``seq``'s adapter (if any) runs in this step: already among
-        ``adapters``, or added while there is room for one more."""
+    def _step_adapters(self) -> set[int] | None:
+        """The LoRA adapters this step runs: those of the earliest requests, running or
+        waiting, up to ``max_loras``; None: any."""
         limit = self.config.max_loras
-        if seq.lora_id < 0 or seq.lora_id in adapters:
-            return True
-        if limit is not None and len(adapters) >= limit:
-            return False
-        adapters.add(seq.lora_id)
-        return True
+        pending = [*self.running, *self.waiting]
+        if limit is None or all(seq.lora_id < 0 for seq in pending):
+            return None
+        chosen: set[int] = set()
+        for seq in sorted(pending, key=lambda s: s.arrival):
+            if seq.lora_id >= 0 and len(chosen) < limit:
+                chosen.add(seq.lora_id)
+        return chosen
+
+    @staticmethod
+    def _takes_adapter(seq: Sequence, adapters: set[int] | None) -> bool:
+        """Whether ``seq`` runs in this step as far as its adapter goes."""
+        return adapters is None or seq.lora_id < 0 or seq.lora_id in adapters
 
     def finish(self, seq: Sequence) -> None:
         """Releases a finished or aborted request's blocks and forgets it."""
@@ -145,6 +158,7 @@ class Scheduler:
         """Adds a request whose KV is already in its blocks (a decode worker, after the
         transfer) straight to the running batch."""
         seq.status = SequenceStatus.RUNNING
+        seq.arrival = next(self._arrivals)
         self.running.append(seq)
 
     def _victim(self, needing: Sequence) -> Sequence:

@@ -71,6 +71,7 @@ class Sequence:
     # gets some (engine.dp_blocks); its block ids are that rank's.
     dp_rank: int = 0
     lora_id: int = -1  # the LoRA adapter it runs under (engine.lora), -1: none
+    arrival: int = -1  # its place in the scheduler's order of arrival (-1: not yet added)
     cache_salt: int | None = None  # its adapter's digest, which its block hashes chain on
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it (stop strings: not here)

@@ -60,6 +60,11 @@ class LoraLinear(nn.Module):
         if not step.is_active:
             return y
         x2 = x.reshape(-1, x.shape[-1])
+        if step.lora_grouped_offsets[-1] != x2.shape[0]:  # groups of another forward
+            raise RuntimeError(
+                f"lora: the step's groups cover {step.lora_grouped_offsets[-1]} tokens, "
+                f"the forward has {x2.shape[0]}"
+            )
         deltas = [
             lora_delta(x2, step.lora_grouped_offsets, step.lora_ids, by_id, width)
             for by_id, width in zip(self.weights, self.parts, strict=True)

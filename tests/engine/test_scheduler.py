@@ -346,3 +346,36 @@ def test_at_most_max_loras_adapters_run_in_a_step_the_earliest_first() -> None:
     ids = ("r1", "r4", "r5")
     first = {rid: next(i for i, step in enumerate(order) if rid in step) for rid in ids}
     assert first["r1"] == first["r5"] < first["r4"]
+
+
+def test_a_held_adapter_gets_its_turn_under_steady_traffic_for_another() -> None:
+    """One adapter a step; r0 (adapter 0) then r1 (adapter 1), and a new adapter-0
+    request every other step: once r0 is done, r1's adapter runs, ahead of the later
+    adapter-0 requests, rather than waiting for that traffic to stop."""
+    bm = BlockManager(256, 4)
+    sch = Scheduler(SchedulerConfig(64, 256, max_loras=1), bm)
+
+    def add(rid: str, lora: int, max_tokens: int) -> Sequence:
+        seq = Sequence(rid, [1, 2, 3], 3, SamplingParams(max_tokens=max_tokens), 0)
+        seq.lora_id = lora
+        sch.add(seq)
+        return seq
+
+    r0, r1 = add("r0", 0, 6), add("r1", 1, 3)
+    first_r1 = None
+    for step in range(60):
+        if step % 2 == 0:
+            add(f"a{step}", 0, 4)
+        batch = sch.schedule()
+        assert len({s.lora_id for s in batch.seqs}) <= 1
+        if r1 in batch.seqs and first_r1 is None:
+            first_r1 = step
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(5)
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    sch.finish(seq)
+    assert r0.status is SequenceStatus.FINISHED
+    assert first_r1 is not None and first_r1 <= 7  # r0's 6 steps, then r1's turn
+    assert r1.status is SequenceStatus.FINISHED
