@@ -294,7 +294,11 @@ def _build(
             lookahead,
         )
     scheduler = Scheduler(
-        SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras),
+        SchedulerConfig(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_loras if lora_names else None,  # no adapters: nothing to bound
+        ),
         block_manager,
     )
     if kernels == "triton":  # swapped in once: the torch path keeps its modules

@@ -56,9 +56,9 @@ class EngineConfig:
     # batches (bench/RESULTS.md). Compiling is paid at start-up by a short warm-up
     # generation, so no request waits for it.
     torch_compile: bool = False
-    # Compiled steps call their kernels through inductor's C++ wrapper, not its Python one:
-    # faster steps (a SmolLM2 Q4_1 batch-1 step 8.8 ms instead of 10.5), but a first
-    # compile 4-5x as long from a cold inductor cache (bench/RESULTS.md).
+    # Compiled steps call their kernels through inductor's C++ wrapper, not its Python one
+    # (engine.executor.uniproc.compile_decode_model): faster steps, a first compile 4-5x
+    # as long from a cold inductor cache.
     compile_cpp_wrapper: bool = False
     # A short generation at start-up (greedy and sampled rows, speculating where a draft is
     # set), so that no request pays for lazy initialization; always with torch_compile.

@@ -18,6 +18,7 @@ from engine.executor.inputs import ForwardInputs
 from engine.executor.multiproc import MultiprocExecutor, RankGroup
 from engine.executor.uniproc import UniprocExecutor, compile_decode_model
 from engine.kv_cache import PagedKVCache
+from engine.lora.layers import LoraStep
 from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs, ReturnHiddenStates
 from engine.sampler import SamplingTensors, sample, top_logprobs
 from engine.sampling_kernels import TORCH_SAMPLING, SamplingKernels
@@ -144,6 +145,8 @@ class ModelRunner:
         data_parallel_size: int = 1,
     ) -> None:
         self.model = model
+        # The adapters' token groups of each forward (engine.lora); None: no adapters.
+        self.lora_step: LoraStep | None = getattr(model, "lora_step", None)
         self.data_parallel_size = data_parallel_size  # rows name their rank where over 1
         self.sampling_kernels = sampling_kernels  # where filters and draws run
         # What decode steps call: the model, or its compiled form (engine.executor.uniproc).
@@ -255,9 +258,8 @@ class ModelRunner:
 
     def use_lora_groups(self, offsets: list[int], ids: list[int]) -> None:
         """The next forward's LoRA token groups (``row_lora_groups``'); none: no adapter."""
-        lora = getattr(self.model, "lora_step", None)
-        if lora is not None:
-            lora.lora_grouped_offsets, lora.lora_ids = offsets, ids
+        if self.lora_step is not None:
+            self.lora_step.lora_grouped_offsets, self.lora_step.lora_ids = offsets, ids
 
     def notify_layer(self, pool: str, layer: int, *, step: StepKv) -> None:
         """Tells the listener that ``layer`` of ``pool`` is written for ``step``."""

@@ -42,10 +42,9 @@ from engine.executor.graph_wire import (
     Signature,
     encode_define,
     encode_run,
-    forward_tensors,
     pack,
 )
-from engine.executor.inputs import ForwardInputs
+from engine.executor.inputs import ForwardInputs, forward_tensors
 from engine.models.llama3 import ModelOutputs
 from engine.parallel.group import TensorParallelGroup
 

@@ -18,14 +18,15 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from engine.attention.base import BatchLayout
 from engine.executor.inputs import (
     MESSAGE_FORMAT,
     OP_GRAPH_DEFINE,
     OP_GRAPH_RUN,
     ForwardInputs,
     ForwardStep,
+    assemble,
     decode,
+    forward_tensors,
     message_op,
 )
 from engine.models.llama3 import ReturnHiddenStates
@@ -103,28 +104,14 @@ class GraphSignature:
 
     def inputs(self, packed: torch.Tensor) -> ForwardInputs:
         """The forward whose tensors are views of ``packed``."""
-        tokens, logit_indices, offsets, positions, slots, context_lens, tables = views(
-            packed, self.shapes
+        return assemble(
+            views(packed, self.shapes),
+            (self.block_size, self.max_query_len, self.max_context_len),
+            self.flags,
+            self.hidden,
+            None if self.query_lens is None else list(self.query_lens),
+            None if self.context_lens_host is None else list(self.context_lens_host),
         )
-        causal_prefill, causal, exact = self.flags
-        layout = BatchLayout(
-            input_row_offsets=offsets,
-            positions=positions,
-            slot_mapping=slots,
-            context_lens=context_lens,
-            block_tables=tables,
-            block_size=self.block_size,
-            max_query_len=self.max_query_len,
-            max_context_len=self.max_context_len,
-            is_causal_prefill=causal_prefill,
-            is_causal=causal,
-            is_max_context_exact=exact,
-            query_lens=None if self.query_lens is None else list(self.query_lens),
-            context_lens_host=None
-            if self.context_lens_host is None
-            else list(self.context_lens_host),
-        )
-        return ForwardInputs(tokens, layout, logit_indices, self.hidden)
 
     def to_ints(self) -> list[int]:
         ints = [self.compiled, self.block_size, self.max_query_len, self.max_context_len]
@@ -151,20 +138,6 @@ class GraphSignature:
             take_optional(it),
             take_optional(it),
         )
-
-
-def forward_tensors(inputs: ForwardInputs) -> list[torch.Tensor]:
-    """The tensors a forward's broadcast carries, in ``pack``'s order (all int64)."""
-    layout = inputs.layout
-    return [
-        inputs.tokens,
-        inputs.logit_indices,
-        layout.input_row_offsets,
-        layout.positions,
-        layout.slot_mapping,
-        layout.context_lens,
-        layout.block_tables,
-    ]
 
 
 class Signature(Protocol):

@@ -11,7 +11,7 @@ in a message, their tensors as broadcasts on the device (``engine.executor.graph
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,15 +90,58 @@ def encode(inputs: ForwardInputs, *, compiled: bool) -> torch.Tensor:
     w.ints(MESSAGE_FORMAT, OP_FORWARD, compiled, inputs.on_layer is not None)
     w.ints(layout.block_size, layout.max_query_len, layout.max_context_len)
     w.ints(layout.is_causal_prefill, layout.is_causal, layout.is_max_context_exact, hidden.final)
-    for x in (inputs.tokens, inputs.logit_indices, layout.input_row_offsets, layout.positions):
-        w.tensor(x)
-    for x in (layout.slot_mapping, layout.context_lens, layout.block_tables):
+    for x in forward_tensors(inputs):
         w.tensor(x)
     w.optional(list(hidden.layer_ids))
     w.optional(layout.query_lens)
     w.optional(layout.context_lens_host)
     w.optional(None if inputs.dp_ranks is None else inputs.dp_ranks.tolist())
     return torch.cat(w.parts)
+
+
+def forward_tensors(inputs: ForwardInputs) -> list[torch.Tensor]:
+    """A forward's tensors, in the order they travel (all int64); ``assemble`` undoes it."""
+    layout = inputs.layout
+    return [
+        inputs.tokens,
+        inputs.logit_indices,
+        layout.input_row_offsets,
+        layout.positions,
+        layout.slot_mapping,
+        layout.context_lens,
+        layout.block_tables,
+    ]
+
+
+def assemble(
+    tensors: Sequence[torch.Tensor],  # forward_tensors' order
+    bounds: tuple[int, int, int],  # block_size, max_query_len, max_context_len
+    flags: Sequence[int | bool],  # is_causal_prefill, is_causal, is_max_context_exact
+    hidden: ReturnHiddenStates,
+    query_lens: list[int] | None = None,
+    context_lens_host: list[int] | None = None,
+    dp_ranks: torch.Tensor | None = None,
+) -> ForwardInputs:
+    """The forward of ``tensors`` and its host fields, on the receiving rank."""
+    tokens, logit_indices, offsets, positions, slots, context_lens, tables = tensors
+    block_size, max_query_len, max_context_len = bounds
+    causal_prefill, causal, exact = flags
+    layout = BatchLayout(
+        input_row_offsets=offsets,
+        positions=positions,
+        slot_mapping=slots,
+        context_lens=context_lens,
+        block_tables=tables,
+        block_size=block_size,
+        max_query_len=max_query_len,
+        max_context_len=max_context_len,
+        is_causal_prefill=bool(causal_prefill),
+        is_causal=bool(causal),
+        is_max_context_exact=bool(exact),
+        query_lens=query_lens,
+        context_lens_host=context_lens_host,
+    )
+    return ForwardInputs(tokens, layout, logit_indices, hidden, dp_ranks=dp_ranks)
 
 
 def stop_message() -> torch.Tensor:
@@ -128,30 +171,16 @@ def decode(message: torch.Tensor, device: torch.device) -> ForwardStep | None:
     if op != OP_FORWARD:
         raise ValueError(f"step message: unknown op {op}")
     r = _Reader(message)
-    r.at = 2
+    r.ints(2)  # format and op, read above
     compiled, _ = r.ints(2)
-    block_size, max_query_len, max_context_len = r.ints(3)
-    is_causal_prefill, is_causal, is_exact, final = r.ints(4)
-    tokens, logit_indices, offsets, positions = (r.tensor(device) for _ in range(4))
-    slots, context_lens, tables = (r.tensor(device) for _ in range(3))
-    layer_ids = r.optional() or []
-    layout = BatchLayout(
-        input_row_offsets=offsets,
-        positions=positions,
-        slot_mapping=slots,
-        context_lens=context_lens,
-        block_tables=tables,
-        block_size=block_size,
-        max_query_len=max_query_len,
-        max_context_len=max_context_len,
-        is_causal_prefill=bool(is_causal_prefill),
-        is_causal=bool(is_causal),
-        is_max_context_exact=bool(is_exact),
-        query_lens=r.optional(),
-        context_lens_host=r.optional(),
-    )
-    hidden = ReturnHiddenStates(tuple(layer_ids), bool(final))
-    ranks = r.optional()
+    bounds = r.ints(3)
+    *flags, final = r.ints(4)
+    tensors = [r.tensor(device) for _ in range(7)]
+    hidden = ReturnHiddenStates(tuple(r.optional() or []), bool(final))
+    query_lens, context_lens_host, ranks = r.optional(), r.optional(), r.optional()
     dp_ranks = None if ranks is None else torch.tensor(ranks, dtype=torch.int64, device=device)
-    inputs = ForwardInputs(tokens, layout, logit_indices, hidden, dp_ranks=dp_ranks)
+    inputs = assemble(
+        tensors, (bounds[0], bounds[1], bounds[2]), flags, hidden,
+        query_lens, context_lens_host, dp_ranks,
+    )  # fmt: skip
     return ForwardStep(inputs, bool(compiled))

@@ -45,8 +45,9 @@ def compile_decode_model(
       dynamo's default of 8 shared by every engine, the speculative engines of a
       benchmark process ran eagerly.
     - ``cpp_wrapper``: inductor's C++ wrapper calls the graph's kernels instead of its
-      Python one: a SmolLM2 Q4_1 step at batch 1 took 8.8 ms instead of 10.5, but compiling
-      from a cold cache takes 4-5x as long (bench/RESULTS.md). Off by default.
+      Python one: SmolLM2's Q4_1 file at batch 1 went from 0.80x to 0.94x of llama-bench
+      at one thread, but compiling from a cold cache takes 4-5x as long
+      (bench/RESULTS.md). Off by default.
     - The KV pools and the modules' own tensors (packed weight panels, rope tables) keep
       their shapes for the engine's life: static, not symbols. As symbols (dynamic=True
       makes every input's sizes one), the shape guards on their sizes and strides take

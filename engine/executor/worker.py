@@ -5,7 +5,6 @@ as JSON), and its shard of the target (``load_shard``). The other ranks' process
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,8 +12,6 @@ import torch
 
 from engine.parallel.group import TensorParallelGroup
 from engine.registry import ModelConfig, load_model
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

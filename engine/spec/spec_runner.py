@@ -290,6 +290,8 @@ class SpecRunner:
 
     def _verify_under_adapters(self, seqs: list[Sequence], inputs: SpecStepInputs) -> None:
         """Rows under LoRA adapters verify under them; drafts stay the base model's."""
+        if self.runner.lora_step is None:
+            return
         k, packed = inputs.draft_tokens.shape[1], inputs.packed_lengths
         per_row = [k + 1] * len(seqs) if packed is None else [1 + n for n in packed]
         groups = row_lora_groups(seqs, per_row)

@@ -29,12 +29,11 @@ from engine.executor.graph_wire import (
     TARGET_KINDS,
     GraphSignature,
     SignatureKinds,
-    forward_tensors,
     pack,
     take,
     views,
 )
-from engine.executor.inputs import ForwardInputs
+from engine.executor.inputs import ForwardInputs, forward_tensors
 from engine.executor.multiproc import MultiprocExecutor
 from engine.kv_cache import PagedKVCache
 from engine.models.llama3 import ModelOutputs

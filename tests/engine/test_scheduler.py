@@ -316,30 +316,40 @@ def test_a_prefill_only_row_in_its_reserved_blocks_is_passed_over_for_preemption
     assert rows == [("a", 1), ("c", 4)]
 
 
+def add_lora_request(sch: Scheduler, rid: str, lora: int, max_tokens: int) -> Sequence:
+    seq = Sequence(rid, [1, 2, 3], 3, SamplingParams(max_tokens=max_tokens), 0)
+    seq.lora_id = lora
+    sch.add(seq)
+    return seq
+
+
+def run_step(sch: Scheduler, batch: ScheduledBatch) -> None:
+    """The engine's part of a step, as ``Sim`` plays it: every row computes its tokens,
+    samples where it caught up, and ends at max_tokens."""
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(5)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                sch.finish(seq)
+
+
 def test_at_most_max_loras_adapters_run_in_a_step_the_earliest_first() -> None:
     """Requests under adapters 0, 1, 0, none, 2, 1 with room for one adapter a step: each
     step runs one adapter and every request without one; the earliest requests' adapter
     goes first, the others sit steps out in their places, and all of them finish."""
-    bm = BlockManager(64, 4)
-    sch = Scheduler(SchedulerConfig(8, 64, max_loras=1), bm)
-    seqs = []
-    for i, lora in enumerate([0, 1, 0, -1, 2, 1]):
-        seq = Sequence(f"r{i}", [1, 2, 3], 3, SamplingParams(max_tokens=2 + i % 2), 0)
-        seq.lora_id = lora
-        seqs.append(seq)
-        sch.add(seq)
+    sch = Scheduler(SchedulerConfig(8, 64, max_loras=1), BlockManager(64, 4))
+    seqs = [
+        add_lora_request(sch, f"r{i}", lora, 2 + i % 2)
+        for i, lora in enumerate([0, 1, 0, -1, 2, 1])
+    ]
     order: list[tuple[str, ...]] = []
     while sch.has_unfinished:
         batch = sch.schedule()
         assert len({s.lora_id for s in batch.seqs if s.lora_id >= 0}) <= 1
         assert seqs[3] in batch.seqs or seqs[3].status is SequenceStatus.FINISHED
         order.append(tuple(s.request_id for s in batch.seqs))
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(5)
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    sch.finish(seq)
+        run_step(sch, batch)
     assert order[0] == ("r0", "r2", "r3")  # adapter 0 (r0's), and r3 without one
     assert [s.status for s in seqs] == [SequenceStatus.FINISHED] * 6
     # Adapter 1 (r1's, the next earliest), r5 with it, before adapter 2 (r4's).
@@ -352,30 +362,17 @@ def test_a_held_adapter_gets_its_turn_under_steady_traffic_for_another() -> None
     """One adapter a step; r0 (adapter 0) then r1 (adapter 1), and a new adapter-0
     request every other step: once r0 is done, r1's adapter runs, ahead of the later
     adapter-0 requests, rather than waiting for that traffic to stop."""
-    bm = BlockManager(256, 4)
-    sch = Scheduler(SchedulerConfig(64, 256, max_loras=1), bm)
-
-    def add(rid: str, lora: int, max_tokens: int) -> Sequence:
-        seq = Sequence(rid, [1, 2, 3], 3, SamplingParams(max_tokens=max_tokens), 0)
-        seq.lora_id = lora
-        sch.add(seq)
-        return seq
-
-    r0, r1 = add("r0", 0, 6), add("r1", 1, 3)
+    sch = Scheduler(SchedulerConfig(64, 256, max_loras=1), BlockManager(256, 4))
+    r0, r1 = add_lora_request(sch, "r0", 0, 6), add_lora_request(sch, "r1", 1, 3)
     first_r1 = None
     for step in range(60):
         if step % 2 == 0:
-            add(f"a{step}", 0, 4)
+            add_lora_request(sch, f"a{step}", 0, 4)
         batch = sch.schedule()
         assert len({s.lora_id for s in batch.seqs}) <= 1
         if r1 in batch.seqs and first_r1 is None:
             first_r1 = step
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(5)
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    sch.finish(seq)
+        run_step(sch, batch)
     assert r0.status is SequenceStatus.FINISHED
     assert first_r1 is not None and first_r1 <= 7  # r0's 6 steps, then r1's turn
     assert r1.status is SequenceStatus.FINISHED

@@ -21,10 +21,9 @@ from engine.executor.graph_wire import (
     decode_message,
     encode_define,
     encode_run,
-    forward_tensors,
     pack,
 )
-from engine.executor.inputs import ForwardInputs, ForwardStep, encode
+from engine.executor.inputs import ForwardInputs, ForwardStep, encode, forward_tensors
 from engine.models.llama3 import ReturnHiddenStates
 from engine.parallel.group import TensorParallelGroup
 
