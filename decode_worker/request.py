@@ -118,6 +118,8 @@ class RequestHandle:
     num_output_tokens_sent: int  # output tokens an earlier attempt already streamed (a preemption)
     router_id: str  # who gets the request back on a preemption
     router_epoch: int
+    lora: str = ""  # the LoRA adapter it runs under, and its digest ("": the base model)
+    lora_digest: str = ""
     block_ids: list[int] = field(default_factory=list)  # as reserved, then as grown
     num_output_chars_sent: int = 0  # characters of the resumed output already streamed
     reserved_at: float = field(default_factory=time.monotonic)
@@ -138,7 +140,9 @@ class RequestHandle:
         h = self.holders
         self.block_ids = table
         kv_blocks = table[num_cached_blocks:num_kv_blocks]
-        reservation = KvReservation(self.request_id, kv_blocks, pools, h.layout)
+        reservation = KvReservation(
+            self.request_id, kv_blocks, pools, h.layout, self.lora, self.lora_digest
+        )
         h.receiver.reserve(reservation)
         h.membership.claim(self.request_id, table, has_draft=h.layout.draft is not None)
 

@@ -53,6 +53,7 @@ from ledger.membership import HeldRequest, Membership
 from serving.engine_commands import ReadBlockTables, Reserve, StartDecoding
 from serving.engine_loop import EngineLoop, TorchThread
 from serving.engine_setup import draft_figures
+from serving.lora_setup import check_request_lora, lora_digests, lora_figure
 from serving.metrics import DecodeFigures, DecodeMetrics
 from serving.rpc import NotFound, PreconditionFailed, Unavailable
 from serving.sampling import params_from_proto
@@ -105,6 +106,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         self.is_colocated = is_colocated  # the decode side of a co-located worker
         self.host_id = host_id() if accepts_shm else ""  # "": senders use gRPC
         self.block_size = engine.config.block_size
+        self.loras = lora_digests(engine.lora_names)  # its LoRA adapters: name -> digest
         self._pools = engine.kv_pools
         self.is_draining = False
         watch = BlockTableWatch()
@@ -146,6 +148,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
                 f"draft_fingerprint: {request.draft_fingerprint!r}, this worker runs "
                 f"{self.fingerprint!r}"
             )
+        check_request_lora(self.loras, request.lora, request.lora_digest)
         self.holders.check_new(rid)
         prompt = list(request.prompt_token_ids)
         if len(prompt) != request.num_prompt_tokens:
@@ -165,8 +168,10 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             num_output_tokens_sent,
             request.router_id,
             request.router_epoch,
+            lora=request.lora,
+            lora_digest=request.lora_digest,
         )
-        reserve = Reserve(rid, prompt, params, num_output_tokens_sent)
+        reserve = Reserve(rid, prompt, params, num_output_tokens_sent, request.lora or None)
         try:  # cancelled after the engine reserved: close's drop follows it in the queue
             table, num_cached = await self.engine_loop.call(reserve)
             handle.num_output_chars_sent = len(handle.outputs.text)  # of the resumed output
@@ -342,6 +347,7 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
             # transfer between different ones is not built).
             "tensor_parallel_size": self.engine.config.tensor_parallel_size,
             **draft_figures(self.draft),
+            **lora_figure(self.loras),
         }
         return stats.load, figures
 

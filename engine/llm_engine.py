@@ -117,16 +117,7 @@ class LLMEngine(Disaggregation):
         an earlier attempt generated and sent (a preempted request resumed); they count
         towards max_tokens, and its first delta's start has them (for stop strings).
         ``lora``: the name of one of the engine's LoRA adapters to run it under."""
-        if lora is not None and lora not in self.lora_names:
-            raise RequestError(
-                f"lora: {lora!r} is not an adapter of this engine; adapters: "
-                f"{sorted(self.lora_names)}"
-            )
-        if lora is not None and is_prefill_only:
-            raise RequestError("lora: adapters on a prefill worker (KV handed on) are not built")
-        seq = self._new_sequence(request_id, prompt_token_ids, params, num_output_tokens_sent)
-        if lora is not None:
-            seq.lora_id, seq.cache_salt = self.lora_names[lora]
+        seq = self._new_sequence(request_id, prompt_token_ids, params, num_output_tokens_sent, lora)
         seq.is_prefill_only = is_prefill_only
         self.scheduler.add(seq)
 
@@ -136,7 +127,13 @@ class LLMEngine(Disaggregation):
         token_ids: list[int],
         params: SamplingParams,
         num_output_tokens_sent: int = 0,
+        lora: str | None = None,
     ) -> Sequence:
+        if lora is not None and lora not in self.lora_names:
+            raise RequestError(
+                f"lora: {lora!r} is not an adapter of this engine; adapters: "
+                f"{sorted(self.lora_names)}"
+            )
         limit = min(len(token_ids), params.max_tokens)
         if num_output_tokens_sent < 0 or (
             num_output_tokens_sent and num_output_tokens_sent >= limit
@@ -166,6 +163,8 @@ class LLMEngine(Disaggregation):
             seed=seed,
             num_tokens_handed_out=len(token_ids),  # the prompt, and output already sent
         )
+        if lora is not None:  # before any block hash: they chain on the adapter's digest
+            seq.lora_id, seq.cache_salt = self.lora_names[lora]
         seq.grammar = self.grammars.row(params.structured_output, token_ids[num_prompt_tokens:])
         self._seqs[request_id] = seq
         return seq

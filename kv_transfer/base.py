@@ -111,8 +111,8 @@ def parse_layout_name(name: str) -> tuple[int, int]:
 
 # The KV handshake's version (KvHandshake.wire_version): bumped by every change to what
 # sender and receiver must agree on, so that workers of different versions refuse each
-# other. 2: head_layout (tensor-parallel workers). Next: data-parallel ranks, adapters.
-KV_WIRE_VERSION = 2
+# other. 2: head_layout (tensor-parallel workers). 3: lora and lora_digest (LoRA adapters).
+KV_WIRE_VERSION = 3
 # KvHandshake.head_layout: chunks carry every KV head of the model, in order, whatever the
 # tensor-parallel ranks of either end hold (a split engine's ``kv_pools`` are whole).
 WHOLE_HEADS = "whole"
@@ -251,6 +251,13 @@ class Handshake:
     request_id: str
     layout: KvLayout
     decode_epoch: int = 0  # the decode worker's ReserveReply.epoch
+    lora: str = ""  # the LoRA adapter the KV was computed under; "": the base model
+    lora_digest: str = ""  # its files' digest (serving.lora_setup)
+
+    def to_wire(self, checksum: int) -> pb.KvHandshake:
+        wire = self.layout.to_handshake(self.request_id, self.decode_epoch, checksum)
+        wire.lora, wire.lora_digest = self.lora, self.lora_digest
+        return wire
 
 
 @dataclass(frozen=True)

@@ -180,9 +180,7 @@ class ChunkedKvSender(KvSender):
         self._layout = handshake.layout
         self._start = time.perf_counter()
         self.state = TransferState.TRANSFERRING
-        wire = handshake.layout.to_handshake(
-            handshake.request_id, handshake.decode_epoch, self.checksum_kind
-        )
+        wire = handshake.to_wire(self.checksum_kind)
         opened = self.channel.open(wire, handshake.layout)
         self._destination = await self._guard(opened, "opening the push")
 

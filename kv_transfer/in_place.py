@@ -24,9 +24,7 @@ class InPlaceChannel:
     def open(self, handshake: Handshake) -> InPlaceHandOver:
         """Raises KvTransferError as a push's handshake would: no such reservation, a
         stale epoch, another layout, a push already under way."""
-        wire = handshake.layout.to_handshake(
-            handshake.request_id, handshake.decode_epoch, pb.CHECKSUM_KIND_CRC32
-        )
+        wire = handshake.to_wire(pb.CHECKSUM_KIND_CRC32)
         return InPlaceHandOver(self.receiver.open(wire))
 
 

@@ -77,6 +77,10 @@ class KvReservation:
     # "target" and, with a draft, "draft" (KvPool values), e.g. LLMEngine.kv_pools
     pools: Mapping[str, PagedPools]
     layout: KvLayout  # what the receiver expects (its own pools' layout)
+    # The LoRA adapter the request runs under here, and its digest; "": the base model.
+    # A push of KV computed under another (or other files under the name) is refused.
+    lora: str = ""
+    lora_digest: str = ""
 
     def __post_init__(self) -> None:
         if len(set(self.block_ids)) != len(self.block_ids):
@@ -223,6 +227,13 @@ class ReceiveSession:
         mismatch = self._layout.mismatch(sender)
         if mismatch is not None:
             self._refuse_incompatible(mismatch)
+        reserved = self._record.reservation
+        if (hs.lora, hs.lora_digest) != (reserved.lora, reserved.lora_digest):
+            self._refuse_incompatible(
+                f"lora: sender computed the KV under {hs.lora or 'the base model'!r} "
+                f"(digest {hs.lora_digest!r}), the reservation is under "
+                f"{reserved.lora or 'the base model'!r} (digest {reserved.lora_digest!r})"
+            )
         if hs.HasField("shm"):
             if shared is not None and self._in_shared(shared, hs.shm.host_id):
                 self.placement, self.is_placed = shared, True

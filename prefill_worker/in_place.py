@@ -92,7 +92,9 @@ class InPlacePrefillService(PrefillCalls):
         self._admit(request)
         started = time.monotonic()
         try:
-            hand_over = self.channel.open(Handshake(rid, self.layout, request.decode_epoch))
+            hand_over = self.channel.open(
+                Handshake(rid, self.layout, request.decode_epoch, request.lora, request.lora_digest)
+            )
         except BaseException:
             self._done(rid)
             raise

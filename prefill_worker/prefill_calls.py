@@ -8,6 +8,7 @@ router (``prefill_reply``)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason
 from ledger.membership import Membership
 from serving.engine_loop import EngineLoop
+from serving.lora_setup import check_request_lora, lora_digests
 from serving.rpc import Overloaded, PreconditionFailed, Unavailable
 from serving.sampling import token_logprob_to_proto
 from tandem.v1 import worker_pb2 as pb
@@ -109,6 +111,11 @@ class PrefillCalls(pb_grpc.PrefillWorkerServicer):
         self._waiting: dict[str, asyncio.Future[Prefilled]] = {}
         self._tasks: dict[str, asyncio.Task[Any]] = {}
 
+    @functools.cached_property
+    def loras(self) -> dict[str, str]:
+        """Its engine's LoRA adapters: name -> digest (serving.lora_setup)."""
+        return lora_digests(self.engine.lora_names)
+
     def _admit(self, request: pb.PrefillRequest) -> None:
         """Raises unless a Prefill of ``request`` may start now; else it is in flight
         (``_tasks``) until ``_done``."""
@@ -117,6 +124,7 @@ class PrefillCalls(pb_grpc.PrefillWorkerServicer):
             raise Unavailable("prefill worker: draining")
         if request.model and request.model != self.served_name:
             raise PreconditionFailed(f"model: this worker serves {self.served_name!r}")
+        check_request_lora(self.loras, request.lora, request.lora_digest)
         if rid in self._tasks:
             raise ValueError(f"request_id: {rid!r} is already being prefilled here")
         if len(self._tasks) >= self.max_queued:

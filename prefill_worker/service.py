@@ -43,6 +43,7 @@ from prefill_worker.transitions import PrefillTransitions
 from serving.engine_commands import AddRequest, DropRequest
 from serving.engine_loop import EngineLoop, TorchThread
 from serving.engine_setup import draft_figures
+from serving.lora_setup import lora_figure
 from serving.metrics import PrefillMetrics
 from serving.rpc import ChannelPool
 from serving.sampling import params_from_proto
@@ -141,6 +142,7 @@ class PrefillWorkerService(PrefillCalls):
                 is_prefill_only=True,
                 num_output_tokens_sent=request.num_output_tokens_sent,
                 then=functools.partial(self._relay.register, rid, push),
+                lora=request.lora or None,
             )
             await _unless_push_failed(self.engine_loop.submit(add), push)
             queued = time.monotonic()
@@ -208,6 +210,7 @@ class PrefillWorkerService(PrefillCalls):
             # transfer between different ones is not built).
             "tensor_parallel_size": self.engine.config.tensor_parallel_size,
             **draft_figures(self.draft),
+            **lora_figure(self.loras),
         }
         return self._load(), figures
 
@@ -247,7 +250,13 @@ class PrefillWorkerService(PrefillCalls):
         )
         push = LayerPush(
             sender,
-            Handshake(request.request_id, self.layout, request.decode_epoch),
+            Handshake(
+                request.request_id,
+                self.layout,
+                request.decode_epoch,
+                request.lora,
+                request.lora_digest,
+            ),
             self._pools,
             request.decode_block_ids,
             request.num_cached_blocks,

@@ -131,11 +131,14 @@ def make_service(runtime: Runtime) -> RouterComponent:
     tokenizer = load_tokenizer(model_dir)
     name = args.served_model_name or served_name(model_dir)
     model = ModelInfo.from_dir(model_dir, name, args.max_model_len)
-    validator = RequestValidator(model, tokenizer, max_request_bytes=args.max_request_bytes)
+    picker = WorkerPicker(runtime.ledger, name)
+    validator = RequestValidator(
+        model, tokenizer, max_request_bytes=args.max_request_bytes, adapters=picker.lora_names
+    )
     membership = runtime.new_membership(capacity=0)
     service = GenerationService(
         validator=validator,
-        picker=WorkerPicker(runtime.ledger, name),
+        picker=picker,
         membership=membership,
         draft_dir_name=Path(args.draft).name if args.draft else "",
         default_timeout_s=args.request_timeout_s,

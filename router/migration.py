@@ -70,9 +70,10 @@ class Migration:
         QUEUED and owned by this router again); waits up to RESUME_WAIT_S for them."""
         self.picker.count_in_flight(route.workers, -1)
         self.picker.forget_stale()
-        hashes = prefix_hashes(route.token_ids)
+        lora = route.request.lora
+        hashes = prefix_hashes(route.token_ids, lora=lora)
         route.prefill, route.decode = await self.picker.pick_waiting(
-            route.deadline, hashes, wait_s=RESUME_WAIT_S, avoid=route.avoid
+            route.deadline, hashes, wait_s=RESUME_WAIT_S, avoid=route.avoid, lora=lora
         )
         self.picker.count_in_flight(route.workers, +1)
 

@@ -11,6 +11,7 @@ import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 
 from ledger.ledger import RequestState, WorkerInfo
 from router.validation import ValidRequest
+from serving.lora_setup import worker_loras
 from serving.metrics import RouterMetrics
 from tandem.v1 import generation_pb2 as gen
 from tandem.v1 import worker_pb2 as pb
@@ -78,6 +79,13 @@ class Route:
     def workers(self) -> tuple[WorkerInfo, ...]:
         """Its P and D; a co-located worker (both) once."""
         return (self.decode,) if self.is_colocated else (self.prefill, self.decode)
+
+    @property
+    def lora_digest(self) -> str:
+        """The digest of the request's LoRA adapter on its P (and D: they were paired by
+        it); "" for the base model."""
+        lora = self.request.lora
+        return worker_loras(self.prefill.stats).get(lora, "") if lora else ""
 
     @property
     def is_colocated(self) -> bool:

@@ -31,6 +31,7 @@ import redis
 import xxhash
 
 from ledger.ledger import Ledger, WorkerInfo, WorkerRole
+from serving.lora_setup import worker_loras
 from serving.rpc import Unavailable
 
 IN_FLIGHT_WEIGHT = 0.01  # score per request this router has in flight on a worker
@@ -59,11 +60,14 @@ def elsewhere(workers: list[WorkerInfo], avoid: AbstractSet[str]) -> list[Worker
     return [w for w in workers if w.worker_id not in avoid] or workers
 
 
-def prefix_hashes(token_ids: Sequence[int], block_tokens: int = PREFIX_BLOCK_TOKENS) -> list[str]:
+def prefix_hashes(
+    token_ids: Sequence[int], block_tokens: int = PREFIX_BLOCK_TOKENS, lora: str = ""
+) -> list[str]:
     """One hash per full block of ``block_tokens`` tokens, each chained on the one before,
-    so that equal hashes mean equal prefixes."""
+    so that equal hashes mean equal prefixes; under a LoRA adapter, the first chains on
+    its name (its KV is not the base model's, nor another adapter's)."""
     hashes: list[str] = []
-    previous = b""
+    previous = xxhash.xxh3_128_digest(b"lora:" + lora.encode()) if lora else b""
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
         block = array.array("I", token_ids[start : start + block_tokens]).tobytes()
         previous = xxhash.xxh3_128_digest(previous + block)
@@ -170,22 +174,40 @@ class WorkerPicker:
         self.has_been_ready |= ready
         return ready
 
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters live workers serve (their heartbeats' ``loras``), sorted: a
+        request's model field may name one."""
+        names: set[str] = set()
+        for role in (WorkerRole.PREFILL, WorkerRole.DECODE):
+            for worker in self.workers(role):
+                names.update(worker_loras(worker.stats))
+        return sorted(names)
+
     def pick(
-        self, hashes: Sequence[str] = (), avoid: AbstractSet[str] = frozenset()
+        self, hashes: Sequence[str] = (), avoid: AbstractSet[str] = frozenset(), lora: str = ""
     ) -> tuple[WorkerInfo, WorkerInfo]:
-        """A (prefill, decode) pair with the same draft fingerprint, each the worker that
-        saw the longest prefix of ``hashes`` (``prefix_hashes`` of the prompt), else the
-        least loaded; of each role, not a worker in ``avoid`` unless it is the only one. A
+        """A (prefill, decode) pair with the same draft fingerprint (and, under LoRA
+        adapter ``lora``, both holding it with the same digest), each the worker that saw
+        the longest prefix of ``hashes`` (``prefix_hashes`` of the prompt), else the least
+        loaded; of each role, not a worker in ``avoid`` unless it is the only one. A
         co-located worker picked to prefill is the pair's decode worker."""
         matched = self._match(hashes)
         enough = max(1, int(MIN_MATCH_FRACTION * len(hashes) + 0.5))
         warm = {w: n for w, n in matched.items() if n >= enough}
         prefillers = self.workers(WorkerRole.PREFILL)
         prefillers += [w for w in self.workers(WorkerRole.DECODE) if is_colocated(w)]
+        if lora:
+            prefillers = [w for w in prefillers if lora in worker_loras(w.stats)]
+            prefillers = [w for w in prefillers if self.decoders_for(w, lora)]
+            if not prefillers:
+                raise Unavailable(
+                    f"no live pair of workers serves LoRA adapter {lora!r} of model "
+                    f"{self.model!r}; retry later"
+                )
         prefill = self._best(elsewhere(prefillers, avoid), WorkerRole.PREFILL, warm)
         if is_colocated(prefill):
             return prefill, prefill
-        decoders = elsewhere(self.decoders_for(prefill), avoid)
+        decoders = elsewhere(self.decoders_for(prefill, lora), avoid)
         return prefill, self._best(decoders, WorkerRole.DECODE, warm)
 
     def _match(self, hashes: Sequence[str]) -> dict[str, int]:
@@ -223,15 +245,18 @@ class WorkerPicker:
             workers = [w for w in warm if matched[w.worker_id] == longest]
         return self._least_loaded(workers, role)
 
-    def decoders_for(self, prefill: WorkerInfo) -> list[WorkerInfo]:
+    def decoders_for(self, prefill: WorkerInfo, lora: str = "") -> list[WorkerInfo]:
         """Live decode workers that can take KV from ``prefill`` (``PAIRED_BY``: the same KV
-        wire version and draft fingerprint, any tensor-parallel sizes); for a co-located
-        ``prefill``, the co-located workers (any of them may serve the request whole)."""
+        wire version and draft fingerprint, any tensor-parallel sizes; under LoRA adapter
+        ``lora``, the same adapter files); for a co-located ``prefill``, the co-located
+        workers (any of them may serve the request whole)."""
+        digest = worker_loras(prefill.stats).get(lora) if lora else None
         return [
             w
             for w in self.workers(WorkerRole.DECODE)
             if all(w.stats.get(k, "") == prefill.stats.get(k, "") for k in PAIRED_BY)
             and (is_colocated(w) or not is_colocated(prefill))
+            and (not lora or worker_loras(w.stats).get(lora) == digest)
         ]
 
     def least_loaded(
@@ -245,6 +270,7 @@ class WorkerPicker:
         hashes: Sequence[str] = (),
         wait_s: float | None = None,
         avoid: AbstractSet[str] = frozenset(),
+        lora: str = "",
     ) -> tuple[WorkerInfo, WorkerInfo]:
         """``pick``, re-reading the registry while no pair is live, for at most ``wait_s``
         (default: the picker's, or until ``deadline`` while the cluster has never been
@@ -255,7 +281,7 @@ class WorkerPicker:
         give_up = min(deadline, time.monotonic() + wait_s)
         while True:
             try:
-                pair = self.pick(hashes, avoid)
+                pair = self.pick(hashes, avoid, lora)
                 self.has_been_ready = True
                 return pair
             except Unavailable:

@@ -17,7 +17,7 @@ from typing import Any
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 import redis
 
-from ledger.ledger import Ledger, RequestState, WorkerRole
+from ledger.ledger import Ledger, RequestState, WorkerInfo, WorkerRole
 from ledger.membership import Membership
 from router.migration import Migration, abort_on
 from router.route import Route, StreamTiming, how_it_ended
@@ -119,8 +119,10 @@ class GenerationService(gen_grpc.GenerationServicer):
             valid = self.validator.validate(request)
             remaining = context.time_remaining()
             timeout = self.default_timeout_s if remaining is None else remaining
-            hashes = prefix_hashes(valid.prompt_token_ids)
-            prefill, decode = await self.picker.pick_waiting(arrived + timeout, hashes)
+            hashes = prefix_hashes(valid.prompt_token_ids, lora=valid.lora)
+            prefill, decode = await self.picker.pick_waiting(
+                arrived + timeout, hashes, lora=valid.lora
+            )
             route = Route(valid, prefill, decode, arrived + timeout)
             rid = valid.request_id
             self.transitions.record(route)
@@ -241,7 +243,17 @@ class GenerationService(gen_grpc.GenerationServicer):
             info.draft_kind = worker.stats.get("draft_kind", "")
         if not info.draft_model and self.draft_dir_name:
             info.draft_model = self.draft_dir_name
-        return gen.ListModelsResponse(models=[info])
+        adapters = [
+            gen.ModelInfo(
+                name=name,
+                max_model_len=model.max_model_len,
+                draft_model=info.draft_model,
+                draft_kind=info.draft_kind,
+                parent=model.name,
+            )
+            for name in self.picker.lora_names()
+        ]
+        return gen.ListModelsResponse(models=[info, *adapters])
 
     # ---- the three hops
 
@@ -263,8 +275,11 @@ class GenerationService(gen_grpc.GenerationServicer):
             num_output_tokens_sent=len(route.output_tokens_sent),
             router_id=self.membership.worker_id,
             router_epoch=route.owner_epoch,  # a preempted request comes back to it
+            lora=valid.lora,
+            lora_digest=route.lora_digest,
         )
         full: set[str] = set()
+        refused: set[str] = set()  # answered FAILED_PRECONDITION
         pause = RESERVE_BACKOFF_S[0]
         is_waiting = False  # counted in num_waiting: found every decode worker full
         try:
@@ -278,11 +293,17 @@ class GenerationService(gen_grpc.GenerationServicer):
                 except grpc.aio.AioRpcError as e:
                     if e.code() == grpc.StatusCode.UNAVAILABLE:  # died since its heartbeat
                         self.picker.mark_unreachable(route.decode)
+                    elif e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        # It does not serve the request as its heartbeat said (an adapter
+                        # unloaded, a restart with another draft): not this one again.
+                        refused.add(route.decode.worker_id)
+                        self.picker.forget_stale()
+                        if not self._other_decoders(route, refused):
+                            raise
                     elif e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                         raise
                     full.add(route.decode.worker_id)
-                decoders = self.picker.decoders_for(route.prefill)
-                others = [w for w in decoders if w.worker_id not in full]
+                others = self._other_decoders(route, full | refused)
                 if not others:  # all full: wait, then try them all again
                     if not is_waiting:
                         self._start_waiting()
@@ -291,7 +312,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                     pause = min(2 * pause, RESERVE_BACKOFF_S[1])
                     full.clear()
                     self.picker.forget_stale()
-                    others = self.picker.decoders_for(route.prefill)
+                    others = self._other_decoders(route, refused)
                 if others:
                     self.picker.count_in_flight(route.workers, -1)
                     is_colocated = route.is_colocated
@@ -303,6 +324,12 @@ class GenerationService(gen_grpc.GenerationServicer):
             self.num_waiting -= is_waiting
         self.transitions.hand_to_prefill(route)
         return reply
+
+    def _other_decoders(self, route: Route, passed_over: set[str]) -> list[WorkerInfo]:
+        """Decode workers that take ``route``'s KV (and serve its adapter), less those in
+        ``passed_over``."""
+        decoders = self.picker.decoders_for(route.prefill, route.request.lora)
+        return [w for w in decoders if w.worker_id not in passed_over]
 
     def _start_waiting(self) -> None:
         """A request found every decode worker full: it waits for room (counted until it
@@ -335,6 +362,8 @@ class GenerationService(gen_grpc.GenerationServicer):
                 decode_worker_id=route.decode.worker_id,
                 decode_host_id=reserve.host_id,
                 num_output_tokens_sent=len(route.output_tokens_sent),
+                lora=valid.lora,
+                lora_digest=route.lora_digest,
             ),
             timeout=route.remaining(),
         )

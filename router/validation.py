@@ -1,5 +1,6 @@
 """A GenerateRequest checked and tokenized: every refusal is a ValueError whose message
-starts with the field at fault (the interceptor answers INVALID_ARGUMENT with it)."""
+starts with the field at fault (the interceptor answers INVALID_ARGUMENT with it), but
+an unknown model, which is NotFound (NOT_FOUND, as HTTP's 404)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import json
 import re
 import secrets
 import uuid
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 from router.tokenizer import RouterTokenizer
+from serving.rpc import NotFound
 from tandem.v1 import generation_pb2 as gen
 from tandem_client import wire
 
@@ -47,6 +50,7 @@ class ValidRequest:
     prompt_token_ids: list[int]
     sampling: gen.SamplingParams  # as sent to the workers; seed always set: P and D sample alike
     max_tokens: int  # the request's, or the wire's default when unset
+    lora: str = ""  # the LoRA adapter its model field named; "": the base model
 
 
 def check_sampling(message: gen.SamplingParams) -> None:
@@ -156,10 +160,27 @@ class RequestValidator:
         tokenizer: RouterTokenizer | None,
         *,
         max_request_bytes: int = 1 << 20,
+        adapters: Callable[[], Collection[str]] = tuple,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_request_bytes = max_request_bytes
+        # The LoRA adapters workers serve now (WorkerPicker.lora_names): a request's model
+        # field may name one.
+        self.adapters = adapters
+
+    def lora_of(self, model: str) -> str:
+        """The adapter a request's ``model`` field names ("": the base model, also when
+        it is empty); NotFound (naming it and what is served) for anything else."""
+        if not model or model == self.model.name:
+            return ""
+        adapters = self.adapters()
+        if model in adapters:
+            return model
+        raise NotFound(
+            f"model: unknown model {model[:200]!r}; served: "
+            f"{[self.model.name, *sorted(adapters)]!r}"
+        )
 
     def validate(self, request: gen.GenerateRequest) -> ValidRequest:
         size = request.ByteSize()
@@ -174,10 +195,7 @@ class RequestValidator:
             raise ValidationError(
                 f"request_id: 1..128 characters of [A-Za-z0-9._:-], got {request_id[:140]!r}"
             )
-        if request.model and request.model != self.model.name:
-            raise ValidationError(
-                f"model: unknown model {request.model[:200]!r}; served: [{self.model.name!r}]"
-            )
+        lora = self.lora_of(request.model)
         check_sampling(request.sampling)
         if request.sampling.stop and self.tokenizer is None:
             raise ValidationError("stop: stop strings need a tokenizer; use stop_token_ids")
@@ -208,7 +226,7 @@ class RequestValidator:
         sampling.CopyFrom(request.sampling)
         if not sampling.HasField("seed"):
             sampling.seed = secrets.randbits(63)
-        return ValidRequest(request_id, prompt, sampling, max_tokens)
+        return ValidRequest(request_id, prompt, sampling, max_tokens, lora)
 
     def _prompt(self, request: gen.GenerateRequest, field: str | None) -> list[int]:
         if field is None:

@@ -14,6 +14,7 @@ from engine.engine_config import FP8_WEIGHTS
 from ledger.redis_connect import add_redis_arguments
 from serving.auth import add_auth_token_argument, add_cluster_secret_argument
 from serving.engine_setup import add_model_arguments, add_speculation_arguments
+from serving.lora_setup import add_lora_arguments, lora_flags
 
 if TYPE_CHECKING:
     from ledger.audit import AllocatorReport
@@ -37,6 +38,7 @@ def register_serve(subparsers: Any) -> None:
     )
     add_model_arguments(parser)
     add_speculation_arguments(parser)
+    add_lora_arguments(parser)
     parser.add_argument(
         "--prefill", type=int, help="prefill worker processes (default: 1; 0 with --colocate)"
     )
@@ -245,6 +247,7 @@ def _serve(args: argparse.Namespace) -> int:
             worker_args += [option, str(value)]
     if args.enable_expert_parallel:
         worker_args.append("--enable-expert-parallel")
+    worker_args += lora_flags(args)
     router_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     if args.served_model_name:
         worker_args += ["--served-model-name", args.served_model_name]

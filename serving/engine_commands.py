@@ -43,6 +43,7 @@ class AddRequest(EngineCommand[None]):
     is_prefill_only: bool = False
     num_output_tokens_sent: int = 0
     then: Callable[[], None] | None = None
+    lora: str | None = None  # the LoRA adapter it runs under
 
     def run(self, engine: LLMEngine) -> None:
         engine.add_request(
@@ -51,6 +52,7 @@ class AddRequest(EngineCommand[None]):
             self.params,
             is_prefill_only=self.is_prefill_only,
             num_output_tokens_sent=self.num_output_tokens_sent,
+            lora=self.lora,
         )
         if self.then is not None:
             self.then()
@@ -65,10 +67,11 @@ class Reserve(EngineCommand[tuple[list[int], int]]):
     prompt: list[int]
     params: SamplingParams
     num_output_tokens_sent: int = 0
+    lora: str | None = None  # the LoRA adapter it runs under
 
     def run(self, engine: LLMEngine) -> tuple[list[int], int]:
         rid, num_sent = self.request_id, self.num_output_tokens_sent
-        return engine.reserve(rid, self.prompt, self.params, num_sent)
+        return engine.reserve(rid, self.prompt, self.params, num_sent, self.lora)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.engine_config import FP8_WEIGHTS
+from serving.lora_setup import add_lora_arguments, check_lora_arguments, parse_lora_modules
 from tandem.v1 import worker_pb2
 
 if TYPE_CHECKING:  # torch: imported by the functions that need it, so `--help` stays light
@@ -107,6 +108,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "triton or flash_attn attention backend, torch ops otherwise (default: auto)",
     )
     add_speculation_arguments(group)
+    add_lora_arguments(group)
     group.add_argument(
         "--grammar-compile-timeout-s",
         type=float,
@@ -187,6 +189,9 @@ def check_engine_arguments(args: argparse.Namespace, prog: str) -> bool:
     size = getattr(args, "tensor_parallel_size", 1)
     if size < 1:
         why = f"--tensor-parallel-size: must be at least 1, got {size}"
+    if args.torch_compile and args.eager:
+        why = "--torch-compile, --eager: give one (compiling is the default)"
+    why = why or check_lora_arguments(args, prog)
     if why:
         print(f"{prog}: error: {why}", file=sys.stderr)
         return False
@@ -194,12 +199,6 @@ def check_engine_arguments(args: argparse.Namespace, prog: str) -> bool:
         print(
             f"{prog}: error: --no-adaptive-speculation: needs --draft or --draft-method "
             "(without a draft there is no speculation to fix)",
-            file=sys.stderr,
-        )
-        return False
-    if args.torch_compile and args.eager:
-        print(
-            f"{prog}: error: --torch-compile, --eager: give one (compiling is the default)",
             file=sys.stderr,
         )
         return False
@@ -294,6 +293,12 @@ def build_engine(
     from serving.engine_loop import exit_worker
 
     use_compile_cache()  # before anything compiles
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if any(name == spec.served_name for name, _ in lora_modules):
+        raise ValueError(
+            f"--lora-modules: {spec.served_name!r} is the served model's name; give the "
+            "adapter another (a request's model field names one or the other)"
+        )
     speculative = None
     if spec.draft_dir is not None:
         speculative = SpeculativeConfig(
@@ -335,6 +340,9 @@ def build_engine(
         attention_backend=args.attention_backend,
         kernels=args.kernels,
         grammar_compile_timeout_s=args.grammar_compile_timeout_s,
+        lora_modules=lora_modules,
+        max_lora_rank=args.max_lora_rank,
+        max_loras=args.max_loras,
         warm_up=True,  # before health turns SERVING: no request pays for lazy set-up
         build_cpu_kernels=False,  # workers only load a prebuilt CPU kernels extension
     )

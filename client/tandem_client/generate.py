@@ -70,7 +70,8 @@ def register_generate(subparsers: Subparsers) -> None:
     add_router_options(parser, timeout_s=600.0)
     parser.add_argument(
         "--model",
-        help="with a router: the served model to ask (default: the router's first); "
+        help="with a router: the served model or one of its LoRA adapters to ask (default: "
+        "the router's first; `tandem models --router ADDR` lists them); "
         "without --router: run this model in-process, a prepared name (smollm2) or a HF "
         "model directory",
     )

@@ -41,9 +41,10 @@ def register_models(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "models",
         help="list the models a router serves, or the local ones",
-        description="List the models a router serves: name, context length in tokens, and "
-        "draft model (and its kind). Without a router, list the models prepared on "
-        "this machine (with tandem-server, which also adds `prepare`).",
+        description="List the models a router serves: name, context length in tokens, "
+        "draft model (and its kind), and for a LoRA adapter its parent model. Without a "
+        "router, list the models prepared on this machine (with tandem-server, which also "
+        "adds `prepare`).",
         epilog=EXAMPLES,
         formatter_class=HelpFormatter,
     )
@@ -82,11 +83,12 @@ def _list(args: argparse.Namespace, list_local: Run | None) -> int:
 
 
 def format_models(models: list[ModelInfo]) -> str:
-    """A table: one line per model (the router's default first) under a header."""
-    rows = [("NAME", "CONTEXT", "DRAFT")]
+    """A table: one line per model (the router's default first, then its LoRA adapters,
+    each with its parent) under a header."""
+    rows = [("NAME", "CONTEXT", "DRAFT", "PARENT")]
     for m in models:
         draft = f"{m.draft_model} ({m.draft_kind})" if m.draft_model else "-"
-        rows.append((m.name, str(m.max_model_len), draft))
-    widths = [max(len(row[i]) for row in rows) for i in range(2)]
-    lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]}" for r in rows]
+        rows.append((m.name, str(m.max_model_len), draft, m.parent or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}" for r in rows]
     return "".join(line + "\n" for line in lines)

@@ -158,8 +158,9 @@ class ModelInfo:
     max_model_len: int  # longest prompt + completion, in tokens
     draft_model: str  # "" without speculative decoding
     draft_kind: str  # "eagle", "eagle3", "dflash"; "" without a draft
+    parent: str = ""  # a LoRA adapter's base model; "" for the served model itself
 
     @classmethod
     def from_proto(cls, info: gen.ModelInfo) -> ModelInfo:
         """From the wire's ``ModelInfo``."""
-        return cls(info.name, info.max_model_len, info.draft_model, info.draft_kind)
+        return cls(info.name, info.max_model_len, info.draft_model, info.draft_kind, info.parent)

@@ -7,7 +7,9 @@ call per choice, so validation, routing, migration and usage are the gRPC API's.
   events ending in ``data: [DONE]`` (``stream``; ``stream_options.include_usage`` adds a
   last event with usage and no choices). Chat prompts are rendered by the router's chat
   template; a chat without ``max_tokens`` may fill the rest of the context.
-- ``GET /v1/models``: the served name (the ``model`` every request must name).
+- ``GET /v1/models``: the served name (the ``model`` a request names), and the LoRA adapters
+  the workers serve, each with its ``parent`` (the served name): a request that names one
+  runs under it.
 - ``GET /health``: 200 when a warm worker pair serves the model, 503 before (starting), when
   they are lost, and while draining.
 
@@ -53,7 +55,7 @@ from router.http_api.convert import (
 from router.http_api.errors import BearerAuth, BodyLimit, body_error, error_response, http_error
 from router.http_api.protocol import ChatCompletionRequest, CompletionRequest, HttpError
 from router.service import GenerationService
-from serving.rpc import Unavailable
+from serving.rpc import NotFound, Unavailable
 from tandem.v1 import generation_pb2 as gen
 
 log = logging.getLogger("router.http")
@@ -120,7 +122,7 @@ def make_app(service: GenerationService, *, auth_token: str | None = None) -> Fa
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [api.model_card()]}
+        return {"object": "list", "data": api.model_cards()}
 
     @app.post("/v1/completions", response_model=None)
     async def completions(
@@ -160,23 +162,27 @@ class _Api:
     def model_name(self) -> str:
         return self.service.validator.model.name
 
-    def model_card(self) -> dict[str, Any]:
-        return {
-            "id": self.model_name,
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The served model, then each LoRA adapter the workers serve (``parent``: the
+        model), as OpenAI's model objects."""
+        card = {
             "object": "model",
             "created": self.created,
             "owned_by": "tandem",
             "max_model_len": self.service.validator.model.max_model_len,
         }
+        adapters = self.service.picker.lora_names()
+        return [
+            {"id": self.model_name, **card, "root": self.model_name, "parent": None},
+            *({"id": a, **card, "root": self.model_name, "parent": self.model_name}
+              for a in adapters),
+        ]  # fmt: skip
 
     def check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        if body.model != self.model_name:
-            raise HttpError(
-                404,
-                f"model: {body.model[:200]!r} is not served here; served: [{self.model_name!r}]",
-                param="model",
-                code="model_not_found",
-            )
+        try:
+            self.service.validator.lora_of(body.model)
+        except NotFound as e:
+            raise HttpError(404, str(e), param="model", code="model_not_found") from None
         unsupported = body.unsupported()
         if unsupported:
             raise HttpError(
@@ -275,7 +281,7 @@ class _Api:
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": body.model,
             "choices": out,
             "usage": usage_json(choices, body.n),
         }
@@ -295,7 +301,7 @@ class _Api:
             "id": rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created,
-            "model": self.model_name,
+            "model": body.model,
         }
         echoing = {i for i, c in enumerate(choices) if c.echo is not None}  # not yet echoed
         with_logprobs = (

@@ -143,6 +143,7 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[gen.Ge
         for j in range(body.n):
             request = gen.GenerateRequest(
                 request_id=f"{request_id}-{i * body.n + j}",
+                model=body.model,
                 sampling=sampling(body, j, body.max_tokens),
             )
             if isinstance(prompt, str):
@@ -177,7 +178,7 @@ def chat_requests(
     requests = []
     for j in range(body.n):
         request = gen.GenerateRequest(
-            request_id=f"{request_id}-{j}", sampling=sampling(body, j, max_tokens)
+            request_id=f"{request_id}-{j}", model=body.model, sampling=sampling(body, j, max_tokens)
         )
         request.token_ids.ids.extend(prompt_ids)
         if body.logprobs:

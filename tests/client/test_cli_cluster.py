@@ -157,9 +157,10 @@ def test_generate_streams_what_the_sdk_answers(cluster: Cluster, sdk: TandemClie
 def test_models_and_health(cluster: Cluster, sdk: TandemClient) -> None:
     (info,) = sdk.models()
     expected = format_models([info])
+    draft = f"{info.draft_model} (eagle3)"
     assert expected.splitlines() == [
-        f"NAME{' ' * (len(info.name) - 4)}  CONTEXT  DRAFT",
-        f"{info.name}     2048  {info.draft_model} (eagle3)",
+        f"NAME{' ' * (len(info.name) - 4)}  CONTEXT  {'DRAFT':<{len(draft)}}  PARENT",
+        f"{info.name}     2048  {draft}  -",
     ]
     for argv in (["models"], ["models", "list"]):
         result = tandem(*argv, "--router", cluster.router_address)

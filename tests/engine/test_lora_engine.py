@@ -16,6 +16,7 @@ from transformers import LlamaForCausalLM
 
 from engine.llm_engine import EngineConfig, LLMEngine, RequestError
 from engine.lora.layers import LoraLinear
+from engine.output_processor import OutputProcessor
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from tests.comparator import compare_greedy
@@ -81,9 +82,50 @@ def test_a_mixed_batch_equals_each_adapter_merged(base_and_adapters) -> None:
     assert engine.block_manager.num_prefix_hit_blocks > 0
     with pytest.raises(RequestError, match=r"lora: 'c' is not an adapter of this engine"):
         engine.add_request("x", prompts[0], SamplingParams(max_tokens=2), lora="c")
-    with pytest.raises(RequestError, match="lora: adapters on a prefill worker"):
-        engine.add_request("y", prompts[0], SamplingParams(max_tokens=2), lora="a",
-                           is_prefill_only=True)  # fmt: skip
+
+
+def test_prefill_here_decode_there_under_adapters(base_and_adapters) -> None:
+    """A prefill-only engine runs each request under its adapter, its KV is copied into
+    blocks a second engine reserved under the same adapter, and the second decodes on:
+    the tokens are one engine's. The decode engine's prefix cache keeps each adapter's
+    KV apart: the same prompt reserved again finds its blocks under its own adapter only."""
+    out, _, _ = base_and_adapters
+    adapters = (("a", str(out / "a")), ("b", str(out / "b")))
+    config = dict(model=str(out / "base"), dtype="float32", block_size=4,
+                  kv_cache_memory=4 << 20, lora_modules=adapters)  # fmt: skip
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (9, 6, 11)]
+    loras = ["a", None, "b"]
+    expected = run(LLMEngine(EngineConfig(**config)), list(zip(prompts, loras, strict=True)))  # type: ignore[arg-type]
+    prefill, decode = LLMEngine(EngineConfig(**config)), LLMEngine(EngineConfig(**config))  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        prefill.add_request(str(i), prompt, params, is_prefill_only=True, lora=lora)
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    firsts = []
+    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        done = prefill.take_prefilled(str(i))
+        assert done is not None
+        table, num_cached = decode.reserve(str(i), prompt, params, lora=lora)
+        assert num_cached == 0
+        for name, pool in prefill.kv_pools.items():  # what a KV transport does
+            dst = decode.kv_pools[name]
+            for (k_src, v_src), (k_dst, v_dst) in zip(pool.layers, dst.layers, strict=True):
+                k_dst[table], v_dst[table] = k_src[done.block_table], v_src[done.block_table]
+        prefill.drop_request(str(i))
+        firsts.append(decode.start_decoding(str(i), done.first_token, done.draft_token_ids))
+    outputs = OutputProcessor(decode.tokenizer)
+    outputs.process(firsts)
+    got: dict[str, list[int]] = {}
+    while decode.has_unfinished_requests():
+        got.update({o.request_id: o.token_ids for o in outputs.process(decode.step_deltas())
+                    if o.finished})  # fmt: skip
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+    # prompts[0]'s first two blocks are cached under "a": not for "b" or the base
+    cached = {lora: decode.reserve(f"again-{lora}", prompts[0], params, lora=lora)[1]
+              for lora in ("a", "b", None)}  # fmt: skip
+    assert cached == {"a": 8, "b": 0, None: 0}
 
 
 def test_what_adapters_do_not_run_with_yet_is_refused(base_and_adapters) -> None:

@@ -658,6 +658,7 @@ class ModelInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     DRAFT_MODEL_FIELD_NUMBER: _builtins.int
     DRAFT_KIND_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name to put in GenerateRequest.model."""
     max_model_len: _builtins.int
@@ -666,6 +667,8 @@ class ModelInfo(_message.Message):
     """Draft model name; empty: no speculative decoding."""
     draft_kind: _builtins.str
     """Drafter kind: "eagle", "eagle3", "dflash"; empty without a draft."""
+    parent: _builtins.str
+    """A LoRA adapter's base model (the served model's name); empty for the model itself."""
     def __init__(
         self,
         *,
@@ -673,10 +676,11 @@ class ModelInfo(_message.Message):
         max_model_len: _builtins.int = ...,
         draft_model: _builtins.str = ...,
         draft_kind: _builtins.str = ...,
+        parent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_kind", b"draft_kind", "draft_model", b"draft_model", "max_model_len", b"max_model_len", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_kind", b"draft_kind", "draft_model", b"draft_model", "max_model_len", b"max_model_len", "name", b"name", "parent", b"parent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -175,6 +175,8 @@ class KvHandshake(_message.Message):
     SHM_FIELD_NUMBER: _builtins.int
     WIRE_VERSION_FIELD_NUMBER: _builtins.int
     HEAD_LAYOUT_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
+    LORA_DIGEST_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request whose reserved blocks receive the KV."""
     model: _builtins.str
@@ -218,6 +220,14 @@ class KvHandshake(_message.Message):
     the tensor-parallel ranks of either worker hold (each end maps its ranks' heads onto
     it), the only one built. A receiver refuses any other (INCOMPATIBLE).
     """
+    lora: _builtins.str
+    """The LoRA adapter the KV was computed under (its name, as the request's model field
+    names it); empty: the base model. The reservation's must be the same, with the same
+    lora_digest (the adapter's files), or the push is refused (INCOMPATIBLE): KV made
+    under one adapter is another adapter's garbage.
+    """
+    lora_digest: _builtins.str
+    """The adapter's digest (the workers' "loras" heartbeat figure); empty without one."""
     @_builtins.property
     def shm(self) -> Global___ShmSegment:
         """Set when sender and receiver share a host: every chunk but the last (is_last) travels
@@ -245,10 +255,12 @@ class KvHandshake(_message.Message):
         shm: Global___ShmSegment | None = ...,
         wire_version: _builtins.int = ...,
         head_layout: _builtins.str = ...,
+        lora: _builtins.str = ...,
+        lora_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "checksum_kind", b"checksum_kind", "decode_epoch", b"decode_epoch", "draft_fingerprint", b"draft_fingerprint", "draft_head_dim", b"draft_head_dim", "dtype", b"dtype", "head_dim", b"head_dim", "head_layout", b"head_layout", "layout", b"layout", "model", b"model", "num_draft_kv_heads", b"num_draft_kv_heads", "num_draft_layers", b"num_draft_layers", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "request_id", b"request_id", "shm", b"shm", "total_bytes", b"total_bytes", "wire_version", b"wire_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "checksum_kind", b"checksum_kind", "decode_epoch", b"decode_epoch", "draft_fingerprint", b"draft_fingerprint", "draft_head_dim", b"draft_head_dim", "dtype", b"dtype", "head_dim", b"head_dim", "head_layout", b"head_layout", "layout", b"layout", "lora", b"lora", "lora_digest", b"lora_digest", "model", b"model", "num_draft_kv_heads", b"num_draft_kv_heads", "num_draft_layers", b"num_draft_layers", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "request_id", b"request_id", "shm", b"shm", "total_bytes", b"total_bytes", "wire_version", b"wire_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -62,6 +62,8 @@ class ReserveRequest(_message.Message):
     NUM_OUTPUT_TOKENS_SENT_FIELD_NUMBER: _builtins.int
     ROUTER_ID_FIELD_NUMBER: _builtins.int
     ROUTER_EPOCH_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
+    LORA_DIGEST_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request (ledger key)."""
     model: _builtins.str
@@ -82,6 +84,13 @@ class ReserveRequest(_message.Message):
     """
     router_epoch: _builtins.int
     """See router_id."""
+    lora: _builtins.str
+    """The LoRA adapter the request runs under (the name its model field gave); empty: the
+    base model. A worker without it, or with other files under that name (lora_digest),
+    answers FAILED_PRECONDITION.
+    """
+    lora_digest: _builtins.str
+    """The adapter's digest as the router read it in the workers' "loras" heartbeat figure."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt's token ids (len == num_prompt_tokens): the decode worker needs them
@@ -105,10 +114,12 @@ class ReserveRequest(_message.Message):
         num_output_tokens_sent: _builtins.int = ...,
         router_id: _builtins.str = ...,
         router_epoch: _builtins.int = ...,
+        lora: _builtins.str = ...,
+        lora_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_fingerprint", b"draft_fingerprint", "model", b"model", "num_blocks", b"num_blocks", "num_output_tokens_sent", b"num_output_tokens_sent", "num_prompt_tokens", b"num_prompt_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "router_epoch", b"router_epoch", "router_id", b"router_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_fingerprint", b"draft_fingerprint", "lora", b"lora", "lora_digest", b"lora_digest", "model", b"model", "num_blocks", b"num_blocks", "num_output_tokens_sent", b"num_output_tokens_sent", "num_prompt_tokens", b"num_prompt_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "router_epoch", b"router_epoch", "router_id", b"router_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -456,6 +467,8 @@ class PrefillRequest(_message.Message):
     DECODE_WORKER_ID_FIELD_NUMBER: _builtins.int
     NUM_OUTPUT_TOKENS_SENT_FIELD_NUMBER: _builtins.int
     DECODE_HOST_ID_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
+    LORA_DIGEST_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request (ledger key)."""
     model: _builtins.str
@@ -474,6 +487,12 @@ class PrefillRequest(_message.Message):
     """Output indices already sent (migration); the first token gets this index."""
     decode_host_id: _builtins.str
     """ReserveReply.host_id of the decode worker (equal to this worker's: shared memory)."""
+    lora: _builtins.str
+    """The LoRA adapter to prefill under, as in ReserveRequest.lora; the KV push's
+    handshake carries it to the decode worker.
+    """
+    lora_digest: _builtins.str
+    """The adapter's digest, as in ReserveRequest.lora_digest."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt (after a migration: prompt + tokens already sent)."""
@@ -500,10 +519,12 @@ class PrefillRequest(_message.Message):
         decode_worker_id: _builtins.str = ...,
         num_output_tokens_sent: _builtins.int = ...,
         decode_host_id: _builtins.str = ...,
+        lora: _builtins.str = ...,
+        lora_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_address", b"decode_address", "decode_block_ids", b"decode_block_ids", "decode_epoch", b"decode_epoch", "decode_host_id", b"decode_host_id", "decode_worker_id", b"decode_worker_id", "model", b"model", "num_cached_blocks", b"num_cached_blocks", "num_output_tokens_sent", b"num_output_tokens_sent", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_address", b"decode_address", "decode_block_ids", b"decode_block_ids", "decode_epoch", b"decode_epoch", "decode_host_id", b"decode_host_id", "decode_worker_id", b"decode_worker_id", "lora", b"lora", "lora_digest", b"lora_digest", "model", b"model", "num_cached_blocks", b"num_cached_blocks", "num_output_tokens_sent", b"num_output_tokens_sent", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

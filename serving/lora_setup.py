@@ -1,0 +1,152 @@
+"""LoRA adapters on the workers' and `tandem serve`'s command lines (``--lora-modules
+NAME=PATH``, ``--max-loras``, ``--max-lora-rank``), and how a worker tells routers which
+it serves: its heartbeat's ``loras`` figure, a JSON object of each adapter's name and its
+files' digest. A router pairs a prefill and a decode worker for a request under an
+adapter only where both hold it with the same digest (the same files), and sends the
+request's ``lora`` to both (engine.lora)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from serving.rpc import PreconditionFailed
+
+# An adapter's name: what a request's `model` field carries. No spaces or commas (it goes
+# on command lines and in /metrics labels).
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+LORA_FIGURE = "loras"  # the heartbeat figure
+
+
+def add_lora_arguments(group: argparse._ActionsContainer) -> None:
+    """``--lora-modules``, ``--max-loras`` and ``--max-lora-rank``: `tandem serve`'s and
+    every worker's."""
+    group.add_argument(
+        "--lora-modules",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve a LoRA adapter (PEFT's format: a directory with adapter_config.json and "
+        "adapter_model.safetensors) beside the model, under NAME: a request whose `model` is "
+        "NAME runs under it. Repeat for more; drafts stay the base model's. Workers with "
+        "adapters run eagerly (compiled steps with adapters are not built yet)",
+    )
+    group.add_argument(
+        "--max-loras",
+        type=int,
+        default=8,
+        metavar="N",
+        help="adapters one engine step runs, the earliest requests' first; requests under "
+        "others wait their turn (default: 8)",
+    )
+    group.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=64,
+        metavar="R",
+        help="adapters of a higher rank are refused at start (default: 64)",
+    )
+
+
+def parse_lora_modules(values: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """``--lora-modules`` values, NAME=PATH each, as (name, absolute path) pairs; a
+    ValueError names what is wrong."""
+    pairs: list[tuple[str, str]] = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not path:
+            raise ValueError(f"--lora-modules: {value!r} is not NAME=PATH")
+        if not LORA_NAME.fullmatch(name):
+            raise ValueError(
+                f"--lora-modules: name {name!r}: 1..128 characters of [A-Za-z0-9._:/-], "
+                "starting with a letter or digit"
+            )
+        if any(name == other for other, _ in pairs):
+            raise ValueError(f"--lora-modules: {name!r} is given twice")
+        directory = Path(path).expanduser().resolve()
+        if not directory.is_dir():
+            raise ValueError(f"--lora-modules: {name}={path}: no such directory")
+        pairs.append((name, str(directory)))
+    return tuple(pairs)
+
+
+def check_lora_arguments(args: argparse.Namespace, prog: str) -> str | None:
+    """What is wrong with the LoRA options (None: nothing); parses ``--lora-modules`` into
+    ``args.lora_pairs`` and turns ``--eager`` on where adapters are given (with a note)."""
+    try:
+        args.lora_pairs = parse_lora_modules(args.lora_modules)
+    except ValueError as e:
+        return str(e)
+    if args.max_loras < 1:
+        return f"--max-loras: must be at least 1, got {args.max_loras}"
+    if args.max_lora_rank < 1:
+        return f"--max-lora-rank: must be at least 1, got {args.max_lora_rank}"
+    if args.lora_pairs and not args.eager:
+        args.eager = True
+        print(
+            f"{prog}: note: --lora-modules: workers with adapters run eagerly (compiled "
+            "steps with adapters are not built yet)",
+            flush=True,
+        )
+    return None
+
+
+def lora_flags(args: argparse.Namespace) -> list[str]:
+    """The LoRA options as a worker's command line takes them (`tandem serve`'s)."""
+    flags: list[str] = []
+    for name, path in args.lora_pairs:
+        flags += ["--lora-modules", f"{name}={path}"]
+    if args.lora_pairs:
+        flags += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
+    return flags
+
+
+def lora_digests(lora_names: Mapping[str, tuple[int, int]]) -> dict[str, str]:
+    """An engine's adapters (``LLMEngine.lora_names``: name -> (id, digest)) as name ->
+    digest in hex: what heartbeats, requests and KV handshakes carry."""
+    return {name: f"{salt:016x}" for name, (_, salt) in sorted(lora_names.items())}
+
+
+def lora_figure(digests: Mapping[str, str]) -> dict[str, str]:
+    """The heartbeat figure of a worker's adapters (``lora_digests``); none without any."""
+    if not digests:
+        return {}
+    return {LORA_FIGURE: json.dumps(dict(digests), separators=(",", ":"))}
+
+
+def check_request_lora(digests: Mapping[str, str], lora: str, digest: str) -> None:
+    """A worker's check of a request's ``lora`` and ``lora_digest`` against its adapters
+    (``lora_digests``): FAILED_PRECONDITION (the router picks another worker) when it has
+    no such adapter, or other files under that name."""
+    if not lora:
+        if digest:
+            raise ValueError("lora_digest: given without lora")
+        return
+    mine = digests.get(lora)
+    if mine is None:
+        raise PreconditionFailed(
+            f"lora: this worker has no adapter {lora!r}; its adapters: {sorted(digests)}"
+        )
+    if digest != mine:
+        raise PreconditionFailed(
+            f"lora_digest: {digest!r}, but this worker's adapter {lora!r} has {mine!r} "
+            "(other files under that name)"
+        )
+
+
+def worker_loras(stats: Mapping[str, str]) -> dict[str, str]:
+    """A worker's adapters (name -> digest) from its heartbeat figures; {} when it has
+    none, or publishes something unreadable."""
+    raw = stats.get(LORA_FIGURE)
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): str(v) for k, v in value.items()}
