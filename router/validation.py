@@ -1,6 +1,6 @@
 """A GenerateRequest checked and tokenized: every refusal is a ValueError whose message
-starts with the field at fault (the interceptor answers INVALID_ARGUMENT with it), but
-an unknown model, which is NotFound (NOT_FOUND, as HTTP's 404)."""
+starts with the field at fault (the interceptor answers INVALID_ARGUMENT with it; the
+HTTP API answers an unknown model, ``UnknownModel``, with 404)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from router.tokenizer import RouterTokenizer
-from serving.rpc import NotFound
 from tandem.v1 import generation_pb2 as gen
 from tandem_client import wire
 
@@ -23,6 +22,10 @@ MAX_CHAT_MESSAGES = 1024
 
 class ValidationError(ValueError):
     """A request the router refuses; the message names the field."""
+
+
+class UnknownModel(ValidationError):
+    """A model field that names neither the served model nor one of its adapters."""
 
 
 @dataclass(frozen=True)
@@ -171,13 +174,13 @@ class RequestValidator:
 
     def lora_of(self, model: str) -> str:
         """The adapter a request's ``model`` field names ("": the base model, also when
-        it is empty); NotFound (naming it and what is served) for anything else."""
+        it is empty); UnknownModel (naming it and what is served) for anything else."""
         if not model or model == self.model.name:
             return ""
         adapters = self.adapters()
         if model in adapters:
             return model
-        raise NotFound(
+        raise UnknownModel(
             f"model: unknown model {model[:200]!r}; served: "
             f"{[self.model.name, *sorted(adapters)]!r}"
         )

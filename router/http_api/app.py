@@ -55,7 +55,8 @@ from router.http_api.convert import (
 from router.http_api.errors import BearerAuth, BodyLimit, body_error, error_response, http_error
 from router.http_api.protocol import ChatCompletionRequest, CompletionRequest, HttpError
 from router.service import GenerationService
-from serving.rpc import NotFound, Unavailable
+from router.validation import UnknownModel
+from serving.rpc import Unavailable
 from tandem.v1 import generation_pb2 as gen
 
 log = logging.getLogger("router.http")
@@ -181,7 +182,7 @@ class _Api:
     def check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         try:
             self.service.validator.lora_of(body.model)
-        except NotFound as e:
+        except UnknownModel as e:
             raise HttpError(404, str(e), param="model", code="model_not_found") from None
         unsupported = body.unsupported()
         if unsupported:

@@ -70,6 +70,35 @@ async def test_open_refuses_what_a_push_handshake_is_refused_for(
     assert info.value.status == status
 
 
+@pytest.mark.parametrize(
+    ("reserved_under", "sent_under", "refused"),
+    [
+        (("", ""), ("x", "01"), "lora: sender computed the KV under 'x'"),
+        (("x", "01"), ("", ""), "lora: sender computed the KV under 'the base model'"),
+        (("x", "01"), ("y", "01"), "reservation is under 'x'"),
+        (("x", "01"), ("x", "02"), r"digest '02'\), the reservation is under 'x' \(digest '01'"),
+        (("x", "01"), ("x", "01"), None),
+    ],
+    ids=["adapter_into_base", "base_into_adapter", "other_adapter", "other_files", "same"],
+)
+async def test_kv_made_under_another_adapter_is_refused(
+    reserved_under: tuple[str, str], sent_under: tuple[str, str], refused: str | None
+) -> None:
+    """The handshake says which LoRA adapter (name and files' digest) the KV was computed
+    under; a reservation under another, or under the base model, refuses it."""
+    receiver = KvReceiver(epoch=3)
+    pools = make_pools(LAYOUT, DST_SEED)
+    receiver.reserve(KvReservation("r", list(DST_IDS), pools, LAYOUT, *reserved_under))
+    handshake = Handshake("r", LAYOUT, 3, *sent_under)
+    if refused is None:
+        InPlaceChannel(receiver).open(handshake).written()
+        assert receiver.state("r") is TransferState.DONE
+        return
+    with pytest.raises(KvTransferError, match=refused) as info:
+        InPlaceChannel(receiver).open(handshake)
+    assert info.value.status == pb.KV_PUSH_STATUS_INCOMPATIBLE
+
+
 async def test_a_failed_or_dropped_hand_over_fails_the_wait_and_says_so() -> None:
     """Failed: the decode side's wait fails. Dropped (the decode side closed the request):
     a prefill waiting for its first token hears it at once (``until_ended``)."""

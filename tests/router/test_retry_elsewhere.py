@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -23,9 +24,11 @@ from router.routing import WorkerPicker, prefix_hashes
 from router.service import GenerationService
 from router.transitions import RouterTransitions
 from router.validation import ModelInfo, RequestValidator, ValidRequest
+from serving.lora_setup import lora_figure
 from serving.metrics import RouterMetrics
 from serving.rpc import ChannelPool, Unavailable
 from tandem.v1 import generation_pb2 as gen
+from tandem.v1 import worker_pb2 as pb
 from tandem_client.wire import KV_PUSH_STATUS_KEY
 
 REFUSED = "127.0.0.1:1"  # nothing listens: the Aborts the router sends fail at once
@@ -218,5 +221,76 @@ async def test_a_ledger_out_of_reach_leaves_the_clients_error_as_it_was(
                 pass
         assert len(router._cleanups) == 1  # the ending, tried again
         await asyncio.gather(*router._cleanups, return_exceptions=True)
+    finally:
+        await router.close()
+
+
+class _PickyDecoders(GenerationService):
+    """A router whose decode workers answer Reserve from ``refusing``: FAILED_PRECONDITION
+    (they do not serve the request as their heartbeat said), the others a reply."""
+
+    def __init__(self, refusing: set[str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.refusing = refusing
+        self.asked: list[str] = []
+
+    def _decoder(self, route: Route) -> Any:
+        worker_id = route.decode.worker_id
+
+        async def reserve(request: pb.ReserveRequest, timeout: float) -> pb.ReserveReply:
+            self.asked.append(worker_id)
+            assert (request.lora, request.lora_digest) == ("x", "01")
+            if worker_id in self.refusing:
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.aio.Metadata(),
+                    grpc.aio.Metadata(),
+                    details="lora: this worker has no adapter 'x'",
+                )
+            return pb.ReserveReply(block_ids=[1], epoch=route.decode.epoch)
+
+        return SimpleNamespace(Reserve=reserve)
+
+
+@pytest.mark.parametrize("refusing", [{"d0"}, {"d0", "d1"}], ids=["one", "all"])
+async def test_a_decode_worker_that_refuses_the_adapter_is_passed_over(
+    ledger: Ledger, refusing: set[str]
+) -> None:
+    """A decode worker whose heartbeat listed the request's adapter but that refuses it
+    (FAILED_PRECONDITION: unloaded since, a race) is passed over for another that holds
+    it; when every one refuses, the request fails with that status."""
+    for worker_id, role in (("p0", WorkerRole.PREFILL), ("d0", WorkerRole.DECODE),
+                            ("d1", WorkerRole.DECODE)):  # fmt: skip
+        epoch = ledger.register_worker(
+            worker_id, role=role, address=REFUSED, capacity=1, ttl_ms=60_000
+        )
+        stats = {"model": "m", "draining": 0, "draft_fingerprint": "", **lora_figure({"x": "01"})}
+        load = 0.1 if worker_id == "d0" else 0.5  # d0 first
+        ledger.heartbeat(worker_id, epoch=epoch, ttl_ms=60_000, load=load, stats=stats)
+    membership = Membership(
+        ledger, "router-0", role=WorkerRole.ROUTER, address=REFUSED, capacity=0, timing=Timing()
+    )
+    membership.register()
+    picker = WorkerPicker(ledger, "m", refresh_s=0.0)
+    router = _PickyDecoders(
+        refusing,
+        validator=RequestValidator(ModelInfo("m", vocab_size=64, max_model_len=64), None),
+        picker=picker,
+        membership=membership,
+    )
+    valid = ValidRequest("r1", [1, 2, 3], gen.SamplingParams(), max_tokens=4, lora="x")
+    route = Route(valid, *picker.pick(lora="x"), time.monotonic() + 30)
+    assert route.decode.worker_id == "d0" and route.lora_digest == "01"
+    router.transitions.record(route)
+    try:
+        if refusing == {"d0"}:
+            reply = await router._reserve(route)
+            assert route.decode.worker_id == "d1" and list(reply.block_ids) == [1]
+            assert router.asked == ["d0", "d1"]
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await router._reserve(route)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert router.asked == ["d0", "d1"]
     finally:
         await router.close()

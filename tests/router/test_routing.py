@@ -11,6 +11,7 @@ import pytest
 
 from ledger.ledger import Ledger, WorkerRole
 from router.routing import PREFIX_BLOCK_TOKENS, WorkerPicker, prefix_hashes
+from serving.lora_setup import lora_figure
 from serving.rpc import Unavailable
 
 
@@ -23,6 +24,7 @@ def join(
     colocated: bool = False,
     wire_version: int = 2,
     tp: int = 1,
+    loras: dict[str, str] | None = None,
 ) -> None:
     epoch = ledger.register_worker(
         worker_id, role=role, address=f"{worker_id}:1", capacity=1, ttl_ms=60_000
@@ -34,6 +36,7 @@ def join(
         "prefills_in_place": int(colocated),
         "kv_wire_version": wire_version,
         "tensor_parallel_size": tp,
+        **lora_figure(loras or {}),
     }
     ledger.heartbeat(worker_id, epoch=epoch, ttl_ms=60_000, load=load, stats=stats)
 
@@ -47,6 +50,38 @@ def test_prefix_hashes_chain_full_blocks() -> None:
     assert prefix_hashes(b)[1] != prefix_hashes(a)[1]
     c = [*a[16:32], *a[:16]]  # the same blocks in another order: other chain
     assert set(prefix_hashes(c)).isdisjoint(prefix_hashes(a))
+
+
+def test_prefix_hashes_under_an_adapter_are_its_own() -> None:
+    a = list(range(40))
+    plain, under_x, under_y = (prefix_hashes(a, lora=lora) for lora in ("", "x", "y"))
+    assert len(under_x) == len(plain) == 2
+    assert set(under_x).isdisjoint(plain) and set(under_x).isdisjoint(under_y)
+    assert prefix_hashes(a, lora="x") == under_x
+
+
+def test_a_request_under_an_adapter_goes_to_workers_with_its_files(ledger: Ledger) -> None:
+    """Both workers of the pair hold the adapter with the same digest (the same files);
+    the base model goes anywhere; an adapter no pair holds is Unavailable, and the
+    adapters listed are every live worker's."""
+    join(ledger, "p0", WorkerRole.PREFILL, 0.1)  # no adapters, least loaded
+    join(ledger, "p1", WorkerRole.PREFILL, 0.5, loras={"x": "01", "y": "02"})
+    join(ledger, "d0", WorkerRole.DECODE, 0.1, loras={"x": "ff"})  # other files under x
+    join(ledger, "d1", WorkerRole.DECODE, 0.5, loras={"x": "01"})
+    join(ledger, "d2", WorkerRole.DECODE, 0.6, loras={"y": "02"})
+    picker = WorkerPicker(ledger, "m", refresh_s=0.0)
+    assert picker.lora_names() == ["x", "y"]
+    for _ in range(3):
+        assert [w.worker_id for w in picker.pick(lora="x")] == ["p1", "d1"]
+        assert [w.worker_id for w in picker.pick(lora="y")] == ["p1", "d2"]
+        assert picker.pick()[0].worker_id == "p0"
+    by_id = {w.worker_id: w for w in ledger.list_workers()}
+    assert [w.worker_id for w in picker.decoders_for(by_id["p1"], "x")] == ["d1"]
+    with pytest.raises(Unavailable, match="LoRA adapter 'z'"):
+        picker.pick(lora="z")
+    join(ledger, "d1", WorkerRole.DECODE, 0.5)  # x unloaded: no pair holds p1's x now
+    with pytest.raises(Unavailable, match="LoRA adapter 'x'"):
+        picker.pick(lora="x")
 
 
 def test_prefix_affinity_then_least_loaded(ledger: Ledger) -> None:

@@ -1,0 +1,153 @@
+"""LoRA adapters served by a live tiny cluster (1 prefill + 1 decode worker, both started
+with two PEFT adapters through ``--lora-modules``): the OpenAI ``model`` field and the
+SDK's ``model=`` name an adapter or the base model, each request's fp32 greedy tokens
+are the in-process engine's under the same adapter (prefilled on one worker under it,
+decoded on the other), ``/v1/models`` and ListModels list the adapters with their
+parent, an unknown name is a 404 (INVALID_ARGUMENT over gRPC) naming it, and the prefix cache
+never hands one adapter's KV to another or to the base: the same prompt again under its
+adapter hits the cache (usage's cached tokens), under another it does not."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
+from serving.launcher import Cluster
+from tandem_client import Completion, InvalidRequest, TandemClient
+from tests.engine.test_lora_adapter import save_adapter
+from tests.services.cluster_helpers import (
+    TINY_VOCAB,
+    TINY_WORKER_ARGS,
+    build_tiny_target,
+    tiny_cluster_spec,
+)
+
+pytestmark = pytest.mark.timeout(300)
+MODEL = "target"  # the served name: the model directory's
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    torch.set_num_threads(1)  # this process shares the cores with the cluster's
+    out = tmp_path_factory.mktemp("lora_cluster")
+    target = build_tiny_target(out / MODEL)
+    load = lambda: LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()  # noqa: E731
+    save_adapter(out / "a", load(), std=0.5, r=8, lora_alpha=16,
+                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # fmt: skip
+    save_adapter(out / "b", load(), std=0.5, r=4, lora_alpha=8,
+                 target_modules=["gate_proj", "up_proj", "down_proj"])  # fmt: skip
+    return target, {"sql-a": out / "a", "chat/b": out / "b"}
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    adapters: tuple[Path, dict[str, Path]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    target, paths = adapters
+    flags = [arg for name, path in paths.items() for arg in ("--lora-modules", f"{name}={path}")]
+    spec = tiny_cluster_spec(
+        target, tmp_path_factory.mktemp("lora_logs"), worker_args=(*TINY_WORKER_ARGS, *flags)
+    )
+    with Cluster(spec) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def api(cluster: Cluster) -> openai.OpenAI:
+    assert cluster.router is not None and cluster.router.base_url
+    return openai.OpenAI(base_url=cluster.router.base_url, api_key="none", max_retries=0)
+
+
+def engine_greedy(
+    adapters: tuple[Path, dict[str, Path]], requests: list[tuple[list[int], str | None]]
+) -> list[list[int]]:
+    """The in-process engine's greedy tokens (fp32, block size 4 as the workers), each
+    request under its adapter (None: the base), one at a time as the tests send them."""
+    target, paths = adapters
+    engine = LLMEngine(
+        EngineConfig(model=str(target), dtype="float32", block_size=4, kv_cache_memory=8 << 20,
+                     num_threads=1, lora_modules=tuple((n, str(p)) for n, p in paths.items()))
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for i, (prompt, lora) in enumerate(requests):
+        engine.add_request(str(i), prompt, params, lora=lora)
+        while engine.has_unfinished_requests():
+            done = [o.token_ids for o in engine.step() if o.finished]
+        outputs += done
+    return outputs
+
+
+def complete(api: openai.OpenAI, model: str, prompt: list[int]) -> tuple[str, int]:
+    """The OpenAI completion's text and cached prompt tokens."""
+    reply = api.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                   temperature=0.0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert reply.model == model and reply.usage is not None
+    details = reply.usage.prompt_tokens_details
+    return reply.choices[0].text, (details.cached_tokens or 0) if details else 0
+
+
+def generate(sdk: TandemClient, model: str, prompt: list[int]) -> Completion:
+    return sdk.generate(prompt, model=model, max_tokens=MAX_TOKENS, temperature=0.0,
+                        ignore_eos=True)  # fmt: skip
+
+
+def test_models_list_the_adapters_with_their_parent(cluster: Cluster, api: openai.OpenAI) -> None:
+    cards = {m.id: m.model_dump() for m in api.models.list().data}
+    assert set(cards) == {MODEL, "sql-a", "chat/b"}
+    assert cards[MODEL]["parent"] is None
+    assert cards["sql-a"]["parent"] == cards["chat/b"]["parent"] == MODEL
+    with TandemClient(cluster.router_address) as sdk:
+        listed = {m.name: m.parent for m in sdk.models()}
+    assert listed == {MODEL: "", "sql-a": MODEL, "chat/b": MODEL}
+
+
+def test_each_adapter_by_name_equals_the_engine_under_it(
+    cluster: Cluster, api: openai.OpenAI, adapters: tuple[Path, dict[str, Path]]
+) -> None:
+    """Over gRPC (the SDK's model=) each request's tokens are the engine's under its
+    adapter; through the openai client, the same text."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in (7, 10, 5)]
+    models = ("sql-a", "chat/b", MODEL)
+    requests = [(p, None if m == MODEL else m) for p in prompts for m in models]
+    expected = engine_greedy(adapters, requests)
+    for i in range(0, len(expected), 3):  # each adapter changes the output: applied or not
+        assert len({tuple(e) for e in expected[i : i + 3]}) == 3, requests[i][0]
+    with TandemClient(cluster.router_address) as sdk:
+        got = [generate(sdk, lora or MODEL, prompt) for prompt, lora in requests]
+    assert [list(c.token_ids) for c in got] == expected
+    texts = [complete(api, lora or MODEL, prompt)[0] for prompt, lora in requests]
+    assert texts == [c.text for c in got]
+
+
+def test_an_unknown_adapter_is_not_found(cluster: Cluster, api: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        api.completions.create(model="sql-c", prompt=[5, 6, 7], max_tokens=2)
+    assert e.value.status_code == 404
+    assert "model: unknown model 'sql-c'" in str(e.value)
+    assert "'sql-a'" in str(e.value)  # what is served, adapters included
+    with TandemClient(cluster.router_address) as sdk, pytest.raises(InvalidRequest, match="sql-c"):
+        sdk.generate([5, 6, 7], model="sql-c", max_tokens=2)
+
+
+def test_the_prefix_cache_keeps_each_adapters_kv_apart(api: openai.OpenAI) -> None:
+    """The same 13-token prompt (3 whole blocks of 4): again under its adapter, its blocks
+    come from the cache; under the other adapter or the base, none do (usage's cached
+    tokens, which the prefill worker's prefix cache counts)."""
+    prompt = random.Random(7).choices(range(3, TINY_VOCAB), k=13)
+    first, cached = complete(api, "sql-a", prompt)
+    assert cached == 0
+    again, cached = complete(api, "sql-a", prompt)
+    assert again == first and cached == 12
+    for model in ("chat/b", MODEL):
+        assert complete(api, model, prompt)[1] == 0, model

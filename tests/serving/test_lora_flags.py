@@ -1,0 +1,90 @@
+"""The LoRA options of `tandem serve` and the workers: ``--lora-modules NAME=PATH``
+(repeatable), ``--max-loras`` and ``--max-lora-rank`` reach the engine's config; workers
+with adapters run eagerly, saying so; malformed values are refused before anything
+starts, naming the option; `tandem serve` hands the options to every worker."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from serving.lora_setup import lora_figure, worker_loras
+from tests.serving.test_compile_flags import (
+    REQUIRED,
+    WORKER_CLIS,
+    built_config,
+    capture_cluster_specs,
+    serve_parser,
+)
+
+
+def test_the_adapters_reach_the_engine_eagerly(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from decode_worker import cli as decode_cli
+    from serving.engine_setup import check_engine_arguments
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    argv = ["--lora-modules", f"a={tmp_path / 'a'}", "--lora-modules", f"org/b={tmp_path / 'b'}",
+            "--max-loras", "2", "--max-lora-rank", "16"]  # fmt: skip
+    parser = argparse.ArgumentParser()
+    decode_cli.add_arguments(parser)
+    args = parser.parse_args([*REQUIRED, *argv])
+    assert not args.eager and check_engine_arguments(args, "decode worker")
+    assert args.eager  # turned on, with a note
+    assert "--lora-modules: workers with adapters run eagerly" in capsys.readouterr().out
+    _, config = built_config(monkeypatch, tmp_path, True, [*argv, "--eager"])
+    assert config.lora_modules == (("a", str(tmp_path / "a")), ("org/b", str(tmp_path / "b")))
+    assert (config.max_loras, config.max_lora_rank, config.torch_compile) == (2, 16, False)
+    with pytest.raises(ValueError, match="--lora-modules: 'm' is the served model's name"):
+        built_config(monkeypatch, tmp_path, True, ["--lora-modules", f"m={tmp_path / 'a'}"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--lora-modules", "a"], "--lora-modules: 'a' is not NAME=PATH"),
+        (["--lora-modules", "a="], "--lora-modules: 'a=' is not NAME=PATH"),
+        (["--lora-modules", "my adapter=."], "--lora-modules: name 'my adapter': 1..128"),
+        (["--lora-modules", "a=/nonexistent/x"], "--lora-modules: a=/nonexistent/x: no such"),
+        (["--lora-modules", "a=.", "--lora-modules", "a=."], "'a' is given twice"),
+        (["--max-loras", "0"], "--max-loras: must be at least 1, got 0"),
+        (["--max-lora-rank", "0"], "--max-lora-rank: must be at least 1, got 0"),
+    ],
+)
+@pytest.mark.parametrize("cli", WORKER_CLIS, ids=["prefill", "decode"])
+def test_bad_lora_options_are_refused_naming_them(
+    cli: Any, argv: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.run(parser.parse_args([*REQUIRED, *argv])) == 2  # before anything starts
+    assert error in capsys.readouterr().err
+
+
+def test_serve_hands_the_adapters_to_every_worker_eagerly(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    specs = capture_cluster_specs(monkeypatch)
+    args = serve_parser().parse_args(
+        ["serve", "--model", "m", "--lora-modules", f"x={tmp_path}", "--max-loras", "3"]
+    )
+    assert args.func(args) == 1  # the captured start's error
+    (spec,) = specs
+    assert spec.eager
+    flags = spec.worker_args
+    at = flags.index("--lora-modules")
+    assert flags[at : at + 6] == (
+        "--lora-modules", f"x={tmp_path}", "--max-loras", "3", "--max-lora-rank", "64",
+    )  # fmt: skip
+
+
+def test_the_heartbeat_figure_round_trips() -> None:
+    digests = {"a": "00ff", "org/b": "0102"}
+    assert worker_loras(lora_figure(digests)) == digests
+    assert lora_figure({}) == {} and worker_loras({}) == {}
+    assert worker_loras({"loras": "not json"}) == worker_loras({"loras": "[1]"}) == {}
