@@ -53,7 +53,8 @@ from ledger.membership import HeldRequest, Membership
 from serving.engine_commands import ReadBlockTables, Reserve, StartDecoding
 from serving.engine_loop import EngineLoop, TorchThread
 from serving.engine_setup import draft_figures
-from serving.lora_setup import check_request_lora, lora_digests, lora_figure
+from serving.lora_calls import LoraCalls
+from serving.lora_setup import check_request_lora, lora_figure
 from serving.metrics import DecodeFigures, DecodeMetrics
 from serving.rpc import NotFound, PreconditionFailed, Unavailable
 from serving.sampling import params_from_proto
@@ -75,7 +76,7 @@ class _Step:
     tables: dict[str, list[int]]  # request id -> its block table, where the step changed it
 
 
-class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
+class DecodeWorkerService(LoraCalls, pb_grpc.DecodeWorkerServicer):
     """tandem.v1.DecodeWorker over one engine (owned by ``engine_loop``'s thread)."""
 
     def __init__(
@@ -106,7 +107,6 @@ class DecodeWorkerService(pb_grpc.DecodeWorkerServicer):
         self.is_colocated = is_colocated  # the decode side of a co-located worker
         self.host_id = host_id() if accepts_shm else ""  # "": senders use gRPC
         self.block_size = engine.config.block_size
-        self.loras = lora_digests(engine.lora_names)  # its LoRA adapters: name -> digest
         self._pools = engine.kv_pools
         self.is_draining = False
         watch = BlockTableWatch()

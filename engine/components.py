@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from engine.executor.shared_kv import DRAFT_LABEL, SharedKv
 from engine.executor.worker import RankConfig, load_shard
 from engine.fp8 import BlockFp8, QuantizationError
 from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
+from engine.lora.registry import LoraRegistry
 from engine.model_runner import ModelRunner
 from engine.models.layers import dequantize_fp8, release_packed_weights, use_packed_gemm
 from engine.models.triton_layers import use_triton_kernels
@@ -107,8 +108,8 @@ class EngineComponents:
     runner: ModelRunner
     spec: SpecRunner | None  # with speculation (config.speculative): a draft model, or suffix
     num_blocks: int  # in each KV pool, the CUDA graphs' padding block included
-    # LoRA adapters' names -> (ids, digests: what their requests' prefix hashes chain on)
-    lora_names: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # LoRA adapters by name, with their ids and digests; None: the engine runs none
+    loras: LoraRegistry | None = None
     # A split draft's KV (draft_split), every rank's heads, as whole_kv_cache is the
     # target's; None where the ranks do not share memory, or the draft is not split.
     draft_split: bool = False
@@ -181,28 +182,17 @@ def draft_splits(config: EngineConfig, model_config: ModelConfig) -> bool:
 
 def load_lora(
     config: EngineConfig, model: torch.nn.Module, model_config: Any
-) -> dict[str, tuple[int, int]]:
-    """``config.lora_modules`` read, checked against the model and swapped into it
-    (``engine.lora``); their names -> (ids, digests)."""
-    if not config.lora_modules:
-        return {}
+) -> LoraRegistry | None:
+    """The engine's adapters (``engine.lora``): ``config.lora_modules`` read, checked
+    against the model and swapped into it; None without adapters or ``enable_lora``."""
+    if not config.lora_modules and not config.enable_lora:
+        return None
     if not isinstance(model_config, Llama3Config):
         raise ValueError("lora_modules: LoRA adapters run on Llama-3 models only for now")
-    from engine.lora.adapter import TARGETS, load_adapter
-    from engine.lora.layers import use_lora
-
-    c = model_config
-    q, kv, h, inter = c.q_size, c.kv_size, c.hidden_size, c.intermediate_size
-    widths = (q, kv, kv, h, inter, inter, h)
-    inputs = (h, h, h, q, h, h, inter)
-    shapes = {t: (o, i) for t, o, i in zip(TARGETS, widths, inputs, strict=True)}
     device = next(model.parameters()).device
-    adapters = [
-        load_adapter(name, path, shapes, c.num_hidden_layers, config.max_lora_rank, device)
-        for name, path in config.lora_modules
-    ]
-    use_lora(model, adapters)
-    return {adapter.name: (i, adapter.salt) for i, adapter in enumerate(adapters)}
+    registry = LoraRegistry(model, model_config, config.max_lora_rank, device)
+    registry.start(config.lora_modules)
+    return registry
 
 
 def _build(
@@ -218,7 +208,7 @@ def _build(
     model, model_config = load_shard(config, tp, device)
     if fp8_weights == "dequantize":  # once, at load time
         dequantize_fp8(model, model_config.dtype)
-    lora_names = load_lora(config, model, model_config)
+    loras = load_lora(config, model, model_config)
     packed: list[torch.nn.Module] = []  # models whose products use_packed_gemm prepared
     if device.type == "cpu" and config.cpu_gemm != "aten":
         use_packed_gemm(model, config.cpu_gemm)
@@ -297,7 +287,7 @@ def _build(
         SchedulerConfig(
             config.max_num_seqs,
             config.max_num_batched_tokens,
-            config.max_loras if lora_names else None,  # no adapters: nothing to bound
+            config.max_loras if loras else None,  # no adapters: nothing to bound
         ),
         block_manager,
     )
@@ -350,7 +340,7 @@ def _build(
         runner=runner,
         spec=spec,
         num_blocks=num_blocks,
-        lora_names=lora_names,
+        loras=loras,
         draft_split=split_draft,
         whole_draft_kv=whole_draft_kv,
     )

@@ -94,6 +94,8 @@ class EngineConfig:
     # pairs (engine.lora). A request names one, or none; drafts stay the base model's.
     # Eager, one device.
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # Adapters may be loaded at run time (LLMEngine.load_lora), also without lora_modules.
+    enable_lora: bool = False
     max_lora_rank: int = 64  # adapters of a higher rank are refused
     # Adapters one step runs, the earliest requests' (running or waiting): requests under
     # others sit steps out (engine.scheduler); None: no bound.
@@ -140,7 +142,7 @@ class EngineConfig:
 
     def _check_lora(self) -> None:
         """What LoRA adapters run with for now."""
-        if not self.lora_modules:
+        if not self.lora_modules and not self.enable_lora:
             return
         names = [name for name, _ in self.lora_modules]
         if len(set(names)) != len(names):

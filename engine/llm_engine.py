@@ -17,6 +17,8 @@ from engine.components import build_components
 from engine.disaggregation import Disaggregation
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheCapacityError
+from engine.lora.adapter import LoraError
+from engine.lora.registry import LoraNotLoaded
 from engine.model_runner import StepOutput
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestDelta, RequestOutput, hand_out
@@ -64,7 +66,7 @@ class LLMEngine(Disaggregation):
         self.kernels = parts.kernels
         self.runner = parts.runner
         self.spec = parts.spec
-        self.lora_names = parts.lora_names  # LoRA adapters a request may name
+        self.loras = parts.loras  # LoRA adapters a request may name; None: none ever
         self._seqs: dict[str, Sequence] = {}
         self.stops = StopChecker(parts.eos_token_ids)
         self._new_seed = functools.partial(secrets.randbits, 63)
@@ -94,6 +96,27 @@ class LLMEngine(Disaggregation):
         """Stops the other tensor-parallel ranks, if any (an engine never closed stops them
         when its interpreter exits)."""
         self.runner.executor.close()
+
+    @property
+    def lora_names(self) -> dict[str, tuple[int, int]]:
+        """The LoRA adapters a request may name: name -> (id, digest of its files)."""
+        return self.loras.names if self.loras is not None else {}
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Loads LoRA adapter ``name`` from ``path`` (PEFT's files) between steps;
+        LoraError (a ValueError naming the field) for one this engine cannot serve."""
+        if self.loras is None:
+            raise LoraError(
+                "lora_name: this engine runs no LoRA adapters (start it with lora_modules "
+                "or enable_lora)"
+            )
+        self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unloads LoRA adapter ``name``; LoraError while requests run under it."""
+        if self.loras is None:
+            raise LoraNotLoaded(f"lora_name: {name!r} is not loaded; this engine runs no adapters")
+        self.loras.unload(name, lambda i: sum(s.lora_id == i for s in self._seqs.values()))
 
     @property
     def eos_token_ids(self) -> AbstractSet[int]:

@@ -8,7 +8,6 @@ router (``prefill_reply``)."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -28,7 +27,8 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason
 from ledger.membership import Membership
 from serving.engine_loop import EngineLoop
-from serving.lora_setup import check_request_lora, lora_digests
+from serving.lora_calls import LoraCalls
+from serving.lora_setup import check_request_lora
 from serving.rpc import Overloaded, PreconditionFailed, Unavailable
 from serving.sampling import token_logprob_to_proto
 from tandem.v1 import worker_pb2 as pb
@@ -95,7 +95,7 @@ def prefill_reply(
     return reply
 
 
-class PrefillCalls(pb_grpc.PrefillWorkerServicer):
+class PrefillCalls(LoraCalls, pb_grpc.PrefillWorkerServicer):
     """The Prefill calls a prefill service has in flight, each waiting for its first
     token from the engine loop: what both prefill services do alike."""
 
@@ -110,11 +110,6 @@ class PrefillCalls(pb_grpc.PrefillWorkerServicer):
         self.is_draining = False
         self._waiting: dict[str, asyncio.Future[Prefilled]] = {}
         self._tasks: dict[str, asyncio.Task[Any]] = {}
-
-    @functools.cached_property
-    def loras(self) -> dict[str, str]:
-        """Its engine's LoRA adapters: name -> digest (serving.lora_setup)."""
-        return lora_digests(self.engine.lora_names)
 
     def _admit(self, request: pb.PrefillRequest) -> None:
         """Raises unless a Prefill of ``request`` may start now; else it is in flight

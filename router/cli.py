@@ -89,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         f"/v1/models, /health) on --host; 0: no HTTP (default: {DEFAULT_HTTP_PORT})",
     )
+    parser.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind "
+        "--auth-token-file's token): each live worker loads or unloads the adapter (they "
+        "need --allow-runtime-lora too). Off by default: 404",
+    )
     add_auth_token_argument(parser)
 
 
@@ -152,7 +159,9 @@ def make_service(runtime: Runtime) -> RouterComponent:
         from router.http_api.app import make_app
         from router.http_api.server import HttpServer
 
-        app = make_app(service, auth_token=runtime.auth_token)
+        app = make_app(
+            service, auth_token=runtime.auth_token, allow_runtime_lora=args.allow_runtime_lora
+        )
         http = HttpServer(app, args.host, args.http_port)
     return RouterComponent(service, name, lease_s=args.lease_ms / 1000, http=http)
 

@@ -19,6 +19,7 @@ import redis
 
 from ledger.ledger import Ledger, RequestState, WorkerInfo, WorkerRole
 from ledger.membership import Membership
+from router.lora_admin import LoraAdmin
 from router.migration import Migration, abort_on
 from router.route import Route, StreamTiming, how_it_ended
 from router.routing import WorkerPicker, prefix_hashes
@@ -90,6 +91,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         ):
             gauge.labels(role).set_function(functools.partial(picker.num_workers, worker_role))
         self._channels = channels or ChannelPool()  # to workers (with the cluster secret)
+        self.lora_admin = LoraAdmin(picker, self._channels, validator.model.name)
         self._cleanups: set[asyncio.Task[None]] = set()
         self.transitions = RouterTransitions(membership, validator.model.name)
         self.migration = Migration(

@@ -249,6 +249,8 @@ def _serve(args: argparse.Namespace) -> int:
         worker_args.append("--enable-expert-parallel")
     worker_args += lora_flags(args)
     router_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    if args.allow_runtime_lora:
+        router_args.append("--allow-runtime-lora")
     if args.served_model_name:
         worker_args += ["--served-model-name", args.served_model_name]
         router_args += ["--served-model-name", args.served_model_name]

@@ -138,3 +138,26 @@ class ReadOwnedBlocks(EngineCommand[tuple[list[int], list[int]]]):
 
     def run(self, engine: LLMEngine) -> tuple[list[int], list[int]]:
         return owned_block_ids(engine)
+
+
+@dataclass(frozen=True)
+class LoadLora(EngineCommand[None]):
+    """Loads a LoRA adapter between steps (``LLMEngine.load_lora``)."""
+
+    is_new_work: ClassVar[bool] = False
+    name: str
+    path: str
+
+    def run(self, engine: LLMEngine) -> None:
+        engine.load_lora(self.name, self.path)
+
+
+@dataclass(frozen=True)
+class UnloadLora(EngineCommand[None]):
+    """Unloads a LoRA adapter between steps (``LLMEngine.unload_lora``)."""
+
+    is_new_work: ClassVar[bool] = False
+    name: str
+
+    def run(self, engine: LLMEngine) -> None:
+        engine.unload_lora(self.name)

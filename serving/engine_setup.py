@@ -341,6 +341,7 @@ def build_engine(
         kernels=args.kernels,
         grammar_compile_timeout_s=args.grammar_compile_timeout_s,
         lora_modules=lora_modules,
+        enable_lora=args.allow_runtime_lora,
         max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras,
         warm_up=True,  # before health turns SERVING: no request pays for lazy set-up

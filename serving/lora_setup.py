@@ -35,6 +35,13 @@ def add_lora_arguments(group: argparse._ActionsContainer) -> None:
         "adapters run eagerly (compiled steps with adapters are not built yet)",
     )
     group.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="let adapters be loaded and unloaded while serving (the router's POST "
+        "/v1/load_lora_adapter and /v1/unload_lora_adapter, behind its auth token; each "
+        "worker reads the adapter's directory on its own host). Off by default",
+    )
+    group.add_argument(
         "--max-loras",
         type=int,
         default=8,
@@ -84,11 +91,12 @@ def check_lora_arguments(args: argparse.Namespace, prog: str) -> str | None:
         return f"--max-loras: must be at least 1, got {args.max_loras}"
     if args.max_lora_rank < 1:
         return f"--max-lora-rank: must be at least 1, got {args.max_lora_rank}"
-    if args.lora_pairs and not args.eager:
+    if (args.lora_pairs or args.allow_runtime_lora) and not args.eager:
         args.eager = True
+        option = "--lora-modules" if args.lora_pairs else "--allow-runtime-lora"
         print(
-            f"{prog}: note: --lora-modules: workers with adapters run eagerly (compiled "
-            "steps with adapters are not built yet)",
+            f"{prog}: note: {option}: workers with adapters run eagerly (compiled steps "
+            "with adapters are not built yet)",
             flush=True,
         )
     return None
@@ -99,7 +107,9 @@ def lora_flags(args: argparse.Namespace) -> list[str]:
     flags: list[str] = []
     for name, path in args.lora_pairs:
         flags += ["--lora-modules", f"{name}={path}"]
-    if args.lora_pairs:
+    if args.allow_runtime_lora:
+        flags.append("--allow-runtime-lora")
+    if args.lora_pairs or args.allow_runtime_lora:
         flags += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
     return flags
 

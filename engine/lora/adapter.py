@@ -102,7 +102,12 @@ def load_adapter(
     config_file = path / CONFIG_FILE
     if not config_file.is_file():
         raise LoraError(f"{name}: {path} holds no {CONFIG_FILE} (a PEFT LoRA adapter)")
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except (ValueError, OSError) as e:
+        raise LoraError(f"{CONFIG_FILE}: unreadable in {path} ({e})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("r"), int):
+        raise LoraError(f"{CONFIG_FILE}: in {path}, not a LoRA config (no integer r)")
     if config.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"peft_type: {config['peft_type']!r}; only LORA adapters run")
     for field, allowed in (
@@ -125,7 +130,10 @@ def load_adapter(
     r_default, alpha_default = int(config["r"]), float(config.get("lora_alpha", 8))
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     rslora = bool(config.get("use_rslora", False))
-    tensors = load_file(path / WEIGHTS_FILE)
+    try:
+        tensors = load_file(path / WEIGHTS_FILE)
+    except Exception as e:  # safetensors' own error type, or the OS's
+        raise LoraError(f"{WEIGHTS_FILE}: unreadable in {path} ({e})") from None
     modules: dict[str, LoraWeights] = {}
     for i in range(num_layers):
         for target in TARGETS:

@@ -4,7 +4,8 @@ gate/up) take each part's delta into that part's columns.
 
 ``use_lora`` swaps ``LoraLinear`` in for every projection an adapter targets, sharing the
 base weights, and returns the model's ``LoraStep``: the runner fills it with the step's
-``lora_grouped_offsets`` and ``lora_ids`` before every forward.
+``lora_grouped_offsets`` and ``lora_ids`` before every forward. ``put_adapter`` puts one
+adapter in (or takes it out) at run time.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class LoraLinear(nn.Module):
         self,
         base: nn.Module,
         parts: Sequence[int],
-        weights: Sequence[Sequence[LoraWeights | None]],
+        weights: list[list[LoraWeights | None]],
         step: LoraStep,
     ) -> None:
         super().__init__()
@@ -74,22 +75,39 @@ class LoraLinear(nn.Module):
 
 def use_lora(model: nn.Module, adapters: Sequence[LoraAdapter]) -> LoraStep:
     """Swaps ``LoraLinear`` in for every projection of ``model`` (a Llama-3, one device)
-    that one of ``adapters`` targets; adapter i is ``lora_ids`` i."""
+    that one of ``adapters`` targets; adapter i is ``lora_ids`` i. With none, the model
+    has its ``LoraStep`` and no ``LoraLinear`` yet (``put_adapter`` adds them)."""
     step = LoraStep()
+    model.lora_step = step  # type: ignore[assignment]
+    for i, adapter in enumerate(adapters):
+        put_adapter(model, i, adapter)
+    return step
+
+
+def put_adapter(model: nn.Module, adapter_id: int, adapter: LoraAdapter | None) -> None:
+    """Puts ``adapter``'s weights at ``lora_ids`` ``adapter_id`` in every projection of
+    ``model`` (after ``use_lora``), swapping ``LoraLinear`` in for those it targets first;
+    None takes an adapter's weights out (unloaded). Between steps only."""
+    step = model.lora_step
+    assert isinstance(step, LoraStep)
     layers = model.layers
     assert isinstance(layers, nn.ModuleList)
     for i, layer in enumerate(layers):
         for ours, parts in FUSED.items():
             names = [f"model.layers.{i}.{part}" for part in parts]
-            weights = [[a.modules.get(name) for a in adapters] for name in names]
-            if not any(w for by_id in weights for w in by_id):
-                continue
+            new = [adapter.modules.get(name) if adapter else None for name in names]
             owner_name, attr = ours.split(".")
             owner = getattr(layer, owner_name)
-            base = getattr(owner, attr)
-            setattr(owner, attr, LoraLinear(base, _widths(owner, attr), weights, step))
-    model.lora_step = step  # type: ignore[assignment]
-    return step
+            linear = getattr(owner, attr)
+            if not isinstance(linear, LoraLinear):
+                if not any(new):
+                    continue
+                empty: list[list[LoraWeights | None]] = [[] for _ in parts]
+                linear = LoraLinear(linear, _widths(owner, attr), empty, step)
+                setattr(owner, attr, linear)
+            for by_id, weights in zip(linear.weights, new, strict=True):
+                by_id.extend([None] * (adapter_id + 1 - len(by_id)))
+                by_id[adapter_id] = weights
 
 
 def _widths(owner: nn.Module, attr: str) -> list[int]:

@@ -27,7 +27,7 @@ def lora_delta(
     out = x.new_zeros(x.shape[0], out_features)
     for g, adapter in enumerate(lora_ids):
         start, end = lora_grouped_offsets[g], lora_grouped_offsets[g + 1]
-        w = weights[adapter] if adapter >= 0 else None
+        w = weights[adapter] if 0 <= adapter < len(weights) else None
         if w is None or start == end:
             continue
         shrunk = x[start:end].float() @ w.a.T  # [n, r]

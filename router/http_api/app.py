@@ -53,6 +53,7 @@ from router.http_api.convert import (
     usage_json,
 )
 from router.http_api.errors import BearerAuth, BodyLimit, body_error, error_response, http_error
+from router.http_api.lora import add_lora_routes
 from router.http_api.protocol import ChatCompletionRequest, CompletionRequest, HttpError
 from router.service import GenerationService
 from router.validation import UnknownModel
@@ -74,9 +75,15 @@ class _CallContext:
         return None
 
 
-def make_app(service: GenerationService, *, auth_token: str | None = None) -> FastAPI:
+def make_app(
+    service: GenerationService,
+    *,
+    auth_token: str | None = None,
+    allow_runtime_lora: bool = False,
+) -> FastAPI:
     """The HTTP API over ``service`` (the router's Generation service); with
-    ``auth_token``, /v1/* requires it as a bearer token."""
+    ``auth_token``, /v1/* requires it as a bearer token; ``allow_runtime_lora`` adds the
+    routes that load and unload LoRA adapters (router.http_api.lora)."""
     app = FastAPI(
         title="Tandem",
         summary="OpenAI-compatible completions and chat, served by a Tandem router",
@@ -120,6 +127,9 @@ def make_app(service: GenerationService, *, auth_token: str | None = None) -> Fa
                 )
             )
         return JSONResponse({"status": "ok"})
+
+    if allow_runtime_lora:
+        add_lora_routes(app, service.lora_admin)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -8,6 +8,7 @@ adapters and what adapters do not run with yet are refused, naming the field."""
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from peft import PeftModel
 from transformers import LlamaForCausalLM
 
 from engine.llm_engine import EngineConfig, LLMEngine, RequestError
+from engine.lora.adapter import LoraError
 from engine.lora.layers import LoraLinear
 from engine.output_processor import OutputProcessor
 from engine.sampling_params import SamplingParams
@@ -187,3 +189,60 @@ def test_one_adapter_a_step_gives_what_a_mixed_batch_gives(base_and_adapters) ->
     engine.runner.executor.forward = recorded  # type: ignore[method-assign]
     assert run(engine, requests) == mixed
     assert max(len(ids) for ids in seen) == 1 and {0, 1} <= set().union(*seen)
+
+
+def test_adapters_loaded_and_unloaded_at_run_time(base_and_adapters, tmp_path) -> None:
+    """``enable_lora`` without adapters: one loaded at run time gives what it gives loaded
+    at start; one in use is not unloaded; what cannot be served is refused, naming the
+    field, and the engine serves on."""
+    out, _, _ = base_and_adapters
+    config = dict(model=str(out / "base"), dtype="float32", block_size=4,
+                  kv_cache_memory=4 << 20)  # fmt: skip
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (6, 9)]
+    static = LLMEngine(EngineConfig(**config, lora_modules=(("a", str(out / "a")),  # type: ignore[arg-type]
+                                                             ("b", str(out / "b")))))  # fmt: skip
+    expected = run(static, [(prompts[0], "a"), (prompts[1], "b"), (prompts[0], None)])
+    engine = LLMEngine(EngineConfig(**config, enable_lora=True, max_lora_rank=8))  # type: ignore[arg-type]
+    assert engine.lora_names == {}
+    engine.load_lora("b", str(out / "b"))
+    engine.load_lora("a", str(out / "a"))
+    assert engine.lora_names["a"][1] == static.lora_names["a"][1]  # the same files' digest
+    assert run(engine, [(prompts[0], "a"), (prompts[1], "b"), (prompts[0], None)]) == expected
+    with pytest.raises(LoraError, match="lora_name: 'a' is already loaded"):
+        engine.load_lora("a", str(out / "b"))
+    engine.add_request("busy", prompts[0], SamplingParams(max_tokens=3), lora="a")
+    with pytest.raises(LoraError, match="'a' has 1 requests in flight"):
+        engine.unload_lora("a")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.unload_lora("a")
+    with pytest.raises(RequestError, match="lora: 'a' is not an adapter of this engine"):
+        engine.add_request("x", prompts[0], SamplingParams(max_tokens=2), lora="a")
+    with pytest.raises(LoraError, match="lora_name: 'a' is not loaded"):
+        engine.unload_lora("a")
+    engine.load_lora("a2", str(out / "a"))  # a new id; the same tokens
+    assert run(engine, [(prompts[0], "a2"), (prompts[1], "b")]) == expected[:2]
+    # What cannot be served: refused, naming the field; the engine runs on.
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(out / "a", corrupt)
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    wide = tmp_path / "wide"  # rank 16 over the bound of 8
+    other = tmp_path / "other"  # made for a base of another width
+    load = lambda path: LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)  # noqa: E731
+    save_adapter(wide, load(out / "base"), r=16, target_modules=["q_proj"])
+    build_tiny_llama(tmp_path / "base2", "mha_plain", num_layers=2, vocab_size=VOCAB)
+    save_adapter(other, load(tmp_path / "base2"), r=4, target_modules=["q_proj"])
+    for path, error in (
+        (corrupt, "adapter_model.safetensors: unreadable"),
+        (wide, "r: 16 exceeds the largest rank served, 8"),
+        (other, "an adapter for another base model"),
+        (tmp_path / "nothing", "holds no adapter_config.json"),
+    ):
+        with pytest.raises(LoraError, match=error):
+            engine.load_lora("bad", str(path))
+        assert "bad" not in engine.lora_names
+    assert run(engine, [(prompts[0], "a2"), (prompts[1], "b")]) == expected[:2]
+    plain = LLMEngine(EngineConfig(**config))  # type: ignore[arg-type]
+    with pytest.raises(LoraError, match="this engine runs no LoRA adapters"):
+        plain.load_lora("a", str(out / "a"))

@@ -10,9 +10,11 @@ adapter hits the cache (usage's cached tokens), under another it does not."""
 from __future__ import annotations
 
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx2 as httpx
 import openai
 import pytest
 import torch
@@ -21,8 +23,9 @@ from transformers import LlamaForCausalLM
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from serving.launcher import Cluster
-from tandem_client import Completion, InvalidRequest, TandemClient
+from tandem_client import AsyncTandemClient, Completion, InvalidRequest, TandemClient
 from tests.engine.test_lora_adapter import save_adapter
+from tests.engine.tiny_models import build_tiny_llama
 from tests.services.cluster_helpers import (
     TINY_VOCAB,
     TINY_WORKER_ARGS,
@@ -33,6 +36,7 @@ from tests.services.cluster_helpers import (
 pytestmark = pytest.mark.timeout(300)
 MODEL = "target"  # the served name: the model directory's
 MAX_TOKENS = 12
+MAX_RANK = 8  # the workers' --max-lora-rank
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +49,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # fmt: skip
     save_adapter(out / "b", load(), std=0.5, r=4, lora_alpha=8,
                  target_modules=["gate_proj", "up_proj", "down_proj"])  # fmt: skip
+    save_adapter(out / "c", load(), std=0.5, r=2, target_modules=["down_proj", "q_proj"])
     return target, {"sql-a": out / "a", "chat/b": out / "b"}
 
 
@@ -54,8 +59,12 @@ def cluster(
 ) -> Iterator[Cluster]:
     target, paths = adapters
     flags = [arg for name, path in paths.items() for arg in ("--lora-modules", f"{name}={path}")]
+    runtime = ("--allow-runtime-lora", "--max-lora-rank", str(MAX_RANK))
     spec = tiny_cluster_spec(
-        target, tmp_path_factory.mktemp("lora_logs"), worker_args=(*TINY_WORKER_ARGS, *flags)
+        target,
+        tmp_path_factory.mktemp("lora_logs"),
+        worker_args=(*TINY_WORKER_ARGS, *flags, *runtime),
+        router_args=("--allow-runtime-lora",),
     )
     with Cluster(spec) as cluster:
         yield cluster
@@ -151,3 +160,85 @@ def test_the_prefix_cache_keeps_each_adapters_kv_apart(api: openai.OpenAI) -> No
     assert again == first and cached == 12
     for model in ("chat/b", MODEL):
         assert complete(api, model, prompt)[1] == 0, model
+
+
+def post(cluster: Cluster, route: str, **body: object) -> httpx.Response:
+    assert cluster.router is not None and cluster.router.base_url
+    return httpx.post(f"{cluster.router.base_url}/{route}", json=body, timeout=120)
+
+
+def test_an_adapter_loaded_and_unloaded_at_run_time(
+    cluster: Cluster,
+    api: openai.OpenAI,
+    adapters: tuple[Path, dict[str, Path]],
+    tmp_path: Path,
+) -> None:
+    """POST /v1/load_lora_adapter: both workers load it, and requests may name it at
+    once, with the engine's tokens under it; /v1/unload_lora_adapter: gone (404). What
+    a worker cannot serve is refused naming the field (400), and the cluster serves on
+    without it."""
+    target, _ = adapters
+    path = target.parent / "c"
+    prompt = [9, 17, 33, 4, 21, 8]
+    engine = LLMEngine(EngineConfig(model=str(target), dtype="float32", block_size=4,
+                                    kv_cache_memory=8 << 20, num_threads=1,
+                                    lora_modules=(("c", str(path)),)))  # fmt: skip
+    engine.add_request("0", prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                   ignore_eos=True), lora="c")  # fmt: skip
+    while engine.has_unfinished_requests():
+        expected = [o.token_ids for o in engine.step() if o.finished]
+    loaded = post(cluster, "load_lora_adapter", lora_name="rt/c", lora_path=str(path))
+    assert (loaded.status_code, loaded.text) == (
+        200, "Success: LoRA adapter 'rt/c' added successfully."
+    )  # fmt: skip
+    assert "rt/c" in {m.id for m in api.models.list().data}
+    with TandemClient(cluster.router_address) as sdk:
+        assert list(generate(sdk, "rt/c", prompt).token_ids) == expected[0]
+    again = post(cluster, "load_lora_adapter", lora_name="rt/c", lora_path=str(path))
+    assert again.status_code == 400 and "lora_name: 'rt/c' is already loaded" in again.text
+    unloaded = post(cluster, "unload_lora_adapter", lora_name="rt/c")
+    assert (unloaded.status_code, unloaded.text) == (
+        200, "Success: LoRA adapter 'rt/c' removed successfully."
+    )  # fmt: skip
+    with pytest.raises(openai.NotFoundError, match="unknown model 'rt/c'"):
+        complete(api, "rt/c", prompt)
+    missing = post(cluster, "unload_lora_adapter", lora_name="rt/c")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "lora_name"
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(path, corrupt)
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    load = lambda: LlamaForCausalLM.from_pretrained(target, dtype=torch.float32)  # noqa: E731
+    save_adapter(tmp_path / "wide", load(), r=2 * MAX_RANK, target_modules=["q_proj"])
+    build_tiny_llama(tmp_path / "other_base", "mha_plain", num_layers=2, vocab_size=TINY_VOCAB)
+    other = LlamaForCausalLM.from_pretrained(tmp_path / "other_base", dtype=torch.float32)
+    save_adapter(tmp_path / "other", other, r=2, target_modules=["q_proj"])
+    for bad, error in (
+        (corrupt, "adapter_model.safetensors: unreadable"),
+        (tmp_path / "wide", f"r: {2 * MAX_RANK} exceeds the largest rank served, {MAX_RANK}"),
+        (tmp_path / "other", "an adapter for another base model"),
+    ):
+        refused = post(cluster, "load_lora_adapter", lora_name="bad", lora_path=str(bad))
+        assert refused.status_code == 400 and error in refused.json()["error"]["message"], bad
+    named = post(cluster, "load_lora_adapter", lora_name=MODEL, lora_path=str(path))
+    assert named.status_code == 400 and named.json()["error"]["param"] == "lora_name"
+    assert {m.id for m in api.models.list().data} == {MODEL, "sql-a", "chat/b"}
+    with TandemClient(cluster.router_address) as sdk:  # serving on: the workers are whole
+        assert generate(sdk, "sql-a", prompt).finish_reason == "length"
+
+
+async def test_an_adapter_in_use_is_not_unloaded(cluster: Cluster) -> None:
+    """A stream under the adapter runs: unloading it is refused (409), and it stays."""
+    async with AsyncTandemClient(cluster.router_address) as sdk:
+        stream = sdk.stream([5, 6, 7], model="sql-a", max_tokens=1500, ignore_eos=True)
+        async for _ in stream:  # its first chunk: decoding under the adapter
+            break
+        async with httpx.AsyncClient(timeout=60) as http:
+            assert cluster.router is not None
+            busy = await http.post(f"{cluster.router.base_url}/unload_lora_adapter",
+                                   json={"lora_name": "sql-a"})  # fmt: skip
+        await stream.aclose()
+    assert busy.status_code == 409, busy.text
+    assert "'sql-a' has 1 requests in flight" in busy.json()["error"]["message"]
+    with TandemClient(cluster.router_address) as client:
+        assert "sql-a" in {m.name for m in client.models()}

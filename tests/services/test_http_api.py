@@ -85,7 +85,11 @@ async def test_models_and_health(base_url: str, client: openai.AsyncOpenAI) -> N
     assert [m.id for m in models.data] == [MODEL]
     async with httpx.AsyncClient() as http:
         health = await http.get(base_url.removesuffix("/v1") + "/health")
+        # loading LoRA adapters at run time is off without --allow-runtime-lora
+        body = {"lora_name": "x", "lora_path": "/tmp"}
+        load = await http.post(f"{base_url}/load_lora_adapter", json=body)
     assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert load.status_code == 404 and load.json()["error"]["type"] == "not_found_error"
 
 
 async def test_greedy_text_equals_grpc_and_the_engine(

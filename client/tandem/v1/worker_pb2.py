@@ -25,39 +25,47 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import generation_pb2 as tandem_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x1atandem/v1/generation.proto\"\xb0\x02\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x19\n\x11\x64raft_fingerprint\x18\x07 \x01(\t\x12\x1e\n\x16num_output_tokens_sent\x18\x08 \x01(\r\x12\x11\n\trouter_id\x18\t \x01(\t\x12\x14\n\x0crouter_epoch\x18\n \x01(\x04\x12\x0c\n\x04lora\x18\x0b \x01(\t\x12\x13\n\x0blora_digest\x18\x0c \x01(\t\"\x82\x01\n\x0cReserveReply\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\r\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x0f\n\x07host_id\x18\x06 \x01(\t\"\x98\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x39\n\x13\x66irst_token_logprob\x18\x04 \x01(\x0b\x32\x17.tandem.v1.TokenLogprobH\x00\x88\x01\x01\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x03(\r\x12\x1e\n\x16is_finished_on_prefill\x18\x06 \x01(\x08\x12\x1b\n\x13is_first_token_sent\x18\x08 \x01(\x08\x12\x12\n\nfirst_text\x18\t \x01(\tB\x16\n\x14_first_token_logprobJ\x04\x08\x07\x10\x08R\x0cprefill_here\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"9\n\nAbortReply\x12\x11\n\twas_known\x18\x01 \x01(\x08\x12\x18\n\x10num_blocks_freed\x18\x02 \x01(\r\")\n\x0cStatsRequest\x12\x19\n\x11include_block_ids\x18\x01 \x01(\x08\"\x9a\x03\n\nStatsReply\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\r\n\x05model\x18\x04 \x01(\t\x12\x1a\n\x12num_kv_blocks_used\x18\x05 \x01(\r\x12\x1a\n\x12num_kv_blocks_free\x18\x06 \x01(\r\x12\x1c\n\x14num_kv_blocks_cached\x18\x07 \x01(\r\x12\x13\n\x0bnum_running\x18\x08 \x01(\r\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12\x0c\n\x04load\x18\n \x01(\x02\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12*\n\x05\x64raft\x18\x0c \x01(\x0b\x32\x16.tandem.v1.DraftConfigH\x00\x88\x01\x01\x12\x17\n\x0fowned_block_ids\x18\r \x03(\r\x12\x35\n\x0bspeculative\x18\x0e \x01(\x0b\x32\x1b.tandem.v1.SpeculativeUsageH\x01\x88\x01\x01\x42\x08\n\x06_draftB\x0e\n\x0c_speculative\"\xa4\x01\n\x0b\x44raftConfig\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rmask_token_id\x18\x05 \x01(\r\x12\x18\n\x10target_layer_ids\x18\x06 \x03(\r\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\"\xd2\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x06 \x03(\r\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_epoch\x18\x08 \x01(\x04\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\t \x01(\t\x12\x1e\n\x16num_output_tokens_sent\x18\n \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_host_id\x18\x0b \x01(\t\x12\x0c\n\x04lora\x18\x0c \x01(\t\x12\x13\n\x0blora_digest\x18\r \x01(\t\"\xc9\x02\n\x0cPrefillReply\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x39\n\x13\x66irst_token_logprob\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TokenLogprobH\x00\x88\x01\x01\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x18\n\x10num_bytes_pushed\x18\x05 \x01(\x04\x12(\n\x06timing\x18\x06 \x01(\x0b\x32\x18.tandem.v1.PrefillTiming\x12\x13\n\x0bis_finished\x18\x07 \x01(\x08\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x12\n\nfirst_text\x18\t \x01(\tB\x16\n\x14_first_token_logprob\"G\n\rPrefillTiming\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\xff\x01\n\x0c\x44\x65\x63odeWorker\x12=\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x17.tandem.v1.ReserveReply\x12>\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x18.tandem.v1.GenerateChunk0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x15.tandem.v1.AbortReply\x12\x37\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x15.tandem.v1.StatsReply2\xc0\x01\n\rPrefillWorker\x12=\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x17.tandem.v1.PrefillReply\x12\x37\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x15.tandem.v1.AbortReply\x12\x37\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x15.tandem.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x1atandem/v1/generation.proto\"7\n\x0fLoadLoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"$\n\rLoadLoraReply\x12\x13\n\x0blora_digest\x18\x01 \x01(\t\"&\n\x11UnloadLoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x11\n\x0fUnloadLoraReply\"\xb0\x02\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x19\n\x11\x64raft_fingerprint\x18\x07 \x01(\t\x12\x1e\n\x16num_output_tokens_sent\x18\x08 \x01(\r\x12\x11\n\trouter_id\x18\t \x01(\t\x12\x14\n\x0crouter_epoch\x18\n \x01(\x04\x12\x0c\n\x04lora\x18\x0b \x01(\t\x12\x13\n\x0blora_digest\x18\x0c \x01(\t\"\x82\x01\n\x0cReserveReply\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\r\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x0f\n\x07host_id\x18\x06 \x01(\t\"\x98\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x39\n\x13\x66irst_token_logprob\x18\x04 \x01(\x0b\x32\x17.tandem.v1.TokenLogprobH\x00\x88\x01\x01\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x03(\r\x12\x1e\n\x16is_finished_on_prefill\x18\x06 \x01(\x08\x12\x1b\n\x13is_first_token_sent\x18\x08 \x01(\x08\x12\x12\n\nfirst_text\x18\t \x01(\tB\x16\n\x14_first_token_logprobJ\x04\x08\x07\x10\x08R\x0cprefill_here\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"9\n\nAbortReply\x12\x11\n\twas_known\x18\x01 \x01(\x08\x12\x18\n\x10num_blocks_freed\x18\x02 \x01(\r\")\n\x0cStatsRequest\x12\x19\n\x11include_block_ids\x18\x01 \x01(\x08\"\x9a\x03\n\nStatsReply\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\r\n\x05model\x18\x04 \x01(\t\x12\x1a\n\x12num_kv_blocks_used\x18\x05 \x01(\r\x12\x1a\n\x12num_kv_blocks_free\x18\x06 \x01(\r\x12\x1c\n\x14num_kv_blocks_cached\x18\x07 \x01(\r\x12\x13\n\x0bnum_running\x18\x08 \x01(\r\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12\x0c\n\x04load\x18\n \x01(\x02\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12*\n\x05\x64raft\x18\x0c \x01(\x0b\x32\x16.tandem.v1.DraftConfigH\x00\x88\x01\x01\x12\x17\n\x0fowned_block_ids\x18\r \x03(\r\x12\x35\n\x0bspeculative\x18\x0e \x01(\x0b\x32\x1b.tandem.v1.SpeculativeUsageH\x01\x88\x01\x01\x42\x08\n\x06_draftB\x0e\n\x0c_speculative\"\xa4\x01\n\x0b\x44raftConfig\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rmask_token_id\x18\x05 \x01(\r\x12\x18\n\x10target_layer_ids\x18\x06 \x03(\r\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\"\xd2\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x06 \x03(\r\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_epoch\x18\x08 \x01(\x04\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\t \x01(\t\x12\x1e\n\x16num_output_tokens_sent\x18\n \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_host_id\x18\x0b \x01(\t\x12\x0c\n\x04lora\x18\x0c \x01(\t\x12\x13\n\x0blora_digest\x18\r \x01(\t\"\xc9\x02\n\x0cPrefillReply\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x39\n\x13\x66irst_token_logprob\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TokenLogprobH\x00\x88\x01\x01\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x18\n\x10num_bytes_pushed\x18\x05 \x01(\x04\x12(\n\x06timing\x18\x06 \x01(\x0b\x32\x18.tandem.v1.PrefillTiming\x12\x13\n\x0bis_finished\x18\x07 \x01(\x08\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x12\n\nfirst_text\x18\t \x01(\tB\x16\n\x14_first_token_logprob\"G\n\rPrefillTiming\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\x89\x03\n\x0c\x44\x65\x63odeWorker\x12=\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x17.tandem.v1.ReserveReply\x12>\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x18.tandem.v1.GenerateChunk0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x15.tandem.v1.AbortReply\x12\x37\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x15.tandem.v1.StatsReply\x12@\n\x08LoadLora\x12\x1a.tandem.v1.LoadLoraRequest\x1a\x18.tandem.v1.LoadLoraReply\x12\x46\n\nUnloadLora\x12\x1c.tandem.v1.UnloadLoraRequest\x1a\x1a.tandem.v1.UnloadLoraReply2\xca\x02\n\rPrefillWorker\x12=\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x17.tandem.v1.PrefillReply\x12\x37\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x15.tandem.v1.AbortReply\x12\x37\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x15.tandem.v1.StatsReply\x12@\n\x08LoadLora\x12\x1a.tandem.v1.LoadLoraRequest\x1a\x18.tandem.v1.LoadLoraReply\x12\x46\n\nUnloadLora\x12\x1c.tandem.v1.UnloadLoraRequest\x1a\x1a.tandem.v1.UnloadLoraReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=2268
-  _globals['_WORKERROLE']._serialized_end=2358
-  _globals['_RESERVEREQUEST']._serialized_start=66
-  _globals['_RESERVEREQUEST']._serialized_end=370
-  _globals['_RESERVEREPLY']._serialized_start=373
-  _globals['_RESERVEREPLY']._serialized_end=503
-  _globals['_DECODEREQUEST']._serialized_start=506
-  _globals['_DECODEREQUEST']._serialized_end=786
-  _globals['_ABORTREQUEST']._serialized_start=788
-  _globals['_ABORTREQUEST']._serialized_end=838
-  _globals['_ABORTREPLY']._serialized_start=840
-  _globals['_ABORTREPLY']._serialized_end=897
-  _globals['_STATSREQUEST']._serialized_start=899
-  _globals['_STATSREQUEST']._serialized_end=940
-  _globals['_STATSREPLY']._serialized_start=943
-  _globals['_STATSREPLY']._serialized_end=1353
-  _globals['_DRAFTCONFIG']._serialized_start=1356
-  _globals['_DRAFTCONFIG']._serialized_end=1520
-  _globals['_PREFILLREQUEST']._serialized_start=1523
-  _globals['_PREFILLREQUEST']._serialized_end=1861
-  _globals['_PREFILLREPLY']._serialized_start=1864
-  _globals['_PREFILLREPLY']._serialized_end=2193
-  _globals['_PREFILLTIMING']._serialized_start=2195
-  _globals['_PREFILLTIMING']._serialized_end=2266
-  _globals['_DECODEWORKER']._serialized_start=2361
-  _globals['_DECODEWORKER']._serialized_end=2616
-  _globals['_PREFILLWORKER']._serialized_start=2619
-  _globals['_PREFILLWORKER']._serialized_end=2811
+  _globals['_WORKERROLE']._serialized_start=2422
+  _globals['_WORKERROLE']._serialized_end=2512
+  _globals['_LOADLORAREQUEST']._serialized_start=65
+  _globals['_LOADLORAREQUEST']._serialized_end=120
+  _globals['_LOADLORAREPLY']._serialized_start=122
+  _globals['_LOADLORAREPLY']._serialized_end=158
+  _globals['_UNLOADLORAREQUEST']._serialized_start=160
+  _globals['_UNLOADLORAREQUEST']._serialized_end=198
+  _globals['_UNLOADLORAREPLY']._serialized_start=200
+  _globals['_UNLOADLORAREPLY']._serialized_end=217
+  _globals['_RESERVEREQUEST']._serialized_start=220
+  _globals['_RESERVEREQUEST']._serialized_end=524
+  _globals['_RESERVEREPLY']._serialized_start=527
+  _globals['_RESERVEREPLY']._serialized_end=657
+  _globals['_DECODEREQUEST']._serialized_start=660
+  _globals['_DECODEREQUEST']._serialized_end=940
+  _globals['_ABORTREQUEST']._serialized_start=942
+  _globals['_ABORTREQUEST']._serialized_end=992
+  _globals['_ABORTREPLY']._serialized_start=994
+  _globals['_ABORTREPLY']._serialized_end=1051
+  _globals['_STATSREQUEST']._serialized_start=1053
+  _globals['_STATSREQUEST']._serialized_end=1094
+  _globals['_STATSREPLY']._serialized_start=1097
+  _globals['_STATSREPLY']._serialized_end=1507
+  _globals['_DRAFTCONFIG']._serialized_start=1510
+  _globals['_DRAFTCONFIG']._serialized_end=1674
+  _globals['_PREFILLREQUEST']._serialized_start=1677
+  _globals['_PREFILLREQUEST']._serialized_end=2015
+  _globals['_PREFILLREPLY']._serialized_start=2018
+  _globals['_PREFILLREPLY']._serialized_end=2347
+  _globals['_PREFILLTIMING']._serialized_start=2349
+  _globals['_PREFILLTIMING']._serialized_end=2420
+  _globals['_DECODEWORKER']._serialized_start=2515
+  _globals['_DECODEWORKER']._serialized_end=2908
+  _globals['_PREFILLWORKER']._serialized_start=2911
+  _globals['_PREFILLWORKER']._serialized_end=3241
 # @@protoc_insertion_point(module_scope)

@@ -47,6 +47,101 @@ WORKER_ROLE_DECODE: WorkerRole.ValueType  # 2
 Global___WorkerRole: _TypeAlias = WorkerRole  # noqa: Y015
 
 @_typing.final
+class LoadLoraRequest(_message.Message):
+    """LoadLora: a LoRA adapter in PEFT's format, read from a directory on the worker's host
+    (the router's POST /v1/load_lora_adapter). Once it answers, the worker's heartbeat
+    lists the adapter. FAILED_PRECONDITION from a worker started without
+    --allow-runtime-lora; INVALID_ARGUMENT, naming the field, for an adapter it cannot
+    serve (unreadable files, a rank over --max-lora-rank, another base model, a name
+    already loaded). The worker serves on either way.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    """The name requests give in their model field."""
+    lora_path: _builtins.str
+    """The adapter's directory (adapter_config.json, adapter_model.safetensors)."""
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+        lora_path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_name", b"lora_name", "lora_path", b"lora_path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraRequest: _TypeAlias = LoadLoraRequest  # noqa: Y015
+
+@_typing.final
+class LoadLoraReply(_message.Message):
+    """LoadLora's outcome."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_DIGEST_FIELD_NUMBER: _builtins.int
+    lora_digest: _builtins.str
+    """The digest of the adapter's files, as the worker's heartbeat lists it."""
+    def __init__(
+        self,
+        *,
+        lora_digest: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_digest", b"lora_digest"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraReply: _TypeAlias = LoadLoraReply  # noqa: Y015
+
+@_typing.final
+class UnloadLoraRequest(_message.Message):
+    """UnloadLora: FAILED_PRECONDITION while requests run under the adapter, or from a worker
+    started without --allow-runtime-lora; NOT_FOUND for a name not loaded.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    """The adapter's name."""
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_name", b"lora_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraRequest: _TypeAlias = UnloadLoraRequest  # noqa: Y015
+
+@_typing.final
+class UnloadLoraReply(_message.Message):
+    """UnloadLora's outcome."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraReply: _TypeAlias = UnloadLoraReply  # noqa: Y015
+
+@_typing.final
 class ReserveRequest(_message.Message):
     """Reserve: what the decode worker must hold for a request."""
 

@@ -57,6 +57,16 @@ class DecodeWorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/tandem.v1.DecodeWorker/LoadLora',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.LoadLoraReply.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/tandem.v1.DecodeWorker/UnloadLora',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.UnloadLoraReply.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -95,6 +105,20 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """Loads a LoRA adapter at run time (see LoadLoraRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """Unloads a LoRA adapter (see UnloadLoraRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -117,6 +141,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.StatsReply.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.LoadLoraRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.LoadLoraReply.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.UnloadLoraReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -239,6 +273,60 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DecodeWorker/LoadLora',
+            tandem_dot_v1_dot_worker__pb2.LoadLoraRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.LoadLoraReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DecodeWorker/UnloadLora',
+            tandem_dot_v1_dot_worker__pb2.UnloadLoraRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.UnloadLoraReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub:
     """A prefill worker: runs target (and draft) prefill and pushes the KV to a decode worker.
@@ -264,6 +352,16 @@ class PrefillWorkerStub:
                 '/tandem.v1.PrefillWorker/Stats',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.StatsReply.FromString,
+                _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/tandem.v1.PrefillWorker/LoadLora',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.LoadLoraReply.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/tandem.v1.PrefillWorker/UnloadLora',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.UnloadLoraReply.FromString,
                 _registered_method=True)
 
 
@@ -293,6 +391,20 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """Loads a LoRA adapter at run time (see LoadLoraRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """Unloads a LoRA adapter (see UnloadLoraRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -310,6 +422,16 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.StatsReply.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.LoadLoraRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.LoadLoraReply.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.UnloadLoraReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -394,6 +516,60 @@ class PrefillWorker:
             '/tandem.v1.PrefillWorker/Stats',
             tandem_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.PrefillWorker/LoadLora',
+            tandem_dot_v1_dot_worker__pb2.LoadLoraRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.LoadLoraReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.PrefillWorker/UnloadLora',
+            tandem_dot_v1_dot_worker__pb2.UnloadLoraRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.UnloadLoraReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,10 @@ class DecodeWorkerStub:
     """Aborts a request: stops decoding it and frees its blocks. Idempotent."""
     Stats: _grpc.UnaryUnaryMultiCallable[_worker_pb2.StatsRequest, _worker_pb2.StatsReply]
     """Load and memory figures, for routing and health."""
+    LoadLora: _grpc.UnaryUnaryMultiCallable[_worker_pb2.LoadLoraRequest, _worker_pb2.LoadLoraReply]
+    """Loads a LoRA adapter at run time (see LoadLoraRequest)."""
+    UnloadLora: _grpc.UnaryUnaryMultiCallable[_worker_pb2.UnloadLoraRequest, _worker_pb2.UnloadLoraReply]
+    """Unloads a LoRA adapter (see UnloadLoraRequest)."""
 
 @_typing.type_check_only
 class DecodeWorkerAsyncStub(DecodeWorkerStub):
@@ -72,6 +76,10 @@ class DecodeWorkerAsyncStub(DecodeWorkerStub):
     """Aborts a request: stops decoding it and frees its blocks. Idempotent."""
     Stats: _aio.UnaryUnaryMultiCallable[_worker_pb2.StatsRequest, _worker_pb2.StatsReply]  # type: ignore[assignment]
     """Load and memory figures, for routing and health."""
+    LoadLora: _aio.UnaryUnaryMultiCallable[_worker_pb2.LoadLoraRequest, _worker_pb2.LoadLoraReply]  # type: ignore[assignment]
+    """Loads a LoRA adapter at run time (see LoadLoraRequest)."""
+    UnloadLora: _aio.UnaryUnaryMultiCallable[_worker_pb2.UnloadLoraRequest, _worker_pb2.UnloadLoraReply]  # type: ignore[assignment]
+    """Unloads a LoRA adapter (see UnloadLoraRequest)."""
 
 class DecodeWorkerServicer(metaclass=_abc_1.ABCMeta):
     """A decode worker: holds reserved KV blocks, receives prefilled KV, and decodes
@@ -115,6 +123,22 @@ class DecodeWorkerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.StatsReply, _abc.Awaitable[_worker_pb2.StatsReply]]:
         """Load and memory figures, for routing and health."""
 
+    @_abc_1.abstractmethod
+    def LoadLora(
+        self,
+        request: _worker_pb2.LoadLoraRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.LoadLoraReply, _abc.Awaitable[_worker_pb2.LoadLoraReply]]:
+        """Loads a LoRA adapter at run time (see LoadLoraRequest)."""
+
+    @_abc_1.abstractmethod
+    def UnloadLora(
+        self,
+        request: _worker_pb2.UnloadLoraRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.UnloadLoraReply, _abc.Awaitable[_worker_pb2.UnloadLoraReply]]:
+        """Unloads a LoRA adapter (see UnloadLoraRequest)."""
+
 def add_DecodeWorkerServicer_to_server(servicer: DecodeWorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class PrefillWorkerStub:
@@ -132,6 +156,10 @@ class PrefillWorkerStub:
     """Aborts a prefill in progress (queued, computing or pushing). Idempotent."""
     Stats: _grpc.UnaryUnaryMultiCallable[_worker_pb2.StatsRequest, _worker_pb2.StatsReply]
     """Load and memory figures, for routing and health."""
+    LoadLora: _grpc.UnaryUnaryMultiCallable[_worker_pb2.LoadLoraRequest, _worker_pb2.LoadLoraReply]
+    """Loads a LoRA adapter at run time (see LoadLoraRequest)."""
+    UnloadLora: _grpc.UnaryUnaryMultiCallable[_worker_pb2.UnloadLoraRequest, _worker_pb2.UnloadLoraReply]
+    """Unloads a LoRA adapter (see UnloadLoraRequest)."""
 
 @_typing.type_check_only
 class PrefillWorkerAsyncStub(PrefillWorkerStub):
@@ -146,6 +174,10 @@ class PrefillWorkerAsyncStub(PrefillWorkerStub):
     """Aborts a prefill in progress (queued, computing or pushing). Idempotent."""
     Stats: _aio.UnaryUnaryMultiCallable[_worker_pb2.StatsRequest, _worker_pb2.StatsReply]  # type: ignore[assignment]
     """Load and memory figures, for routing and health."""
+    LoadLora: _aio.UnaryUnaryMultiCallable[_worker_pb2.LoadLoraRequest, _worker_pb2.LoadLoraReply]  # type: ignore[assignment]
+    """Loads a LoRA adapter at run time (see LoadLoraRequest)."""
+    UnloadLora: _aio.UnaryUnaryMultiCallable[_worker_pb2.UnloadLoraRequest, _worker_pb2.UnloadLoraReply]  # type: ignore[assignment]
+    """Unloads a LoRA adapter (see UnloadLoraRequest)."""
 
 class PrefillWorkerServicer(metaclass=_abc_1.ABCMeta):
     """A prefill worker: runs target (and draft) prefill and pushes the KV to a decode worker."""
@@ -175,5 +207,21 @@ class PrefillWorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.StatsReply, _abc.Awaitable[_worker_pb2.StatsReply]]:
         """Load and memory figures, for routing and health."""
+
+    @_abc_1.abstractmethod
+    def LoadLora(
+        self,
+        request: _worker_pb2.LoadLoraRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.LoadLoraReply, _abc.Awaitable[_worker_pb2.LoadLoraReply]]:
+        """Loads a LoRA adapter at run time (see LoadLoraRequest)."""
+
+    @_abc_1.abstractmethod
+    def UnloadLora(
+        self,
+        request: _worker_pb2.UnloadLoraRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.UnloadLoraReply, _abc.Awaitable[_worker_pb2.UnloadLoraReply]]:
+        """Unloads a LoRA adapter (see UnloadLoraRequest)."""
 
 def add_PrefillWorkerServicer_to_server(servicer: PrefillWorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

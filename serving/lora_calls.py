@@ -1,0 +1,66 @@
+"""A worker's LoRA calls, both roles alike: its adapters as the wire names them, and
+LoadLora and UnloadLora (tandem.v1 worker.proto), which load or unload an adapter on
+the engine's thread between steps, then publish the worker's figures at once, so that
+routers route to the adapter as soon as the call answers. Off unless the worker was
+started with --allow-runtime-lora (``EngineConfig.enable_lora``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.lora.registry import LoraInUse, LoraNotLoaded
+from ledger.membership import Membership
+from serving.engine_commands import LoadLora, UnloadLora
+from serving.engine_loop import EngineLoop
+from serving.lora_setup import LORA_NAME, lora_digests
+from serving.rpc import NotFound, PreconditionFailed
+from tandem.v1 import worker_pb2 as pb
+
+
+class LoraCalls:
+    """LoadLora and UnloadLora over ``engine``, and ``loras`` (see the module's docstring)."""
+
+    engine: LLMEngine
+    engine_loop: EngineLoop[Any]
+    membership: Membership
+    served_name: str
+
+    @property
+    def loras(self) -> dict[str, str]:
+        """The engine's LoRA adapters: name -> digest (serving.lora_setup)."""
+        return lora_digests(self.engine.lora_names)
+
+    async def LoadLora(self, request: pb.LoadLoraRequest, context: Any) -> pb.LoadLoraReply:
+        self._check_runtime_lora()
+        name = request.lora_name
+        if not LORA_NAME.fullmatch(name):
+            raise ValueError(
+                f"lora_name: {name[:140]!r}: 1..128 characters of [A-Za-z0-9._:/-], starting "
+                "with a letter or digit"
+            )
+        if name == self.served_name:
+            raise ValueError(f"lora_name: {name!r} is the served model's name")
+        if not request.lora_path:
+            raise ValueError("lora_path: is empty")
+        await self.engine_loop.call(LoadLora(name, request.lora_path))  # LoraError: a ValueError
+        self.membership.publish_figures()
+        return pb.LoadLoraReply(lora_digest=self.loras[name])
+
+    async def UnloadLora(self, request: pb.UnloadLoraRequest, context: Any) -> pb.UnloadLoraReply:
+        self._check_runtime_lora()
+        try:
+            await self.engine_loop.call(UnloadLora(request.lora_name))
+        except LoraInUse as e:
+            raise PreconditionFailed(str(e)) from None
+        except LoraNotLoaded as e:
+            raise NotFound(str(e)) from None
+        self.membership.publish_figures()
+        return pb.UnloadLoraReply()
+
+    def _check_runtime_lora(self) -> None:
+        if not self.engine.config.enable_lora:
+            raise PreconditionFailed(
+                "lora_name: loading adapters at run time is off on this worker (start it "
+                "with --allow-runtime-lora)"
+            )
