@@ -119,10 +119,14 @@ def how_it_ended(error: BaseException, route: Route) -> tuple[RequestState, str]
 class StreamTiming:
     """One request's latencies, into the router's histograms."""
 
-    def __init__(self, metrics: RouterMetrics, arrived: float) -> None:
+    def __init__(
+        self, metrics: RouterMetrics, arrived: float, model: str, num_prompt_tokens: int
+    ) -> None:
         self.metrics = metrics
         self.arrived = arrived
         self.last_sent: float | None = None
+        self.model = model  # the served model's name, or the LoRA adapter's the request named
+        metrics.model_prompt_tokens.labels(metrics.role, model).inc(num_prompt_tokens)
 
     def queued(self, computing_since: float) -> None:
         self.metrics.queue_seconds.labels(self.metrics.role).observe(
@@ -133,6 +137,7 @@ class StreamTiming:
         if not chunk.token_ids:
             return
         now, role = time.monotonic(), self.metrics.role
+        self.metrics.model_generation_tokens.labels(role, self.model).inc(len(chunk.token_ids))
         if self.last_sent is None:
             self.metrics.ttft_seconds.labels(role).observe(now - self.arrived)
         else:
@@ -143,6 +148,7 @@ class StreamTiming:
         role = self.metrics.role
         self.metrics.e2e_seconds.labels(role).observe(time.monotonic() - self.arrived)
         self.metrics.requests.labels(role, status).inc()
+        self.metrics.model_requests.labels(role, self.model, status).inc()
 
 
 def _add(total: gen.SpeculativeUsage, more: gen.SpeculativeUsage) -> None:

@@ -148,6 +148,19 @@ class WorkerPicker:
             for w in registry
         )
 
+    def num_loras(self) -> int:
+        """How many LoRA adapters live workers of the model serve, read afresh from the
+        registry (for a metrics scrape, on its own thread, as ``num_workers``)."""
+        try:
+            registry = self.ledger.list_workers()
+        except redis.RedisError:
+            registry = self._workers
+        names: set[str] = set()
+        for worker in registry:
+            if any(self._serves(worker, role) for role in (WorkerRole.PREFILL, WorkerRole.DECODE)):
+                names.update(worker_loras(worker.stats))
+        return len(names)
+
     def _serving(self, role: WorkerRole) -> list[WorkerInfo]:
         if time.monotonic() - self._fetched_at > self.refresh_s:
             self._workers = self.ledger.list_workers()

@@ -90,6 +90,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             (self.metrics.decode_workers, WorkerRole.DECODE),
         ):
             gauge.labels(role).set_function(functools.partial(picker.num_workers, worker_role))
+        self.metrics.lora_adapters.labels(role).set_function(picker.num_loras)
         self._channels = channels or ChannelPool()  # to workers (with the cluster secret)
         self.lora_admin = LoraAdmin(picker, self._channels, validator.model.name)
         self._cleanups: set[asyncio.Task[None]] = set()
@@ -135,7 +136,8 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.picker.count_in_flight(route.workers, +1)
         is_finished = is_ended = False
         end_state, reason = RequestState.FAILED, ""
-        timing = StreamTiming(self.metrics, arrived)
+        model = valid.lora or self.validator.model.name
+        timing = StreamTiming(self.metrics, arrived, model, len(valid.prompt_token_ids))
         try:
             for attempt in range(MAX_ATTEMPTS):
                 if attempt:  # D handed it back: resume it, prompt + tokens sent so far

@@ -156,6 +156,25 @@ class RouterMetrics(Metrics):
             "tandem_decode_workers",
             "Live decode workers (co-located ones too) of the model this router picks from",
         )
+        # Per model: the served model's name, or a LoRA adapter's its requests named.
+        self.model_requests = self._counter(
+            "tandem_model_requests",
+            "Requests by the model or LoRA adapter they named, and how they ended",
+            ["model", "status"],
+        )
+        self.model_prompt_tokens = self._counter(
+            "tandem_model_prompt_tokens",
+            "Prompt tokens of admitted requests, by the model or LoRA adapter they named",
+            ["model"],
+        )
+        self.model_generation_tokens = self._counter(
+            "tandem_model_generation_tokens",
+            "Tokens streamed to clients, by the model or LoRA adapter their requests named",
+            ["model"],
+        )
+        self.lora_adapters = self._gauge(
+            "tandem_lora_adapters", "LoRA adapters the live workers of the model serve"
+        )
 
 
 class PrefillMetrics(Metrics):

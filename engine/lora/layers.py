@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.lora.adapter import LoraAdapter, LoraWeights
-from engine.lora.ops import lora_delta
+from engine.lora.ops import DENSE_MAX_TOKENS, DenseLora, lora_delta, token_mask
 
 # Tandem's projection -> (its part's HF name, the part's share of its output)
 FUSED = {
@@ -34,10 +34,21 @@ class LoraStep:
 
     lora_grouped_offsets: list[int] = field(default_factory=list)  # [G + 1]
     lora_ids: list[int] = field(default_factory=list)  # [G]
+    # token_mask of these groups, made once for the step's projections: (its groups, its
+    # slots and device) -> the mask
+    _mask: tuple[tuple[int, int, int, torch.device], torch.Tensor] | None = None
 
     @property
     def is_active(self) -> bool:
         return any(i >= 0 for i in self.lora_ids)
+
+    def mask(self, num_slots: int, device: torch.device) -> torch.Tensor:
+        """``token_mask`` of this step's groups, kept while the groups are the same lists."""
+        key = (id(self.lora_grouped_offsets), id(self.lora_ids), num_slots, device)
+        if self._mask is None or self._mask[0] != key:
+            mask = token_mask(self.lora_grouped_offsets, self.lora_ids, num_slots, device)
+            self._mask = (key, mask)
+        return self._mask[1]
 
 
 class LoraLinear(nn.Module):
@@ -54,6 +65,7 @@ class LoraLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.base, self.parts, self.weights, self.step = base, list(parts), weights, step
+        self.dense: DenseLora | None = None  # made at its first dense step after a change
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
@@ -66,11 +78,19 @@ class LoraLinear(nn.Module):
                 f"lora: the step's groups cover {step.lora_grouped_offsets[-1]} tokens, "
                 f"the forward has {x2.shape[0]}"
             )
-        deltas = [
-            lora_delta(x2, step.lora_grouped_offsets, step.lora_ids, by_id, width)
-            for by_id, width in zip(self.weights, self.parts, strict=True)
-        ]
-        return y + torch.cat(deltas, dim=-1).view(y.shape).to(y.dtype)
+        if x2.shape[0] <= DENSE_MAX_TOKENS:
+            if self.dense is None:
+                self.dense = DenseLora(self.weights, x2.shape[-1], self.parts, x2.device)
+            delta = self.dense.deltas(x2, step.mask(self.dense.num_slots, x2.device))
+        else:
+            delta = torch.cat(
+                [
+                    lora_delta(x2, step.lora_grouped_offsets, step.lora_ids, by_id, width)
+                    for by_id, width in zip(self.weights, self.parts, strict=True)
+                ],
+                dim=-1,
+            )
+        return y + delta.view(y.shape).to(y.dtype)
 
 
 def use_lora(model: nn.Module, adapters: Sequence[LoraAdapter]) -> LoraStep:
@@ -108,6 +128,7 @@ def put_adapter(model: nn.Module, adapter_id: int, adapter: LoraAdapter | None) 
             for by_id, weights in zip(linear.weights, new, strict=True):
                 by_id.extend([None] * (adapter_id + 1 - len(by_id)))
                 by_id[adapter_id] = weights
+            linear.dense = None  # stacked again at its next dense step
 
 
 def _widths(owner: nn.Module, attr: str) -> list[int]:

@@ -15,8 +15,8 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.lora.adapter import TARGETS, LoraError, load_adapter
-from engine.lora.ops import lora_delta
+from engine.lora.adapter import TARGETS, LoraError, LoraWeights, load_adapter
+from engine.lora.ops import DenseLora, lora_delta, token_mask
 
 
 def tiny_llama(hidden: int = 64) -> LlamaForCausalLM:
@@ -74,6 +74,34 @@ def test_deltas_equal_peft_module_by_module(tmp_path, rslora: bool) -> None:
         assert torch.allclose(got[:3], expected[:3], atol=1e-6), module
         assert torch.allclose(got[5:], expected[5:], atol=1e-6), module
         assert not got[3:5].any()  # no adapter: no delta
+
+
+def test_dense_deltas_equal_the_per_group_products() -> None:
+    """``DenseLora`` (every adapter stacked, each token's others masked out) gives each
+    token what ``lora_delta`` gives its group: adapters of different ranks and scalings,
+    an unloaded one (None), a part no adapter targets, rows without one, ids past the
+    slots."""
+    gen = torch.Generator().manual_seed(0)
+
+    def weights(r: int, out: int, scaling: float) -> LoraWeights:
+        a, b = torch.randn(r, 24, generator=gen), torch.randn(out, r, generator=gen)
+        return LoraWeights(a, b, scaling)
+
+    parts = [
+        [weights(4, 16, 2.0), None, weights(8, 16, 0.5)],  # ids 0 and 2; 1 unloaded
+        [None, None, None],  # no adapter targets this part
+        [weights(2, 8, 1.0), weights(6, 8, 3.0), None],
+    ]
+    dense = DenseLora(parts, 24, [16, 4, 8], torch.device("cpu"))
+    offsets, ids = [0, 2, 3, 6, 7, 9, 10], [2, -1, 0, 1, 2, 5]  # 5: past the slots
+    x = torch.randn(10, 24, generator=gen)
+    got = dense.deltas(x, token_mask(offsets, ids, dense.num_slots, x.device))
+    widths = [16, 4, 8]
+    per_part = [lora_delta(x, offsets, ids, p, w) for p, w in zip(parts, widths, strict=True)]
+    expected = torch.cat(per_part, dim=-1)
+    assert got.shape == (10, 28)
+    assert torch.allclose(got, expected, atol=1e-4)
+    assert not got[2].any() and not got[9].any() and not got[:, 16:20].any()
 
 
 def test_what_cannot_be_served_is_refused_naming_the_field(tmp_path) -> None:

@@ -10,7 +10,9 @@ adapter hits the cache (usage's cached tokens), under another it does not."""
 from __future__ import annotations
 
 import random
+import re
 import shutil
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,6 +98,30 @@ def engine_greedy(
     return outputs
 
 
+COUNTED = ("finished", "prompt", "generation")
+MODEL_COUNTER = re.compile(
+    r'tandem_model_(\w+)_total\{model="([^"]+)",role="router"(?:,status="(\w+)")?\} (\S+)'
+)
+
+
+def model_counts(cluster: Cluster) -> dict[tuple[str, str], float]:
+    """The router's per-model counters: (model, "finished" | "prompt" | "generation"),
+    and ("", "adapters"): the LoRA adapters gauge."""
+    assert cluster.router is not None
+    with urllib.request.urlopen(cluster.router.metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    counts: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        found = MODEL_COUNTER.fullmatch(line)
+        if found is not None:
+            kind, model, status, value = found.groups()
+            key = status if kind == "requests" else kind.removesuffix("_tokens")
+            counts[(model, key)] = counts.get((model, key), 0) + float(value)
+        elif line.startswith('tandem_lora_adapters{role="router"}'):
+            counts[("", "adapters")] = float(line.split()[-1])
+    return counts
+
+
 def complete(api: openai.OpenAI, model: str, prompt: list[int]) -> tuple[str, int]:
     """The OpenAI completion's text and cached prompt tokens."""
     reply = api.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
@@ -132,11 +158,18 @@ def test_each_adapter_by_name_equals_the_engine_under_it(
     expected = engine_greedy(adapters, requests)
     for i in range(0, len(expected), 3):  # each adapter changes the output: applied or not
         assert len({tuple(e) for e in expected[i : i + 3]}) == 3, requests[i][0]
+    before = model_counts(cluster)
     with TandemClient(cluster.router_address) as sdk:
         got = [generate(sdk, lora or MODEL, prompt) for prompt, lora in requests]
     assert [list(c.token_ids) for c in got] == expected
     texts = [complete(api, lora or MODEL, prompt)[0] for prompt, lora in requests]
     assert texts == [c.text for c in got]
+    after = model_counts(cluster)  # the router's per-model counters: 2 x 3 requests each
+    for model in models:
+        got_counts = {k: after.get((model, k), 0) - before.get((model, k), 0) for k in COUNTED}
+        prompt_tokens = 2 * sum(len(p) for p in prompts)
+        assert got_counts == {"finished": 6, "prompt": prompt_tokens, "generation": 6 * MAX_TOKENS}
+    assert after[("", "adapters")] == 2
 
 
 def test_an_unknown_adapter_is_not_found(cluster: Cluster, api: openai.OpenAI) -> None:
