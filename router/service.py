@@ -247,17 +247,12 @@ class GenerationService(gen_grpc.GenerationServicer):
             info.draft_kind = worker.stats.get("draft_kind", "")
         if not info.draft_model and self.draft_dir_name:
             info.draft_model = self.draft_dir_name
-        adapters = [
-            gen.ModelInfo(
-                name=name,
-                max_model_len=model.max_model_len,
-                draft_model=info.draft_model,
-                draft_kind=info.draft_kind,
-                parent=model.name,
-            )
-            for name in self.picker.lora_names()
-        ]
-        return gen.ListModelsResponse(models=[info, *adapters])
+        models = [info]
+        for name in self.picker.lora_names():  # its LoRA adapters, the model their parent
+            models.append(gen.ModelInfo())
+            models[-1].CopyFrom(info)
+            models[-1].name, models[-1].parent = name, model.name
+        return gen.ListModelsResponse(models=models)
 
     # ---- the three hops
 

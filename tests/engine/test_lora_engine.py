@@ -1,9 +1,11 @@
-"""LoRA adapters served by the engine, in mixed batches: two PEFT adapters and the base
-model in one batch, each request's greedy output in fp32 equal to transformers running
-its adapter merged into the base (the tie-aware comparator); the prefix cache never
-hands KV made under one adapter to another or to the base. Speculating (an EAGLE-3
-draft, suffix decoding), a mixed batch gives what it gives without drafts. Unknown
-adapters and what adapters do not run with yet are refused, naming the field."""
+"""LoRA adapters served by the engine, in mixed batches: three PEFT adapters (ranks,
+targets and scalings of their own) and the base model in one batch, each request's
+greedy output in fp32 equal to transformers running its adapter merged into the base
+(the tie-aware comparator); the prefix cache never hands KV made under one adapter to
+another or to the base. Speculating (an EAGLE-3 draft, suffix decoding), a mixed batch
+gives what it gives without drafts. Prefilled on one engine and decoded on another, and
+loaded or unloaded at run time, adapters give the same tokens. Unknown adapters, what
+cannot be served and what adapters do not run with yet are refused, naming the field."""
 
 from __future__ import annotations
 
@@ -38,9 +40,11 @@ def base_and_adapters(tmp_path_factory: pytest.TempPathFactory):
                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # fmt: skip
     save_adapter(out / "b", load(), std=0.5, r=4, lora_alpha=8, use_rslora=True,
                  target_modules=["gate_proj", "up_proj", "down_proj", "v_proj"])  # fmt: skip
+    save_adapter(out / "c", load(), std=0.5, r=2, lora_alpha=4, rank_pattern={"o_proj": 6},
+                 target_modules=["o_proj", "up_proj", "down_proj"])  # fmt: skip
     merged = {
         name: PeftModel.from_pretrained(load(), out / name).merge_and_unload().eval()
-        for name in ("a", "b")
+        for name in ("a", "b", "c")
     }
     return out, load(), merged
 
@@ -57,7 +61,7 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], str | None]]) -> list
 
 def test_a_mixed_batch_equals_each_adapter_merged(base_and_adapters) -> None:
     out, base, merged = base_and_adapters
-    adapters = (("a", str(out / "a")), ("b", str(out / "b")))
+    adapters = tuple((name, str(out / name)) for name in ("a", "b", "c"))
     engine = LLMEngine(
         EngineConfig(model=str(out / "base"), dtype="float32", block_size=4,
                      kv_cache_memory=4 << 20, lora_modules=adapters,
@@ -66,15 +70,15 @@ def test_a_mixed_batch_equals_each_adapter_merged(base_and_adapters) -> None:
     assert sum(isinstance(m, LoraLinear) for m in engine.runner.model.modules()) == 2 * 4
     rng = random.Random(0)
     shared = [rng.randrange(3, VOCAB) for _ in range(9)]  # a prefix every request starts with
-    prompts = [shared + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (2, 5, 1, 7)]
-    loras = ["a", None, "b", "a"]
+    prompts = [shared + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (2, 5, 1, 7, 3)]
+    loras = ["a", None, "b", "a", "c"]
 
     def greedy(model: LlamaForCausalLM, prompt: list[int]) -> list[int]:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
                              eos_token_id=None, pad_token_id=0)  # fmt: skip
         return out[0, len(prompt) :].tolist()
 
-    for name in ("a", "b"):  # each adapter changes the output: applied or not shows
+    for name in ("a", "b", "c"):  # each adapter changes the output: applied or not shows
         assert any(greedy(merged[name], p) != greedy(base, p) for p in prompts), name
     for _ in range(2):  # the second round: every prefix is cached, per adapter
         ours = run(engine, list(zip(prompts, loras, strict=True)))
@@ -82,8 +86,8 @@ def test_a_mixed_batch_equals_each_adapter_merged(base_and_adapters) -> None:
             reference = base if lora is None else merged[lora]
             compare_greedy(reference, [prompt], [got], [greedy(reference, prompt)])
     assert engine.block_manager.num_prefix_hit_blocks > 0
-    with pytest.raises(RequestError, match=r"lora: 'c' is not an adapter of this engine"):
-        engine.add_request("x", prompts[0], SamplingParams(max_tokens=2), lora="c")
+    with pytest.raises(RequestError, match=r"lora: 'd' is not an adapter of this engine"):
+        engine.add_request("x", prompts[0], SamplingParams(max_tokens=2), lora="d")
 
 
 def test_prefill_here_decode_there_under_adapters(base_and_adapters) -> None:
