@@ -20,19 +20,27 @@ first token is left out). The sides alternate ``--repeats`` times; each keeps it
 Then, in decodes of their own (timers would disturb the figures above), per decode step:
 - ``layers_ms``: the time in the adapted projections (``LoraLinear.forward``, the base
   product included); lora's less base's is what adapters add inside the layers;
-- ``delta_ms``: the time in ``lora_delta`` (``engine/lora/ops.py``), wrapped where
-  ``engine.lora.layers`` calls it;
-- ``shrink_ms`` and ``expand_ms``: from a timed copy of ``lora_delta`` run in its place
-  (the same ops, a timer around each half): shrink is ``x.float() @ A.T``, expand
-  ``@ B.T * scaling`` cast and written into the output; ``delta_copy_ms`` is the copy's
-  whole time, ``products`` the shrink-expand pairs a step runs.
+- ``delta_ms``: the time in the deltas (``engine/lora/ops.py``), wrapped where
+  ``engine.lora.layers`` looks them up: ``DenseLora.add_deltas`` (forwards of at most
+  ``DENSE_MAX_TOKENS`` tokens: every decode step here) plus ``lora_delta`` (the per-group
+  loop, for longer forwards); ``dense_ms`` and ``loop_ms`` are the two apart;
+- ``mask_ms``: the time in ``LoraStep.column_mask`` (the step's token-by-adapter mask
+  widened to the shrink's columns, made once a step per set of ranks, then fetched);
+- ``shrink_ms`` and ``expand_ms``: from timed copies of ``DenseLora.add_deltas`` and
+  ``lora_delta`` run in their places (the same ops, a timer around each half). Dense:
+  shrink is ``x @ A.T`` masked (every adapter and part of a projection at once; for this
+  bf16 model through the bf16 CPU kernel's panels), expand the rest (each part's ``@ B``,
+  added into the base product's output).
+  Loop: shrink ``x.float() @ A.T``, expand ``@ B.T * scaling`` cast and written.
+  ``delta_copy_ms`` is the copies' whole time; ``shrinks`` and ``expands`` count the
+  products a step runs.
 
     python bench/lora.py            # 128 tokens a row, 5 repeats
     python bench/lora.py --quick    # 32 tokens a row, 3 repeats
 
 The last line is one JSON object: ``lora_over_base_bs1`` and ``lora_over_base_bs8``
 (mixed-adapter decode tokens/s over base-only), each side's tokens/s, and per batch the
-step, layer, delta, shrink and expand times in ms.
+step, layer, delta, mask, shrink and expand times in ms.
 """
 
 from __future__ import annotations
@@ -158,7 +166,7 @@ def timing(inner: Callable[..., Any], spent: dict[str, float], key: str) -> Call
 def split_lora_delta(spent: dict[str, float]) -> Callable[..., Any]:
     """A copy of ``engine.lora.ops.lora_delta`` (the same ops in the same order) that adds
     its shrinks' and expands' seconds to ``spent`` ("shrink", "expand"), its whole time
-    to "delta_copy", and its shrink-expand pairs to "products"."""
+    to "delta_copy", and its products to "shrinks" and "expands"."""
     import torch
 
     def lora_delta(
@@ -182,11 +190,59 @@ def split_lora_delta(spent: dict[str, float]) -> Callable[..., Any]:
             t2 = time.perf_counter()
             spent["shrink"] += t1 - t0
             spent["expand"] += t2 - t1
-            spent["products"] += 1
+            spent["shrinks"] += 1
+            spent["expands"] += 1
         spent["delta_copy"] += time.perf_counter() - begin
         return out
 
     return lora_delta
+
+
+def split_dense_deltas(spent: dict[str, float]) -> Callable[..., Any]:
+    """A copy of ``engine.lora.ops.DenseLora.add_deltas`` (the same ops in the same order;
+    set on the class, it is the method) that adds its shrink's seconds to
+    ``spent["shrink"]`` (``x.float() @ A.T``, masked), the rest's (each part's expand, added
+    into the output) to "expand", its whole time to "delta_copy", and its products to
+    "shrinks" and "expands". For a bf16 model it copies ``_add_packed`` (the bf16
+    kernel's products)."""
+    import torch
+
+    from kernels.cpu import bf16_gemm
+
+    def add_deltas(self: Any, y: torch.Tensor, x: torch.Tensor, column_mask: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        if self.panels is not None:  # DenseLora._add_packed: a bf16 model's, bf16 panels
+            a_panels, b_panels = self.panels
+            x = x.to(torch.bfloat16)
+            masked = bf16_gemm.linear(x, a_panels, None, self.a.shape[0]).mul_(column_mask)
+        else:
+            b_panels = [None] * len(self.b)
+            masked = (x.float() @ self.a.T).mul_(column_mask)
+        t1 = time.perf_counter()
+        start = column = 0
+        for r, b, panels, width in zip(
+            self.ranks, self.b, b_panels, self.out_features, strict=True
+        ):
+            if r:
+                part = masked[:, start : start + self.num_slots * r]
+                if panels is not None:
+                    expanded = bf16_gemm.linear(part.contiguous(), panels, None, width)
+                else:
+                    expanded = part @ b
+                if width == y.shape[1]:
+                    y += expanded
+                else:
+                    y[:, column : column + width] += expanded
+                spent["expands"] += 1
+            start += self.num_slots * r
+            column += width
+        t2 = time.perf_counter()
+        spent["shrink"] += t1 - t0
+        spent["expand"] += t2 - t1
+        spent["delta_copy"] += t2 - t0
+        spent["shrinks"] += 1
+
+    return add_deltas
 
 
 @contextlib.contextmanager
@@ -214,28 +270,39 @@ def loras_for(side: str, batch: int, repeat: int) -> list[str | None]:
 def timed_parts(
     engine: Any, prompts: Sequence[list[int]], tokens: int, batch: int
 ) -> dict[str, float]:
-    """The per-step times of the adapted layers, the deltas and their shrinks and expands
-    at ``batch`` (medians over decode steps, in ms), from decodes of their own."""
+    """The per-step times of the adapted layers, the deltas (dense and loop), the mask,
+    and the deltas' shrinks and expands at ``batch`` (medians over decode steps, in ms),
+    from decodes of their own."""
     import engine.lora.layers as layers
+    import engine.lora.ops as ops
 
     figures: dict[str, float] = {}
-    spent = {"layers": 0.0, "delta": 0.0}
+    spent = {"layers": 0.0, "dense": 0.0, "loop": 0.0, "mask": 0.0}
     with (
         patched(layers.LoraLinear, "forward", timing(layers.LoraLinear.forward, spent, "layers")),
-        patched(layers, "lora_delta", timing(layers.lora_delta, spent, "delta")),
+        patched(ops.DenseLora, "add_deltas", timing(ops.DenseLora.add_deltas, spent, "dense")),
+        patched(layers, "lora_delta", timing(layers.lora_delta, spent, "loop")),
+        patched(layers.LoraStep, "column_mask", timing(layers.LoraStep.column_mask, spent, "mask")),
     ):
         for side in ("base", "lora"):
             _, steps = decode(engine, prompts, loras_for(side, batch, 0), tokens, spent)
             figures[f"{side}_step_ms"] = median_ms(steps, "step")
             figures[f"{side}_layers_ms"] = median_ms(steps, "layers")
             if side == "lora":
-                figures["delta_ms"] = median_ms(steps, "delta")
-    split = {"shrink": 0.0, "expand": 0.0, "delta_copy": 0.0, "products": 0.0}
-    with patched(layers, "lora_delta", split_lora_delta(split)):
+                for step in steps:
+                    step["delta"] = step["dense"] + step["loop"]
+                for part in ("delta", "dense", "loop", "mask"):
+                    figures[f"{part}_ms"] = median_ms(steps, part)
+    split = {"shrink": 0.0, "expand": 0.0, "delta_copy": 0.0, "shrinks": 0.0, "expands": 0.0}
+    with (
+        patched(ops.DenseLora, "add_deltas", split_dense_deltas(split)),
+        patched(layers, "lora_delta", split_lora_delta(split)),
+    ):
         _, steps = decode(engine, prompts, loras_for("lora", batch, 0), tokens, split)
     for part in ("shrink", "expand", "delta_copy"):
         figures[f"{part}_ms"] = median_ms(steps, part)
-    figures["products"] = statistics.median(s["products"] for s in steps)
+    for part in ("shrinks", "expands"):
+        figures[part] = statistics.median(s[part] for s in steps)
     return figures
 
 
@@ -316,7 +383,9 @@ def main() -> None:
         "prompt_tokens": PROMPT_LEN,
         "repeats": repeats,
         "threads": args.threads,
-        "shrink_expand": "a timed copy of lora_delta in its place, in decodes of their own",
+        "shrink_expand": "timed copies of DenseLora.add_deltas (shrink: x.float() @ a.T, "
+        "masked; expand: per-part @ b added in) and lora_delta in their places, in decodes "
+        "of their own",
         "elapsed_s": round(time.perf_counter() - began, 1),
     }
     print(json.dumps(result))

@@ -10,6 +10,7 @@ adapter in (or takes it out) at run time.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from engine.lora.adapter import LoraAdapter, LoraWeights
 from engine.lora.ops import DENSE_MAX_TOKENS, DenseLora, lora_delta, token_mask
+from kernels.cpu import bf16_gemm
 
 # Tandem's projection -> (its part's HF name, the part's share of its output)
 FUSED = {
@@ -28,19 +30,53 @@ FUSED = {
 }
 
 
+_Key = tuple[int, int, int, torch.device]
+
+
 @dataclass
 class LoraStep:
     """One step's token groups, each under one adapter (-1: none), as the seed names them."""
 
     lora_grouped_offsets: list[int] = field(default_factory=list)  # [G + 1]
     lora_ids: list[int] = field(default_factory=list)  # [G]
-    # token_mask of these groups, made once for the step's projections: (its groups, its
-    # slots and device) -> the mask
-    _mask: tuple[tuple[int, int, int, torch.device], torch.Tensor] | None = None
+    # token_mask and device_groups of these groups, made once for the step's projections,
+    # each with its key: the groups (their lists' ids), the slots and the device
+    _mask: tuple[_Key, torch.Tensor] | None = None
+    _groups: tuple[_Key, tuple[torch.Tensor, torch.Tensor, int]] | None = None
+    _columns: tuple[_Key, dict[tuple[int, ...], torch.Tensor]] | None = None  # by ranks
 
     @property
     def is_active(self) -> bool:
         return any(i >= 0 for i in self.lora_ids)
+
+    def device_groups(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The groups as SGMV takes them (kernels.reference.lora), on ``device``: offsets
+        and ids as int32 tensors, and the longest group's tokens; made once a step."""
+        key = (id(self.lora_grouped_offsets), id(self.lora_ids), -1, device)
+        if self._groups is None or self._groups[0] != key:
+            offsets = self.lora_grouped_offsets
+            longest = max((e - s for s, e in itertools.pairwise(offsets)), default=0)
+            made = (
+                torch.tensor(offsets, dtype=torch.int32, device=device),
+                torch.tensor(self.lora_ids, dtype=torch.int32, device=device),
+                longest,
+            )
+            self._groups = (key, made)
+        return self._groups[1]
+
+    def column_mask(self, dense: DenseLora) -> torch.Tensor:
+        """``dense.column_mask`` of this step's ``mask``, made once a step for each set of
+        ranks (the projections of a model share a few)."""
+        key = (id(self.lora_grouped_offsets), id(self.lora_ids), dense.num_slots, dense.a.device)
+        if self._columns is None or self._columns[0] != key:
+            self._columns = (key, {})
+        ranks = tuple(dense.ranks)
+        made = self._columns[1].get(ranks)
+        if made is None:
+            made = self._columns[1][ranks] = dense.column_mask(
+                self.mask(dense.num_slots, dense.a.device)
+            )
+        return made
 
     def mask(self, num_slots: int, device: torch.device) -> torch.Tensor:
         """``token_mask`` of this step's groups, kept while the groups are the same lists."""
@@ -78,10 +114,15 @@ class LoraLinear(nn.Module):
                 f"lora: the step's groups cover {step.lora_grouped_offsets[-1]} tokens, "
                 f"the forward has {x2.shape[0]}"
             )
-        if x2.shape[0] <= DENSE_MAX_TOKENS:
-            if self.dense is None:
-                self.dense = DenseLora(self.weights, x2.shape[-1], self.parts, x2.device)
-            delta = self.dense.deltas(x2, step.mask(self.dense.num_slots, x2.device))
+        if x2.is_cuda:  # the GPU path: Triton's SGMV kernels, whatever the tokens
+            from kernels.triton import lora as sgmv
+
+            delta = self._dense(x2).segmented(x2, step.device_groups(x2.device), sgmv)
+        elif x2.shape[0] <= DENSE_MAX_TOKENS:
+            dense = self._dense(x2)
+            y2 = y.view(-1, y.shape[-1])
+            dense.add_deltas(y2, x2, step.column_mask(dense))
+            return y
         else:
             delta = torch.cat(
                 [
@@ -91,6 +132,13 @@ class LoraLinear(nn.Module):
                 dim=-1,
             )
         return y + delta.view(y.shape).to(y.dtype)
+
+    def _dense(self, x: torch.Tensor) -> DenseLora:
+        """The adapters stacked, made again after ``put_adapter`` changed them."""
+        if self.dense is None:
+            packed = x.dtype == torch.bfloat16 and x.device.type == "cpu" and bf16_gemm.available()
+            self.dense = DenseLora(self.weights, x.shape[-1], self.parts, x.device, packed)
+        return self.dense
 
 
 def use_lora(model: nn.Module, adapters: Sequence[LoraAdapter]) -> LoraStep:

@@ -18,10 +18,12 @@ by ``B``, times its scaling.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from engine.lora.adapter import LoraWeights
+from kernels.cpu import bf16_gemm
 
 
 def lora_delta(
@@ -64,7 +66,8 @@ def token_mask(
 
 class DenseLora:
     """One projection's adapters stacked (see the module's docstring): its parts'
-    ``weights[p][id]`` (None: none), zero-padded to each part's largest rank."""
+    ``weights[p][id]`` (None: none), zero-padded to each part's largest rank, in fp32
+    (aten's fp32 products of these few rows beat bf16's here: bench/RESULTS.md)."""
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class DenseLora:
         in_features: int,
         out_features: Sequence[int],
         device: torch.device,
+        packed: bool = False,
     ) -> None:
         self.num_slots = max(len(by_id) for by_id in weights)
         self.ranks = [max((w.rank for w in by_id if w is not None), default=0) for by_id in weights]
@@ -87,16 +91,88 @@ class DenseLora:
             self.b.append(b.reshape(-1, out))
         self.a = torch.cat(a_parts)  # [sum of slots x rank, in]: one shrink for every part
         self.out_features = list(out_features)
+        # Each part's as SGMV takes them (kernels.reference.lora): [S, r, in], [S, r, out]
+        starts = [0]
+        for r in self.ranks:
+            starts.append(starts[-1] + self.num_slots * r)
+        # For a bf16 model on CPU: bf16 copies in the CPU kernel's panels
+        # (kernels.cpu.bf16_gemm), half the bytes a step reads
+        self.panels = None
+        if packed:
+            self.panels = (
+                bf16_gemm.pack(self.a.to(torch.bfloat16)),
+                [bf16_gemm.pack(b.T.contiguous().to(torch.bfloat16)) if r else None
+                 for b, r in zip(self.b, self.ranks, strict=True)],
+            )  # fmt: skip
+        self.sgmv_weights = [
+            (self.a[s:e].view(self.num_slots, r, in_features), b.view(self.num_slots, r, out))
+            for s, e, r, b, out in zip(
+                starts, starts[1:], self.ranks, self.b, out_features, strict=False
+            )
+        ]
+
+    def column_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """``token_mask``'s [T, S] widened to the shrink's columns, [T, sum(S * r)]: each
+        slot's 1 or 0 on each of its rank's columns, part after part."""
+        return torch.cat([mask.repeat_interleave(r, dim=1) for r in self.ranks], dim=1)
+
+    def add_deltas(self, y: torch.Tensor, x: torch.Tensor, column_mask: torch.Tensor) -> None:
+        """Adds each token's delta under its adapter into ``y`` [T, sum(out)] (the base
+        product's output, any float dtype; summed in fp32): one shrink, one mask, one
+        expand per part, in place: few ops, since a step runs this in every adapted
+        projection (bench/lora.py)."""
+        if self.panels is not None:
+            self._add_packed(y, x, column_mask)
+            return
+        masked = (x.float() @ self.a.T).mul_(column_mask)  # [T, sum(S * r)]
+        start = column = 0
+        for r, b, width in zip(self.ranks, self.b, self.out_features, strict=True):
+            if r:
+                expanded = masked[:, start : start + self.num_slots * r] @ b
+                if width == y.shape[1]:
+                    y += expanded
+                else:
+                    y[:, column : column + width] += expanded
+            start += self.num_slots * r
+            column += width
+
+    def _add_packed(self, y: torch.Tensor, x: torch.Tensor, column_mask: torch.Tensor) -> None:
+        """``add_deltas`` through the bf16 kernel, in bf16 (fp32 sums)."""
+        assert self.panels is not None
+        a_panels, b_panels = self.panels
+        x = x.to(torch.bfloat16)
+        masked = bf16_gemm.linear(x, a_panels, None, self.a.shape[0]).mul_(column_mask)
+        start = column = 0
+        for r, panels, width in zip(self.ranks, b_panels, self.out_features, strict=True):
+            if panels is not None:
+                part = masked[:, start : start + self.num_slots * r]
+                expanded = bf16_gemm.linear(part.contiguous(), panels, None, width)
+                if width == y.shape[1]:
+                    y += expanded
+                else:
+                    y[:, column : column + width] += expanded
+            start += self.num_slots * r
+            column += width
 
     def deltas(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """[T, sum(out)]: each token's delta under its adapter (``token_mask``'s rows)."""
-        shrunk = x.float() @ self.a.T  # [T, sum(S * r)]
-        out, start = [], 0
-        for r, b, width in zip(self.ranks, self.b, self.out_features, strict=True):
-            if r == 0:
+        """[T, sum(out)] float32: each token's delta under its adapter (``token_mask``'s
+        rows); ``add_deltas`` into zeros."""
+        y = torch.zeros(x.shape[0], sum(self.out_features), device=x.device)
+        self.add_deltas(y, x, self.column_mask(mask))
+        return y
+
+    def segmented(
+        self,
+        x: torch.Tensor,
+        groups: tuple[torch.Tensor, torch.Tensor, int],  # LoraStep.device_groups'
+        sgmv: Any,  # kernels.triton.lora on the GPU (kernels.reference.lora: the same)
+    ) -> torch.Tensor:
+        """``deltas`` by SGMV's segmented products: each group's tokens times its own
+        adapter only (the GPU path, any number of tokens)."""
+        out = []
+        for (a, b), width in zip(self.sgmv_weights, self.out_features, strict=True):
+            if a.shape[1] == 0:
                 out.append(x.new_zeros(x.shape[0], width, dtype=torch.float32))
                 continue
-            part = shrunk[:, start : start + self.num_slots * r].view(-1, self.num_slots, r)
-            start += self.num_slots * r
-            out.append((part * mask[:, :, None]).reshape(x.shape[0], -1) @ b)
+            out.append(sgmv.sgmv_expand(sgmv.sgmv_shrink(x, a, *groups), b, *groups))
         return torch.cat(out, dim=-1)

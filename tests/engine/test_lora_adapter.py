@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.lora.adapter import TARGETS, LoraError, LoraWeights, load_adapter
 from engine.lora.ops import DenseLora, lora_delta, token_mask
+from kernels.cpu import bf16_gemm
 
 
 def tiny_llama(hidden: int = 64) -> LlamaForCausalLM:
@@ -102,6 +103,24 @@ def test_dense_deltas_equal_the_per_group_products() -> None:
     assert got.shape == (10, 28)
     assert torch.allclose(got, expected, atol=1e-4)
     assert not got[2].any() and not got[9].any() and not got[:, 16:20].any()
+
+
+@pytest.mark.skipif(not bf16_gemm.available(), reason="the CPU kernels are not built here")
+def test_packed_dense_deltas_are_the_fp32_ones_in_bf16() -> None:
+    """A bf16 model's dense path runs through the bf16 CPU kernel's panels: within bf16's
+    rounding of the fp32 path, added into the base product's output in place."""
+    gen = torch.Generator().manual_seed(1)
+    parts = [[LoraWeights(torch.randn(4, 64, generator=gen) * 0.1,
+                          torch.randn(32, 4, generator=gen) * 0.1, 2.0), None]]  # fmt: skip
+    dense = DenseLora(parts, 64, [32], torch.device("cpu"))
+    packed = DenseLora(parts, 64, [32], torch.device("cpu"), packed=True)
+    x = torch.randn(6, 64, generator=gen).to(torch.bfloat16)
+    mask = token_mask([0, 4, 6], [0, -1], dense.num_slots, x.device)
+    y = torch.ones(6, 32, dtype=torch.bfloat16)
+    packed.add_deltas(y, x, packed.column_mask(mask))
+    want = 1.0 + dense.deltas(x, mask)
+    assert torch.allclose(y.float(), want, atol=0.02, rtol=0.02)
+    assert torch.equal(y[4:], torch.ones(2, 32, dtype=torch.bfloat16))  # no adapter
 
 
 def test_what_cannot_be_served_is_refused_naming_the_field(tmp_path) -> None:
