@@ -190,7 +190,7 @@ def load_lora(
     if not isinstance(model_config, Llama3Config):
         raise ValueError("lora_modules: LoRA adapters run on Llama-3 models only for now")
     device = next(model.parameters()).device
-    registry = LoraRegistry(model, model_config, config.max_lora_rank, device)
+    registry = LoraRegistry(model, model_config, config.max_lora_rank, device, config.max_cpu_loras)
     registry.start(config.lora_modules)
     return registry
 

@@ -97,6 +97,9 @@ class EngineConfig:
     # Adapters may be loaded at run time (LLMEngine.load_lora), also without lora_modules.
     enable_lora: bool = False
     max_lora_rank: int = 64  # adapters of a higher rank are refused
+    # Adapters whose weights stay in memory; the others are read again when a request
+    # names one, in place of the least recently used without requests. None: every one.
+    max_cpu_loras: int | None = None
     # Adapters one step runs, the earliest requests' (running or waiting): requests under
     # others sit steps out (engine.scheduler); None: no bound.
     max_loras: int | None = 8
@@ -149,6 +152,8 @@ class EngineConfig:
             raise ValueError(f"lora_modules: names repeat: {names}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank: {self.max_lora_rank}, must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise ValueError(f"max_cpu_loras: {self.max_cpu_loras}, must be at least 1")
         why = ""
         if self.world_size > 1:
             why = "several ranks (tensor or data parallelism)"

@@ -110,13 +110,16 @@ class LLMEngine(Disaggregation):
                 "lora_name: this engine runs no LoRA adapters (start it with lora_modules "
                 "or enable_lora)"
             )
-        self.loras.load(name, path)
+        self.loras.load(name, path, self._num_requests_under)
 
     def unload_lora(self, name: str) -> None:
         """Unloads LoRA adapter ``name``; LoraError while requests run under it."""
         if self.loras is None:
             raise LoraNotLoaded(f"lora_name: {name!r} is not loaded; this engine runs no adapters")
-        self.loras.unload(name, lambda i: sum(s.lora_id == i for s in self._seqs.values()))
+        self.loras.unload(name, self._num_requests_under)
+
+    def _num_requests_under(self, adapter_id: int) -> int:
+        return sum(seq.lora_id == adapter_id for seq in self._seqs.values())
 
     @property
     def eos_token_ids(self) -> AbstractSet[int]:
@@ -187,7 +190,8 @@ class LLMEngine(Disaggregation):
             num_tokens_handed_out=len(token_ids),  # the prompt, and output already sent
         )
         if lora is not None:  # before any block hash: they chain on the adapter's digest
-            seq.lora_id, seq.cache_salt = self.lora_names[lora]
+            assert self.loras is not None
+            seq.lora_id, seq.cache_salt = self.loras.use(lora, self._num_requests_under)
         seq.grammar = self.grammars.row(params.structured_output, token_ids[num_prompt_tokens:])
         self._seqs[request_id] = seq
         return seq

@@ -343,6 +343,7 @@ def build_engine(
         lora_modules=lora_modules,
         enable_lora=args.allow_runtime_lora,
         max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
         max_loras=args.max_loras,
         warm_up=True,  # before health turns SERVING: no request pays for lazy set-up
         build_cpu_kernels=False,  # workers only load a prebuilt CPU kernels extension

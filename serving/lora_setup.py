@@ -1,7 +1,7 @@
 """LoRA adapters on the workers' and `tandem serve`'s command lines (``--lora-modules
-NAME=PATH``, ``--max-loras``, ``--max-lora-rank``), and how a worker tells routers which
-it serves: its heartbeat's ``loras`` figure, a JSON object of each adapter's name and its
-files' digest. A router pairs a prefill and a decode worker for a request under an
+NAME=PATH``, ``--allow-runtime-lora``, ``--max-loras``, ``--max-cpu-loras``,
+``--max-lora-rank``), and how a worker tells routers which it serves: its heartbeat's
+``loras`` figure, a JSON object of each adapter's name and its files' digest. A router pairs a prefill and a decode worker for a request under an
 adapter only where both hold it with the same digest (the same files), and sends the
 request's ``lora`` to both (engine.lora)."""
 
@@ -50,6 +50,14 @@ def add_lora_arguments(group: argparse._ActionsContainer) -> None:
         "others wait their turn (default: 8)",
     )
     group.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        metavar="N",
+        help="adapters whose weights stay in memory; the others are read again from their "
+        "directories when a request names one, in place of the least recently used without "
+        "requests (default: every adapter)",
+    )
+    group.add_argument(
         "--max-lora-rank",
         type=int,
         default=64,
@@ -91,6 +99,8 @@ def check_lora_arguments(args: argparse.Namespace, prog: str) -> str | None:
         return f"--max-loras: must be at least 1, got {args.max_loras}"
     if args.max_lora_rank < 1:
         return f"--max-lora-rank: must be at least 1, got {args.max_lora_rank}"
+    if args.max_cpu_loras is not None and args.max_cpu_loras < 1:
+        return f"--max-cpu-loras: must be at least 1, got {args.max_cpu_loras}"
     if (args.lora_pairs or args.allow_runtime_lora) and not args.eager:
         args.eager = True
         option = "--lora-modules" if args.lora_pairs else "--allow-runtime-lora"
@@ -111,6 +121,8 @@ def lora_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--allow-runtime-lora")
     if args.lora_pairs or args.allow_runtime_lora:
         flags += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
+        if args.max_cpu_loras is not None:
+            flags += ["--max-cpu-loras", str(args.max_cpu_loras)]
     return flags
 
 

@@ -65,6 +65,7 @@ class NotFound(Exception):
 # cannot have been raised, so the router need not import torch to map engine errors.
 _STATUS_BY_TYPE: Sequence[tuple[str, str, grpc.StatusCode]] = (
     ("engine.kv_cache", "KVCacheCapacityError", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ("engine.lora.registry", "LoraMemoryFull", grpc.StatusCode.RESOURCE_EXHAUSTED),
     ("engine.outputs", "RequestFailed", grpc.StatusCode.INTERNAL),  # its message is shown
     (__name__, "Overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED),
     (__name__, "PreconditionFailed", grpc.StatusCode.FAILED_PRECONDITION),

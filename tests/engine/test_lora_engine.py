@@ -20,6 +20,7 @@ from transformers import LlamaForCausalLM
 from engine.llm_engine import EngineConfig, LLMEngine, RequestError
 from engine.lora.adapter import LoraError
 from engine.lora.layers import LoraLinear
+from engine.lora.registry import LoraMemoryFull
 from engine.output_processor import OutputProcessor
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
@@ -250,3 +251,34 @@ def test_adapters_loaded_and_unloaded_at_run_time(base_and_adapters, tmp_path) -
     plain = LLMEngine(EngineConfig(**config))  # type: ignore[arg-type]
     with pytest.raises(LoraError, match="this engine runs no LoRA adapters"):
         plain.load_lora("a", str(out / "a"))
+
+
+def test_adapters_beyond_max_cpu_loras_are_read_again_when_named(base_and_adapters) -> None:
+    """``max_cpu_loras=1``: one adapter's weights in memory at a time. One after another,
+    each request's adapter is read again in place of the last (no request runs under
+    it): the tokens are those of every adapter in memory. While a request runs under the
+    one in memory, another adapter cannot come in (LoraMemoryFull), and the same one can."""
+    out, _, _ = base_and_adapters
+    adapters = tuple((name, str(out / name)) for name in ("a", "b", "c"))
+    config = dict(model=str(out / "base"), dtype="float32", block_size=4,
+                  kv_cache_memory=4 << 20, lora_modules=adapters)  # fmt: skip
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (6, 9, 4, 7)]
+    loras = ["b", "a", "c", "b"]
+    every = LLMEngine(EngineConfig(**config))  # type: ignore[arg-type]
+    expected = [run(every, [(p, lora)])[0] for p, lora in zip(prompts, loras, strict=True)]
+    engine = LLMEngine(EngineConfig(**config, max_cpu_loras=1))  # type: ignore[arg-type]
+    loras_registry = engine.loras
+    assert loras_registry is not None and loras_registry.num_reads == 3  # checked at start
+    assert list(loras_registry.resident) == [0]  # "a", the first given
+    got = [run(engine, [(p, lora)])[0] for p, lora in zip(prompts, loras, strict=True)]
+    assert got == expected
+    assert loras_registry.num_reads == 3 + 4  # b, a, c, b: each read again
+    assert list(loras_registry.resident) == [1]  # "b"
+    engine.add_request("busy", prompts[0], SamplingParams(max_tokens=3), lora="b")
+    with pytest.raises(LoraMemoryFull, match=r"adapter 'c' is not in memory.*retry later"):
+        engine.add_request("full", prompts[0], SamplingParams(max_tokens=3), lora="c")
+    engine.add_request("same", prompts[1], SamplingParams(max_tokens=3), lora="b")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert run(engine, [(prompts[2], "c")])[0] == expected[2]

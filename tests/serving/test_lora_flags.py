@@ -1,5 +1,6 @@
 """The LoRA options of `tandem serve` and the workers: ``--lora-modules NAME=PATH``
-(repeatable), ``--max-loras`` and ``--max-lora-rank`` reach the engine's config; workers
+(repeatable), ``--max-loras``, ``--max-cpu-loras`` and ``--max-lora-rank`` reach the
+engine's config, ``--allow-runtime-lora`` the router too; workers
 with adapters run eagerly, saying so; malformed values are refused before anything
 starts, naming the option; `tandem serve` hands the options to every worker."""
 
@@ -30,7 +31,7 @@ def test_the_adapters_reach_the_engine_eagerly(
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     argv = ["--lora-modules", f"a={tmp_path / 'a'}", "--lora-modules", f"org/b={tmp_path / 'b'}",
-            "--max-loras", "2", "--max-lora-rank", "16"]  # fmt: skip
+            "--max-loras", "2", "--max-lora-rank", "16", "--max-cpu-loras", "1"]  # fmt: skip
     parser = argparse.ArgumentParser()
     decode_cli.add_arguments(parser)
     args = parser.parse_args([*REQUIRED, *argv])
@@ -39,7 +40,8 @@ def test_the_adapters_reach_the_engine_eagerly(
     assert "--lora-modules: workers with adapters run eagerly" in capsys.readouterr().out
     _, config = built_config(monkeypatch, tmp_path, True, [*argv, "--eager"])
     assert config.lora_modules == (("a", str(tmp_path / "a")), ("org/b", str(tmp_path / "b")))
-    assert (config.max_loras, config.max_lora_rank, config.torch_compile) == (2, 16, False)
+    assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (2, 16, 1)
+    assert not config.torch_compile and not config.enable_lora
     with pytest.raises(ValueError, match="--lora-modules: 'm' is the served model's name"):
         built_config(monkeypatch, tmp_path, True, ["--lora-modules", f"m={tmp_path / 'a'}"])
 
@@ -54,6 +56,7 @@ def test_the_adapters_reach_the_engine_eagerly(
         (["--lora-modules", "a=.", "--lora-modules", "a=."], "'a' is given twice"),
         (["--max-loras", "0"], "--max-loras: must be at least 1, got 0"),
         (["--max-lora-rank", "0"], "--max-lora-rank: must be at least 1, got 0"),
+        (["--max-cpu-loras", "0"], "--max-cpu-loras: must be at least 1, got 0"),
     ],
 )
 @pytest.mark.parametrize("cli", WORKER_CLIS, ids=["prefill", "decode"])
@@ -71,15 +74,17 @@ def test_serve_hands_the_adapters_to_every_worker_eagerly(
 ) -> None:
     specs = capture_cluster_specs(monkeypatch)
     args = serve_parser().parse_args(
-        ["serve", "--model", "m", "--lora-modules", f"x={tmp_path}", "--max-loras", "3"]
-    )
+        ["serve", "--model", "m", "--lora-modules", f"x={tmp_path}", "--max-loras", "3",
+         "--allow-runtime-lora", "--max-cpu-loras", "2"]
+    )  # fmt: skip
     assert args.func(args) == 1  # the captured start's error
     (spec,) = specs
-    assert spec.eager
+    assert spec.eager and "--allow-runtime-lora" in spec.router_args
     flags = spec.worker_args
     at = flags.index("--lora-modules")
-    assert flags[at : at + 6] == (
-        "--lora-modules", f"x={tmp_path}", "--max-loras", "3", "--max-lora-rank", "64",
+    assert flags[at : at + 9] == (
+        "--lora-modules", f"x={tmp_path}", "--allow-runtime-lora", "--max-loras", "3",
+        "--max-lora-rank", "64", "--max-cpu-loras", "2",
     )  # fmt: skip
 
 
