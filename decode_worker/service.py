@@ -54,7 +54,7 @@ from serving.engine_commands import ReadBlockTables, Reserve, StartDecoding
 from serving.engine_loop import EngineLoop, TorchThread
 from serving.engine_setup import draft_figures
 from serving.lora_calls import LoraCalls
-from serving.lora_setup import check_request_lora, lora_figure
+from serving.lora_setup import check_request_lora, lora_figure, request_lora
 from serving.metrics import DecodeFigures, DecodeMetrics
 from serving.rpc import NotFound, PreconditionFailed, Unavailable
 from serving.sampling import params_from_proto
@@ -171,7 +171,8 @@ class DecodeWorkerService(LoraCalls, pb_grpc.DecodeWorkerServicer):
             lora=request.lora,
             lora_digest=request.lora_digest,
         )
-        reserve = Reserve(rid, prompt, params, num_output_tokens_sent, request.lora or None)
+        lora, digest = request_lora(request.lora, request.lora_digest)
+        reserve = Reserve(rid, prompt, params, num_output_tokens_sent, lora, digest)
         try:  # cancelled after the engine reserved: close's drop follows it in the queue
             table, num_cached = await self.engine_loop.call(reserve)
             handle.num_output_chars_sent = len(handle.outputs.text)  # of the resumed output

@@ -44,7 +44,7 @@ class Disaggregation:
     model_config: Llama3Config | DeepseekV3Config
     # LLMEngine's methods these call: a new sequence (request id, token ids, params,
     # output tokens sent), and ending one.
-    _new_sequence: Callable[[str, list[int], SamplingParams, int, str | None], Sequence]
+    _new_sequence: Callable[[str, list[int], SamplingParams, int, str | None, int | None], Sequence]
     drop_request: Callable[[str], None]
 
     @property
@@ -102,15 +102,19 @@ class Disaggregation:
         params: SamplingParams,
         num_output_tokens_sent: int = 0,
         lora: str | None = None,
+        lora_digest: int | None = None,
     ) -> tuple[list[int], int]:
         """Decode worker: holds blocks for a request whose KV another worker computes
-        (under LoRA adapter ``lora``, which the prefill worker ran too).
+        (under LoRA adapter ``lora``, which the prefill worker ran too; ``lora_digest`` as
+        ``add_request``'s).
 
         Returns the block table and how many leading prompt tokens are already cached here
         (prefix reuse: their blocks need no transfer). Raises ``KVCacheCapacityError`` when
         the cache cannot hold it now.
         """
-        seq = self._new_sequence(request_id, prompt_token_ids, params, num_output_tokens_sent, lora)
+        seq = self._new_sequence(
+            request_id, prompt_token_ids, params, num_output_tokens_sent, lora, lora_digest
+        )
         if not self.block_manager.can_allocate(seq):
             del self._seqs[request_id]
             raise KVCacheCapacityError(

@@ -18,7 +18,7 @@ from engine.disaggregation import Disaggregation
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheCapacityError
 from engine.lora.adapter import LoraError
-from engine.lora.registry import LoraNotLoaded
+from engine.lora.registry import LoraMismatch, LoraNotLoaded
 from engine.model_runner import StepOutput
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestDelta, RequestOutput, hand_out
@@ -118,8 +118,8 @@ class LLMEngine(Disaggregation):
             raise LoraNotLoaded(f"lora_name: {name!r} is not loaded; this engine runs no adapters")
         self.loras.unload(name, self._num_requests_under)
 
-    def _num_requests_under(self, adapter_id: int) -> int:
-        return sum(seq.lora_id == adapter_id for seq in self._seqs.values())
+    def _num_requests_under(self, slot: int) -> int:
+        return sum(seq.lora_id == slot for seq in self._seqs.values())
 
     @property
     def eos_token_ids(self) -> AbstractSet[int]:
@@ -136,14 +136,19 @@ class LLMEngine(Disaggregation):
         is_prefill_only: bool = False,
         num_output_tokens_sent: int = 0,
         lora: str | None = None,
+        lora_digest: int | None = None,
     ) -> None:
         """Queues a request. ``is_prefill_only`` (a prefill worker): stop after the first
         token and keep the blocks until ``drop_request``; ``take_prefilled`` returns the
         result. ``num_output_tokens_sent``: the last ids of ``prompt_token_ids`` are output
         an earlier attempt generated and sent (a preempted request resumed); they count
         towards max_tokens, and its first delta's start has them (for stop strings).
-        ``lora``: the name of one of the engine's LoRA adapters to run it under."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, num_output_tokens_sent, lora)
+        ``lora``: the name of one of the engine's LoRA adapters to run it under;
+        ``lora_digest``: its digest as a worker's router saw it (LoraMismatch if this
+        engine's adapter of that name is not that one, or is gone)."""
+        seq = self._new_sequence(
+            request_id, prompt_token_ids, params, num_output_tokens_sent, lora, lora_digest
+        )
         seq.is_prefill_only = is_prefill_only
         self.scheduler.add(seq)
 
@@ -154,8 +159,9 @@ class LLMEngine(Disaggregation):
         params: SamplingParams,
         num_output_tokens_sent: int = 0,
         lora: str | None = None,
+        lora_digest: int | None = None,
     ) -> Sequence:
-        if lora is not None and lora not in self.lora_names:
+        if lora is not None and lora not in self.lora_names and lora_digest is None:
             raise RequestError(
                 f"lora: {lora!r} is not an adapter of this engine; adapters: "
                 f"{sorted(self.lora_names)}"
@@ -190,8 +196,11 @@ class LLMEngine(Disaggregation):
             num_tokens_handed_out=len(token_ids),  # the prompt, and output already sent
         )
         if lora is not None:  # before any block hash: they chain on the adapter's digest
-            assert self.loras is not None
-            seq.lora_id, seq.cache_salt = self.loras.use(lora, self._num_requests_under)
+            if self.loras is None:
+                raise LoraMismatch(f"model: this worker has no adapter {lora!r}")
+            seq.lora_id, seq.cache_salt = self.loras.use(
+                lora, self._num_requests_under, lora_digest
+            )
         seq.grammar = self.grammars.row(params.structured_output, token_ids[num_prompt_tokens:])
         self._seqs[request_id] = seq
         return seq

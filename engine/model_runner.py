@@ -259,7 +259,7 @@ class ModelRunner:
     def use_lora_groups(self, offsets: list[int], ids: list[int]) -> None:
         """The next forward's LoRA token groups (``row_lora_groups``'); none: no adapter."""
         if self.lora_step is not None:
-            self.lora_step.lora_grouped_offsets, self.lora_step.lora_ids = offsets, ids
+            self.lora_step.set(offsets, ids)
 
     def notify_layer(self, pool: str, layer: int, *, step: StepKv) -> None:
         """Tells the listener that ``layer`` of ``pool`` is written for ``step``."""

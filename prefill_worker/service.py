@@ -43,7 +43,7 @@ from prefill_worker.transitions import PrefillTransitions
 from serving.engine_commands import AddRequest, DropRequest
 from serving.engine_loop import EngineLoop, TorchThread
 from serving.engine_setup import draft_figures
-from serving.lora_setup import lora_figure
+from serving.lora_setup import lora_figure, request_lora
 from serving.metrics import PrefillMetrics
 from serving.rpc import ChannelPool
 from serving.sampling import params_from_proto
@@ -135,6 +135,7 @@ class PrefillWorkerService(PrefillCalls):
             # sees only this attempt's layers: an earlier attempt of the same request id
             # (failed, its drop queued before this add) may still be in the step the
             # engine is running while the event loop starts this one.
+            lora, digest = request_lora(request.lora, request.lora_digest)
             add = AddRequest(
                 rid,
                 prompt,
@@ -142,7 +143,8 @@ class PrefillWorkerService(PrefillCalls):
                 is_prefill_only=True,
                 num_output_tokens_sent=request.num_output_tokens_sent,
                 then=functools.partial(self._relay.register, rid, push),
-                lora=request.lora or None,
+                lora=lora,
+                lora_digest=digest,
             )
             await _unless_push_failed(self.engine_loop.submit(add), push)
             queued = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,6 +14,8 @@ if TYPE_CHECKING:
     from router.http_api.server import HttpServer
     from router.service import GenerationService
     from serving.component import Role, Runtime
+
+log = logging.getLogger("router")
 
 DEFAULT_PORT = 50050
 DEFAULT_HTTP_PORT = 8000
@@ -162,6 +165,12 @@ def make_service(runtime: Runtime) -> RouterComponent:
         app = make_app(
             service, auth_token=runtime.auth_token, allow_runtime_lora=args.allow_runtime_lora
         )
+        if args.allow_runtime_lora and runtime.auth_token is None:
+            log.warning(
+                "--allow-runtime-lora without --auth-token-file: whoever reaches the HTTP "
+                "port can load adapters from any directory on the workers' hosts, and unload "
+                "any adapter"
+            )
         http = HttpServer(app, args.host, args.http_port)
     return RouterComponent(service, name, lease_s=args.lease_ms / 1000, http=http)
 

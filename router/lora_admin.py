@@ -2,11 +2,12 @@
 live worker of the model (prefill, decode and co-located) to load the adapter from a
 path on its host, or to unload it (worker.proto's LoadLora and UnloadLora).
 
-A load is all or nothing: when one worker refuses (an unreadable file, a rank over its
-bound, another base) or cannot be reached, those that loaded it unload it again, and
-the caller gets that worker's refusal. Workers that read different files (another
-digest) under the path are refused the same way. Once every worker loaded it, their
-heartbeats list it (they publish at once), and requests may name it.
+When one worker refuses a load (an unreadable file, a rank over its bound, another base)
+or cannot be reached, the others unload it again, and the caller gets that worker's
+refusal; so do workers that read different files (another digest) under the path. Each
+worker lists the adapter in its heartbeat as soon as it has it (it publishes at once), so
+requests may name it from then on: one that came in before an undo keeps the adapter on
+its worker (logged). One load or unload at a time goes through a router.
 
 Workers that join later load only their own ``--lora-modules``: a runtime load is not
 recorded for them (the router's registry of adapters is not built).
@@ -42,10 +43,20 @@ class LoraAdmin:
 
     def __init__(self, picker: WorkerPicker, channels: ChannelPool, model_name: str) -> None:
         self.picker, self.channels, self.model_name = picker, channels, model_name
+        self._lock = asyncio.Lock()  # one load or unload at a time through this router
 
     async def load(self, name: str, path: str) -> None:
         """Every live worker loads adapter ``name`` from ``path``; raises (a
         ValidationError, or the refusing worker's status) if any does not."""
+        async with self._lock:
+            await self._load(name, path)
+
+    async def unload(self, name: str) -> None:
+        """Every live worker holding adapter ``name`` unloads it (``_unload``)."""
+        async with self._lock:
+            await self._unload(name)
+
+    async def _load(self, name: str, path: str) -> None:
         if not LORA_NAME.fullmatch(name):
             raise ValidationError(
                 f"lora_name: {name[:140]!r}: 1..128 characters of [A-Za-z0-9._:/-], starting "
@@ -64,16 +75,16 @@ class LoraAdmin:
             *(self._stub(w).LoadLora(request, timeout=LORA_CALL_TIMEOUT_S) for w in workers),
             return_exceptions=True,
         )
-        loaded = [
-            w for w, r in zip(workers, replies, strict=True) if isinstance(r, pb.LoadLoraReply)
-        ]
-        refused = [
-            (w, r) for w, r in zip(workers, replies, strict=True) if isinstance(r, BaseException)
-        ]
+        answers = list(zip(workers, replies, strict=True))
+        refused = [(w, r) for w, r in answers if isinstance(r, BaseException)]
         digests = {r.lora_digest for r in replies if isinstance(r, pb.LoadLoraReply)}
         if refused or len(digests) > 1:
-            with contextlib.suppress(Exception):  # each failure logged; the refusal matters
-                await self._unload_from(loaded, name)
+            # Every worker but those that refused outright may hold it (one that timed out
+            # too): they unload it again. One with requests under it by now keeps it (each
+            # failure is logged; the refusal is the caller's answer).
+            undo = [w for w, r in answers if not _refused_outright(r)]
+            with contextlib.suppress(Exception):
+                await self._unload_from(undo, name)
             if refused:
                 worker, error = refused[0]
                 log.warning("loading adapter %r on %s: %s", name, worker.worker_id, error)
@@ -85,7 +96,7 @@ class LoraAdmin:
         self.picker.forget_stale()  # their heartbeats list it now
         log.info("adapter %r loaded from %s on %d workers", name, path, len(workers))
 
-    async def unload(self, name: str) -> None:
+    async def _unload(self, name: str) -> None:
         """Every live worker holding adapter ``name`` unloads it; UnknownModel when none
         does. Decode workers first, where requests run long: while one refuses
         (FAILED_PRECONDITION: requests run under it), the prefill workers keep the
@@ -138,6 +149,16 @@ class LoraAdmin:
         if worker.role is WorkerRole.PREFILL:
             return pb_grpc.PrefillWorkerStub(channel)
         return pb_grpc.DecodeWorkerStub(channel)
+
+
+def _refused_outright(reply: object) -> bool:
+    """A worker's answer that says it did not load the adapter (not a timeout or a lost
+    connection, after which it may have)."""
+    return isinstance(reply, grpc.aio.AioRpcError) and reply.code() in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    )
 
 
 def is_in_use(error: BaseException) -> bool:

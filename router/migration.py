@@ -127,7 +127,8 @@ class Migration:
         self, route: Route, error: grpc.aio.AioRpcError | Unavailable
     ) -> None:
         """Prefill failed before the first token: P died, its engine stalled or it refused
-        the request under an epoch it has left; or the KV push failed (D stopped taking
+        the request (under an epoch it has left, or an adapter it no longer holds as the
+        router saw it); or the KV push failed (D stopped taking
         it, a checksum differed, D let the reservation go). P and D are told to drop it
         (D's engine frees the blocks before it reserves any again), and the request
         becomes QUEUED and this router's again, to be prefilled anew on the P and D
@@ -151,7 +152,9 @@ class Migration:
             ", ".join(w.worker_id for w in avoided),
         )
         self.picker.forget_stale()  # P or D may be known under an epoch it has left
-        if push_status is None:  # P itself failed, not P's push into D
+        if push_status is None and code != "FAILED_PRECONDITION":
+            # P itself failed, not P's push into D, nor P refusing this request alone (it
+            # does not hold the request's adapter as its heartbeat said: a race)
             self.picker.mark_unreachable(route.prefill)
         route.avoid.update(w.worker_id for w in avoided)
         reason = "prefill failed: prefilling it again"

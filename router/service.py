@@ -158,6 +158,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                     is_retried = isinstance(e, Unavailable) or e.code() in (
                         grpc.StatusCode.UNAVAILABLE,
                         grpc.StatusCode.ABORTED,
+                        grpc.StatusCode.FAILED_PRECONDITION,  # P lacks the adapter: a race
                     )
                     if not is_retried or attempt + 1 == MAX_ATTEMPTS:
                         raise

@@ -44,6 +44,7 @@ class AddRequest(EngineCommand[None]):
     num_output_tokens_sent: int = 0
     then: Callable[[], None] | None = None
     lora: str | None = None  # the LoRA adapter it runs under
+    lora_digest: int | None = None  # its digest, as the router saw it
 
     def run(self, engine: LLMEngine) -> None:
         engine.add_request(
@@ -53,6 +54,7 @@ class AddRequest(EngineCommand[None]):
             is_prefill_only=self.is_prefill_only,
             num_output_tokens_sent=self.num_output_tokens_sent,
             lora=self.lora,
+            lora_digest=self.lora_digest,
         )
         if self.then is not None:
             self.then()
@@ -68,10 +70,11 @@ class Reserve(EngineCommand[tuple[list[int], int]]):
     params: SamplingParams
     num_output_tokens_sent: int = 0
     lora: str | None = None  # the LoRA adapter it runs under
+    lora_digest: int | None = None  # its digest, as the router saw it
 
     def run(self, engine: LLMEngine) -> tuple[list[int], int]:
         rid, num_sent = self.request_id, self.num_output_tokens_sent
-        return engine.reserve(rid, self.prompt, self.params, num_sent, self.lora)
+        return engine.reserve(rid, self.prompt, self.params, num_sent, self.lora, self.lora_digest)
 
 
 @dataclass(frozen=True)
@@ -141,15 +144,16 @@ class ReadOwnedBlocks(EngineCommand[tuple[list[int], list[int]]]):
 
 
 @dataclass(frozen=True)
-class LoadLora(EngineCommand[None]):
-    """Loads a LoRA adapter between steps (``LLMEngine.load_lora``)."""
+class LoadLora(EngineCommand[int]):
+    """Loads a LoRA adapter between steps (``LLMEngine.load_lora``); its digest."""
 
     is_new_work: ClassVar[bool] = False
     name: str
     path: str
 
-    def run(self, engine: LLMEngine) -> None:
+    def run(self, engine: LLMEngine) -> int:
         engine.load_lora(self.name, self.path)
+        return engine.lora_names[self.name][1]
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from engine.llm_engine import LLMEngine
-from engine.lora.registry import LoraInUse, LoraNotLoaded
 from ledger.membership import Membership
 from serving.engine_commands import LoadLora, UnloadLora
 from serving.engine_loop import EngineLoop
 from serving.lora_setup import LORA_NAME, lora_digests
-from serving.rpc import NotFound, PreconditionFailed
+from serving.rpc import PermissionDenied
 from tandem.v1 import worker_pb2 as pb
 
 
@@ -43,24 +42,21 @@ class LoraCalls:
             raise ValueError(f"lora_name: {name!r} is the served model's name")
         if not request.lora_path:
             raise ValueError("lora_path: is empty")
-        await self.engine_loop.call(LoadLora(name, request.lora_path))  # LoraError: a ValueError
+        # LoraError, a ValueError naming the field: INVALID_ARGUMENT (serving.rpc)
+        digest = await self.engine_loop.call(LoadLora(name, request.lora_path))
         self.membership.publish_figures()
-        return pb.LoadLoraReply(lora_digest=self.loras[name])
+        return pb.LoadLoraReply(lora_digest=f"{digest:016x}")
 
     async def UnloadLora(self, request: pb.UnloadLoraRequest, context: Any) -> pb.UnloadLoraReply:
         self._check_runtime_lora()
-        try:
-            await self.engine_loop.call(UnloadLora(request.lora_name))
-        except LoraInUse as e:
-            raise PreconditionFailed(str(e)) from None
-        except LoraNotLoaded as e:
-            raise NotFound(str(e)) from None
+        # LoraInUse: FAILED_PRECONDITION; LoraNotLoaded: NOT_FOUND (serving.rpc)
+        await self.engine_loop.call(UnloadLora(request.lora_name))
         self.membership.publish_figures()
         return pb.UnloadLoraReply()
 
     def _check_runtime_lora(self) -> None:
         if not self.engine.config.enable_lora:
-            raise PreconditionFailed(
+            raise PermissionDenied(
                 "lora_name: loading adapters at run time is off on this worker (start it "
                 "with --allow-runtime-lora)"
             )

@@ -1,9 +1,11 @@
 """LoRA adapters on the workers' and `tandem serve`'s command lines (``--lora-modules
 NAME=PATH``, ``--allow-runtime-lora``, ``--max-loras``, ``--max-cpu-loras``,
 ``--max-lora-rank``), and how a worker tells routers which it serves: its heartbeat's
-``loras`` figure, a JSON object of each adapter's name and its files' digest. A router pairs a prefill and a decode worker for a request under an
-adapter only where both hold it with the same digest (the same files), and sends the
-request's ``lora`` to both (engine.lora)."""
+``loras`` figure, a JSON object of each adapter's name and its files' digest. A router
+pairs a prefill and a decode worker for a request under an adapter only where both hold
+it with the same digest (the same files), and sends the request's ``lora`` and
+``lora_digest`` to both; their engines check the digest is still their adapter's
+(engine.lora)."""
 
 from __future__ import annotations
 
@@ -62,7 +64,8 @@ def add_lora_arguments(group: argparse._ActionsContainer) -> None:
         type=int,
         default=64,
         metavar="R",
-        help="adapters of a higher rank are refused at start (default: 64)",
+        help="adapters of a higher rank are refused, at start or when loaded at run time "
+        "(default: 64)",
     )
 
 
@@ -172,3 +175,14 @@ def worker_loras(stats: Mapping[str, str]) -> dict[str, str]:
     if not isinstance(value, dict):
         return {}
     return {str(k): str(v) for k, v in value.items()}
+
+
+def request_lora(lora: str, digest: str) -> tuple[str | None, int | None]:
+    """A worker request's ``lora`` and ``lora_digest`` as the engine takes them: the name
+    (None: the base model) and the digest as an int (the engine checks it is its own)."""
+    if not lora:
+        return None, None
+    try:
+        return lora, int(digest, 16)
+    except ValueError:
+        raise ValueError(f"lora_digest: {digest[:40]!r} is not a hex digest") from None

@@ -60,17 +60,26 @@ class NotFound(Exception):
     """An unknown request or model: NOT_FOUND."""
 
 
+class PermissionDenied(Exception):
+    """A call this component was started not to take (an option turns it on):
+    PERMISSION_DENIED."""
+
+
 # (module, class name, status), the first match wins: subclasses before their bases.
 # Classes are looked up in sys.modules: an exception of a module that was never imported
 # cannot have been raised, so the router need not import torch to map engine errors.
 _STATUS_BY_TYPE: Sequence[tuple[str, str, grpc.StatusCode]] = (
     ("engine.kv_cache", "KVCacheCapacityError", grpc.StatusCode.RESOURCE_EXHAUSTED),
     ("engine.lora.registry", "LoraMemoryFull", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ("engine.lora.registry", "LoraInUse", grpc.StatusCode.FAILED_PRECONDITION),
+    ("engine.lora.registry", "LoraMismatch", grpc.StatusCode.FAILED_PRECONDITION),
+    ("engine.lora.registry", "LoraNotLoaded", grpc.StatusCode.NOT_FOUND),
     ("engine.outputs", "RequestFailed", grpc.StatusCode.INTERNAL),  # its message is shown
     (__name__, "Overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED),
     (__name__, "PreconditionFailed", grpc.StatusCode.FAILED_PRECONDITION),
     (__name__, "Unavailable", grpc.StatusCode.UNAVAILABLE),
     (__name__, "NotFound", grpc.StatusCode.NOT_FOUND),
+    (__name__, "PermissionDenied", grpc.StatusCode.PERMISSION_DENIED),
     ("ledger.ledger", "LedgerConflict", grpc.StatusCode.ABORTED),
     ("kv_transfer.base", "KvTransferError", grpc.StatusCode.UNAVAILABLE),
     ("builtins", "TimeoutError", grpc.StatusCode.DEADLINE_EXCEEDED),

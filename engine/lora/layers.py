@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,20 +31,19 @@ FUSED = {
 }
 
 
-_Key = tuple[int, int, int, torch.device]
-
-
 @dataclass
 class LoraStep:
-    """One step's token groups, each under one adapter (-1: none), as the seed names them."""
+    """One step's token groups, each under one adapter slot (-1: none), as the seed names
+    them; ``set`` before each forward. What the step's projections share is made once,
+    at the first that asks, and dropped by the next ``set``."""
 
     lora_grouped_offsets: list[int] = field(default_factory=list)  # [G + 1]
     lora_ids: list[int] = field(default_factory=list)  # [G]
-    # token_mask and device_groups of these groups, made once for the step's projections,
-    # each with its key: the groups (their lists' ids), the slots and the device
-    _mask: tuple[_Key, torch.Tensor] | None = None
-    _groups: tuple[_Key, tuple[torch.Tensor, torch.Tensor, int]] | None = None
-    _columns: tuple[_Key, dict[tuple[int, ...], torch.Tensor]] | None = None  # by ranks
+    _made: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+
+    def set(self, offsets: list[int], ids: list[int]) -> None:
+        self.lora_grouped_offsets, self.lora_ids = offsets, ids
+        self._made = {}
 
     @property
     def is_active(self) -> bool:
@@ -51,46 +51,43 @@ class LoraStep:
 
     def device_groups(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The groups as SGMV takes them (kernels.reference.lora), on ``device``: offsets
-        and ids as int32 tensors, and the longest group's tokens; made once a step."""
-        key = (id(self.lora_grouped_offsets), id(self.lora_ids), -1, device)
-        if self._groups is None or self._groups[0] != key:
+        and ids as int32 tensors, and the longest group's tokens."""
+        key = ("groups", device)
+        if key not in self._made:
             offsets = self.lora_grouped_offsets
             longest = max((e - s for s, e in itertools.pairwise(offsets)), default=0)
-            made = (
+            self._made[key] = (
                 torch.tensor(offsets, dtype=torch.int32, device=device),
                 torch.tensor(self.lora_ids, dtype=torch.int32, device=device),
                 longest,
             )
-            self._groups = (key, made)
-        return self._groups[1]
+        groups: tuple[torch.Tensor, torch.Tensor, int] = self._made[key]
+        return groups
 
     def column_mask(self, dense: DenseLora) -> torch.Tensor:
-        """``dense.column_mask`` of this step's ``mask``, made once a step for each set of
-        ranks (the projections of a model share a few)."""
-        key = (id(self.lora_grouped_offsets), id(self.lora_ids), dense.num_slots, dense.a.device)
-        if self._columns is None or self._columns[0] != key:
-            self._columns = (key, {})
-        ranks = tuple(dense.ranks)
-        made = self._columns[1].get(ranks)
-        if made is None:
-            made = self._columns[1][ranks] = dense.column_mask(
-                self.mask(dense.num_slots, dense.a.device)
-            )
-        return made
+        """``dense.column_mask`` of this step's ``mask``, made once for each set of ranks
+        (the projections of a model share a few)."""
+        key = ("columns", dense.num_slots, dense.a.device, tuple(dense.ranks))
+        if key not in self._made:
+            self._made[key] = dense.column_mask(self.mask(dense.num_slots, dense.a.device))
+        mask: torch.Tensor = self._made[key]
+        return mask
 
     def mask(self, num_slots: int, device: torch.device) -> torch.Tensor:
-        """``token_mask`` of this step's groups, kept while the groups are the same lists."""
-        key = (id(self.lora_grouped_offsets), id(self.lora_ids), num_slots, device)
-        if self._mask is None or self._mask[0] != key:
-            mask = token_mask(self.lora_grouped_offsets, self.lora_ids, num_slots, device)
-            self._mask = (key, mask)
-        return self._mask[1]
+        """``token_mask`` of this step's groups."""
+        key = ("mask", num_slots, device)
+        if key not in self._made:
+            self._made[key] = token_mask(
+                self.lora_grouped_offsets, self.lora_ids, num_slots, device
+            )
+        mask: torch.Tensor = self._made[key]
+        return mask
 
 
 class LoraLinear(nn.Module):
-    """``base`` plus each token group's adapter delta, part by part (``parts``: the HF
-    module names of its parts with their output widths; ``weights[p][id]``: part p's
-    weights in adapter ``id``, or None)."""
+    """``base`` plus each token group's adapter delta, part by part (``parts``: the
+    output widths of its parts, as ``FUSED`` names them; ``weights[p][slot]``: part p's
+    weights in the adapter in ``slot``, or None)."""
 
     def __init__(
         self,

@@ -3,16 +3,16 @@ in torch, two ways:
 
 - ``lora_delta``: segmented products (SGMV's shrink, then expand), one pair per group:
   for groups of many tokens (prefill chunks).
-- ``DenseLora``: every loaded adapter's ``A`` stacked into one matrix and its ``B`` (times
-  its scaling) into another, one shrink of every token by every adapter, each token's
-  other adapters' columns masked to zero, then one expand: two products per projection
-  whatever the groups, for steps of few tokens (decode rows, where a batch of eight rows
-  under eight adapters made 1680 small product pairs a step; bench/lora.py).
+- ``DenseLora``: the adapters in memory, ``A`` stacked into one matrix and ``B`` (times
+  its scaling) into another per part, one shrink of every token by every adapter, each
+  token's other adapters' columns masked to zero, then one expand per part: a step's
+  products do not grow with its groups, for steps of few tokens (decode rows; per-group
+  products cost more there, bench/RESULTS.md).
 
 Rows come grouped: ``lora_grouped_offsets`` (the seed's name) are the token offsets where
-each adapter's group starts and ends, and ``lora_ids`` say which adapter each group uses
-(``-1``: none, no delta). Each group's tokens are shrunk to its rank by ``A`` and expanded
-by ``B``, times its scaling.
+each adapter's group starts and ends, and ``lora_ids`` say which adapter slot each group
+uses (``-1``: none, no delta; engine.lora.registry gives adapters their slots). Each
+group's tokens are shrunk to its rank by ``A`` and expanded by ``B``, times its scaling.
 """
 
 from __future__ import annotations

@@ -1,10 +1,16 @@
 """An engine's LoRA adapters by name, loaded at start (``EngineConfig.lora_modules``) and
 at run time (``load``, ``unload``).
 
-Each adapter has an id, the ``lora_ids`` its requests' rows carry, and a digest of its
-files, which its requests' prefix-cache hashes chain on. Ids are never reused: an
-adapter loaded after another was unloaded gets a new one. ``names`` is replaced, never
-changed in place, so that another thread may read it while the engine's thread loads.
+An adapter has a digest of its files, which its requests' prefix-cache hashes chain on,
+and while its weights are in the model, a slot: the ``lora_ids`` its requests' rows
+carry (``Sequence.lora_id``). Slots are reused: one freed by an unloaded adapter, or by
+one taken out of memory (``max_resident``, the least recently used without requests),
+goes to the next adapter put in, so that the stacked weights a step reads
+(``engine.lora.ops.DenseLora``) hold only the adapters in memory. A slot changes hands
+only while no request runs under it.
+
+``names`` is replaced, never changed in place, so that another thread may read it while
+the engine's thread loads.
 """
 
 from __future__ import annotations
@@ -20,34 +26,42 @@ from engine.config import Llama3Config
 from engine.lora.adapter import TARGETS, LoraAdapter, LoraError, load_adapter
 from engine.lora.layers import put_adapter, use_lora
 
+NumRequests = Callable[[int], int]  # requests (of the engine's) under a slot
 
-def _none(adapter_id: int) -> int:
+
+def _none(slot: int) -> int:
     return 0
 
 
-def _kept(adapter_id: int) -> int:
+def _kept(slot: int) -> int:
     """At start every adapter in memory stays: the first ``max_resident`` given."""
     return 1
 
 
 class LoraInUse(LoraError):
-    """An adapter that requests run under cannot be unloaded now."""
+    """An adapter that requests run under cannot be unloaded now (FAILED_PRECONDITION)."""
 
 
 class LoraNotLoaded(LoraError):
-    """No adapter has that name."""
+    """No adapter has that name (NOT_FOUND)."""
+
+
+class LoraMismatch(LoraError):
+    """A worker's request names an adapter this engine does not hold with the digest the
+    router saw (unloaded, or loaded again from other files, since): FAILED_PRECONDITION,
+    so that the router picks another worker."""
 
 
 class LoraMemoryFull(LoraError):
     """Every adapter kept in memory (``max_cpu_loras``) has requests: none can make room
-    for another now; retry once some end."""
+    for another now; retry once some end (RESOURCE_EXHAUSTED)."""
 
 
 class LoraRegistry:
-    """The adapters of ``model`` (a Llama-3 on one device) and their ids (see the
-    module's docstring). At most ``max_resident`` adapters' weights are in memory (None:
-    every one): the others are known by name, path and digest, and read again when a
-    request names one, in place of the least recently used adapter no request runs under."""
+    """The adapters of ``model`` (a Llama-3 on one device), their digests and slots (see
+    the module's docstring). At most ``max_resident`` adapters' weights are in memory
+    (None: every one): the others are known by name, path and digest, and read again
+    when a request names one."""
 
     def __init__(
         self,
@@ -66,11 +80,12 @@ class LoraRegistry:
         inputs = (h, h, h, q, h, h, inter)
         # target -> (out, in) of the base projection: what an adapter's shapes must fit
         self.shapes = {t: (o, i) for t, o, i in zip(TARGETS, widths, inputs, strict=True)}
-        self.names: dict[str, tuple[int, int]] = {}  # name -> (id, digest)
-        self.paths: dict[int, Path] = {}  # id -> the adapter's directory
-        self.resident: OrderedDict[int, None] = OrderedDict()  # in memory, least recent first
+        self.names: dict[str, tuple[int, int]] = {}  # name -> (slot or -1, digest)
+        self.paths: dict[str, Path] = {}
+        self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
+        self._free: list[int] = []  # slots freed, reused first
+        self._num_slots = 0
         self.num_reads = 0  # adapters read from their files, at start and since
-        self._next_id = 0
 
     def start(self, modules: Sequence[tuple[str, str]]) -> None:
         """The adapters given at start, read and checked (the first ``max_resident`` kept
@@ -79,75 +94,102 @@ class LoraRegistry:
         for name, path in modules:
             self.load(name, path, num_requests=_kept)
 
-    def load(self, name: str, path: str | Path, num_requests: Callable[[int], int] = _none) -> None:
+    def load(self, name: str, path: str | Path, num_requests: NumRequests = _none) -> None:
         """Reads, checks and registers one more adapter, kept in memory if there is room
         (or an adapter without requests to make room); LoraError (naming the field) for
         one that cannot be served, or a name already loaded."""
         if name in self.names:
             raise LoraError(f"lora_name: {name!r} is already loaded")
         adapter = self._read(name, path)
-        adapter_id = self._next_id
-        self._next_id += 1
-        self.paths[adapter_id] = Path(path)
-        self.names = {**self.names, name: (adapter_id, adapter.salt)}
+        self.paths[name] = Path(path)
+        self._publish(name, -1, adapter.salt)
         if self._make_room(num_requests):
-            self._put(adapter_id, adapter)
+            self._put(adapter)
 
-    def use(self, name: str, num_requests: Callable[[int], int]) -> tuple[int, int]:
-        """Adapter ``name``'s (id, digest) for a new request, its weights in the model
+    def use(
+        self, name: str, num_requests: NumRequests, digest: int | None = None
+    ) -> tuple[int, int]:
+        """Adapter ``name``'s (slot, digest) for a new request, its weights in the model
         (read again, in place of the least recently used adapter no request runs under,
-        if they were not); LoraMemoryFull when every adapter in memory has requests."""
-        adapter_id, digest = self.names[name]
-        if adapter_id in self.resident:
-            self.resident.move_to_end(adapter_id)
-            return adapter_id, digest
+        if they were not). ``digest``: the one a worker's router saw; LoraMismatch if it
+        is not this adapter's, or for a name not loaded. LoraMemoryFull when every
+        adapter in memory has requests."""
+        if name not in self.names:
+            raise LoraMismatch(f"model: this worker has no adapter {name!r} (unloaded since?)")
+        _, salt = self.names[name]
+        if digest is not None and digest != salt:
+            raise LoraMismatch(
+                f"model: this worker's adapter {name!r} is not the one the router routed to "
+                "(loaded again from other files since?)"
+            )
+        if name in self.resident:
+            self.resident.move_to_end(name)
+            return self.resident[name], salt
         if not self._make_room(num_requests):
             raise LoraMemoryFull(
                 f"model: adapter {name!r} is not in memory, and each of the "
                 f"{self.max_resident} adapters that are (--max-cpu-loras) has requests; "
                 "retry later"
             )
-        adapter = self._read(name, self.paths[adapter_id])
-        if adapter.salt != digest:
-            raise LoraError(
-                f"model: adapter {name!r}'s files in {self.paths[adapter_id]} changed since "
-                "it was loaded; load it again under another name"
+        adapter = self._read(name, self.paths[name])
+        if adapter.salt != salt:
+            self._forget(name)
+            path = self.paths.pop(name)
+            raise LoraMismatch(
+                f"model: adapter {name!r}'s files in {path} changed since it was loaded; it "
+                "is unloaded here (load it again)"
             )
-        self._put(adapter_id, adapter)
-        return adapter_id, digest
+        return self._put(adapter), salt
 
-    def unload(self, name: str, num_requests: Callable[[int], int]) -> None:
-        """Takes adapter ``name`` out; LoraError while ``num_requests(id)`` requests (of
-        the engine's) run under it, or when no adapter has that name."""
+    def unload(self, name: str, num_requests: NumRequests) -> None:
+        """Takes adapter ``name`` out; LoraInUse while requests run under it,
+        LoraNotLoaded when no adapter has that name."""
         if name not in self.names:
             raise LoraNotLoaded(f"lora_name: {name!r} is not loaded; loaded: {sorted(self.names)}")
-        adapter_id = self.names[name][0]
-        running = num_requests(adapter_id)
+        slot = self.resident.get(name)
+        running = num_requests(slot) if slot is not None else 0
         if running:
             raise LoraInUse(
                 f"lora_name: {name!r} has {running} requests in flight; unload it once they end"
             )
-        if adapter_id in self.resident:
-            put_adapter(self.model, adapter_id, None)
-            del self.resident[adapter_id]
-        del self.paths[adapter_id]
-        self.names = {k: v for k, v in self.names.items() if k != name}
+        self._forget(name)
+        del self.paths[name]
 
-    def _make_room(self, num_requests: Callable[[int], int]) -> bool:
+    def _make_room(self, num_requests: NumRequests) -> bool:
         """Whether one more adapter fits in memory, once the least recently used one
         without requests is taken out if need be."""
         if self.max_resident is None or len(self.resident) < self.max_resident:
             return True
-        for adapter_id in self.resident:
-            if not num_requests(adapter_id):
-                put_adapter(self.model, adapter_id, None)
-                del self.resident[adapter_id]
+        for name, slot in self.resident.items():
+            if not num_requests(slot):
+                self._take_out(name)
                 return True
         return False
 
-    def _put(self, adapter_id: int, adapter: LoraAdapter) -> None:
-        put_adapter(self.model, adapter_id, adapter)
-        self.resident[adapter_id] = None
+    def _put(self, adapter: LoraAdapter) -> int:
+        """Puts ``adapter`` in a free slot (the lowest freed one, else a new one)."""
+        if self._free:
+            slot = self._free.pop(0)
+        else:
+            slot, self._num_slots = self._num_slots, self._num_slots + 1
+        put_adapter(self.model, slot, adapter)
+        self.resident[adapter.name] = slot
+        self._publish(adapter.name, slot, adapter.salt)
+        return slot
+
+    def _take_out(self, name: str) -> None:
+        slot = self.resident.pop(name)
+        put_adapter(self.model, slot, None)
+        self._free = sorted([*self._free, slot])
+        self._publish(name, -1, self.names[name][1])
+
+    def _forget(self, name: str) -> None:
+        if name in self.resident:
+            self._take_out(name)
+        self.names = {k: v for k, v in self.names.items() if k != name}
+
+    def _publish(self, name: str, slot: int, salt: int) -> None:
+        self.names = {**self.names, name: (slot, salt)}
 
     def _read(self, name: str, path: str | Path) -> LoraAdapter:
         self.num_reads += 1

@@ -2,7 +2,8 @@
 ``kernels.reference.lora`` (the same names and signatures; read its docstring for the
 layout). One program takes a tile of one group's tokens, and for ``sgmv_expand`` a tile of
 output columns: it loads its group's adapter slot and bounds, and runs ``tl.dot`` over its
-tokens' tile and the adapter's weights, in fp32. Groups without an adapter, and tiles past
+tokens' tile and the adapter's weights, in fp32 (IEEE products: not TF32, which
+``tl.dot`` takes for fp32 on NVIDIA GPUs by default). Groups without an adapter, and tiles past
 their group's end, return at once: the output starts as zeros. The grid's token tiles
 cover ``max_group_len``, the longest group.
 """
@@ -44,7 +45,7 @@ def _shrink_kernel(
             mask=k_ok[:, None] & r_ok[None, :],
             other=0.0,
         )  # [BLOCK_K, BLOCK_R]
-        acc += tl.dot(x.to(tl.float32), a.to(tl.float32))
+        acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
     tl.store(y_ptr + rows[:, None] * R + r[None, :], acc, mask=row_ok[:, None] & r_ok[None, :])
 
 
@@ -71,7 +72,7 @@ def _expand_kernel(
                     mask=row_ok[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
         b = tl.load(b_ptr + slot * R * N + r[:, None] * N + cols[None, :],
                     mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-        acc += tl.dot(y, b.to(tl.float32))
+        acc += tl.dot(y, b.to(tl.float32), input_precision="ieee")
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc,
              mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 

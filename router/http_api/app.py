@@ -292,7 +292,7 @@ class _Api:
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": body.model,
+            "model": body.model or self.model_name,
             "choices": out,
             "usage": usage_json(choices, body.n),
         }
@@ -312,7 +312,7 @@ class _Api:
             "id": rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created,
-            "model": body.model,
+            "model": body.model or self.model_name,
         }
         echoing = {i for i, c in enumerate(choices) if c.echo is not None}  # not yet echoed
         with_logprobs = (

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.lora.adapter import TARGETS, LoraError, LoraWeights, load_adapter
+from engine.lora.layers import LoraStep
 from engine.lora.ops import DenseLora, lora_delta, token_mask
 from kernels.cpu import bf16_gemm
 
@@ -182,3 +183,18 @@ def test_fields_and_tensors_it_would_misread_are_refused(tmp_path) -> None:
     save_file({**tensors, extra: torch.zeros(4, 64)}, tmp_path / "a" / "adapter_model.safetensors")
     with pytest.raises(LoraError, match=r"o_proj\.lora_A\.weight: a tensor no target of this"):
         load_adapter("a", tmp_path / "a", shapes, 2, max_rank=64)
+
+
+def test_a_steps_masks_are_made_again_for_each_steps_groups() -> None:
+    """``LoraStep.set`` drops what the last step's projections shared: the same number of
+    tokens under other adapters gets its own mask (lists of a finished step may be freed
+    and their addresses reused: nothing is keyed on them)."""
+    step = LoraStep()
+    step.set([0, 2, 4], [0, 1])
+    first = step.mask(2, torch.device("cpu")).clone()
+    for _ in range(3):
+        step.set([0, 70], [-1])  # steps that never ask for a mask
+    step.set([0, 2, 4], [1, 0])
+    again = step.mask(2, torch.device("cpu"))
+    assert torch.equal(first, torch.tensor([[1.0, 0.0], [1, 0], [0, 1], [0, 1]]))
+    assert torch.equal(again, torch.tensor([[0.0, 1.0], [0, 1], [1, 0], [1, 0]]))

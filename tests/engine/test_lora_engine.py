@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM
 from engine.llm_engine import EngineConfig, LLMEngine, RequestError
 from engine.lora.adapter import LoraError
 from engine.lora.layers import LoraLinear
-from engine.lora.registry import LoraMemoryFull
+from engine.lora.registry import LoraMemoryFull, LoraMismatch
 from engine.output_processor import OutputProcessor
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
@@ -87,6 +87,13 @@ def test_a_mixed_batch_equals_each_adapter_merged(base_and_adapters) -> None:
             reference = base if lora is None else merged[lora]
             compare_greedy(reference, [prompt], [got], [greedy(reference, prompt)])
     assert engine.block_manager.num_prefix_hit_blocks > 0
+    # Prefills of more than DENSE_MAX_TOKENS tokens take the per-group products.
+    whole = LLMEngine(EngineConfig(model=str(out / "base"), dtype="float32", block_size=4,
+                                   kv_cache_memory=4 << 20, lora_modules=adapters))  # fmt: skip
+    long_prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (70, 66)]
+    ours = run(whole, list(zip(long_prompts, ["c", "a"], strict=True)))
+    for prompt, lora, got in zip(long_prompts, ["c", "a"], ours, strict=True):
+        compare_greedy(merged[lora], [prompt], [got], [greedy(merged[lora], prompt)])
     with pytest.raises(RequestError, match=r"lora: 'd' is not an adapter of this engine"):
         engine.add_request("x", prompts[0], SamplingParams(max_tokens=2), lora="d")
 
@@ -226,8 +233,21 @@ def test_adapters_loaded_and_unloaded_at_run_time(base_and_adapters, tmp_path) -
         engine.add_request("x", prompts[0], SamplingParams(max_tokens=2), lora="a")
     with pytest.raises(LoraError, match="lora_name: 'a' is not loaded"):
         engine.unload_lora("a")
-    engine.load_lora("a2", str(out / "a"))  # a new id; the same tokens
+    engine.load_lora("a2", str(out / "a"))  # a's slot again; the same tokens
+    assert engine.lora_names["a2"][0] == 1  # b kept slot 0 (loaded first)
     assert run(engine, [(prompts[0], "a2"), (prompts[1], "b")]) == expected[:2]
+    for _ in range(3):  # unloads free their slots: the stacked weights stay two wide
+        engine.unload_lora("a2")
+        engine.load_lora("a2", str(out / "a"))
+    assert sorted(slot for slot, _ in engine.lora_names.values()) == [0, 1]
+    # A worker's request names the digest its router saw: another is refused
+    digest = engine.lora_names["b"][1]
+    with pytest.raises(LoraMismatch, match="not the one the router routed to"):
+        engine.add_request("old", prompts[0], SamplingParams(max_tokens=2), lora="b",
+                           lora_digest=digest + 1)  # fmt: skip
+    with pytest.raises(LoraMismatch, match="this worker has no adapter 'gone'"):
+        engine.add_request("gone", prompts[0], SamplingParams(max_tokens=2), lora="gone",
+                           lora_digest=digest)  # fmt: skip
     # What cannot be served: refused, naming the field; the engine runs on.
     corrupt = tmp_path / "corrupt"
     shutil.copytree(out / "a", corrupt)
@@ -270,11 +290,11 @@ def test_adapters_beyond_max_cpu_loras_are_read_again_when_named(base_and_adapte
     engine = LLMEngine(EngineConfig(**config, max_cpu_loras=1))  # type: ignore[arg-type]
     loras_registry = engine.loras
     assert loras_registry is not None and loras_registry.num_reads == 3  # checked at start
-    assert list(loras_registry.resident) == [0]  # "a", the first given
+    assert dict(loras_registry.resident) == {"a": 0}  # the first given
     got = [run(engine, [(p, lora)])[0] for p, lora in zip(prompts, loras, strict=True)]
     assert got == expected
     assert loras_registry.num_reads == 3 + 4  # b, a, c, b: each read again
-    assert list(loras_registry.resident) == [1]  # "b"
+    assert dict(loras_registry.resident) == {"b": 0}  # in the one slot
     engine.add_request("busy", prompts[0], SamplingParams(max_tokens=3), lora="b")
     with pytest.raises(LoraMemoryFull, match=r"adapter 'c' is not in memory.*retry later"):
         engine.add_request("full", prompts[0], SamplingParams(max_tokens=3), lora="c")
