@@ -97,11 +97,11 @@ class DenseLora:
             starts.append(starts[-1] + self.num_slots * r)
         # For a bf16 model on CPU: bf16 copies in the CPU kernel's panels
         # (kernels.cpu.bf16_gemm), half the bytes a step reads
-        self.panels = None
+        self.panels: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         if packed:
             self.panels = (
                 bf16_gemm.pack(self.a.to(torch.bfloat16)),
-                [bf16_gemm.pack(b.T.contiguous().to(torch.bfloat16)) if r else None
+                [bf16_gemm.pack(b.T.contiguous().to(torch.bfloat16)) if r else torch.empty(0)
                  for b, r in zip(self.b, self.ranks, strict=True)],
             )  # fmt: skip
         self.sgmv_weights = [
@@ -120,33 +120,21 @@ class DenseLora:
         """Adds each token's delta under its adapter into ``y`` [T, sum(out)] (the base
         product's output, any float dtype; summed in fp32): one shrink, one mask, one
         expand per part, in place: few ops, since a step runs this in every adapted
-        projection (bench/lora.py)."""
-        if self.panels is not None:
-            self._add_packed(y, x, column_mask)
-            return
-        masked = (x.float() @ self.a.T).mul_(column_mask)  # [T, sum(S * r)]
+        projection (bench/lora.py). With ``panels``, the products are the bf16 kernel's,
+        in bf16."""
+        if self.panels is None:
+            masked = (x.float() @ self.a.T).mul_(column_mask)  # [T, sum(S * r)]
+        else:
+            shrunk = bf16_gemm.linear(x.to(torch.bfloat16), self.panels[0], None, len(self.a))
+            masked = shrunk.mul_(column_mask)
         start = column = 0
-        for r, b, width in zip(self.ranks, self.b, self.out_features, strict=True):
+        for i, (r, width) in enumerate(zip(self.ranks, self.out_features, strict=True)):
             if r:
-                expanded = masked[:, start : start + self.num_slots * r] @ b
-                if width == y.shape[1]:
-                    y += expanded
-                else:
-                    y[:, column : column + width] += expanded
-            start += self.num_slots * r
-            column += width
-
-    def _add_packed(self, y: torch.Tensor, x: torch.Tensor, column_mask: torch.Tensor) -> None:
-        """``add_deltas`` through the bf16 kernel, in bf16 (fp32 sums)."""
-        assert self.panels is not None
-        a_panels, b_panels = self.panels
-        x = x.to(torch.bfloat16)
-        masked = bf16_gemm.linear(x, a_panels, None, self.a.shape[0]).mul_(column_mask)
-        start = column = 0
-        for r, panels, width in zip(self.ranks, b_panels, self.out_features, strict=True):
-            if panels is not None:
                 part = masked[:, start : start + self.num_slots * r]
-                expanded = bf16_gemm.linear(part.contiguous(), panels, None, width)
+                if self.panels is None:
+                    expanded = part @ self.b[i]
+                else:
+                    expanded = bf16_gemm.linear(part.contiguous(), self.panels[1][i], None, width)
                 if width == y.shape[1]:
                     y += expanded
                 else:

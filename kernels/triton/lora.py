@@ -20,15 +20,22 @@ BLOCK_N = 32  # output columns per expand program
 
 
 @triton.jit
+def _group_tile(offsets_ptr, ids_ptr, BLOCK_M: tl.constexpr):
+    """This program's group (axis 0) and token tile (axis 1): the group's adapter slot
+    (-1: none), the tile's first token and the group's end."""
+    g = tl.program_id(0)
+    end = tl.load(offsets_ptr + g + 1)
+    slot = tl.load(ids_ptr + g).to(tl.int64)
+    first = tl.load(offsets_ptr + g) + tl.program_id(1) * BLOCK_M
+    return slot, first, end
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, y_ptr, offsets_ptr, ids_ptr, K, R,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    g = tl.program_id(0)
-    start = tl.load(offsets_ptr + g)
-    end = tl.load(offsets_ptr + g + 1)
-    slot = tl.load(ids_ptr + g).to(tl.int64)
-    first = start + tl.program_id(1) * BLOCK_M
+    slot, first, end = _group_tile(offsets_ptr, ids_ptr, BLOCK_M)
     if slot < 0 or first >= end:
         return
     rows = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -54,11 +61,7 @@ def _expand_kernel(
     y_ptr, b_ptr, out_ptr, offsets_ptr, ids_ptr, R, N,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    g = tl.program_id(0)
-    start = tl.load(offsets_ptr + g)
-    end = tl.load(offsets_ptr + g + 1)
-    slot = tl.load(ids_ptr + g).to(tl.int64)
-    first = start + tl.program_id(1) * BLOCK_M
+    slot, first, end = _group_tile(offsets_ptr, ids_ptr, BLOCK_M)
     if slot < 0 or first >= end:
         return
     rows = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
