@@ -21,7 +21,7 @@ from engine.executor.shared_kv import DRAFT_LABEL, SharedKv
 from engine.executor.worker import RankConfig, load_shard
 from engine.fp8 import BlockFp8, QuantizationError
 from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
-from engine.lora.registry import LoraRegistry
+from engine.lora.registry import LoraRegistry, lora_registry
 from engine.model_runner import ModelRunner
 from engine.models.layers import dequantize_fp8, release_packed_weights, use_packed_gemm
 from engine.models.triton_layers import use_triton_kernels
@@ -180,21 +180,6 @@ def draft_splits(config: EngineConfig, model_config: ModelConfig) -> bool:
     )
 
 
-def load_lora(
-    config: EngineConfig, model: torch.nn.Module, model_config: Any
-) -> LoraRegistry | None:
-    """The engine's adapters (``engine.lora``): ``config.lora_modules`` read, checked
-    against the model and swapped into it; None without adapters or ``enable_lora``."""
-    if not config.lora_modules and not config.enable_lora:
-        return None
-    if not isinstance(model_config, Llama3Config):
-        raise ValueError("lora_modules: LoRA adapters run on Llama-3 models only for now")
-    device = next(model.parameters()).device
-    registry = LoraRegistry(model, model_config, config.max_lora_rank, device, config.max_cpu_loras)
-    registry.start(config.lora_modules)
-    return registry
-
-
 def _build(
     config: EngineConfig,
     tokenizer: Any | None,
@@ -208,7 +193,7 @@ def _build(
     model, model_config = load_shard(config, tp, device)
     if fp8_weights == "dequantize":  # once, at load time
         dequantize_fp8(model, model_config.dtype)
-    loras = load_lora(config, model, model_config)
+    loras = lora_registry(config, model, model_config, tp.shard)
     packed: list[torch.nn.Module] = []  # models whose products use_packed_gemm prepared
     if device.type == "cpu" and config.cpu_gemm != "aten":
         use_packed_gemm(model, config.cpu_gemm)

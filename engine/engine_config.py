@@ -92,7 +92,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     # LoRA adapters (PEFT's format) served beside the model, by name: (name, directory)
     # pairs (engine.lora). A request names one, or none; drafts stay the base model's.
-    # Eager, one device.
+    # Eager; split over tensor-parallel ranks as the model is.
     lora_modules: tuple[tuple[str, str], ...] = ()
     # Adapters may be loaded at run time (LLMEngine.load_lora), also without lora_modules.
     enable_lora: bool = False
@@ -155,8 +155,13 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
             raise ValueError(f"max_cpu_loras: {self.max_cpu_loras}, must be at least 1")
         why = ""
-        if self.world_size > 1:
-            why = "several ranks (tensor or data parallelism)"
+        if self.data_parallel_size > 1:
+            why = "data-parallel ranks"
+        elif self.tensor_parallel_size > 1 and (self.enable_lora or self.max_cpu_loras):
+            why = (
+                "tensor-parallel ranks and enable_lora or max_cpu_loras (adapters split over "
+                "ranks are the ones given at start, all in memory)"
+            )
         elif self.torch_compile or self.uses_cuda_graphs:
             why = "compiled steps or CUDA graphs (eager only for now); turn them off"
         if why:

@@ -28,6 +28,7 @@ from engine.executor.shared_kv import DRAFT_LABEL, SharedKv
 from engine.executor.uniproc import UniprocExecutor, compile_decode_model
 from engine.executor.worker import RankConfig, load_shard
 from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
+from engine.lora.registry import lora_registry
 from engine.models.layers import dequantize_fp8, release_packed_weights, use_packed_gemm
 from engine.models.llama3 import Llama3Model
 from engine.models.triton_layers import use_triton_kernels
@@ -52,6 +53,7 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     model, model_config = load_shard(config, tp, device)
     if config.fp8_weights == "dequantize":  # as rank 0's build_components does
         dequantize_fp8(model, model_config.dtype)
+    lora_registry(config, model, model_config, tp.shard)  # this rank's part of each adapter
     drafter = None
     modules: list[nn.Module] = [model]
     if config.draft_model:  # split as the target is: a Llama-3 target's draft
@@ -132,6 +134,10 @@ def run_rank(
             if step is None:
                 return
             if isinstance(step, ForwardStep):
+                if step.lora_groups is not None:  # rank 0's model's, for this forward
+                    lora_step = getattr(executor.model, "lora_step", None)
+                    assert lora_step is not None, "rank 0 runs adapters this rank lacks"
+                    lora_step.set(*step.lora_groups)
                 executor.forward(step.inputs, compiled=step.compiled)
             elif isinstance(step, GraphDefine):
                 graphs.define(step)

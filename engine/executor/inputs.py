@@ -20,7 +20,7 @@ import torch
 from engine.attention.base import BatchLayout
 from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs, ReturnHiddenStates
 
-MESSAGE_FORMAT = 3  # bumped whenever the layout below changes
+MESSAGE_FORMAT = 4  # bumped whenever the layout below changes
 OP_FORWARD, OP_STOP, OP_GRAPH_DEFINE, OP_GRAPH_RUN = 1, 2, 3, 4
 
 
@@ -35,6 +35,9 @@ class ForwardInputs:
     # Data-parallel attention: each row's rank ([B] int64); each rank runs its rows only.
     dp_ranks: torch.Tensor | None = None
 
+
+# A forward's LoRA token groups (engine.lora.layers.LoraStep): lora_grouped_offsets, lora_ids
+LoraGroups = tuple[list[int], list[int]]
 
 # What speculative steps call for their verification: the compiled forward, where compiled.
 TargetForward = Callable[[ForwardInputs], ModelOutputs]
@@ -82,9 +85,12 @@ class _Reader:
         return None if n < 0 else self.ints(n)
 
 
-def encode(inputs: ForwardInputs, *, compiled: bool) -> torch.Tensor:
+def encode(
+    inputs: ForwardInputs, *, compiled: bool, lora_groups: LoraGroups | None = None
+) -> torch.Tensor:
     """The message every other rank runs ``inputs`` from (``compiled``: through the compiled
-    forward, as decode steps do)."""
+    forward, as decode steps do; ``lora_groups``: rank 0's model's LoRA token groups for
+    it, where it runs adapters)."""
     layout, hidden = inputs.layout, inputs.return_hidden_states
     w = _Writer()
     w.ints(MESSAGE_FORMAT, OP_FORWARD, compiled, inputs.on_layer is not None)
@@ -96,6 +102,8 @@ def encode(inputs: ForwardInputs, *, compiled: bool) -> torch.Tensor:
     w.optional(layout.query_lens)
     w.optional(layout.context_lens_host)
     w.optional(None if inputs.dp_ranks is None else inputs.dp_ranks.tolist())
+    w.optional(None if lora_groups is None else lora_groups[0])
+    w.optional(None if lora_groups is None else lora_groups[1])
     return torch.cat(w.parts)
 
 
@@ -152,6 +160,7 @@ def stop_message() -> torch.Tensor:
 class ForwardStep:
     inputs: ForwardInputs
     compiled: bool  # through the compiled forward
+    lora_groups: LoraGroups | None = None  # set on the rank's LoraStep before the forward
 
 
 def message_op(message: torch.Tensor) -> int:
@@ -178,9 +187,11 @@ def decode(message: torch.Tensor, device: torch.device) -> ForwardStep | None:
     tensors = [r.tensor(device) for _ in range(7)]
     hidden = ReturnHiddenStates(tuple(r.optional() or []), bool(final))
     query_lens, context_lens_host, ranks = r.optional(), r.optional(), r.optional()
+    lora_offsets, lora_ids = r.optional(), r.optional()
+    lora_groups = None if lora_offsets is None else (lora_offsets, lora_ids or [])
     dp_ranks = None if ranks is None else torch.tensor(ranks, dtype=torch.int64, device=device)
     inputs = assemble(
         tensors, (bounds[0], bounds[1], bounds[2]), flags, hidden,
         query_lens, context_lens_host, dp_ranks,
     )  # fmt: skip
-    return ForwardStep(inputs, bool(compiled))
+    return ForwardStep(inputs, bool(compiled), lora_groups)

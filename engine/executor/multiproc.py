@@ -269,7 +269,11 @@ class MultiprocExecutor(UniprocExecutor):
             if self.graph_peers.active:  # a graph runner's step (engine.executor.graph_steps)
                 self.graph_peers.forward(inputs, compiled=compiled)
             else:
-                self.ranks.send(encode(inputs, compiled=compiled))
+                lora_step = getattr(self.model, "lora_step", None)  # the runner set it
+                groups = None
+                if lora_step is not None:
+                    groups = (lora_step.lora_grouped_offsets, lora_step.lora_ids)
+                self.ranks.send(encode(inputs, compiled=compiled, lora_groups=groups))
             return super().forward(inputs, compiled=compiled)
 
     @contextlib.contextmanager

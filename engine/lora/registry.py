@@ -15,16 +15,19 @@ the engine's thread loads.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from engine.config import Llama3Config
-from engine.lora.adapter import TARGETS, LoraAdapter, LoraError, load_adapter
+from engine.lora.adapter import TARGETS, LoraAdapter, LoraError, LoraWeights, load_adapter
 from engine.lora.layers import put_adapter, use_lora
+from engine.parallel.shard import Shard
 
 NumRequests = Callable[[int], int]  # requests (of the engine's) under a slot
 
@@ -57,6 +60,52 @@ class LoraMemoryFull(LoraError):
     for another now; retry once some end (RESOURCE_EXHAUSTED)."""
 
 
+def shard_adapter(adapter: LoraAdapter, config: Llama3Config, shard: Shard) -> LoraAdapter:
+    """``adapter``'s part on one tensor-parallel rank, split as the base projections are:
+    ``B``'s output rows where the projection splits its output (q, k, v by heads, gate and
+    up by channels; A whole), ``A``'s input columns where it splits its input (o by query
+    heads, down by channels; B whole, the deltas summed by the projection's all-reduce)."""
+    hd = config.head_dim
+    heads = shard.even(config.num_attention_heads, "num_attention_heads")
+    kv_heads = shard.kv_heads(config.num_key_value_heads)
+    channels = shard.even(config.intermediate_size, "intermediate_size")
+    q = slice(heads.start * hd, heads.stop * hd)
+    kv = slice(kv_heads.start * hd, kv_heads.stop * hd)
+    mlp = slice(channels.start, channels.stop)
+    outputs = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp}
+    inputs = {"o_proj": q, "down_proj": mlp}
+    modules: dict[str, LoraWeights] = {}
+    for name, w in adapter.modules.items():
+        target = name.rsplit(".", 1)[-1]
+        if target in outputs:
+            w = LoraWeights(w.a, w.b[outputs[target]].contiguous(), w.scaling)
+        else:
+            w = LoraWeights(w.a[:, inputs[target]].contiguous(), w.b, w.scaling)
+        modules[name] = w
+    return dataclasses.replace(adapter, modules=modules)
+
+
+def lora_registry(
+    config: Any,  # an EngineConfig or a RankConfig: the same fields
+    model: nn.Module,
+    model_config: Any,
+    shard: Shard | None = None,  # a tensor-parallel rank's; None: one device
+) -> LoraRegistry | None:
+    """The engine's adapters: ``config.lora_modules`` read, checked against the model (split
+    for ``shard``) and swapped into it; None without adapters or ``enable_lora``. Every
+    rank of a split model builds its own, in the same order: the same slots."""
+    enable = getattr(config, "enable_lora", False)
+    if not config.lora_modules and not enable:
+        return None
+    if not isinstance(model_config, Llama3Config):
+        raise ValueError("lora_modules: LoRA adapters run on Llama-3 models only for now")
+    device = next(model.parameters()).device
+    max_resident = getattr(config, "max_cpu_loras", None)
+    registry = LoraRegistry(model, model_config, config.max_lora_rank, device, max_resident, shard)
+    registry.start([(name, path) for name, path in config.lora_modules])
+    return registry
+
+
 class LoraRegistry:
     """The adapters of ``model`` (a Llama-3 on one device), their digests and slots (see
     the module's docstring). At most ``max_resident`` adapters' weights are in memory
@@ -70,9 +119,10 @@ class LoraRegistry:
         max_rank: int,
         device: torch.device,
         max_resident: int | None = None,
+        shard: Shard | None = None,  # a tensor-parallel rank's: adapters split for it
     ) -> None:
         self.model, self.max_rank, self.device = model, max_rank, device
-        self.max_resident = max_resident
+        self.max_resident, self.config = max_resident, config
         self.num_layers = config.num_hidden_layers
         q, kv, h = config.q_size, config.kv_size, config.hidden_size
         inter = config.intermediate_size
@@ -84,6 +134,7 @@ class LoraRegistry:
         self.paths: dict[str, Path] = {}
         self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
         self._free: list[int] = []  # slots freed, reused first
+        self.shard = shard
         self._num_slots = 0
         self.num_reads = 0  # adapters read from their files, at start and since
 
@@ -193,4 +244,7 @@ class LoraRegistry:
 
     def _read(self, name: str, path: str | Path) -> LoraAdapter:
         self.num_reads += 1
-        return load_adapter(name, path, self.shapes, self.num_layers, self.max_rank, self.device)
+        adapter = load_adapter(name, path, self.shapes, self.num_layers, self.max_rank, self.device)
+        if self.shard is not None and self.shard.size > 1:
+            adapter = shard_adapter(adapter, self.config, self.shard)
+        return adapter

@@ -23,7 +23,13 @@ from engine.executor.graph_wire import (
     encode_run,
     pack,
 )
-from engine.executor.inputs import ForwardInputs, ForwardStep, encode, forward_tensors
+from engine.executor.inputs import (
+    MESSAGE_FORMAT,
+    ForwardInputs,
+    ForwardStep,
+    encode,
+    forward_tensors,
+)
 from engine.models.llama3 import ReturnHiddenStates
 from engine.parallel.group import TensorParallelGroup
 
@@ -68,6 +74,11 @@ def test_a_signature_travels_once_and_its_tensors_unpack_as_sent() -> None:
     # An eager forward's message still carries its values.
     step = decode(encode(sent, compiled=False), CPU)
     assert isinstance(step, ForwardStep) and torch.equal(step.inputs.tokens, sent.tokens)
+    assert step.lora_groups is None
+    # With LoRA adapters, the forward's token groups travel too (engine.lora).
+    groups = ([0, 3, 5, 8], [1, -1, 0])
+    step = decode(encode(sent, compiled=False, lora_groups=groups), CPU)
+    assert isinstance(step, ForwardStep) and step.lora_groups == groups
 
 
 def test_host_lengths_travel_and_what_cannot_is_refused() -> None:
@@ -83,11 +94,12 @@ def test_host_lengths_travel_and_what_cannot_is_refused() -> None:
     with pytest.raises(ValueError, match="no per-layer hook"):
         GraphSignature.of(ragged, compiled=False)
     with pytest.raises(ValueError, match="unknown op 9"):
-        decode(torch.tensor([3, 9]), CPU)
+        decode(torch.tensor([MESSAGE_FORMAT, 9]), CPU)
     with pytest.raises(ValueError, match="unknown forward kind 7"):
-        decode(torch.tensor([3, 3, 0, 0, 7]), CPU)
-    with pytest.raises(ValueError, match="step message format 2, this rank reads 3"):
-        decode(torch.tensor([2, 4, 0]), CPU)
+        decode(torch.tensor([MESSAGE_FORMAT, 3, 0, 0, 7]), CPU)
+    older = MESSAGE_FORMAT - 1
+    with pytest.raises(ValueError, match=f"step message format {older}, this rank reads 4"):
+        decode(torch.tensor([older, 4, 0]), CPU)
 
 
 def test_rank_0_defines_each_signature_once_then_names_it() -> None:
