@@ -17,8 +17,8 @@ from engine.components import build_components
 from engine.disaggregation import Disaggregation
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheCapacityError
-from engine.lora.adapter import LoraError
-from engine.lora.registry import LoraMismatch, LoraNotLoaded
+from engine.lora.adapter import LoraAdapter, LoraError
+from engine.lora.registry import LoraMismatch, LoraNotLoaded, LoraRegistry
 from engine.model_runner import StepOutput
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestDelta, RequestOutput, hand_out
@@ -102,15 +102,24 @@ class LLMEngine(Disaggregation):
         """The LoRA adapters a request may name: name -> (id, digest of its files)."""
         return self.loras.names if self.loras is not None else {}
 
-    def load_lora(self, name: str, path: str) -> None:
-        """Loads LoRA adapter ``name`` from ``path`` (PEFT's files) between steps;
-        LoraError (a ValueError naming the field) for one this engine cannot serve."""
+    def load_lora(self, name: str, path: str, adapter: LoraAdapter | None = None) -> None:
+        """Loads LoRA adapter ``name`` from ``path`` (PEFT's files) between steps, or puts
+        in ``adapter``, which ``read_lora`` read from there; LoraError (a ValueError
+        naming the field) for one this engine cannot serve."""
+        self._registry().load(name, path, self._num_requests_under, adapter)
+
+    def read_lora(self, name: str, path: str) -> LoraAdapter:
+        """LoRA adapter ``name`` read from ``path`` and checked, for ``load_lora``; from any
+        thread (the files are read while the engine steps)."""
+        return self._registry().read(name, path)
+
+    def _registry(self) -> LoraRegistry:
         if self.loras is None:
             raise LoraError(
                 "lora_name: this engine runs no LoRA adapters (start it with lora_modules "
                 "or enable_lora)"
             )
-        self.loras.load(name, path, self._num_requests_under)
+        return self.loras
 
     def unload_lora(self, name: str) -> None:
         """Unloads LoRA adapter ``name``; LoraError while requests run under it."""

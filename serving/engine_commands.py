@@ -17,6 +17,7 @@ from typing import ClassVar, Generic, TypeVar
 
 from engine.engine_figures import block_tables, owned_block_ids
 from engine.llm_engine import LLMEngine
+from engine.lora.adapter import LoraAdapter
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
 
@@ -150,9 +151,10 @@ class LoadLora(EngineCommand[int]):
     is_new_work: ClassVar[bool] = False
     name: str
     path: str
+    adapter: LoraAdapter | None = None  # read from ``path`` already (LLMEngine.read_lora)
 
     def run(self, engine: LLMEngine) -> int:
-        engine.load_lora(self.name, self.path)
+        engine.load_lora(self.name, self.path, self.adapter)
         return engine.lora_names[self.name][1]
 
 

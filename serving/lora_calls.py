@@ -6,12 +6,14 @@ started with --allow-runtime-lora (``EngineConfig.enable_lora``)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from engine.llm_engine import LLMEngine
+from engine.lora.adapter import LoraAdapter
 from ledger.membership import Membership
 from serving.engine_commands import LoadLora, UnloadLora
-from serving.engine_loop import EngineLoop
+from serving.engine_loop import EngineLoop, confine_torch
 from serving.lora_setup import LORA_NAME, lora_digests
 from serving.rpc import PermissionDenied
 from tandem.v1 import worker_pb2 as pb
@@ -42,8 +44,10 @@ class LoraCalls:
             raise ValueError(f"lora_name: {name!r} is the served model's name")
         if not request.lora_path:
             raise ValueError("lora_path: is empty")
-        # LoraError, a ValueError naming the field: INVALID_ARGUMENT (serving.rpc)
-        digest = await self.engine_loop.call(LoadLora(name, request.lora_path))
+        # Read and checked on a thread of its own, while the engine steps; put in between
+        # steps. LoraError, a ValueError naming the field: INVALID_ARGUMENT (serving.rpc).
+        adapter = await asyncio.to_thread(_read, self.engine, name, request.lora_path)
+        digest = await self.engine_loop.call(LoadLora(name, request.lora_path, adapter))
         self.membership.publish_figures()
         return pb.LoadLoraReply(lora_digest=f"{digest:016x}")
 
@@ -60,3 +64,10 @@ class LoraCalls:
                 "lora_name: loading adapters at run time is off on this worker (start it "
                 "with --allow-runtime-lora)"
             )
+
+
+def _read(engine: LLMEngine, name: str, path: str) -> LoraAdapter:
+    """``engine.read_lora`` on a thread of asyncio's, its parallel regions on it alone (as
+    the asyncio thread's: serving.engine_loop.confine_torch)."""
+    confine_torch()
+    return engine.read_lora(name, path)

@@ -145,13 +145,21 @@ class LoraRegistry:
         for name, path in modules:
             self.load(name, path, num_requests=_kept)
 
-    def load(self, name: str, path: str | Path, num_requests: NumRequests = _none) -> None:
-        """Reads, checks and registers one more adapter, kept in memory if there is room
-        (or an adapter without requests to make room); LoraError (naming the field) for
-        one that cannot be served, or a name already loaded."""
+    def load(
+        self,
+        name: str,
+        path: str | Path,
+        num_requests: NumRequests = _none,
+        adapter: LoraAdapter | None = None,
+    ) -> None:
+        """Reads (unless ``adapter``: ``read``'s, done already), checks and registers one
+        more adapter, kept in memory if there is room (or an adapter without requests to
+        make room); LoraError (naming the field) for one that cannot be served, or a name
+        already loaded."""
         if name in self.names:
             raise LoraError(f"lora_name: {name!r} is already loaded")
-        adapter = self._read(name, path)
+        if adapter is None:
+            adapter = self.read(name, path)
         self.paths[name] = Path(path)
         self._publish(name, -1, adapter.salt)
         if self._make_room(num_requests):
@@ -182,7 +190,7 @@ class LoraRegistry:
                 f"{self.max_resident} adapters that are (--max-cpu-loras) has requests; "
                 "retry later"
             )
-        adapter = self._read(name, self.paths[name])
+        adapter = self.read(name, self.paths[name])
         if adapter.salt != salt:
             self._forget(name)
             path = self.paths.pop(name)
@@ -242,7 +250,10 @@ class LoraRegistry:
     def _publish(self, name: str, slot: int, salt: int) -> None:
         self.names = {**self.names, name: (slot, salt)}
 
-    def _read(self, name: str, path: str | Path) -> LoraAdapter:
+    def read(self, name: str, path: str | Path) -> LoraAdapter:
+        """Adapter ``name`` read from ``path`` and checked against the model (its part, on
+        a tensor-parallel rank); changes nothing here, so another thread may read one
+        while the engine steps."""
         self.num_reads += 1
         adapter = load_adapter(name, path, self.shapes, self.num_layers, self.max_rank, self.device)
         if self.shard is not None and self.shard.size > 1:
