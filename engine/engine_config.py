@@ -92,7 +92,8 @@ class EngineConfig:
     data_parallel_size: int = 1
     # LoRA adapters (PEFT's format) served beside the model, by name: (name, directory)
     # pairs (engine.lora). A request names one, or none; drafts stay the base model's.
-    # Eager; split over tensor-parallel ranks as the model is.
+    # Compiled steps take the deltas as an opaque op (not CUDA graphs); split over
+    # tensor-parallel ranks as the model is.
     lora_modules: tuple[tuple[str, str], ...] = ()
     # Adapters may be loaded at run time (LLMEngine.load_lora), also without lora_modules.
     enable_lora: bool = False
@@ -162,8 +163,8 @@ class EngineConfig:
                 "tensor-parallel ranks and enable_lora or max_cpu_loras (adapters split over "
                 "ranks are the ones given at start, all in memory)"
             )
-        elif self.torch_compile or self.uses_cuda_graphs:
-            why = "compiled steps or CUDA graphs (eager only for now); turn them off"
+        elif self.uses_cuda_graphs:
+            why = "CUDA graphs (the deltas run Python between kernels); turn them off"
         if why:
             raise ValueError(f"lora_modules: adapters do not run with {why} yet")
 

@@ -33,8 +33,7 @@ def add_lora_arguments(group: argparse._ActionsContainer) -> None:
         metavar="NAME=PATH",
         help="serve a LoRA adapter (PEFT's format: a directory with adapter_config.json and "
         "adapter_model.safetensors) beside the model, under NAME: a request whose `model` is "
-        "NAME runs under it. Repeat for more; drafts stay the base model's. Workers with "
-        "adapters run eagerly (compiled steps with adapters are not built yet)",
+        "NAME runs under it. Repeat for more; drafts stay the base model's",
     )
     group.add_argument(
         "--allow-runtime-lora",
@@ -93,7 +92,7 @@ def parse_lora_modules(values: Sequence[str]) -> tuple[tuple[str, str], ...]:
 
 def check_lora_arguments(args: argparse.Namespace, prog: str) -> str | None:
     """What is wrong with the LoRA options (None: nothing); parses ``--lora-modules`` into
-    ``args.lora_pairs`` and turns ``--eager`` on where adapters are given (with a note)."""
+    ``args.lora_pairs``."""
     try:
         args.lora_pairs = parse_lora_modules(args.lora_modules)
     except ValueError as e:
@@ -104,14 +103,6 @@ def check_lora_arguments(args: argparse.Namespace, prog: str) -> str | None:
         return f"--max-lora-rank: must be at least 1, got {args.max_lora_rank}"
     if args.max_cpu_loras is not None and args.max_cpu_loras < 1:
         return f"--max-cpu-loras: must be at least 1, got {args.max_cpu_loras}"
-    if (args.lora_pairs or args.allow_runtime_lora) and not args.eager:
-        args.eager = True
-        option = "--lora-modules" if args.lora_pairs else "--allow-runtime-lora"
-        print(
-            f"{prog}: note: {option}: workers with adapters run eagerly (compiled steps "
-            "with adapters are not built yet)",
-            flush=True,
-        )
     return None
 
 

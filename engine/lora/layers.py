@@ -11,6 +11,7 @@ adapter in (or takes it out) at run time.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,9 +100,19 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base, self.parts, self.weights, self.step = base, list(parts), weights, step
         self.dense: DenseLora | None = None  # made at its first dense step after a change
+        self.key = next(_KEYS)  # in _LINEARS, for the op compiled graphs call
+        _LINEARS[self.key] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
+        if torch.compiler.is_compiling():  # the deltas as one opaque op of the graph
+            out: torch.Tensor = torch.ops.tandem.lora_deltas(y, x, self.key)
+            return out
+        return self.with_deltas(y, x)
+
+    def with_deltas(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y`` (the base's product of ``x``) plus the step's deltas; ``y`` itself,
+        changed in place, or a new tensor."""
         step = self.step
         if not step.is_active:
             return y
@@ -138,21 +149,46 @@ class LoraLinear(nn.Module):
         return self.dense
 
 
-def use_lora(model: nn.Module, adapters: Sequence[LoraAdapter]) -> LoraStep:
+# Every LoraLinear of this process, by key: a compiled graph calls the op below with a
+# projection's key (Python code inside the graph, not traced: a step's groups change what
+# it runs, which a graph without guards on its modules would have fixed at its capture).
+_LINEARS: weakref.WeakValueDictionary[int, LoraLinear] = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
+
+
+@torch.library.custom_op("tandem::lora_deltas", mutates_args=())
+def _lora_deltas_op(y: torch.Tensor, x: torch.Tensor, key: int) -> torch.Tensor:
+    return _LINEARS[key].with_deltas(y.clone(), x)
+
+
+@_lora_deltas_op.register_fake
+def _(y: torch.Tensor, x: torch.Tensor, key: int) -> torch.Tensor:
+    return torch.empty_like(y)
+
+
+def use_lora(
+    model: nn.Module, adapters: Sequence[LoraAdapter], *, every_projection: bool = False
+) -> LoraStep:
     """Swaps ``LoraLinear`` in for every projection of ``model`` (a Llama-3, one device)
-    that one of ``adapters`` targets; adapter i is ``lora_ids`` i. With none, the model
-    has its ``LoraStep`` and no ``LoraLinear`` yet (``put_adapter`` adds them)."""
+    that one of ``adapters`` targets (``every_projection``: all of them, so that adapters
+    put in later change no module: what a compiled model needs); adapter i is ``lora_ids``
+    i. With none, the model has its ``LoraStep`` (``put_adapter`` adds the rest)."""
     step = LoraStep()
     model.lora_step = step  # type: ignore[assignment]
+    if every_projection:
+        put_adapter(model, -1, None, wrap=True)
     for i, adapter in enumerate(adapters):
         put_adapter(model, i, adapter)
     return step
 
 
-def put_adapter(model: nn.Module, adapter_id: int, adapter: LoraAdapter | None) -> None:
+def put_adapter(
+    model: nn.Module, adapter_id: int, adapter: LoraAdapter | None, *, wrap: bool = False
+) -> None:
     """Puts ``adapter``'s weights at ``lora_ids`` ``adapter_id`` in every projection of
-    ``model`` (after ``use_lora``), swapping ``LoraLinear`` in for those it targets first;
-    None takes an adapter's weights out (unloaded). Between steps only."""
+    ``model`` (after ``use_lora``), swapping ``LoraLinear`` in for those it targets first
+    (``wrap``: for every projection); None takes an adapter's weights out (unloaded); id
+    -1 puts nothing. Between steps only."""
     step = model.lora_step
     assert isinstance(step, LoraStep)
     layers = model.layers
@@ -165,11 +201,13 @@ def put_adapter(model: nn.Module, adapter_id: int, adapter: LoraAdapter | None) 
             owner = getattr(layer, owner_name)
             linear = getattr(owner, attr)
             if not isinstance(linear, LoraLinear):
-                if not any(new):
+                if not any(new) and not wrap:
                     continue
                 empty: list[list[LoraWeights | None]] = [[] for _ in parts]
                 linear = LoraLinear(linear, _widths(owner, attr), empty, step)
                 setattr(owner, attr, linear)
+            if adapter_id < 0:
+                continue
             for by_id, weights in zip(linear.weights, new, strict=True):
                 by_id.extend([None] * (adapter_id + 1 - len(by_id)))
                 by_id[adapter_id] = weights

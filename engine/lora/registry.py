@@ -102,7 +102,8 @@ def lora_registry(
     device = next(model.parameters()).device
     max_resident = getattr(config, "max_cpu_loras", None)
     registry = LoraRegistry(model, model_config, config.max_lora_rank, device, max_resident, shard)
-    registry.start([(name, path) for name, path in config.lora_modules])
+    compiled = bool(getattr(config, "torch_compile", False))
+    registry.start([(name, path) for name, path in config.lora_modules], compiled=compiled)
     return registry
 
 
@@ -138,10 +139,12 @@ class LoraRegistry:
         self._num_slots = 0
         self.num_reads = 0  # adapters read from their files, at start and since
 
-    def start(self, modules: Sequence[tuple[str, str]]) -> None:
+    def start(self, modules: Sequence[tuple[str, str]], *, compiled: bool = False) -> None:
         """The adapters given at start, read and checked (the first ``max_resident`` kept
-        in the model), so that the model has its ``LoraStep`` even with none."""
-        use_lora(self.model, [])
+        in the model), so that the model has its ``LoraStep`` even with none. ``compiled``:
+        every projection takes deltas from now on (``use_lora``'s ``every_projection``),
+        so that adapters put in later change no module of the compiled model."""
+        use_lora(self.model, [], every_projection=compiled)
         for name, path in modules:
             self.load(name, path, num_requests=_kept)
 

@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 from peft import PeftModel
+from torch._dynamo.utils import counters
 from transformers import LlamaForCausalLM
 
 from engine.llm_engine import EngineConfig, LLMEngine, RequestError
@@ -144,8 +145,9 @@ def test_prefill_here_decode_there_under_adapters(base_and_adapters) -> None:
 
 def test_what_adapters_do_not_run_with_yet_is_refused(base_and_adapters) -> None:
     out, _, _ = base_and_adapters
-    with pytest.raises(ValueError, match="lora_modules: adapters do not run with compiled"):
-        EngineConfig(model=str(out / "base"), torch_compile=True,
+    with pytest.raises(ValueError, match="lora_modules: adapters do not run with CUDA graphs"):
+        EngineConfig(model=str(out / "base"), cuda_graphs=True,
+                     speculative=SpeculativeConfig(str(out / "draft"), num_draft_tokens=2),
                      lora_modules=(("a", str(out / "a")),))  # fmt: skip
     with pytest.raises(ValueError, match="lora_modules: names repeat"):
         EngineConfig(model=str(out / "base"),
@@ -302,3 +304,29 @@ def test_adapters_beyond_max_cpu_loras_are_read_again_when_named(base_and_adapte
     while engine.has_unfinished_requests():
         engine.step()
     assert run(engine, [(prompts[2], "c")])[0] == expected[2]
+
+
+def test_compiled_steps_under_adapters_equal_each_adapter_merged(base_and_adapters) -> None:
+    """``torch_compile``: decode steps run the compiled graph, each projection's deltas one
+    opaque op in it (``tandem::lora_deltas``), so that a step's groups, and an adapter
+    loaded after compiling, give each request its adapter's tokens."""
+    out, base, merged = base_and_adapters
+    engine = LLMEngine(
+        EngineConfig(model=str(out / "base"), dtype="float32", block_size=4,
+                     kv_cache_memory=4 << 20, torch_compile=True, enable_lora=True,
+                     lora_modules=(("a", str(out / "a")), ("b", str(out / "b"))))
+    )  # fmt: skip
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, LoraLinear)]
+    assert len(linears) == 2 * 4  # every projection, adapters or not
+    engine.load_lora("c", str(out / "c"))  # after compiling: no module changes
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 8, 3, 6)]
+    loras = ["c", None, "a", "b"]
+    calls = counters["stats"]["calls_captured"]
+    ours = run(engine, list(zip(prompts, loras, strict=True)))
+    assert counters["stats"]["calls_captured"] == calls  # no graph compiled again
+    for prompt, lora, got in zip(prompts, loras, ours, strict=True):
+        reference = base if lora is None else merged[lora]
+        want = reference.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):]  # fmt: skip
+        compare_greedy(reference, [prompt], [got], [want.tolist()])

@@ -1,7 +1,7 @@
 """The LoRA options of `tandem serve` and the workers: ``--lora-modules NAME=PATH``
 (repeatable), ``--max-loras``, ``--max-cpu-loras`` and ``--max-lora-rank`` reach the
-engine's config, ``--allow-runtime-lora`` the router too; workers
-with adapters run eagerly, saying so; malformed values are refused before anything
+engine's config, ``--allow-runtime-lora`` the router too; decode workers with adapters
+compile as others do; malformed values are refused before anything
 starts, naming the option; `tandem serve` hands the options to every worker."""
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ from tests.serving.test_compile_flags import (
 )
 
 
-def test_the_adapters_reach_the_engine_eagerly(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_the_adapters_reach_the_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from decode_worker import cli as decode_cli
     from serving.engine_setup import check_engine_arguments
 
@@ -35,13 +33,13 @@ def test_the_adapters_reach_the_engine_eagerly(
     parser = argparse.ArgumentParser()
     decode_cli.add_arguments(parser)
     args = parser.parse_args([*REQUIRED, *argv])
-    assert not args.eager and check_engine_arguments(args, "decode worker")
-    assert args.eager  # turned on, with a note
-    assert "--lora-modules: workers with adapters run eagerly" in capsys.readouterr().out
-    _, config = built_config(monkeypatch, tmp_path, True, [*argv, "--eager"])
+    assert check_engine_arguments(args, "decode worker") and not args.eager
+    _, config = built_config(monkeypatch, tmp_path, True, argv)
     assert config.lora_modules == (("a", str(tmp_path / "a")), ("org/b", str(tmp_path / "b")))
     assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (2, 16, 1)
-    assert not config.torch_compile and not config.enable_lora
+    assert config.torch_compile and not config.enable_lora  # compiled, as without adapters
+    _, config = built_config(monkeypatch, tmp_path, False, [*argv, "--allow-runtime-lora"])
+    assert config.enable_lora and not config.torch_compile  # a prefill worker's
     with pytest.raises(ValueError, match="--lora-modules: 'm' is the served model's name"):
         built_config(monkeypatch, tmp_path, True, ["--lora-modules", f"m={tmp_path / 'a'}"])
 
@@ -69,7 +67,7 @@ def test_bad_lora_options_are_refused_naming_them(
     assert error in capsys.readouterr().err
 
 
-def test_serve_hands_the_adapters_to_every_worker_eagerly(
+def test_serve_hands_the_adapters_to_every_worker(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     specs = capture_cluster_specs(monkeypatch)
@@ -79,7 +77,7 @@ def test_serve_hands_the_adapters_to_every_worker_eagerly(
     )  # fmt: skip
     assert args.func(args) == 1  # the captured start's error
     (spec,) = specs
-    assert spec.eager and "--allow-runtime-lora" in spec.router_args
+    assert not spec.eager and "--allow-runtime-lora" in spec.router_args
     flags = spec.worker_args
     at = flags.index("--lora-modules")
     assert flags[at : at + 9] == (
