@@ -203,15 +203,15 @@ def split_dense_deltas(spent: dict[str, float]) -> Callable[..., Any]:
     set on the class, it is the method) that adds its shrink's seconds to
     ``spent["shrink"]`` (``x.float() @ A.T``, masked), the rest's (each part's expand, added
     into the output) to "expand", its whole time to "delta_copy", and its products to
-    "shrinks" and "expands". For a bf16 model it copies ``_add_packed`` (the bf16
-    kernel's products)."""
+    "shrinks" and "expands". For a bf16 model, its products are the bf16 kernel's, as
+    the engine's are."""
     import torch
 
     from kernels.cpu import bf16_gemm
 
     def add_deltas(self: Any, y: torch.Tensor, x: torch.Tensor, column_mask: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        if self.panels is not None:  # DenseLora._add_packed: a bf16 model's, bf16 panels
+        if self.panels is not None:  # a bf16 model's: the bf16 kernel's panels
             a_panels, b_panels = self.panels
             x = x.to(torch.bfloat16)
             masked = bf16_gemm.linear(x, a_panels, None, self.a.shape[0]).mul_(column_mask)

@@ -136,7 +136,8 @@ def run_rank(
             if isinstance(step, ForwardStep):
                 if step.lora_groups is not None:  # rank 0's model's, for this forward
                     lora_step = getattr(executor.model, "lora_step", None)
-                    assert lora_step is not None, "rank 0 runs adapters this rank lacks"
+                    if lora_step is None:
+                        raise RuntimeError("rank 0 runs LoRA adapters this rank has none of")
                     lora_step.set(*step.lora_groups)
                 executor.forward(step.inputs, compiled=step.compiled)
             elif isinstance(step, GraphDefine):

@@ -44,6 +44,8 @@ class LoraCalls:
             raise ValueError(f"lora_name: {name!r} is the served model's name")
         if not request.lora_path:
             raise ValueError("lora_path: is empty")
+        if name in self.engine.lora_names:  # before reading its files
+            raise ValueError(f"lora_name: {name!r} is already loaded")
         # Read and checked on a thread of its own, while the engine steps; put in between
         # steps. LoraError, a ValueError naming the field: INVALID_ARGUMENT (serving.rpc).
         adapter = await asyncio.to_thread(_read, self.engine, name, request.lora_path)

@@ -16,6 +16,7 @@ the engine's thread loads.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -138,6 +139,7 @@ class LoraRegistry:
         self.shard = shard
         self._num_slots = 0
         self.num_reads = 0  # adapters read from their files, at start and since
+        self._reads_lock = threading.Lock()
 
     def start(self, modules: Sequence[tuple[str, str]], *, compiled: bool = False) -> None:
         """The adapters given at start, read and checked (the first ``max_resident`` kept
@@ -146,7 +148,7 @@ class LoraRegistry:
         so that adapters put in later change no module of the compiled model."""
         use_lora(self.model, [], every_projection=compiled)
         for name, path in modules:
-            self.load(name, path, num_requests=_kept)
+            self.load(name, path, num_requests=_kept, at_start=True)
 
     def load(
         self,
@@ -154,11 +156,15 @@ class LoraRegistry:
         path: str | Path,
         num_requests: NumRequests = _none,
         adapter: LoraAdapter | None = None,
+        *,
+        at_start: bool = False,
     ) -> None:
         """Reads (unless ``adapter``: ``read``'s, done already), checks and registers one
         more adapter, kept in memory if there is room (or an adapter without requests to
         make room); LoraError (naming the field) for one that cannot be served, or a name
         already loaded."""
+        if not at_start:
+            self._check_one_rank()
         if name in self.names:
             raise LoraError(f"lora_name: {name!r} is already loaded")
         if adapter is None:
@@ -193,7 +199,11 @@ class LoraRegistry:
                 f"{self.max_resident} adapters that are (--max-cpu-loras) has requests; "
                 "retry later"
             )
-        adapter = self.read(name, self.paths[name])
+        try:
+            adapter = self.read(name, self.paths[name])
+        except LoraError as e:  # its files are gone or broken: not this worker's to serve
+            self._forget(name)
+            raise LoraMismatch(f"model: adapter {name!r} cannot be read again ({e})") from None
         if adapter.salt != salt:
             self._forget(name)
             path = self.paths.pop(name)
@@ -206,6 +216,7 @@ class LoraRegistry:
     def unload(self, name: str, num_requests: NumRequests) -> None:
         """Takes adapter ``name`` out; LoraInUse while requests run under it,
         LoraNotLoaded when no adapter has that name."""
+        self._check_one_rank()
         if name not in self.names:
             raise LoraNotLoaded(f"lora_name: {name!r} is not loaded; loaded: {sorted(self.names)}")
         slot = self.resident.get(name)
@@ -216,6 +227,14 @@ class LoraRegistry:
             )
         self._forget(name)
         del self.paths[name]
+
+    def _check_one_rank(self) -> None:
+        """Run-time loading changes rank 0's model only: refused with several ranks."""
+        if self.shard is not None and self.shard.size > 1:
+            raise LoraError(
+                f"lora_name: loading or unloading adapters at run time in a model split over "
+                f"{self.shard.size} ranks is not built; give them at start (lora_modules)"
+            )
 
     def _make_room(self, num_requests: NumRequests) -> bool:
         """Whether one more adapter fits in memory, once the least recently used one
@@ -257,7 +276,8 @@ class LoraRegistry:
         """Adapter ``name`` read from ``path`` and checked against the model (its part, on
         a tensor-parallel rank); changes nothing here, so another thread may read one
         while the engine steps."""
-        self.num_reads += 1
+        with self._reads_lock:  # read() runs on another thread too (serving.lora_calls)
+            self.num_reads += 1
         adapter = load_adapter(name, path, self.shapes, self.num_layers, self.max_rank, self.device)
         if self.shard is not None and self.shard.size > 1:
             adapter = shard_adapter(adapter, self.config, self.shard)

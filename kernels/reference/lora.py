@@ -6,7 +6,8 @@ A step's tokens come in groups, each under one adapter (``lora_grouped_offsets``
 to its adapter's rank, ``sgmv_expand`` back to the projection's width: SGMV (Punica's
 segmented gather matrix-vector products). The adapters' weights are stacked, each padded
 with zeros to the largest rank ``R``: ``a`` [S, R, in] (``A``) and ``b`` [S, R, out]
-(``B`` transposed, its scaling in it).
+(``B`` transposed, its scaling in it). A slot past the ``S`` stacked is none (a projection
+no adapter in a later slot targets).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def sgmv_shrink(
     offsets, ids = lora_grouped_offsets.tolist(), lora_ids.tolist()
     for g, slot in enumerate(ids):
         start, end = offsets[g], offsets[g + 1]
-        if slot >= 0 and end > start:
+        if 0 <= slot < a.shape[0] and end > start:
             y[start:end] = x[start:end].float() @ a[slot].float().T
     return y
 
@@ -44,6 +45,6 @@ def sgmv_expand(
     offsets, ids = lora_grouped_offsets.tolist(), lora_ids.tolist()
     for g, slot in enumerate(ids):
         start, end = offsets[g], offsets[g + 1]
-        if slot >= 0 and end > start:
+        if 0 <= slot < b.shape[0] and end > start:
             out[start:end] = y[start:end] @ b[slot].float()
     return out

@@ -20,22 +20,24 @@ BLOCK_N = 32  # output columns per expand program
 
 
 @triton.jit
-def _group_tile(offsets_ptr, ids_ptr, BLOCK_M: tl.constexpr):
+def _group_tile(offsets_ptr, ids_ptr, S, BLOCK_M: tl.constexpr):
     """This program's group (axis 0) and token tile (axis 1): the group's adapter slot
-    (-1: none), the tile's first token and the group's end."""
+    (-1: none, and so is a slot past the ``S`` stacked), the tile's first token and the
+    group's end."""
     g = tl.program_id(0)
     end = tl.load(offsets_ptr + g + 1)
     slot = tl.load(ids_ptr + g).to(tl.int64)
+    slot = tl.where(slot < S, slot, -1)
     first = tl.load(offsets_ptr + g) + tl.program_id(1) * BLOCK_M
     return slot, first, end
 
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, y_ptr, offsets_ptr, ids_ptr, K, R,
+    x_ptr, a_ptr, y_ptr, offsets_ptr, ids_ptr, S, K, R,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    slot, first, end = _group_tile(offsets_ptr, ids_ptr, BLOCK_M)
+    slot, first, end = _group_tile(offsets_ptr, ids_ptr, S, BLOCK_M)
     if slot < 0 or first >= end:
         return
     rows = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -58,10 +60,10 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    y_ptr, b_ptr, out_ptr, offsets_ptr, ids_ptr, R, N,
+    y_ptr, b_ptr, out_ptr, offsets_ptr, ids_ptr, S, R, N,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    slot, first, end = _group_tile(offsets_ptr, ids_ptr, BLOCK_M)
+    slot, first, end = _group_tile(offsets_ptr, ids_ptr, S, BLOCK_M)
     if slot < 0 or first >= end:
         return
     rows = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -99,7 +101,7 @@ def sgmv_shrink(
     if num_groups and max_group_len and rank and num_slots:
         grid = (num_groups, triton.cdiv(max_group_len, BLOCK_M))
         _shrink_kernel[grid](
-            x, a, y, lora_grouped_offsets, lora_ids, k, rank,
+            x, a, y, lora_grouped_offsets, lora_ids, num_slots, k, rank,
             BLOCK_M=BLOCK_M, BLOCK_R=_block_r(rank), BLOCK_K=BLOCK_K,
         )  # fmt: skip
     return y
@@ -121,7 +123,7 @@ def sgmv_expand(
     if num_groups and max_group_len and rank and num_slots:
         grid = (num_groups, triton.cdiv(max_group_len, BLOCK_M), triton.cdiv(n, BLOCK_N))
         _expand_kernel[grid](
-            y, b, out, lora_grouped_offsets, lora_ids, rank, n,
+            y, b, out, lora_grouped_offsets, lora_ids, num_slots, rank, n,
             BLOCK_M=BLOCK_M, BLOCK_R=min(_block_r(rank), 64), BLOCK_N=BLOCK_N,
         )  # fmt: skip
     return out

@@ -18,6 +18,7 @@ from peft import PeftModel
 from transformers import LlamaForCausalLM
 
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.lora.adapter import LoraError
 from engine.sampling_params import SamplingParams
 from tests.comparator import compare_greedy
 from tests.engine.test_lora_adapter import save_adapter
@@ -52,12 +53,18 @@ def test_a_mixed_batch_split_over_ranks_equals_each_adapter_merged(adapters, siz
         EngineConfig(model=str(out / "base"), dtype="float32", block_size=4,
                      kv_cache_memory=8 << 20, tensor_parallel_size=size, num_threads=2,
                      lora_modules=tuple((n, str(out / n)) for n in NAMES),
-                     max_num_batched_tokens=9)  # prompt chunks beside decode rows
+                     # TP 2: prompt chunks beside decode rows; TP 4: a 70-token prefill
+                     # (the per-group products, past the dense path's 64 tokens)
+                     max_num_batched_tokens=9 if size == 2 else 1024)
     )  # fmt: skip
     try:
+        with pytest.raises(LoraError, match=f"at run time in a model split over {size} ranks"):
+            engine.load_lora("late", str(out / "mlp"))
+        with pytest.raises(LoraError, match="is not built; give them at start"):
+            engine.unload_lora("mlp")
         rng = random.Random(size)
         prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 11, 3, 8, 70)]
-        loras = ["qkvo", None, "mlp", "mixed", "mixed"]  # the last: a prefill of 70 tokens
+        loras = ["qkvo", None, "mlp", "mixed", "mixed"]
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
         for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
             engine.add_request(str(i), prompt, params, lora=lora)

@@ -29,9 +29,11 @@ def test_shrink_and_expand_equal_the_reference(
     ops, device, in_features: int, out_features: int, rank: int
 ) -> None:
     gen = torch.Generator().manual_seed(rank)
-    offsets_list = [0, 3, 3, 20, 21, 38, 40]  # an empty group, one of 17 (two tiles), one of 1
-    ids_list = [2, 0, -1, 1, 0, 2]
-    x = torch.randn(40, in_features, generator=gen)
+    # an empty group, one of 17 (two tiles), one of 1; the last under a slot past the
+    # three stacked (a projection no adapter in a later slot targets): none
+    offsets_list = [0, 3, 3, 20, 21, 38, 40, 42]
+    ids_list = [2, 0, -1, 1, 0, 2, 5]
+    x = torch.randn(42, in_features, generator=gen)
     a = torch.randn(3, rank, in_features, generator=gen)
     b = torch.randn(3, rank, out_features, generator=gen)
     a[1, rank // 2 :] = b[1, rank // 2 :] = 0.0  # adapter 1 of half the rank, padded
@@ -42,7 +44,7 @@ def test_shrink_and_expand_equal_the_reference(
     y = ops.sgmv_shrink(x.to(device), a.to(device), *args)
     want_y = reference.sgmv_shrink(x, a, offsets, ids, longest)
     assert torch.allclose(y.cpu(), want_y, atol=1e-4, rtol=1e-4)
-    assert not y[3:20].any()  # the group without an adapter
+    assert not y[3:20].any() and not y[40:].any()  # the groups without an adapter
     out = ops.sgmv_expand(y, b.to(device), *args)
     want = reference.sgmv_expand(want_y, b, offsets, ids, longest)
     assert torch.allclose(out.cpu(), want, atol=1e-3, rtol=1e-4)
