@@ -26,6 +26,10 @@ EXPECTED: dict[type[Metrics], set[str]] = {
         "tandem_requests_waiting",
         "tandem_prefill_workers",  # live workers the router picks from
         "tandem_decode_workers",
+        "tandem_model_requests",  # per model or LoRA adapter named: ended requests,
+        "tandem_model_prompt_tokens",  # prompt tokens and streamed tokens
+        "tandem_model_generation_tokens",
+        "tandem_lora_adapters",  # gauge: adapters the live workers serve
     },
     PrefillMetrics: COMMON
     | {"tandem_prefill_seconds", "tandem_kv_transfer_bytes", "tandem_kv_transfer_seconds"},
