@@ -26,7 +26,7 @@ import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 from ledger.ledger import WorkerInfo, WorkerRole
 from router.routing import WorkerPicker
 from router.validation import UnknownModel, ValidationError
-from serving.lora_setup import LORA_NAME, worker_loras
+from serving.lora_setup import check_load_request, worker_loras
 from serving.rpc import ChannelPool, Unavailable
 from tandem.v1 import worker_pb2 as pb
 from tandem.v1 import worker_pb2_grpc as pb_grpc
@@ -57,15 +57,7 @@ class LoraAdmin:
             await self._unload(name)
 
     async def _load(self, name: str, path: str) -> None:
-        if not LORA_NAME.fullmatch(name):
-            raise ValidationError(
-                f"lora_name: {name[:140]!r}: 1..128 characters of [A-Za-z0-9._:/-], starting "
-                "with a letter or digit"
-            )
-        if name == self.model_name:
-            raise ValidationError(f"lora_name: {name!r} is the served model's name")
-        if not path:
-            raise ValidationError("lora_path: is empty")
+        check_load_request(name, path, self.model_name)
         self.picker.forget_stale()
         if name in self.picker.lora_names():
             raise ValidationError(f"lora_name: {name!r} is already loaded")

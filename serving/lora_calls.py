@@ -14,7 +14,7 @@ from engine.lora.adapter import LoraAdapter
 from ledger.membership import Membership
 from serving.engine_commands import LoadLora, UnloadLora
 from serving.engine_loop import EngineLoop, confine_torch
-from serving.lora_setup import LORA_NAME, lora_digests
+from serving.lora_setup import check_load_request, lora_digests
 from serving.rpc import PermissionDenied
 from tandem.v1 import worker_pb2 as pb
 
@@ -35,15 +35,7 @@ class LoraCalls:
     async def LoadLora(self, request: pb.LoadLoraRequest, context: Any) -> pb.LoadLoraReply:
         self._check_runtime_lora()
         name = request.lora_name
-        if not LORA_NAME.fullmatch(name):
-            raise ValueError(
-                f"lora_name: {name[:140]!r}: 1..128 characters of [A-Za-z0-9._:/-], starting "
-                "with a letter or digit"
-            )
-        if name == self.served_name:
-            raise ValueError(f"lora_name: {name!r} is the served model's name")
-        if not request.lora_path:
-            raise ValueError("lora_path: is empty")
+        check_load_request(name, request.lora_path, self.served_name)
         if name in self.engine.lora_names:  # before reading its files
             raise ValueError(f"lora_name: {name!r} is already loaded")
         # Read and checked on a thread of its own, while the engine steps; put in between

@@ -90,6 +90,20 @@ def parse_lora_modules(values: Sequence[str]) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def check_load_request(name: str, path: str, served_name: str) -> None:
+    """A run-time load's ``lora_name`` and ``lora_path``, as the router and each worker
+    check them: ValueError (INVALID_ARGUMENT, an HTTP 400) naming the field."""
+    if not LORA_NAME.fullmatch(name):
+        raise ValueError(
+            f"lora_name: {name[:140]!r}: 1..128 characters of [A-Za-z0-9._:/-], starting "
+            "with a letter or digit"
+        )
+    if name == served_name:
+        raise ValueError(f"lora_name: {name!r} is the served model's name")
+    if not path:
+        raise ValueError("lora_path: is empty")
+
+
 def check_lora_arguments(args: argparse.Namespace, prog: str) -> str | None:
     """What is wrong with the LoRA options (None: nothing); parses ``--lora-modules`` into
     ``args.lora_pairs``."""
