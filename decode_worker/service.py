@@ -54,7 +54,7 @@ from serving.engine_commands import ReadBlockTables, Reserve, StartDecoding
 from serving.engine_loop import EngineLoop, TorchThread
 from serving.engine_setup import draft_figures
 from serving.lora_calls import LoraCalls
-from serving.lora_setup import check_request_lora, lora_figure, request_lora
+from serving.lora_setup import lora_figure, request_lora
 from serving.metrics import DecodeFigures, DecodeMetrics
 from serving.rpc import NotFound, PreconditionFailed, Unavailable
 from serving.sampling import params_from_proto
@@ -148,7 +148,6 @@ class DecodeWorkerService(LoraCalls, pb_grpc.DecodeWorkerServicer):
                 f"draft_fingerprint: {request.draft_fingerprint!r}, this worker runs "
                 f"{self.fingerprint!r}"
             )
-        check_request_lora(self.loras, request.lora, request.lora_digest)
         self.holders.check_new(rid)
         prompt = list(request.prompt_token_ids)
         if len(prompt) != request.num_prompt_tokens:
@@ -156,6 +155,7 @@ class DecodeWorkerService(LoraCalls, pb_grpc.DecodeWorkerServicer):
                 f"num_prompt_tokens: {request.num_prompt_tokens}, but {len(prompt)} prompt ids"
             )
         params = params_from_proto(request.sampling)
+        lora, digest = request_lora(request.lora, request.lora_digest)  # the engine checks it
         num_output_tokens_sent = request.num_output_tokens_sent
         num_prompt_tokens = len(prompt) - num_output_tokens_sent
         start = RequestStart(prompt[:num_prompt_tokens], params, prompt[num_prompt_tokens:])
@@ -171,7 +171,6 @@ class DecodeWorkerService(LoraCalls, pb_grpc.DecodeWorkerServicer):
             lora=request.lora,
             lora_digest=request.lora_digest,
         )
-        lora, digest = request_lora(request.lora, request.lora_digest)
         reserve = Reserve(rid, prompt, params, num_output_tokens_sent, lora, digest)
         try:  # cancelled after the engine reserved: close's drop follows it in the queue
             table, num_cached = await self.engine_loop.call(reserve)

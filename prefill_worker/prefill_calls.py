@@ -28,7 +28,6 @@ from engine.sequence import FinishReason
 from ledger.membership import Membership
 from serving.engine_loop import EngineLoop
 from serving.lora_calls import LoraCalls
-from serving.lora_setup import check_request_lora
 from serving.rpc import Overloaded, PreconditionFailed, Unavailable
 from serving.sampling import token_logprob_to_proto
 from tandem.v1 import worker_pb2 as pb
@@ -119,7 +118,6 @@ class PrefillCalls(LoraCalls, pb_grpc.PrefillWorkerServicer):
             raise Unavailable("prefill worker: draining")
         if request.model and request.model != self.served_name:
             raise PreconditionFailed(f"model: this worker serves {self.served_name!r}")
-        check_request_lora(self.loras, request.lora, request.lora_digest)
         if rid in self._tasks:
             raise ValueError(f"request_id: {rid!r} is already being prefilled here")
         if len(self._tasks) >= self.max_queued:

@@ -10,12 +10,12 @@ it with the same digest (the same files), and sends the request's ``lora`` and
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-
-from serving.rpc import PreconditionFailed
+from types import MappingProxyType
 
 # An adapter's name: what a request's `model` field carries. No spaces or commas (it goes
 # on command lines and in /metrics labels).
@@ -147,39 +147,23 @@ def lora_figure(digests: Mapping[str, str]) -> dict[str, str]:
     return {LORA_FIGURE: json.dumps(dict(digests), separators=(",", ":"))}
 
 
-def check_request_lora(digests: Mapping[str, str], lora: str, digest: str) -> None:
-    """A worker's check of a request's ``lora`` and ``lora_digest`` against its adapters
-    (``lora_digests``): FAILED_PRECONDITION (the router picks another worker) when it has
-    no such adapter, or other files under that name."""
-    if not lora:
-        if digest:
-            raise ValueError("lora_digest: given without lora")
-        return
-    mine = digests.get(lora)
-    if mine is None:
-        raise PreconditionFailed(
-            f"lora: this worker has no adapter {lora!r}; its adapters: {sorted(digests)}"
-        )
-    if digest != mine:
-        raise PreconditionFailed(
-            f"lora_digest: {digest!r}, but this worker's adapter {lora!r} has {mine!r} "
-            "(other files under that name)"
-        )
+def worker_loras(stats: Mapping[str, str]) -> Mapping[str, str]:
+    """A worker's adapters (name -> digest) from its heartbeat figures; empty when it has
+    none, or publishes something unreadable. Read-only: the router asks for them in every
+    pick, and the figure changes only when an adapter comes or goes, so each text is
+    parsed once."""
+    return _parse_loras(stats.get(LORA_FIGURE) or "")
 
 
-def worker_loras(stats: Mapping[str, str]) -> dict[str, str]:
-    """A worker's adapters (name -> digest) from its heartbeat figures; {} when it has
-    none, or publishes something unreadable."""
-    raw = stats.get(LORA_FIGURE)
-    if not raw:
-        return {}
+@functools.lru_cache(maxsize=256)
+def _parse_loras(raw: str) -> Mapping[str, str]:
     try:
-        value = json.loads(raw)
+        value = json.loads(raw) if raw else {}
     except ValueError:
-        return {}
+        return MappingProxyType({})
     if not isinstance(value, dict):
-        return {}
-    return {str(k): str(v) for k, v in value.items()}
+        return MappingProxyType({})
+    return MappingProxyType({str(k): str(v) for k, v in value.items()})
 
 
 def request_lora(lora: str, digest: str) -> tuple[str | None, int | None]:

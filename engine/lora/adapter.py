@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
-from safetensors.torch import load_file
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -131,7 +131,8 @@ def load_adapter(
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     rslora = bool(config.get("use_rslora", False))
     try:
-        tensors = load_file(path / WEIGHTS_FILE)
+        weights_bytes = (path / WEIGHTS_FILE).read_bytes()  # read once: tensors and digest
+        tensors = safetensors.torch.load(weights_bytes)
     except Exception as e:  # safetensors' own error type, or the OS's
         raise LoraError(f"{WEIGHTS_FILE}: unreadable in {path} ({e})") from None
     modules: dict[str, LoraWeights] = {}
@@ -164,6 +165,6 @@ def load_adapter(
     if tensors:
         raise LoraError(f"{sorted(tensors)[0]}: a tensor no target of this base takes")
     digest = hashlib.blake2b(config_file.read_bytes(), digest_size=8)
-    digest.update((path / WEIGHTS_FILE).read_bytes())
+    digest.update(weights_bytes)
     salt = int.from_bytes(digest.digest(), "little") >> 1  # an int64: chains prefix hashes
     return LoraAdapter(name, path, config.get("base_model_name_or_path"), modules, salt)
