@@ -14,7 +14,7 @@ from engine.lora.adapter import LoraAdapter
 from ledger.membership import Membership
 from serving.engine_commands import LoadLora, UnloadLora
 from serving.engine_loop import EngineLoop, confine_torch
-from serving.lora_setup import check_load_request, lora_digests
+from serving.lora_setup import check_load_request, hex_digest, lora_digests
 from serving.rpc import PermissionDenied
 from tandem.v1 import worker_pb2 as pb
 
@@ -43,7 +43,7 @@ class LoraCalls:
         adapter = await asyncio.to_thread(_read, self.engine, name, request.lora_path)
         digest = await self.engine_loop.call(LoadLora(name, request.lora_path, adapter))
         self.membership.publish_figures()
-        return pb.LoadLoraReply(lora_digest=f"{digest:016x}")
+        return pb.LoadLoraReply(lora_digest=hex_digest(digest))
 
     async def UnloadLora(self, request: pb.UnloadLoraRequest, context: Any) -> pb.UnloadLoraReply:
         self._check_runtime_lora()

@@ -137,7 +137,13 @@ def lora_flags(args: argparse.Namespace) -> list[str]:
 def lora_digests(lora_names: Mapping[str, tuple[int, int]]) -> dict[str, str]:
     """An engine's adapters (``LLMEngine.lora_names``: name -> (id, digest)) as name ->
     digest in hex: what heartbeats, requests and KV handshakes carry."""
-    return {name: f"{salt:016x}" for name, (_, salt) in sorted(lora_names.items())}
+    return {name: hex_digest(salt) for name, (_, salt) in sorted(lora_names.items())}
+
+
+def hex_digest(salt: int) -> str:
+    """An adapter's digest (``LoraAdapter.salt``) as the wire carries it; ``request_lora``
+    reads it back."""
+    return f"{salt:016x}"
 
 
 def lora_figure(digests: Mapping[str, str]) -> dict[str, str]:
