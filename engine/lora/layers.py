@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from engine.lora.adapter import LoraAdapter, LoraWeights
-from engine.lora.ops import DENSE_MAX_TOKENS, DenseLora, lora_delta, token_mask
-from kernels.cpu import bf16_gemm
+from engine.lora.ops import DENSE_MAX_TOKENS, CpuSgmv, DenseLora, lora_delta, token_mask
 
 # Tandem's projection -> (its part's HF name, the part's share of its output)
 FUSED = {
@@ -40,15 +39,13 @@ class LoraStep:
 
     lora_grouped_offsets: list[int] = field(default_factory=list)  # [G + 1]
     lora_ids: list[int] = field(default_factory=list)  # [G]
+    is_active: bool = False  # whether some group runs under an adapter
     _made: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
     def set(self, offsets: list[int], ids: list[int]) -> None:
         self.lora_grouped_offsets, self.lora_ids = offsets, ids
+        self.is_active = any(i >= 0 for i in ids)
         self._made = {}
-
-    @property
-    def is_active(self) -> bool:
-        return any(i >= 0 for i in self.lora_ids)
 
     def device_groups(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The groups as SGMV takes them (kernels.reference.lora), on ``device``: offsets
@@ -99,7 +96,8 @@ class LoraLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.base, self.parts, self.weights, self.step = base, list(parts), weights, step
-        self.dense: DenseLora | None = None  # made at its first dense step after a change
+        self.dense: DenseLora | None = None  # made at its first step that needs it after
+        self.sgmv: CpuSgmv | None = None  # a change of adapters (put_adapter)
         self.key = next(_KEYS)  # in _LINEARS, for the op compiled graphs call
         _LINEARS[self.key] = self
 
@@ -126,7 +124,12 @@ class LoraLinear(nn.Module):
             from kernels.triton import lora as sgmv
 
             delta = self._dense(x2).segmented(x2, step.device_groups(x2.device), sgmv)
-        elif x2.shape[0] <= DENSE_MAX_TOKENS:
+        elif self._sgmv(x2) is not None:  # the CPU kernel, whatever the tokens, in place
+            assert self.sgmv is not None
+            y2 = y.view(-1, y.shape[-1])
+            self.sgmv.add_deltas(y2, x2, step.lora_grouped_offsets, step.lora_ids)
+            return y
+        elif x2.shape[0] <= DENSE_MAX_TOKENS:  # no kernels: aten, masked or per group
             dense = self._dense(x2)
             y2 = y.view(-1, y.shape[-1])
             dense.add_deltas(y2, x2, step.column_mask(dense))
@@ -141,11 +144,19 @@ class LoraLinear(nn.Module):
             )
         return y + delta.view(y.shape).to(y.dtype)
 
+    def _sgmv(self, x: torch.Tensor) -> CpuSgmv | None:
+        """The adapters in the CPU kernel's layout, for ``x``'s dtype (made again after
+        ``put_adapter`` changed them); None where the kernel does not run ``x``."""
+        if self.sgmv is None or self.sgmv.dtype != x.dtype or x.device.type != "cpu":
+            if not CpuSgmv.applies(x):
+                return None
+            self.sgmv = CpuSgmv(self.weights, x.shape[-1], self.parts, x.dtype)
+        return self.sgmv
+
     def _dense(self, x: torch.Tensor) -> DenseLora:
         """The adapters stacked, made again after ``put_adapter`` changed them."""
         if self.dense is None:
-            packed = x.dtype == torch.bfloat16 and x.device.type == "cpu" and bf16_gemm.available()
-            self.dense = DenseLora(self.weights, x.shape[-1], self.parts, x.device, packed)
+            self.dense = DenseLora(self.weights, x.shape[-1], self.parts, x.device)
         return self.dense
 
 
@@ -211,7 +222,7 @@ def put_adapter(
             for by_id, weights in zip(linear.weights, new, strict=True):
                 by_id.extend([None] * (adapter_id + 1 - len(by_id)))
                 by_id[adapter_id] = weights
-            linear.dense = None  # stacked again at its next dense step
+            linear.dense = linear.sgmv = None  # stacked again at its next step
 
 
 def _widths(owner: nn.Module, attr: str) -> list[int]:

@@ -1,13 +1,17 @@
 """LoRA deltas over a batch whose rows each use one adapter or none, grouped by adapter,
-in torch, two ways:
+three ways:
 
-- ``lora_delta``: segmented products (SGMV's shrink, then expand), one pair per group:
-  for groups of many tokens (prefill chunks).
+- ``CpuSgmv``: on a CPU with Tandem's kernels built, one call per projection
+  (``kernels/cpu/lora_sgmv.cpp``): each group's tokens shrunk by its adapter's ``A`` and
+  expanded by its ``B``, added into the base product in place, each used adapter's
+  weights read once, for any number of tokens.
+- ``lora_delta``: segmented products in torch (SGMV's shrink, then expand), one pair per
+  group: where the kernels are not built, for groups of many tokens (prefill chunks).
 - ``DenseLora``: the adapters in memory, ``A`` stacked into one matrix and ``B`` (times
   its scaling) into another per part, one shrink of every token by every adapter, each
   token's other adapters' columns masked to zero, then one expand per part: a step's
-  products do not grow with its groups, for steps of few tokens (decode rows; per-group
-  products cost more there, bench/RESULTS.md).
+  products do not grow with its groups, for steps of few tokens where the kernels are not
+  built; on CUDA, its stacks are what the Triton SGMV kernels take (``segmented``).
 
 Rows come grouped: ``lora_grouped_offsets`` (the seed's name) are the token offsets where
 each adapter's group starts and ends, and ``lora_ids`` say which adapter slot each group
@@ -17,13 +21,14 @@ group's tokens are shrunk to its rank by ``A`` and expanded by ``B``, times its 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from engine.lora.adapter import LoraWeights
-from kernels.cpu import bf16_gemm
+from kernels.cpu import extension
 
 
 def lora_delta(
@@ -45,7 +50,9 @@ def lora_delta(
     return out
 
 
-DENSE_MAX_TOKENS = 64  # steps of more tokens take lora_delta's per-group products
+DENSE_MAX_TOKENS = 64  # without the kernels, more tokens take lora_delta's per-group products
+PANEL = 16  # rank columns per panel of CpuSgmv's A, as in lora_sgmv.cpp
+BLOCK = 64  # output columns per block of CpuSgmv's B, as in lora_sgmv.cpp
 
 
 def token_mask(
@@ -75,7 +82,6 @@ class DenseLora:
         in_features: int,
         out_features: Sequence[int],
         device: torch.device,
-        packed: bool = False,
     ) -> None:
         self.num_slots = max(len(by_id) for by_id in weights)
         self.ranks = [max((w.rank for w in by_id if w is not None), default=0) for by_id in weights]
@@ -95,15 +101,6 @@ class DenseLora:
         starts = [0]
         for r in self.ranks:
             starts.append(starts[-1] + self.num_slots * r)
-        # For a bf16 model on CPU: bf16 copies in the CPU kernel's panels
-        # (kernels.cpu.bf16_gemm), half the bytes a step reads
-        self.panels: tuple[torch.Tensor, list[torch.Tensor]] | None = None
-        if packed:
-            self.panels = (
-                bf16_gemm.pack(self.a.to(torch.bfloat16)),
-                [bf16_gemm.pack(b.T.contiguous().to(torch.bfloat16)) if r else torch.empty(0)
-                 for b, r in zip(self.b, self.ranks, strict=True)],
-            )  # fmt: skip
         self.sgmv_weights = [
             (self.a[s:e].view(self.num_slots, r, in_features), b.view(self.num_slots, r, out))
             for s, e, r, b, out in zip(
@@ -120,21 +117,12 @@ class DenseLora:
         """Adds each token's delta under its adapter into ``y`` [T, sum(out)] (the base
         product's output, any float dtype; summed in fp32): one shrink, one mask, one
         expand per part, in place: few ops, since a step runs this in every adapted
-        projection (bench/lora.py). With ``panels``, the products are the bf16 kernel's,
-        in bf16."""
-        if self.panels is None:
-            masked = (x.float() @ self.a.T).mul_(column_mask)  # [T, sum(S * r)]
-        else:
-            shrunk = bf16_gemm.linear(x.to(torch.bfloat16), self.panels[0], None, len(self.a))
-            masked = shrunk.mul_(column_mask)
+        projection."""
+        masked = (x.float() @ self.a.T).mul_(column_mask)  # [T, sum(S * r)]
         start = column = 0
         for i, (r, width) in enumerate(zip(self.ranks, self.out_features, strict=True)):
             if r:
-                part = masked[:, start : start + self.num_slots * r]
-                if self.panels is None:
-                    expanded = part @ self.b[i]
-                else:
-                    expanded = bf16_gemm.linear(part.contiguous(), self.panels[1][i], None, width)
+                expanded = masked[:, start : start + self.num_slots * r] @ self.b[i]
                 if width == y.shape[1]:
                     y += expanded
                 else:
@@ -164,3 +152,74 @@ class DenseLora:
                 continue
             out.append(sgmv.sgmv_expand(sgmv.sgmv_shrink(x, a, *groups), b, *groups))
         return torch.cat(out, dim=-1)
+
+
+class CpuSgmv:
+    """One projection's adapters in the layout of the CPU SGMV kernel
+    (``kernels/cpu/lora_sgmv.cpp``), in the model's dtype (bf16 or fp32): every slot's
+    ``A`` of all parts in one stack, the parts' ranks one after another, in panels of 16
+    rank columns, [S, R/16, in, 16]; each part's ``B`` transposed with its scaling in it,
+    in blocks of 64 output columns, [S, out/64, r, 64]. ``weights[p][slot]`` as
+    ``DenseLora`` takes them."""
+
+    def __init__(
+        self,
+        weights: Sequence[Sequence[LoraWeights | None]],
+        in_features: int,
+        out_features: Sequence[int],
+        dtype: torch.dtype,
+    ) -> None:
+        num_slots = max(len(by_id) for by_id in weights)
+        ranks = [max((w.rank for w in by_id if w is not None), default=0) for by_id in weights]
+        self.rank_starts = list(itertools.accumulate(ranks, initial=0))
+        columns = -(-self.rank_starts[-1] // PANEL) * PANEL
+        a = torch.zeros(num_slots, columns, in_features)
+        self.b = [
+            torch.zeros(num_slots, r, out) for r, out in zip(ranks, out_features, strict=True)
+        ]
+        has_weights = [False] * num_slots
+        for p, by_id in enumerate(weights):
+            for slot, w in enumerate(by_id):
+                if w is not None:
+                    start = self.rank_starts[p]
+                    a[slot, start : start + w.rank] = w.a
+                    self.b[p][slot, : w.rank] = w.b.T * w.scaling
+                    has_weights[slot] = True
+        # A slot none of whose parts holds weights (unloaded, or targeting none of them)
+        # runs as no adapter
+        self.slots_without = {slot for slot, has in enumerate(has_weights) if not has}
+        self.dtype = dtype
+        self.a = a.view(num_slots, columns // PANEL, PANEL, in_features).transpose(2, 3)
+        self.a = self.a.contiguous().to(dtype)
+        # B in blocks of BLOCK output columns, zero-padded: [S, out/BLOCK, r, BLOCK]
+        self.b = [
+            torch.nn.functional.pad(b, (0, -out % BLOCK))
+            .view(num_slots, b.shape[1], -(-out // BLOCK), BLOCK)
+            .transpose(1, 2)
+            .contiguous()
+            .to(dtype)
+            for b, out in zip(self.b, out_features, strict=True)
+        ]
+        self.column_starts = list(itertools.accumulate(out_features, initial=0))[:-1]
+
+    def add_deltas(
+        self, y: torch.Tensor, x: torch.Tensor, lora_grouped_offsets: list[int], lora_ids: list[int]
+    ) -> None:
+        """Adds each token's delta under its group's adapter into ``y`` [T, sum(out)] (the
+        base product's output, in ``x``'s dtype), in place, rounded once."""
+        if self.slots_without:  # run as none: their weights are zeros, not worth reading
+            lora_ids = [-1 if i in self.slots_without else i for i in lora_ids]
+        torch.ops.tandem_cpu.sgmv_add(
+            y, x.contiguous(), self.a, self.b, self.rank_starts, self.column_starts,
+            lora_grouped_offsets, lora_ids,
+        )  # fmt: skip
+
+    @staticmethod
+    def applies(x: torch.Tensor) -> bool:
+        """Whether the kernel runs ``x``'s products: a CPU tensor of bf16 or fp32, where
+        Tandem's CPU kernels are built."""
+        return (
+            x.device.type == "cpu"
+            and x.dtype in (torch.bfloat16, torch.float32)
+            and extension.available()
+        )

@@ -30,7 +30,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = ["bf16_linear.cpp", "paged_attention.cpp", "fp8_dequant.cpp", "gguf_linear.cpp"]
+SOURCES = [
+    "bf16_linear.cpp",
+    "paged_attention.cpp",
+    "fp8_dequant.cpp",
+    "gguf_linear.cpp",
+    "lora_sgmv.cpp",
+]
 HEADERS = ["vec.h"]  # included by the sources: in the stamp, not compiled on their own
 PANEL = 16  # output columns per packed bf16 panel, as in bf16_linear.cpp
 DISABLE_ENV = "TANDEM_CPU_KERNELS"  # "0" turns the kernels off (aten's path everywhere)

@@ -17,8 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.lora.adapter import TARGETS, LoraError, LoraWeights, load_adapter
 from engine.lora.layers import LoraStep
-from engine.lora.ops import DenseLora, lora_delta, token_mask
-from kernels.cpu import bf16_gemm
+from engine.lora.ops import CpuSgmv, DenseLora, lora_delta, token_mask
+from kernels.cpu import extension
 
 
 def tiny_llama(hidden: int = 64) -> LlamaForCausalLM:
@@ -106,22 +106,43 @@ def test_dense_deltas_equal_the_per_group_products() -> None:
     assert not got[2].any() and not got[9].any() and not got[:, 16:20].any()
 
 
-@pytest.mark.skipif(not bf16_gemm.available(), reason="the CPU kernels are not built here")
-def test_packed_dense_deltas_are_the_fp32_ones_in_bf16() -> None:
-    """A bf16 model's dense path runs through the bf16 CPU kernel's panels: within bf16's
-    rounding of the fp32 path, added into the base product's output in place."""
-    gen = torch.Generator().manual_seed(1)
-    parts = [[LoraWeights(torch.randn(4, 64, generator=gen) * 0.1,
-                          torch.randn(32, 4, generator=gen) * 0.1, 2.0), None]]  # fmt: skip
-    dense = DenseLora(parts, 64, [32], torch.device("cpu"))
-    packed = DenseLora(parts, 64, [32], torch.device("cpu"), packed=True)
-    x = torch.randn(6, 64, generator=gen).to(torch.bfloat16)
-    mask = token_mask([0, 4, 6], [0, -1], dense.num_slots, x.device)
-    y = torch.ones(6, 32, dtype=torch.bfloat16)
-    packed.add_deltas(y, x, packed.column_mask(mask))
-    want = 1.0 + dense.deltas(x, mask)
-    assert torch.allclose(y.float(), want, atol=0.02, rtol=0.02)
-    assert torch.equal(y[4:], torch.ones(2, 32, dtype=torch.bfloat16))  # no adapter
+@pytest.mark.skipif(not extension.available(), reason="the CPU kernels are not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_sgmv_adds_what_the_per_group_products_give(dtype: torch.dtype) -> None:
+    """The CPU SGMV kernel (``CpuSgmv``) adds into the base product what ``lora_delta``
+    gives each group: ranks that are no multiple of 16, widths that are no multiple of 8,
+    an unloaded slot, a part no adapter targets, a group without one, an id past the
+    slots, and a group of 70 tokens. fp32 to summation order; bf16 to its rounding, and
+    rows without an adapter untouched."""
+    gen = torch.Generator().manual_seed(2)
+
+    def weights(r: int, out: int, scaling: float) -> LoraWeights:
+        a, b = torch.randn(r, 40, generator=gen), torch.randn(out, r, generator=gen) * 0.1
+        return LoraWeights(a.to(dtype).float(), b.to(dtype).float(), scaling)
+
+    parts = [
+        [weights(4, 20, 2.0), None, weights(12, 20, 0.5), None],  # 3: unloaded
+        [None, None, None, None],  # no adapter targets this part
+        [weights(3, 13, 1.0), weights(18, 13, 3.0), None, None],
+    ]
+    widths = [20, 4, 13]
+    sgmv = CpuSgmv(parts, 40, widths, dtype)
+    offsets, ids = [0, 70, 73, 76, 77, 80, 81], [2, -1, 0, 1, 3, 5]  # 5: past the slots
+    x = torch.randn(81, 40, generator=gen).to(dtype)
+    base = torch.randn(81, sum(widths), generator=gen).to(dtype)
+    y = base.clone()
+    sgmv.add_deltas(y, x, offsets, ids)
+    per_part = [
+        lora_delta(x.float(), offsets, ids, p, w) for p, w in zip(parts, widths, strict=True)
+    ]
+    want = base.float() + torch.cat(per_part, dim=-1)
+    if dtype == torch.float32:
+        assert torch.allclose(y, want, atol=1e-4, rtol=1e-5)
+    else:
+        assert torch.allclose(y.float(), want, atol=0.02, rtol=0.01)
+    for start, end in [(70, 73), (77, 80), (80, 81)]:  # none, unloaded, past the slots
+        assert torch.equal(y[start:end], base[start:end])
+    assert torch.equal(y[:, 20:24], base[:, 20:24])  # the part no adapter targets
 
 
 def test_what_cannot_be_served_is_refused_naming_the_field(tmp_path) -> None:
