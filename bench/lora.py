@@ -4,7 +4,7 @@ ones, at batches of 1 and 8.
 
 The adapters are made here in PEFT's format, into a temporary directory: ``A`` and ``B``
 of every projection (q, k, v, o, gate, up, down) of every layer, random of std ``--std``,
-alpha 2r. One engine (eager, as adapters need; ``max_loras`` 8) serves all of them. At
+alpha 2r. One engine (eager; ``max_loras`` 8) serves all of them. At
 each batch the same prompts of 16 random tokens decode ``--tokens`` greedy tokens each,
 EOS ignored, on three sides:
 
@@ -21,26 +21,24 @@ Then, in decodes of their own (timers would disturb the figures above), per deco
 - ``layers_ms``: the time in the adapted projections (``LoraLinear.forward``, the base
   product included); lora's less base's is what adapters add inside the layers;
 - ``delta_ms``: the time in the deltas (``engine/lora/ops.py``), wrapped where
-  ``engine.lora.layers`` looks them up: ``DenseLora.add_deltas`` (forwards of at most
-  ``DENSE_MAX_TOKENS`` tokens: every decode step here) plus ``lora_delta`` (the per-group
-  loop, for longer forwards); ``dense_ms`` and ``loop_ms`` are the two apart;
-- ``mask_ms``: the time in ``LoraStep.column_mask`` (the step's token-by-adapter mask
-  widened to the shrink's columns, made once a step per set of ranks, then fetched);
-- ``shrink_ms`` and ``expand_ms``: from timed copies of ``DenseLora.add_deltas`` and
-  ``lora_delta`` run in their places (the same ops, a timer around each half). Dense:
-  shrink is ``x @ A.T`` masked (every adapter and part of a projection at once; for this
-  bf16 model through the bf16 CPU kernel's panels), expand the rest (each part's ``@ B``,
-  added into the base product's output).
-  Loop: shrink ``x.float() @ A.T``, expand ``@ B.T * scaling`` cast and written.
-  ``delta_copy_ms`` is the copies' whole time; ``shrinks`` and ``expands`` count the
-  products a step runs.
+  ``engine.lora.layers`` calls them: ``sgmv_ms``, the CPU SGMV kernel
+  (``CpuSgmv.add_deltas``, one call per adapted projection, any number of tokens), where
+  Tandem's CPU kernels are built; else ``dense_ms`` (``DenseLora.add_deltas``, forwards
+  of at most ``DENSE_MAX_TOKENS`` tokens) and ``loop_ms`` (``lora_delta``, longer ones);
+- ``mask_ms``: the time in ``LoraStep.column_mask`` (the dense path's mask; 0 with the
+  kernel);
+- ``shrink_ms`` and ``expand_ms``: the kernel's two halves. It shrinks and expands one
+  token chunk after the other with no barrier, so they are timed apart by difference:
+  ``shrink_ms`` in a decode of its own whose kernel calls shrink only (no part to
+  expand), ``expand_ms`` the whole kernel's ``sgmv_ms`` less it. ``calls`` counts the
+  kernel's calls a step (one per adapted projection).
 
     python bench/lora.py            # 128 tokens a row, 5 repeats
     python bench/lora.py --quick    # 32 tokens a row, 3 repeats
 
 The last line is one JSON object: ``lora_over_base_bs1`` and ``lora_over_base_bs8``
 (mixed-adapter decode tokens/s over base-only), each side's tokens/s, and per batch the
-step, layer, delta, mask, shrink and expand times in ms.
+step, layer, delta, kernel, mask, shrink and expand times in ms.
 """
 
 from __future__ import annotations
@@ -163,84 +161,22 @@ def timing(inner: Callable[..., Any], spent: dict[str, float], key: str) -> Call
     return call
 
 
-def split_lora_delta(spent: dict[str, float]) -> Callable[..., Any]:
-    """A copy of ``engine.lora.ops.lora_delta`` (the same ops in the same order) that adds
-    its shrinks' and expands' seconds to ``spent`` ("shrink", "expand"), its whole time
-    to "delta_copy", and its products to "shrinks" and "expands"."""
+def shrink_only(spent: dict[str, float]) -> Callable[..., Any]:
+    """``engine.lora.ops.CpuSgmv.add_deltas`` with no part to expand (set on the class,
+    it is the method): the kernel reads each group's adapter's ``A`` and shrinks its
+    tokens, and adds nothing into ``y``. Adds its seconds to ``spent["shrink"]`` and its
+    calls to ``spent["calls"]``."""
     import torch
 
-    def lora_delta(
-        x: torch.Tensor,  # [T, in]
-        lora_grouped_offsets: Sequence[int],
-        lora_ids: Sequence[int],
-        weights: Sequence[Any],
-        out_features: int,
-    ) -> torch.Tensor:
+    def add_deltas(
+        self: Any, y: torch.Tensor, x: torch.Tensor, offsets: list[int], ids: list[int]
+    ) -> None:
         begin = time.perf_counter()
-        out = x.new_zeros(x.shape[0], out_features)
-        for g, adapter in enumerate(lora_ids):
-            start, end = lora_grouped_offsets[g], lora_grouped_offsets[g + 1]
-            w = weights[adapter] if 0 <= adapter < len(weights) else None
-            if w is None or start == end:
-                continue
-            t0 = time.perf_counter()
-            shrunk = x[start:end].float() @ w.a.T  # [n, r]
-            t1 = time.perf_counter()
-            out[start:end] = (shrunk @ w.b.T * w.scaling).to(out.dtype)
-            t2 = time.perf_counter()
-            spent["shrink"] += t1 - t0
-            spent["expand"] += t2 - t1
-            spent["shrinks"] += 1
-            spent["expands"] += 1
-        spent["delta_copy"] += time.perf_counter() - begin
-        return out
-
-    return lora_delta
-
-
-def split_dense_deltas(spent: dict[str, float]) -> Callable[..., Any]:
-    """A copy of ``engine.lora.ops.DenseLora.add_deltas`` (the same ops in the same order;
-    set on the class, it is the method) that adds its shrink's seconds to
-    ``spent["shrink"]`` (``x.float() @ A.T``, masked), the rest's (each part's expand, added
-    into the output) to "expand", its whole time to "delta_copy", and its products to
-    "shrinks" and "expands". For a bf16 model, its products are the bf16 kernel's, as
-    the engine's are."""
-    import torch
-
-    from kernels.cpu import bf16_gemm
-
-    def add_deltas(self: Any, y: torch.Tensor, x: torch.Tensor, column_mask: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        if self.panels is not None:  # a bf16 model's: the bf16 kernel's panels
-            a_panels, b_panels = self.panels
-            x = x.to(torch.bfloat16)
-            masked = bf16_gemm.linear(x, a_panels, None, self.a.shape[0]).mul_(column_mask)
-        else:
-            b_panels = [None] * len(self.b)
-            masked = (x.float() @ self.a.T).mul_(column_mask)
-        t1 = time.perf_counter()
-        start = column = 0
-        for r, b, panels, width in zip(
-            self.ranks, self.b, b_panels, self.out_features, strict=True
-        ):
-            if r:
-                part = masked[:, start : start + self.num_slots * r]
-                if panels is not None:
-                    expanded = bf16_gemm.linear(part.contiguous(), panels, None, width)
-                else:
-                    expanded = part @ b
-                if width == y.shape[1]:
-                    y += expanded
-                else:
-                    y[:, column : column + width] += expanded
-                spent["expands"] += 1
-            start += self.num_slots * r
-            column += width
-        t2 = time.perf_counter()
-        spent["shrink"] += t1 - t0
-        spent["expand"] += t2 - t1
-        spent["delta_copy"] += t2 - t0
-        spent["shrinks"] += 1
+        if self.slots_without:
+            ids = [-1 if i in self.slots_without else i for i in ids]
+        torch.ops.tandem_cpu.sgmv_add(y, x.contiguous(), self.a, [], [0], [], offsets, ids)
+        spent["shrink"] += time.perf_counter() - begin
+        spent["calls"] += 1
 
     return add_deltas
 
@@ -270,16 +206,17 @@ def loras_for(side: str, batch: int, repeat: int) -> list[str | None]:
 def timed_parts(
     engine: Any, prompts: Sequence[list[int]], tokens: int, batch: int
 ) -> dict[str, float]:
-    """The per-step times of the adapted layers, the deltas (dense and loop), the mask,
-    and the deltas' shrinks and expands at ``batch`` (medians over decode steps, in ms),
-    from decodes of their own."""
+    """The per-step times of the adapted layers, the deltas (kernel, dense, loop), the
+    mask, and the kernel's shrink and expand at ``batch`` (medians over decode steps, in
+    ms), from decodes of their own."""
     import engine.lora.layers as layers
     import engine.lora.ops as ops
 
     figures: dict[str, float] = {}
-    spent = {"layers": 0.0, "dense": 0.0, "loop": 0.0, "mask": 0.0}
+    spent = {"layers": 0.0, "sgmv": 0.0, "dense": 0.0, "loop": 0.0, "mask": 0.0}
     with (
         patched(layers.LoraLinear, "forward", timing(layers.LoraLinear.forward, spent, "layers")),
+        patched(ops.CpuSgmv, "add_deltas", timing(ops.CpuSgmv.add_deltas, spent, "sgmv")),
         patched(ops.DenseLora, "add_deltas", timing(ops.DenseLora.add_deltas, spent, "dense")),
         patched(layers, "lora_delta", timing(layers.lora_delta, spent, "loop")),
         patched(layers.LoraStep, "column_mask", timing(layers.LoraStep.column_mask, spent, "mask")),
@@ -290,19 +227,15 @@ def timed_parts(
             figures[f"{side}_layers_ms"] = median_ms(steps, "layers")
             if side == "lora":
                 for step in steps:
-                    step["delta"] = step["dense"] + step["loop"]
-                for part in ("delta", "dense", "loop", "mask"):
+                    step["delta"] = step["sgmv"] + step["dense"] + step["loop"]
+                for part in ("delta", "sgmv", "dense", "loop", "mask"):
                     figures[f"{part}_ms"] = median_ms(steps, part)
-    split = {"shrink": 0.0, "expand": 0.0, "delta_copy": 0.0, "shrinks": 0.0, "expands": 0.0}
-    with (
-        patched(ops.DenseLora, "add_deltas", split_dense_deltas(split)),
-        patched(layers, "lora_delta", split_lora_delta(split)),
-    ):
+    split = {"shrink": 0.0, "calls": 0.0}
+    with patched(ops.CpuSgmv, "add_deltas", shrink_only(split)):
         _, steps = decode(engine, prompts, loras_for("lora", batch, 0), tokens, split)
-    for part in ("shrink", "expand", "delta_copy"):
-        figures[f"{part}_ms"] = median_ms(steps, part)
-    for part in ("shrinks", "expands"):
-        figures[part] = statistics.median(s[part] for s in steps)
+    figures["shrink_ms"] = median_ms(steps, "shrink")
+    figures["expand_ms"] = round(figures["sgmv_ms"] - figures["shrink_ms"], 3)
+    figures["calls"] = statistics.median(s["calls"] for s in steps)
     return figures
 
 
@@ -383,9 +316,8 @@ def main() -> None:
         "prompt_tokens": PROMPT_LEN,
         "repeats": repeats,
         "threads": args.threads,
-        "shrink_expand": "timed copies of DenseLora.add_deltas (shrink: x.float() @ a.T, "
-        "masked; expand: per-part @ b added in) and lora_delta in their places, in decodes "
-        "of their own",
+        "shrink_expand": "shrink: decodes whose SGMV kernel calls shrink only; expand: the "
+        "whole kernel's time less the shrink's",
         "elapsed_s": round(time.perf_counter() - began, 1),
     }
     print(json.dumps(result))

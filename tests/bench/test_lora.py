@@ -1,6 +1,6 @@
 """``bench/lora.py``: the adapters it makes load on their base, every projection of every
-layer, and its timed copies of ``lora_delta`` and ``DenseLora.deltas`` (shrink and expand
-timed apart) compute what the engine's do."""
+layer, and its shrink-only kernel calls (what its shrink time is of) add nothing and
+count their calls."""
 
 import json
 from pathlib import Path
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.lora import TARGETS, make_adapters, split_dense_deltas, split_lora_delta
+from bench.lora import TARGETS, make_adapters, shrink_only
 from engine.lora.adapter import LoraWeights, load_adapter
-from engine.lora.ops import DenseLora, lora_delta, token_mask
-from kernels.cpu import bf16_gemm
+from engine.lora.ops import CpuSgmv
+from kernels.cpu import extension
 
 
 def test_made_adapters_load_on_every_projection(tmp_path: Path) -> None:
@@ -44,41 +44,21 @@ def _attention_weights(tmp_path: Path) -> list[list[LoraWeights | None]]:
     ]
 
 
-def _spent() -> dict[str, float]:
-    return {"shrink": 0.0, "expand": 0.0, "delta_copy": 0.0, "shrinks": 0.0, "expands": 0.0}
-
-
-OFFSETS, IDS = [0, 2, 3, 5, 7], [1, -1, 0, 1]  # mixed groups, one without an adapter
-
-
-def test_the_timed_copy_of_lora_delta_equals_the_engines(tmp_path: Path) -> None:
-    weights = _attention_weights(tmp_path)[0]
-    x = torch.randn(7, 16).to(torch.bfloat16)
-    spent = _spent()
-    got = split_lora_delta(spent)(x, OFFSETS, IDS, weights, 16)
-    assert torch.equal(got, lora_delta(x, OFFSETS, IDS, weights, 16))
-    assert spent["shrinks"] == spent["expands"] == 3
-    assert spent["shrink"] > 0 and spent["expand"] > 0
-
-
-@pytest.mark.parametrize(
-    "packed",
-    [False, pytest.param(True, marks=pytest.mark.skipif(
-        not bf16_gemm.available(), reason="the CPU kernels are not built here"))],
-)  # fmt: skip
-def test_the_timed_copy_of_dense_deltas_equals_the_engines(tmp_path: Path, packed: bool) -> None:
+@pytest.mark.skipif(not extension.available(), reason="the CPU kernels are not built here")
+def test_the_shrink_only_calls_add_nothing(tmp_path: Path) -> None:
+    """The shrink-only copy runs the kernel with no part to expand: ``y`` keeps the base
+    product, where the engine's call adds the deltas; each call is counted and timed."""
     weights = _attention_weights(tmp_path)
-    weights[1] = [None, None]  # k under neither: rank 0, zeros
-    weights[2][0] = None  # v under adapter 1 only: an empty slot
-    dense = DenseLora(weights, 16, [16, 8, 8], torch.device("cpu"), packed)
+    weights[2][0] = None  # v under adapter 1 only
+    sgmv = CpuSgmv(weights, 16, [16, 8, 8], torch.bfloat16)
+    offsets, ids = [0, 2, 3, 5, 7], [1, -1, 0, 1]  # mixed groups, one without an adapter
     x = torch.randn(7, 16).to(torch.bfloat16)
-    mask = token_mask(OFFSETS, IDS, dense.num_slots, torch.device("cpu"))
-    spent = _spent()
-    got, want = torch.zeros(7, 32), torch.zeros(7, 32)
-    split_dense_deltas(spent)(dense, got, x, dense.column_mask(mask))
-    dense.add_deltas(want, x, dense.column_mask(mask))
-    assert torch.equal(got, want)
-    assert got[2].abs().sum() == 0 and got[:, 16:24].abs().sum() == 0  # no adapter; k
-    assert got.abs().sum() > 0
-    assert spent["shrinks"] == 1 and spent["expands"] == 2
-    assert spent["shrink"] > 0 and spent["expand"] > 0
+    base = torch.randn(7, 32).to(torch.bfloat16)
+    spent = {"shrink": 0.0, "calls": 0.0}
+    got, want = base.clone(), base.clone()
+    for _ in range(2):
+        shrink_only(spent)(sgmv, got, x, offsets, ids)
+    sgmv.add_deltas(want, x, offsets, ids)
+    assert torch.equal(got, base)
+    assert not torch.equal(want[:2], base[:2]) and torch.equal(want[2], base[2])
+    assert spent["calls"] == 2 and spent["shrink"] > 0
