@@ -174,7 +174,7 @@ def shrink_only(spent: dict[str, float]) -> Callable[..., Any]:
         begin = time.perf_counter()
         if self.slots_without:
             ids = [-1 if i in self.slots_without else i for i in ids]
-        torch.ops.tandem_cpu.sgmv_add(y, x.contiguous(), self.a, [], [0], [], offsets, ids)
+        torch.ops.tandem_cpu.sgmv_add(y, x.contiguous(), self.a, [], [0], [0], offsets, ids)
         spent["shrink"] += time.perf_counter() - begin
         spent["calls"] += 1
 

@@ -171,8 +171,8 @@ class CpuSgmv:
     ) -> None:
         num_slots = max(len(by_id) for by_id in weights)
         ranks = [max((w.rank for w in by_id if w is not None), default=0) for by_id in weights]
-        self.rank_starts = list(itertools.accumulate(ranks, initial=0))
-        columns = -(-self.rank_starts[-1] // PANEL) * PANEL
+        self.rank_offsets = list(itertools.accumulate(ranks, initial=0))
+        columns = -(-self.rank_offsets[-1] // PANEL) * PANEL
         a = torch.zeros(num_slots, columns, in_features)
         self.b = [
             torch.zeros(num_slots, r, out) for r, out in zip(ranks, out_features, strict=True)
@@ -181,7 +181,7 @@ class CpuSgmv:
         for p, by_id in enumerate(weights):
             for slot, w in enumerate(by_id):
                 if w is not None:
-                    start = self.rank_starts[p]
+                    start = self.rank_offsets[p]
                     a[slot, start : start + w.rank] = w.a
                     self.b[p][slot, : w.rank] = w.b.T * w.scaling
                     has_weights[slot] = True
@@ -200,7 +200,7 @@ class CpuSgmv:
             .to(dtype)
             for b, out in zip(self.b, out_features, strict=True)
         ]
-        self.column_starts = list(itertools.accumulate(out_features, initial=0))[:-1]
+        self.column_offsets = list(itertools.accumulate(out_features, initial=0))
 
     def add_deltas(
         self, y: torch.Tensor, x: torch.Tensor, lora_grouped_offsets: list[int], lora_ids: list[int]
@@ -210,7 +210,7 @@ class CpuSgmv:
         if self.slots_without:  # run as none: their weights are zeros, not worth reading
             lora_ids = [-1 if i in self.slots_without else i for i in lora_ids]
         torch.ops.tandem_cpu.sgmv_add(
-            y, x.contiguous(), self.a, self.b, self.rank_starts, self.column_starts,
+            y, x.contiguous(), self.a, self.b, self.rank_offsets, self.column_offsets,
             lora_grouped_offsets, lora_ids,
         )  # fmt: skip
 

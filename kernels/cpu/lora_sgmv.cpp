@@ -10,8 +10,8 @@
 //
 // Layouts (made by engine/lora/ops.py's CpuSgmv):
 // - a [S, R/16, in, 16]: every slot's A of all parts, their ranks one after another
-//   (part p's at rank_starts[p]), zero-padded to R (a multiple of 16), in panels of 16
-//   rank columns;
+//   (part p's from rank_offsets[p] to rank_offsets[p + 1]), zero-padded to R (a
+//   multiple of 16), in panels of 16 rank columns;
 // - b[p] [S, ceil(out_p/64), r_p, 64]: part p's B transposed, its scaling in it, zero rows
 //   past the slot's own rank, in blocks of 64 output columns (zero-padded).
 // So a slot's A, and each part's B, are each one stretch of memory read in order.
@@ -41,7 +41,7 @@ using tandem_cpu::load8;
 using tandem_cpu::store8;
 
 constexpr int64_t kRankPanel = 16;  // shrink columns per panel: two AVX2 vectors
-constexpr int kTokenTile = 4;       // tokens per shrink register tile (8 accumulators)
+constexpr int kTokenTile = 3;       // tokens per shrink register tile (12 accumulators)
 constexpr int64_t kBlock = 64;      // expand: output columns per task (8 vectors)
 constexpr int64_t kChunk = 16;     // tokens per task: a group's tokens in chunks
 constexpr int64_t kAhead = 1024;    // bytes prefetched ahead of the weights' stream
@@ -61,17 +61,18 @@ inline float to_float(uint16_t v) {
 inline float to_float(float v) { return v; }
 
 // Tokens [0, ROWS) of x (row stride `in`) times one A panel [in][16] -> h rows (stride R).
-// A lone token keeps even and odd k apart (4 chains) to hide the FMA latency.
+// Even and odd k sum apart (more chains to hide the FMA latency), whatever ROWS: a
+// token's sums run in one order, whichever tile it lands in, so its delta does not
+// depend on the other tokens of the step.
 template <int ROWS, typename T>
 void shrink_tile(const T* x, int64_t in, const T* panel, float* h, int64_t R) {
-  constexpr int kSets = ROWS == 1 ? 2 : 1;
-  __m256 acc[ROWS][kSets][2];
+  __m256 acc[ROWS][2][2];  // [token][k's parity][columns 0-7, 8-15]
   for (int i = 0; i < ROWS; ++i)
-    for (int s = 0; s < kSets; ++s) acc[i][s][0] = acc[i][s][1] = _mm256_setzero_ps();
+    for (int s = 0; s < 2; ++s) acc[i][s][0] = acc[i][s][1] = _mm256_setzero_ps();
   const char* stream = reinterpret_cast<const char*>(panel);
   for (int64_t k = 0; k < in; ++k) {
-    const int s = kSets == 2 ? static_cast<int>(k & 1) : 0;
-    if ((k & 1) == 0) prefetch(stream + k * kRankPanel * sizeof(T) + kAhead);
+    const int s = static_cast<int>(k & 1);
+    if (s == 0) prefetch(stream + k * kRankPanel * sizeof(T) + kAhead);
     const __m256 lo = load8(panel + k * kRankPanel);
     const __m256 hi = load8(panel + k * kRankPanel + 8);
     for (int i = 0; i < ROWS; ++i) {
@@ -81,13 +82,8 @@ void shrink_tile(const T* x, int64_t in, const T* panel, float* h, int64_t R) {
     }
   }
   for (int i = 0; i < ROWS; ++i) {
-    __m256 lo = acc[i][0][0], hi = acc[i][0][1];
-    if (kSets == 2) {
-      lo = _mm256_add_ps(lo, acc[i][kSets - 1][0]);
-      hi = _mm256_add_ps(hi, acc[i][kSets - 1][1]);
-    }
-    _mm256_storeu_ps(h + i * R, lo);
-    _mm256_storeu_ps(h + i * R + 8, hi);
+    _mm256_storeu_ps(h + i * R, _mm256_add_ps(acc[i][0][0], acc[i][1][0]));
+    _mm256_storeu_ps(h + i * R + 8, _mm256_add_ps(acc[i][0][1], acc[i][1][1]));
   }
 }
 
@@ -96,12 +92,8 @@ void shrink(const T* x, int64_t rows, int64_t in, const T* panel, float* h, int6
   int64_t i = 0;
   for (; i + kTokenTile <= rows; i += kTokenTile)
     shrink_tile<kTokenTile>(x + i * in, in, panel, h + i * R, R);
-  switch (rows - i) {
-    case 3: shrink_tile<3>(x + i * in, in, panel, h + i * R, R); break;
-    case 2: shrink_tile<2>(x + i * in, in, panel, h + i * R, R); break;
-    case 1: shrink_tile<1>(x + i * in, in, panel, h + i * R, R); break;
-    default: break;
-  }
+  if (rows - i == 2) shrink_tile<2>(x + i * in, in, panel, h + i * R, R);
+  if (rows - i == 1) shrink_tile<1>(x + i * in, in, panel, h + i * R, R);
 }
 
 // One token's delta on columns [0, NV * 8) of a B block: sum over j < rank of
@@ -139,8 +131,8 @@ void expand_columns(const float* h, int64_t rank, const T* b, int64_t ld, T* y, 
 template <typename T>
 void run(T* y, int64_t ldy, const T* x, int64_t in, const T* a, int64_t R,
          const std::vector<const T*>& b, const std::vector<int64_t>& ranks,
-         const std::vector<int64_t>& rank_starts, const std::vector<int64_t>& widths,
-         const std::vector<int64_t>& column_starts, const std::vector<Group>& groups) {
+         const std::vector<int64_t>& rank_offsets, const std::vector<int64_t>& widths,
+         const std::vector<int64_t>& column_offsets, const std::vector<Group>& groups) {
   const int64_t panels = R / kRankPanel;
   // Tasks: each group's tokens in chunks, each shrunk then expanded by one thread that
   // streams its adapter's A, then each part's B, in order. Chunks of at most kChunk
@@ -168,8 +160,8 @@ void run(T* y, int64_t ldy, const T* x, int64_t in, const T* a, int64_t R,
           const T* bp = b[p] + ((g.slot * blocks + blk) * ranks[p]) * kBlock;
           const int64_t c0 = blk * kBlock, width = std::min(kBlock, widths[p] - c0);
           for (int64_t i = 0; i < rows; ++i)
-            expand_columns(h.data() + i * R + rank_starts[p], ranks[p], bp, kBlock,
-                           y + (g.start + i) * ldy + column_starts[p] + c0, width);
+            expand_columns(h.data() + i * R + rank_offsets[p], ranks[p], bp, kBlock,
+                           y + (g.start + i) * ldy + column_offsets[p] + c0, width);
         }
       }
     }
@@ -180,7 +172,7 @@ void run(T* y, int64_t ldy, const T* x, int64_t in, const T* a, int64_t R,
 
 // Adds each token's LoRA delta into y [T, sum(out_p)] in place (see the file's comment).
 void sgmv_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, at::TensorList b,
-              at::IntArrayRef rank_starts, at::IntArrayRef column_starts,
+              at::IntArrayRef rank_offsets, at::IntArrayRef column_offsets,
               at::IntArrayRef lora_grouped_offsets, at::IntArrayRef lora_ids) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "sgmv_add: x must be contiguous [T, in]");
   TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && y.size(0) == x.size(0),
@@ -194,21 +186,24 @@ void sgmv_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, at:
               "sgmv_add: a must be contiguous [S, R/16, in, 16]");
   const int64_t slots = a.size(0), in = x.size(1), R = a.size(1) * kRankPanel;
   const size_t parts = b.size();
-  TORCH_CHECK(rank_starts.size() == parts + 1 && column_starts.size() == parts,
-              "sgmv_add: rank_starts needs one more entry than b, column_starts one per b");
-  TORCH_CHECK(rank_starts[parts] <= R, "sgmv_add: the parts' ranks exceed a's columns");
+  TORCH_CHECK(rank_offsets.size() == parts + 1 && column_offsets.size() == parts + 1,
+              "sgmv_add: rank_offsets and column_offsets need one more entry than b");
+  TORCH_CHECK(rank_offsets[0] >= 0 && rank_offsets[parts] <= R,
+              "sgmv_add: rank_offsets fall outside a's ", R, " columns");
+  TORCH_CHECK(column_offsets[0] >= 0 && column_offsets[parts] <= y.size(1),
+              "sgmv_add: column_offsets fall outside y's ", y.size(1), " columns");
   std::vector<int64_t> ranks(parts), widths(parts);
   for (size_t p = 0; p < parts; ++p) {
-    ranks[p] = rank_starts[p + 1] - rank_starts[p];
+    ranks[p] = rank_offsets[p + 1] - rank_offsets[p];
+    widths[p] = column_offsets[p + 1] - column_offsets[p];
+    TORCH_CHECK(ranks[p] >= 0 && widths[p] >= 0,
+                "sgmv_add: rank_offsets and column_offsets must not decrease");
     TORCH_CHECK(b[p].dim() == 4 && b[p].is_contiguous() && b[p].size(0) == slots &&
+                    b[p].size(1) == (widths[p] + kBlock - 1) / kBlock &&
                     b[p].size(2) == ranks[p] && b[p].size(3) == kBlock &&
                     b[p].scalar_type() == x.scalar_type(),
-                "sgmv_add: b[", p, "] must be contiguous [S, out/64, rank, 64] of x's dtype");
-    widths[p] = p + 1 < parts ? column_starts[p + 1] - column_starts[p] : y.size(1) - column_starts[p];
-    TORCH_CHECK(widths[p] > (b[p].size(1) - 1) * kBlock && widths[p] <= b[p].size(1) * kBlock,
-                "sgmv_add: part ", p, "'s width, ", widths[p], ", does not match b[", p, "]");
-    TORCH_CHECK(column_starts[p] >= 0 && column_starts[p] + widths[p] <= y.size(1),
-                "sgmv_add: part ", p, "'s columns fall outside y");
+                "sgmv_add: b[", p, "] must be contiguous [S, ceil(", widths[p], "/64), ",
+                ranks[p], ", 64] of x's dtype");
   }
   TORCH_CHECK(lora_grouped_offsets.size() == lora_ids.size() + 1,
               "sgmv_add: lora_grouped_offsets needs one more entry than lora_ids");
@@ -223,32 +218,29 @@ void sgmv_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, at:
       groups.push_back({start, end, lora_ids[g]});
   }
   if (groups.empty()) return;
-  // h rows are indexed by token: shift the groups so they start at the first used token
-  const int64_t first = groups.front().start;
-  for (Group& g : groups) g.start -= first, g.end -= first;
   if (x.scalar_type() == at::kFloat) {
     std::vector<const float*> bp;
     for (const auto& t : b) bp.push_back(t.data_ptr<float>());
-    run<float>(y.data_ptr<float>() + first * y.stride(0), y.stride(0),
-               x.data_ptr<float>() + first * in, in, a.data_ptr<float>(), R, bp, ranks,
-               std::vector<int64_t>(rank_starts.begin(), rank_starts.end()), widths,
-               std::vector<int64_t>(column_starts.begin(), column_starts.end()), groups);
+    run<float>(y.data_ptr<float>(), y.stride(0),
+               x.data_ptr<float>(), in, a.data_ptr<float>(), R, bp, ranks,
+               std::vector<int64_t>(rank_offsets.begin(), rank_offsets.end()), widths,
+               std::vector<int64_t>(column_offsets.begin(), column_offsets.end()), groups);
   } else {
     using U = uint16_t;
     std::vector<const U*> bp;
     for (const auto& t : b) bp.push_back(reinterpret_cast<const U*>(t.data_ptr<at::BFloat16>()));
-    run<U>(reinterpret_cast<U*>(y.data_ptr<at::BFloat16>()) + first * y.stride(0), y.stride(0),
-           reinterpret_cast<const U*>(x.data_ptr<at::BFloat16>()) + first * in, in,
+    run<U>(reinterpret_cast<U*>(y.data_ptr<at::BFloat16>()), y.stride(0),
+           reinterpret_cast<const U*>(x.data_ptr<at::BFloat16>()), in,
            reinterpret_cast<const U*>(a.data_ptr<at::BFloat16>()), R, bp, ranks,
-           std::vector<int64_t>(rank_starts.begin(), rank_starts.end()), widths,
-           std::vector<int64_t>(column_starts.begin(), column_starts.end()), groups);
+           std::vector<int64_t>(rank_offsets.begin(), rank_offsets.end()), widths,
+           std::vector<int64_t>(column_offsets.begin(), column_offsets.end()), groups);
   }
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def(
-      "sgmv_add(Tensor(a!) y, Tensor x, Tensor a, Tensor[] b, int[] rank_starts, "
-      "int[] column_starts, int[] lora_grouped_offsets, int[] lora_ids) -> ()");
+      "sgmv_add(Tensor(a!) y, Tensor x, Tensor a, Tensor[] b, int[] rank_offsets, "
+      "int[] column_offsets, int[] lora_grouped_offsets, int[] lora_ids) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("sgmv_add", &sgmv_add); }
