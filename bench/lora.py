@@ -4,9 +4,9 @@ ones, at batches of 1 and 8.
 
 The adapters are made here in PEFT's format, into a temporary directory: ``A`` and ``B``
 of every projection (q, k, v, o, gate, up, down) of every layer, random of std ``--std``,
-alpha 2r. One engine (eager; ``max_loras`` 8) serves all of them. At
-each batch the same prompts of 16 random tokens decode ``--tokens`` greedy tokens each,
-EOS ignored, on three sides:
+alpha 2r. One engine (eager, or compiled with ``--compile``; ``max_loras`` 8) serves all
+of them. At each batch the same prompts of 16 random tokens decode ``--tokens`` greedy
+tokens each, EOS ignored, on three sides:
 
 - ``base``: every request without an adapter;
 - ``lora``: request i under adapter i mod 8 (at batch 1, repeat r's request under adapter
@@ -19,7 +19,8 @@ first token is left out). The sides alternate ``--repeats`` times; each keeps it
 
 Then, in decodes of their own (timers would disturb the figures above), per decode step:
 - ``layers_ms``: the time in the adapted projections (``LoraLinear.forward``, the base
-  product included); lora's less base's is what adapters add inside the layers;
+  product included); lora's less base's is what adapters add inside the layers (eager
+  only: a compiled step does not call the forward);
 - ``delta_ms``: the time in the deltas (``engine/lora/ops.py``), wrapped where
   ``engine.lora.layers`` calls them: ``sgmv_ms``, the CPU SGMV kernel
   (``CpuSgmv.add_deltas``, one call per adapted projection, any number of tokens), where
@@ -204,7 +205,7 @@ def loras_for(side: str, batch: int, repeat: int) -> list[str | None]:
 
 
 def timed_parts(
-    engine: Any, prompts: Sequence[list[int]], tokens: int, batch: int
+    engine: Any, prompts: Sequence[list[int]], tokens: int, batch: int, compiled: bool
 ) -> dict[str, float]:
     """The per-step times of the adapted layers, the deltas (kernel, dense, loop), the
     mask, and the kernel's shrink and expand at ``batch`` (medians over decode steps, in
@@ -214,8 +215,11 @@ def timed_parts(
 
     figures: dict[str, float] = {}
     spent = {"layers": 0.0, "sgmv": 0.0, "dense": 0.0, "loop": 0.0, "mask": 0.0}
+    forward = layers.LoraLinear.forward  # patched in a compiled model, it would recompile
+    if not compiled:
+        forward = timing(forward, spent, "layers")
     with (
-        patched(layers.LoraLinear, "forward", timing(layers.LoraLinear.forward, spent, "layers")),
+        patched(layers.LoraLinear, "forward", forward),
         patched(ops.CpuSgmv, "add_deltas", timing(ops.CpuSgmv.add_deltas, spent, "sgmv")),
         patched(ops.DenseLora, "add_deltas", timing(ops.DenseLora.add_deltas, spent, "dense")),
         patched(layers, "lora_delta", timing(layers.lora_delta, spent, "loop")),
@@ -246,6 +250,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     parser.add_argument("--repeats", type=int, default=5, help="alternating runs; medians kept")
     parser.add_argument("--quick", action="store_true", help="32 tokens, 3 repeats")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="both engines compiled (torch.compile, as serving's decode workers run by "
+        "default; about three minutes more per engine here) rather than eager",
+    )
     parser.add_argument("--rank", type=int, default=16, help="the adapters' rank")
     parser.add_argument("--std", type=float, default=0.01, help="the adapters' weights' std")
     parser.add_argument(
@@ -272,7 +282,7 @@ def main() -> None:
             dtype="bfloat16",
             num_threads=args.threads,
             kv_cache_memory=256 << 20,
-            torch_compile=False,
+            torch_compile=args.compile,
         )
         lora_engine = LLMEngine(
             EngineConfig(**common, lora_modules=tuple(adapters), max_loras=NUM_ADAPTERS)
@@ -303,13 +313,13 @@ def main() -> None:
             result[f"base_over_plain_bs{batch}"] = round(medians[f"base_bs{batch}"] / plain, 3)
         result.update({f"{key}_tok_s": round(value, 1) for key, value in medians.items()})
         for batch in BATCHES:
-            parts = timed_parts(lora_engine, prompts[:batch], tokens, batch)
+            parts = timed_parts(lora_engine, prompts[:batch], tokens, batch, args.compile)
             log(f"  batch {batch}, timed: {parts}")
             result[f"per_step_bs{batch}"] = parts
         lora_engine.close()
         plain_engine.close()
     result["setup"] = {
-        "model": "SmolLM2-135M-Instruct, bf16, eager",
+        "model": f"SmolLM2-135M-Instruct, bf16, {'compiled' if args.compile else 'eager'}",
         "adapters": f"{NUM_ADAPTERS} random, rank {args.rank}, alpha {2 * args.rank}, std "
         f"{args.std}, on {', '.join(TARGETS)}",
         "tokens": tokens,

@@ -6,7 +6,7 @@ and while its weights are in the model, a slot: the ``lora_ids`` its requests' r
 carry (``Sequence.lora_id``). Slots are reused: one freed by an unloaded adapter, or by
 one taken out of memory (``max_resident``, the least recently used without requests),
 goes to the next adapter put in, so that the stacked weights a step reads
-(``engine.lora.ops.DenseLora``) hold only the adapters in memory. A slot changes hands
+(``engine.lora.ops``: ``CpuSgmv``, ``DenseLora``) hold only the adapters in memory. A slot changes hands
 only while no request runs under it.
 
 ``names`` is replaced, never changed in place, so that another thread may read it while
