@@ -158,11 +158,6 @@ class EngineConfig:
         why = ""
         if self.data_parallel_size > 1:
             why = "data-parallel ranks"
-        elif self.tensor_parallel_size > 1 and (self.enable_lora or self.max_cpu_loras):
-            why = (
-                "tensor-parallel ranks and enable_lora or max_cpu_loras (adapters split over "
-                "ranks are the ones given at start, all in memory)"
-            )
         elif self.uses_cuda_graphs:
             why = "CUDA graphs (the deltas run Python between kernels); turn them off"
         if why:

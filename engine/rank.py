@@ -28,7 +28,7 @@ from engine.executor.shared_kv import DRAFT_LABEL, SharedKv
 from engine.executor.uniproc import UniprocExecutor, compile_decode_model
 from engine.executor.worker import RankConfig, load_shard
 from engine.kv_cache import KVCacheParams, PagedKVCache, plan_num_blocks
-from engine.lora.registry import lora_registry
+from engine.lora.registry import LoraRegistry, lora_registry
 from engine.models.layers import dequantize_fp8, release_packed_weights, use_packed_gemm
 from engine.models.llama3 import Llama3Model
 from engine.models.triton_layers import use_triton_kernels
@@ -42,6 +42,7 @@ from kernels.cpu import extension as cpu_kernels
 class LoadedRank:
     executor: UniprocExecutor  # the target's shard and KV pools
     draft: DraftMirror | None  # a split draft's shard and KV pools
+    loras: LoraRegistry | None = None  # this rank's part of each adapter
 
 
 def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device) -> LoadedRank:
@@ -53,7 +54,7 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     model, model_config = load_shard(config, tp, device)
     if config.fp8_weights == "dequantize":  # as rank 0's build_components does
         dequantize_fp8(model, model_config.dtype)
-    lora_registry(config, model, model_config, tp.shard)  # this rank's part of each adapter
+    loras = lora_registry(config, model, model_config, tp.shard)  # its part of each adapter
     drafter = None
     modules: list[nn.Module] = [model]
     if config.draft_model:  # split as the target is: a Llama-3 target's draft
@@ -95,7 +96,7 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
         shared = SharedKv.open(tp, whole_draft, num_blocks, DRAFT_LABEL)
         draft_kv = PagedKVCache(plan[1], num_blocks, device) if shared is None else shared.rank
         mirror = DraftMirror(drafter, draft_kv, backend, tp)
-    return LoadedRank(executor, mirror)
+    return LoadedRank(executor, mirror, loras)
 
 
 def run_rank(
@@ -136,8 +137,9 @@ def run_rank(
             if isinstance(step, ForwardStep):
                 if step.lora_groups is not None:  # rank 0's model's, for this forward
                     lora_step = getattr(executor.model, "lora_step", None)
-                    if lora_step is None:
+                    if lora_step is None or loaded.loras is None:
                         raise RuntimeError("rank 0 runs LoRA adapters this rank has none of")
+                    loaded.loras.apply(step.lora_changes)
                     lora_step.set(*step.lora_groups)
                 executor.forward(step.inputs, compiled=step.compiled)
             elif isinstance(step, GraphDefine):

@@ -20,7 +20,7 @@ import torch
 from engine.attention.base import BatchLayout
 from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs, ReturnHiddenStates
 
-MESSAGE_FORMAT = 4  # bumped whenever the layout below changes
+MESSAGE_FORMAT = 5  # bumped whenever the layout below changes
 OP_FORWARD, OP_STOP, OP_GRAPH_DEFINE, OP_GRAPH_RUN = 1, 2, 3, 4
 
 
@@ -38,6 +38,9 @@ class ForwardInputs:
 
 # A forward's LoRA token groups (engine.lora.layers.LoraStep): lora_grouped_offsets, lora_ids
 LoraGroups = tuple[list[int], list[int]]
+# Rank 0's adapter changes before a forward (engine.lora.layers.LoraChange): slot, name
+# (None: taken out), path, digest
+LoraChanges = Sequence[tuple[int, str | None, str, int]]
 
 # What speculative steps call for their verification: the compiled forward, where compiled.
 TargetForward = Callable[[ForwardInputs], ModelOutputs]
@@ -86,11 +89,16 @@ class _Reader:
 
 
 def encode(
-    inputs: ForwardInputs, *, compiled: bool, lora_groups: LoraGroups | None = None
+    inputs: ForwardInputs,
+    *,
+    compiled: bool,
+    lora_groups: LoraGroups | None = None,
+    lora_changes: LoraChanges = (),
 ) -> torch.Tensor:
     """The message every other rank runs ``inputs`` from (``compiled``: through the compiled
     forward, as decode steps do; ``lora_groups``: rank 0's model's LoRA token groups for
-    it, where it runs adapters)."""
+    it, where it runs adapters; ``lora_changes``: the adapters rank 0 put in or took out
+    since its last forward, names and paths as UTF-8 bytes)."""
     layout, hidden = inputs.layout, inputs.return_hidden_states
     w = _Writer()
     w.ints(MESSAGE_FORMAT, OP_FORWARD, compiled, inputs.on_layer is not None)
@@ -104,6 +112,11 @@ def encode(
     w.optional(None if inputs.dp_ranks is None else inputs.dp_ranks.tolist())
     w.optional(None if lora_groups is None else lora_groups[0])
     w.optional(None if lora_groups is None else lora_groups[1])
+    w.ints(len(lora_changes))
+    for slot, name, path, salt in lora_changes:
+        w.ints(slot, salt)
+        w.optional(None if name is None else list(name.encode()))
+        w.optional(list(path.encode()))
     return torch.cat(w.parts)
 
 
@@ -161,6 +174,7 @@ class ForwardStep:
     inputs: ForwardInputs
     compiled: bool  # through the compiled forward
     lora_groups: LoraGroups | None = None  # set on the rank's LoraStep before the forward
+    lora_changes: LoraChanges = ()  # done to the rank's adapters before the forward
 
 
 def message_op(message: torch.Tensor) -> int:
@@ -189,9 +203,15 @@ def decode(message: torch.Tensor, device: torch.device) -> ForwardStep | None:
     query_lens, context_lens_host, ranks = r.optional(), r.optional(), r.optional()
     lora_offsets, lora_ids = r.optional(), r.optional()
     lora_groups = None if lora_offsets is None else (lora_offsets, lora_ids or [])
+    lora_changes = []
+    for _ in range(r.ints(1)[0]):
+        slot, salt = r.ints(2)
+        name, path = r.optional(), r.optional() or []
+        text = None if name is None else bytes(name).decode()
+        lora_changes.append((slot, text, bytes(path).decode(), salt))
     dp_ranks = None if ranks is None else torch.tensor(ranks, dtype=torch.int64, device=device)
     inputs = assemble(
         tensors, (bounds[0], bounds[1], bounds[2]), flags, hidden,
         query_lens, context_lens_host, dp_ranks,
     )  # fmt: skip
-    return ForwardStep(inputs, bool(compiled), lora_groups)
+    return ForwardStep(inputs, bool(compiled), lora_groups, lora_changes)

@@ -270,10 +270,14 @@ class MultiprocExecutor(UniprocExecutor):
                 self.graph_peers.forward(inputs, compiled=compiled)
             else:
                 lora_step = getattr(self.model, "lora_step", None)  # the runner set it
-                groups = None
+                groups, changes = None, []
                 if lora_step is not None:
                     groups = (lora_step.lora_grouped_offsets, lora_step.lora_ids)
-                self.ranks.send(encode(inputs, compiled=compiled, lora_groups=groups))
+                    changes = lora_step.take_changes()  # the registry queued them
+                message = encode(
+                    inputs, compiled=compiled, lora_groups=groups, lora_changes=changes
+                )
+                self.ranks.send(message)
             return super().forward(inputs, compiled=compiled)
 
     @contextlib.contextmanager

@@ -39,7 +39,9 @@ class RankConfig:
     compile_cpp_wrapper: bool = False
     # LoRA adapters (engine.lora), each rank reading its part of them, in rank 0's order
     lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora: bool = False
     max_lora_rank: int = 64
+    max_cpu_loras: int | None = None  # the same first ones kept as rank 0's; then as it says
     # A draft split as the target is (engine.spec.split_draft), "" where there is none or
     # it runs on rank 0 alone: its directory, kind and tapped layers as rank 0 reads them.
     draft_model: str = ""

@@ -14,7 +14,7 @@ import itertools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -31,6 +31,17 @@ FUSED = {
 }
 
 
+class LoraChange(NamedTuple):
+    """An adapter put in slot ``slot`` of rank 0's model after start (``name``, read from
+    ``path``, its files' digest ``salt``), or taken out of it (``name`` None): what the
+    other tensor-parallel ranks do to theirs before their next forward."""
+
+    slot: int
+    name: str | None
+    path: str = ""
+    salt: int = 0
+
+
 @dataclass
 class LoraStep:
     """One step's token groups, each under one adapter slot (-1: none), as the seed names
@@ -40,12 +51,19 @@ class LoraStep:
     lora_grouped_offsets: list[int] = field(default_factory=list)  # [G + 1]
     lora_ids: list[int] = field(default_factory=list)  # [G]
     is_active: bool = False  # whether some group runs under an adapter
+    # Rank 0's adapter changes since its last forward, for the other ranks (a split model's)
+    changes: list[LoraChange] = field(default_factory=list)
     _made: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
     def set(self, offsets: list[int], ids: list[int]) -> None:
         self.lora_grouped_offsets, self.lora_ids = offsets, ids
         self.is_active = any(i >= 0 for i in ids)
         self._made = {}
+
+    def take_changes(self) -> list[LoraChange]:
+        """``changes``, emptied."""
+        changes, self.changes = self.changes, []
+        return changes
 
     def device_groups(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The groups as SGMV takes them (kernels.reference.lora), on ``device``: offsets

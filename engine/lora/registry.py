@@ -6,8 +6,13 @@ and while its weights are in the model, a slot: the ``lora_ids`` its requests' r
 carry (``Sequence.lora_id``). Slots are reused: one freed by an unloaded adapter, or by
 one taken out of memory (``max_resident``, the least recently used without requests),
 goes to the next adapter put in, so that the stacked weights a step reads
-(``engine.lora.ops``: ``CpuSgmv``, ``DenseLora``) hold only the adapters in memory. A slot changes hands
-only while no request runs under it.
+(``engine.lora.ops``: ``CpuSgmv``, ``DenseLora``) hold only the adapters in memory. A slot
+changes hands only while no request runs under it.
+
+In a model split over tensor-parallel ranks, every rank's registry starts from the same
+adapters, in the same slots. After that, rank 0's alone decides: each adapter it puts in
+a slot or takes out travels with its next forward's step message (``LoraChange``), and the
+other ranks do the same to theirs (``apply``), reading their part of the same files.
 
 ``names`` is replaced, never changed in place, so that another thread may read it while
 the engine's thread loads.
@@ -27,7 +32,7 @@ from torch import nn
 
 from engine.config import Llama3Config
 from engine.lora.adapter import TARGETS, LoraAdapter, LoraError, LoraWeights, load_adapter
-from engine.lora.layers import put_adapter, use_lora
+from engine.lora.layers import LoraChange, LoraStep, put_adapter, use_lora
 from engine.parallel.shard import Shard
 
 NumRequests = Callable[[int], int]  # requests (of the engine's) under a slot
@@ -137,6 +142,9 @@ class LoraRegistry:
         self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
         self._free: list[int] = []  # slots freed, reused first
         self.shard = shard
+        # Rank 0 of a split model, once started: its puts and take-outs are queued on the
+        # model's LoraStep for the other ranks (``apply``)
+        self._mirrored = False
         self._num_slots = 0
         self.num_reads = 0  # adapters read from their files, at start and since
         self._reads_lock = threading.Lock()
@@ -148,7 +156,23 @@ class LoraRegistry:
         so that adapters put in later change no module of the compiled model."""
         use_lora(self.model, [], every_projection=compiled)
         for name, path in modules:
-            self.load(name, path, num_requests=_kept, at_start=True)
+            self.load(name, path, num_requests=_kept)
+        self._mirrored = self.shard is not None and self.shard.size > 1 and self.shard.rank == 0
+
+    def apply(self, changes: Sequence[tuple[int, str | None, str, int]]) -> None:
+        """On a tensor-parallel rank other than 0: rank 0's adapter changes since its last
+        forward (``LoraChange``s), done to this rank's model, each adapter read from the
+        same files (this rank's part); LoraMismatch if they are not the files rank 0 read."""
+        for slot, name, path, salt in changes:
+            if name is None:
+                put_adapter(self.model, slot, None)
+                continue
+            adapter = self.read(name, path)
+            if adapter.salt != salt:
+                raise LoraMismatch(
+                    f"model: adapter {name!r}'s files in {path} are not the ones rank 0 read"
+                )
+            put_adapter(self.model, slot, adapter)
 
     def load(
         self,
@@ -156,15 +180,11 @@ class LoraRegistry:
         path: str | Path,
         num_requests: NumRequests = _none,
         adapter: LoraAdapter | None = None,
-        *,
-        at_start: bool = False,
     ) -> None:
         """Reads (unless ``adapter``: ``read``'s, done already), checks and registers one
         more adapter, kept in memory if there is room (or an adapter without requests to
         make room); LoraError (naming the field) for one that cannot be served, or a name
         already loaded."""
-        if not at_start:
-            self._check_one_rank()
         if name in self.names:
             raise LoraError(f"lora_name: {name!r} is already loaded")
         if adapter is None:
@@ -216,7 +236,6 @@ class LoraRegistry:
     def unload(self, name: str, num_requests: NumRequests) -> None:
         """Takes adapter ``name`` out; LoraInUse while requests run under it,
         LoraNotLoaded when no adapter has that name."""
-        self._check_one_rank()
         if name not in self.names:
             raise LoraNotLoaded(f"lora_name: {name!r} is not loaded; loaded: {sorted(self.names)}")
         slot = self.resident.get(name)
@@ -227,14 +246,6 @@ class LoraRegistry:
             )
         self._forget(name)
         del self.paths[name]
-
-    def _check_one_rank(self) -> None:
-        """Run-time loading changes rank 0's model only: refused with several ranks."""
-        if self.shard is not None and self.shard.size > 1:
-            raise LoraError(
-                f"lora_name: loading or unloading adapters at run time in a model split over "
-                f"{self.shard.size} ranks is not built; give them at start (lora_modules)"
-            )
 
     def _make_room(self, num_requests: NumRequests) -> bool:
         """Whether one more adapter fits in memory, once the least recently used one
@@ -254,6 +265,8 @@ class LoraRegistry:
         else:
             slot, self._num_slots = self._num_slots, self._num_slots + 1
         put_adapter(self.model, slot, adapter)
+        path = str(self.paths[adapter.name].absolute())
+        self._mirror(LoraChange(slot, adapter.name, path, adapter.salt))
         self.resident[adapter.name] = slot
         self._publish(adapter.name, slot, adapter.salt)
         return slot
@@ -261,6 +274,7 @@ class LoraRegistry:
     def _take_out(self, name: str) -> None:
         slot = self.resident.pop(name)
         put_adapter(self.model, slot, None)
+        self._mirror(LoraChange(slot, None))
         self._free = sorted([*self._free, slot])
         self._publish(name, -1, self.names[name][1])
 
@@ -268,6 +282,13 @@ class LoraRegistry:
         if name in self.resident:
             self._take_out(name)
         self.names = {k: v for k, v in self.names.items() if k != name}
+
+    def _mirror(self, change: LoraChange) -> None:
+        """Queues ``change`` for the other ranks of a split model (rank 0's, after start)."""
+        if self._mirrored:
+            step = self.model.lora_step
+            assert isinstance(step, LoraStep)
+            step.changes.append(change)
 
     def _publish(self, name: str, slot: int, salt: int) -> None:
         self.names = {**self.names, name: (slot, salt)}

@@ -1,11 +1,13 @@
 """What the cluster tests share: a tiny target model and its in-process greedy output, a
 cluster spec for it, streaming requests through the router (also several at once, to act
-mid-stream), checking a stream's chunks, asking workers for their stats, reading a
-component's metrics, the audit of a live cluster and the end-of-test audit."""
+mid-stream), checking a stream's chunks, asking workers for their stats and blocks in use,
+waiting for a request's blocks to come free, reading a component's metrics, the audit of
+a live cluster and the end-of-test audit."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from transformers import LlamaForCausalLM
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
 from ledger.audit import Discrepancy, seen_in_every_look
 from ledger.ledger import Ledger, RequestState
 from serving.launcher import Cluster, ClusterSpec, Component
@@ -85,11 +88,26 @@ def assert_greedy_equal(
 
 def engine_greedy(target: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy output of the in-process engine (fp32, block size 4, EOS ignored), per prompt."""
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(target), dtype="float32", block_size=4, kv_cache_memory=8 << 20, num_threads=1
-        )
+    return greedy_engine(target, prompts, max_tokens)[0]
+
+
+def greedy_engine(
+    target: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    speculative: SpeculativeConfig | None = None,
+) -> tuple[list[list[int]], LLMEngine]:
+    """``engine_greedy``'s output (with ``speculative``'s drafts where given), and the
+    engine that made it (its counters)."""
+    config = EngineConfig(
+        model=str(target),
+        dtype="float32",
+        block_size=4,
+        kv_cache_memory=8 << 20,
+        num_threads=1,  # the cores are shared with the cluster (CONVENTIONS.md)
+        speculative=speculative,
     )
+    engine = LLMEngine(config)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
@@ -98,7 +116,7 @@ def engine_greedy(target: Path, prompts: list[list[int]], max_tokens: int) -> li
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
-    return [done[str(i)] for i in range(len(prompts))]
+    return [done[str(i)] for i in range(len(prompts))], engine
 
 
 def router_counter(cluster: Cluster, name: str) -> float:
@@ -288,3 +306,35 @@ async def wait_audit_clean(cluster: Cluster, ledger: Ledger, within_s: float = 3
             if asyncio.get_running_loop().time() > deadline:
                 raise
         await asyncio.sleep(0.05)
+
+
+async def blocks_in_use(cluster: Cluster) -> tuple[int, int]:
+    """KV blocks in use on the first prefill and the first decode worker."""
+    p = await worker_stats(cluster.prefill[0])
+    d = await worker_stats(cluster.decode[0])
+    return p.num_kv_blocks_used, d.num_kv_blocks_used
+
+
+async def wait_until_freed(
+    cluster: Cluster, ledger: Ledger, request_id: str, within_s: float
+) -> float:
+    """Seconds until the request's blocks are free on P and D, it holds none in the ledger
+    and its record has ended. The router ends the record after P and D acknowledge the
+    abort, so the blocks come free a moment before the record changes."""
+    start = time.monotonic()
+    while True:
+        held = [h for h in ledger.holdings() if h.request_id == request_id]
+        record = ledger.get_request(request_id)
+        ended = record is not None and record.state.is_terminal
+        if await blocks_in_use(cluster) == (0, 0) and not held and ended:
+            return time.monotonic() - start
+        assert time.monotonic() - start < within_s, (await blocks_in_use(cluster), held, record)
+        await asyncio.sleep(0.02)
+
+
+def shm_rings(cluster: Cluster) -> list[str]:
+    """The shared-memory rings the prefill worker keeps for reuse after its pushes (memfds
+    it holds open)."""
+    fds = Path(f"/proc/{cluster.prefill[0].process.pid}/fd")
+    links = [os.readlink(fd) for fd in fds.iterdir()]
+    return [link for link in links if link.startswith("/memfd:tandem-kv-ring")]

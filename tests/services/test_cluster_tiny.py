@@ -8,7 +8,6 @@ ends clean."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import re
 import signal
@@ -24,8 +23,6 @@ import redis
 import torch
 from transformers import AutoTokenizer
 
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from ledger.ledger import KvPool, Ledger, RequestState, WorkerRole
 from serving.launcher import Cluster
@@ -42,14 +39,19 @@ from tests.services.cluster_helpers import (
     assert_audit_clean,
     assert_greedy_equal,
     audit_command,
+    blocks_in_use,
     check_stream,
+    engine_greedy,
     generate_all,
+    greedy_engine,
     non_final_requests,
     run,
+    shm_rings,
     start_streams,
     tiny_cluster_spec,
     tokens,
     wait_audit_clean,
+    wait_until_freed,
     worker_stats,
 )
 from tests.services.tiny_tokenizer import save_char_tokenizer
@@ -131,39 +133,6 @@ async def audit_after_each_test(cluster: Cluster, ledger: Ledger) -> AsyncIterat
     await wait_audit_clean(cluster, ledger)
 
 
-def reference(
-    target: Path, token_prompts: list[list[int]], max_tokens: int, draft: Path | None = None
-) -> tuple[list[list[int]], LLMEngine]:
-    """Greedy tokens in this process (target alone, or with ``draft``), and the engine."""
-    spec = SpeculativeConfig(str(draft), num_draft_tokens=K) if draft else None
-    config = EngineConfig(
-        model=str(target),
-        dtype="float32",
-        block_size=4,
-        kv_cache_memory=8 << 20,
-        num_threads=1,  # the cores are shared with the cluster (CONVENTIONS.md)
-        speculative=spec,
-    )
-    engine = LLMEngine(config)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(token_prompts):
-        engine.add_request(str(i), p, params)
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return [done[str(i)] for i in range(len(token_prompts))], engine
-
-
-def shm_rings(cluster: Cluster) -> list[str]:
-    """The shared-memory rings the prefill worker keeps for reuse after its pushes (memfds
-    it holds open)."""
-    fds = Path(f"/proc/{cluster.prefill[0].process.pid}/fd")
-    links = [os.readlink(fd) for fd in fds.iterdir()]
-    return [link for link in links if link.startswith("/memfd:tandem-kv-ring")]
-
-
 async def test_greedy_with_eagle3_draft_equals_engine(
     cluster: Cluster, model_dirs: tuple[Path, Path]
 ) -> None:
@@ -172,10 +141,12 @@ async def test_greedy_with_eagle3_draft_equals_engine(
     token_prompts = prompts(8, seed=1)
     ours = await generate_all(cluster.router_address, token_prompts, max_tokens=20)
     assert shm_rings(cluster), "same host: the KV went through shared-memory rings"
-    assert_greedy_equal(target, token_prompts, ours, reference(target, token_prompts, 20)[0])
+    assert_greedy_equal(target, token_prompts, ours, engine_greedy(target, token_prompts, 20))
     # The draft ran on the decode worker from the drafts and draft KV the prefill worker
     # sent: as many drafts accepted as by one engine doing everything.
-    spec_refs, spec_engine = reference(target, token_prompts, 20, draft)
+    spec_refs, spec_engine = greedy_engine(
+        target, token_prompts, 20, SpeculativeConfig(str(draft), num_draft_tokens=K)
+    )
     assert spec_refs == ours
     assert spec_engine.spec is not None
     expected = spec_engine.spec.stats
@@ -230,7 +201,7 @@ async def test_greedy_without_draft_equals_engine(
     assert not shm_rings(plain), "--kv-transport grpc: no shared memory"
     assert (await worker_stats(plain.decode[0])).HasField("speculative") is False
     await asyncio.to_thread(plain.stop)  # its cores are the other cluster's again
-    assert_greedy_equal(target, token_prompts, ours, reference(target, token_prompts, 20)[0])
+    assert_greedy_equal(target, token_prompts, ours, engine_greedy(target, token_prompts, 20))
 
 
 async def test_32_concurrent_mixed_requests_complete_in_order(cluster: Cluster) -> None:
@@ -289,29 +260,6 @@ async def test_invalid_requests_name_the_field(cluster: Cluster) -> None:
                     pass
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, info.value)
             assert re.match(rf"{field}: ", info.value.details() or ""), info.value.details()
-
-
-async def blocks_in_use(cluster: Cluster) -> tuple[int, int]:
-    p = await worker_stats(cluster.prefill[0])
-    d = await worker_stats(cluster.decode[0])
-    return p.num_kv_blocks_used, d.num_kv_blocks_used
-
-
-async def wait_until_freed(
-    cluster: Cluster, ledger: Ledger, request_id: str, within_s: float
-) -> float:
-    """Seconds until the request's blocks are free on P and D, it holds none in the ledger
-    and its record has ended. The router ends the record after P and D acknowledge the
-    abort, so the blocks come free a moment before the record changes."""
-    start = time.monotonic()
-    while True:
-        held = [h for h in ledger.holdings() if h.request_id == request_id]
-        record = ledger.get_request(request_id)
-        ended = record is not None and record.state.is_terminal
-        if await blocks_in_use(cluster) == (0, 0) and not held and ended:
-            return time.monotonic() - start
-        assert time.monotonic() - start < within_s, (await blocks_in_use(cluster), held, record)
-        await asyncio.sleep(0.02)
 
 
 async def test_client_cancel_frees_prefill_and_decode_blocks(

@@ -4,8 +4,9 @@ the projection is (``B``'s output rows for q, k, v, gate and up; ``A``'s input c
 for o and down, their deltas summed by the projection's all-reduce), and each forward's
 token groups travel with its step message. A mixed batch of three adapters and the base
 at TP 2 and TP 4 (KV heads replicated) gives each request the tokens transformers gives
-with its adapter merged, in fp32 (the tie-aware comparator). What adapters do not run
-with under tensor parallelism is refused, naming it."""
+with its adapter merged, in fp32 (the tie-aware comparator). Adapters loaded and unloaded
+at run time, and read again with ``max_cpu_loras``, reach every rank in the same slots:
+the outputs stay each adapter's. Data-parallel ranks with adapters are refused."""
 
 from __future__ import annotations
 
@@ -58,10 +59,6 @@ def test_a_mixed_batch_split_over_ranks_equals_each_adapter_merged(adapters, siz
                      max_num_batched_tokens=9 if size == 2 else 1024)
     )  # fmt: skip
     try:
-        with pytest.raises(LoraError, match=f"at run time in a model split over {size} ranks"):
-            engine.load_lora("late", str(out / "mlp"))
-        with pytest.raises(LoraError, match="is not built; give them at start"):
-            engine.unload_lora("mlp")
         rng = random.Random(size)
         prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 11, 3, 8, 70)]
         loras = ["qkvo", None, "mlp", "mixed", "mixed"]
@@ -87,12 +84,55 @@ def greedy(model: object, prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def test_what_split_adapters_do_not_run_with_is_refused(adapters) -> None:
+def run_batch(
+    engine: LLMEngine, prompts: list[list[int]], loras: list[str | None]
+) -> list[list[int]]:
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        engine.add_request(str(i), prompt, params, lora=lora)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def test_adapters_changed_at_run_time_change_every_rank(adapters) -> None:
+    """TP 2 with room for two adapters: one given at start, two loaded at run time (the
+    second taking the first's slot), the first read again for a request (taking the
+    least recently used one's), one unloaded. Every batch's requests equal their adapters
+    merged, so the other rank's slots held what rank 0's did."""
+    out, models = adapters
+    engine = LLMEngine(
+        EngineConfig(model=str(out / "base"), dtype="float32", block_size=4,
+                     kv_cache_memory=8 << 20, tensor_parallel_size=2, num_threads=2,
+                     lora_modules=(("qkvo", str(out / "qkvo")),), max_cpu_loras=2)
+    )  # fmt: skip
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (6, 9, 4)]
+    batches: list[list[str | None]] = [["mixed", "qkvo", None], ["mlp", "mixed", "mlp"]]
+    try:
+        engine.load_lora("mlp", str(out / "mlp"))  # slot 1
+        engine.load_lora("mixed", str(out / "mixed"))  # qkvo out of memory: slot 0
+        registry = engine._registry()
+        assert dict(registry.resident) == {"mlp": 1, "mixed": 0}
+        got = [run_batch(engine, prompts, loras) for loras in batches]
+        # Read again: qkvo for batch 1 (in mlp's slot), mlp and mixed for batch 2
+        assert registry.num_reads == 6 and dict(registry.resident) == {"mlp": 0, "mixed": 1}
+        engine.unload_lora("mlp")
+        with pytest.raises(LoraError, match="'mlp' is not loaded"):
+            engine.unload_lora("mlp")
+        got.append(run_batch(engine, prompts, ["qkvo", None, "mixed"]))
+        batches.append(["qkvo", None, "mixed"])
+    finally:
+        engine.close()
+    for loras, outputs in zip(batches, got, strict=True):
+        for prompt, lora, output in zip(prompts, loras, outputs, strict=True):
+            reference = models[lora or ""]
+            compare_greedy(reference, [prompt], [output], [greedy(reference, prompt)])
+
+
+def test_data_parallel_ranks_with_adapters_are_refused(adapters) -> None:
     out, _ = adapters
-    for extra in ({"enable_lora": True}, {"max_cpu_loras": 1}):
-        with pytest.raises(ValueError, match="lora_modules: adapters do not run with tensor"):
-            EngineConfig(model=str(out / "base"), tensor_parallel_size=2,
-                         lora_modules=(("qkvo", str(out / "qkvo")),), **extra)  # fmt: skip
     with pytest.raises(ValueError, match="lora_modules: adapters do not run with data"):
         EngineConfig(model=str(out / "base"), data_parallel_size=2,
                      lora_modules=(("qkvo", str(out / "qkvo")),))  # fmt: skip
