@@ -139,7 +139,9 @@ def run_rank(
                     lora_step = getattr(executor.model, "lora_step", None)
                     if lora_step is None or loaded.loras is None:
                         raise RuntimeError("rank 0 runs LoRA adapters this rank has none of")
-                    loaded.loras.apply(step.lora_changes)
+                    if step.lora_changes:  # then tell rank 0, which waits (multiproc.py)
+                        loaded.loras.apply(step.lora_changes)
+                        tp.agree_min(1)
                     lora_step.set(*step.lora_groups)
                 executor.forward(step.inputs, compiled=step.compiled)
             elif isinstance(step, GraphDefine):

@@ -266,10 +266,12 @@ class MultiprocExecutor(UniprocExecutor):
 
     def forward(self, inputs: ForwardInputs, *, compiled: bool = False) -> ModelOutputs:
         with self.in_step():
+            lora_step = getattr(self.model, "lora_step", None)  # the runner set it
             if self.graph_peers.active:  # a graph runner's step (engine.executor.graph_steps)
+                if lora_step is not None:  # EngineConfig refuses CUDA graphs with adapters
+                    raise RuntimeError("a graph runner's step carries no LoRA token groups")
                 self.graph_peers.forward(inputs, compiled=compiled)
             else:
-                lora_step = getattr(self.model, "lora_step", None)  # the runner set it
                 groups, changes = None, []
                 if lora_step is not None:
                     groups = (lora_step.lora_grouped_offsets, lora_step.lora_ids)
@@ -278,6 +280,9 @@ class MultiprocExecutor(UniprocExecutor):
                     inputs, compiled=compiled, lora_groups=groups, lora_changes=changes
                 )
                 self.ranks.send(message)
+                if changes:  # the ranks read their parts of adapters: wait for them, within
+                    self.ranks.tp.agree_min(1)  # the group's own long timeout
+
             return super().forward(inputs, compiled=compiled)
 
     @contextlib.contextmanager

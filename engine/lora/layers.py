@@ -50,10 +50,13 @@ class LoraStep:
 
     lora_grouped_offsets: list[int] = field(default_factory=list)  # [G + 1]
     lora_ids: list[int] = field(default_factory=list)  # [G]
-    is_active: bool = False  # whether some group runs under an adapter
+    is_active: bool = field(init=False, default=False)  # some group runs under an adapter
     # Rank 0's adapter changes since its last forward, for the other ranks (a split model's)
     changes: list[LoraChange] = field(default_factory=list)
     _made: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.is_active = any(i >= 0 for i in self.lora_ids)
 
     def set(self, offsets: list[int], ids: list[int]) -> None:
         self.lora_grouped_offsets, self.lora_ids = offsets, ids
@@ -61,9 +64,11 @@ class LoraStep:
         self._made = {}
 
     def take_changes(self) -> list[LoraChange]:
-        """``changes``, emptied."""
-        changes, self.changes = self.changes, []
-        return changes
+        """``changes``, emptied: each slot's last only (an adapter put in and taken out,
+        or replaced, before a forward is never read by the other ranks)."""
+        last = {change.slot: change for change in self.changes}
+        self.changes = []
+        return list(last.values())
 
     def device_groups(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The groups as SGMV takes them (kernels.reference.lora), on ``device``: offsets
@@ -142,7 +147,7 @@ class LoraLinear(nn.Module):
             from kernels.triton import lora as sgmv
 
             delta = self._dense(x2).segmented(x2, step.device_groups(x2.device), sgmv)
-        elif self._sgmv(x2) is not None:  # the CPU kernel, whatever the tokens, in place
+        elif y.dtype == x2.dtype and self._sgmv(x2) is not None:  # the CPU kernel, in place
             assert self.sgmv is not None
             y2 = y.view(-1, y.shape[-1])
             self.sgmv.add_deltas(y2, x2, step.lora_grouped_offsets, step.lora_ids)

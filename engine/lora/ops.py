@@ -4,7 +4,7 @@ three ways:
 - ``CpuSgmv``: on a CPU with Tandem's kernels built, one call per projection
   (``kernels/cpu/lora_sgmv.cpp``): each group's tokens shrunk by its adapter's ``A`` and
   expanded by its ``B``, added into the base product in place, each used adapter's
-  weights read once, for any number of tokens.
+  weights read once per chunk of up to 16 of its tokens, for any number of tokens.
 - ``lora_delta``: segmented products in torch (SGMV's shrink, then expand), one pair per
   group: where the kernels are not built, for groups of many tokens (prefill chunks).
 - ``DenseLora``: the adapters in memory, ``A`` stacked into one matrix and ``B`` (times

@@ -5,8 +5,8 @@
 // adapter, its tokens are shrunk by the adapter's A (to the ranks of all the projection's
 // parts at once: q, k and v share their input), then each part's columns expanded by
 // that part's B and added into the part's columns of y, rounded once to y's dtype.
-// Each used adapter's weights are read from memory once per call, whatever its group's
-// tokens; the adapters no group uses are not read at all.
+// Each used adapter's weights are read from memory once per chunk of its group's tokens
+// (below; within a chunk, from the caches); the adapters no group uses are not read.
 //
 // Layouts (made by engine/lora/ops.py's CpuSgmv):
 // - a [S, R/16, in, 16]: every slot's A of all parts, their ranks one after another

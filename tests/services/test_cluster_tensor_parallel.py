@@ -27,6 +27,7 @@ import pytest
 import redis
 import torch
 
+from engine.spec.config import SpeculativeConfig
 from ledger.ledger import Ledger, WorkerRole
 from serving.launcher import Cluster, Component
 from tests.engine.tiny_drafts import build_random_draft
@@ -38,6 +39,7 @@ from tests.services.cluster_helpers import (
     check_stream,
     engine_greedy,
     generate_all,
+    greedy_engine,
     metric,
     router_counter,
     start_streams,
@@ -47,7 +49,7 @@ from tests.services.cluster_helpers import (
     worker_stats,
 )
 from tests.services.test_cluster_colocated import has_ended, rank_processes, started_by
-from tests.services.test_cluster_tiny import K, reference
+from tests.services.test_cluster_tiny import K
 from tests.services.tiny_tokenizer import save_char_tokenizer
 
 WORKER_ARGS = (*TINY_WORKER_ARGS, "--kv-cache-memory", str(8 << 20))
@@ -176,7 +178,8 @@ async def check_pair(
     ours = await generate_all(cluster.router_address, token_prompts, max_tokens=20)
     assert metric(prefill, "tandem_kv_transfer_bytes_total", "prefill") > pushed
     assert_greedy_equal(target, token_prompts, ours, engine_greedy(target, token_prompts, 20))
-    expected, engine = reference(target, token_prompts, 20, draft)
+    speculative = SpeculativeConfig(str(draft), num_draft_tokens=K)
+    expected, engine = greedy_engine(target, token_prompts, 20, speculative)
     assert engine.spec is not None
     drafted, accepted = engine.spec.stats.num_draft_tokens, engine.spec.stats.num_accepted_tokens
     assert ours == expected and accepted > 0

@@ -11,6 +11,7 @@ the outputs stay each adapter's. Data-parallel ranks with adapters are refused."
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -96,10 +97,11 @@ def run_batch(
     return [done[str(i)] for i in range(len(prompts))]
 
 
-def test_adapters_changed_at_run_time_change_every_rank(adapters) -> None:
+def test_adapters_changed_at_run_time_change_every_rank(adapters, tmp_path: Path) -> None:
     """TP 2 with room for two adapters: one given at start, two loaded at run time (the
     second taking the first's slot), the first read again for a request (taking the
-    least recently used one's), one unloaded. Every batch's requests equal their adapters
+    least recently used one's), one unloaded, one loaded, unloaded and loaded again from
+    other files with no forward between. Every batch's requests equal their adapters
     merged, so the other rank's slots held what rank 0's did."""
     out, models = adapters
     engine = LLMEngine(
@@ -123,6 +125,16 @@ def test_adapters_changed_at_run_time_change_every_rank(adapters) -> None:
             engine.unload_lora("mlp")
         got.append(run_batch(engine, prompts, ["qkvo", None, "mixed"]))
         batches.append(["qkvo", None, "mixed"])
+        # Between two forwards: loaded, unloaded, its files replaced, loaded again. The
+        # other rank reads the last only (an earlier one would not match its files now).
+        shutil.copytree(out / "mlp", tmp_path / "swap")
+        engine.load_lora("swap", str(tmp_path / "swap"))
+        engine.unload_lora("swap")
+        shutil.rmtree(tmp_path / "swap")
+        shutil.copytree(out / "mixed", tmp_path / "swap")
+        engine.load_lora("swap", str(tmp_path / "swap"))
+        got.append(run_batch(engine, prompts, ["swap", "qkvo", None]))
+        batches.append(["mixed", "qkvo", None])  # what "swap" now is
     finally:
         engine.close()
     for loras, outputs in zip(batches, got, strict=True):
