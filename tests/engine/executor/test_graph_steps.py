@@ -79,6 +79,12 @@ def test_a_signature_travels_once_and_its_tensors_unpack_as_sent() -> None:
     groups = ([0, 3, 5, 8], [1, -1, 0])
     step = decode(encode(sent, compiled=False, lora_groups=groups), CPU)
     assert isinstance(step, ForwardStep) and step.lora_groups == groups
+    assert step.lora_changes == []
+    # And the adapters rank 0 put in or took out since its last forward, names and paths
+    # in UTF-8 (digests up to 2**63 - 1).
+    changes = [(2, "é-adapter", "/tmp/ä/x", 2**63 - 1), (0, None, "", 0), (1, "", "p", 5)]
+    step = decode(encode(sent, compiled=False, lora_groups=groups, lora_changes=changes), CPU)
+    assert isinstance(step, ForwardStep) and step.lora_changes == changes
 
 
 def test_host_lengths_travel_and_what_cannot_is_refused() -> None:
@@ -98,7 +104,9 @@ def test_host_lengths_travel_and_what_cannot_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown forward kind 7"):
         decode(torch.tensor([MESSAGE_FORMAT, 3, 0, 0, 7]), CPU)
     older = MESSAGE_FORMAT - 1
-    with pytest.raises(ValueError, match=f"step message format {older}, this rank reads 4"):
+    with pytest.raises(
+        ValueError, match=f"step message format {older}, this rank reads {MESSAGE_FORMAT}"
+    ):
         decode(torch.tensor([older, 4, 0]), CPU)
 
 
