@@ -21,6 +21,7 @@ from transformers import LlamaForCausalLM
 from engine.llm_engine import EngineConfig, LLMEngine, RequestError
 from engine.lora.adapter import LoraError
 from engine.lora.layers import LoraLinear
+from engine.lora.ops import CpuSgmv
 from engine.lora.registry import LoraMemoryFull, LoraMismatch
 from engine.output_processor import OutputProcessor
 from engine.sampling_params import SamplingParams
@@ -61,7 +62,14 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], str | None]]) -> list
     return [done[str(i)] for i in range(len(requests))]
 
 
-def test_a_mixed_batch_equals_each_adapter_merged(base_and_adapters) -> None:
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-sgmv", "aten"])
+def test_a_mixed_batch_equals_each_adapter_merged(base_and_adapters, monkeypatch, kernel) -> None:
+    """Through the CPU SGMV kernel, and through the aten paths that run where it is not
+    built (dense for few tokens, per group for more)."""
+    if not kernel:
+        monkeypatch.setattr(CpuSgmv, "applies", staticmethod(lambda x: False))
+    elif not CpuSgmv.applies(torch.zeros(1)):
+        pytest.skip("the CPU kernels are not built here")
     out, base, merged = base_and_adapters
     adapters = tuple((name, str(out / name)) for name in ("a", "b", "c"))
     engine = LLMEngine(
@@ -88,7 +96,8 @@ def test_a_mixed_batch_equals_each_adapter_merged(base_and_adapters) -> None:
             reference = base if lora is None else merged[lora]
             compare_greedy(reference, [prompt], [got], [greedy(reference, prompt)])
     assert engine.block_manager.num_prefix_hit_blocks > 0
-    # Prefills of more than DENSE_MAX_TOKENS tokens take the per-group products.
+    # Prefills of more than DENSE_MAX_TOKENS tokens: several of the kernel's chunks of one
+    # group, or aten's per-group products.
     whole = LLMEngine(EngineConfig(model=str(out / "base"), dtype="float32", block_size=4,
                                    kv_cache_memory=4 << 20, lora_modules=adapters))  # fmt: skip
     long_prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (70, 66)]

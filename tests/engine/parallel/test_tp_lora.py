@@ -56,27 +56,22 @@ def test_a_mixed_batch_split_over_ranks_equals_each_adapter_merged(adapters, siz
                      kv_cache_memory=8 << 20, tensor_parallel_size=size, num_threads=2,
                      lora_modules=tuple((n, str(out / n)) for n in NAMES),
                      # TP 2: prompt chunks beside decode rows; TP 4: a 70-token prefill
-                     # (the per-group products, past the dense path's 64 tokens)
+                     # (its group in several of the CPU kernel's chunks)
                      max_num_batched_tokens=9 if size == 2 else 1024)
     )  # fmt: skip
+    rng = random.Random(size)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 11, 3, 8, 70)]
+    loras: list[str | None] = ["qkvo", None, "mlp", "mixed", "mixed"]
     try:
-        rng = random.Random(size)
-        prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 11, 3, 8, 70)]
-        loras = ["qkvo", None, "mlp", "mixed", "mixed"]
-        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-        for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
-            engine.add_request(str(i), prompt, params, lora=lora)
-        done: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        done = run_batch(engine, prompts, loras)
     finally:
         engine.close()
-    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+    for prompt, lora, output in zip(prompts, loras, done, strict=True):
         reference = models[lora or ""]
-        compare_greedy(reference, [prompt], [done[str(i)]], [greedy(reference, prompt)])
+        compare_greedy(reference, [prompt], [output], [greedy(reference, prompt)])
     for name in NAMES:  # each adapter changes the output: applied or not shows
         row = loras.index(name)
-        assert greedy(models[""], prompts[row]) != done[str(row)], name
+        assert greedy(models[""], prompts[row]) != done[row], name
 
 
 def greedy(model: object, prompt: list[int]) -> list[int]:
