@@ -23,6 +23,7 @@ from kv_transfer import (
     KvLayout,
     KvReceiver,
     KvReservation,
+    KvTransferError,
     TransferState,
     add_kv_transfer_servicer,
     server_options,
@@ -127,7 +128,10 @@ async def test_a_retry_of_the_same_id_sees_only_its_own_layers(
         first = asyncio.create_task(service.Prefill(attempt(), _Context()))
         assert await asyncio.to_thread(in_step.wait, 30)
         first.cancel()  # as the router's retry does; its abort now waits behind the step
-        with pytest.raises(asyncio.CancelledError):
+        # It ends cancelled; or, where the cancellation reaches it only once its push is
+        # finishing (a host slow enough for the held step to give up waiting), with the
+        # push's failure: the receiver has failed the request meanwhile.
+        with pytest.raises((asyncio.CancelledError, KvTransferError)):
             await first
         # The first push never completes. The receiver ends it when the cancellation
         # reaches it, or when the router's retry releases the reservation (its Abort to
