@@ -17,9 +17,9 @@
 // So a slot's A, and each part's B, are each one stretch of memory read in order.
 // Weights and activations are both bf16 or both fp32; sums are fp32 (FMA).
 //
-// The threads share the work by token chunks: each chunk is one group's tokens (a
-// decode step's groups are often one token each), shrunk and then expanded by one
-// thread, with no barrier between the two. A thread's streams are long and in order,
+// The threads share the work by token chunks: each chunk is up to 16 of one group's
+// tokens (fewer where the step has few; a decode step's groups are often one token
+// each), shrunk and then expanded by one thread, with no barrier between the two. A thread's streams are long and in order,
 // prefetched ahead: these few-row products are bound by how fast memory answers, and
 // one stream per thread reads faster than many short ones (bench/RESULTS.md, issue 40).
 
