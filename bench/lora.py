@@ -173,9 +173,8 @@ def shrink_only(spent: dict[str, float]) -> Callable[..., Any]:
         self: Any, y: torch.Tensor, x: torch.Tensor, offsets: list[int], ids: list[int]
     ) -> None:
         begin = time.perf_counter()
-        if self.slots_without:
-            ids = [-1 if i in self.slots_without else i for i in ids]
-        torch.ops.tandem_cpu.sgmv_add(y, x.contiguous(), self.a, [], [0], [0], offsets, ids)
+        slots = self.slot_ids(ids)
+        torch.ops.tandem_cpu.sgmv_add(y, x.contiguous(), self.a, [], [0], [0], offsets, slots)
         spent["shrink"] += time.perf_counter() - begin
         spent["calls"] += 1
 

@@ -282,7 +282,6 @@ class MultiprocExecutor(UniprocExecutor):
                 self.ranks.send(message)
                 if changes:  # the ranks read their parts of adapters: wait for them, within
                     self.ranks.tp.agree_min(1)  # the group's own long timeout
-
             return super().forward(inputs, compiled=compiled)
 
     @contextlib.contextmanager

@@ -147,10 +147,9 @@ class LoraLinear(nn.Module):
             from kernels.triton import lora as sgmv
 
             delta = self._dense(x2).segmented(x2, step.device_groups(x2.device), sgmv)
-        elif y.dtype == x2.dtype and self._sgmv(x2) is not None:  # the CPU kernel, in place
-            assert self.sgmv is not None
+        elif y.dtype == x2.dtype and (cpu := self._sgmv(x2)) is not None:  # CPU, in place
             y2 = y.view(-1, y.shape[-1])
-            self.sgmv.add_deltas(y2, x2, step.lora_grouped_offsets, step.lora_ids)
+            cpu.add_deltas(y2, x2, step.lora_grouped_offsets, step.lora_ids)
             return y
         elif x2.shape[0] <= DENSE_MAX_TOKENS:  # no kernels: aten, masked or per group
             dense = self._dense(x2)
@@ -170,7 +169,7 @@ class LoraLinear(nn.Module):
     def _sgmv(self, x: torch.Tensor) -> CpuSgmv | None:
         """The adapters in the CPU kernel's layout, for ``x``'s dtype (made again after
         ``put_adapter`` changed them); None where the kernel does not run ``x``."""
-        if self.sgmv is None or self.sgmv.dtype != x.dtype or x.device.type != "cpu":
+        if self.sgmv is None or self.sgmv.dtype != x.dtype:
             if not CpuSgmv.applies(x):
                 return None
             self.sgmv = CpuSgmv(self.weights, x.shape[-1], self.parts, x.dtype)

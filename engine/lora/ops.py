@@ -71,6 +71,30 @@ def token_mask(
     return mask.to(device)
 
 
+def stack_parts(
+    weights: Sequence[Sequence[LoraWeights | None]],
+    in_features: int,
+    out_features: Sequence[int],
+    device: torch.device,
+) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """One projection's adapters stacked per part in fp32, each zero-padded to the part's
+    largest rank: the parts' ranks, ``A`` [S, r, in] and ``B`` transposed times its scaling
+    [S, r, out] (``weights[p][slot]``, None: none; S the most slots any part has)."""
+    num_slots = max(len(by_id) for by_id in weights)
+    ranks = [max((w.rank for w in by_id if w is not None), default=0) for by_id in weights]
+    a_parts, b_parts = [], []
+    for by_id, out, r in zip(weights, out_features, ranks, strict=True):
+        a = torch.zeros(num_slots, r, in_features, device=device)
+        b = torch.zeros(num_slots, r, out, device=device)
+        for slot, w in enumerate(by_id):
+            if w is not None:
+                a[slot, : w.rank] = w.a
+                b[slot, : w.rank] = w.b.T * w.scaling
+        a_parts.append(a)
+        b_parts.append(b)
+    return ranks, a_parts, b_parts
+
+
 class DenseLora:
     """One projection's adapters stacked (see the module's docstring): its parts'
     ``weights[p][id]`` (None: none), zero-padded to each part's largest rank, in fp32
@@ -84,29 +108,13 @@ class DenseLora:
         device: torch.device,
     ) -> None:
         self.num_slots = max(len(by_id) for by_id in weights)
-        self.ranks = [max((w.rank for w in by_id if w is not None), default=0) for by_id in weights]
-        a_parts, self.b = [], []
-        for by_id, out, r in zip(weights, out_features, self.ranks, strict=True):
-            a = torch.zeros(self.num_slots, r, in_features, device=device)
-            b = torch.zeros(self.num_slots, r, out, device=device)
-            for slot, w in enumerate(by_id):
-                if w is not None:
-                    a[slot, : w.rank] = w.a
-                    b[slot, : w.rank] = w.b.T * w.scaling
-            a_parts.append(a.reshape(-1, in_features))
-            self.b.append(b.reshape(-1, out))
-        self.a = torch.cat(a_parts)  # [sum of slots x rank, in]: one shrink for every part
+        self.ranks, a_parts, b_parts = stack_parts(weights, in_features, out_features, device)
+        # [sum of slots x rank, in]: one shrink for every part
+        self.a = torch.cat([a.reshape(-1, in_features) for a in a_parts])
+        self.b = [b.reshape(-1, b.shape[-1]) for b in b_parts]
         self.out_features = list(out_features)
         # Each part's as SGMV takes them (kernels.reference.lora): [S, r, in], [S, r, out]
-        starts = [0]
-        for r in self.ranks:
-            starts.append(starts[-1] + self.num_slots * r)
-        self.sgmv_weights = [
-            (self.a[s:e].view(self.num_slots, r, in_features), b.view(self.num_slots, r, out))
-            for s, e, r, b, out in zip(
-                starts, starts[1:], self.ranks, self.b, out_features, strict=False
-            )
-        ]
+        self.sgmv_weights = list(zip(a_parts, b_parts, strict=True))
 
     def column_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """``token_mask``'s [T, S] widened to the shrink's columns, [T, sum(S * r)]: each
@@ -170,27 +178,21 @@ class CpuSgmv:
         dtype: torch.dtype,
     ) -> None:
         num_slots = max(len(by_id) for by_id in weights)
-        ranks = [max((w.rank for w in by_id if w is not None), default=0) for by_id in weights]
+        cpu = torch.device("cpu")
+        ranks, a_parts, b_parts = stack_parts(weights, in_features, out_features, cpu)
         self.rank_offsets = list(itertools.accumulate(ranks, initial=0))
         columns = -(-self.rank_offsets[-1] // PANEL) * PANEL
-        a = torch.zeros(num_slots, columns, in_features)
-        self.b = [
-            torch.zeros(num_slots, r, out) for r, out in zip(ranks, out_features, strict=True)
-        ]
-        has_weights = [False] * num_slots
-        for p, by_id in enumerate(weights):
-            for slot, w in enumerate(by_id):
-                if w is not None:
-                    start = self.rank_offsets[p]
-                    a[slot, start : start + w.rank] = w.a
-                    self.b[p][slot, : w.rank] = w.b.T * w.scaling
-                    has_weights[slot] = True
-        # A slot none of whose parts holds weights (unloaded, or targeting none of them)
-        # runs as no adapter
-        self.slots_without = {slot for slot, has in enumerate(has_weights) if not has}
-        self.dtype = dtype
+        a = torch.nn.functional.pad(torch.cat(a_parts, dim=1), (0, 0, 0, columns - sum(ranks)))
         self.a = a.view(num_slots, columns // PANEL, PANEL, in_features).transpose(2, 3)
         self.a = self.a.contiguous().to(dtype)
+        # A slot none of whose parts holds weights (unloaded, or targeting none of them)
+        # runs as no adapter
+        self.slots_without = {
+            slot
+            for slot in range(num_slots)
+            if all(slot >= len(by_id) or by_id[slot] is None for by_id in weights)
+        }
+        self.dtype = dtype
         # B in blocks of BLOCK output columns, zero-padded: [S, out/BLOCK, r, BLOCK]
         self.b = [
             torch.nn.functional.pad(b, (0, -out % BLOCK))
@@ -198,7 +200,7 @@ class CpuSgmv:
             .transpose(1, 2)
             .contiguous()
             .to(dtype)
-            for b, out in zip(self.b, out_features, strict=True)
+            for b, out in zip(b_parts, out_features, strict=True)
         ]
         self.column_offsets = list(itertools.accumulate(out_features, initial=0))
 
@@ -207,12 +209,17 @@ class CpuSgmv:
     ) -> None:
         """Adds each token's delta under its group's adapter into ``y`` [T, sum(out)] (the
         base product's output, in ``x``'s dtype), in place, rounded once."""
-        if self.slots_without:  # run as none: their weights are zeros, not worth reading
-            lora_ids = [-1 if i in self.slots_without else i for i in lora_ids]
         torch.ops.tandem_cpu.sgmv_add(
             y, x.contiguous(), self.a, self.b, self.rank_offsets, self.column_offsets,
-            lora_grouped_offsets, lora_ids,
+            lora_grouped_offsets, self.slot_ids(lora_ids),
         )  # fmt: skip
+
+    def slot_ids(self, lora_ids: list[int]) -> list[int]:
+        """``lora_ids`` as the kernel takes them: a slot without weights here runs as none
+        (its weights are zeros, not worth reading)."""
+        if not self.slots_without:
+            return lora_ids
+        return [-1 if i in self.slots_without else i for i in lora_ids]
 
     @staticmethod
     def applies(x: torch.Tensor) -> bool:
