@@ -16,6 +16,7 @@ from engine.block_manager import BlockManager
 from engine.config import Llama3Config, read_hf_config
 from engine.dp_blocks import DataParallelBlocks, KvBlocks
 from engine.engine_config import EngineConfig
+from engine.executor.gathered_kv import GatheredKv
 from engine.executor.multiproc import MultiprocExecutor, RankGroup, rank_threads
 from engine.executor.shared_kv import DRAFT_LABEL, SharedKv
 from engine.executor.worker import RankConfig, load_shard
@@ -242,16 +243,18 @@ def _build(
     # Data-parallel ranks' pools hold different requests: each its own, none shared.
     is_split = tp.size > 1 and config.data_parallel_size == 1
     shared = SharedKv.open(tp, whole_kv_params, num_blocks) if is_split else None
+    gathered: dict[str, GatheredKv] = {}  # split, unshared: rank 0's copy of every head
     if shared is not None:
         kv_cache, whole_kv = shared.rank, shared.whole
     else:
         kv_cache = PagedKVCache(kv_params, num_blocks, device)
-        if is_split:
-            logger.warning(
-                "tensor_parallel_size %d: the ranks' KV pools are not shared (%s), so this "
-                "engine's KV cannot be sent to or received from other workers",
+        if is_split:  # CUDA ranks: engine.executor.gathered_kv
+            gathered["target"] = GatheredKv(tp, whole_kv_params, kv_cache)
+            whole_kv = gathered["target"].whole
+            logger.info(
+                "tensor_parallel_size %d: each rank's KV pools are its own; KV transfers "
+                "go through rank 0's copy of every head",
                 tp.size,
-                "CUDA ranks" if device.type == "cuda" else "the shared segment could not be mapped",
             )
     # With CUDA graphs the last block is no request's: padded rows write there.
     block_manager: KvBlocks = BlockManager(
@@ -301,9 +304,12 @@ def _build(
         shared_draft = SharedKv.open(tp, whole_draft_params, num_blocks, DRAFT_LABEL)
         if shared_draft is not None:
             draft_kv, whole_draft_kv = shared_draft.rank, shared_draft.whole
-        else:  # as the target's (warned above): kv_pools refuses
+        else:  # as the target's
             draft_kv = PagedKVCache(plan_params[1], num_blocks, device)
+            gathered["draft"] = GatheredKv(tp, whole_draft_params, draft_kv)
+            whole_draft_kv = gathered["draft"].whole
         drafter = SplitDrafter(drafter, runner.executor)
+    runner.executor.gathered.update(gathered)
     if config.speculative is not None and config.speculative.is_model_free:
         spec = SuffixSpecRunner(config.speculative, runner, num_blocks)  # eager: ragged drafts
     elif config.speculative is not None and drafter is not None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
+
 from engine.admission import RequestError
 from engine.kv_cache import KVCacheCapacityError, PagedKVCache
 from engine.model_runner import LayerListener
@@ -50,26 +52,17 @@ class Disaggregation:
     @property
     def kv_pools(self) -> dict[str, PagedKVCache]:
         """The KV pools a transfer reads or writes, by name; one block id indexes each.
-        Split over ranks, the target's (and a split draft's) is every rank's heads
-        (engine.executor.shared_kv): whole heads, whatever the ranks, so that workers of
+        Split over ranks, the target's (and a split draft's) is every rank's heads: the
+        ranks' shared pools (engine.executor.shared_kv), or rank 0's copy of them
+        (engine.executor.gathered_kv). Whole heads, whatever the ranks, so that workers of
         any tensor-parallel sizes map onto each other."""
         target = self.kv_cache
-        if self.config.tensor_parallel_size > 1:
-            if self.whole_kv_cache is None:
-                raise RuntimeError(
-                    "kv_pools: KV transfer of a split model needs its ranks' KV in shared "
-                    "memory, as CPU ranks of one host have it; not built for CUDA ranks"
-                )
+        if self.whole_kv_cache is not None:
             target = self.whole_kv_cache
         pools = {"target": target}
         if self.spec is not None and self.spec.draft_kv is not None:
             pools["draft"] = self.spec.draft_kv
-            if self.draft_split:  # every rank's heads of it, as the target's
-                if self.whole_draft_kv is None:
-                    raise RuntimeError(
-                        "kv_pools: KV transfer of a split draft needs its ranks' KV in shared "
-                        "memory, as CPU ranks of one host have it; not built for CUDA ranks"
-                    )
+            if self.whole_draft_kv is not None:  # a split draft: every rank's heads of it
                 pools["draft"] = self.whole_draft_kv
         return pools
 
@@ -170,9 +163,23 @@ class Disaggregation:
         if seq.finish_reason is not None or not has_kv:
             self.drop_request(request_id)
         else:
+            self._spread_received(seq)
             self.block_manager.cache_computed_blocks(seq)
             self.scheduler.join(seq)
         return delta
+
+    def _spread_received(self, seq: Sequence) -> None:
+        """Split over ranks that share no memory, the KV a transfer wrote into rank 0's
+        copy (its blocks past the prefix cached here) goes to each rank's heads before the
+        request's first step (engine.executor.gathered_kv)."""
+        executor = self.runner.executor
+        block_size = self.config.block_size
+        first = seq.num_cached_tokens // block_size
+        end = -(-seq.num_computed_tokens // block_size)
+        blocks = torch.tensor(seq.block_table[first:end], dtype=torch.int64)
+        for pool in ("target", "draft"):
+            if executor.gathers(pool) and len(blocks):
+                executor.scatter_kv(pool, blocks)
 
     def prefill_reserved(self, request_id: str, prompt_token_ids: list[int]) -> None:
         """A co-located worker's prefill: a reserved request (with this prompt) joins the

@@ -87,6 +87,11 @@ class StepKv:
 LayerListener = Callable[[str, int, StepKv], None]
 
 
+def _told_after_gathering(layer: int) -> None:
+    """A split forward's ``on_layer`` where the ranks' KV is gathered after it: nothing
+    yet (it still marks the forward as a listened one: eager, as every prefill's)."""
+
+
 @dataclass
 class StepOutput:
     rows: list[int]  # batch rows that sampled a token
@@ -277,9 +282,12 @@ class ModelRunner:
         masks = SamplingMasks(grammars, self.mask_worker, [s.params for s in seqs])
         metadata = self.backend.build_metadata(inputs.layout)
         step = StepKv.of(batch) if self.layer_listener is not None else None
-        on_layer = None
+        on_layer: Callable[[int], None] | None = None
+        gathers = step is not None and self.executor.gathers("target")
         if step is not None:
             on_layer = functools.partial(self.notify_layer, "target", step=step)
+            if gathers:  # rank 0 holds every head only once gathered, after the forward
+                on_layer = _told_after_gathering
         # Rows asking for prompt logprobs get logits at their prompt positions too, after
         # the sampling rows' (the lm_head over every prompt position only where asked).
         spans = prompt_logprobs.prompt_spans(batch)
@@ -288,6 +296,11 @@ class ModelRunner:
             extra = self._tensor(prompt_logprobs.logit_indices(spans))
             inputs.logit_indices = torch.cat([inputs.logit_indices, extra])
         out = self.forward(inputs, return_hidden_states, metadata, on_layer)
+        if gathers:  # (engine.executor.gathered_kv)
+            assert step is not None
+            self.executor.gather_kv("target", inputs.layout.slot_mapping)
+            for layer in range(len(self.kv_cache.layers)):
+                self.notify_layer("target", layer, step=step)
         prompt = None
         if spans:
             prompt = prompt_logprobs.collect(batch, spans, out.logits[num_sample:])

@@ -13,7 +13,7 @@ import argparse
 import json
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -21,9 +21,10 @@ from torch import nn
 
 from engine.attention import get_backend
 from engine.executor.channel import RankGone, StepChannel
+from engine.executor.gathered_kv import GatheredKv
 from engine.executor.graph_steps import FollowerGraphs, OpRunner, target_runner
 from engine.executor.graph_wire import GraphDefine, GraphSignature, decode_message
-from engine.executor.inputs import ForwardStep
+from engine.executor.inputs import ForwardStep, KvMove
 from engine.executor.shared_kv import DRAFT_LABEL, SharedKv
 from engine.executor.uniproc import UniprocExecutor, compile_decode_model
 from engine.executor.worker import RankConfig, load_shard
@@ -43,6 +44,9 @@ class LoadedRank:
     executor: UniprocExecutor  # the target's shard and KV pools
     draft: DraftMirror | None  # a split draft's shard and KV pools
     loras: LoraRegistry | None = None  # this rank's part of each adapter
+    # Pools not shared with rank 0 (engine.executor.gathered_kv), by name: rank 0 moves
+    # their heads to and from its copy with this rank's help.
+    gathered: dict[str, GatheredKv] = field(default_factory=dict)
 
 
 def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device) -> LoadedRank:
@@ -85,8 +89,12 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
         config.attention_backend, device=config.device, block_size=config.block_size
     )
     # As rank 0 opens it (data-parallel ranks' pools hold different requests: their own).
-    shared = SharedKv.open(tp, whole_params, num_blocks) if config.data_parallel_size == 1 else None
+    is_split = config.data_parallel_size == 1
+    shared = SharedKv.open(tp, whole_params, num_blocks) if is_split else None
     kv_cache = PagedKVCache(plan[0], num_blocks, device) if shared is None else shared.rank
+    gathered: dict[str, GatheredKv] = {}  # rank 0's copy of unshared pools: this rank helps
+    if is_split and shared is None:
+        gathered["target"] = GatheredKv(tp, whole_params, kv_cache)
     decode_model = None
     if config.torch_compile:
         decode_model = compile_decode_model(model, kv_cache, cpp_wrapper=config.compile_cpp_wrapper)
@@ -95,8 +103,10 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     if drafter is not None:
         shared = SharedKv.open(tp, whole_draft, num_blocks, DRAFT_LABEL)
         draft_kv = PagedKVCache(plan[1], num_blocks, device) if shared is None else shared.rank
+        if shared is None:
+            gathered["draft"] = GatheredKv(tp, whole_draft, draft_kv)
         mirror = DraftMirror(drafter, draft_kv, backend, tp)
-    return LoadedRank(executor, mirror, loras)
+    return LoadedRank(executor, mirror, loras, gathered)
 
 
 def run_rank(
@@ -144,6 +154,9 @@ def run_rank(
                         tp.agree_min(1)
                     lora_step.set(*step.lora_groups)
                 executor.forward(step.inputs, compiled=step.compiled)
+            elif isinstance(step, KvMove):  # rank 0's copy of the pool's heads
+                move = loaded.gathered[step.pool]
+                move.scatter(step.indices) if step.is_scatter else move.gather(step.indices)
             elif isinstance(step, GraphDefine):
                 graphs.define(step)
             else:

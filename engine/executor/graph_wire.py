@@ -24,6 +24,7 @@ from engine.executor.inputs import (
     OP_GRAPH_RUN,
     ForwardInputs,
     ForwardStep,
+    KvMove,
     assemble,
     decode,
     forward_tensors,
@@ -176,7 +177,7 @@ def encode_run(graph_id: int) -> torch.Tensor:
 
 def decode_message(
     message: torch.Tensor, device: torch.device, kinds: SignatureKinds = TARGET_KINDS
-) -> ForwardStep | GraphDefine | GraphRun | None:
+) -> ForwardStep | KvMove | GraphDefine | GraphRun | None:
     """What a message asks a rank to run (a define of one of ``kinds``); None: stop."""
     op = message_op(message)
     if op == OP_GRAPH_RUN:

@@ -20,8 +20,9 @@ import torch
 from engine.attention.base import BatchLayout
 from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs, ReturnHiddenStates
 
-MESSAGE_FORMAT = 5  # bumped whenever the layout below changes
-OP_FORWARD, OP_STOP, OP_GRAPH_DEFINE, OP_GRAPH_RUN = 1, 2, 3, 4
+MESSAGE_FORMAT = 6  # bumped whenever the layout below changes
+OP_FORWARD, OP_STOP, OP_GRAPH_DEFINE, OP_GRAPH_RUN, OP_KV = 1, 2, 3, 4, 5
+KV_POOLS = ("target", "draft")  # what an OP_KV message names, by index
 
 
 @dataclass
@@ -170,6 +171,21 @@ def stop_message() -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class KvMove:
+    """Rank 0's word to join a move of a pool's KV heads between rank 0's whole copy and
+    the ranks' pools (engine.executor.gathered_kv): a gather of ``indices`` as slots, or a
+    scatter of them as blocks."""
+
+    pool: str  # "target" or "draft"
+    is_scatter: bool
+    indices: torch.Tensor  # [n] int64, on the host
+
+    def encode(self) -> torch.Tensor:
+        head = [MESSAGE_FORMAT, OP_KV, KV_POOLS.index(self.pool), self.is_scatter]
+        return torch.cat([torch.tensor(head), self.indices.reshape(-1).to("cpu", torch.int64)])
+
+
+@dataclass(frozen=True)
 class ForwardStep:
     inputs: ForwardInputs
     compiled: bool  # through the compiled forward
@@ -185,12 +201,15 @@ def message_op(message: torch.Tensor) -> int:
     return int(op)
 
 
-def decode(message: torch.Tensor, device: torch.device) -> ForwardStep | None:
-    """``encode``'s forward (its inputs on ``device``); None for a stop. The graph runner's
-    messages: ``engine.executor.graph_wire.decode_message``."""
+def decode(message: torch.Tensor, device: torch.device) -> ForwardStep | KvMove | None:
+    """``encode``'s forward (its inputs on ``device``), or a ``KvMove``; None for a stop.
+    The graph runner's messages: ``engine.executor.graph_wire.decode_message``."""
     op = message_op(message)
     if op == OP_STOP:
         return None
+    if op == OP_KV:
+        pool, is_scatter = message[2:4].tolist()
+        return KvMove(KV_POOLS[pool], bool(is_scatter), message[4:].clone())
     if op != OP_FORWARD:
         raise ValueError(f"step message: unknown op {op}")
     r = _Reader(message)

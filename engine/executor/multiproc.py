@@ -37,7 +37,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.executor.channel import StepChannel
 from engine.executor.graph_steps import RankGraphs
-from engine.executor.inputs import ForwardInputs, encode, stop_message
+from engine.executor.inputs import ForwardInputs, KvMove, encode, stop_message
 from engine.executor.uniproc import UniprocExecutor
 from engine.executor.worker import RankConfig
 from engine.kv_cache import PagedKVCache
@@ -283,6 +283,16 @@ class MultiprocExecutor(UniprocExecutor):
                 if changes:  # the ranks read their parts of adapters: wait for them, within
                     self.ranks.tp.agree_min(1)  # the group's own long timeout
             return super().forward(inputs, compiled=compiled)
+
+    def gather_kv(self, pool: str, slots: torch.Tensor) -> None:
+        with self.in_step():
+            self.ranks.send(KvMove(pool, False, slots).encode())
+            super().gather_kv(pool, slots)
+
+    def scatter_kv(self, pool: str, blocks: torch.Tensor) -> None:
+        with self.in_step():
+            self.ranks.send(KvMove(pool, True, blocks).encode())
+            super().scatter_kv(pool, blocks)
 
     @contextlib.contextmanager
     def in_step(self) -> Iterator[None]:

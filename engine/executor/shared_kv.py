@@ -19,12 +19,15 @@ map onto each other. Nothing is gathered or copied between ranks for it.
   "measured", timed per rank) may round differently, and a slot then holds one rank's
   rounding of it (within fp rounding of the other's; tested greedy at TP 4 over 2 KV heads).
 - **Where.** CPU ranks of one host (where their collectives share memory too); elsewhere
-  (CUDA, ranks on several hosts) each rank's pools are its own, and no whole view exists.
+  (CUDA, ranks on several hosts) each rank's pools are its own, and rank 0 gathers and
+  scatters a whole copy for transfers (engine.executor.gathered_kv). ``TANDEM_TP_SHARED_KV=0``
+  in the environment makes CPU ranks do so too (tests of that path, without a GPU).
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 
 import torch
 
@@ -32,6 +35,7 @@ from engine.kv_cache import KVCacheParams, PagedKVCache
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.shm_collectives import map_shared_file
 
+SHARED_ENV = "TANDEM_TP_SHARED_KV"  # "0": no shared segment, as on CUDA
 LABEL = "tandem-tp-kv"  # the target's; a split draft's: DRAFT_LABEL
 DRAFT_LABEL = "tandem-tp-draft-kv"
 
@@ -49,8 +53,8 @@ class SharedKv:
     ) -> SharedKv | None:
         """The ranks' shared pools (a collective: every rank calls it alike) of
         ``params``'s whole heads; None on every rank where they do not share memory."""
-        if tp.size == 1 or tp.shm is None:
-            return None
+        if tp.size == 1 or tp.shm is None or os.environ.get(SHARED_ENV) == "0":
+            return None  # the ranks inherit rank 0's environment: None on every rank
         shape = (num_blocks, params.block_size, params.num_kv_heads, params.head_dim)
         tensor_bytes = torch.Size(shape).numel() * params.dtype.itemsize
         num_tensors = params.num_layers * params.num_tensors

@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.executor import data_parallel
+from engine.executor.gathered_kv import GatheredKv
 from engine.executor.graph_steps import NO_PEERS, GraphPeers
 from engine.executor.inputs import ForwardInputs, TargetForward
 from engine.kv_cache import PagedKVCache
@@ -95,6 +96,22 @@ class UniprocExecutor:
         self.backend = backend
         # What the graph runner tells the other ranks of its steps: none here.
         self.graph_peers: GraphPeers = NO_PEERS
+        # Pools split over ranks that share no memory, by name (engine.executor.gathered_kv):
+        # none here, where the pools are whole.
+        self.gathered: dict[str, GatheredKv] = {}
+
+    def gathers(self, pool: str) -> bool:
+        """Whether ``pool``'s KV heads must be gathered to rank 0's copy after a write
+        (``gather_kv``) and spread from it after a transfer lands there (``scatter_kv``)."""
+        return pool in self.gathered
+
+    def gather_kv(self, pool: str, slots: torch.Tensor) -> None:
+        """Every rank's heads of ``pool`` at ``slots`` into rank 0's whole copy."""
+        self.gathered[pool].gather(slots)
+
+    def scatter_kv(self, pool: str, blocks: torch.Tensor) -> None:
+        """Rank 0's whole copy of ``pool``'s ``blocks`` into each rank's heads."""
+        self.gathered[pool].scatter(blocks)
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, *, compiled: bool = False) -> ModelOutputs:

@@ -148,6 +148,10 @@ class SpecRunner:
         self._decode_ended = None
         result = self._prefill(batch)
         if result.kv_step is not None and self.draft_kv is not None:  # every layer written
+            executor = self.runner.executor
+            if executor.gathers("draft"):  # the draft's KV at the target's positions
+                assert result.inputs is not None
+                executor.gather_kv("draft", result.inputs.layout.slot_mapping)
             for layer in range(len(self.draft_kv.layers)):
                 self.runner.notify_layer("draft", layer, step=result.kv_step)
         return result

@@ -3,6 +3,8 @@ with an EAGLE-3 draft (real processes, a real redis-server, loopback gRPC): pref
 into decode TP 1, then prefill TP 2 into decode TP 2, then prefill TP 1 into decode TP 2.
 Each rank holds its KV heads; the KV goes over the wire as whole heads (the workers' pools
 are shared by their ranks: engine.executor.shared_kv), the draft's KV and drafts with it.
+Then both at TP 2 with ranks that share no memory, as on CUDA: rank 0 gathers and scatters
+a copy of every head (engine.executor.gathered_kv).
 Greedy output equals the in-process engine's, each decode worker accepts as many drafts as
 one engine doing everything, and the ledger audit is clean after each test. Then a TP-2
 decode worker's rank 1 is SIGKILLed mid-stream: its worker goes down at once, the router
@@ -27,6 +29,7 @@ import pytest
 import redis
 import torch
 
+from engine.executor import shared_kv
 from engine.spec.config import SpeculativeConfig
 from ledger.ledger import Ledger, WorkerRole
 from serving.launcher import Cluster, Component
@@ -142,13 +145,15 @@ async def start_worker(cluster: Cluster, ledger: Ledger, role: WorkerRole, size:
     return new
 
 
-async def arrange(cluster: Cluster, ledger: Ledger, prefill: int, decode: int) -> None:
+async def arrange(
+    cluster: Cluster, ledger: Ledger, prefill: int, decode: int, *, fresh: bool = False
+) -> None:
     """Exactly one prefill worker of ``prefill`` ranks and one decode worker of ``decode``:
-    a worker of another size is replaced (the new one started first, then the old one
-    stopped with SIGTERM, so that it drains and leaves the ledger)."""
+    a worker of another size (any, ``fresh``) is replaced (the new one started first, then
+    the old one stopped with SIGTERM, so that it drains and leaves the ledger)."""
     for role, size in ((WorkerRole.PREFILL, prefill), (WorkerRole.DECODE, decode)):
         workers = cluster.prefill if role is WorkerRole.PREFILL else cluster.decode
-        if [num_ranks(w) for w in workers] == [size]:
+        if [num_ranks(w) for w in workers] == [size] and not fresh:
             continue
         new = await start_worker(cluster, ledger, role, size)
         for old in [w for w in workers if w is not new]:
@@ -206,6 +211,28 @@ async def test_prefill_tp_1_into_decode_tp_2(
     cluster: Cluster, ledger: Ledger, model_dirs: tuple[Path, Path]
 ) -> None:
     await check_pair(cluster, ledger, model_dirs, seed=5, sizes=(1, 2))
+
+
+async def test_ranks_that_share_no_memory_gather_and_scatter_the_kv(
+    cluster: Cluster,
+    ledger: Ledger,
+    model_dirs: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both workers at TP 2 with each rank's KV its own, as on CUDA: the prefill worker
+    gathers its ranks' heads for the push, the decode worker scatters what it received
+    (engine.executor.gathered_kv), the draft's KV with the target's."""
+    monkeypatch.setenv("TANDEM_TP_SHARED_KV", "0")  # the workers started now inherit it
+    await arrange(cluster, ledger, 1, 2)
+    assert maps_shared_kv(cluster.decode[0])  # started before: its ranks' pools are shared
+    await arrange(cluster, ledger, 2, 2, fresh=True)
+    assert not any(maps_shared_kv(w) for w in (*cluster.prefill, *cluster.decode))
+    await check_pair(cluster, ledger, model_dirs, seed=7, sizes=(2, 2))
+
+
+def maps_shared_kv(worker: Component) -> bool:
+    """Whether the worker's process maps its ranks' shared KV (engine.executor.shared_kv)."""
+    return f"/memfd:{shared_kv.LABEL}" in Path(f"/proc/{worker.process.pid}/maps").read_text()
 
 
 FAULT_TOKENS = 400  # long enough that every stream is mid-way when the rank is killed
