@@ -18,18 +18,33 @@ on rank 0's word (an ``OP_KV`` step message, ``engine.executor.inputs``):
   first step.
 
 Both use the collectives NCCL and gloo share: an all-gather and a broadcast. Each carries
-every head to every rank, more than each needs, one layer's tokens at a time.
+every head to every rank, more than each needs, one layer's tokens at a time. The copy
+takes host memory for the worker's whole KV (every rank's blocks), checked at start-up.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import KVCacheParams, PagedKVCache
+from engine.kv_cache import KVCacheParams, PagedKVCache, device_memory
 from engine.parallel.group import TensorParallelGroup
 
 POOLS = ("target", "draft")  # the pools a step message names, by index
 HOST = torch.device("cpu")
+
+
+def check_host_memory(params: KVCacheParams, num_blocks: int) -> None:
+    """Refuses a copy that the host's free memory cannot hold (the blocks were sized for
+    the ranks' own memory, a GPU's), naming the numbers and what to lower."""
+    needed = params.bytes_per_block * num_blocks
+    free, _ = device_memory(HOST)
+    if needed > free:
+        raise ValueError(
+            f"kv_cache_memory: rank 0's host copy of every KV head ({num_blocks} blocks of "
+            f"{params.bytes_per_block} bytes, {needed / 1e9:.2f} GB) does not fit in the "
+            f"host's {free / 1e9:.2f} GB free; lower kv_cache_memory or "
+            "kv_cache_memory_fraction, or give the host more memory"
+        )
 
 
 class GatheredKv:
@@ -46,6 +61,7 @@ class GatheredKv:
         self.replicas = max(1, tp.size // self.num_heads)
         self.whole: PagedKVCache | None = None
         if tp.shard.rank == 0:
+            check_host_memory(whole_params, rank_kv.num_blocks)
             self.whole = PagedKVCache(whole_params, rank_kv.num_blocks, HOST)
 
     def gather(self, slots: torch.Tensor) -> None:

@@ -213,28 +213,6 @@ async def test_prefill_tp_1_into_decode_tp_2(
     await check_pair(cluster, ledger, model_dirs, seed=5, sizes=(1, 2))
 
 
-async def test_ranks_that_share_no_memory_gather_and_scatter_the_kv(
-    cluster: Cluster,
-    ledger: Ledger,
-    model_dirs: tuple[Path, Path],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Both workers at TP 2 with each rank's KV its own, as on CUDA: the prefill worker
-    gathers its ranks' heads for the push, the decode worker scatters what it received
-    (engine.executor.gathered_kv), the draft's KV with the target's."""
-    monkeypatch.setenv("TANDEM_TP_SHARED_KV", "0")  # the workers started now inherit it
-    await arrange(cluster, ledger, 1, 2)
-    assert maps_shared_kv(cluster.decode[0])  # started before: its ranks' pools are shared
-    await arrange(cluster, ledger, 2, 2, fresh=True)
-    assert not any(maps_shared_kv(w) for w in (*cluster.prefill, *cluster.decode))
-    await check_pair(cluster, ledger, model_dirs, seed=7, sizes=(2, 2))
-
-
-def maps_shared_kv(worker: Component) -> bool:
-    """Whether the worker's process maps its ranks' shared KV (engine.executor.shared_kv)."""
-    return f"/memfd:{shared_kv.LABEL}" in Path(f"/proc/{worker.process.pid}/maps").read_text()
-
-
 FAULT_TOKENS = 400  # long enough that every stream is mid-way when the rank is killed
 FAULT_PROMPTS = [[(7 * i + 5 * j) % 61 + 3 for j in range(4 + 5 * i)] for i in range(4)]
 
@@ -268,3 +246,26 @@ async def test_a_killed_rank_of_a_tp_2_decode_worker_migrates_its_requests(
     assert started_by(victim.process.pid) == []
     # The dead worker's holdings go when its lease (1 s) expires.
     await until(lambda: ledger.holdings() == [], "the dead worker's blocks reclaimed", 15)
+
+
+async def test_ranks_that_share_no_memory_gather_and_scatter_the_kv(
+    cluster: Cluster,
+    ledger: Ledger,
+    model_dirs: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both workers at TP 2 with each rank's KV its own, as on CUDA: the prefill worker
+    gathers its ranks' heads for the push, the decode worker scatters what it received
+    (engine.executor.gathered_kv), the draft's KV with the target's. Last in the module:
+    the workers it leaves are of that kind."""
+    await arrange(cluster, ledger, 1, 2)
+    assert maps_shared_kv(cluster.decode[0])  # its ranks' pools are shared
+    monkeypatch.setenv("TANDEM_TP_SHARED_KV", "0")  # the workers started now inherit it
+    await arrange(cluster, ledger, 2, 2, fresh=True)
+    assert not any(maps_shared_kv(w) for w in (*cluster.prefill, *cluster.decode))
+    await check_pair(cluster, ledger, model_dirs, seed=7, sizes=(2, 2))
+
+
+def maps_shared_kv(worker: Component) -> bool:
+    """Whether the worker's process maps its ranks' shared KV (engine.executor.shared_kv)."""
+    return f"/memfd:{shared_kv.LABEL}" in Path(f"/proc/{worker.process.pid}/maps").read_text()

@@ -8,7 +8,9 @@ an EAGLE-3 draft split as its target is, at TP 2 over 2 KV heads (one each) and 
   once the layer listener hears of it, and only then: every target layer, then every draft
   layer;
 - a request reserved here whose prompt KV (one device's) is written into the copy, as a
-  transfer writes it, decodes the tokens one device decodes: every rank got its heads.
+  transfer writes it, is in every rank's heads once it starts decoding (gathered back,
+  it is what was written), past the prefix cached here, and decodes the tokens and
+  logprobs one device decodes.
 """
 
 from __future__ import annotations
@@ -40,14 +42,14 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return out / "target", draft
 
 
-def engine_for(dirs: tuple[Path, Path], size: int) -> LLMEngine:
+def engine_for(dirs: tuple[Path, Path], size: int, *, prefix_caching: bool = False) -> LLMEngine:
     target, draft = dirs
     config = EngineConfig(
         model=str(target),
         dtype="float32",
         block_size=4,
         kv_cache_memory=8 << 20,
-        enable_prefix_caching=False,  # a reserved request's blocks are all received
+        enable_prefix_caching=prefix_caching,
         speculative=SpeculativeConfig(str(draft), num_draft_tokens=3),
         tensor_parallel_size=size,
         num_threads=2,
@@ -57,11 +59,10 @@ def engine_for(dirs: tuple[Path, Path], size: int) -> LLMEngine:
 
 def prompt_kv(pools: dict[str, PagedKVCache], table: list[int]) -> dict[str, torch.Tensor]:
     """Each pool's ``[layers, K and V, tokens, KV heads, head_dim]`` at PROMPT's slots."""
-    block_size = pools["target"].params.block_size
-    slots = torch.tensor([table[i // block_size] * block_size + i % 4 for i in range(len(PROMPT))])
+    assert pools["target"].params.block_size == 4
     return {
         name: torch.stack(
-            [torch.stack([t.flatten(0, 1)[slots] for t in layer]) for layer in cache.layers]
+            [torch.stack([t.flatten(0, 1)[slots(table)] for t in layer]) for layer in cache.layers]
         )
         for name, cache in pools.items()
     }
@@ -87,10 +88,12 @@ def decode(
     return tokens, torch.tensor([lp.logprob for d in deltas for lp in d.new_logprobs])
 
 
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize(("size", "prefix_caching"), [(2, False), (4, False), (2, True)])
 def test_kv_gathered_to_rank_0_and_scattered_from_it(
-    dirs: tuple[Path, Path], size: int, monkeypatch: pytest.MonkeyPatch
+    dirs: tuple[Path, Path], size: int, prefix_caching: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """With the prefix cache on, the received request's first 4 blocks are the prefilled
+    one's, cached here: only its last block is received."""
     one = engine_for(dirs, 1)
     first, drafts, table = prefill(one, "one")
     expected_kv = prompt_kv(one.kv_pools, table)
@@ -99,10 +102,11 @@ def test_kv_gathered_to_rank_0_and_scattered_from_it(
     expected, expected_logprobs = decode(one, "whole")
 
     monkeypatch.setenv("TANDEM_TP_SHARED_KV", "0")
-    engine = engine_for(dirs, size)
+    engine = engine_for(dirs, size, prefix_caching=prefix_caching)
     try:
         pools = engine.kv_pools
-        assert engine.runner.executor.gathers("target") and engine.runner.executor.gathers("draft")
+        executor = engine.runner.executor
+        assert executor.gathers("target") and executor.gathers("draft")
         # Rank 0's own heads (1 of 2) apart from its copy of both, which lies in memory a
         # decode worker may move into a shared segment for same-host senders.
         assert engine.kv_cache.layers[0][0].shape[2] == 1
@@ -127,24 +131,35 @@ def test_kv_gathered_to_rank_0_and_scattered_from_it(
         # sums of the layers' all-reduces in another order, fp32 rounding apart.
         for name, at in (("target", 0), ("draft", 2)):
             torch.testing.assert_close(heard[at][2][name], expected_kv[name], rtol=1e-5, atol=1e-5)
-        engine.drop_request("split")
 
-        # A transfer's KV written into rank 0's copy alone, then decoded on every rank.
+        # A transfer's KV written into rank 0's copy alone (the prefilled request keeps
+        # its blocks: the ranks' pools hold nothing of this prompt in the new ones) ...
         table, num_cached = engine.reserve("received", PROMPT, GREEDY)
-        assert num_cached == 0
-        block_size = 4
-        slots = torch.tensor([table[i // block_size] * block_size + i % 4 for i in range(17)])
+        assert num_cached == (16 if prefix_caching else 0)
         for name, cache in pools.items():
             for layer, kv in enumerate(cache.layers):
                 for t, values in zip(kv, expected_kv[name][layer], strict=True):
-                    t.flatten(0, 1)[slots] = values
+                    t.flatten(0, 1)[slots(table)] = values
         started = engine.start_decoding("received", first, drafts)
-        mine = engine.kv_cache.layers[1][1].flatten(0, 1)[slots]  # rank 0's heads, scattered
-        torch.testing.assert_close(mine, expected_kv["target"][1, 1][:, :1], rtol=0, atol=0)
+        # ... is in every rank's pools once it starts decoding: gathered back into a
+        # cleared copy, every rank's heads of it are what was written (the cached blocks
+        # what this engine computed).
+        for name, cache in pools.items():
+            for kv in cache.layers:
+                for t in kv:
+                    t.zero_()
+            executor.gather_kv(name, slots(table))
+        tolerance = 1e-5 if prefix_caching else 0.0
+        got_kv = prompt_kv(pools, table)
+        for name in ("target", "draft"):
+            torch.testing.assert_close(got_kv[name], expected_kv[name], rtol=0, atol=tolerance)
         tokens, logprobs = decode(engine, "received", started)
         assert tokens == expected
-        # Every token's distribution, not only its argmax (a tiny random model's greedy
-        # tokens may not show a rank's missing heads).
         torch.testing.assert_close(logprobs, expected_logprobs[1:], rtol=1e-4, atol=1e-4)
+        engine.drop_request("split")
     finally:
         engine.close()
+
+
+def slots(table: list[int]) -> torch.Tensor:
+    return torch.tensor([table[i // 4] * 4 + i % 4 for i in range(len(PROMPT))])
