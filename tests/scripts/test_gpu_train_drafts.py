@@ -1,0 +1,118 @@
+"""scripts/gpu_train_drafts, the prepared draft training for a lent GPU (issue 42), on CPU:
+its dry run goes through every phase (the real GGUF split in two and joined again, data
+from a tiny random target, EAGLE-3, EAGLE and DFlash drafts, their pieces), within the
+files a GPU run brings back, and the drafts joined from the pieces load; its help says
+how to run it; the pieces leave out the drafts trained last where they would be too many."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_train_drafts"
+
+
+def load_script() -> ModuleType:
+    loader = importlib.machinery.SourceFileLoader("gpu_train_drafts", str(SCRIPT))
+    spec = importlib.util.spec_from_loader("gpu_train_drafts", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_the_dry_run_goes_through_every_phase(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads((out / "gpu_train_drafts.json").read_text())
+    assert set(summary["phases"]) == {"target", "data", "eagle3", "eagle", "dflash", "join"}
+    assert summary["phases"]["data"]["sequences"] == 40
+    from engine.model_store import source_gguf
+
+    script = load_script()
+    assert summary["phases"]["target"]["gguf_sha256"] == script.sha256(source_gguf("smollm2"))
+    for kind in ("eagle3", "eagle", "dflash"):
+        assert summary["drafts"][kind]["steps"] > 0
+        assert summary["drafts"][kind]["heldout_tau"] >= 1.0
+    assert summary["draft_vocab"]["covers"] >= 0.97
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["drafts.tar.000", "gpu_train_drafts.json", "train.log"]
+    assert all((out / f).stat().st_size < 16 << 20 for f in files)
+    assert "eagle3: " in (out / "train.log").read_text()
+    # The drafts, joined from their pieces as after a GPU run, load beside their target.
+    from engine.registry import load_model
+    from engine.spec.drafters import load_drafter
+
+    work = out.parent / ".out-work"
+    target, _ = load_model(str(work / "target"), dtype="float32", device=torch.device("cpu"))
+    joined = tmp_path / "joined"
+    assert script.join_drafts(out, joined) == ["dflash", "eagle", "eagle3"]
+    for kind in ("eagle3", "eagle", "dflash"):
+        manifest = json.loads((joined / kind / "manifest.json").read_text())
+        assert manifest["kind"] == kind and manifest["command"].startswith("scripts/gpu_train")
+        assert manifest["data"]["generator"] == "transformers generate, greedy, on cpu"
+        assert load_drafter(joined / kind, target, torch.device("cpu")).kind == kind
+
+
+def test_the_staged_parts_join_to_the_file_and_a_changed_part_is_refused(tmp_path: Path) -> None:
+    script = load_script()
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(bytes(range(256)) * 1000)
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(script, "FIRST_PART_BYTES", 100_000)
+    try:
+        first, second = script.stage(gguf, tmp_path / "a")
+    finally:
+        monkey.undo()
+    assert first.stat().st_size == 100_000 and second.stat().st_size == 156_000
+    # The parts may lie in different folders (call 1's copy, call 2's tree).
+    (tmp_path / "b").mkdir()
+    second.rename(tmp_path / "b" / second.name)
+    joined = script.join_parts((tmp_path / "a", tmp_path / "b"), tmp_path / "joined.gguf")
+    assert joined.read_bytes() == gguf.read_bytes()
+    (tmp_path / "b" / second.name).write_bytes(b"\0" * 156_000)
+    with pytest.raises(SystemExit, match="sha256"):
+        script.join_parts((tmp_path / "a", tmp_path / "b"), tmp_path / "joined.gguf")
+
+
+def test_the_pieces_leave_out_the_drafts_trained_last_where_too_many(tmp_path: Path) -> None:
+    script = load_script()
+    drafts = {}
+    for kind, size in (("eagle3", 20), ("eagle", 8), ("dflash", 9)):
+        drafts[kind] = tmp_path / kind
+        drafts[kind].mkdir()
+        noise = torch.randint(0, 255, (size << 20,), dtype=torch.uint8)
+        (drafts[kind] / "model.safetensors").write_bytes(noise.numpy().tobytes())
+    out = tmp_path / "out"
+    out.mkdir()
+    pieces = script.pack(drafts, out, 2)  # 30 MiB: eagle3 and eagle, not dflash
+    assert [p.name for p in pieces] == ["drafts.tar.000", "drafts.tar.001"]
+    assert script.join_drafts(out, tmp_path / "joined") == ["eagle", "eagle3"]
+    assert (tmp_path / "joined" / "eagle" / "model.safetensors").read_bytes() == (
+        drafts["eagle"] / "model.safetensors"
+    ).read_bytes()
+
+
+def test_help_says_how_to_stage_run_and_join() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0
+    for said in ("--stage", 'carry [".gpu_stage/smollm2.gguf.0"]', "--join FILES_AT"):
+        assert said in done.stdout
