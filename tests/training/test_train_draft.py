@@ -200,3 +200,31 @@ def test_num_layers_follow_the_drafter_kind(tmp_path: Path) -> None:
         assert config(tmp_path, tmp_path / "out", kind, num_layers=None).options().num_layers == 1
     assert config(tmp_path, tmp_path / "out", "dflash", num_layers=None).options().num_layers == 2
     assert config(tmp_path, tmp_path / "out", "dflash", num_layers=3).options().num_layers == 3
+
+
+def test_a_time_budget_stops_training_mid_epoch_and_decays_the_rate_over_it(
+    tiny: tuple[Path, SequenceSet], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clock that moves 1 s each time it is read: a 10 s budget stops the first of 5
+    epochs after a few steps, which are evaluated and saved; the rate at the budget's
+    end is a tenth of the peak, whatever step that is."""
+    target, data = tiny
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    monkeypatch.setattr(train_module.time, "monotonic", clock)
+    out = tmp_path / "boxed"
+    manifest = train_draft(
+        config(target, out, "eagle3", epochs=5, time_budget_s=10.0), data, log=lambda _: None
+    )
+    (epoch,) = manifest["history"]
+    monkeypatch.undo()
+    whole = train_draft(config(target, tmp_path / "whole", "eagle3"), data, log=lambda _: None)
+    assert 0 < epoch["steps"] < whole["history"][0]["steps"]  # cut before the epoch's end
+    assert manifest["heldout_tau"] is not None and (out / "manifest.json").is_file()
+    boxed = config(target, out, "eagle3", time_budget_s=10.0)
+    assert train_module.lr_at(50, 100, boxed, elapsed_s=10.0) == pytest.approx(0.1 * boxed.lr)
+    assert train_module.lr_at(50, 100, boxed, elapsed_s=5.0) == pytest.approx(0.55 * boxed.lr)
