@@ -205,7 +205,7 @@ def test_num_layers_follow_the_drafter_kind(tmp_path: Path) -> None:
 def test_a_time_budget_stops_training_mid_epoch_and_decays_the_rate_over_it(
     tiny: tuple[Path, SequenceSet], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A clock that moves 1 s each time it is read: a 10 s budget stops the first of 5
+    """A clock that moves 1 s each time it is read: a 5 s budget stops the first of 5
     epochs after a few steps, which are evaluated and saved; the rate at the budget's
     end is a tenth of the peak, whatever step that is."""
     target, data = tiny
@@ -218,7 +218,7 @@ def test_a_time_budget_stops_training_mid_epoch_and_decays_the_rate_over_it(
     monkeypatch.setattr(train_module.time, "monotonic", clock)
     out = tmp_path / "boxed"
     manifest = train_draft(
-        config(target, out, "eagle3", epochs=5, time_budget_s=10.0), data, log=lambda _: None
+        config(target, out, "eagle3", epochs=5, time_budget_s=5.0), data, log=lambda _: None
     )
     (epoch,) = manifest["history"]
     monkeypatch.undo()
