@@ -158,12 +158,17 @@ class TrainConfig:
 def lr_at(step: int, total: int, config: TrainConfig, elapsed_s: float = 0.0) -> float:
     """Linear warmup, then cosine decay to a tenth of the peak: over the steps, or over
     ``config.time_budget_s`` where it is set (``elapsed_s`` of it gone)."""
+    budget = config.time_budget_s
+    if budget is not None:  # warmup and decay both in time: the steps are not known
+        warmup_s = budget * config.warmup_fraction
+        if elapsed_s < warmup_s:
+            return config.lr * max(elapsed_s, 1e-3 * warmup_s) / warmup_s
+        progress = min(1.0, (elapsed_s - warmup_s) / max(budget - warmup_s, 1e-9))
+        return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
     warmup = max(1, round(total * config.warmup_fraction))
     if step < warmup:
         return config.lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if config.time_budget_s is not None:
-        progress = min(1.0, elapsed_s / config.time_budget_s)
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -210,13 +215,20 @@ def train_draft(
             f"(decoding: {acceptance.decoding_tau:.3f})"
         )
     trainer.started = time.monotonic()
+    # Within a time budget, held-out acceptance once, at the end, and no checkpoints: the
+    # budget is for training.
+    boxed = config.time_budget_s is not None
     for epoch in range(trainer.first_epoch, config.epochs):
         if trainer.is_out_of_time():
             break
         record = trainer.run_epoch(epoch)
+        trainer.history.append(record)
+        last = epoch + 1 == config.epochs or trainer.is_out_of_time()
+        if boxed and not last:
+            log(f"epoch {epoch + 1}: loss {record['loss']:.4f}, {record['steps']} steps")
+            continue
         acceptance, seconds = trainer.evaluate(val)
         record.update(heldout=asdict(acceptance), eval_s=round(seconds, 1))
-        trainer.history.append(record)
         log(
             f"epoch {epoch + 1}: loss {record['loss']:.4f}, held-out tau(K={config.eval_k}) "
             f"{acceptance.tau:.3f} (decoding: {acceptance.decoding_tau:.3f}, full K: "
@@ -224,7 +236,8 @@ def train_draft(
             f"{acceptance.num_anchors} anchors), {record['train_tokens_per_s']:.0f} tok/s "
             f"(features {record['features_s']:.0f} s, draft {record['draft_s']:.0f} s)"
         )
-        trainer.save_checkpoint(epoch + 1)
+        if not boxed:
+            trainer.save_checkpoint(epoch + 1)
     return finish(config, trainer, data, train, val, data_meta, log)
 
 

@@ -101,7 +101,7 @@ def test_the_pieces_leave_out_the_drafts_trained_last_where_too_many(tmp_path: P
         (drafts[kind] / "model.safetensors").write_bytes(noise.numpy().tobytes())
     out = tmp_path / "out"
     out.mkdir()
-    pieces = script.pack(drafts, out, 2)  # 30 MiB: eagle3 and eagle, not dflash
+    pieces = script.pack(drafts, out, 2, tmp_path)  # 30 MiB: eagle3 and eagle, not dflash
     assert [p.name for p in pieces] == ["drafts.tar.000", "drafts.tar.001"]
     assert script.join_drafts(out, tmp_path / "joined") == ["eagle", "eagle3"]
     assert (tmp_path / "joined" / "eagle" / "model.safetensors").read_bytes() == (
@@ -116,3 +116,32 @@ def test_help_says_how_to_stage_run_and_join() -> None:
     assert done.returncode == 0
     for said in ("--stage", 'carry [".gpu_stage/smollm2.gguf.0"]', "--join FILES_AT"):
         assert said in done.stdout
+
+
+def test_joining_refuses_pieces_of_anything_but_drafts(tmp_path: Path) -> None:
+    import tarfile
+
+    script = load_script()
+    (tmp_path / "x").write_text("x")
+    with tarfile.open(tmp_path / "drafts.tar.000", "w") as tar:
+        tar.add(tmp_path / "x", arcname="../x")
+    keep = tmp_path / "into" / "eagle3"
+    keep.mkdir(parents=True)
+    with pytest.raises(SystemExit, match="no draft"):
+        script.join_drafts(tmp_path, tmp_path / "into")
+    assert keep.is_dir() and not (tmp_path / "into" / ".drafts.tar").exists()
+
+
+def test_each_draft_gets_its_turn_when_the_ones_before_overrun() -> None:
+    """On the GPU's budget: each training runs its time plus its overhead and 10 s more;
+    the time left is shared again before each, so DFlash still trains."""
+    script = load_script()
+    remaining, got = 360.0, {}
+    kinds = list(script.TRAIN_SHARES)
+    for i, kind in enumerate(kinds):
+        seconds = script.train_seconds(remaining, kinds[i:], "gpu")
+        assert seconds is not None, (kind, remaining)
+        got[kind] = seconds
+        remaining -= seconds + script.OVERHEAD_S["gpu"] + 10
+    assert got["eagle3"] == max(got.values()) and min(got.values()) > script.MIN_TRAIN_S["gpu"]
+    assert script.train_seconds(55.0, ["dflash"], "gpu") is None  # 15 s after its overhead

@@ -206,8 +206,8 @@ def test_a_time_budget_stops_training_mid_epoch_and_decays_the_rate_over_it(
     tiny: tuple[Path, SequenceSet], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A clock that moves 1 s each time it is read: a 5 s budget stops the first of 5
-    epochs after a few steps, which are evaluated and saved; the rate at the budget's
-    end is a tenth of the peak, whatever step that is."""
+    epochs after a few steps, which are evaluated once and saved (no checkpoint); the
+    rate warms up and decays over the budget's time, whatever the step."""
     target, data = tiny
     now = [0.0]
 
@@ -225,6 +225,10 @@ def test_a_time_budget_stops_training_mid_epoch_and_decays_the_rate_over_it(
     whole = train_draft(config(target, tmp_path / "whole", "eagle3"), data, log=lambda _: None)
     assert 0 < epoch["steps"] < whole["history"][0]["steps"]  # cut before the epoch's end
     assert manifest["heldout_tau"] is not None and (out / "manifest.json").is_file()
-    boxed = config(target, out, "eagle3", time_budget_s=10.0)
-    assert train_module.lr_at(50, 100, boxed, elapsed_s=10.0) == pytest.approx(0.1 * boxed.lr)
-    assert train_module.lr_at(50, 100, boxed, elapsed_s=5.0) == pytest.approx(0.55 * boxed.lr)
+    assert not (out / "checkpoint").exists()
+    # Warmup over the budget's first 5 % and decay over the rest, in time, at any step.
+    boxed = config(target, out, "eagle3", time_budget_s=100.0, warmup_fraction=0.05)
+    assert train_module.lr_at(900, 1000, boxed, elapsed_s=2.5) == pytest.approx(0.5 * boxed.lr)
+    assert train_module.lr_at(5, 1000, boxed, elapsed_s=5.0) == pytest.approx(boxed.lr)
+    assert train_module.lr_at(5, 1000, boxed, elapsed_s=52.5) == pytest.approx(0.55 * boxed.lr)
+    assert train_module.lr_at(5, 1000, boxed, elapsed_s=100.0) == pytest.approx(0.1 * boxed.lr)
