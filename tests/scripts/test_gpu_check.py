@@ -5,8 +5,6 @@ and how it reads pytest's JUnit XML and a benchmark's last JSON line."""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,17 +15,14 @@ from types import ModuleType
 
 import pytest
 
+from tests.scripts.script_module import load_script as load_script_at
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check"
 
 
 def load_script() -> ModuleType:
-    loader = importlib.machinery.SourceFileLoader("gpu_check", str(SCRIPT))
-    spec = importlib.util.spec_from_loader("gpu_check", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return load_script_at(SCRIPT)
 
 
 def test_the_dry_run_passes_on_cpu() -> None:

@@ -6,8 +6,6 @@ how to run it; the pieces leave out the drafts trained last where they would be 
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
 import subprocess
 import sys
@@ -17,17 +15,14 @@ from types import ModuleType
 import pytest
 import torch
 
+from tests.scripts.script_module import load_script as load_script_at
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_train_drafts"
 
 
 def load_script() -> ModuleType:
-    loader = importlib.machinery.SourceFileLoader("gpu_train_drafts", str(SCRIPT))
-    spec = importlib.util.spec_from_loader("gpu_train_drafts", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return load_script_at(SCRIPT)
 
 
 def test_the_dry_run_goes_through_every_phase(tmp_path: Path) -> None:
