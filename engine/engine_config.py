@@ -178,8 +178,10 @@ class EngineConfig:
             return
         if self.tensor_parallel_size > 1:
             why = "tensor_parallel_size > 1 (tensor parallelism inside each rank is not built)"
-        elif self.speculative is not None:  # and so CUDA graphs and overlap, which need drafts
+        elif self.speculative is not None:
             why = "speculative decoding (drafts beside each rank's rows are not built yet)"
+        elif self.torch_compile or self.uses_cuda_graphs or self.enable_overlap_scheduler:
+            why = "compiled steps or CUDA graphs (eager only for now); turn them off"
         elif self.preemption != "recompute":
             why = f"preemption {self.preemption!r} (serving with it is not built)"
         if why:

@@ -118,8 +118,7 @@ class UniprocExecutor:
         dp = getattr(self.model, "dp", None)
         if inputs.dp_ranks is not None and dp is not None:  # this rank's rows only
             idle = cast(Callable[[], ModelOutputs], self.model.idle_pass)
-            rows = functools.partial(self._forward_rows, compiled=compiled)
-            return data_parallel.forward(inputs, dp, rows, idle)
+            return data_parallel.forward(inputs, dp, self._forward_rows, idle)
         return self._forward_rows(inputs, compiled=compiled)
 
     def _forward_rows(self, inputs: ForwardInputs, *, compiled: bool = False) -> ModelOutputs:

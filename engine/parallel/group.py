@@ -108,17 +108,12 @@ class TensorParallelGroup:
         dist.broadcast(x, src=0, group=self.group)
         return x
 
-    # Never compiled as frames of their own: where a graph breaks around a collective
-    # (DeepSeek-V3's experts under data-parallel attention), dynamo would otherwise trace
-    # the shared-memory exchange's Python and fail on it. 0.3 us a call eagerly.
-    @torch.compiler.disable
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.shm is not None and self.shm.fits(x):
             return self.shm.all_reduce(x)
         dist.all_reduce(x, group=self.group)
         return x
 
-    @torch.compiler.disable
     def _all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         if self.shm is not None and self.shm.fits(x):
             return self.shm.all_gather(x, dim)
