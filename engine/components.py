@@ -111,9 +111,8 @@ class EngineComponents:
     num_blocks: int  # in each KV pool, the CUDA graphs' padding block included
     # LoRA adapters by name, with their ids and digests; None: the engine runs none
     loras: LoraRegistry | None = None
-    # A split draft's KV (draft_split), every rank's heads, as whole_kv_cache is the
-    # target's; None where the ranks do not share memory, or the draft is not split.
-    draft_split: bool = False
+    # A split draft's KV, every rank's heads, as whole_kv_cache is the target's (shared,
+    # or rank 0's copy); None where the draft is not split.
     whole_draft_kv: PagedKVCache | None = None
 
 
@@ -332,6 +331,5 @@ def _build(
         spec=spec,
         num_blocks=num_blocks,
         loras=loras,
-        draft_split=split_draft,
         whole_draft_kv=whole_draft_kv,
     )

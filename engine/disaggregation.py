@@ -36,7 +36,6 @@ class Disaggregation:
     config: EngineConfig
     kv_cache: PagedKVCache
     whole_kv_cache: PagedKVCache | None
-    draft_split: bool
     whole_draft_kv: PagedKVCache | None
     block_manager: KvBlocks
     scheduler: Scheduler
@@ -173,12 +172,15 @@ class Disaggregation:
         copy (its blocks past the prefix cached here) goes to each rank's heads before the
         request's first step (engine.executor.gathered_kv)."""
         executor = self.runner.executor
+        pools = [pool for pool in ("target", "draft") if executor.gathers(pool)]
+        if not pools:  # one device, or ranks that share their pools
+            return
         block_size = self.config.block_size
         first = seq.num_cached_tokens // block_size
         end = -(-seq.num_computed_tokens // block_size)
         blocks = torch.tensor(seq.block_table[first:end], dtype=torch.int64)
-        for pool in ("target", "draft"):
-            if executor.gathers(pool) and len(blocks):
+        for pool in pools:
+            if len(blocks):
                 executor.scatter_kv(pool, blocks)
 
     def prefill_reserved(self, request_id: str, prompt_token_ids: list[int]) -> None:

@@ -60,7 +60,7 @@ class LLMEngine(Disaggregation):
         self.grammars = parts.grammars
         self.kv_cache = parts.kv_cache
         self.whole_kv_cache = parts.whole_kv_cache
-        self.draft_split, self.whole_draft_kv = parts.draft_split, parts.whole_draft_kv
+        self.whole_draft_kv = parts.whole_draft_kv
         self.block_manager = parts.block_manager
         self.scheduler = parts.scheduler
         self.kernels = parts.kernels

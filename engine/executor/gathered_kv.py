@@ -29,7 +29,6 @@ import torch
 from engine.kv_cache import KVCacheParams, PagedKVCache, device_memory
 from engine.parallel.group import TensorParallelGroup
 
-POOLS = ("target", "draft")  # the pools a step message names, by index
 HOST = torch.device("cpu")
 
 
