@@ -35,6 +35,7 @@ from engine.registry import (
 )
 from engine.sampling_kernels import sampling_kernels
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.spec.dp_draft import DataParallelDrafter
 from engine.spec.spec_runner import (
     SpecRunner,
     load_speculator,
@@ -145,7 +146,7 @@ def build_components(config: EngineConfig, tokenizer: Any | None) -> EngineCompo
             fp8_weights=fp8_weights,
         )
         split_draft = draft_splits(config, model_config)
-        if split_draft:
+        if split_draft or draft_beside_rows(config):
             assert config.speculative is not None
             spec = config.speculative
             rank_config = dataclasses.replace(
@@ -178,6 +179,13 @@ def draft_splits(config: EngineConfig, model_config: ModelConfig) -> bool:
         and spec.draft_tensor_parallel_size != 1
         and isinstance(model_config, Llama3Config)
     )
+
+
+def draft_beside_rows(config: EngineConfig) -> bool:
+    """Whether each data-parallel rank holds the whole draft, for its own rows
+    (``engine.spec.dp_draft``)."""
+    spec = config.speculative
+    return config.data_parallel_size > 1 and spec is not None and not spec.is_model_free
 
 
 def _build(
@@ -214,8 +222,13 @@ def _build(
     if config.speculative is not None:
         # Split as the target is, the draft borrows the split target's embedding and LM
         # head; on rank 0 alone, a whole copy of them.
-        borrowed = model
-        if tp.size > 1 and not config.speculative.is_model_free and not split_draft:
+        borrowed = model  # data-parallel ranks hold the whole embedding and LM head
+        if (
+            tp.size > 1
+            and config.data_parallel_size == 1
+            and not config.speculative.is_model_free
+            and not split_draft
+        ):
             borrowed = load_whole_vocabulary(config.model, model_config, device)
         drafter = load_speculator(config.speculative, borrowed, device, config.model)
         if drafter is not None and device.type == "cpu" and config.cpu_gemm != "aten":
@@ -308,6 +321,10 @@ def _build(
             gathered["draft"] = GatheredKv(tp, whole_draft_params, draft_kv)
             whole_draft_kv = gathered["draft"].whole
         drafter = SplitDrafter(drafter, runner.executor)
+    elif draft_beside_rows(config):  # each rank's whole draft over its rows, its own pool
+        assert drafter is not None and isinstance(runner.executor, MultiprocExecutor)
+        draft_kv = PagedKVCache(plan_params[1], num_blocks, device)
+        drafter = DataParallelDrafter(drafter, runner.executor, draft_kv)
     runner.executor.gathered.update(gathered)
     if config.speculative is not None and config.speculative.is_model_free:
         spec = SuffixSpecRunner(config.speculative, runner, num_blocks)  # eager: ragged drafts

@@ -178,8 +178,8 @@ class EngineConfig:
             return
         if self.tensor_parallel_size > 1:
             why = "tensor_parallel_size > 1 (tensor parallelism inside each rank is not built)"
-        elif self.speculative is not None:
-            why = "speculative decoding (drafts beside each rank's rows are not built yet)"
+        elif self.speculative is not None and self.speculative.is_model_free:
+            why = f"{self.speculative.kind} drafts (only draft models run beside each rank's rows)"
         elif self.torch_compile or self.uses_cuda_graphs or self.enable_overlap_scheduler:
             why = "compiled steps or CUDA graphs (eager only for now); turn them off"
         elif self.preemption != "recompute":

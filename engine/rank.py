@@ -34,15 +34,22 @@ from engine.models.layers import dequantize_fp8, release_packed_weights, use_pac
 from engine.models.llama3 import Llama3Model
 from engine.models.triton_layers import use_triton_kernels
 from engine.parallel.group import TensorParallelGroup
+from engine.spec.config import SpeculativeConfig
+from engine.spec.dp_draft import DATA_PARALLEL_DRAFT_KINDS, DataParallelDraftMirror, DraftRows
 from engine.spec.drafters import load_drafter
+from engine.spec.spec_runner import load_speculator
 from engine.spec.split_draft import SPLIT_DRAFT_KINDS, DraftMirror
 from kernels.cpu import extension as cpu_kernels
+
+# What a rank other than 0 reads: the target's forwards and a draft's, split or by rows.
+DRAFT_KINDS = {**SPLIT_DRAFT_KINDS, **DATA_PARALLEL_DRAFT_KINDS}
 
 
 @dataclass
 class LoadedRank:
     executor: UniprocExecutor  # the target's shard and KV pools
-    draft: DraftMirror | None  # a split draft's shard and KV pools
+    # A split draft's shard and KV pools, or a data-parallel rank's whole draft and pool.
+    draft: DraftMirror | DataParallelDraftMirror | None
     loras: LoraRegistry | None = None  # this rank's part of each adapter
     # Pools not shared with rank 0 (engine.executor.gathered_kv), by name: rank 0 moves
     # their heads to and from its copy with this rank's help.
@@ -61,7 +68,15 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     loras = lora_registry(config, model, model_config, tp.shard)  # its part of each adapter
     drafter = None
     modules: list[nn.Module] = [model]
-    if config.draft_model:  # split as the target is: a Llama-3 target's draft
+    has_draft = bool(config.draft_model or config.draft_kind)  # MTP: no directory, a kind
+    beside_rows = config.data_parallel_size > 1 and has_draft
+    if beside_rows:  # a data-parallel rank's: the whole draft, for its own rows
+        layer_ids = None if config.draft_layer_ids is None else tuple(config.draft_layer_ids)
+        spec = SpeculativeConfig(config.draft_model, kind=config.draft_kind,
+                                 target_layer_ids=layer_ids)  # fmt: skip
+        drafter = load_speculator(spec, model, device, config.model)
+        modules.append(cast(nn.Module, drafter))
+    elif config.draft_model:  # split as the target is: a Llama-3 target's draft
         assert isinstance(model, Llama3Model)
         layer_ids = None if config.draft_layer_ids is None else tuple(config.draft_layer_ids)
         drafter = load_drafter(config.draft_model, model, device, config.draft_kind, layer_ids)
@@ -77,7 +92,7 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     plan = [whole_params.for_rank(tp.shard)]
     if drafter is not None:
         whole_draft = KVCacheParams.from_config(drafter.config, config.block_size)
-        plan.append(whole_draft.for_rank(tp.shard))
+        plan.append(whole_draft if beside_rows else whole_draft.for_rank(tp.shard))
     num_blocks = plan_num_blocks(
         plan,
         device,
@@ -99,8 +114,11 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     if config.torch_compile:
         decode_model = compile_decode_model(model, kv_cache, cpp_wrapper=config.compile_cpp_wrapper)
     executor = UniprocExecutor(model, kv_cache, backend, decode_model)
-    mirror = None
-    if drafter is not None:
+    mirror: DraftMirror | DataParallelDraftMirror | None = None
+    if drafter is not None and beside_rows:
+        draft_rows = DraftRows(drafter, PagedKVCache(plan[1], num_blocks, device), backend, tp)
+        mirror = DataParallelDraftMirror(draft_rows)
+    elif drafter is not None:
         shared = SharedKv.open(tp, whole_draft, num_blocks, DRAFT_LABEL)
         draft_kv = PagedKVCache(plan[1], num_blocks, device) if shared is None else shared.rank
         if shared is None:
@@ -141,7 +159,7 @@ def run_rank(
         graphs = FollowerGraphs(runners, tp, device)
         while True:
             message = channel.receive(parent_pid).view(torch.int64)
-            step = decode_message(message, device, SPLIT_DRAFT_KINDS)
+            step = decode_message(message, device, DRAFT_KINDS)
             if step is None:
                 return
             if isinstance(step, ForwardStep):

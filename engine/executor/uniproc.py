@@ -15,7 +15,7 @@ from engine.executor.gathered_kv import GatheredKv
 from engine.executor.graph_steps import NO_PEERS, GraphPeers
 from engine.executor.inputs import ForwardInputs, TargetForward
 from engine.kv_cache import PagedKVCache
-from engine.models.llama3 import ModelOutputs
+from engine.models.llama3 import ModelOutputs, ReturnHiddenStates
 
 # Graphs one engine's compiled decode forward may hold (dynamo's default is 8).
 DECODE_RECOMPILE_LIMIT = 32
@@ -117,7 +117,7 @@ class UniprocExecutor:
     def forward(self, inputs: ForwardInputs, *, compiled: bool = False) -> ModelOutputs:
         dp = getattr(self.model, "dp", None)
         if inputs.dp_ranks is not None and dp is not None:  # this rank's rows only
-            idle = cast(Callable[[], ModelOutputs], self.model.idle_pass)
+            idle = cast(Callable[[ReturnHiddenStates], ModelOutputs], self.model.idle_pass)
             return data_parallel.forward(inputs, dp, self._forward_rows, idle)
         return self._forward_rows(inputs, compiled=compiled)
 

@@ -253,15 +253,20 @@ class DeepseekV3Model(nn.Module):
             if isinstance(layer.mlp, DeepseekV3MoE):
                 layer.mlp.gate.keep_fp32()
 
-    def idle_pass(self) -> ModelOutputs:
+    def idle_pass(self, hidden: ReturnHiddenStates = NO_HIDDEN_STATES) -> ModelOutputs:
         """A data-parallel rank with no rows this step: it joins the others' collectives
-        (each MoE layer's gather and all-reduce, the logits' gather) with none of its own."""
+        (each MoE layer's gather and all-reduce, the logits' gather) with none of its own;
+        the hidden states ``hidden`` asks for have no rows."""
         x = self.embed_tokens.weight.new_zeros(0, self.config.hidden_size)
         for layer in self.layers:
             if isinstance(layer.mlp, DeepseekV3MoE):
                 layer.mlp(x)
         empty = x.new_zeros(0, self.config.vocab_size, dtype=torch.float32)
-        return ModelOutputs(logits=whole_logits(self, empty))
+        return ModelOutputs(
+            logits=whole_logits(self, empty),
+            hidden_states={i: x for i in hidden.layer_ids},
+            final_hidden_state=x if hidden.final else None,
+        )
 
     def forward(
         self,
@@ -275,7 +280,7 @@ class DeepseekV3Model(nn.Module):
         on_layer: Callable[[int], None] | None = None,  # told once layer i wrote its KV
     ) -> ModelOutputs:
         if self.dp is not None and tokens.numel() == 0:
-            return self.idle_pass()
+            return self.idle_pass(return_hidden_states)
         return run_decoder(
             self,
             tokens,

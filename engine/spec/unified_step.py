@@ -80,6 +80,9 @@ class SpecStepInputs:
     # False: no row reads the step's logits (no logprobs); a packed verify of greedy rows
     # then decides from its unpadded logits' argmax and returns logits of shape [B, 0, V].
     return_logits: bool = True
+    # [B] int64 under data-parallel attention: each row's rank, which runs its verify
+    # (engine.executor.data_parallel); None: one device's rows.
+    dp_ranks: torch.Tensor | None = None
 
 
 @dataclass
@@ -163,6 +166,7 @@ class UnifiedStep:
                     torch.arange(b * s, device=device),
                     NO_HIDDEN_STATES if self.drafter is None else self.drafter.target_hidden,
                     metadata,
+                    dp_ranks=inputs.dp_ranks,
                 )
             )
             logits = out.logits.view(b, s, -1)  # [B, K+1, V]
@@ -303,7 +307,12 @@ class UnifiedStep:
             is_max_context_exact=False,
         )
         out = self.target(
-            ForwardInputs(tokens[row, local], layout, torch.arange(total, device=device))
+            ForwardInputs(
+                tokens[row, local],
+                layout,
+                torch.arange(total, device=device),
+                dp_ranks=inputs.dp_ranks,
+            )
         )
         return out.logits, out, (row, local)
 

@@ -123,15 +123,18 @@ class Eagle3DeepseekV3Inputs:
         kv: Sequence[tuple[torch.Tensor, ...]],  # the draft's pools
     ) -> Self:
         """The step's inputs from the extend's: the draft borrows the target's dispatch at the
-        extend's width, and builds the chain's (width 1) per forward."""
+        extend's width, and builds the chain's (width 1) per forward. An extend of width 1
+        (every row one token: a prompt's last chunk of one) shares its width with the
+        chain, whose forwards sit at other positions: then both build their own."""
         widths = dispatch_widths(layout)
+        borrowed = metadata if layout.max_query_len > 1 else None
         cache = KVCacheInputs(
             kv_blocks=kv,
             lookup_table=layout.block_tables,
             cache_lengths=layout.context_lens,
             max_lengths=widths,
             # The extend's width: the target's metadata; the chain's: built per forward.
-            attention_dispatch_metadata=[metadata, None][: len(widths)],
+            attention_dispatch_metadata=[borrowed, None][: len(widths)],
         )
         return cls(
             tokens,

@@ -4,7 +4,7 @@ and the experts, split over both (whole with expert parallelism, else by channel
 every rank's tokens. Greedy output in fp32 equals transformers' (the tie-aware
 comparator): with requests spread over both ranks, with one rank idle, with every token
 sent to one rank's experts, and for a block-FP8 checkpoint. What it does not run yet is
-refused, naming the field."""
+refused, naming the field (drafts beside each rank's rows: ``test_dp_drafts``)."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def test_what_data_parallel_attention_does_not_run_is_refused(model, tmp_path) -
     model_dir, _ = model
     for kw, why in (
         ({"tensor_parallel_size": 2}, r"tensor_parallel_size > 1 \(tensor parallelism inside"),
-        ({"speculative": SpeculativeConfig("", kind="mtp")}, "speculative decoding"),
+        ({"speculative": SpeculativeConfig("", kind="suffix")}, "suffix drafts"),
         ({"torch_compile": True}, "compiled steps or CUDA graphs"),
     ):
         with pytest.raises(ValueError, match=f"data_parallel_size: 2 does not run with {why}"):

@@ -107,6 +107,22 @@ def test_a_prefill_extend_dispatches_its_chunk_width_then_one() -> None:
     assert inputs.kv_cache_inputs.max_lengths.tolist() == [[5, 5], [1, 5]]
 
 
+def test_an_extend_of_width_one_lends_the_chain_no_metadata() -> None:
+    """Every row one token (prompts' last chunks of one): the chain's forwards share the
+    width but not the positions, so neither borrows the extend's metadata."""
+    backend = TorchAttentionBackend()
+    extend = uniform(2, 1, start=12)
+    inputs = Eagle3DeepseekV3Inputs.for_extend(
+        torch.arange(2), torch.zeros(2, 6), extend, backend.build_metadata(extend),
+        [(torch.zeros(8, 4, 1, 8),)],
+    )  # fmt: skip
+    cache = inputs.kv_cache_inputs
+    assert cache is not None and cache.widths == [1]
+    chain = cache.dispatch(uniform(2, 1, start=13), backend)
+    assert isinstance(chain, TorchAttentionMetadata)
+    assert torch.equal(chain.slot_mapping, uniform(2, 1, start=13).slot_mapping)
+
+
 @pytest.mark.parametrize("variant", ["mha", "mla"])
 def test_the_engines_draft_forwards_go_through_the_inputs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str
