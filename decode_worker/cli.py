@@ -97,7 +97,7 @@ def make_service(runtime: Runtime, *, is_colocated: bool = False) -> DecodeWorke
     confine_torch()
     draft = engine_setup.draft_config(engine, spec)
     layout = engine_setup.kv_layout(engine, spec.served_name, draft.fingerprint if draft else "")
-    membership = runtime.new_membership(capacity=engine.block_manager.num_blocks)
+    membership = runtime.new_membership(capacity=engine.block_manager.total_blocks)
     use_shm = args.kv_transport == "auto"
     shared = SharedKvPools.adopt(layout, engine.kv_pools) if use_shm else None  # written in place
     attach = ShmAttacher() if use_shm else None

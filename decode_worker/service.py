@@ -52,7 +52,7 @@ from kv_transfer import (
 from ledger.membership import HeldRequest, Membership
 from serving.engine_commands import ReadBlockTables, Reserve, StartDecoding
 from serving.engine_loop import EngineLoop, TorchThread
-from serving.engine_setup import draft_figures
+from serving.engine_setup import draft_figures, rank_figures
 from serving.lora_calls import LoraCalls
 from serving.lora_setup import lora_figure, request_lora
 from serving.metrics import DecodeFigures, DecodeMetrics
@@ -343,9 +343,7 @@ class DecodeWorkerService(LoraCalls, pb_grpc.DecodeWorkerServicer):
             # Streams after a first token the router sent (DecodeRequest.is_first_token_sent).
             "first_token_from_router": 1,
             "kv_wire_version": KV_WIRE_VERSION,  # routers pair workers of one version
-            # Its KV heads are split this many ways: routers pair only equal layouts (KV
-            # transfer between different ones is not built).
-            "tensor_parallel_size": self.engine.config.tensor_parallel_size,
+            **rank_figures(self.engine, stats),
             **draft_figures(self.draft),
             **lora_figure(self.loras),
         }

@@ -76,6 +76,11 @@ class BlockManager:
         self.num_prefix_hit_blocks = 0
 
     @property
+    def total_blocks(self) -> int:
+        """Its blocks (``DataParallelBlocks``' are every rank's)."""
+        return self.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         return len(self._clean) + len(self._evictable)
 

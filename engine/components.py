@@ -252,9 +252,12 @@ def _build(
     )
     num_blocks = tp.agree_min(num_blocks)  # every rank's scheduler plans the same blocks
     whole_kv = None  # split: every rank's KV heads, for transfers (engine.executor.shared_kv)
-    # Data-parallel ranks' pools hold different requests: each its own, none shared.
+    # Data-parallel ranks' pools hold different requests: each its own blocks of the file.
     is_split = tp.size > 1 and config.data_parallel_size == 1
-    shared = SharedKv.open(tp, whole_kv_params, num_blocks) if is_split else None
+    is_data_parallel = config.data_parallel_size > 1
+    shared = None
+    if is_split or is_data_parallel:
+        shared = SharedKv.open(tp, whole_kv_params, num_blocks, by_blocks=is_data_parallel)
     gathered: dict[str, GatheredKv] = {}  # split, unshared: rank 0's copy of every head
     if shared is not None:
         kv_cache, whole_kv = shared.rank, shared.whole
@@ -323,7 +326,13 @@ def _build(
         drafter = SplitDrafter(drafter, runner.executor)
     elif draft_beside_rows(config):  # each rank's whole draft over its rows, its own pool
         assert drafter is not None and isinstance(runner.executor, MultiprocExecutor)
-        draft_kv = PagedKVCache(plan_params[1], num_blocks, device)
+        assert whole_draft_params is not None
+        shared_draft = SharedKv.open(tp, whole_draft_params, num_blocks, DRAFT_LABEL,
+                                     by_blocks=True)  # fmt: skip
+        if shared_draft is not None:
+            draft_kv, whole_draft_kv = shared_draft.rank, shared_draft.whole
+        else:
+            draft_kv = PagedKVCache(plan_params[1], num_blocks, device)
         drafter = DataParallelDrafter(drafter, runner.executor, draft_kv)
     runner.executor.gathered.update(gathered)
     if config.speculative is not None and config.speculative.is_model_free:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.admission import RequestError
+from engine.dp_blocks import whole_table
 from engine.kv_cache import KVCacheCapacityError, PagedKVCache
 from engine.model_runner import LayerListener
 from engine.outputs import PrefilledRequest, RequestDelta, hand_out
@@ -54,10 +55,17 @@ class Disaggregation:
         Split over ranks, the target's (and a split draft's) is every rank's heads: the
         ranks' shared pools (engine.executor.shared_kv), or rank 0's copy of them
         (engine.executor.gathered_kv). Whole heads, whatever the ranks, so that workers of
-        any tensor-parallel sizes map onto each other."""
+        any tensor-parallel sizes map onto each other. Under data-parallel attention, every
+        rank's blocks one after the other (engine.dp_blocks.whole_table numbers them)."""
         target = self.kv_cache
         if self.whole_kv_cache is not None:
             target = self.whole_kv_cache
+        elif self.config.data_parallel_size > 1:
+            raise RuntimeError(
+                f"data_parallel_size: {self.config.data_parallel_size} ranks whose KV pools "
+                "share no memory (CUDA devices, or TANDEM_TP_SHARED_KV=0): KV transfers into "
+                "them are not built; serve with ranks on one host's CPU"
+            )
         pools = {"target": target}
         if self.spec is not None and self.spec.draft_kv is not None:
             pools["draft"] = self.spec.draft_kv
@@ -80,7 +88,7 @@ class Disaggregation:
             return None
         return PrefilledRequest(
             request_id=request_id,
-            block_table=list(seq.block_table),
+            block_table=whole_table(self.block_manager, seq),
             num_prompt_tokens=seq.num_prompt_tokens,
             first_token=seq.token_ids[-1],  # prefill-only: the one token it sampled
             draft_token_ids=list(seq.draft_token_ids or []),
@@ -100,7 +108,8 @@ class Disaggregation:
         (under LoRA adapter ``lora``, which the prefill worker ran too; ``lora_digest`` as
         ``add_request``'s).
 
-        Returns the block table and how many leading prompt tokens are already cached here
+        Returns the block table (as ``kv_pools`` numbers blocks: ``whole_table``) and how
+        many leading prompt tokens are already cached here
         (prefix reuse: their blocks need no transfer). Raises ``KVCacheCapacityError`` when
         the cache cannot hold it now.
         """
@@ -115,7 +124,7 @@ class Disaggregation:
             )
         self.block_manager.allocate(seq)
         seq.status = SequenceStatus.RESERVED
-        return list(seq.block_table), seq.num_cached_tokens
+        return whole_table(self.block_manager, seq), seq.num_cached_tokens
 
     def start_decoding(
         self,

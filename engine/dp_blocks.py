@@ -8,6 +8,10 @@ again elsewhere. The place: the rank with most free blocks, counting the blocks 
 prompt that rank has cached as free too (so a shared prefix does not pull every request
 onto one rank), then the lowest. Capacity is per rank: a request is admitted only where
 one rank can hold it, whatever the others have free.
+
+Where one pool holds every rank's blocks (a worker's shared KV segment, from which KV
+transfers read and into which they write: ``engine.executor.shared_kv``), rank r's block
+b is block ``r * num_blocks + b`` of it (``whole_table``).
 """
 
 from __future__ import annotations
@@ -118,3 +122,12 @@ class DataParallelBlocks:
 
 # What the scheduler allocates from: one pool's blocks, or each data-parallel rank's.
 KvBlocks = BlockManager | DataParallelBlocks
+
+
+def whole_table(blocks: KvBlocks, seq: BlockOwner) -> list[int]:
+    """``seq``'s block ids as a pool of every rank's blocks numbers them: under
+    data-parallel attention, its rank's ``num_blocks`` come after the ranks before it."""
+    if not isinstance(blocks, DataParallelBlocks):
+        return list(seq.block_table)
+    first = getattr(seq, "dp_rank", 0) * blocks.num_blocks
+    return [first + block for block in seq.block_table]

@@ -182,8 +182,6 @@ class EngineConfig:
             why = f"{self.speculative.kind} drafts (only draft models run beside each rank's rows)"
         elif self.torch_compile or self.uses_cuda_graphs or self.enable_overlap_scheduler:
             why = "compiled steps or CUDA graphs (eager only for now); turn them off"
-        elif self.preemption != "recompute":
-            why = f"preemption {self.preemption!r} (serving with it is not built)"
         if why:
             raise ValueError(f"data_parallel_size: {size} does not run with {why}")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from engine.dp_blocks import DataParallelBlocks
+from engine.dp_blocks import DataParallelBlocks, whole_table
 from engine.llm_engine import LLMEngine
 
 
@@ -28,6 +28,8 @@ class EngineStats:
     num_steps_without_drafts: int = 0  # row-steps that verified none
     steps_per_k: tuple[int, ...] = ()  # [k]: decode steps that verified k drafts
     max_k: int = 0  # the most drafts a step verifies (--num-draft-tokens); 0 without drafts
+    # Data-parallel attention: each rank's free blocks, of ``num_blocks / len`` each.
+    num_free_blocks_per_rank: tuple[int, ...] = ()
 
     @property
     def num_used_blocks(self) -> int:
@@ -35,8 +37,13 @@ class EngineStats:
 
     @property
     def load(self) -> float:
-        """The larger of block usage and batch-slot usage, in [0, 1]."""
+        """The larger of block usage and batch-slot usage, in [0, 1]. Under data-parallel
+        attention, the block usage of the rank with most blocks free: one rank holds a
+        request, so routing balances by each rank's room, not the worker's sum."""
         blocks = self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+        if self.num_free_blocks_per_rank and self.num_blocks:
+            per_rank = self.num_blocks // len(self.num_free_blocks_per_rank)
+            blocks = 1.0 - max(self.num_free_blocks_per_rank) / per_rank
         return min(1.0, max(blocks, (self.num_running + self.num_waiting) / self.max_num_seqs))
 
 
@@ -44,8 +51,11 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
     bm = engine.block_manager
     spec = engine.spec.stats if engine.spec is not None else None
     return EngineStats(
-        num_blocks=bm.total_blocks if isinstance(bm, DataParallelBlocks) else bm.num_blocks,
+        num_blocks=bm.total_blocks,
         num_free_blocks=bm.num_free_blocks,
+        num_free_blocks_per_rank=(
+            tuple(bm.free_blocks_per_rank) if isinstance(bm, DataParallelBlocks) else ()
+        ),
         num_running=len(engine.scheduler.running),
         num_waiting=len(engine.scheduler.waiting),
         max_num_seqs=engine.scheduler.config.max_num_seqs,
@@ -76,11 +86,12 @@ def owned_block_ids(engine: LLMEngine) -> tuple[list[int], list[int]]:
 
 def block_tables(engine: LLMEngine, request_ids: Collection[str]) -> dict[str, list[int]]:
     """The block tables of those of ``request_ids`` in the engine's batch (running or
-    waiting); a request reserved but not started, or already ended, is not there."""
+    waiting), as the transfers' pools number them; a request reserved but not started, or
+    already ended, is not there."""
     wanted = set(request_ids)
     scheduler = engine.scheduler
     return {
-        seq.request_id: list(seq.block_table)
+        seq.request_id: whole_table(engine.block_manager, seq)
         for seq in (*scheduler.running, *scheduler.waiting)
         if seq.request_id in wanted
     }
@@ -88,7 +99,8 @@ def block_tables(engine: LLMEngine, request_ids: Collection[str]) -> dict[str, l
 
 class BlockTableWatch:
     """The block tables of running requests that changed since the last look: how a decode
-    worker learns, once per step, which of its requests grew (engine thread only)."""
+    worker learns, once per step, which of its requests grew (engine thread only). Ids as
+    the transfers' pools number them (``whole_table``)."""
 
     def __init__(self) -> None:
         self._tables: dict[str, list[int]] = {}
@@ -100,8 +112,9 @@ class BlockTableWatch:
         tables: dict[str, list[int]] = {}
         for seq in engine.scheduler.running:
             table = self._tables.get(seq.request_id)
-            if table != seq.block_table:
-                table = changed[seq.request_id] = list(seq.block_table)
+            now = whole_table(engine.block_manager, seq)
+            if table != now:
+                table = changed[seq.request_id] = now
             tables[seq.request_id] = table
         self._tables = tables  # ended requests drop out
         return changed

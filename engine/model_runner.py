@@ -64,14 +64,16 @@ class StepKv:
     rows: tuple[RowKv, ...]
 
     @classmethod
-    def of(cls, batch: ScheduledBatch) -> StepKv:
+    def of(cls, batch: ScheduledBatch, blocks_per_rank: int = 0) -> StepKv:
+        """``blocks_per_rank``: under data-parallel attention, each rank's blocks, which a
+        pool of every rank's numbers one rank after another (engine.dp_blocks.whole_table)."""
         return cls(
             tuple(
                 RowKv(
                     seq.request_id,
                     seq.num_computed_tokens,
                     seq.num_computed_tokens + num_new,
-                    tuple(seq.block_table),
+                    tuple(seq.dp_rank * blocks_per_rank + b for b in seq.block_table),
                     batch.samples(row),
                 )
                 for row, (seq, num_new) in enumerate(
@@ -88,8 +90,10 @@ LayerListener = Callable[[str, int, StepKv], None]
 
 
 def _told_after_gathering(layer: int) -> None:
-    """A split forward's ``on_layer`` where the ranks' KV is gathered after it: nothing
-    yet (it still marks the forward as a listened one: eager, as every prefill's)."""
+    """A forward's ``on_layer`` where the ranks' KV is whole only after it (gathered to
+    rank 0's copy, or written by data-parallel ranks, which finish every layer before the
+    logits' gather): nothing yet (it still marks the forward as a listened one: eager, as
+    every prefill's)."""
 
 
 @dataclass
@@ -281,12 +285,16 @@ class ModelRunner:
         # Filled while the forward runs; greedy rows' after it, where the argmax is refused.
         masks = SamplingMasks(grammars, self.mask_worker, [s.params for s in seqs])
         metadata = self.backend.build_metadata(inputs.layout)
-        step = StepKv.of(batch) if self.layer_listener is not None else None
+        step = None
+        if self.layer_listener is not None:
+            per_rank = self.kv_cache.num_blocks if self.data_parallel_size > 1 else 0
+            step = StepKv.of(batch, per_rank)
         on_layer: Callable[[int], None] | None = None
         gathers = step is not None and self.executor.gathers("target")
+        told_after = gathers or self.data_parallel_size > 1
         if step is not None:
             on_layer = functools.partial(self.notify_layer, "target", step=step)
-            if gathers:  # rank 0 holds every head only once gathered, after the forward
+            if told_after:  # every rank's KV is in the pool only after the forward
                 on_layer = _told_after_gathering
         # Rows asking for prompt logprobs get logits at their prompt positions too, after
         # the sampling rows' (the lm_head over every prompt position only where asked).
@@ -297,8 +305,8 @@ class ModelRunner:
             inputs.logit_indices = torch.cat([inputs.logit_indices, extra])
         out = self.forward(inputs, return_hidden_states, metadata, on_layer)
         if gathers:  # (engine.executor.gathered_kv)
-            assert step is not None
             self.executor.gather_kv("target", inputs.layout.slot_mapping)
+        if step is not None and told_after:
             for layer in range(len(self.kv_cache.layers)):
                 self.notify_layer("target", layer, step=step)
         prompt = None

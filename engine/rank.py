@@ -105,7 +105,7 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     )
     # As rank 0 opens it (data-parallel ranks' pools hold different requests: their own).
     is_split = config.data_parallel_size == 1
-    shared = SharedKv.open(tp, whole_params, num_blocks) if is_split else None
+    shared = SharedKv.open(tp, whole_params, num_blocks, by_blocks=not is_split)
     kv_cache = PagedKVCache(plan[0], num_blocks, device) if shared is None else shared.rank
     gathered: dict[str, GatheredKv] = {}  # rank 0's copy of unshared pools: this rank helps
     if is_split and shared is None:
@@ -116,8 +116,9 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     executor = UniprocExecutor(model, kv_cache, backend, decode_model)
     mirror: DraftMirror | DataParallelDraftMirror | None = None
     if drafter is not None and beside_rows:
-        draft_rows = DraftRows(drafter, PagedKVCache(plan[1], num_blocks, device), backend, tp)
-        mirror = DataParallelDraftMirror(draft_rows)
+        shared = SharedKv.open(tp, whole_draft, num_blocks, DRAFT_LABEL, by_blocks=True)
+        draft_kv = PagedKVCache(plan[1], num_blocks, device) if shared is None else shared.rank
+        mirror = DataParallelDraftMirror(DraftRows(drafter, draft_kv, backend, tp))
     elif drafter is not None:
         shared = SharedKv.open(tp, whole_draft, num_blocks, DRAFT_LABEL)
         draft_kv = PagedKVCache(plan[1], num_blocks, device) if shared is None else shared.rank

@@ -94,7 +94,7 @@ def make_service(runtime: Runtime) -> PrefillWorkerService:
         served_name=spec.served_name,
         layout=layout,
         draft=draft,
-        membership=runtime.new_membership(capacity=engine.block_manager.num_blocks),
+        membership=runtime.new_membership(capacity=engine.block_manager.total_blocks),
         max_queued=args.max_queued,
         transfer_options=TransferOptions(stall_s=args.transfer_stall_s),
         use_shm=args.kv_transport == "auto",

@@ -42,7 +42,7 @@ from prefill_worker.prefill_calls import (
 from prefill_worker.transitions import PrefillTransitions
 from serving.engine_commands import AddRequest, DropRequest
 from serving.engine_loop import EngineLoop, TorchThread
-from serving.engine_setup import draft_figures
+from serving.engine_setup import draft_figures, rank_figures
 from serving.lora_setup import lora_figure, request_lora
 from serving.metrics import PrefillMetrics
 from serving.rpc import ChannelPool
@@ -208,9 +208,7 @@ class PrefillWorkerService(PrefillCalls):
             "num_free_blocks": stats.num_free_blocks,
             "draining": int(self.is_draining),
             "kv_wire_version": KV_WIRE_VERSION,  # routers pair workers of one version
-            # Its KV heads are split this many ways: routers pair only equal layouts (KV
-            # transfer between different ones is not built).
-            "tensor_parallel_size": self.engine.config.tensor_parallel_size,
+            **rank_figures(self.engine, stats),
             **draft_figures(self.draft),
             **lora_figure(self.loras),
         }

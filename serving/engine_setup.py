@@ -20,6 +20,7 @@ from serving.lora_setup import add_lora_arguments, check_lora_arguments, parse_l
 from tandem.v1 import worker_pb2
 
 if TYPE_CHECKING:  # torch: imported by the functions that need it, so `--help` stays light
+    from engine.engine_figures import EngineStats
     from engine.llm_engine import LLMEngine
     from kv_transfer import KvLayout
 
@@ -86,6 +87,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "on CPU each "
         "rank gets its share of --threads and compiles its shard. KV travels between "
         "workers as whole heads, so prefill and decode workers may differ in N (default: 1)",
+    )
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="DeepSeek-V3's data-parallel attention over N ranks (processes): each caches "
+        "and attends its own requests, the experts split over all of them. Requests go to "
+        "the rank with most free blocks, and the router balances by each rank's room. "
+        "Eager only (with --eager); ranks on one host's CPU (default: 1)",
     )
     group.add_argument(
         "--enable-expert-parallel",
@@ -189,6 +200,9 @@ def check_engine_arguments(args: argparse.Namespace, prog: str) -> bool:
     size = getattr(args, "tensor_parallel_size", 1)
     if size < 1:
         why = f"--tensor-parallel-size: must be at least 1, got {size}"
+    data_parallel = getattr(args, "data_parallel_size", 1)
+    if data_parallel < 1:
+        why = f"--data-parallel-size: must be at least 1, got {data_parallel}"
     if args.torch_compile and args.eager:
         why = "--torch-compile, --eager: give one (compiling is the default)"
     why = why or check_lora_arguments(args, prog)
@@ -335,6 +349,7 @@ def build_engine(
         preemption=preemption,
         torch_compile=is_decoding and not args.eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         fp8_weights=args.fp8_weights,
         attention_backend=args.attention_backend,
@@ -393,6 +408,19 @@ def kv_layout(engine: LLMEngine, served_name: str, fingerprint: str) -> KvLayout
 
     pools = engine.kv_pools
     return KvLayout.of_pools(served_name, pools["target"], pools.get("draft"), fingerprint)
+
+
+def rank_figures(engine: LLMEngine, stats: EngineStats) -> dict[str, str | int | float]:
+    """How the engine's ranks split it, as heartbeat figures: tensor-parallel ranks split
+    its KV heads; data-parallel ranks each hold their own requests' blocks (their free
+    blocks, comma-separated; the load counts the emptiest rank's)."""
+    figures: dict[str, str | int | float] = {
+        "tensor_parallel_size": engine.config.tensor_parallel_size,
+        "data_parallel_size": engine.config.data_parallel_size,
+    }
+    if stats.num_free_blocks_per_rank:
+        figures["num_free_blocks_per_rank"] = ",".join(map(str, stats.num_free_blocks_per_rank))
+    return figures
 
 
 def draft_figures(draft: worker_pb2.DraftConfig | None) -> dict[str, str | int | float]:

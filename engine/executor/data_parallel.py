@@ -33,8 +33,8 @@ def forward(
     """This rank's part of the step; the logits of every row that gets some, and the hidden
     states asked for of every token, in the batch's order."""
     assert inputs.dp_ranks is not None
-    # A prefill worker's per-layer pushes do not run here yet (DP serving is not built).
-    assert inputs.on_layer is None
+    # A listened forward (a prefill worker's) is told of its layers after it returns: each
+    # rank writes every layer's KV before the logits' gather (engine.model_runner).
     row_ranks = inputs.dp_ranks.tolist()
     query_lens, _ = host_lens(inputs.layout)
     offsets = [0, *itertools.accumulate(query_lens)]

@@ -128,18 +128,20 @@ class DraftRows:
     ) -> None:
         mine = [row for row, r in enumerate(row_ranks) if r == self.me]
         self.state = None
-        if not mine:
-            return
-        cut, index = cut_rows(inputs, mine, [])
-        layout = cut.layout
-        self.state = self.drafter.extend(
-            cut.tokens,
-            features[index],
-            layout,
-            self.backend.build_metadata(layout),
-            self.kv.layers,
-            self.backend,
-        )
+        if mine:
+            cut, index = cut_rows(inputs, mine, [])
+            layout = cut.layout
+            self.state = self.drafter.extend(
+                cut.tokens,
+                features[index],
+                layout,
+                self.backend.build_metadata(layout),
+                self.kv.layers,
+                self.backend,
+            )
+        # Every rank's draft KV of it written once rank 0 returns: a prefill worker's
+        # listener may read the pools (engine.executor.shared_kv) right after.
+        self.group.all_reduce(features.new_zeros(1))
 
     def propose(
         self,

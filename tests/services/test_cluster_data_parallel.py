@@ -1,0 +1,128 @@
+"""DeepSeek-V3 served with data-parallel attention (issue 39): a prefill worker of one rank
+pushes into a decode worker of two data-parallel ranks with the experts split over them
+(`--data-parallel-size 2 --enable-expert-parallel`), the MLA EAGLE-3 draft on. Each
+request lands on one decode rank: its reservation's blocks are that rank's, numbered as
+the worker's shared pool of every rank's blocks, and so are its ledger holdings. Greedy
+output and the draft counters equal the offline engine's in the same layout; requests
+spread over both ranks; the ledger agrees with the worker while they run and is clean
+after."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.spec.config import SpeculativeConfig
+from ledger.ledger import Ledger
+from serving.launcher import Cluster
+from tests.services.cluster_helpers import (
+    audit_live,
+    generate_all,
+    tiny_cluster_spec,
+    wait_audit_clean,
+    worker_stats,
+)
+from tests.services.test_cluster_deepseek_v3 import BLOCK_SIZE, MAX_TOKENS, PROMPTS, K
+from tests.services.test_cluster_deepseek_v3 import model_dirs as model_dirs  # the fixture
+
+KV_CACHE = 4 << 20
+PLACEMENT = ["--enable-expert-parallel"]
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    spec = tiny_cluster_spec(
+        model_dirs["target"],
+        tmp_path_factory.mktemp("logs_dp"),
+        draft=str(model_dirs["mla"]),
+        num_draft_tokens=K,
+        adaptive_speculation=False,  # K every step: counters as one engine's
+        worker_args=(
+            *("--dtype", "float32", "--block-size", str(BLOCK_SIZE)),
+            *("--kv-cache-memory", str(KV_CACHE), "--kv-transport", "grpc", *PLACEMENT),
+        ),
+        decode_args=("--data-parallel-size", "2"),
+    )
+    started = Cluster(spec).start(timeout_s=120)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture(scope="module")
+def ledger(cluster: Cluster) -> Iterator[Ledger]:
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    yield Ledger(client)
+    client.close()
+
+
+@pytest.fixture(autouse=True)
+async def audit_after_each_test(cluster: Cluster, ledger: Ledger) -> AsyncIterator[None]:
+    yield
+    await wait_audit_clean(cluster, ledger, within_s=10.0)
+
+
+def offline(
+    target: Path, draft: Path, prompts: list[list[int]]
+) -> tuple[list[list[int]], LLMEngine]:
+    """Greedy tokens from one in-process engine in the decode worker's layout."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(target),
+            dtype="float32",
+            block_size=BLOCK_SIZE,
+            kv_cache_memory=KV_CACHE,
+            num_threads=1,
+            data_parallel_size=2,
+            enable_expert_parallel=True,
+            speculative=SpeculativeConfig(str(draft), num_draft_tokens=K),
+        )
+    )
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    finally:
+        engine.close()
+    return [done[str(i)] for i in range(len(prompts))], engine
+
+
+async def test_greedy_over_two_decode_ranks_equals_the_offline_engine(
+    cluster: Cluster, model_dirs: dict[str, Path], ledger: Ledger
+) -> None:
+    decode = cluster.decode[0]
+    per_rank = (await worker_stats(decode)).num_kv_blocks_free // 2
+    prompts = PROMPTS * 2  # enough requests at once to fill both ranks
+    running = asyncio.ensure_future(
+        generate_all(cluster.router_address, prompts, max_tokens=MAX_TOKENS)
+    )
+    seen: set[int] = set()  # every block id the worker held while they ran
+    while not running.done():
+        seen |= set((await worker_stats(decode, include_block_ids=True)).owned_block_ids)
+        assert await audit_live(cluster, ledger) == []  # the ledger numbers blocks as it does
+        await asyncio.sleep(0.05)
+    ours = running.result()
+    refs, engine = offline(model_dirs["target"], model_dirs["mla"], prompts)
+    assert ours == refs
+    # Both ranks held requests' blocks: rank 1's are numbered after rank 0's.
+    assert min(seen) < per_rank <= max(seen)
+    assert engine.spec is not None
+    expected = engine.spec.stats
+    stats = (await worker_stats(decode)).speculative
+    assert expected.num_draft_tokens > 0
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (
+        expected.num_draft_tokens,
+        expected.num_accepted_tokens,
+    )
