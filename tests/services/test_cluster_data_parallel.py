@@ -10,6 +10,7 @@ after."""
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -22,9 +23,12 @@ from engine.spec.config import SpeculativeConfig
 from ledger.ledger import Ledger
 from serving.launcher import Cluster
 from tests.services.cluster_helpers import (
+    TINY_VOCAB,
     audit_live,
     generate_all,
+    start_streams,
     tiny_cluster_spec,
+    tokens,
     wait_audit_clean,
     worker_stats,
 )
@@ -100,29 +104,35 @@ def offline(
 
 
 async def test_greedy_over_two_decode_ranks_equals_the_offline_engine(
-    cluster: Cluster, model_dirs: dict[str, Path], ledger: Ledger
+    cluster: Cluster, model_dirs: dict[str, Path]
 ) -> None:
-    decode = cluster.decode[0]
-    per_rank = (await worker_stats(decode)).num_kv_blocks_free // 2
-    prompts = PROMPTS * 2  # enough requests at once to fill both ranks
-    running = asyncio.ensure_future(
-        generate_all(cluster.router_address, prompts, max_tokens=MAX_TOKENS)
-    )
-    seen: set[int] = set()  # every block id the worker held while they ran
-    while not running.done():
-        seen |= set((await worker_stats(decode, include_block_ids=True)).owned_block_ids)
-        assert await audit_live(cluster, ledger) == []  # the ledger numbers blocks as it does
-        await asyncio.sleep(0.05)
-    ours = running.result()
+    prompts = PROMPTS * 2
+    ours = await generate_all(cluster.router_address, prompts, max_tokens=MAX_TOKENS)
     refs, engine = offline(model_dirs["target"], model_dirs["mla"], prompts)
     assert ours == refs
-    # Both ranks held requests' blocks: rank 1's are numbered after rank 0's.
-    assert min(seen) < per_rank <= max(seen)
     assert engine.spec is not None
     expected = engine.spec.stats
-    stats = (await worker_stats(decode)).speculative
+    stats = (await worker_stats(cluster.decode[0])).speculative
     assert expected.num_draft_tokens > 0
     assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (
         expected.num_draft_tokens,
         expected.num_accepted_tokens,
     )
+
+
+async def test_requests_spread_over_both_ranks_and_the_ledger_agrees(
+    cluster: Cluster, ledger: Ledger
+) -> None:
+    """Mid-stream, every request holds its blocks: on both ranks (rank 1's numbered after
+    rank 0's), and the ledger's holdings are the worker's, id for id. (Prompts that share
+    no prefix: requests sharing a cached block would each hold it in the ledger.)"""
+    decode = cluster.decode[0]
+    per_rank = (await worker_stats(decode)).num_kv_blocks_free // 2
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(9)] for _ in range(6)]
+    streams = await start_streams(cluster.router_address, prompts, max_tokens=200, min_tokens=2)
+    held = (await worker_stats(decode, include_block_ids=True)).owned_block_ids
+    assert await audit_live(cluster, ledger) == []
+    results = await asyncio.gather(*streams.tasks)
+    assert min(held) < per_rank <= max(held)
+    assert [len(tokens(chunks)) for chunks in results] == [200] * len(results)
