@@ -94,6 +94,15 @@ def register_serve(subparsers: Any) -> None:
         "--prefill-tp and --decode-tp set one role's (default: 1)",
     )
     parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="every worker: DeepSeek-V3's data-parallel attention over N ranks, each caching "
+        "and attending its own requests (with --eager; the ranks on one host's CPU). The "
+        "router balances decode workers by their emptiest rank's room (default: 1)",
+    )
+    parser.add_argument(
         "--enable-expert-parallel",
         action="store_true",
         help="every worker: "
@@ -247,6 +256,8 @@ def _serve(args: argparse.Namespace) -> int:
             worker_args += [option, str(value)]
     if args.enable_expert_parallel:
         worker_args.append("--enable-expert-parallel")
+    if args.data_parallel_size != 1:  # the workers refuse a size below 1, naming the flag
+        worker_args += ["--data-parallel-size", str(args.data_parallel_size)]
     worker_args += lora_flags(args)
     router_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     if args.allow_runtime_lora:

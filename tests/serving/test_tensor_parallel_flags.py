@@ -1,6 +1,7 @@
 """`--tensor-parallel-size` on the workers and `tandem serve`: it reaches EngineConfig (a
 split decode engine compiles, as one device's does); every worker kind takes it; `tandem
-serve` gives each role its size (`--prefill-tp`, `--decode-tp`) and refuses sizes below 1."""
+serve` gives each role its size (`--prefill-tp`, `--decode-tp`) and refuses sizes below 1.
+`--data-parallel-size` likewise reaches EngineConfig from every worker and `tandem serve`."""
 
 from __future__ import annotations
 
@@ -123,3 +124,24 @@ def test_fp8_weights_reach_the_engine_config_and_serve_passes_them_on(
     (spec,) = specs
     i = spec.worker_args.index("--fp8-weights")
     assert spec.worker_args[i + 1] == "keep"
+
+
+def test_the_data_parallel_size_reaches_every_worker_and_the_engine_config(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, config = built_config(monkeypatch, tmp_path, True, ["--data-parallel-size", "2", "--eager"])
+    assert config.data_parallel_size == 2 and not config.torch_compile
+    _, config = built_config(monkeypatch, tmp_path, False, ["--data-parallel-size", "2"])
+    assert config.data_parallel_size == 2
+    for cli, prog in ((prefill_cli, "prefill"), (decode_cli, "decode"), (colocated_cli, "co")):
+        parser = argparse.ArgumentParser()
+        cli.add_arguments(parser)
+        zero = parser.parse_args([*REQUIRED, "--data-parallel-size", "0"])
+        assert not engine_setup.check_engine_arguments(zero, prog)
+        assert "--data-parallel-size: must be at least 1, got 0" in capsys.readouterr().err
+    specs = capture_cluster_specs(monkeypatch)
+    args = serve_parser().parse_args(["serve", "--model", "m", "--data-parallel-size", "2"])
+    assert args.func(args) == 1  # the captured cluster refuses to start
+    (spec,) = specs
+    i = spec.worker_args.index("--data-parallel-size")
+    assert spec.worker_args[i + 1] == "2"
