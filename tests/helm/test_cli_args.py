@@ -276,3 +276,22 @@ def test_tensor_parallel_sizes_reach_each_role_with_one_gpu_per_rank() -> None:
     assert resources["decode"]["limits"]["nvidia.com/mig-1g.10gb"] == 1
     assert "nvidia.com/gpu" not in str(resources["decode"])
     assert resources["prefill"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_deepseek_v3_values_give_decode_eight_data_parallel_ranks_and_eight_gpus() -> None:
+    """The DeepSeek-V3 value set: prefill split 8 ways by heads, decode 8 data-parallel
+    ranks (eager), both with whole experts over their ranks; one GPU a rank."""
+    objs = objects("deepseek-v3")
+    layouts = {}
+    for _, container in tandem_containers(objs):
+        args = parse(expand_args(container, config_maps(objs)))
+        if args.command in ("prefill", "decode"):
+            gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+            layouts[args.command] = (
+                args.tensor_parallel_size,
+                args.data_parallel_size,
+                args.enable_expert_parallel,
+                args.eager,
+                gpus,
+            )
+    assert layouts == {"prefill": (8, 1, True, False, 8), "decode": (1, 8, True, True, 8)}

@@ -32,6 +32,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"serviceMonitor": {"interval": "often"}}, "at '/serviceMonitor/interval'"),
     ({"prefill": {"draft": {"numDraftTokens": 0}}}, "/prefill/draft/numDraftTokens"),
     ({"decode": {"engine": {"tensorParallelSize": 0}}}, "/decode/engine/tensorParallelSize"),
+    ({"decode": {"engine": {"dataParallelSize": 0}}}, "/decode/engine/dataParallelSize"),
     ({"typo": True}, "additional properties 'typo' not allowed"),
 ]
 
@@ -66,7 +67,7 @@ def test_bad_values_are_refused_with_a_clear_message(values: dict[str, Any], mes
                 },
             },
             "decode.resources.limits.nvidia.com/gpu: 1, but decode.engine.tensorParallelSize "
-            "is 2 (one GPU per rank)",
+            "x dataParallelSize is 2 (one GPU per rank)",
         ),
         (
             {
@@ -74,7 +75,7 @@ def test_bad_values_are_refused_with_a_clear_message(values: dict[str, Any], mes
                 "prefill": {"resources": {"requests": {"nvidia.com/gpu": 0}}},
             },
             "prefill.resources.requests.nvidia.com/gpu: 0, but prefill.engine.tensorParallelSize "
-            "is 1",
+            "x dataParallelSize is 1",
         ),
         (
             {
@@ -84,8 +85,8 @@ def test_bad_values_are_refused_with_a_clear_message(values: dict[str, Any], mes
                     "resources": {"limits": {"nvidia.com/mig-1g.10gb": 1}},
                 },
             },
-            "decode.engine.tensorParallelSize: 2 ranks need whole GPUs (nvidia.com/gpu), but "
-            "decode.resources name nvidia.com/mig-1g.10gb",
+            "decode.engine.tensorParallelSize x dataParallelSize: 2 ranks need whole GPUs "
+            "(nvidia.com/gpu), but decode.resources name nvidia.com/mig-1g.10gb",
         ),
     ],
 )
@@ -102,3 +103,10 @@ def test_defaults_and_schema_agree() -> None:
     assert schema is not None and schema["additionalProperties"] is False
     for section in ("image", "model", "auth", "redis", "router", "prefill", "decode"):
         assert schema["properties"][section]["additionalProperties"] is False, section
+
+
+def test_data_parallel_decode_without_eager_is_refused() -> None:
+    with pytest.raises(helm.HelmRenderError) as e:
+        render_raw({"decode": {"engine": {"dataParallelSize": 2}}})
+    assert "decode.engine.dataParallelSize: 2 data-parallel ranks step eagerly only" in str(e.value)
+    render_raw({"decode": {"engine": {"dataParallelSize": 2, "eager": True}}})

@@ -20,6 +20,7 @@
 {{- if $v.engine.kvCacheMemory }}{{ $keys = append $keys (printf "%s.kv-cache-memory" .role) }}{{ end }}
 {{- if $v.engine.threads }}{{ $keys = append $keys (printf "%s.threads" .role) }}{{ end }}
 {{- if gt (int $v.engine.tensorParallelSize) 1 }}{{ $keys = append $keys (printf "%s.tensor-parallel-size" .role) }}{{ end }}
+{{- if gt (int $v.engine.dataParallelSize) 1 }}{{ $keys = append $keys (printf "%s.data-parallel-size" .role) }}{{ end }}
 {{- if $v.draft.enabled }}{{ $keys = append $keys (printf "%s.draft" .role) }}{{ end }}
 {{- if or $v.draft.enabled $v.draft.method }}{{ $keys = append $keys (printf "%s.num-draft-tokens" .role) }}{{ end }}
 {{- toJson $keys }}
@@ -54,6 +55,12 @@ ConfigMap ($(TANDEM_...) is expanded by the kubelet), probes and the drain. dict
     {{- end }}
     {{- if gt (int $v.engine.tensorParallelSize) 1 }}
     - --tensor-parallel-size=$({{ $env }}TENSOR_PARALLEL_SIZE)
+    {{- end }}
+    {{- if gt (int $v.engine.dataParallelSize) 1 }}
+    {{- if and (eq $role "decode") (not $v.engine.eager) }}
+    {{- fail (printf "decode.engine.dataParallelSize: %d data-parallel ranks step eagerly only; set decode.engine.eager" (int $v.engine.dataParallelSize)) }}
+    {{- end }}
+    - --data-parallel-size=$({{ $env }}DATA_PARALLEL_SIZE)
     {{- end }}
     {{- if $v.engine.expertParallel }}
     - --enable-expert-parallel
@@ -106,15 +113,15 @@ ConfigMap ($(TANDEM_...) is expanded by the kubelet), probes and the drain. dict
 {{- end }}
 
 
-{{/* A worker's resources: the role's, and on the CUDA image one GPU per tensor-parallel
-rank (nvidia.com/gpu, requests and limits), from engine.tensorParallelSize. A count given in
+{{/* A worker's resources: the role's, and on the CUDA image one GPU per rank (nvidia.com/gpu,
+requests and limits): engine.tensorParallelSize times engine.dataParallelSize. A count given in
 resources that differs from it is refused. Resources that name other NVIDIA devices (MIG
 slices: nvidia.com/mig-...) are left as given at one rank and refused at more. dict: root, role */}}
 {{- define "tandem.workerResources" -}}
 {{- $v := index .root.Values .role }}
 {{- $resources := deepCopy $v.resources }}
 {{- if eq .root.Values.image.flavor "cuda" }}
-{{- $gpus := int $v.engine.tensorParallelSize }}
+{{- $gpus := mul (int $v.engine.tensorParallelSize) (int $v.engine.dataParallelSize) }}
 {{- $others := list }}
 {{- range $kind := list "requests" "limits" }}
 {{- range $name, $_ := index $resources $kind | default dict }}
@@ -123,14 +130,14 @@ slices: nvidia.com/mig-...) are left as given at one rank and refused at more. d
 {{- end }}
 {{- if $others }}
 {{- if gt $gpus 1 }}
-{{- fail (printf "%s.engine.tensorParallelSize: %d ranks need whole GPUs (nvidia.com/gpu), but %s.resources name %s" .role $gpus .role (first $others)) }}
+{{- fail (printf "%s.engine.tensorParallelSize x dataParallelSize: %d ranks need whole GPUs (nvidia.com/gpu), but %s.resources name %s" .role $gpus .role (first $others)) }}
 {{- end }}
 {{- else }}
 {{- range $kind := list "requests" "limits" }}
 {{- $given := index $resources $kind | default dict }}
 {{- if hasKey $given "nvidia.com/gpu" }}
 {{- if ne (int (index $given "nvidia.com/gpu")) $gpus }}
-{{- fail (printf "%s.resources.%s.nvidia.com/gpu: %v, but %s.engine.tensorParallelSize is %d (one GPU per rank); set one of them" $.role $kind (index $given "nvidia.com/gpu") $.role $gpus) }}
+{{- fail (printf "%s.resources.%s.nvidia.com/gpu: %v, but %s.engine.tensorParallelSize x dataParallelSize is %d (one GPU per rank); set one of them" $.role $kind (index $given "nvidia.com/gpu") $.role $gpus) }}
 {{- end }}
 {{- end }}
 {{- $_ := set $given "nvidia.com/gpu" $gpus }}

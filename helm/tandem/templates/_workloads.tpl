@@ -66,6 +66,9 @@ spec:
 {{- if gt (int $v.engine.tensorParallelSize) 1 }}
 {{ $role }}.tensor-parallel-size: {{ $v.engine.tensorParallelSize | quote }}
 {{- end }}
+{{- if gt (int $v.engine.dataParallelSize) 1 }}
+{{ $role }}.data-parallel-size: {{ $v.engine.dataParallelSize | quote }}
+{{- end }}
 {{- if $v.draft.enabled }}
 {{ $role }}.draft: {{ include "tandem.draftPath" $root | quote }}
 {{- end }}
