@@ -247,6 +247,13 @@ class DataParallelDrafter(SplitDrafter):
         return torch.stack(drafts, dim=1)
 
 
+def name_ranks(drafter: object, ranks: list[int]) -> None:
+    """Under data-parallel attention (``drafter`` a ``DataParallelDrafter``), each row's
+    rank, in the rows' order, for the draft's next extend."""
+    if isinstance(drafter, DataParallelDrafter):
+        drafter.row_ranks = ranks
+
+
 class DataParallelDraftMirror:
     """A rank other than 0: its rows of each draft forward rank 0 sends (``runners``)."""
 

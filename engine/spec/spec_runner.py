@@ -19,7 +19,7 @@ from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.spec.adaptive import AdaptiveK, CostRefresh, StepCost, measure_costs
 from engine.spec.config import SpeculativeConfig
-from engine.spec.dp_draft import DataParallelDrafter
+from engine.spec.dp_draft import name_ranks
 from engine.spec.drafters import Drafter, ProposeArgs, load_drafter
 from engine.spec.grammar import StepGrammar, step_fields
 from engine.spec.graph_runner import (
@@ -160,7 +160,7 @@ class SpecRunner:
     def _prefill(self, batch: ScheduledBatch) -> StepOutput:
         assert self.drafter is not None and self.draft_kv is not None
         result = self.runner.execute(batch, self.drafter.target_hidden)
-        self._name_ranks([seq.dp_rank for seq in batch.seqs])
+        name_ranks(self.drafter, [seq.dp_rank for seq in batch.seqs])
         inputs, out = result.inputs, result.outputs
         assert inputs is not None and out is not None
         sampled = dict(zip(result.rows, result.tokens, strict=True))
@@ -256,7 +256,7 @@ class SpecRunner:
             started = time.perf_counter()
         inputs = self._step_inputs(seqs, k, k_next, lengths)
         self._verify_under_adapters(seqs, inputs)
-        self._name_ranks([seq.dp_rank for seq in seqs])
+        name_ranks(self.drafter, [seq.dp_rank for seq in seqs])
         if (
             self.graphs is not None and inputs.grammar is None and inputs.draft_lengths is None
         ):  # one wait, for the tokens' pinned host copies
@@ -319,7 +319,7 @@ class SpecRunner:
         assert self.drafter is not None and self.draft_kv is not None
         spans = [(seq, seq.num_drafted_tokens, seq.num_computed_tokens) for seq in seqs]
         layout = self.runner.layout(spans)
-        self._name_ranks([seq.dp_rank for seq in seqs])
+        name_ranks(self.drafter, [seq.dp_rank for seq in seqs])
         # Feature i pairs with the token after it, up to the pending token at ``end``.
         tokens = [t for seq, start, end in spans for t in seq.token_ids[start + 1 : end + 1]]
         backend = self.runner.backend
@@ -372,11 +372,6 @@ class SpecRunner:
             dp_ranks=t([s.dp_rank for s in seqs]) if self.runner.data_parallel_size > 1 else None,
             **step_fields(seqs, drafts, device, self.runner.mask_worker),  # rows with a grammar
         )
-
-    def _name_ranks(self, ranks: list[int]) -> None:
-        """Under data-parallel attention: each row's rank, for the draft's next extend."""
-        if isinstance(self.drafter, DataParallelDrafter):
-            self.drafter.row_ranks = ranks
 
     def _context_bound(self, position: int, k: int, k_next: int) -> int:
         """Host bound on the KV length of a step from ``position`` (the pending token, or the
@@ -497,7 +492,7 @@ class SpecRunner:
         )
         if self.runner.data_parallel_size > 1:  # scratch rows: rank 0's blocks
             inputs.dp_ranks = torch.zeros(b, dtype=torch.int64, device=device)
-            self._name_ranks([0] * b)
+            name_ranks(self.drafter, [0] * b)
         self.runner.use_lora_groups([], [])  # scratch rows: the base model's
         start = time.perf_counter()
         self.step(inputs, k, defer_drafter=defer_drafter)

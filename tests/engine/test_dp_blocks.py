@@ -1,12 +1,14 @@
 """DataParallelBlocks: each data-parallel rank's blocks in its own manager, ids local to
 its pool; a request placed where its cached prefix is, else where most blocks are free,
-and admitted only where one rank can hold it."""
+and admitted only where one rank can hold it; numbered as one pool for transfers."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.dp_blocks import DataParallelBlocks
+from engine.block_manager import BlockManager
+from engine.dp_blocks import DataParallelBlocks, whole_table
+from engine.engine_figures import EngineStats
 from tests.engine.test_block_manager import compute, make_seq
 
 
@@ -76,3 +78,25 @@ def test_a_row_that_cannot_grow_preempts_only_on_its_own_rank() -> None:
     batch = scheduler.schedule()
     assert batch.preempted == [first]
     assert batch.seqs == [second, third]
+
+
+def test_transfers_and_load_see_every_ranks_blocks_in_one_numbering() -> None:
+    """``whole_table``: rank r's block b is ``r * num_blocks + b`` of a pool of every
+    rank's (a shared segment); one rank's blocks as they are. The engine's load counts the
+    rank with most room: one full rank beside an empty one leaves the engine unloaded."""
+    blocks = DataParallelBlocks(2, num_blocks=6, block_size=4)
+    first, second = make_seq([1] * 8), make_seq([2] * 4)
+    blocks.allocate(first)
+    blocks.allocate(second)
+    assert (first.dp_rank, second.dp_rank) == (0, 1)
+    assert whole_table(blocks, first) == [0, 1] and whole_table(blocks, second) == [6]
+    alone = BlockManager(6, 4)
+    third = make_seq([3] * 8)
+    alone.allocate(third)
+    assert whole_table(alone, third) == [0, 1] and alone.total_blocks == 6
+    assert blocks.total_blocks == 12
+    full_and_empty = EngineStats(num_blocks=12, num_free_blocks=6, num_free_blocks_per_rank=(0, 6))
+    assert full_and_empty.load == 0.0
+    half_each = EngineStats(num_blocks=12, num_free_blocks=6, num_free_blocks_per_rank=(3, 3))
+    assert half_each.load == 0.5
+    assert EngineStats(num_blocks=12, num_free_blocks=6).load == 0.5  # one pool: its usage

@@ -1,12 +1,13 @@
 """DeepSeek-V3 served with data-parallel attention (issue 39), the experts split over the
 ranks (`--data-parallel-size 2 --enable-expert-parallel`), the MLA EAGLE-3 draft on:
-a prefill worker of one rank pushing into a decode worker of two, and one of two ranks
-pushing into a decode worker of one. Each request lands on one decode rank: its
-reservation's blocks are that rank's, numbered as the worker's shared pool of every
-rank's blocks, and so are its ledger holdings; a prefill worker's ranks push their rows'
-KV from that pool. Greedy output and the draft counters equal the offline engine's in
-the decode worker's layout; requests spread over both decode ranks; the ledger agrees
-with the worker while they run and is clean after."""
+a prefill worker of one rank pushing into a decode worker of two, one of two ranks
+pushing into a decode worker of one, and a prefill worker split two ways by heads
+(tensor-parallel) pushing into a decode worker of two data-parallel ranks. Each request
+lands on one decode rank: its reservation's blocks are that rank's, numbered as the
+worker's shared pool of every rank's blocks, and so are its ledger holdings; a prefill
+worker's ranks push their rows' KV from that pool. Greedy output and the draft counters
+equal the offline engine's in the decode worker's layout; requests spread over both
+decode ranks; the ledger agrees with the worker while they run and is clean after."""
 
 from __future__ import annotations
 
@@ -40,18 +41,29 @@ KV_CACHE = 4 << 20
 PLACEMENT = ["--enable-expert-parallel"]
 
 
-# (prefill worker's, decode worker's) data-parallel sizes
-LAYOUTS = {"prefill1_decode2": (1, 2), "prefill2_decode1": (2, 1)}
+DP2 = ("--data-parallel-size", "2")
+# The prefill worker's flags, the decode worker's
+LAYOUTS = {
+    "prefill1_decode_dp2": ((), DP2),
+    "prefill_dp2_decode1": (DP2, ()),
+    "prefill_tp2_decode_dp2": (("--tensor-parallel-size", "2"), DP2),
+}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def layout(request: pytest.FixtureRequest) -> tuple[int, int]:
+def layout(request: pytest.FixtureRequest) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return LAYOUTS[request.param]
+
+
+def decode_ranks(layout: tuple[tuple[str, ...], tuple[str, ...]]) -> int:
+    return 2 if layout[1] == DP2 else 1
 
 
 @pytest.fixture(scope="module")
 def cluster(
-    model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, layout: tuple[int, int]
+    model_dirs: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+    layout: tuple[tuple[str, ...], tuple[str, ...]],
 ) -> Iterator[Cluster]:
     spec = tiny_cluster_spec(
         model_dirs["target"],
@@ -63,8 +75,8 @@ def cluster(
             *("--dtype", "float32", "--block-size", str(BLOCK_SIZE)),
             *("--kv-cache-memory", str(KV_CACHE), "--kv-transport", "grpc", *PLACEMENT),
         ),
-        prefill_args=("--data-parallel-size", str(layout[0])),
-        decode_args=("--data-parallel-size", str(layout[1])),
+        prefill_args=layout[0],
+        decode_args=layout[1],
     )
     started = Cluster(spec).start(timeout_s=120)
     try:
@@ -115,11 +127,11 @@ def offline(
 
 
 async def test_greedy_equals_the_offline_engine(
-    cluster: Cluster, model_dirs: dict[str, Path], layout: tuple[int, int]
+    cluster: Cluster, model_dirs: dict[str, Path], layout: tuple[tuple[str, ...], tuple[str, ...]]
 ) -> None:
     prompts = PROMPTS * 2
     ours = await generate_all(cluster.router_address, prompts, max_tokens=MAX_TOKENS)
-    refs, engine = offline(model_dirs["target"], model_dirs["mla"], prompts, layout[1])
+    refs, engine = offline(model_dirs["target"], model_dirs["mla"], prompts, decode_ranks(layout))
     assert ours == refs
     assert engine.spec is not None
     expected = engine.spec.stats
@@ -132,13 +144,13 @@ async def test_greedy_equals_the_offline_engine(
 
 
 async def test_requests_spread_over_both_ranks_and_the_ledger_agrees(
-    cluster: Cluster, ledger: Ledger, layout: tuple[int, int]
+    cluster: Cluster, ledger: Ledger, layout: tuple[tuple[str, ...], tuple[str, ...]]
 ) -> None:
     """Mid-stream, every request holds its blocks: on both ranks (rank 1's numbered after
     rank 0's), and the ledger's holdings are the worker's, id for id. (Prompts that share
     no prefix: requests sharing a cached block would each hold it in the ledger.)"""
-    if layout[1] == 1:
-        pytest.skip("one decode rank")  # the other layout's
+    if decode_ranks(layout) == 1:
+        pytest.skip("one decode rank")  # the other layouts' test
     decode = cluster.decode[0]
     per_rank = (await worker_stats(decode)).num_kv_blocks_free // 2
     rng = random.Random(1)
