@@ -146,7 +146,7 @@ async def test_a_refused_push_is_told_apart_two_hops_up() -> None:
 def idle_engine() -> Any:
     """Just enough of LLMEngine for EngineLoop; no request ever runs."""
     return SimpleNamespace(
-        block_manager=SimpleNamespace(num_blocks=8, num_free_blocks=8),
+        block_manager=SimpleNamespace(num_blocks=8, total_blocks=8, num_free_blocks=8),
         scheduler=SimpleNamespace(running=[], waiting=[], config=SimpleNamespace(max_num_seqs=4)),
         spec=None,
         has_unfinished_requests=lambda: False,

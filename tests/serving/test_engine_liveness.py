@@ -26,7 +26,7 @@ def blocking_engine(release: threading.Event, steps: list[int]) -> Any:
         return []
 
     return SimpleNamespace(
-        block_manager=SimpleNamespace(num_blocks=4, num_free_blocks=4),
+        block_manager=SimpleNamespace(num_blocks=4, total_blocks=4, num_free_blocks=4),
         scheduler=SimpleNamespace(running=[], waiting=[], config=SimpleNamespace(max_num_seqs=4)),
         spec=None,
         has_unfinished_requests=lambda: bool(steps),

@@ -14,7 +14,7 @@ from tests.serving.commands import Do
 class SlowBlocks:
     """A block manager whose figures take a while to read, as on a loaded machine."""
 
-    num_blocks = 8
+    num_blocks = total_blocks = 8
 
     def __init__(self) -> None:
         self.free = 8
