@@ -62,8 +62,12 @@ class DataParallelBlocks:
 
     @property
     def clean_block_ids(self) -> list[int]:
-        """Rank 0's free blocks that hold no cached prefix (what a warm-up may write)."""
-        return self.ranks[0].clean_block_ids
+        """Block ids free and holding no cached prefix on every rank: scratch steps (a
+        warm-up's, adaptive K's costs) may put their rows on any rank there."""
+        clean = set(self.ranks[0].clean_block_ids)
+        for rank in self.ranks[1:]:
+            clean &= set(rank.clean_block_ids)
+        return sorted(clean)
 
     @property
     def num_prefix_hit_blocks(self) -> int:

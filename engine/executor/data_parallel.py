@@ -60,7 +60,8 @@ def forward(
         def everyone(x: torch.Tensor) -> torch.Tensor:  # every rank's tokens, batch order
             return dp.gather_rows(x, dp.tokens)[at]
 
-        out.hidden_states = {i: everyone(x) for i, x in out.hidden_states.items()}
+        # In one order on every rank (a rank with rows and an idle one list them apart).
+        out.hidden_states = {i: everyone(out.hidden_states[i]) for i in sorted(out.hidden_states)}
         if out.final_hidden_state is not None:
             out.final_hidden_state = everyone(out.final_hidden_state)
     return out

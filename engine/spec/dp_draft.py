@@ -6,15 +6,20 @@ Rank 0 drives it through ``DataParallelDrafter``: before each ``extend`` and ``p
 sends the other ranks the forward (``RowsExtendSignature``, ``RowsProposeSignature``: the
 whole batch, each row's rank, and for a proposal where each row's state sits in its
 rank's extend) and broadcasts its tensors. Each rank then runs its rows (``DraftRows``).
-At each draft position every rank's scores are gathered, in the batch's order, rank 0
-chooses the drafts over all of them (greedy, sampled or grammar-masked, as on one
-device) and broadcasts them, and each rank's chain goes on from its rows' tokens. A rank
-with no rows joins the gathers and broadcasts alone.
 
-The draft's forwards have no collectives of their own: an MTP layer's experts are whole
-on every rank (its memory, one MoE layer's, on each). The target's features reach rank 0
-for every row (``engine.executor.data_parallel`` gathers the hidden states the drafts
-read), and travel to the ranks with each extend: one more pass over the group a step.
+- **Greedy drafts** (argmax, no grammar: ``argmax_drafts``, most steps): each rank
+  chooses its own rows' drafts, and the drafts are gathered once, at the end.
+- **Sampled or grammar-masked drafts:** at each draft position every rank's scores are
+  gathered in the batch's order, rank 0 chooses the drafts of every row as on one
+  device and broadcasts them, and each rank's chain goes on from its rows' tokens. That
+  moves every row's scores over the draft vocabulary at each position.
+
+A rank with no rows joins the gathers and broadcasts alone. The draft's forwards have no
+collectives of their own: an MTP layer's experts are whole on every rank (one MoE layer
+on each, in the model's dtype). The target's features reach rank 0 for every row
+(``engine.executor.data_parallel`` gathers the hidden states the drafts read, which
+rank 0 also keeps for deferred drafting), and travel to the ranks with each extend: one
+more pass over the group a step.
 """
 
 from __future__ import annotations
@@ -37,7 +42,14 @@ from engine.executor.multiproc import MultiprocExecutor
 from engine.kv_cache import PagedKVCache
 from engine.models.moe import DataParallelStep
 from engine.parallel.group import TensorParallelGroup
-from engine.spec.drafters.base import Drafter, DraftLogits, KVLayers, ProposeArgs, SelectFn
+from engine.spec.drafters.base import (
+    Drafter,
+    DraftLogits,
+    KVLayers,
+    ProposeArgs,
+    SelectFn,
+    argmax_drafts,
+)
 from engine.spec.split_draft import (
     ExtendSignature,
     ProposeSignature,
@@ -70,24 +82,27 @@ class RowsExtendSignature:
 @dataclass(frozen=True)
 class RowsProposeSignature:
     """A ``propose`` over the whole batch: row b by rank ``row_ranks[b]``, from entry
-    ``local_index[b]`` of that rank's last extend."""
+    ``local_index[b]`` of that rank's last extend; ``greedy``: argmax drafts, which each
+    rank chooses for its own rows (else rank 0 chooses every row's)."""
 
     kind: ClassVar[int] = 4
     propose: ProposeSignature
     row_ranks: tuple[int, ...]
     local_index: tuple[int, ...]
+    greedy: bool
 
     def buffers(self, device: torch.device) -> list[torch.Tensor]:
         return self.propose.buffers(device)
 
     def to_ints(self) -> list[int]:
         ints = [*self.propose.to_ints(), *optional_ints(self.row_ranks)]
-        return ints + optional_ints(self.local_index)
+        return [*ints, *optional_ints(self.local_index), self.greedy]
 
     @classmethod
     def from_ints(cls, it: Iterator[int]) -> RowsProposeSignature:
         propose = ProposeSignature.from_ints(it)
-        return cls(propose, take_optional(it) or (), take_optional(it) or ())
+        ranks, local = take_optional(it) or (), take_optional(it) or ()
+        return cls(propose, ranks, local, bool(next(it)))
 
 
 # What data-parallel ranks read besides the target's forwards.
@@ -149,33 +164,44 @@ class DraftRows:
         k: int,
         row_ranks: tuple[int, ...],
         local_index: tuple[int, ...],
-        choose: Callable[[DraftLogits, int], torch.Tensor],  # every row's scores -> drafts
-    ) -> None:
-        """Its rows' ``k`` drafts; ``choose`` is rank 0's choice (elsewhere its broadcast)."""
+        choose: Callable[[DraftLogits, int], torch.Tensor] | None,  # every row's scores ->
+    ) -> torch.Tensor:  # drafts: rank 0's choice (elsewhere its broadcast); None: argmax
+        """Every row's ``k`` drafts, [B, k] in the batch's order, its own rows' drafted
+        here. Argmax drafts cost one gather of the drafts at the end; others, a gather of
+        every row's scores and a broadcast of rank 0's choice at each position."""
         mine = [b for b, r in enumerate(row_ranks) if r == self.me]
         counts = [row_ranks.count(r) for r in range(self.group.size)]
         order = torch.tensor(batch_order(list(row_ranks), self.group.size),
                              dtype=torch.int64, device=args.next_tokens.device)  # fmt: skip
         picked = torch.tensor(mine, dtype=torch.int64, device=order.device)
+        chosen: list[torch.Tensor] = []  # each position's, every row's
 
         def select(scores: DraftLogits, j: int) -> torch.Tensor:
+            assert choose is not None
             values = self.rows.gather_rows(scores.values.contiguous(), counts)[order]
-            return choose(dataclasses.replace(scores, values=values), j)[picked]
+            chosen.append(choose(dataclasses.replace(scores, values=values), j))
+            return chosen[-1][picked]
 
-        if not mine:  # no chain: every position's gather and choice all the same
+        drafts = args.next_tokens.new_zeros((0, k))  # its rows'
+        if mine:
+            last = torch.tensor([local_index[b] for b in mine], dtype=torch.int64,
+                                device=order.device)  # fmt: skip
+            own = ProposeArgs(
+                last_index=last,
+                last_positions=args.last_positions[picked],
+                next_tokens=args.next_tokens[picked],
+                block_tables=args.block_tables[picked],
+                block_size=args.block_size,
+                max_context_len=args.max_context_len,
+            )
+            by = argmax_drafts if choose is None else select
+            drafts = self.drafter.propose(self.state, own, k, by, self.kv.layers, self.backend)
+        elif choose is not None:  # no chain: every position's gather and choice all the same
             for j in range(k):
                 select(self.no_scores, j)
-            return
-        last = torch.tensor([local_index[b] for b in mine], dtype=torch.int64, device=order.device)
-        own = ProposeArgs(
-            last_index=last,
-            last_positions=args.last_positions[picked],
-            next_tokens=args.next_tokens[picked],
-            block_tables=args.block_tables[picked],
-            block_size=args.block_size,
-            max_context_len=args.max_context_len,
-        )
-        self.drafter.propose(self.state, own, k, select, self.kv.layers, self.backend)
+        if choose is not None:
+            return torch.stack(chosen, dim=1)
+        return self.rows.gather_rows(drafts.contiguous(), counts)[order]
 
 
 class DataParallelDrafter(SplitDrafter):
@@ -234,17 +260,15 @@ class DataParallelDrafter(SplitDrafter):
         rows = [bisect.bisect_right(offsets, i) - 1 for i in last]  # the extend's rows
         local = tuple(starts[r] + i - offsets[r] for r, i in zip(rows, last, strict=True))
         ranks = tuple(row_ranks[r] for r in rows)
-        drafts: list[torch.Tensor] = []
+        greedy = select is argmax_drafts
 
         def choose(scores: DraftLogits, j: int) -> torch.Tensor:
-            drafts.append(self.tp.broadcast(select(scores, j).contiguous()))
-            return drafts[-1]
+            return self.tp.broadcast(select(scores, j).contiguous())
 
-        signature = RowsProposeSignature(ProposeSignature.of(args, k), ranks, local)
+        signature = RowsProposeSignature(ProposeSignature.of(args, k), ranks, local, greedy)
         with self.executor.in_step():
             self.peers.send_op(signature, [pack(propose_tensors(args))])
-            self.own.propose(args, k, ranks, local, choose)
-        return torch.stack(drafts, dim=1)
+            return self.own.propose(args, k, ranks, local, None if greedy else choose)
 
 
 def name_ranks(drafter: object, ranks: list[int]) -> None:
@@ -280,6 +304,13 @@ class DataParallelDraftMirror:
             token = torch.empty(batch, dtype=torch.int64, device=args.next_tokens.device)
             return self.rows.group.broadcast(token)
 
-        return lambda: self.rows.propose(
-            args, signature.propose.k, signature.row_ranks, signature.local_index, rank_0s
-        )
+        def run() -> None:
+            self.rows.propose(
+                args,
+                signature.propose.k,
+                signature.row_ranks,
+                signature.local_index,
+                None if signature.greedy else rank_0s,
+            )
+
+        return run

@@ -490,9 +490,9 @@ class SpecRunner:
             draft_lengths=lengths,
             packed_lengths=packed_lengths,
         )
-        if self.runner.data_parallel_size > 1:  # scratch rows: rank 0's blocks
-            inputs.dp_ranks = torch.zeros(b, dtype=torch.int64, device=device)
-            name_ranks(self.drafter, [0] * b)
+        if self.runner.data_parallel_size > 1:  # rows over the ranks, as requests spread
+            inputs.dp_ranks = torch.arange(b, device=device) % self.runner.data_parallel_size
+            name_ranks(self.drafter, inputs.dp_ranks.tolist())
         self.runner.use_lora_groups([], [])  # scratch rows: the base model's
         start = time.perf_counter()
         self.step(inputs, k, defer_drafter=defer_drafter)

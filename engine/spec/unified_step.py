@@ -39,6 +39,7 @@ from engine.sampler import SamplingTensors, is_faulty, row_keys
 from engine.sampling_kernels import TORCH_SAMPLING, SamplingKernels
 from engine.spec.acceptance import DRAFT_SALT, accept, accept_argmax, accept_synthetic
 from engine.spec.drafters import Drafter, DraftLogits, ProposeArgs
+from engine.spec.drafters.base import argmax_drafts
 from engine.structured.bitmask import apply_bitmask, apply_bitmask_rows
 
 
@@ -385,7 +386,9 @@ class UnifiedStep:
             probs.append(torch.where(is_sampled[:, None], q, one_hot))
             return torch.where(is_sampled, drawn, greedy)
 
-        drafts = self.drafter.propose(state, args, k, select, self.draft_kv.layers, self.backend)
+        # Greedy drafts without a grammar: what ``select`` does then, said so to the drafter.
+        by = argmax_drafts if not sample and grammar is None else select
+        drafts = self.drafter.propose(state, args, k, by, self.draft_kv.layers, self.backend)
         if grammar is not None:
             grammar.end_drafts()
         return drafts, torch.stack(probs, dim=1) if sample else None

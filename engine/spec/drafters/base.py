@@ -65,6 +65,12 @@ class DraftLogits:
 SelectFn = Callable[[DraftLogits, int], torch.Tensor]
 
 
+def argmax_drafts(scores: DraftLogits, j: int) -> torch.Tensor:
+    """Each row's best-scored token: greedy drafts that no grammar masks. A drafter over
+    rows on several ranks lets each rank choose its own rows' (engine.spec.dp_draft)."""
+    return scores.argmax()
+
+
 class DraftConfigError(ValueError):
     """A draft checkpoint that does not fit its target; the message names the field."""
 

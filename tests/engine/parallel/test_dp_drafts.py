@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from engine.llm_engine import LLMEngine
+from engine.dp_blocks import DataParallelBlocks
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
 from engine.spec.dp_draft import DataParallelDrafter
-from tests.engine.parallel.test_tp_deepseek_v3 import greedy
+from tests.engine.parallel.test_tp_deepseek_v3 import GREEDY, greedy
 from tests.engine.spec.test_eagle3_deepseek_v3 import MHA_OVERRIDES
 from tests.engine.tiny_deepseek import (
     build_tiny_deepseek,
@@ -49,11 +51,34 @@ def target(tmp_path_factory: pytest.TempPathFactory, prompts) -> tuple[Path, lis
 Offered = dict[str, list[list[int]]]  # per request, its drafts after each step
 
 
+def run(
+    model_dir: Path, prompts: list[list[int]], params: SamplingParams, **kw: Any
+) -> tuple[list[list[int]], LLMEngine]:
+    """Each prompt's output under ``params`` (``greedy``'s engine), and the engine."""
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), dtype="float32", block_size=4,
+                     kv_cache_memory=4 << 20, num_threads=2, **kw)
+    )  # fmt: skip
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    finally:
+        engine.close()
+    return [done[str(i)] for i in range(len(prompts))], engine
+
+
 def offered_drafts(
-    model_dir: Path, prompts: list[list[int]], spec: SpeculativeConfig, **kw: Any
+    model_dir: Path,
+    prompts: list[list[int]],
+    spec: SpeculativeConfig,
+    params: SamplingParams = GREEDY,
+    **kw: Any,
 ) -> tuple[list[list[int]], LLMEngine, Offered]:
-    """Greedy output, the engine, and per request the drafts it held after each prefill
-    and decode step."""
+    """The output under ``params``, the engine, and per request the drafts it held after
+    each prefill and decode step."""
     offered: Offered = {}
     real_init = LLMEngine.__init__
 
@@ -82,7 +107,7 @@ def offered_drafts(
 
     LLMEngine.__init__ = recording_init  # type: ignore[method-assign]
     try:
-        out, engine = greedy(model_dir, prompts, 1, speculative=spec, **kw)
+        out, engine = run(model_dir, prompts, params, speculative=spec, **kw)
     finally:
         LLMEngine.__init__ = real_init  # type: ignore[method-assign]
     return out, engine, offered
@@ -140,3 +165,31 @@ def test_mtp_drafts_over_both_ranks_with_one_rank_idle(tmp_path, prompts) -> Non
     assert engine.block_manager.num_placed == [1, 0]  # type: ignore[union-attr]
     stats = engine.spec.stats  # type: ignore[union-attr]
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def test_rank_0_idle_under_unsorted_taps_and_sampled_drafts(
+    target, prompts, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every request on rank 1: rank 0 has no rows in any target or draft forward, yet
+    gathers every row's features (of target layers asked for out of order) and chooses
+    sampled drafts for rows it does not hold. Seeded sampling, drafts sampled too: the
+    output and every draft offered are one device's."""
+    model_dir, _ = target
+    draft = build_random_draft(model_dir, tmp_path / "draft", "eagle3", draft_vocab_size=48,
+                               d2t=torch.arange(48))  # fmt: skip
+    spec = SpeculativeConfig(
+        str(draft), num_draft_tokens=3, target_layer_ids=(2, 0), sample_drafts=True
+    )
+    sampled = SamplingParams(max_tokens=10, temperature=0.9, seed=11, ignore_eos=True)
+    one, _, offered_one = offered_drafts(model_dir, prompts[:2], spec, sampled, **CHUNKED)
+
+    def rank_1(blocks: DataParallelBlocks, seq: Any) -> int | None:
+        return 1 if blocks.ranks[1].can_allocate(seq) else None
+
+    monkeypatch.setattr(DataParallelBlocks, "_place", rank_1)
+    ours, engine, offered = offered_drafts(
+        model_dir, prompts[:2], spec, sampled, data_parallel_size=2, **CHUNKED
+    )
+    assert engine.block_manager.num_placed == [0, 2]  # type: ignore[union-attr]
+    assert ours == one
+    assert offered == offered_one and len(offered) == 2
