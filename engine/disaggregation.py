@@ -118,8 +118,10 @@ class Disaggregation:
         )
         if not self.block_manager.can_allocate(seq):
             del self._seqs[request_id]
+            free = getattr(self.block_manager, "free_blocks_per_rank", None)  # one rank holds it
+            where = f"{self.block_manager.num_free_blocks}" if free is None else f"{free} per rank"
             raise KVCacheCapacityError(
-                f"kv cache: {self.block_manager.num_free_blocks} blocks free, not enough for "
+                f"kv cache: {where} blocks free, not enough for "
                 f"{len(prompt_token_ids)} prompt tokens; retry later or on another worker"
             )
         self.block_manager.allocate(seq)

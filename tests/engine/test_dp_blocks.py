@@ -100,3 +100,5 @@ def test_transfers_and_load_see_every_ranks_blocks_in_one_numbering() -> None:
     half_each = EngineStats(num_blocks=12, num_free_blocks=6, num_free_blocks_per_rank=(3, 3))
     assert half_each.load == 0.5
     assert EngineStats(num_blocks=12, num_free_blocks=6).load == 0.5  # one pool: its usage
+    # Scratch steps (warm-up, adaptive K's costs) put rows on any rank: ids clean on all.
+    assert blocks.clean_block_ids == [2, 3, 4, 5]  # rank 0 holds 0 and 1, rank 1 holds 0

@@ -110,3 +110,7 @@ def test_data_parallel_decode_without_eager_is_refused() -> None:
         render_raw({"decode": {"engine": {"dataParallelSize": 2}}})
     assert "decode.engine.dataParallelSize: 2 data-parallel ranks step eagerly only" in str(e.value)
     render_raw({"decode": {"engine": {"dataParallelSize": 2, "eager": True}}})
+    both = {"dataParallelSize": 2, "tensorParallelSize": 2, "eager": True}
+    with pytest.raises(helm.HelmRenderError) as e:
+        render_raw({"decode": {"engine": both}})
+    assert "decode.engine.dataParallelSize: 2 with tensorParallelSize 2: tensor" in str(e.value)

@@ -152,7 +152,8 @@ async def test_requests_spread_over_both_ranks_and_the_ledger_agrees(
     if decode_ranks(layout) == 1:
         pytest.skip("one decode rank")  # the other layouts' test
     decode = cluster.decode[0]
-    per_rank = (await worker_stats(decode)).num_kv_blocks_free // 2
+    stats = await worker_stats(decode)
+    per_rank = (stats.num_kv_blocks_used + stats.num_kv_blocks_free) // 2
     rng = random.Random(1)
     prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(9)] for _ in range(6)]
     streams = await start_streams(cluster.router_address, prompts, max_tokens=200, min_tokens=2)
