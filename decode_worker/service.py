@@ -30,6 +30,7 @@ from decode_worker.chunk_stream import ChunkStream
 from decode_worker.request import Aborted, CloseReason, DeltaSlot, Holders, RequestHandle
 from decode_worker.transitions import DecodeTransitions
 from engine.admission import RequestError
+from engine.dp_blocks import rank_of
 from engine.engine_figures import BlockTableWatch
 from engine.llm_engine import LLMEngine
 from engine.output_processor import OutputBuilder
@@ -189,6 +190,7 @@ class DecodeWorkerService(LoraCalls, pb_grpc.DecodeWorkerServicer):
             epoch=self.membership.epoch,
             block_size=self.block_size,
             host_id=self.host_id,
+            data_parallel_rank=rank_of(self.engine.block_manager, table[0]) if table else 0,
         )
 
     async def Decode(

@@ -128,6 +128,14 @@ class DataParallelBlocks:
 KvBlocks = BlockManager | DataParallelBlocks
 
 
+def rank_of(blocks: KvBlocks, whole_block: int) -> int:
+    """The data-parallel rank whose block ``whole_block`` is, as ``whole_table`` numbers
+    them (0 for one pool's)."""
+    if not isinstance(blocks, DataParallelBlocks):
+        return 0
+    return whole_block // blocks.num_blocks
+
+
 def whole_table(blocks: KvBlocks, seq: BlockOwner) -> list[int]:
     """``seq``'s block ids as a pool of every rank's blocks numbers them: under
     data-parallel attention, its rank's ``num_blocks`` come after the ranks before it."""

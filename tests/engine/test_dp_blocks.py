@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.block_manager import BlockManager
-from engine.dp_blocks import DataParallelBlocks, whole_table
+from engine.dp_blocks import DataParallelBlocks, rank_of, whole_table
 from engine.engine_figures import EngineStats
 from tests.engine.test_block_manager import compute, make_seq
 
@@ -90,10 +90,12 @@ def test_transfers_and_load_see_every_ranks_blocks_in_one_numbering() -> None:
     blocks.allocate(second)
     assert (first.dp_rank, second.dp_rank) == (0, 1)
     assert whole_table(blocks, first) == [0, 1] and whole_table(blocks, second) == [6]
+    assert (rank_of(blocks, 1), rank_of(blocks, 6)) == (0, 1)  # what a reservation names
     alone = BlockManager(6, 4)
     third = make_seq([3] * 8)
     alone.allocate(third)
     assert whole_table(alone, third) == [0, 1] and alone.total_blocks == 6
+    assert rank_of(alone, 5) == 0
     assert blocks.total_blocks == 12
     full_and_empty = EngineStats(num_blocks=12, num_free_blocks=6, num_free_blocks_per_rank=(0, 6))
     assert full_and_empty.load == 0.0

@@ -16,14 +16,17 @@ import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
-from ledger.ledger import Ledger
+from ledger.ledger import Ledger, RequestState, WorkerRole
 from serving.launcher import Cluster
+from tandem.v1 import worker_pb2 as pb
+from tandem.v1 import worker_pb2_grpc as pb_grpc
 from tests.services.cluster_helpers import (
     TINY_VOCAB,
     audit_live,
@@ -162,3 +165,39 @@ async def test_requests_spread_over_both_ranks_and_the_ledger_agrees(
     results = await asyncio.gather(*streams.tasks)
     assert min(held) < per_rank <= max(held)
     assert [len(tokens(chunks)) for chunks in results] == [200] * len(results)
+
+
+async def test_a_reservation_names_its_rank(
+    cluster: Cluster, ledger: Ledger, layout: tuple[tuple[str, ...], tuple[str, ...]]
+) -> None:
+    """Two reservations made straight to the decode worker: each on the rank with most
+    blocks free (so one on each), named in the reply, its block ids that rank's."""
+    if decode_ranks(layout) == 1:
+        pytest.skip("one decode rank")  # the other layouts' test
+    decode = cluster.decode[0]
+    stats = await worker_stats(decode)
+    per_rank = (stats.num_kv_blocks_used + stats.num_kv_blocks_free) // 2
+    info = next(w for w in ledger.list_workers(WorkerRole.DECODE))
+    owner, epoch = "a-router", 1
+    ranks = []
+    async with grpc.aio.insecure_channel(decode.address) as channel:
+        stub = pb_grpc.DecodeWorkerStub(channel)
+        for rid, prompt in (("named-0", [5, 6, 7, 8, 9]), ("named-1", [9, 8, 7])):
+            ledger.create_request(rid, owner=owner, epoch=epoch)
+            reply = await stub.Reserve(
+                pb.ReserveRequest(
+                    request_id=rid,
+                    num_prompt_tokens=len(prompt),
+                    prompt_token_ids=prompt,
+                    router_id=owner,
+                    router_epoch=epoch,
+                    draft_fingerprint=info.stats["draft_fingerprint"],
+                ),
+                timeout=10,
+            )
+            assert {b // per_rank for b in reply.block_ids} == {reply.data_parallel_rank}
+            ranks.append(reply.data_parallel_rank)
+        for rid in ("named-0", "named-1"):
+            await stub.Abort(pb.AbortRequest(request_id=rid, reason="test"), timeout=10)
+            ledger.transition(rid, RequestState.FAILED, expected=RequestState.QUEUED, epoch=epoch)
+    assert ranks == [0, 1]

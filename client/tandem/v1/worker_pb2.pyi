@@ -232,6 +232,7 @@ class ReserveReply(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     HOST_ID_FIELD_NUMBER: _builtins.int
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _builtins.int
     num_cached_blocks: _builtins.int
     """Leading block_ids that already hold the prompt's KV (prefix cache); not to be pushed."""
     lease_ms: _builtins.int
@@ -243,6 +244,11 @@ class ReserveReply(_message.Message):
     host_id: _builtins.str
     """This worker's host id (kv_transfer.shm_transport.host_id): a prefill worker with the
     same id pushes the KV through shared memory instead of the gRPC stream.
+    """
+    data_parallel_rank: _builtins.int
+    """The data-parallel rank that holds the request (DeepSeek-V3's --data-parallel-size);
+    0 without. block_ids number every rank's blocks one rank after another: this rank's
+    come after the ranks before it.
     """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -257,10 +263,11 @@ class ReserveReply(_message.Message):
         epoch: _builtins.int = ...,
         block_size: _builtins.int = ...,
         host_id: _builtins.str = ...,
+        data_parallel_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "block_size", b"block_size", "epoch", b"epoch", "host_id", b"host_id", "lease_ms", b"lease_ms", "num_cached_blocks", b"num_cached_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "block_size", b"block_size", "data_parallel_rank", b"data_parallel_rank", "epoch", b"epoch", "host_id", b"host_id", "lease_ms", b"lease_ms", "num_cached_blocks", b"num_cached_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
