@@ -180,8 +180,8 @@ class EngineConfig:
             why = "tensor_parallel_size > 1 (tensor parallelism inside each rank is not built)"
         elif self.speculative is not None and self.speculative.is_model_free:
             why = f"{self.speculative.kind} drafts (only draft models run beside each rank's rows)"
-        elif self.torch_compile or self.uses_cuda_graphs or self.enable_overlap_scheduler:
-            why = "compiled steps or CUDA graphs (eager only for now); turn them off"
+        elif self.uses_cuda_graphs or self.enable_overlap_scheduler:
+            why = "CUDA graphs (compiled steps run, not captured ones yet); turn them off"
         if why:
             raise ValueError(f"data_parallel_size: {size} does not run with {why}")
 

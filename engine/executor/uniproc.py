@@ -118,7 +118,8 @@ class UniprocExecutor:
         dp = getattr(self.model, "dp", None)
         if inputs.dp_ranks is not None and dp is not None:  # this rank's rows only
             idle = cast(Callable[[ReturnHiddenStates], ModelOutputs], self.model.idle_pass)
-            return data_parallel.forward(inputs, dp, self._forward_rows, idle)
+            rows = functools.partial(self._forward_rows, compiled=compiled)
+            return data_parallel.forward(inputs, dp, rows, idle)
         return self._forward_rows(inputs, compiled=compiled)
 
     def _forward_rows(self, inputs: ForwardInputs, *, compiled: bool = False) -> ModelOutputs:

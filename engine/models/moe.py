@@ -73,6 +73,9 @@ class DataParallelStep:
     tokens: list[int] = field(default_factory=list)  # per rank: its rows' tokens
     logits: list[int] = field(default_factory=list)  # per rank: its rows' rows of logits
 
+    # Opaque to torch.compile (a graph break, as the experts' loop is): traced, the counts
+    # would be guarded on, and every new split of the rows would compile again.
+    @torch.compiler.disable
     def gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every rank's ``counts[r]`` rows of ``x``, concatenated in rank order, on every
         rank: one all-gather of the rows padded to the most any rank has."""
@@ -84,6 +87,7 @@ class DataParallelStep:
         everyone = self.group.all_gather(x.contiguous(), dim=0)  # [size * most, ...]
         return torch.cat([everyone[r * most : r * most + n] for r, n in enumerate(counts)])
 
+    @torch.compiler.disable
     def own_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's rows of ``x`` (every rank's ``counts`` of rows, in rank order)."""
         start = sum(counts[: self.group.shard.rank])

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import datetime
 import itertools
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ class TensorParallelGroup:
     shm: shm_collectives.ShmCollectives | None = None  # the ranks' segment, one x86 host
     device: str = "cpu"  # where the group's own collectives' tensors live (NCCL: CUDA)
     key: int = 0  # this group's key in _GROUPS, for the ops compiled graphs call
+    undo_on_close: list[Callable[[], None]] = field(default_factory=list)
 
     @classmethod
     def single(cls) -> TensorParallelGroup:
@@ -72,6 +74,8 @@ class TensorParallelGroup:
         _GROUPS[tp.key] = tp
         if use_shm and backend == "gloo":
             tp.shm = shm_collectives.ShmCollectives.open(rank, size, SHM_SLOT_BYTES, timeout_s)
+        if tp.shm is not None:
+            tp.undo_on_close.append(_say_when_compiling(tp.shm))
         return tp
 
     @property
@@ -108,12 +112,17 @@ class TensorParallelGroup:
         dist.broadcast(x, src=0, group=self.group)
         return x
 
+    # Never compiled as frames of their own: where a graph breaks around a collective
+    # (DeepSeek-V3's experts under data-parallel attention), dynamo would otherwise trace
+    # the shared-memory exchange's Python and fail on it. 0.3 us a call eagerly.
+    @torch.compiler.disable
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.shm is not None and self.shm.fits(x):
             return self.shm.all_reduce(x)
         dist.all_reduce(x, group=self.group)
         return x
 
+    @torch.compiler.disable
     def _all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         if self.shm is not None and self.shm.fits(x):
             return self.shm.all_gather(x, dim)
@@ -131,12 +140,36 @@ class TensorParallelGroup:
 
     def close(self) -> None:
         _GROUPS.pop(self.key, None)
+        while self.undo_on_close:
+            self.undo_on_close.pop()()
         if self.shm is not None:
             self.shm.close()
             self.shm = None
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group()
             self.group = None
+
+
+def _say_when_compiling(shm: shm_collectives.ShmCollectives) -> Callable[[], None]:
+    """Marks this rank as compiling in the segment while torch.compile compiles in this
+    process (the others' collectives wait longer for it: ``shm_collectives``); returns
+    what stops it."""
+    from torch._dynamo.callback import CallbackArgs, callback_handler
+
+    def start(_: CallbackArgs) -> None:
+        shm.set_compiling(True)
+
+    def end(_: CallbackArgs) -> None:
+        shm.set_compiling(False)
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+
+    def stop() -> None:
+        callback_handler.remove_start_callback(start)
+        callback_handler.remove_end_callback(end)
+
+    return stop
 
 
 # The groups of this process, by key: the custom ops below take a key, not the group, so

@@ -16,7 +16,11 @@ sum bit for bit (or, for an all-gather, concatenates them).
   only, and gloo elsewhere.
 - **Timeouts.** A rank that does not arrive within ``timeout_s`` makes the call raise, as
   gloo's timeout does; sooner where ``check_ranks`` (rank 0's: its ranks' processes) finds
-  a rank's process ended.
+  a rank's process ended. A rank that is compiling says so in its flag line
+  (``compiling``, set around torch.compile's compilations: ``engine.parallel.group``),
+  and the others wait for it up to ``COMPILE_WAIT_S``: under data-parallel attention a
+  rank compiles the shapes of its own rows while the others, idle or done, wait in the
+  step's next collective, minutes from a cold compile cache.
 - **Checks.** The segment is used only when every rank runs on this host (the same host
   name and boot id) and opened it; otherwise every rank uses gloo. A call whose byte count
   differs between ranks (ranks out of step) raises rather than reading stale bytes.
@@ -39,6 +43,7 @@ import torch.distributed as dist
 FLAG_BYTES = 64  # one cache line per rank: its call's number, its byte counts
 LABEL = "tandem-tp-collectives"
 CHECK_EVERY_S = 0.1  # how often a wait asks whether the other ranks' processes still run
+COMPILE_WAIT_S = 900.0  # the longest a wait lasts for a rank that is compiling
 
 
 def is_supported() -> bool:
@@ -117,6 +122,7 @@ class ShmCollectives:
         # Each call's byte count per buffer, as the data: a rank one call ahead may
         # already have written the next call's.
         self._flags, self._sizes = flags[:, 0], flags[:, 1:3]
+        self._compiling = flags[:, 3]  # 1 while the rank compiles (set_compiling)
         self._slots = buffer[size * FLAG_BYTES :].view(2, size, slot_bytes)
 
     @classmethod
@@ -132,6 +138,10 @@ class ShmCollectives:
         if mapped is None:
             return None
         return cls(rank, size, mapped, slot_bytes, timeout_s)
+
+    def set_compiling(self, is_compiling: bool) -> None:
+        """Tells the other ranks that this one is compiling (their waits last longer)."""
+        self._compiling[self.rank] = int(is_compiling)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.numel() * x.element_size() <= self.slot_bytes
@@ -175,23 +185,31 @@ class ShmCollectives:
         return slots.view(x.dtype).view(self.size, -1)
 
     def _wait(self) -> None:
-        deadline = checked = None
+        deadline = checked = started = None
         spins = 0
         while int(self._flags.min()) < self.generation:
             spins += 1
             if spins % 64 == 0:
                 now = time.monotonic()
+                started = started or now
                 deadline = deadline or now + self.timeout_s
                 checked = checked or now
                 if self.check_ranks is not None and now - checked > CHECK_EVERY_S:
                     self.check_ranks()  # raises at once where a rank's process has ended
                     checked = now
+                if now > deadline and self._is_compiling() and now < started + COMPILE_WAIT_S:
+                    deadline = now + self.timeout_s  # not stuck: compiling
                 if now > deadline:
                     raise RuntimeError(
                         f"collective {self.generation}: a rank did not arrive within "
-                        f"{self.timeout_s:g} s (flags {self._flags.tolist()})"
+                        f"{now - started:.0f} s (flags {self._flags.tolist()})"
                     )
                 time.sleep(0)  # let a rank on the same core run
+
+    def _is_compiling(self) -> bool:
+        """Whether a rank that has not arrived is compiling."""
+        late = self._flags < self.generation
+        return bool((self._compiling[late] != 0).any())
 
     def close(self) -> None:
         self._flags = self._sizes = self._slots = None  # type: ignore[assignment]

@@ -4,6 +4,7 @@ runs the collectives, and saves what it got (safetensors: nothing pickled)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -108,3 +109,37 @@ def out_of_step(rank: int, size: int, out_dir: str, init_method: str) -> None:
     finally:  # the group's threads end before the interpreter does (else, at times, abort)
         tp.close()
     raise AssertionError("collectives of different sizes were not refused")
+
+
+def waits_for_a_compiling_rank(rank: int, size: int, out_dir: str, init_method: str) -> None:
+    """Rank 1 compiles a function (torch.compile, from a cold cache: seconds) before its
+    all-reduce; rank 0 waits for it past the group's 1 s timeout. Then rank 1 sleeps 3 s
+    before the next one, compiling nothing: rank 0's fails after about 1 s."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(out_dir) / f"inductor{rank}")
+    torch.set_num_threads(1)
+    tp = TensorParallelGroup.join(rank, size, init_method, timeout_s=1.0)
+    assert tp.shm is not None
+    if rank == 1:
+        compiled = torch.compile(lambda x: torch.sin(x) * 2 + x.cos(), dynamic=False)
+        compiled(torch.ones(4))
+        tp.all_reduce(torch.ones(4))
+        time.sleep(3.0)
+        with contextlib.suppress(RuntimeError):  # rank 0 gave up on it
+            tp.all_reduce(torch.ones(4))
+        return
+    started = time.monotonic()
+    total = tp.all_reduce(torch.ones(4))
+    waited_for_compile = time.monotonic() - started
+    started = time.monotonic()
+    refused = 0
+    try:
+        tp.all_reduce(torch.ones(4))
+    except RuntimeError:
+        refused = 1
+    out = {
+        "sum": total,
+        "waited_for_compile_s": torch.tensor([waited_for_compile]),
+        "refused": torch.tensor([refused]),
+        "waited_s": torch.tensor([time.monotonic() - started]),
+    }
+    save_file(out, str(Path(out_dir) / "rank0.out"))

@@ -97,3 +97,20 @@ def test_ranks_out_of_step_are_refused_not_given_stale_bytes(tmp_path: Path) -> 
     )
     for rank in range(2):
         assert load_file(str(tmp_path / f"rank{rank}.out"))["refused"].item() == 1
+
+
+def test_a_compiling_rank_is_waited_for_and_a_silent_one_is_not(tmp_path: Path) -> None:
+    """With a 1 s timeout, rank 0 waits for rank 1 through its torch.compile (a cold
+    compile: seconds; rank 1 says it compiles in the shared segment), and gives up on it
+    after about 1 s when it is late without compiling."""
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.start_processes(
+        ranks.waits_for_a_compiling_rank,
+        args=(2, str(tmp_path), init),
+        nprocs=2,
+        start_method="spawn",
+    )
+    out = load_file(str(tmp_path / "rank0.out"))
+    assert torch.equal(out["sum"], torch.full((4,), 2.0))
+    assert out["waited_for_compile_s"].item() > 1.0  # past the timeout: rank 1 compiled
+    assert out["refused"].item() == 1 and 1.0 <= out["waited_s"].item() < 2.5
