@@ -3,8 +3,9 @@ rank attends its own requests' rows over its own latent cache with the whole att
 and the experts, split over both (whole with expert parallelism, else by channels), see
 every rank's tokens. Greedy output in fp32 equals transformers' (the tie-aware
 comparator): with requests spread over both ranks, with one rank idle, with every token
-sent to one rank's experts, and for a block-FP8 checkpoint. What it does not run yet is
-refused, naming the field (drafts beside each rank's rows: ``test_dp_drafts``)."""
+sent to one rank's experts, and for a block-FP8 checkpoint; compiled steps from a cold
+compile cache equal eager ones. What it does not run yet is refused, naming the field
+(drafts beside each rank's rows: ``test_dp_drafts``)."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def test_what_data_parallel_attention_does_not_run_is_refused(model, tmp_path) -
     for kw, why in (
         ({"tensor_parallel_size": 2}, r"tensor_parallel_size > 1 \(tensor parallelism inside"),
         ({"speculative": SpeculativeConfig("", kind="suffix")}, "suffix drafts"),
-        ({"torch_compile": True}, "compiled steps or CUDA graphs"),
+        ({"cuda_graphs": True, "speculative": SpeculativeConfig("", kind="mtp")}, "CUDA graphs"),
     ):
         with pytest.raises(ValueError, match=f"data_parallel_size: 2 does not run with {why}"):
             greedy(model_dir, [], kw.pop("tensor_parallel_size", 1), data_parallel_size=2, **kw)
@@ -138,3 +139,19 @@ def test_chunked_prompts_logprobs_and_preemption_as_on_one_rank(model, prompts) 
         for x, y in zip(a.prompt_logprobs or [], b.prompt_logprobs or [], strict=True):
             assert x.token_id == y.token_id and x.top.keys() == y.top.keys()
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+
+
+def test_compiled_steps_from_a_cold_compile_cache_equal_eager(
+    model, prompts, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps through each rank's compiled forward, every inductor cache empty. The
+    compiling warm-up puts rows on both ranks; then one request alone, rank 1 idle in
+    every collective. Each rank compiles its rows' shapes while the other waits in a
+    collective, for longer than the collectives' 10 s deadline from a cold cache."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model_dir, _ = model
+    eager, _ = data_parallel(model_dir, prompts[1:2], enable_expert_parallel=True)
+    ours, engine = data_parallel(model_dir, prompts[1:2], enable_expert_parallel=True,
+                                 torch_compile=True)  # fmt: skip
+    assert ours == eager
+    assert min(engine.block_manager.num_placed) > 0  # the warm-up's rows on both ranks
