@@ -130,8 +130,7 @@ def add_in_process_generate(parser: Any) -> Callable[[argparse.Namespace], int]:
         default=1,
         metavar="N",
         help="DeepSeek-V3: N ranks, each attending its own requests over its own latent "
-        "cache, the experts split over them, drafts beside each rank's rows (eager; "
-        "default: 1)",
+        "cache, the experts split over them, drafts beside each rank's rows (default: 1)",
     )
     parser.add_argument(
         "--enable-expert-parallel",

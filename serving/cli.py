@@ -96,8 +96,8 @@ def register_serve(subparsers: Any) -> None:
         default=1,
         metavar="N",
         help="every worker: DeepSeek-V3's data-parallel attention over N ranks, each caching "
-        "and attending its own requests (with --eager; the ranks on one host's CPU). The "
-        "router balances decode workers by their emptiest rank's room (default: 1)",
+        "and attending its own requests (the ranks on one host's CPU). The router balances "
+        "decode workers by their emptiest rank's room (default: 1)",
     )
     parser.add_argument(
         "--enable-expert-parallel",
@@ -255,13 +255,6 @@ def _serve(args: argparse.Namespace) -> int:
         worker_args.append("--enable-expert-parallel")
     if args.data_parallel_size != 1:  # the workers refuse a size below 1, naming the flag
         worker_args += ["--data-parallel-size", str(args.data_parallel_size)]
-        if args.data_parallel_size > 1 and not args.eager:
-            print(
-                "tandem serve: error: --data-parallel-size: data-parallel ranks step eagerly "
-                "only; add --eager",
-                file=sys.stderr,
-            )
-            return 2
     worker_args += lora_flags(args)
     router_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     if args.allow_runtime_lora:

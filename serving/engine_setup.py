@@ -96,7 +96,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="DeepSeek-V3's data-parallel attention over N ranks (processes): each caches "
         "and attends its own requests, the experts split over all of them. Requests go to "
         "the rank with most free blocks, and the router balances by each rank's room. "
-        "Eager only (with --eager); ranks on one host's CPU (default: 1)",
+        "Ranks on one host's CPU (default: 1)",
     )
     group.add_argument(
         "--enable-expert-parallel",

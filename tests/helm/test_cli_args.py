@@ -280,7 +280,7 @@ def test_tensor_parallel_sizes_reach_each_role_with_one_gpu_per_rank() -> None:
 
 def test_deepseek_v3_values_give_decode_eight_data_parallel_ranks_and_eight_gpus() -> None:
     """The DeepSeek-V3 value set: prefill split 8 ways by heads, decode 8 data-parallel
-    ranks (eager), both with whole experts over their ranks; one GPU a rank."""
+    ranks, both with whole experts over their ranks; one GPU a rank."""
     objs = objects("deepseek-v3")
     layouts = {}
     for _, container in tandem_containers(objs):
@@ -294,4 +294,4 @@ def test_deepseek_v3_values_give_decode_eight_data_parallel_ranks_and_eight_gpus
                 args.eager,
                 gpus,
             )
-    assert layouts == {"prefill": (8, 1, True, False, 8), "decode": (1, 8, True, True, 8)}
+    assert layouts == {"prefill": (8, 1, True, False, 8), "decode": (1, 8, True, False, 8)}

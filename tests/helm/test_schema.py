@@ -105,12 +105,9 @@ def test_defaults_and_schema_agree() -> None:
         assert schema["properties"][section]["additionalProperties"] is False, section
 
 
-def test_data_parallel_decode_without_eager_is_refused() -> None:
-    with pytest.raises(helm.HelmRenderError) as e:
-        render_raw({"decode": {"engine": {"dataParallelSize": 2}}})
-    assert "decode.engine.dataParallelSize: 2 data-parallel ranks step eagerly only" in str(e.value)
-    render_raw({"decode": {"engine": {"dataParallelSize": 2, "eager": True}}})
-    both = {"dataParallelSize": 2, "tensorParallelSize": 2, "eager": True}
+def test_tensor_parallelism_inside_data_parallel_ranks_is_refused() -> None:
+    render_raw({"decode": {"engine": {"dataParallelSize": 2}}})
+    both = {"dataParallelSize": 2, "tensorParallelSize": 2}
     with pytest.raises(helm.HelmRenderError) as e:
         render_raw({"decode": {"engine": both}})
     assert "decode.engine.dataParallelSize: 2 with tensorParallelSize 2: tensor" in str(e.value)

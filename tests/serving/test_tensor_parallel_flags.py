@@ -129,8 +129,8 @@ def test_fp8_weights_reach_the_engine_config_and_serve_passes_them_on(
 def test_the_data_parallel_size_reaches_every_worker_and_the_engine_config(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _, config = built_config(monkeypatch, tmp_path, True, ["--data-parallel-size", "2", "--eager"])
-    assert config.data_parallel_size == 2 and not config.torch_compile
+    _, config = built_config(monkeypatch, tmp_path, True, ["--data-parallel-size", "2"])
+    assert config.data_parallel_size == 2 and config.torch_compile
     _, config = built_config(monkeypatch, tmp_path, False, ["--data-parallel-size", "2"])
     assert config.data_parallel_size == 2
     for cli, prog in ((prefill_cli, "prefill"), (decode_cli, "decode"), (colocated_cli, "co")):
@@ -141,12 +141,6 @@ def test_the_data_parallel_size_reaches_every_worker_and_the_engine_config(
         assert "--data-parallel-size: must be at least 1, got 0" in capsys.readouterr().err
     specs = capture_cluster_specs(monkeypatch)
     args = serve_parser().parse_args(["serve", "--model", "m", "--data-parallel-size", "2"])
-    assert args.func(args) == 2  # not compiled: refused before anything starts
-    assert "--data-parallel-size: data-parallel ranks step eagerly only" in capsys.readouterr().err
-    assert specs == []
-    args = serve_parser().parse_args(
-        ["serve", "--model", "m", "--data-parallel-size", "2", "--eager"]
-    )
     assert args.func(args) == 1  # the captured cluster refuses to start
     (spec,) = specs
     i = spec.worker_args.index("--data-parallel-size")

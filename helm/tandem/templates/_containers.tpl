@@ -60,9 +60,6 @@ ConfigMap ($(TANDEM_...) is expanded by the kubelet), probes and the drain. dict
     {{- if gt (int $v.engine.tensorParallelSize) 1 }}
     {{- fail (printf "%s.engine.dataParallelSize: %d with tensorParallelSize %d: tensor parallelism inside data-parallel ranks is not built; set one of them" $role (int $v.engine.dataParallelSize) (int $v.engine.tensorParallelSize)) }}
     {{- end }}
-    {{- if and (eq $role "decode") (not $v.engine.eager) }}
-    {{- fail (printf "decode.engine.dataParallelSize: %d data-parallel ranks step eagerly only; set decode.engine.eager" (int $v.engine.dataParallelSize)) }}
-    {{- end }}
     - --data-parallel-size=$({{ $env }}DATA_PARALLEL_SIZE)
     {{- end }}
     {{- if $v.engine.expertParallel }}
