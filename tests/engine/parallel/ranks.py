@@ -5,11 +5,13 @@ runs the collectives, and saves what it got (safetensors: nothing pickled)."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
@@ -119,8 +121,11 @@ def waits_for_a_compiling_rank(rank: int, size: int, out_dir: str, init_method: 
     torch.set_num_threads(1)
     tp = TensorParallelGroup.join(rank, size, init_method, timeout_s=1.0)
     assert tp.shm is not None
-    if rank == 1:
+    if rank == 1:  # dynamo and inductor imported first: the compile says so at once
+        importlib.import_module("torch._inductor.compile_fx")
         compiled = torch.compile(lambda x: torch.sin(x) * 2 + x.cos(), dynamic=False)
+    dist.barrier()  # gloo's, under the group's long timeout: both ranks ready
+    if rank == 1:
         compiled(torch.ones(4))
         tp.all_reduce(torch.ones(4))
         time.sleep(3.0)
