@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.admission import RequestError
-from engine.dp_blocks import whole_table
+from engine.dp_blocks import DataParallelBlocks, whole_table
 from engine.kv_cache import KVCacheCapacityError, PagedKVCache
 from engine.model_runner import LayerListener
 from engine.outputs import PrefilledRequest, RequestDelta, hand_out
@@ -118,8 +118,10 @@ class Disaggregation:
         )
         if not self.block_manager.can_allocate(seq):
             del self._seqs[request_id]
-            free = getattr(self.block_manager, "free_blocks_per_rank", None)  # one rank holds it
-            where = f"{self.block_manager.num_free_blocks}" if free is None else f"{free} per rank"
+            blocks = self.block_manager
+            where = f"{blocks.num_free_blocks}"
+            if isinstance(blocks, DataParallelBlocks):  # one rank must hold it
+                where = f"{blocks.free_blocks_per_rank} per rank"
             raise KVCacheCapacityError(
                 f"kv cache: {where} blocks free, not enough for "
                 f"{len(prompt_token_ids)} prompt tokens; retry later or on another worker"

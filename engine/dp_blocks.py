@@ -16,6 +16,8 @@ b is block ``r * num_blocks + b`` of it (``whole_table``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from engine.block_manager import BlockManager, BlockOwner
 
 
@@ -136,10 +138,15 @@ def rank_of(blocks: KvBlocks, whole_block: int) -> int:
     return whole_block // blocks.num_blocks
 
 
+def whole_ids(block_table: Iterable[int], rank: int, num_blocks: int) -> list[int]:
+    """Rank ``rank``'s block ids as a pool of every rank's ``num_blocks`` numbers them:
+    after the ranks before it."""
+    return [rank * num_blocks + block for block in block_table]
+
+
 def whole_table(blocks: KvBlocks, seq: BlockOwner) -> list[int]:
-    """``seq``'s block ids as a pool of every rank's blocks numbers them: under
-    data-parallel attention, its rank's ``num_blocks`` come after the ranks before it."""
+    """``seq``'s block ids as a pool of every rank's blocks numbers them (``whole_ids``);
+    one pool's as they are."""
     if not isinstance(blocks, DataParallelBlocks):
         return list(seq.block_table)
-    first = getattr(seq, "dp_rank", 0) * blocks.num_blocks
-    return [first + block for block in seq.block_table]
+    return whole_ids(seq.block_table, getattr(seq, "dp_rank", 0), blocks.num_blocks)

@@ -112,9 +112,9 @@ class BlockTableWatch:
         tables: dict[str, list[int]] = {}
         for seq in engine.scheduler.running:
             table = self._tables.get(seq.request_id)
-            now = whole_table(engine.block_manager, seq)
-            if table != now:
-                table = changed[seq.request_id] = now
+            if table != seq.block_table:  # this rank's ids, compared without a copy a step
+                table = list(seq.block_table)
+                changed[seq.request_id] = whole_table(engine.block_manager, seq)
             tables[seq.request_id] = table
         self._tables = tables  # ended requests drop out
         return changed

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine import prompt_logprobs
 from engine.attention.base import AttentionBackend, BatchLayout
+from engine.dp_blocks import whole_ids
 from engine.executor.inputs import ForwardInputs
 from engine.executor.multiproc import MultiprocExecutor, RankGroup
 from engine.executor.uniproc import UniprocExecutor, compile_decode_model
@@ -73,7 +74,7 @@ class StepKv:
                     seq.request_id,
                     seq.num_computed_tokens,
                     seq.num_computed_tokens + num_new,
-                    tuple(seq.dp_rank * blocks_per_rank + b for b in seq.block_table),
+                    tuple(whole_ids(seq.block_table, seq.dp_rank, blocks_per_rank)),
                     batch.samples(row),
                 )
                 for row, (seq, num_new) in enumerate(

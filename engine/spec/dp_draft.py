@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -271,11 +271,12 @@ class DataParallelDrafter(SplitDrafter):
             return self.own.propose(args, k, ranks, local, None if greedy else choose)
 
 
-def name_ranks(drafter: object, ranks: list[int]) -> None:
+def name_ranks(drafter: object, ranks: Iterable[int]) -> None:
     """Under data-parallel attention (``drafter`` a ``DataParallelDrafter``), each row's
-    rank, in the rows' order, for the draft's next extend."""
+    rank, in the rows' order, for the draft's next extend; read only then (a decode
+    step passes a generator, which costs nothing elsewhere)."""
     if isinstance(drafter, DataParallelDrafter):
-        drafter.row_ranks = ranks
+        drafter.row_ranks = list(ranks)
 
 
 class DataParallelDraftMirror:

@@ -160,7 +160,7 @@ class SpecRunner:
     def _prefill(self, batch: ScheduledBatch) -> StepOutput:
         assert self.drafter is not None and self.draft_kv is not None
         result = self.runner.execute(batch, self.drafter.target_hidden)
-        name_ranks(self.drafter, [seq.dp_rank for seq in batch.seqs])
+        name_ranks(self.drafter, (seq.dp_rank for seq in batch.seqs))
         inputs, out = result.inputs, result.outputs
         assert inputs is not None and out is not None
         sampled = dict(zip(result.rows, result.tokens, strict=True))
@@ -256,7 +256,7 @@ class SpecRunner:
             started = time.perf_counter()
         inputs = self._step_inputs(seqs, k, k_next, lengths)
         self._verify_under_adapters(seqs, inputs)
-        name_ranks(self.drafter, [seq.dp_rank for seq in seqs])
+        name_ranks(self.drafter, (seq.dp_rank for seq in seqs))
         if (
             self.graphs is not None and inputs.grammar is None and inputs.draft_lengths is None
         ):  # one wait, for the tokens' pinned host copies
@@ -319,7 +319,7 @@ class SpecRunner:
         assert self.drafter is not None and self.draft_kv is not None
         spans = [(seq, seq.num_drafted_tokens, seq.num_computed_tokens) for seq in seqs]
         layout = self.runner.layout(spans)
-        name_ranks(self.drafter, [seq.dp_rank for seq in seqs])
+        name_ranks(self.drafter, (seq.dp_rank for seq in seqs))
         # Feature i pairs with the token after it, up to the pending token at ``end``.
         tokens = [t for seq, start, end in spans for t in seq.token_ids[start + 1 : end + 1]]
         backend = self.runner.backend
