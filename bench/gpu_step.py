@@ -17,6 +17,10 @@ plus the rows' KV); steps/s = bandwidth / bytes.
     PYTHONPATH=. python bench/gpu_step.py                 # on a GPU: both shapes
     PYTHONPATH=. python bench/gpu_step.py --quick         # CPU check: SmolLM2's shape only
 
+``--profile`` also records, at batch 1, each setting's kernels (on CPU its operators) through
+``torch.profiler``: time and launches per step, and the costliest kernels by name. It is
+what says where a step's time goes beyond its weights' bytes.
+
 On CUDA it also times the W8A8 block-FP8 product (``kernels/triton/fp8_gemm.py``) against
 bf16's at one of DeepSeek-V3's shapes, and one DeepSeek-V3 MoE layer at its real shape.
 
@@ -209,6 +213,39 @@ def deepseek_moe_times(device: torch.device, **shape: int) -> dict[str, float]:
     return times
 
 
+def profile_calls(fn: Callable[[], object], device: torch.device, steps: int = 5) -> dict[str, Any]:
+    """Per step of ``fn``: wall time under the profiler, the kernels' (on CPU the operators')
+    summed self time and count, and the 12 costliest by name."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    fn()
+    sync(device)
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        sync(device)
+    wall_ms = (time.perf_counter() - started) * 1e3 / steps
+    rows = []
+    for event in prof.key_averages():
+        if on_cuda and event.device_type != DeviceType.CUDA:
+            continue
+        us = event.self_device_time_total if on_cuda else event.self_cpu_time_total
+        if us > 0:
+            rows.append((us / 1e3 / steps, event.count / steps, event.key))
+    rows.sort(reverse=True)
+    return {
+        "wall_ms": round(wall_ms, 3),
+        "busy_ms": round(sum(ms for ms, _, _ in rows), 3),
+        "launches": round(sum(n for _, n, _ in rows), 1),
+        "top": [{"name": key[:90], "ms": round(ms, 4), "calls": round(n, 1)}
+                for ms, n, key in rows[:12]],
+    }  # fmt: skip
+
+
 class StepBench:
     """One model's unified step (K=0 and EAGLE-3 K=5) at each batch size, eager and graph."""
 
@@ -296,6 +333,12 @@ class StepBench:
                 for mode, fn in (("eager", eager), ("graph", graph)):
                     ms = 1e3 * time_per_call(fn, self.device, self.args.repeats)
                     out[setting][mode][b] = round(ms, 3)
+                    if self.args.profile and b == 1:
+                        found = profile_calls(fn, self.device)
+                        out.setdefault("profile_bs1", {}).setdefault(setting, {})[mode] = found
+                        busy, wall, n = found["busy_ms"], found["wall_ms"], found["launches"]
+                        log(f"{self.name} batch 1 {setting} {mode} profiled: "
+                            f"{n} launches, {busy} ms busy of {wall} ms")  # fmt: skip
                 eager_ms, graph_ms = out[setting]["eager"][b], out[setting]["graph"][b]
                 log(f"{self.name} batch {b:3d} {setting:9s}: eager {eager_ms:8.3f} ms  "
                     f"graph {graph_ms:8.3f} ms")  # fmt: skip
@@ -365,6 +408,9 @@ def main() -> None:
     parser.add_argument("--hf-tokens", type=int, default=64, help="tokens generate makes")
     parser.add_argument("--rates", default="0.8,0.7,0.6,0.5,0.4", help="synthetic acceptance")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
+    parser.add_argument(
+        "--profile", action="store_true", help="profile each batch-1 cell (torch.profiler)"
+    )
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.rates = [float(r) for r in args.rates.split(",")]
