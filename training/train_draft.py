@@ -22,7 +22,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -177,12 +177,15 @@ def train_draft(
     data: SequenceSet | None = None,
     data_meta: dict[str, Any] | None = None,
     log: Log = _stderr,
+    evaluate_on: Mapping[str, SequenceSet] | None = None,
 ) -> dict[str, Any]:
     """Trains a draft for ``config.target`` into ``config.out``; returns the manifest.
 
     ``data``: pre-built sequences (prompt + the target's greedy continuation) and what the
     manifest should say about them; default: generated from the training corpus (or reused
-    from ``OUT/data``).
+    from ``OUT/data``). ``evaluate_on``: named sets the trained draft is also decoded on
+    (e.g. the committed held-out prompts' continuations), their tau in the manifest's
+    ``decoding_tau_on``.
     """
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -238,7 +241,14 @@ def train_draft(
         )
         if not boxed:
             trainer.save_checkpoint(epoch + 1)
-    return finish(config, trainer, data, train, val, data_meta, log)
+    manifest = finish(config, trainer, data, train, val, data_meta, log)
+    if evaluate_on:
+        manifest["decoding_tau_on"] = {
+            name: trainer.decoding_tau(sequences) for name, sequences in evaluate_on.items()
+        }
+        log(f"decoding tau(K={config.eval_k}) on {manifest['decoding_tau_on']}")
+        (Path(config.out) / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
 
 
 class DraftTrainer:
@@ -404,6 +414,18 @@ class DraftTrainer:
         finally:
             self.module.train()
         return acceptance, time.perf_counter() - start
+
+    def decoding_tau(self, data: SequenceSet) -> float:
+        """tau of greedy speculative decoding over ``data``'s continuations (K=eval_k)."""
+        size = self.config.batch_size
+        chunks = [data.sequences[i : i + size] for i in range(0, len(data), size)]
+        features = [f for c in chunks for f in self.features.ragged(c)]
+        self.module.eval()
+        try:
+            stats = decoding_acceptance(self.drafter, data, features, self.config.eval_k)
+        finally:
+            self.module.train()
+        return round(stats.mean_accepted_length, 4)
 
     def save_checkpoint(self, epochs_done: int) -> None:
         meta = {"kind": self.config.kind, "epoch": epochs_done, "history": self.history}

@@ -42,9 +42,14 @@ def test_the_dry_run_goes_through_every_phase(tmp_path: Path) -> None:
 
     script = load_script()
     assert summary["phases"]["target"]["gguf_sha256"] == script.sha256(source_gguf("smollm2"))
+    # A quarter of the prompts continued past EOS (all 8 tokens), the held-out sets apart.
+    assert summary["phases"]["data"]["heldout_sets"] == {"chat": 4, "code": 4}
+    assert summary["phases"]["data"]["generated_tokens"] >= 10 * 8
     for kind in ("eagle3", "eagle", "dflash"):
         assert summary["drafts"][kind]["steps"] > 0
         assert summary["drafts"][kind]["heldout_tau"] >= 1.0
+        assert set(summary["drafts"][kind]["decoding_tau_on"]) == {"chat", "code"}
+        assert all(t >= 1.0 for t in summary["drafts"][kind]["decoding_tau_on"].values())
     assert summary["draft_vocab"]["covers"] >= 0.97
     files = sorted(p.name for p in out.iterdir())
     assert files == ["drafts.tar.000", "gpu_train_drafts.json", "train.log"]
@@ -84,6 +89,26 @@ def test_the_staged_parts_join_to_the_file_and_a_changed_part_is_refused(tmp_pat
     (tmp_path / "b" / second.name).write_bytes(b"\0" * 156_000)
     with pytest.raises(SystemExit, match="sha256"):
         script.join_parts((tmp_path / "a", tmp_path / "b"), tmp_path / "joined.gguf")
+
+
+def test_the_staged_prompts_begin_with_the_targets_own_messages_and_skip_held_out(
+    tmp_path: Path,
+) -> None:
+    import gzip
+
+    from training.corpus import load_heldout
+
+    script = load_script()
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" * 10)
+    script.stage(gguf, tmp_path / "s", num_prompts=300)
+    with gzip.open(tmp_path / "s" / script.PROMPTS, "rt") as f:
+        texts = json.load(f)
+    messages = script.self_instruct_texts()
+    assert len(messages) == 7000  # openers-seed2 and -seed3
+    assert len(texts) == 300 and len(set(texts)) == 300
+    assert texts[:150] == messages[:150]  # half of them, the rest from the corpus
+    assert not set(texts) & {*load_heldout("chat"), *load_heldout("code")}
 
 
 def test_the_pieces_leave_out_the_drafts_trained_last_where_too_many(tmp_path: Path) -> None:
