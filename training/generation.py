@@ -126,7 +126,8 @@ def hf_greedy_sequences(
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = chat_prompt_ids(tokenizer, texts, max_prompt_len)
     dtype = torch.bfloat16 if device != "cpu" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
+    model = model.to(device).eval()
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     pad = eos if pad is None else pad
     if ignore_eos:  # generate reads EOS from here when the call names none
