@@ -39,6 +39,7 @@ def test_the_dry_run_passes_on_cpu() -> None:
     assert "tests/kernels/triton/test_triton_gpu.py" in result["gpu_test_files"]
     assert 0 < result["travelling_mib"] <= 64
     assert "bench/gpu_step.py --quick: ran on CPU" in done.stderr
+    assert "bench/cuda_ipc.py: refused on CPU as it should be" in done.stderr
     # The collection ran in a child that had every package: those the GPU image lacks are
     # named (tandem's own modules never are).
     assert all(not name.startswith("tandem") for name in result["missing_on_gpu"])
@@ -72,6 +73,7 @@ def test_the_check_itself_on_cpu_leaves_a_summary_within_its_budget(tmp_path: Pa
     tests = summary["phases"]["gpu_tests"]
     assert tests["exit"] == 0 and tests["tests"] > 0 and tests["skipped"] == tests["tests"]
     assert summary["phases"]["gpu_step"]["exit"] is None  # cut off at the budget
+    assert summary["phases"]["cuda_ipc"]["exit"] == 2  # no CUDA device: said, not measured
     assert summary["cuda_ipc_over_d2d"] is None
     files = list(tmp_path.iterdir())
     assert len(files) <= 8 and all(f.stat().st_size < 16 << 20 for f in files)

@@ -1,0 +1,173 @@
+"""CUDA IPC for KV pools: a process exports a CUDA tensor's memory as a handle of bytes, and
+another process on the same host opens it and writes into it, device to device.
+
+This is the device half of the CUDA IPC KV channel (issue 41): a decode worker exports its
+pools, a same-host prefill worker copies each block straight into its destination block,
+and only headers travel over the Push stream, as with the shared-memory pools on CPU
+(shared_pools.py). The handle is plain bytes (``IpcHandle.to_bytes``): no pickle crosses a
+process boundary.
+
+It calls the CUDA driver (``libcuda.so.1``, which torch's CUDA build loads) through ctypes:
+``cuMemGetAddressRange`` finds the allocation a tensor lies in (torch's caching allocator
+may put several tensors in one), ``cuIpcGetMemHandle`` exports that allocation, and
+``cuIpcOpenMemHandle`` maps it in the other process, which sees the tensor at the same
+offset. A process cannot open its own handles; the exporting process must keep the tensor
+alive while others have it open.
+
+On a machine without CUDA every entry point raises ``CudaIpcUnavailable``, saying so: the
+shared-memory channel is what runs there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
+_LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+_WIRE = struct.Struct(f"<{_HANDLE_BYTES}siQQ")  # handle, device, offset, size
+
+
+class CudaIpcUnavailable(RuntimeError):
+    """CUDA IPC cannot run here (no CUDA device, or the driver refused)."""
+
+
+class _IpcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * _HANDLE_BYTES)]
+
+
+_driver: Any = None
+
+
+def unavailable_reason() -> str | None:
+    """Why CUDA IPC cannot run in this process, or None when it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device: KV moves through the shared-memory channel on this machine"
+    try:
+        _cuda()
+    except OSError as e:
+        return f"the CUDA driver library could not be loaded: {e}"
+    return None
+
+
+def _cuda() -> Any:
+    """libcuda with the prototypes used here (loaded once)."""
+    global _driver
+    if _driver is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        ptr, size = ctypes.c_uint64, ctypes.c_size_t
+        lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcMemHandle), ptr]
+        lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ptr), _IpcMemHandle, ctypes.c_uint]
+        lib.cuIpcCloseMemHandle.argtypes = [ptr]
+        lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ptr), ctypes.POINTER(size), ptr]
+        lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        _driver = lib
+    return _driver
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        message = ctypes.c_char_p()
+        _cuda().cuGetErrorString(result, ctypes.byref(message))
+        text = message.value.decode() if message.value else "unknown error"
+        raise CudaIpcUnavailable(f"{what}: CUDA error {result} ({text})")
+
+
+def _require(device: torch.device) -> None:
+    reason = unavailable_reason()
+    if reason is not None:
+        raise CudaIpcUnavailable(f"CUDA IPC: {reason}")
+    torch.cuda.set_device(device)  # the driver calls below use this thread's context
+    torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class IpcHandle:
+    """What a receiver announces: the allocation's handle, its device, and where the
+    exported tensor's bytes lie in it."""
+
+    handle: bytes
+    device: int
+    offset: int
+    num_bytes: int
+
+    def to_bytes(self) -> bytes:
+        return _WIRE.pack(self.handle, self.device, self.offset, self.num_bytes)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> IpcHandle:
+        if len(data) != _WIRE.size:
+            raise ValueError(f"CUDA IPC handle: {len(data)} bytes, expected {_WIRE.size}")
+        handle, device, offset, num_bytes = _WIRE.unpack(data)
+        return cls(handle, device, offset, num_bytes)
+
+
+def export(tensor: torch.Tensor) -> IpcHandle:
+    """The handle of a contiguous CUDA tensor's bytes, for another process to open."""
+    if tensor.device.type != "cuda":
+        raise CudaIpcUnavailable(f"CUDA IPC: the tensor is on {tensor.device}, not a GPU")
+    if not tensor.is_contiguous():
+        raise ValueError("CUDA IPC: export a contiguous tensor")
+    _require(tensor.device)
+    lib = _cuda()
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    _check(
+        lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), tensor.data_ptr()),
+        "cuMemGetAddressRange",
+    )
+    handle = _IpcMemHandle()
+    _check(lib.cuIpcGetMemHandle(ctypes.byref(handle), base.value), "cuIpcGetMemHandle")
+    num_bytes = tensor.numel() * tensor.element_size()
+    raw = ctypes.string_at(ctypes.addressof(handle), _HANDLE_BYTES)  # NULs included
+    return IpcHandle(raw, tensor.device.index or 0, tensor.data_ptr() - base.value, num_bytes)
+
+
+class _DeviceBytes:
+    """Device memory torch can wrap without copying (the CUDA array interface)."""
+
+    def __init__(self, address: int, num_bytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (num_bytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+class OpenedTensor:
+    """Another process's exported memory, mapped here: ``bytes`` is a uint8 CUDA tensor
+    over it; ``close`` unmaps it (after which ``bytes`` must not be used)."""
+
+    def __init__(self, handle: IpcHandle) -> None:
+        device = torch.device("cuda", handle.device)
+        _require(device)
+        lib = _cuda()
+        if len(handle.handle) != _HANDLE_BYTES:
+            raise ValueError(f"CUDA IPC handle: {len(handle.handle)} bytes, not {_HANDLE_BYTES}")
+        raw = _IpcMemHandle()
+        ctypes.memmove(ctypes.addressof(raw), handle.handle, _HANDLE_BYTES)
+        base = ctypes.c_uint64()
+        _check(
+            lib.cuIpcOpenMemHandle_v2(ctypes.byref(base), raw, _LAZY_ENABLE_PEER_ACCESS),
+            "cuIpcOpenMemHandle (a process cannot open its own handle)",
+        )
+        self._base: int | None = base.value
+        address = base.value + handle.offset
+        self.bytes = torch.as_tensor(_DeviceBytes(address, handle.num_bytes), device=device)
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.bytes.view(dtype).view(shape)
+
+    def close(self) -> None:
+        if self._base is not None:
+            torch.cuda.synchronize(self.bytes.device)  # no copy may still be writing
+            base, self._base = self._base, None
+            _check(_cuda().cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
+
+
+__all__ = ["CudaIpcUnavailable", "IpcHandle", "OpenedTensor", "export", "unavailable_reason"]

@@ -1,0 +1,61 @@
+"""CUDA IPC for KV pools (kv_transfer/cuda_ipc.py): on CPU it refuses with a message that
+says what runs instead, and its handle travels as exactly 84 bytes; on a GPU (``gpu``) a
+spawned receiver's pool, opened here through its handle, holds exactly what was copied in,
+run by run, and a slice is exported at its offset in its allocation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv_transfer.cuda_ipc import (
+    CudaIpcUnavailable,
+    IpcHandle,
+    OpenedTensor,
+    export,
+    unavailable_reason,
+)
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: IPC handles exist on a GPU only"
+)
+
+
+def test_a_handle_round_trips_as_bytes_and_a_cut_one_is_refused() -> None:
+    handle = IpcHandle(bytes([0, 7] * 32), device=1, offset=4096, num_bytes=1 << 30)
+    data = handle.to_bytes()
+    assert len(data) == 84
+    assert IpcHandle.from_bytes(data) == handle
+    with pytest.raises(ValueError, match="83 bytes, expected 84"):
+        IpcHandle.from_bytes(data[:-1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a CPU machine sees")
+def test_without_cuda_it_refuses_and_says_what_runs_instead() -> None:
+    assert unavailable_reason() == (
+        "no CUDA device: KV moves through the shared-memory channel on this machine"
+    )
+    with pytest.raises(CudaIpcUnavailable, match="on cpu, not a GPU"):
+        export(torch.zeros(16))
+    with pytest.raises(CudaIpcUnavailable, match="no CUDA device"):
+        OpenedTensor(IpcHandle(bytes(64), 0, 0, 16))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_spawned_receivers_pool_holds_exactly_what_was_copied_through_its_handle() -> None:
+    from bench.cuda_ipc import measure
+
+    found = measure(num_bytes=64 << 20, run_bytes=4 << 20, repeats=3)
+    assert found["received_equals_source"] is True
+    assert found["ipc_gb_s"] > 0 and found["d2d_gb_s"] > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_slice_is_exported_at_its_offset_in_the_allocation() -> None:
+    pool = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    whole, tail = export(pool), export(pool[4096:])
+    assert whole.handle == tail.handle and len(whole.handle) == 64
+    assert tail.offset - whole.offset == 4096
+    assert (whole.num_bytes, tail.num_bytes) == (1 << 20, (1 << 20) - 4096)
