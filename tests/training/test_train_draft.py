@@ -232,3 +232,23 @@ def test_a_time_budget_stops_training_mid_epoch_and_decays_the_rate_over_it(
     assert train_module.lr_at(5, 1000, boxed, elapsed_s=5.0) == pytest.approx(boxed.lr)
     assert train_module.lr_at(5, 1000, boxed, elapsed_s=52.5) == pytest.approx(0.55 * boxed.lr)
     assert train_module.lr_at(5, 1000, boxed, elapsed_s=100.0) == pytest.approx(0.1 * boxed.lr)
+
+
+def test_named_sets_are_decoded_by_the_trained_draft_as_its_hold_out_is(
+    tiny: tuple[Path, SequenceSet], tmp_path: Path
+) -> None:
+    """``evaluate_on``: the trainer's own held-out split, named, decodes to the manifest's
+    held-out decoding tau; a set of its training sequences, to a tau of its own; both in
+    the manifest written to disk."""
+    target, data = tiny
+    train, val = data.split(0.1, seed=0)  # as the trainer splits
+    out = tmp_path / "named"
+    sets = {"heldout": val, "seen": train.subset(range(4))}
+    manifest = train_draft(
+        config(target, out, "eagle3", epochs=3), data, log=lambda _: None, evaluate_on=sets
+    )
+    taus = manifest["decoding_tau_on"]
+    assert set(taus) == {"heldout", "seen"}
+    assert taus["heldout"] == round(manifest["heldout_decoding_tau"], 4)
+    assert taus["seen"] >= 1.0
+    assert json.loads((out / "manifest.json").read_text())["decoding_tau_on"] == taus
