@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kv_transfer.cuda_ipc import IpcHandle, OpenedTensor, export, unavailable_reason
 
 _DIGEST = struct.Struct("<q")
+WAIT_S = 120.0  # for the receiver's next message (its start, the pool, the checksum)
 
 
 def digest(data: torch.Tensor) -> int:
@@ -49,13 +50,27 @@ def digest(data: torch.Tensor) -> int:
 
 
 def receive(conn: Connection, num_bytes: int) -> None:
-    """The receiver process: a pool, its handle sent, then its checksum once written."""
+    """The receiver process: a pool, its handle sent, then its checksum once written. If it
+    fails, its end of the pipe closes and the sender's wait ends."""
     pool = torch.zeros(num_bytes, dtype=torch.uint8, device="cuda")
     conn.send_bytes(export(pool).to_bytes())
     conn.recv_bytes()  # the sender wrote and synchronized
     torch.cuda.synchronize()
     conn.send_bytes(_DIGEST.pack(digest(pool)))
     conn.recv_bytes()  # the sender closed its mapping: the pool may go
+
+
+def next_message(conn: Connection, receiver: Any, what: str, wait_s: float = WAIT_S) -> bytes:
+    """The receiver's next message; raises at once if it ended (its end of the pipe closed:
+    only it holds that end), and after ``wait_s`` if it says nothing."""
+    if not conn.poll(wait_s):
+        raise TimeoutError(f"the receiver sent no {what} within {wait_s:.0f} s")
+    try:
+        return conn.recv_bytes()
+    except EOFError:
+        receiver.join(10)
+        code = receiver.exitcode
+        raise RuntimeError(f"the receiver ended (exit {code}) before its {what}") from None
 
 
 def copy_runs(dst: torch.Tensor, src: torch.Tensor, run_bytes: int) -> float:
@@ -80,8 +95,10 @@ def measure(num_bytes: int, run_bytes: int, repeats: int) -> dict[str, Any]:
     conn, child_conn = spawn.Pipe()
     receiver = spawn.Process(target=receive, args=(child_conn, num_bytes), daemon=True)
     receiver.start()
+    child_conn.close()  # only the receiver holds it now: its death ends our waits
+
     try:
-        handle = IpcHandle.from_bytes(conn.recv_bytes())
+        handle = IpcHandle.from_bytes(next_message(conn, receiver, "handle"))
         started = time.perf_counter()
         opened = OpenedTensor(handle)
         open_s = time.perf_counter() - started
@@ -90,7 +107,7 @@ def measure(num_bytes: int, run_bytes: int, repeats: int) -> dict[str, Any]:
         ipc = sorted(copy_runs(opened.bytes, source, run_bytes) for _ in range(repeats))
         d2d = sorted(copy_runs(local, source, run_bytes) for _ in range(repeats))
         conn.send_bytes(b"written")
-        (received,) = _DIGEST.unpack(conn.recv_bytes())
+        (received,) = _DIGEST.unpack(next_message(conn, receiver, "checksum"))
         opened.close()
         conn.send_bytes(b"closed")
         receiver.join(timeout=60)

@@ -285,6 +285,13 @@ class StepBench:
             max_batch, max_batch * (self.k + 1), device, max_blocks_per_seq=width
         )
         self.runner = StepGraphRunner(self.step, buffers, num_blocks - 1)
+        if args.profile and device.type == "cuda":
+            # The profiler must have run once before capture: replaying graphs captured
+            # before its first use can miss kernels or fail (pytorch#75504).
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+                pass
         started = time.perf_counter()
         # K=0: a plain step (drafter deferred); K=5: verify 5, propose 5.
         self.runner.capture(
@@ -334,7 +341,11 @@ class StepBench:
                     ms = 1e3 * time_per_call(fn, self.device, self.args.repeats)
                     out[setting][mode][b] = round(ms, 3)
                     if self.args.profile and b == 1:
-                        found = profile_calls(fn, self.device)
+                        try:  # a profiler failure costs the profile, not the timings
+                            found = profile_calls(fn, self.device)
+                        except Exception as e:
+                            log(f"{self.name} {setting} {mode}: profiling failed: {e!r}")
+                            continue
                         out.setdefault("profile_bs1", {}).setdefault(setting, {})[mode] = found
                         busy, wall, n = found["busy_ms"], found["wall_ms"], found["launches"]
                         log(f"{self.name} batch 1 {setting} {mode} profiled: "

@@ -1,18 +1,20 @@
 """CUDA IPC for KV pools: a process exports a CUDA tensor's memory as a handle of bytes, and
 another process on the same host opens it and writes into it, device to device.
 
-This is the device half of the CUDA IPC KV channel (issue 41): a decode worker exports its
-pools, a same-host prefill worker copies each block straight into its destination block,
-and only headers travel over the Push stream, as with the shared-memory pools on CPU
-(shared_pools.py). The handle is plain bytes (``IpcHandle.to_bytes``): no pickle crosses a
-process boundary.
+This is the device half of a CUDA IPC KV channel (issue 41), which is not built yet: there,
+a decode worker would export its pools, a same-host prefill worker would copy each block
+straight into its destination block, and only headers would travel over the Push stream,
+as with the shared-memory pools on CPU (shared_pools.py). Today ``bench/cuda_ipc.py`` uses
+it to time such a copy. The handle is plain bytes (``IpcHandle.to_bytes``): no pickle
+crosses a process boundary.
 
 It calls the CUDA driver (``libcuda.so.1``, which torch's CUDA build loads) through ctypes:
 ``cuMemGetAddressRange`` finds the allocation a tensor lies in (torch's caching allocator
 may put several tensors in one), ``cuIpcGetMemHandle`` exports that allocation, and
 ``cuIpcOpenMemHandle`` maps it in the other process, which sees the tensor at the same
-offset. A process cannot open its own handles; the exporting process must keep the tensor
-alive while others have it open.
+offset. The GPU is named by its PCI bus id, not its number: two processes with different
+``CUDA_VISIBLE_DEVICES`` number the same GPU differently. A process cannot open its own
+handles; the exporting process must keep the tensor alive while others have it open.
 
 On a machine without CUDA every entry point raises ``CudaIpcUnavailable``, saying so: the
 shared-memory channel is what runs there.
@@ -29,7 +31,8 @@ import torch
 
 _HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
 _LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-_WIRE = struct.Struct(f"<{_HANDLE_BYTES}siQQ")  # handle, device, offset, size
+_BUS_ID_BYTES = 16  # "0000:19:00.0" and its NUL
+_WIRE = struct.Struct(f"<{_HANDLE_BYTES}s{_BUS_ID_BYTES}sQQ")  # handle, bus id, offset, size
 
 
 class CudaIpcUnavailable(RuntimeError):
@@ -65,6 +68,9 @@ def _cuda() -> Any:
         lib.cuIpcCloseMemHandle.argtypes = [ptr]
         lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ptr), ctypes.POINTER(size), ptr]
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        lib.cuDeviceGetPCIBusId.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+        lib.cuDeviceGetByPCIBusId.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p]
         _driver = lib
     return _driver
 
@@ -77,33 +83,54 @@ def _check(result: int, what: str) -> None:
         raise CudaIpcUnavailable(f"{what}: CUDA error {result} ({text})")
 
 
-def _require(device: torch.device) -> None:
+def _require() -> None:
     reason = unavailable_reason()
     if reason is not None:
         raise CudaIpcUnavailable(f"CUDA IPC: {reason}")
-    torch.cuda.set_device(device)  # the driver calls below use this thread's context
-    torch.cuda.synchronize(device)
+
+
+def _bus_id(index: int) -> bytes:
+    """The PCI bus id of this process's CUDA device ``index``."""
+    lib, device = _cuda(), ctypes.c_int()
+    _check(lib.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet")
+    name = ctypes.create_string_buffer(_BUS_ID_BYTES)
+    _check(lib.cuDeviceGetPCIBusId(name, _BUS_ID_BYTES, device.value), "cuDeviceGetPCIBusId")
+    return name.value
+
+
+def _index_of(bus_id: bytes) -> int:
+    """This process's number for the CUDA device at ``bus_id``."""
+    device = ctypes.c_int()
+    found = _cuda().cuDeviceGetByPCIBusId(ctypes.byref(device), bus_id)
+    _check(found, f"cuDeviceGetByPCIBusId({bus_id.decode(errors='replace')}: not visible here?)")
+    return device.value
 
 
 @dataclass(frozen=True)
 class IpcHandle:
-    """What a receiver announces: the allocation's handle, its device, and where the
-    exported tensor's bytes lie in it."""
+    """What a receiver announces: the allocation's handle, its GPU's PCI bus id, and where
+    the exported tensor's bytes lie in the allocation."""
 
     handle: bytes
-    device: int
+    bus_id: bytes
     offset: int
     num_bytes: int
 
+    def __post_init__(self) -> None:
+        if len(self.handle) != _HANDLE_BYTES:
+            raise ValueError(f"CUDA IPC handle: {len(self.handle)} bytes, not {_HANDLE_BYTES}")
+        if not 0 < len(self.bus_id) < _BUS_ID_BYTES:
+            raise ValueError(f"CUDA IPC bus id: {self.bus_id!r} is not a PCI bus id")
+
     def to_bytes(self) -> bytes:
-        return _WIRE.pack(self.handle, self.device, self.offset, self.num_bytes)
+        return _WIRE.pack(self.handle, self.bus_id, self.offset, self.num_bytes)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> IpcHandle:
         if len(data) != _WIRE.size:
             raise ValueError(f"CUDA IPC handle: {len(data)} bytes, expected {_WIRE.size}")
-        handle, device, offset, num_bytes = _WIRE.unpack(data)
-        return cls(handle, device, offset, num_bytes)
+        handle, bus_id, offset, num_bytes = _WIRE.unpack(data)
+        return cls(handle, bus_id.rstrip(b"\0"), offset, num_bytes)
 
 
 def export(tensor: torch.Tensor) -> IpcHandle:
@@ -112,18 +139,21 @@ def export(tensor: torch.Tensor) -> IpcHandle:
         raise CudaIpcUnavailable(f"CUDA IPC: the tensor is on {tensor.device}, not a GPU")
     if not tensor.is_contiguous():
         raise ValueError("CUDA IPC: export a contiguous tensor")
-    _require(tensor.device)
-    lib = _cuda()
+    _require()
+    lib, index = _cuda(), tensor.device.index or 0
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    _check(
-        lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), tensor.data_ptr()),
-        "cuMemGetAddressRange",
-    )
     handle = _IpcMemHandle()
-    _check(lib.cuIpcGetMemHandle(ctypes.byref(handle), base.value), "cuIpcGetMemHandle")
+    with torch.cuda.device(index):  # the driver calls use the device's current context
+        torch.cuda.synchronize()
+        found = lib.cuMemGetAddressRange_v2(
+            ctypes.byref(base), ctypes.byref(size), tensor.data_ptr()
+        )
+        _check(found, "cuMemGetAddressRange")
+        _check(lib.cuIpcGetMemHandle(ctypes.byref(handle), base.value), "cuIpcGetMemHandle")
+        bus_id = _bus_id(index)
     num_bytes = tensor.numel() * tensor.element_size()
     raw = ctypes.string_at(ctypes.addressof(handle), _HANDLE_BYTES)  # NULs included
-    return IpcHandle(raw, tensor.device.index or 0, tensor.data_ptr() - base.value, num_bytes)
+    return IpcHandle(raw, bus_id, tensor.data_ptr() - base.value, num_bytes)
 
 
 class _DeviceBytes:
@@ -144,30 +174,33 @@ class OpenedTensor:
     over it; ``close`` unmaps it (after which ``bytes`` must not be used)."""
 
     def __init__(self, handle: IpcHandle) -> None:
-        device = torch.device("cuda", handle.device)
-        _require(device)
+        _require()
         lib = _cuda()
-        if len(handle.handle) != _HANDLE_BYTES:
-            raise ValueError(f"CUDA IPC handle: {len(handle.handle)} bytes, not {_HANDLE_BYTES}")
+        self.device = torch.device("cuda", _index_of(handle.bus_id))
         raw = _IpcMemHandle()
         ctypes.memmove(ctypes.addressof(raw), handle.handle, _HANDLE_BYTES)
         base = ctypes.c_uint64()
-        _check(
-            lib.cuIpcOpenMemHandle_v2(ctypes.byref(base), raw, _LAZY_ENABLE_PEER_ACCESS),
-            "cuIpcOpenMemHandle (a process cannot open its own handle)",
-        )
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize()
+            opened = lib.cuIpcOpenMemHandle_v2(ctypes.byref(base), raw, _LAZY_ENABLE_PEER_ACCESS)
+            _check(opened, "cuIpcOpenMemHandle (a process cannot open its own handle)")
         self._base: int | None = base.value
         address = base.value + handle.offset
-        self.bytes = torch.as_tensor(_DeviceBytes(address, handle.num_bytes), device=device)
+        memory = _DeviceBytes(address, handle.num_bytes)
+        self.bytes = torch.as_tensor(memory, device=self.device)
+        if self.bytes.data_ptr() != address:  # a copy: writes would never reach the pool
+            self.close()
+            raise CudaIpcUnavailable(f"CUDA IPC: torch copied the memory onto {self.device}")
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         return self.bytes.view(dtype).view(shape)
 
     def close(self) -> None:
         if self._base is not None:
-            torch.cuda.synchronize(self.bytes.device)  # no copy may still be writing
             base, self._base = self._base, None
-            _check(_cuda().cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
+            with torch.cuda.device(self.device):
+                torch.cuda.synchronize()  # no copy may still be writing
+                _check(_cuda().cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
 
 
 __all__ = ["CudaIpcUnavailable", "IpcHandle", "OpenedTensor", "export", "unavailable_reason"]

@@ -1,6 +1,6 @@
 """The target's greedy continuations through transformers' ``generate``, batched: the
-self-distillation data of a run where Tandem's own engine cannot be used (a GPU it has not
-run on: scripts/gpu_train_drafts)."""
+self-distillation data of a run where Tandem's own engine is not used (a GPU it has never
+served on: scripts/gpu_train_drafts)."""
 
 from __future__ import annotations
 

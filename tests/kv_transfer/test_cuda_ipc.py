@@ -1,5 +1,6 @@
 """CUDA IPC for KV pools (kv_transfer/cuda_ipc.py): on CPU it refuses with a message that
-says what runs instead, and its handle travels as exactly 84 bytes; on a GPU (``gpu``) a
+says what runs instead, and its handle travels as exactly 96 bytes, its GPU named by PCI bus
+id; on a GPU (``gpu``) a
 spawned receiver's pool, opened here through its handle, holds exactly what was copied in,
 run by run, and a slice is exported at its offset in its allocation."""
 
@@ -22,12 +23,16 @@ needs_cuda = pytest.mark.skipif(
 
 
 def test_a_handle_round_trips_as_bytes_and_a_cut_one_is_refused() -> None:
-    handle = IpcHandle(bytes([0, 7] * 32), device=1, offset=4096, num_bytes=1 << 30)
+    handle = IpcHandle(bytes([0, 7] * 32), b"0000:19:00.0", offset=4096, num_bytes=1 << 30)
     data = handle.to_bytes()
-    assert len(data) == 84
-    assert IpcHandle.from_bytes(data) == handle
-    with pytest.raises(ValueError, match="83 bytes, expected 84"):
+    assert len(data) == 96
+    assert IpcHandle.from_bytes(data) == handle  # NULs inside the handle kept
+    with pytest.raises(ValueError, match="95 bytes, expected 96"):
         IpcHandle.from_bytes(data[:-1])
+    with pytest.raises(ValueError, match="63 bytes, not 64"):
+        IpcHandle(bytes(63), b"0000:19:00.0", 0, 16)
+    with pytest.raises(ValueError, match="not a PCI bus id"):
+        IpcHandle(bytes(64), b"", 0, 16)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a CPU machine sees")
@@ -38,7 +43,7 @@ def test_without_cuda_it_refuses_and_says_what_runs_instead() -> None:
     with pytest.raises(CudaIpcUnavailable, match="on cpu, not a GPU"):
         export(torch.zeros(16))
     with pytest.raises(CudaIpcUnavailable, match="no CUDA device"):
-        OpenedTensor(IpcHandle(bytes(64), 0, 0, 16))
+        OpenedTensor(IpcHandle(bytes(64), b"0000:19:00.0", 0, 16))
 
 
 @pytest.mark.gpu
@@ -57,5 +62,24 @@ def test_a_slice_is_exported_at_its_offset_in_the_allocation() -> None:
     pool = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
     whole, tail = export(pool), export(pool[4096:])
     assert whole.handle == tail.handle and len(whole.handle) == 64
+    assert whole.bus_id.count(b":") == 2  # e.g. 0000:19:00.0
     assert tail.offset - whole.offset == 4096
     assert (whole.num_bytes, tail.num_bytes) == (1 << 20, (1 << 20) - 4096)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the receiver fails only without CUDA")
+def test_a_receiver_that_dies_ends_the_senders_wait_with_its_exit() -> None:
+    """bench/cuda_ipc.py's pipe: a receiver that fails before sending (here: no CUDA, as
+    a driver refusing IPC would) closes the only other end, so the sender learns at once
+    instead of waiting for ever."""
+    import multiprocessing
+
+    from bench.cuda_ipc import next_message, receive
+
+    spawn = multiprocessing.get_context("spawn")
+    conn, child_conn = spawn.Pipe()
+    receiver = spawn.Process(target=receive, args=(child_conn, 4096), daemon=True)
+    receiver.start()
+    child_conn.close()
+    with pytest.raises(RuntimeError, match=r"the receiver ended \(exit 1\) before its handle"):
+        next_message(conn, receiver, "handle", wait_s=120)
