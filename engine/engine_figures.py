@@ -68,20 +68,32 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
     )
 
 
-def owned_block_ids(engine: LLMEngine) -> tuple[list[int], list[int]]:
-    """Block ids held by requests, and free ones holding a cached prefix (for audits).
-    Data-parallel ranks' ids are numbered on: rank r's block b is ``r * num_blocks + b``."""
+@dataclass(frozen=True)
+class OwnedBlocks:
+    """The allocator as an audit compares it with the ledger: block ids held by requests,
+    how many requests hold each (more than one where they share a cached prefix), and the
+    free ones holding a cached prefix."""
+
+    owned: list[int]
+    ref_counts: list[int]  # of owned, in its order
+    cached: list[int]
+
+
+def owned_block_ids(engine: LLMEngine) -> OwnedBlocks:
+    """The engine's ``OwnedBlocks``. Data-parallel ranks' ids are numbered on: rank r's
+    block b is ``r * num_blocks + b``."""
     manager = engine.block_manager
     ranks = manager.ranks if isinstance(manager, DataParallelBlocks) else [manager]
-    owned: list[int] = []
-    cached: list[int] = []
+    found = OwnedBlocks([], [], [])
     for r, rank in enumerate(ranks):
         first = r * rank.num_blocks
-        owned += [first + b.block_id for b in rank.blocks if b.ref_count > 0]
-        cached += [
-            first + b.block_id for b in rank.blocks if b.ref_count == 0 and b.hash is not None
-        ]
-    return owned, cached
+        for b in rank.blocks:
+            if b.ref_count > 0:
+                found.owned.append(first + b.block_id)
+                found.ref_counts.append(b.ref_count)
+            elif b.hash is not None:
+                found.cached.append(first + b.block_id)
+    return found
 
 
 def block_tables(engine: LLMEngine, request_ids: Collection[str]) -> dict[str, list[int]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from ledger.records import Holding
@@ -26,18 +26,21 @@ class DiscrepancyKind(StrEnum):
     LEDGER_ONLY = "ledger_only"  # the ledger says held, the worker does not own them
     WORKER_ONLY = "worker_only"  # the worker owns them, no ledger holding on that worker
     CACHED_BUT_HELD = "cached_but_held"  # the worker lists them as free cached blocks
-    DOUBLE_HELD = "double_held"  # two requests hold the same block id on one worker
+    DOUBLE_HELD = "double_held"  # more requests hold a block id than its worker counts
     DEAD_WORKER = "dead_worker"  # held by a worker neither registered nor reporting
     ENDED_REQUEST = "ended_request"  # held for a request that is terminal or expired
 
 
 @dataclass(frozen=True)
 class AllocatorReport:
-    """One worker's allocator: block ids in use and free ones holding a cached prefix.
-    One id addresses a target and a draft block, so pools are not told apart."""
+    """One worker's allocator: block ids in use, how many requests hold each where more
+    than one does (requests sharing a cached prefix; 1 where absent), and free ones holding
+    a cached prefix. One id addresses a target and a draft block, so pools are not told
+    apart."""
 
     owned: frozenset[int]
     cached: frozenset[int] = frozenset()
+    ref_counts: Mapping[int, int] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -93,15 +96,18 @@ def find_discrepancies(
             held[h.worker_id][b].add(h.request_id)
 
     for worker_id, by_block in sorted(held.items()):
+        raw = reports.get(worker_id)
+        counts = _as_report(raw).ref_counts if raw is not None else {}
         for b, request_ids in sorted(by_block.items()):
-            if len(request_ids) > 1:
+            if len(request_ids) > max(counts.get(b, 1), 1):  # shared prefixes count more
                 found.append(
                     Discrepancy(
                         DiscrepancyKind.DOUBLE_HELD,
                         worker_id,
                         (b,),
                         tuple(sorted(request_ids)),
-                        f"block {b} held by {len(request_ids)} requests",
+                        f"block {b} held by {len(request_ids)} requests; "
+                        f"its worker counts {counts.get(b, 1)}",
                     )
                 )
 

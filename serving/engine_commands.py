@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
-from engine.engine_figures import block_tables, owned_block_ids
+from engine.engine_figures import OwnedBlocks, block_tables, owned_block_ids
 from engine.llm_engine import LLMEngine
 from engine.lora.adapter import LoraAdapter
 from engine.outputs import RequestDelta
@@ -135,12 +135,13 @@ class ReadBlockTables(EngineCommand[dict[str, list[int]]]):
 
 
 @dataclass(frozen=True)
-class ReadOwnedBlocks(EngineCommand[tuple[list[int], list[int]]]):
-    """Block ids held by requests, and free ones holding a cached prefix (for audits)."""
+class ReadOwnedBlocks(EngineCommand[OwnedBlocks]):
+    """Block ids held by requests (with their holders' count), and free ones holding a
+    cached prefix (for audits)."""
 
     is_new_work: ClassVar[bool] = False
 
-    def run(self, engine: LLMEngine) -> tuple[list[int], list[int]]:
+    def run(self, engine: LLMEngine) -> OwnedBlocks:
         return owned_block_ids(engine)
 
 

@@ -211,10 +211,12 @@ class EngineLoop(Generic[Payload]):
         return await self.submit(command)
 
     async def report_block_ids(self, reply: StatsReply) -> None:
-        """Fills a Stats reply's block ids held by requests and count of cached ones."""
-        owned, cached = await self.call(ReadOwnedBlocks())
-        reply.owned_block_ids.extend(owned)
-        reply.num_kv_blocks_cached = len(cached)
+        """Fills a Stats reply's block ids held by requests (with their holders' count) and
+        the count of cached ones."""
+        blocks = await self.call(ReadOwnedBlocks())
+        reply.owned_block_ids.extend(blocks.owned)
+        reply.owned_block_ref_counts.extend(blocks.ref_counts)
+        reply.num_kv_blocks_cached = len(blocks.cached)
 
     def _run(self) -> None:
         engine = self.engine

@@ -147,7 +147,9 @@ async def _allocator_reports(
                 stub = pb_grpc.DecodeWorkerStub(channel)
             request = pb.StatsRequest(include_block_ids=True)
             reply = await stub.Stats(request, timeout=timeout_s, metadata=metadata)
-            return AllocatorReport(owned=frozenset(reply.owned_block_ids))
+            owned = reply.owned_block_ids
+            holders = dict(zip(owned, reply.owned_block_ref_counts, strict=False))
+            return AllocatorReport(owned=frozenset(owned), ref_counts=holders)
 
     results = await asyncio.gather(*(one(w) for w in workers), return_exceptions=True)
     reports: dict[str, AllocatorReport] = {}

@@ -184,3 +184,25 @@ def test_preemption_by_recompute_keeps_output_identical(tiny):
     assert tight_engine.scheduler.num_preemptions > 0
     for rid in prompts:
         assert tight[rid].token_ids == roomy[rid].token_ids
+
+
+def test_the_allocator_counts_each_request_holding_a_shared_cached_prefix(tiny) -> None:
+    """What an audit compares with the ledger (``owned_block_ids``): a second request whose
+    prompt begins with a running one's holds the three cached full blocks of that prefix
+    too, and the allocator counts 2 holders for each of them and 1 for every other block."""
+    from engine.engine_figures import block_tables, owned_block_ids
+
+    model_dir, _ = tiny
+    engine = engine_for(model_dir)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]  # 3 full blocks of 4
+    engine.add_request("a", prompt, greedy(6))
+    engine.step()  # a's prompt: its full blocks are hashed, and cached
+    engine.add_request("b", [*prompt, 17, 18], greedy(6))
+    engine.step()
+    tables = block_tables(engine, ["a", "b"])
+    shared = set(tables["a"]) & set(tables["b"])
+    assert tables["a"][:3] == tables["b"][:3] and shared == set(tables["a"][:3])
+    found = owned_block_ids(engine)
+    counts = dict(zip(found.owned, found.ref_counts, strict=True))
+    assert set(counts) == set(tables["a"]) | set(tables["b"])
+    assert {b: n for b, n in counts.items() if n > 1} == dict.fromkeys(shared, 2)

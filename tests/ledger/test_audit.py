@@ -57,6 +57,32 @@ def test_each_kind_of_discrepancy() -> None:
     assert by_kind[K.DEAD_WORKER].worker_id == "gone"
 
 
+def test_requests_sharing_a_cached_prefix_are_double_held_only_past_the_workers_count() -> None:
+    """Two requests hold prefix blocks 1 and 2 that their worker counts twice (a shared
+    cached prefix): not double held. Block 2 held by a third request is, and so is a block
+    the worker counts once; a worker that reports no counts (an older one) counts 1."""
+    holdings = [
+        _holding("r1", "d0", {1, 2, 5}, RequestState.DECODING),
+        _holding("r2", "d0", {1, 2, 6}, RequestState.DECODING),
+        _holding("r3", "d0", {2, 6}, RequestState.DECODING),
+        _holding("r4", "d1", {9}, RequestState.DECODING),
+        _holding("r5", "d1", {9}, RequestState.DECODING),
+    ]
+    reports = {
+        "d0": AllocatorReport(owned=frozenset({1, 2, 5, 6}), ref_counts={1: 2, 2: 2, 6: 1}),
+        "d1": AllocatorReport(owned=frozenset({9})),
+    }
+    found = find_discrepancies(holdings, reports, registered_workers={"d0", "d1"})
+    assert [(d.kind, d.worker_id, d.block_ids, d.request_ids, d.detail) for d in found] == [
+        (K.DOUBLE_HELD, "d0", (2,), ("r1", "r2", "r3"), "block 2 held by 3 requests; "
+         "its worker counts 2"),
+        (K.DOUBLE_HELD, "d0", (6,), ("r2", "r3"), "block 6 held by 2 requests; "
+         "its worker counts 1"),
+        (K.DOUBLE_HELD, "d1", (9,), ("r4", "r5"), "block 9 held by 2 requests; "
+         "its worker counts 1"),
+    ]  # fmt: skip
+
+
 def test_audit_through_the_ledger(ledger: Ledger) -> None:
     epoch = ledger.register_worker(
         "d0", role=WorkerRole.DECODE, address="127.0.0.1:9", capacity=16, ttl_ms=60_000

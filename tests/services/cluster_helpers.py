@@ -14,7 +14,6 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from transformers import LlamaForCausalLM
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpeculativeConfig
-from ledger.audit import Discrepancy, seen_in_every_look
+from ledger.audit import AllocatorReport, Discrepancy, seen_in_every_look
 from ledger.ledger import Ledger, RequestState
 from serving.launcher import Cluster, ClusterSpec, Component
 from tandem.v1 import generation_pb2 as gen
@@ -283,10 +282,13 @@ async def audit_live(cluster: Cluster, ledger: Ledger, num_looks: int = 3) -> li
     audit` does it: what every look, 0.2 s apart, found (a clean look ends it)."""
     looks: list[list[Discrepancy]] = []
     while True:
-        reports: dict[str, AbstractSet[int]] = {}
+        reports: dict[str, AllocatorReport] = {}
         for component in (*cluster.prefill, *cluster.decode):
             stats = await worker_stats(component, include_block_ids=True)
-            reports[component.name] = set(stats.owned_block_ids)
+            owned, counts = stats.owned_block_ids, stats.owned_block_ref_counts
+            assert len(counts) == len(owned) and min(counts, default=1) >= 1, component.name
+            holders = dict(zip(owned, counts, strict=True))  # shared prefixes: more than 1
+            reports[component.name] = AllocatorReport(frozenset(owned), ref_counts=holders)
         looks.append(ledger.audit(reports))
         found = seen_in_every_look(looks)
         if not found or len(looks) == num_looks:

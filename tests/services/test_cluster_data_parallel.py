@@ -201,3 +201,23 @@ async def test_a_reservation_names_its_rank(
             await stub.Abort(pb.AbortRequest(request_id=rid, reason="test"), timeout=10)
             ledger.transition(rid, RequestState.FAILED, expected=RequestState.QUEUED, epoch=epoch)
     assert ranks == [0, 1]
+
+
+async def test_requests_sharing_a_cached_prefix_are_not_double_held(
+    cluster: Cluster, ledger: Ledger, layout: tuple[tuple[str, ...], tuple[str, ...]]
+) -> None:
+    """A request begun after another one's prompt landed shares its cached full blocks on
+    the decode worker, which counts both holders (Stats' ref counts): the live audit, which
+    compares the ledger's holders with those counts, finds nothing."""
+    if decode_ranks(layout) != 1:
+        pytest.skip("the second request goes to the emptier rank: nothing is shared")
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, TINY_VOCAB) for _ in range(3 * BLOCK_SIZE)]
+    first = await start_streams(cluster.router_address, [[*prefix, 5]], 200, min_tokens=2)
+    second = await start_streams(cluster.router_address, [[*prefix, 6]], 200, min_tokens=2)
+    stats = await worker_stats(cluster.decode[0], include_block_ids=True)
+    counts = dict(zip(stats.owned_block_ids, stats.owned_block_ref_counts, strict=True))
+    assert sorted(n for n in counts.values() if n > 1) == [2, 2, 2], counts
+    assert await audit_live(cluster, ledger) == []
+    for streams in (first, second):
+        assert [len(tokens(c)) for c in await streams.results()] == [200]

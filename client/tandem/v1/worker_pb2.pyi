@@ -435,6 +435,7 @@ class StatsReply(_message.Message):
     DRAFT_FIELD_NUMBER: _builtins.int
     OWNED_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     SPECULATIVE_FIELD_NUMBER: _builtins.int
+    OWNED_BLOCK_REF_COUNTS_FIELD_NUMBER: _builtins.int
     role: Global___WorkerRole.ValueType
     """Prefill or decode."""
     worker_id: _builtins.str
@@ -469,6 +470,12 @@ class StatsReply(_message.Message):
     def speculative(self) -> _generation_pb2.SpeculativeUsage:
         """Speculative decoding counters of this worker since it started; absent without a draft."""
 
+    @_builtins.property
+    def owned_block_ref_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """How many requests hold each of owned_block_ids, in the same order: more than one where
+        requests share a cached prefix. Only with StatsRequest.include_block_ids.
+        """
+
     def __init__(
         self,
         *,
@@ -486,10 +493,11 @@ class StatsReply(_message.Message):
         draft: Global___DraftConfig | None = ...,
         owned_block_ids: _abc.Iterable[_builtins.int] | None = ...,
         speculative: _generation_pb2.SpeculativeUsage | None = ...,
+        owned_block_ref_counts: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_draft", b"_draft", "_speculative", b"_speculative", "draft", b"draft", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_draft", b"_draft", "_speculative", b"_speculative", "block_size", b"block_size", "draft", b"draft", "epoch", b"epoch", "load", b"load", "model", b"model", "num_kv_blocks_cached", b"num_kv_blocks_cached", "num_kv_blocks_free", b"num_kv_blocks_free", "num_kv_blocks_used", b"num_kv_blocks_used", "num_running", b"num_running", "num_waiting", b"num_waiting", "owned_block_ids", b"owned_block_ids", "role", b"role", "speculative", b"speculative", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_draft", b"_draft", "_speculative", b"_speculative", "block_size", b"block_size", "draft", b"draft", "epoch", b"epoch", "load", b"load", "model", b"model", "num_kv_blocks_cached", b"num_kv_blocks_cached", "num_kv_blocks_free", b"num_kv_blocks_free", "num_kv_blocks_used", b"num_kv_blocks_used", "num_running", b"num_running", "num_waiting", b"num_waiting", "owned_block_ids", b"owned_block_ids", "owned_block_ref_counts", b"owned_block_ref_counts", "role", b"role", "speculative", b"speculative", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__draft: _TypeAlias = _typing.Literal["draft"]  # noqa: Y015
     _WhichOneofArgType__draft: _TypeAlias = _typing.Literal["_draft", b"_draft"]  # noqa: Y015
