@@ -84,16 +84,18 @@ def owned_block_ids(engine: LLMEngine) -> OwnedBlocks:
     block b is ``r * num_blocks + b``."""
     manager = engine.block_manager
     ranks = manager.ranks if isinstance(manager, DataParallelBlocks) else [manager]
-    found = OwnedBlocks([], [], [])
+    owned: list[int] = []
+    ref_counts: list[int] = []
+    cached: list[int] = []
     for r, rank in enumerate(ranks):
         first = r * rank.num_blocks
         for b in rank.blocks:
             if b.ref_count > 0:
-                found.owned.append(first + b.block_id)
-                found.ref_counts.append(b.ref_count)
+                owned.append(first + b.block_id)
+                ref_counts.append(b.ref_count)
             elif b.hash is not None:
-                found.cached.append(first + b.block_id)
-    return found
+                cached.append(first + b.block_id)
+    return OwnedBlocks(owned, ref_counts, cached)
 
 
 def block_tables(engine: LLMEngine, request_ids: Collection[str]) -> dict[str, list[int]]:

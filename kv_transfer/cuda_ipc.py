@@ -192,9 +192,6 @@ class OpenedTensor:
             self.close()
             raise CudaIpcUnavailable(f"CUDA IPC: torch copied the memory onto {self.device}")
 
-    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        return self.bytes.view(dtype).view(shape)
-
     def close(self) -> None:
         if self._base is not None:
             base, self._base = self._base, None

@@ -42,6 +42,12 @@ class AllocatorReport:
     cached: frozenset[int] = frozenset()
     ref_counts: Mapping[int, int] = field(default_factory=dict, compare=False)
 
+    @classmethod
+    def counted(cls, owned: Sequence[int], ref_counts: Sequence[int]) -> AllocatorReport:
+        """From a worker's Stats: its owned ids and, in their order, each one's holders (a
+        worker that sends no counts counts 1 for each)."""
+        return cls(frozenset(owned), ref_counts=dict(zip(owned, ref_counts, strict=False)))
+
 
 @dataclass(frozen=True)
 class Discrepancy:
@@ -99,7 +105,7 @@ def find_discrepancies(
         raw = reports.get(worker_id)
         counts = _as_report(raw).ref_counts if raw is not None else {}
         for b, request_ids in sorted(by_block.items()):
-            if len(request_ids) > max(counts.get(b, 1), 1):  # shared prefixes count more
+            if len(request_ids) > counts.get(b, 1):  # shared prefixes count more
                 found.append(
                     Discrepancy(
                         DiscrepancyKind.DOUBLE_HELD,

@@ -147,9 +147,7 @@ async def _allocator_reports(
                 stub = pb_grpc.DecodeWorkerStub(channel)
             request = pb.StatsRequest(include_block_ids=True)
             reply = await stub.Stats(request, timeout=timeout_s, metadata=metadata)
-            owned = reply.owned_block_ids
-            holders = dict(zip(owned, reply.owned_block_ref_counts, strict=False))
-            return AllocatorReport(owned=frozenset(owned), ref_counts=holders)
+            return AllocatorReport.counted(reply.owned_block_ids, reply.owned_block_ref_counts)
 
     results = await asyncio.gather(*(one(w) for w in workers), return_exceptions=True)
     reports: dict[str, AllocatorReport] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,27 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from training.data import SequenceSet, chat_prompt_ids, special_token_ids
 
 
+@dataclass(frozen=True)
+class HfTarget:
+    """The target in transformers (bf16 on a GPU, fp32 on CPU) and its tokenizer, loaded
+    once for every ``hf_greedy_sequences`` call."""
+
+    model: Any
+    tokenizer: Any
+    device: str
+
+    @classmethod
+    def load(cls, target_dir: str | Path, device: str) -> HfTarget:
+        dtype = torch.bfloat16 if device != "cpu" else torch.float32
+        model: Any = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
+        # generate falls back on this EOS when a call names none: calls name it themselves
+        model.generation_config.eos_token_id = None
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        return cls(model.to(device).eval(), tokenizer, device)
+
+
 def hf_greedy_sequences(
-    target_dir: str | Path,
-    device: str,
+    target: HfTarget,
     seconds: float,
     texts: Sequence[str],
     max_new_tokens: int,
@@ -26,22 +45,17 @@ def hf_greedy_sequences(
     max_prompt_len: int = 192,
 ) -> SequenceSet:
     """The target's greedy continuations of ``texts`` in its chat template through
-    transformers' ``generate`` (bf16 on a GPU, fp32 on CPU), batch after batch (longest
-    prompts first) until ``seconds`` have passed: a ``training.data.SequenceSet``.
+    transformers' ``generate``, batch after batch (longest prompts first) until ``seconds``
+    have passed: a ``training.data.SequenceSet``.
 
     A continuation ends with the EOS the target chose, unless ``ignore_eos``: then every
     one is ``max_new_tokens`` long, past EOS, as a benchmark run with EOS ignored serves it.
     """
     deadline = time.monotonic() + seconds
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model, tokenizer, device = target.model, target.tokenizer, target.device
     prompts = chat_prompt_ids(tokenizer, texts, max_prompt_len)
-    dtype = torch.bfloat16 if device != "cpu" else torch.float32
-    model: Any = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
-    model = model.to(device).eval()
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     pad = eos if pad is None else pad
-    if ignore_eos:  # generate reads EOS from here when the call names none
-        model.generation_config.eos_token_id = None
     batch_size = 512 if device != "cpu" else 8
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     sequences, prompt_lens = [], []
@@ -57,7 +71,6 @@ def hf_greedy_sequences(
                 input_ids=ids,
                 attention_mask=mask,
                 max_new_tokens=max_new_tokens,
-                min_new_tokens=0,
                 do_sample=False,
                 pad_token_id=pad,
                 eos_token_id=None if ignore_eos else eos,

@@ -241,14 +241,10 @@ def train_draft(
         )
         if not boxed:
             trainer.save_checkpoint(epoch + 1)
-    manifest = finish(config, trainer, data, train, val, data_meta, log)
-    if evaluate_on:
-        manifest["decoding_tau_on"] = {
-            name: trainer.decoding_tau(sequences) for name, sequences in evaluate_on.items()
-        }
-        log(f"decoding tau(K={config.eval_k}) on {manifest['decoding_tau_on']}")
-        (Path(config.out) / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+    taus = {name: trainer.decoding_tau(sets) for name, sets in (evaluate_on or {}).items()}
+    if taus:
+        log(f"decoding tau(K={config.eval_k}) on {taus}")
+    return finish(config, trainer, data, train, val, data_meta, log, taus or None)
 
 
 class DraftTrainer:
@@ -394,10 +390,8 @@ class DraftTrainer:
         """Held-out acceptance at uniform anchors and decoded (the target's features of
         ``val`` are computed once)."""
         start = time.perf_counter()
-        size = self.config.batch_size
         if self._val_features is None:
-            chunks = [val.sequences[i : i + size] for i in range(0, len(val), size)]
-            self._val_features = [f for c in chunks for f in self.features.ragged(c)]
+            self._val_features = self._features_of(val)
         self.module.eval()
         try:
             acceptance = heldout_acceptance(
@@ -415,11 +409,15 @@ class DraftTrainer:
             self.module.train()
         return acceptance, time.perf_counter() - start
 
-    def decoding_tau(self, data: SequenceSet) -> float:
-        """tau of greedy speculative decoding over ``data``'s continuations (K=eval_k)."""
+    def _features_of(self, data: SequenceSet) -> list[torch.Tensor]:
+        """The target's features of every sequence of ``data``, a batch at a time."""
         size = self.config.batch_size
         chunks = [data.sequences[i : i + size] for i in range(0, len(data), size)]
-        features = [f for c in chunks for f in self.features.ragged(c)]
+        return [f for c in chunks for f in self.features.ragged(c)]
+
+    def decoding_tau(self, data: SequenceSet) -> float:
+        """tau of greedy speculative decoding over ``data``'s continuations (K=eval_k)."""
+        features = self._features_of(data)
         self.module.eval()
         try:
             stats = decoding_acceptance(self.drafter, data, features, self.config.eval_k)
@@ -440,8 +438,10 @@ def finish(
     val: SequenceSet,
     data_meta: dict[str, Any],
     log: Log,
+    decoding_tau_on: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Saves the draft in fp16, checks that it loads, and writes ``manifest.json``."""
+    """Saves the draft in fp16, checks that it loads, and writes ``manifest.json`` (with
+    ``decoding_tau_on``, the draft's tau on named sets, where given)."""
     out, hf, history = Path(config.out), trainer.hf, trainer.history
     save_drafter(trainer.drafter, out, {**hf, "dtype": "float16"}, dtype=torch.float16)
     load_drafter(out, trainer.target, torch.device("cpu"))  # raises if the layout does not load
@@ -468,6 +468,8 @@ def finish(
         "heldout_decoding_tau": last.get("heldout", {}).get("decoding_tau"),
         "history": history,
     }
+    if decoding_tau_on is not None:
+        manifest["decoding_tau_on"] = decoding_tau_on
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"draft saved to {out} (fp16), manifest.json written")
     return manifest

@@ -287,8 +287,7 @@ async def audit_live(cluster: Cluster, ledger: Ledger, num_looks: int = 3) -> li
             stats = await worker_stats(component, include_block_ids=True)
             owned, counts = stats.owned_block_ids, stats.owned_block_ref_counts
             assert len(counts) == len(owned) and min(counts, default=1) >= 1, component.name
-            holders = dict(zip(owned, counts, strict=True))  # shared prefixes: more than 1
-            reports[component.name] = AllocatorReport(frozenset(owned), ref_counts=holders)
+            reports[component.name] = AllocatorReport.counted(owned, counts)
         looks.append(ledger.audit(reports))
         found = seen_in_every_look(looks)
         if not found or len(looks) == num_looks:
