@@ -216,7 +216,7 @@ def _build(
         cache_size=config.grammar_cache_size,
     )
     whole_kv_params = KVCacheParams.from_config(model_config, config.block_size)
-    kv_params = whole_kv_params.for_rank(tp.shard)
+    kv_params = whole_kv_params.for_rank(tp.heads_shard)
     plan_params = [kv_params]
     drafter, lookahead, whole_draft_params = None, 0, None
     if config.speculative is not None:
@@ -328,7 +328,7 @@ def _build(
         assert drafter is not None and isinstance(runner.executor, MultiprocExecutor)
         assert whole_draft_params is not None
         shared_draft = SharedKv.open(tp, whole_draft_params, num_blocks, DRAFT_LABEL,
-                                     by_blocks=True)  # fmt: skip
+                                     by_blocks=True, split_heads=False)  # fmt: skip
         if shared_draft is not None:
             draft_kv, whole_draft_kv = shared_draft.rank, shared_draft.whole
         else:

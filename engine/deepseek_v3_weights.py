@@ -12,14 +12,16 @@ Split over ranks (``engine.parallel.shard``), a rank reads:
   rank's.
 - **Vocabulary.** Its rows of the embedding and the LM head.
 
-Under data-parallel attention (``config.data_parallel_size``) every rank holds the whole
-model but the experts: the routed ones split as above, the shared ones by channels.
+Under data-parallel attention (``config.data_parallel_size``) the experts split as above
+over every rank of the worker, the shared ones by channels; the rest splits as above over
+the ranks of the rank's data-parallel rank (``data_parallel_shards``), whole where each
+data-parallel rank has one.
 """
 
 from __future__ import annotations
 
 from engine.deepseek_v3_config import DeepseekV3Config
-from engine.parallel.shard import Shard
+from engine.parallel.shard import Shard, data_parallel_shards
 from engine.weights import Part, Source, TensorRule, one_rule, run_part
 
 
@@ -88,11 +90,12 @@ def decoder_layer_rules(
 ) -> list[TensorRule]:
     """One HF decoder layer (prefix ``hf``): its attention, norms and MLP (dense before
     ``first_k_dense_replace``, else experts) -> Tandem's (prefix ``ours``), ``shard``'s.
-    Under data-parallel attention only the experts are split: the rest is whole."""
+    Under data-parallel attention the experts split over every rank, the rest over the
+    ranks of this rank's data-parallel rank."""
     c, h = config, config.hidden_size
     moe_shard = shard
     if c.data_parallel_size > 1:
-        shard = Shard(0, 1)
+        shard = data_parallel_shards(shard, c.data_parallel_size)[0]
     rules = mla_attention_rules(c, f"{hf}.self_attn", f"{ours}.self_attn", shard=shard)
     rules += [
         one_rule(f"{ours}.{n}.weight", f"{hf}.{n}.weight", (h,))
@@ -137,8 +140,11 @@ def deepseek_v3_weight_rules(
     the last one are not read."""
     c, h = config, config.hidden_size
     shard = shard or Shard(0, 1)
-    split_vocab = shard.size > 1 and c.data_parallel_size == 1  # else every rank's whole
-    vocab = run_part(0, shard.vocab(c.vocab_size)) if split_vocab else None
+    vocab_shard = shard  # data-parallel: over the ranks of this rank's data-parallel rank
+    if c.data_parallel_size > 1:
+        vocab_shard = data_parallel_shards(shard, c.data_parallel_size)[0]
+    split = vocab_shard.size > 1
+    vocab = run_part(0, vocab_shard.vocab(c.vocab_size)) if split else None
     rules = [one_rule("embed_tokens.weight", "model.embed_tokens.weight", (c.vocab_size, h), vocab)]
     for i in range(c.num_hidden_layers):
         rules += decoder_layer_rules(c, i, f"model.layers.{i}", f"layers.{i}", shard)

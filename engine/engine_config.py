@@ -86,9 +86,12 @@ class EngineConfig:
     # A mixture of experts split over the ranks: its routed experts whole, a share per
     # rank (expert parallelism), rather than every expert's channels (engine.models.moe).
     enable_expert_parallel: bool = False
-    # Data-parallel attention (DeepSeek-V3): this many ranks, each attending its own
-    # requests' rows over its own KV pool with the whole attention, the experts split over
-    # them (engine.dp_blocks, engine.models.moe.DataParallelStep). Eager, without drafts.
+    # Data-parallel attention (DeepSeek-V3): this many data-parallel ranks, each attending
+    # its own requests' rows over its own KV pool, the experts split over every rank
+    # (engine.dp_blocks, engine.models.moe.DataParallelStep). With tensor_parallel_size
+    # above 1, each is that many ranks, its attention split by heads over them
+    # (engine.parallel.group.DataParallelLayout): data_parallel_size x tensor_parallel_size
+    # ranks in all.
     data_parallel_size: int = 1
     # LoRA adapters (PEFT's format) served beside the model, by name: (name, directory)
     # pairs (engine.lora). A request names one, or none; drafts stay the base model's.
@@ -176,9 +179,7 @@ class EngineConfig:
         why = ""
         if size == 1:
             return
-        if self.tensor_parallel_size > 1:
-            why = "tensor_parallel_size > 1 (tensor parallelism inside each rank is not built)"
-        elif self.speculative is not None and self.speculative.is_model_free:
+        if self.speculative is not None and self.speculative.is_model_free:
             why = f"{self.speculative.kind} drafts (only draft models run beside each rank's rows)"
         elif self.uses_cuda_graphs or self.enable_overlap_scheduler:
             why = "CUDA graphs (compiled steps run, not captured ones yet); turn them off"

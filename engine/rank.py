@@ -89,7 +89,7 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
         for module in modules:
             use_triton_kernels(module, rope=config.attention_backend != "torch")
     whole_params = KVCacheParams.from_config(model_config, config.block_size)
-    plan = [whole_params.for_rank(tp.shard)]
+    plan = [whole_params.for_rank(tp.heads_shard)]
     if drafter is not None:
         whole_draft = KVCacheParams.from_config(drafter.config, config.block_size)
         plan.append(whole_draft if beside_rows else whole_draft.for_rank(tp.shard))
@@ -116,7 +116,8 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
     executor = UniprocExecutor(model, kv_cache, backend, decode_model)
     mirror: DraftMirror | DataParallelDraftMirror | None = None
     if drafter is not None and beside_rows:
-        shared = SharedKv.open(tp, whole_draft, num_blocks, DRAFT_LABEL, by_blocks=True)
+        shared = SharedKv.open(tp, whole_draft, num_blocks, DRAFT_LABEL, by_blocks=True,
+                               split_heads=False)  # fmt: skip
         draft_kv = PagedKVCache(plan[1], num_blocks, device) if shared is None else shared.rank
         mirror = DataParallelDraftMirror(DraftRows(drafter, draft_kv, backend, tp))
     elif drafter is not None:

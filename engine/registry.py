@@ -21,7 +21,7 @@ from engine.gguf_weights import ROPE_FREQS, GgufCheckpoint, fill_gguf, gguf_file
 from engine.gguf_weights import quantized_rules as gguf_rules
 from engine.models.layers import Linear
 from engine.parallel.group import TensorParallelGroup
-from engine.parallel.shard import Shard, TensorParallelError, check_divisible
+from engine.parallel.shard import Shard, TensorParallelError, check_divisible, data_parallel_shards
 from engine.weights import (
     CheckpointReader,
     Source,
@@ -155,9 +155,12 @@ def _llama_model(config: Llama3Config, tp: TensorParallelGroup) -> nn.Module:
 def _deepseek_v3_model(config: DeepseekV3Config, tp: TensorParallelGroup) -> nn.Module:
     from engine.models.deepseek_v3 import DeepseekV3Model
 
-    if tp.size > 1 and config.data_parallel_size == 1 and not tp.shard.vocab(config.vocab_size):
+    shard = tp.shard  # data-parallel: the vocabulary splits within each data-parallel rank
+    if config.data_parallel_size > 1:
+        shard = data_parallel_shards(shard, config.data_parallel_size)[0]
+    if shard.size > 1 and not shard.vocab(config.vocab_size):
         raise TensorParallelError(
-            f"tensor_parallel_size: {tp.size} leaves a rank no row of vocab_size "
+            f"tensor_parallel_size: {shard.size} leaves a rank no row of vocab_size "
             f"{config.vocab_size}"
         )
     return DeepseekV3Model(config, tp)  # what does not divide raises, naming the numbers
@@ -355,34 +358,36 @@ def check_split(
     block = getattr(config, "quantization", None)
     if block is not None and size > 1:
         # Row-parallel projections split their columns: FP8 blocks must not straddle ranks.
-        for name, columns in _row_parallel_columns(config):
-            if (columns // size) % block.block_k:
+        for name, columns, ranks in _row_parallel_columns(config, size):
+            if ranks > 1 and (columns // ranks) % block.block_k:
                 raise TensorParallelError(
-                    f"tensor_parallel_size: {size} splits {name} {columns} into runs of "
-                    f"{columns // size} columns, not whole {block.block_k}-column FP8 "
+                    f"tensor_parallel_size: {ranks} splits {name} {columns} into runs of "
+                    f"{columns // ranks} columns, not whole {block.block_k}-column FP8 "
                     "blocks (weight_block_size)"
                 )
     return config
 
 
-def _row_parallel_columns(config: ModelConfig) -> list[tuple[str, int]]:
-    """(what, columns) of each row-parallel projection: what its ranks split by columns."""
+def _row_parallel_columns(config: ModelConfig, size: int) -> list[tuple[str, int, int]]:
+    """(what, columns, over how many ranks) of each row-parallel projection of a worker of
+    ``size`` ranks: what its ranks split by columns."""
     if isinstance(config, Llama3Config):
         return [
-            ("num_attention_heads x head_dim", config.q_size),
-            ("intermediate_size", config.intermediate_size),
+            ("num_attention_heads x head_dim", config.q_size, size),
+            ("intermediate_size", config.intermediate_size, size),
         ]
     c = config
-    found = []
-    if c.data_parallel_size == 1:  # data-parallel attention: attention and dense MLPs whole
-        found.append(("num_attention_heads x v_head_dim", c.num_attention_heads * c.v_head_dim))
-        if c.first_k_dense_replace:
-            found.append(("intermediate_size", c.intermediate_size))
+    # Data-parallel attention: attention and dense MLPs split within a data-parallel rank.
+    within = size // c.data_parallel_size
+    found = [("num_attention_heads x v_head_dim", c.num_attention_heads * c.v_head_dim, within)]
+    if c.first_k_dense_replace:
+        found.append(("intermediate_size", c.intermediate_size, within))
     if c.first_k_dense_replace < c.num_hidden_layers:
         if not c.expert_parallel:
-            found.append(("moe_intermediate_size", c.moe_intermediate_size))
+            found.append(("moe_intermediate_size", c.moe_intermediate_size, size))
         if c.n_shared_experts:
-            found.append(("shared experts' size", c.moe_intermediate_size * c.n_shared_experts))
+            shared = c.moe_intermediate_size * c.n_shared_experts
+            found.append(("shared experts' size", shared, size))
     return found
 
 

@@ -18,12 +18,14 @@ map onto each other. Nothing is gathered or copied between ranks for it.
   same products: ranks that chose different CPU products for the shape (``cpu_gemm``
   "measured", timed per rank) may round differently, and a slot then holds one rank's
   rounding of it (within fp rounding of the other's; tested greedy at TP 4 over 2 KV heads).
-- **Data-parallel ranks** (``by_blocks``): each rank's pool holds its own requests, so
-  the file holds every rank's ``num_blocks`` blocks one after the other, rank r's block b
-  at ``r * num_blocks + b`` of the whole pool (``engine.dp_blocks.whole_table``). Rank 0
-  reads and writes any rank's blocks there for a transfer; a rank writes a forward's KV
-  before the forward's last collective (its logits' gather), so once rank 0's forward
-  returns, every rank's KV of it is written.
+- **Data-parallel ranks** (``by_blocks``): each data-parallel rank's pool holds its own
+  requests, so the file holds every data-parallel rank's ``num_blocks`` blocks one after
+  the other, rank r's block b at ``r * num_blocks + b`` of the whole pool
+  (``engine.dp_blocks.whole_table``); with tensor parallelism inside each, its ranks hold
+  their heads of its blocks, as above (MLA's one latent head: all of them). Rank 0 reads
+  and writes any rank's blocks there for a transfer; a rank writes a forward's KV before
+  the forward's last collective (its logits' gather), so once rank 0's forward returns,
+  every rank's KV of it is written.
 - **Where.** CPU ranks of one host (where their collectives share memory too); elsewhere
   (CUDA, ranks on several hosts) each rank's pools are its own, and rank 0 gathers and
   scatters a whole copy for transfers (engine.executor.gathered_kv). ``TANDEM_TP_SHARED_KV=0``
@@ -39,6 +41,7 @@ import torch
 
 from engine.kv_cache import KVCacheParams, PagedKVCache
 from engine.parallel.group import TensorParallelGroup
+from engine.parallel.shard import Shard
 from engine.parallel.shm_collectives import map_shared_file
 
 SHARED_ENV = "TANDEM_TP_SHARED_KV"  # "0": no shared segment, as on CUDA
@@ -62,14 +65,22 @@ class SharedKv:
         label: str = LABEL,
         *,
         by_blocks: bool = False,
+        split_heads: bool = True,
     ) -> SharedKv | None:
         """The ranks' shared pools (a collective: every rank calls it alike) of
         ``params``'s whole heads, each rank's its heads of them or, ``by_blocks``
-        (data-parallel ranks), its own ``num_blocks`` blocks; None on every rank where
-        they do not share memory."""
+        (data-parallel ranks), its data-parallel rank's ``num_blocks`` blocks (of its heads,
+        unless ``split_heads`` is False); None on every rank where they do not share
+        memory."""
         if tp.size == 1 or tp.shm is None or os.environ.get(SHARED_ENV) == "0":
             return None  # the ranks inherit rank 0's environment: None on every rank
-        num_ranks = tp.size if by_blocks else 1
+        num_ranks, region, heads_shard = 1, 0, tp.shard
+        if by_blocks:  # each data-parallel rank's blocks; its ranks' heads of them
+            assert tp.data_parallel is not None, "split_data_parallel first"
+            rows, heads_shard = tp.data_parallel.rows.shard, tp.data_parallel.attention.shard
+            num_ranks, region = rows.size, rows.rank
+        if not split_heads:  # a model whole on every rank (a draft beside each rank's rows)
+            heads_shard = Shard(0, 1)
         shape = (num_ranks * num_blocks, params.block_size, params.num_kv_heads, params.head_dim)
         tensor_bytes = torch.Size(shape).numel() * params.dtype.itemsize
         num_tensors = params.num_layers * params.num_tensors
@@ -84,11 +95,11 @@ class SharedKv:
         ]
         device = torch.device("cpu")
         whole = PagedKVCache(params, num_ranks * num_blocks, device, layers)
-        if by_blocks:
-            first = tp.shard.rank * num_blocks
-            mine = [tuple(t[first : first + num_blocks] for t in kv) for kv in layers]
-            return cls(mapped, whole, PagedKVCache(params, num_blocks, device, mine))
-        heads = tp.shard.kv_heads(params.num_kv_heads)
-        mine = [tuple(t[:, :, heads.start : heads.stop] for t in kv) for kv in layers]
-        rank = PagedKVCache(params.for_rank(tp.shard), num_blocks, device, mine)
+        first = region * num_blocks
+        heads = heads_shard.kv_heads(params.num_kv_heads)
+        mine = [
+            tuple(t[first : first + num_blocks, :, heads.start : heads.stop] for t in kv)
+            for kv in layers
+        ]
+        rank = PagedKVCache(params.for_rank(heads_shard), num_blocks, device, mine)
         return cls(mapped, whole, rank)

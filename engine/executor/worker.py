@@ -60,7 +60,10 @@ def load_shard(
     config: Any, tp: TensorParallelGroup, device: torch.device
 ) -> tuple[torch.nn.Module, ModelConfig]:
     """This rank's part of the target that ``config`` (an EngineConfig or a RankConfig:
-    the same fields) names: rank 0's ``build_components`` and the other ranks alike."""
+    the same fields) names: rank 0's ``build_components`` and the other ranks alike.
+    Under data-parallel attention the ranks' subgroups are made first, by every rank."""
+    if config.data_parallel_size > 1:
+        tp.split_data_parallel(config.data_parallel_size)
     return load_model(
         config.model,
         dtype=config.dtype,

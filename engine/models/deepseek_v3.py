@@ -221,13 +221,15 @@ class DeepseekV3Model(nn.Module):
         super().__init__()
         self.config = config
         group = tp or TensorParallelGroup.single()
-        # Data-parallel attention: every rank holds the whole model but the experts, split
-        # over ``group``; the rows a step gives each rank are in ``dp`` (DataParallelStep).
-        self.moe_group = group
-        self.tp = TensorParallelGroup.single() if config.data_parallel_size > 1 else group
+        # Data-parallel attention: the experts split over the whole ``group``; the rest over
+        # the ranks of this rank's data-parallel rank (whole where it has one rank); the
+        # rows a step gives each data-parallel rank are in ``dp`` (DataParallelStep).
+        self.moe_group = self.tp = group
         self.dp: DataParallelStep | None = None
         if config.data_parallel_size > 1:
-            self.dp = DataParallelStep(group)
+            layout = group.split_data_parallel(config.data_parallel_size)
+            self.tp = layout.attention
+            self.dp = DataParallelStep(layout.rows)
         vocab, h = config.vocab_size, config.hidden_size
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding = nn.Embedding(vocab, h)
         if self.tp.size > 1:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel import shm_collectives
-from engine.parallel.shard import Shard
+from engine.parallel.shard import Shard, data_parallel_shards
 
 DEFAULT_TIMEOUT_S = 10.0  # a dead rank takes its worker down within this (decode steps)
 SETUP_TIMEOUT_S = 300.0  # the group's own collectives
@@ -39,6 +39,8 @@ class TensorParallelGroup:
     device: str = "cpu"  # where the group's own collectives' tensors live (NCCL: CUDA)
     key: int = 0  # this group's key in _GROUPS, for the ops compiled graphs call
     undo_on_close: list[Callable[[], None]] = field(default_factory=list)
+    # Its subgroups under data-parallel attention, made once (``split_data_parallel``).
+    data_parallel: DataParallelLayout | None = None
 
     @classmethod
     def single(cls) -> TensorParallelGroup:
@@ -82,6 +84,69 @@ class TensorParallelGroup:
     def size(self) -> int:
         return self.shard.size
 
+    @property
+    def heads_shard(self) -> Shard:
+        """Which heads this rank holds: its share of the worker's, or under data-parallel
+        attention its share of its data-parallel rank's."""
+        return self.shard if self.data_parallel is None else self.data_parallel.attention.shard
+
+    def split_data_parallel(self, data_parallel_size: int) -> DataParallelLayout:
+        """This worker's ranks as ``data_parallel_size`` data-parallel ranks of
+        ``size / data_parallel_size`` tensor-parallel ranks each (``data_parallel_shards``
+        numbers them): the subgroups made once, by every rank alike (a collective).
+        Without a process group (a shape check before any rank starts) the subgroups
+        have none either."""
+        if self.data_parallel is not None:
+            if self.data_parallel.rows.size != data_parallel_size:
+                raise ValueError(
+                    f"data_parallel_size: {data_parallel_size}; the ranks were split into "
+                    f"{self.data_parallel.rows.size} already"
+                )
+            return self.data_parallel
+        attention, rows = data_parallel_shards(self.shard, data_parallel_size)
+        if attention.size == 1:  # no tensor parallelism inside: the rows' group is this one
+            layout = DataParallelLayout(TensorParallelGroup.single(), self)
+        elif self.group is None:
+            layout = DataParallelLayout(TensorParallelGroup(attention, None),
+                                        TensorParallelGroup(rows, None))  # fmt: skip
+        else:
+            layout = DataParallelLayout(
+                self._subgroup(attention, [
+                    [d * attention.size + t for t in range(attention.size)]
+                    for d in range(data_parallel_size)
+                ]),
+                self._subgroup(rows, [
+                    [d * attention.size + t for d in range(data_parallel_size)]
+                    for t in range(attention.size)
+                ]),
+            )  # fmt: skip
+        self.data_parallel = layout
+        return layout
+
+    def _subgroup(self, shard: Shard, every: list[list[int]]) -> TensorParallelGroup:
+        """The group of ``every`` list of ranks that holds this rank (``shard``: its place
+        in it), with a shared-memory segment of its own where this group has one. Every
+        rank makes every list's group (torch.distributed's rule), in one order."""
+        mine = None
+        for ranks in every:
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=SETUP_TIMEOUT_S))
+            if self.shard.rank in ranks:
+                mine = group
+        assert mine is not None
+        sub = TensorParallelGroup(shard, mine, device=self.device)
+        sub.key = next(_KEYS)
+        _GROUPS[sub.key] = sub
+        if self.shm is not None:
+            sub.shm = shm_collectives.ShmCollectives.open(
+                shard.rank, shard.size, SHM_SLOT_BYTES, self.shm.timeout_s, mine
+            )
+        if sub.shm is not None:
+            assert self.shm is not None
+            sub.shm.check_ranks = self.shm.check_ranks
+            sub.shm.worker_compiling = self.shm.worker_compiling = self.shm.compiling_flags
+            sub.undo_on_close.append(_say_when_compiling(sub.shm))
+        return sub
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (a row-parallel layer's partial outputs); in place
         when run eagerly. A compiled forward calls it as one op of its graph."""
@@ -109,7 +174,7 @@ class TensorParallelGroup:
             return x
         if self.shm is not None and self.shm.fits(x):
             return self.shm.broadcast(x)
-        dist.broadcast(x, src=0, group=self.group)
+        dist.broadcast(x, group=self.group, group_src=0)
         return x
 
     # Never compiled as frames of their own: where a graph breaks around a collective
@@ -139,6 +204,11 @@ class TensorParallelGroup:
         return int(held.item())
 
     def close(self) -> None:
+        if self.data_parallel is not None:
+            for sub in (self.data_parallel.attention, self.data_parallel.rows):
+                if sub is not self:
+                    sub.close_segment()
+            self.data_parallel = None
         _GROUPS.pop(self.key, None)
         while self.undo_on_close:
             self.undo_on_close.pop()()
@@ -148,6 +218,29 @@ class TensorParallelGroup:
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group()
             self.group = None
+
+    def close_segment(self) -> None:
+        """A subgroup's part of ``close``: its segment and its key (the world's process
+        group ends all of them)."""
+        _GROUPS.pop(self.key, None)
+        while self.undo_on_close:
+            self.undo_on_close.pop()()
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+
+
+@dataclass(frozen=True)
+class DataParallelLayout:
+    """One rank's subgroups under data-parallel attention: ``attention``, the ranks that
+    run its data-parallel rank's rows, each with its part of the heads and channels (its
+    attention, dense layers and vocabulary); ``rows``, the ranks of its tensor-parallel
+    rank in every data-parallel rank, over which rows are gathered in data-parallel rank
+    order (``rows.shard.rank`` is this rank's data-parallel rank). The experts split over
+    the whole worker."""
+
+    attention: TensorParallelGroup
+    rows: TensorParallelGroup
 
 
 def _say_when_compiling(shm: shm_collectives.ShmCollectives) -> Callable[[], None]:

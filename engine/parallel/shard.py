@@ -77,3 +77,19 @@ def padded_vocab(vocab_size: int, size: int) -> int:
     """The vocabulary padded to a multiple of ``size``: what an all-gather of the ranks'
     logits returns before the padding is cut."""
     return -(-vocab_size // size) * size
+
+
+def data_parallel_shards(world: Shard, data_parallel_size: int) -> tuple[Shard, Shard]:
+    """A worker's ranks under data-parallel attention with tensor parallelism inside each
+    data-parallel rank: ``world.size / data_parallel_size`` ranks run each data-parallel
+    rank's rows, its attention and dense layers split over them by heads and channels.
+    Rank ``w`` is tensor-parallel rank ``w % tp`` of data-parallel rank ``w // tp``.
+    Returns (the rank's attention shard: its place among its data-parallel rank's ranks,
+    its data-parallel rank among ``data_parallel_size``)."""
+    if data_parallel_size < 1 or world.size % data_parallel_size:
+        raise TensorParallelError(
+            f"data_parallel_size: {data_parallel_size} does not divide the worker's "
+            f"{world.size} ranks"
+        )
+    tp = world.size // data_parallel_size
+    return Shard(world.rank % tp, tp), Shard(world.rank // tp, data_parallel_size)

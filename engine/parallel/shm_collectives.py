@@ -60,25 +60,28 @@ def _host_key() -> int:
     return zlib.crc32(f"{socket.gethostname()}/{boot}".encode())
 
 
-def _all_true(flag: bool) -> bool:
-    """Whether ``flag`` holds on every rank of the default group (gloo)."""
+def _all_true(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``flag`` holds on every rank of ``group`` (default: every rank; gloo)."""
     held = torch.tensor([int(flag)], dtype=torch.int64)
-    dist.all_reduce(held, op=dist.ReduceOp.MIN)
+    dist.all_reduce(held, op=dist.ReduceOp.MIN, group=group)
     return bool(held.item())
 
 
-def map_shared_file(rank: int, label: str, num_bytes: int) -> mmap.mmap | None:
-    """One memory file of ``num_bytes`` that every rank of the default group maps (a
-    collective): rank 0 creates it and the others open it through ``/proc/<pid>/fd``. None
-    on every rank where one of them could not map it; the caller has checked that they
-    share a host. The memory goes with the last mapping."""
+def map_shared_file(
+    rank: int, label: str, num_bytes: int, group: dist.ProcessGroup | None = None
+) -> mmap.mmap | None:
+    """One memory file of ``num_bytes`` that every rank of ``group`` (default: every rank)
+    maps (a collective): its rank 0 (``rank``: the caller's rank in it) creates it and the
+    others open it through ``/proc/<pid>/fd``. None on every rank where one of them could
+    not map it; the caller has checked that they share a host. The memory goes with the
+    last mapping."""
     where = torch.zeros(3, dtype=torch.int64)
     fd = -1
     if rank == 0:
         fd = os.memfd_create(label, os.MFD_CLOEXEC)
         os.ftruncate(fd, num_bytes)
         where = torch.tensor([os.getpid(), fd, num_bytes], dtype=torch.int64)
-    dist.broadcast(where, src=0)
+    dist.broadcast(where, group=group, group_src=0)
     mapped = None
     try:
         if int(where[2]) != num_bytes:  # ranks out of step: a mapping past the file's end
@@ -94,7 +97,7 @@ def map_shared_file(rank: int, label: str, num_bytes: int) -> mmap.mmap | None:
     except OSError:
         mapped = None
     # Every rank mapped it, or none uses it; rank 0's file stays open until then.
-    is_mapped = _all_true(mapped is not None)
+    is_mapped = _all_true(mapped is not None, group)
     if fd >= 0:
         os.close(fd)
     if not is_mapped:
@@ -123,21 +126,38 @@ class ShmCollectives:
         # already have written the next call's.
         self._flags, self._sizes = flags[:, 0], flags[:, 1:3]
         self._compiling = flags[:, 3]  # 1 while the rank compiles (set_compiling)
+        # A subgroup's segment (engine.parallel.group): every rank of the worker's
+        # ``compiling`` flags, in its whole group's segment. A rank here may be waiting,
+        # in another segment, for a rank that compiles: any rank compiling counts.
+        self.worker_compiling: torch.Tensor | None = None
         self._slots = buffer[size * FLAG_BYTES :].view(2, size, slot_bytes)
 
     @classmethod
-    def open(cls, rank: int, size: int, slot_bytes: int, timeout_s: float) -> ShmCollectives | None:
-        """The segment every rank of the default group maps, or None on every rank (they
-        then use gloo) where one of them is on another host or could not map it."""
+    def open(
+        cls,
+        rank: int,
+        size: int,
+        slot_bytes: int,
+        timeout_s: float,
+        group: dist.ProcessGroup | None = None,
+    ) -> ShmCollectives | None:
+        """The segment every rank of ``group`` (default: every rank; ``rank`` and
+        ``size``: in it) maps, or None on every rank (they then use gloo) where one of them
+        is on another host or could not map it."""
         keys = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-        dist.all_gather(keys, torch.tensor([_host_key()], dtype=torch.int64))
+        dist.all_gather(keys, torch.tensor([_host_key()], dtype=torch.int64), group=group)
         if not is_supported() or len({int(k.item()) for k in keys}) != 1:
             return None
         num_bytes = size * FLAG_BYTES + 2 * size * slot_bytes
-        mapped = map_shared_file(rank, LABEL, num_bytes)
+        mapped = map_shared_file(rank, LABEL, num_bytes, group)
         if mapped is None:
             return None
         return cls(rank, size, mapped, slot_bytes, timeout_s)
+
+    @property
+    def compiling_flags(self) -> torch.Tensor:
+        """Each rank's ``compiling`` flag, as the segment holds it."""
+        return self._compiling
 
     def set_compiling(self, is_compiling: bool) -> None:
         """Tells the other ranks that this one is compiling (their waits last longer)."""
@@ -207,7 +227,9 @@ class ShmCollectives:
                 time.sleep(0)  # let a rank on the same core run
 
     def _is_compiling(self) -> bool:
-        """Whether a rank that has not arrived is compiling."""
+        """Whether a rank that has not arrived is compiling (a subgroup's: any rank)."""
+        if self.worker_compiling is not None:
+            return bool((self.worker_compiling != 0).any())
         late = self._flags < self.generation
         return bool((self._compiling[late] != 0).any())
 

@@ -123,9 +123,13 @@ class DraftRows:
         backend: AttentionBackend,
         group: TensorParallelGroup,
     ) -> None:
+        # ``group``: every rank of the worker (the sync, rank 0's broadcasts); rows are
+        # gathered over the ranks of this one's tensor-parallel rank, one per data-parallel
+        # rank (``DataParallelLayout.rows``). Each data-parallel rank's ranks run its rows.
         self.drafter, self.kv, self.backend, self.group = drafter, kv, backend, group
-        self.me = group.shard.rank
-        self.rows = DataParallelStep(group)  # gathers of rows, in rank order
+        rows = group.data_parallel.rows if group.data_parallel is not None else group
+        self.me, self.num_ranks = rows.shard.rank, rows.size  # data-parallel
+        self.rows = DataParallelStep(rows)  # gathers of rows, in data-parallel rank order
         self.state: torch.Tensor | None = None  # its rows' last extend's, propose reads it
         # A zero-row score of the drafter's: the width, dtype and ids of what a rank
         # with no rows brings to each position's gather.
@@ -170,8 +174,8 @@ class DraftRows:
         here. Argmax drafts cost one gather of the drafts at the end; others, a gather of
         every row's scores and a broadcast of rank 0's choice at each position."""
         mine = [b for b, r in enumerate(row_ranks) if r == self.me]
-        counts = [row_ranks.count(r) for r in range(self.group.size)]
-        order = torch.tensor(batch_order(list(row_ranks), self.group.size),
+        counts = [row_ranks.count(r) for r in range(self.num_ranks)]
+        order = torch.tensor(batch_order(list(row_ranks), self.num_ranks),
                              dtype=torch.int64, device=args.next_tokens.device)  # fmt: skip
         picked = torch.tensor(mine, dtype=torch.int64, device=order.device)
         chosen: list[torch.Tensor] = []  # each position's, every row's
@@ -234,7 +238,7 @@ class DataParallelDrafter(SplitDrafter):
         inputs = ForwardInputs(tokens, layout, tokens.new_zeros(0))  # no logits
         features = features.contiguous()
         ranks = tuple(self.row_ranks)
-        done = [0] * self.tp.size  # each rank's entries before each row
+        done = [0] * self.own.num_ranks  # each data-parallel rank's entries before each row
         starts = []
         for rank, n in zip(ranks, query_lens, strict=True):
             starts.append(done[rank])
@@ -303,7 +307,7 @@ class DataParallelDraftMirror:
 
         def rank_0s(scores: DraftLogits, j: int) -> torch.Tensor:
             token = torch.empty(batch, dtype=torch.int64, device=args.next_tokens.device)
-            return self.rows.group.broadcast(token)
+            return self.rows.group.broadcast(token)  # the worker's: from rank 0
 
         def run() -> None:
             self.rows.propose(

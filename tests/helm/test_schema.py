@@ -105,9 +105,16 @@ def test_defaults_and_schema_agree() -> None:
         assert schema["properties"][section]["additionalProperties"] is False, section
 
 
-def test_tensor_parallelism_inside_data_parallel_ranks_is_refused() -> None:
-    render_raw({"decode": {"engine": {"dataParallelSize": 2}}})
+def test_tensor_parallelism_inside_data_parallel_ranks_renders_both_sizes() -> None:
+    """Data-parallel 2 x tensor-parallel 2: both flags, and on the cuda image four GPUs
+    (one per rank); three are refused, naming the product."""
     both = {"dataParallelSize": 2, "tensorParallelSize": 2}
+    text = render_raw({"decode": {"engine": both}})
+    decode = "\n".join(v for k, v in text.items() if "decode" in k)
+    assert "--data-parallel-size=$(" in decode and "--tensor-parallel-size=$(" in decode
+    cuda = {"image": {"flavor": "cuda"}, "decode": {"engine": both}}
+    assert "nvidia.com/gpu: 4" in "\n".join(render_raw(cuda).values())
+    cuda["decode"]["resources"] = {"limits": {"nvidia.com/gpu": 3}}
     with pytest.raises(helm.HelmRenderError) as e:
-        render_raw({"decode": {"engine": both}})
-    assert "decode.engine.dataParallelSize: 2 with tensorParallelSize 2: tensor" in str(e.value)
+        render_raw(cuda)
+    assert "tensorParallelSize x dataParallelSize is 4 (one GPU per rank)" in str(e.value)

@@ -102,7 +102,10 @@ def load_mtp(target_dir: str | Path, target: nn.Module, device: torch.device) ->
             "num_nextn_predict_layers: the target's config declares no MTP layer "
             f"({tc.num_nextn_predict_layers}); its checkpoint has none to draft with"
         )
-    config = dataclasses.replace(tc, num_hidden_layers=1, expert_parallel=False)
+    # Whole on every rank, beside its rows under data-parallel attention.
+    config = dataclasses.replace(
+        tc, num_hidden_layers=1, expert_parallel=False, data_parallel_size=1
+    )
     h, mtp = tc.hidden_size, f"model.layers.{tc.num_hidden_layers}"
     reader = CheckpointReader(target_dir)
     try:

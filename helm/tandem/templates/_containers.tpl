@@ -57,9 +57,6 @@ ConfigMap ($(TANDEM_...) is expanded by the kubelet), probes and the drain. dict
     - --tensor-parallel-size=$({{ $env }}TENSOR_PARALLEL_SIZE)
     {{- end }}
     {{- if gt (int $v.engine.dataParallelSize) 1 }}
-    {{- if gt (int $v.engine.tensorParallelSize) 1 }}
-    {{- fail (printf "%s.engine.dataParallelSize: %d with tensorParallelSize %d: tensor parallelism inside data-parallel ranks is not built; set one of them" $role (int $v.engine.dataParallelSize) (int $v.engine.tensorParallelSize)) }}
-    {{- end }}
     - --data-parallel-size=$({{ $env }}DATA_PARALLEL_SIZE)
     {{- end }}
     {{- if $v.engine.expertParallel }}

@@ -148,3 +148,40 @@ def waits_for_a_compiling_rank(rank: int, size: int, out_dir: str, init_method: 
         "waited_s": torch.tensor([time.monotonic() - started]),
     }
     save_file(out, str(Path(out_dir) / "rank0.out"))
+
+
+def data_parallel_subgroups(rank: int, size: int, out_dir: str, init_method: str) -> None:
+    """Four ranks as two data-parallel ranks of two tensor-parallel ranks each: an
+    all-reduce within each data-parallel rank's ranks, an all-gather across them, and a
+    broadcast from rank 0 over every rank, each through a shared-memory segment of its
+    own. Then a compile seen across segments: rank 2 says it compiles and arrives 2.5 s
+    late (the timeout is 1 s); rank 3 waits for it in their attention group, and rank 1
+    waits for rank 3 in their rows group. Rank 1 must wait too, not give up on rank 3."""
+    torch.set_num_threads(1)
+    world = TensorParallelGroup.join(rank, size, init_method, timeout_s=1.0)
+    layout = world.split_data_parallel(2)
+    attention, rows = layout.attention, layout.rows
+    assert world.shm is not None and attention.shm is not None and rows.shm is not None
+    dp_rank, tp_rank = divmod(rank, 2)
+    assert (attention.shard.rank, attention.size) == (tp_rank, 2)
+    assert (rows.shard.rank, rows.size) == (dp_rank, 2)
+    assert world.heads_shard == attention.shard
+    summed = attention.all_reduce(torch.full((3,), float(rank + 1)))
+    gathered = rows.all_gather(torch.full((2,), float(rank)), dim=0)
+    sent = world.broadcast(torch.full((2,), 7.0 if rank == 0 else -1.0))
+    dist.barrier()  # gloo's, under the group's long timeout
+    if rank == 2:
+        world.shm.set_compiling(True)
+        time.sleep(2.5)
+        world.shm.set_compiling(False)
+    started = time.monotonic()
+    if rank in (2, 3):
+        attention.all_reduce(torch.ones(1))
+    if rank in (1, 3):
+        rows.all_reduce(torch.ones(1))
+    waited = time.monotonic() - started
+    out = {"summed": summed, "gathered": gathered, "sent": sent,
+           "waited_s": torch.tensor([waited])}  # fmt: skip
+    save_file(out, str(Path(out_dir) / f"rank{rank}.out"))
+    dist.barrier()
+    world.close()

@@ -5,7 +5,8 @@ every rank's tokens. Greedy output in fp32 equals transformers' (the tie-aware
 comparator): with requests spread over both ranks, with one rank idle, with every token
 sent to one rank's experts, and for a block-FP8 checkpoint; compiled steps from a cold
 compile cache equal eager ones. What it does not run yet is refused, naming the field
-(drafts beside each rank's rows: ``test_dp_drafts``)."""
+(drafts beside each rank's rows: ``test_dp_drafts``; tensor parallelism inside each
+rank: ``test_dp_tp``)."""
 
 from __future__ import annotations
 
@@ -90,12 +91,11 @@ def test_block_fp8_with_data_parallel_attention_equals_one_device(tmp_path, prom
 def test_what_data_parallel_attention_does_not_run_is_refused(model, tmp_path) -> None:
     model_dir, _ = model
     for kw, why in (
-        ({"tensor_parallel_size": 2}, r"tensor_parallel_size > 1 \(tensor parallelism inside"),
         ({"speculative": SpeculativeConfig("", kind="suffix")}, "suffix drafts"),
         ({"cuda_graphs": True, "speculative": SpeculativeConfig("", kind="mtp")}, "CUDA graphs"),
     ):
         with pytest.raises(ValueError, match=f"data_parallel_size: 2 does not run with {why}"):
-            greedy(model_dir, [], kw.pop("tensor_parallel_size", 1), data_parallel_size=2, **kw)
+            greedy(model_dir, [], 1, data_parallel_size=2, **kw)
     llama = tmp_path / "llama"
     build_tiny_llama(llama, "gqa4_llama3rope_hd72_mlpbias", num_layers=1, vocab_size=VOCAB)
     with pytest.raises(ConfigError, match="data_parallel_size: 2; data-parallel attention is"):

@@ -114,3 +114,24 @@ def test_a_compiling_rank_is_waited_for_and_a_silent_one_is_not(tmp_path: Path) 
     assert torch.equal(out["sum"], torch.full((4,), 2.0))
     assert out["waited_for_compile_s"].item() > 1.0  # past the timeout: rank 1 compiled
     assert out["refused"].item() == 1 and 1.0 <= out["waited_s"].item() < 2.5
+
+
+def test_data_parallel_subgroups_have_collectives_of_their_own(tmp_path: Path) -> None:
+    """Four ranks split as data-parallel 2 x tensor-parallel 2: rank w is tensor-parallel
+    rank w % 2 of data-parallel rank w // 2. Each subgroup's collectives reach its ranks
+    only; a rank compiling in one subgroup keeps a rank two segments away waiting."""
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.start_processes(
+        ranks.data_parallel_subgroups,
+        args=(4, str(tmp_path), init),
+        nprocs=4,
+        start_method="spawn",
+    )
+    for rank in range(4):
+        out = load_file(str(tmp_path / f"rank{rank}.out"))
+        partner = rank ^ 1  # the other rank of its data-parallel rank
+        assert torch.equal(out["summed"], torch.full((3,), float(rank + partner + 2)))
+        tp_rank = rank % 2  # gathered from its tensor-parallel rank of each data-parallel one
+        assert out["gathered"].tolist() == [tp_rank] * 2 + [tp_rank + 2] * 2
+        assert out["sent"].tolist() == [7.0, 7.0]
+    assert load_file(str(tmp_path / "rank1.out"))["waited_s"].item() > 2.0
