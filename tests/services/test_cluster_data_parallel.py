@@ -1,8 +1,10 @@
 """DeepSeek-V3 served with data-parallel attention (issue 39), the experts split over the
 ranks (`--data-parallel-size 2 --enable-expert-parallel`), the MLA EAGLE-3 draft on:
 a prefill worker of one rank pushing into a decode worker of two, one of two ranks
-pushing into a decode worker of one, and a prefill worker split two ways by heads
-(tensor-parallel) pushing into a decode worker of two data-parallel ranks. Each request
+pushing into a decode worker of one, a prefill worker split two ways by heads
+(tensor-parallel) pushing into a decode worker of two data-parallel ranks, and a prefill
+worker of one rank pushing into a decode worker of two data-parallel ranks of two
+tensor-parallel ranks each (four ranks, a pair's shared pool written by both). Each request
 lands on one decode rank: its reservation's blocks are that rank's, numbered as the
 worker's shared pool of every rank's blocks, and so are its ledger holdings; a prefill
 worker's ranks push their rows' KV from that pool. Greedy output and the draft counters
@@ -45,11 +47,13 @@ PLACEMENT = ["--enable-expert-parallel"]
 
 
 DP2 = ("--data-parallel-size", "2")
+TP2 = ("--tensor-parallel-size", "2")
 # The prefill worker's flags, the decode worker's
 LAYOUTS = {
     "prefill1_decode_dp2": ((), DP2),
     "prefill_dp2_decode1": (DP2, ()),
-    "prefill_tp2_decode_dp2": (("--tensor-parallel-size", "2"), DP2),
+    "prefill_tp2_decode_dp2": (TP2, DP2),
+    "prefill1_decode_dp2_tp2": ((), (*DP2, *TP2)),  # two data-parallel ranks of two
 }
 
 
@@ -59,7 +63,13 @@ def layout(request: pytest.FixtureRequest) -> tuple[tuple[str, ...], tuple[str, 
 
 
 def decode_ranks(layout: tuple[tuple[str, ...], tuple[str, ...]]) -> int:
-    return 2 if layout[1] == DP2 else 1
+    """The decode worker's data-parallel ranks."""
+    return 2 if layout[1][:2] == DP2 else 1
+
+
+def decode_tensor_parallel(layout: tuple[tuple[str, ...], tuple[str, ...]]) -> int:
+    """The decode worker's tensor-parallel ranks (inside each data-parallel rank)."""
+    return 2 if layout[1][-2:] == TP2 else 1
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +112,11 @@ async def audit_after_each_test(cluster: Cluster, ledger: Ledger) -> AsyncIterat
 
 
 def offline(
-    target: Path, draft: Path, prompts: list[list[int]], data_parallel_size: int
+    target: Path,
+    draft: Path,
+    prompts: list[list[int]],
+    data_parallel_size: int,
+    tensor_parallel_size: int = 1,
 ) -> tuple[list[list[int]], LLMEngine]:
     """Greedy tokens from one in-process engine in the decode worker's layout."""
     engine = LLMEngine(
@@ -113,6 +127,7 @@ def offline(
             kv_cache_memory=KV_CACHE,
             num_threads=1,
             data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
             enable_expert_parallel=True,
             speculative=SpeculativeConfig(str(draft), num_draft_tokens=K),
         )
@@ -134,7 +149,8 @@ async def test_greedy_equals_the_offline_engine(
 ) -> None:
     prompts = PROMPTS * 2
     ours = await generate_all(cluster.router_address, prompts, max_tokens=MAX_TOKENS)
-    refs, engine = offline(model_dirs["target"], model_dirs["mla"], prompts, decode_ranks(layout))
+    refs, engine = offline(model_dirs["target"], model_dirs["mla"], prompts,
+                           decode_ranks(layout), decode_tensor_parallel(layout))  # fmt: skip
     assert ours == refs
     assert engine.spec is not None
     expected = engine.spec.stats
