@@ -6,7 +6,8 @@ w is tensor-parallel rank w % 2 of data-parallel rank w // 2. Greedy output in f
 equals transformers' (the tie-aware comparator), with expert parallelism and without,
 with one data-parallel rank idle and with every token sent to one pair's experts; with
 the MLA EAGLE-3 draft beside each pair's rows, speculative output equals the target alone
-and every draft offered is one device's, also sampled with rank 0 holding no rows."""
+and every draft offered is one device's, also sampled with rank 0 holding no rows; compiled
+steps from a cold compile cache equal eager ones."""
 
 from __future__ import annotations
 
@@ -107,3 +108,19 @@ def test_what_does_not_split_is_refused_naming_the_numbers(model) -> None:
     model_dir, _ = model
     with pytest.raises(TensorParallelError, match="6 does not divide n_routed_experts 8"):
         greedy(model_dir, [], 2, data_parallel_size=3, enable_expert_parallel=True)
+
+
+def test_compiled_steps_from_a_cold_compile_cache_equal_eager(
+    model, prompts, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode workers' default: each rank's rows through its compiled forward, the
+    pair's all-reduces ops of the graph, every inductor cache empty. The warm-up puts rows
+    on both pairs; then one request alone, the other pair idle. Ranks compile seconds
+    apart while others wait in three segments' collectives."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model_dir, _ = model
+    eager, _ = greedy(model_dir, prompts[1:2], 2, enable_expert_parallel=True, **DP2_TP2)
+    ours, engine = greedy(model_dir, prompts[1:2], 2, enable_expert_parallel=True,
+                          torch_compile=True, **DP2_TP2)  # fmt: skip
+    assert ours == eager
+    assert min(engine.block_manager.num_placed) > 0  # the warm-up's rows on both pairs
