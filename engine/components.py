@@ -221,14 +221,10 @@ def _build(
     drafter, lookahead, whole_draft_params = None, 0, None
     if config.speculative is not None:
         # Split as the target is, the draft borrows the split target's embedding and LM
-        # head; on rank 0 alone, a whole copy of them.
-        borrowed = model  # data-parallel ranks hold the whole embedding and LM head
-        if (
-            tp.size > 1
-            and config.data_parallel_size == 1
-            and not config.speculative.is_model_free
-            and not split_draft
-        ):
+        # head; on rank 0 alone, or beside each data-parallel rank's rows, a whole copy of
+        # them (the target's own where it is whole: data-parallel ranks of one rank each).
+        borrowed = model
+        if tp.heads_shard.size > 1 and not config.speculative.is_model_free and not split_draft:
             borrowed = load_whole_vocabulary(config.model, model_config, device)
         drafter = load_speculator(config.speculative, borrowed, device, config.model)
         if drafter is not None and device.type == "cpu" and config.cpu_gemm != "aten":

@@ -121,8 +121,9 @@ class DeepseekV3Config:
     # Split over ranks: the routed experts split whole, not by channels (engine.models.moe);
     # EngineConfig.enable_expert_parallel.
     expert_parallel: bool = False
-    # Data-parallel attention over the ranks (EngineConfig.data_parallel_size): each rank
-    # attends its own rows with the whole attention; only the experts are split.
+    # Data-parallel attention over the ranks (EngineConfig.data_parallel_size): each
+    # data-parallel rank attends its own rows, its attention split over its ranks (whole
+    # where it has one); the experts split over every rank.
     data_parallel_size: int = 1
 
     def __post_init__(self) -> None:

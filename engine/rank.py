@@ -34,6 +34,7 @@ from engine.models.layers import dequantize_fp8, release_packed_weights, use_pac
 from engine.models.llama3 import Llama3Model
 from engine.models.triton_layers import use_triton_kernels
 from engine.parallel.group import TensorParallelGroup
+from engine.registry import load_whole_vocabulary
 from engine.spec.config import SpeculativeConfig
 from engine.spec.dp_draft import DATA_PARALLEL_DRAFT_KINDS, DataParallelDraftMirror, DraftRows
 from engine.spec.drafters import load_drafter
@@ -74,7 +75,11 @@ def load_rank(config: RankConfig, tp: TensorParallelGroup, device: torch.device)
         layer_ids = None if config.draft_layer_ids is None else tuple(config.draft_layer_ids)
         spec = SpeculativeConfig(config.draft_model, kind=config.draft_kind,
                                  target_layer_ids=layer_ids)  # fmt: skip
-        drafter = load_speculator(spec, model, device, config.model)
+        borrowed: nn.Module = model  # as rank 0's: a whole copy where the target's is split
+        if tp.heads_shard.size > 1:
+            borrowed = load_whole_vocabulary(config.model, model_config, device)
+            modules.append(borrowed)  # its products packed as rank 0 packs them
+        drafter = load_speculator(spec, borrowed, device, config.model)
         modules.append(cast(nn.Module, drafter))
     elif config.draft_model:  # split as the target is: a Llama-3 target's draft
         assert isinstance(model, Llama3Model)

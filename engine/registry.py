@@ -203,7 +203,8 @@ def load_model(
     """Reads config.json, builds the declared model and fills it from safetensors; with
     ``tp``, this rank's part of it, read from the files alone (``expert_parallel``: a
     mixture of experts' routed experts split whole, not by channels; ``data_parallel_size``
-    over 1: data-parallel attention, only the experts split)."""
+    over 1: data-parallel attention, the experts split over every rank, the rest within
+    each data-parallel rank's ranks)."""
     arch, config = _model_config(model_dir, dtype, max_length, expert_parallel, data_parallel_size)
     tp = tp or TensorParallelGroup.single()
     with torch.device("meta"):

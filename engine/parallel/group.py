@@ -41,6 +41,7 @@ class TensorParallelGroup:
     undo_on_close: list[Callable[[], None]] = field(default_factory=list)
     # Its subgroups under data-parallel attention, made once (``split_data_parallel``).
     data_parallel: DataParallelLayout | None = None
+    is_subgroup: bool = False  # one of them: it ends with its worker's group
 
     @classmethod
     def single(cls) -> TensorParallelGroup:
@@ -133,7 +134,7 @@ class TensorParallelGroup:
             if self.shard.rank in ranks:
                 mine = group
         assert mine is not None
-        sub = TensorParallelGroup(shard, mine, device=self.device)
+        sub = TensorParallelGroup(shard, mine, device=self.device, is_subgroup=True)
         sub.key = next(_KEYS)
         _GROUPS[sub.key] = sub
         if self.shm is not None:
@@ -204,6 +205,9 @@ class TensorParallelGroup:
         return int(held.item())
 
     def close(self) -> None:
+        """Ends the worker's group: its subgroups' segments, its own, the process group."""
+        if self.is_subgroup:
+            raise RuntimeError("a subgroup ends with its worker's group (close that one)")
         if self.data_parallel is not None:
             for sub in (self.data_parallel.attention, self.data_parallel.rows):
                 if sub is not self:

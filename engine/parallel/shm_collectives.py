@@ -20,7 +20,10 @@ sum bit for bit (or, for an all-gather, concatenates them).
   (``compiling``, set around torch.compile's compilations: ``engine.parallel.group``),
   and the others wait for it up to ``COMPILE_WAIT_S``: under data-parallel attention a
   rank compiles the shapes of its own rows while the others, idle or done, wait in the
-  step's next collective, minutes from a cold compile cache.
+  step's next collective, minutes from a cold compile cache. With subgroups (tensor
+  parallelism inside data-parallel ranks: ``engine.parallel.group``) a rank may wait for
+  one that waits, in another segment, for one that compiles: there any rank's compiling
+  counts, so a rank stuck or gone while another compiles is found only after that.
 - **Checks.** The segment is used only when every rank runs on this host (the same host
   name and boot id) and opened it; otherwise every rank uses gloo. A call whose byte count
   differs between ranks (ranks out of step) raises rather than reading stale bytes.

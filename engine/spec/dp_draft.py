@@ -16,10 +16,12 @@ rank's extend) and broadcasts its tensors. Each rank then runs its rows (``Draft
 
 A rank with no rows joins the gathers and broadcasts alone. The draft's forwards have no
 collectives of their own: an MTP layer's experts are whole on every rank (one MoE layer
-on each, in the model's dtype). The target's features reach rank 0 for every row
-(``engine.executor.data_parallel`` gathers the hidden states the drafts read, which
-rank 0 also keeps for deferred drafting), and travel to the ranks with each extend: one
-more pass over the group a step.
+on each, in the model's dtype), and where a data-parallel rank's attention splits over
+several ranks (tensor parallelism inside it), each borrows a whole copy of the target's
+embedding and LM head (``engine.components``), not the split ones. The target's
+features reach rank 0 for every row (``engine.executor.data_parallel`` gathers the
+hidden states the drafts read, which rank 0 also keeps for deferred drafting), and
+travel to the ranks with each extend: one more pass over the group a step.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ w is tensor-parallel rank w % 2 of data-parallel rank w // 2. Greedy output in f
 equals transformers' (the tie-aware comparator), with expert parallelism and without,
 with one data-parallel rank idle and with every token sent to one pair's experts; with
 the MLA EAGLE-3 draft beside each pair's rows, speculative output equals the target alone
-and every draft offered is one device's, also sampled with rank 0 holding no rows; compiled
+and every draft offered is one device's, also sampled with rank 0 holding no rows; so with
+an EAGLE draft (a whole LM head on every rank) and with MTP; compiled
 steps from a cold compile cache equal eager ones."""
 
 from __future__ import annotations
@@ -25,8 +26,13 @@ from tests.comparator import compare_greedy
 from tests.engine.parallel.test_dp_deepseek_v3 import model as model  # the fixture
 from tests.engine.parallel.test_dp_deepseek_v3 import prompts as prompts  # the fixture
 from tests.engine.parallel.test_dp_drafts import CHUNKED, offered_drafts
-from tests.engine.parallel.test_tp_deepseek_v3 import greedy, references
-from tests.engine.tiny_deepseek import write_biased_router
+from tests.engine.parallel.test_tp_deepseek_v3 import SHAPE, VOCAB, greedy, references
+from tests.engine.spec.test_eagle3_deepseek_v3 import MHA_OVERRIDES
+from tests.engine.tiny_deepseek import (
+    build_tiny_deepseek_with_mtp,
+    make_mtp_know_the_target,
+    write_biased_router,
+)
 from tests.engine.tiny_drafts import build_random_draft
 
 DP2_TP2 = {"data_parallel_size": 2}  # with greedy's tensor_parallel_size 2: four ranks
@@ -48,10 +54,9 @@ def test_two_data_parallel_ranks_of_two_equal_transformers(model, prompts, exper
     assert isinstance(moe, DeepseekV3MoE)
     assert moe.tp.size == 4 and model_.dp.group.size == 2
     assert len(moe.experts) == (2 if expert_parallel else 8)  # 8 experts over 4 ranks
-    # Two data-parallel ranks' blocks in the shared pool, each pair's latent heads whole.
+    # Two data-parallel ranks' blocks in the shared pool.
     whole = engine.kv_pools["target"]
     assert whole.layers[0][0].shape[0] == 2 * engine.runner.kv_cache.num_blocks
-    assert whole.layers[0][0].shape[2] == 1  # MLA: one latent head, every rank of a pair's
 
 
 def test_an_idle_pair_and_one_pairs_experts_give_the_same_tokens(model, prompts, tmp_path):
@@ -101,6 +106,34 @@ def test_mla_eagle3_drafts_beside_each_pairs_rows(model, prompts, tmp_path, monk
                                            **CHUNKED)  # fmt: skip
     assert engine.block_manager.num_placed == [0, 2]  # type: ignore[union-attr]
     assert ours == one and offered == offered_one and len(offered) == 2
+
+
+def test_eagle_and_mtp_drafts_beside_each_pairs_rows(model, prompts, tmp_path) -> None:
+    """An EAGLE draft scores with its target's LM head: each rank borrows a whole copy (the
+    pair's is split by vocabulary), so its drafts are one device's. DeepSeek-V3's MTP
+    layer made to predict the target: every draft is accepted, as on one device."""
+    model_dir, _ = model
+    alone, _ = greedy(model_dir, prompts, 1)
+    llama_shape = {k: v for k, v in MHA_OVERRIDES.items() if k != "eagle_config"}
+    draft = build_random_draft(model_dir, tmp_path / "eagle", "eagle", rope_scaling=None,
+                               **llama_shape)  # fmt: skip
+    spec = SpeculativeConfig(str(draft), num_draft_tokens=3)
+    one, _, offered_one = offered_drafts(model_dir, prompts, spec, **CHUNKED)
+    ours, _, offered = offered_drafts(model_dir, prompts, spec, tensor_parallel_size=2,
+                                      **DP2_TP2, **CHUNKED)  # fmt: skip
+    assert one == alone and ours == alone
+    assert offered == offered_one and max(t for o in offered.values() for d in o for t in d) > 49
+
+    mtp_dir = tmp_path / "mtp"
+    build_tiny_deepseek_with_mtp(mtp_dir, SHAPE, vocab_size=VOCAB)
+    make_mtp_know_the_target(mtp_dir)
+    alone, _ = greedy(mtp_dir, prompts, 1)
+    mtp = SpeculativeConfig("", kind="mtp", num_draft_tokens=3)
+    ours, engine = greedy(mtp_dir, prompts, 2, speculative=mtp, enable_expert_parallel=True,
+                          **DP2_TP2, **CHUNKED)  # fmt: skip
+    assert ours == alone
+    stats = engine.spec.stats  # type: ignore[union-attr]
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
 
 
 def test_what_does_not_split_is_refused_naming_the_numbers(model) -> None:
