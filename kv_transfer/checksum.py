@@ -1,6 +1,8 @@
 """Chunk checksums: XXH3-64 by default (xxhash is a dependency), zlib's CRC-32 and
-CRC-32C (when google-crc32c is installed) on request. Each has a one-shot function and a
-running form (``update`` piece by piece, same value) for checksumming while copying."""
+CRC-32C (when google-crc32c is installed) on request, and SUM64, which torch computes
+where the bytes lie (``update_tensor``: a GPU's, without copying them to the host). Each
+has a one-shot function and a running form (``update`` piece by piece, same value) for
+checksumming while copying."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import importlib
 import zlib
 from collections.abc import Callable
 from typing import Protocol
+
+import torch
 
 from tandem.v1 import kv_transfer_pb2 as pb
 
@@ -30,6 +34,7 @@ _NAMES = {
     "crc32": pb.CHECKSUM_KIND_CRC32,
     "crc32c": pb.CHECKSUM_KIND_CRC32C,
     "xxh3_64": pb.CHECKSUM_KIND_XXH3_64,
+    "sum64": pb.CHECKSUM_KIND_SUM64,  # never "auto": for pools on a GPU (cuda_ipc.py)
 }
 _PREFERENCE = ("xxh3_64", "crc32c", "crc32")  # fastest first
 
@@ -71,8 +76,61 @@ class _Crc32c:
         return int.from_bytes(self._state.digest(), "big")  # type: ignore[attr-defined]
 
 
+class Sum64:
+    """CHECKSUM_KIND_SUM64: the sum, modulo 2^64, of each 64-bit little-endian word times
+    its 1-based index in the data (padded with zeros to whole words). torch's int64
+    products and sums wrap around modulo 2^64 on CPU and GPU alike, and a sum modulo 2^64
+    does not depend on the order it is taken in, so a GPU's reduction gives the host's
+    value. ``update`` takes host bytes (a piece
+    need not end on a word: the rest waits for the next), ``update_tensor`` a tensor's
+    bytes where they lie (whole words, after whole words)."""
+
+    def __init__(self) -> None:
+        self._total = 0
+        self._words = 0  # words summed so far: the next one's index is this + 1
+        self._rest = b""  # a partial word, from the last host piece
+
+    def update(self, data: Buffer, /) -> None:
+        raw = self._rest + bytes(data)
+        whole = len(raw) - len(raw) % 8
+        self._rest = raw[whole:]
+        if whole:
+            self._add(torch.frombuffer(bytearray(raw[:whole]), dtype=torch.int64))
+
+    def update_tensor(self, data: torch.Tensor, /) -> None:
+        """The bytes of ``data`` (contiguous, a multiple of 8 bytes) where they lie."""
+        if self._rest:
+            raise ValueError("sum64: a tensor's words after a partial word")
+        flat = data.detach().reshape(-1).view(torch.uint8)
+        if flat.numel() % 8:
+            raise ValueError(f"sum64: {flat.numel()} bytes are not whole 64-bit words")
+        self._add(flat.view(torch.int64))
+
+    def _add(self, words: torch.Tensor) -> None:
+        index = torch.arange(self._words + 1, self._words + 1 + words.numel(),
+                             dtype=torch.int64, device=words.device)  # fmt: skip
+        self._total = (self._total + int((words * index).sum().item())) % 2**64
+        self._words += words.numel()
+
+    def intdigest(self) -> int:
+        if not self._rest:
+            return self._total
+        last = int.from_bytes(self._rest.ljust(8, b"\0"), "little")  # the padded word
+        return (self._total + last * (self._words + 1)) % 2**64
+
+
+def sum64(data: Buffer) -> int:
+    """CHECKSUM_KIND_SUM64 of ``data``."""
+    running = Sum64()
+    running.update(data)
+    return running.intdigest()
+
+
 def _running() -> dict[int, Callable[[], RunningChecksum]]:
-    found: dict[int, Callable[[], RunningChecksum]] = {pb.CHECKSUM_KIND_CRC32: _Crc32}
+    found: dict[int, Callable[[], RunningChecksum]] = {
+        pb.CHECKSUM_KIND_CRC32: _Crc32,
+        pb.CHECKSUM_KIND_SUM64: Sum64,
+    }
     xxh3 = _optional_class("xxhash", "xxh3_64")
     if xxh3 is not None:
         found[pb.CHECKSUM_KIND_XXH3_64] = xxh3  # seed 0, as xxh3_64_intdigest
@@ -95,6 +153,7 @@ def _available() -> dict[int, ChecksumFn]:
         pb.CHECKSUM_KIND_CRC32: zlib.crc32,
         pb.CHECKSUM_KIND_CRC32C: _read_only(_optional("google_crc32c", "value")),
         pb.CHECKSUM_KIND_XXH3_64: _optional("xxhash", "xxh3_64_intdigest"),
+        pb.CHECKSUM_KIND_SUM64: sum64,
     }
     return {kind: fn for kind, fn in found.items() if fn is not None}
 
@@ -105,7 +164,7 @@ _RUNNING = _running()
 
 def checksum_kind(name: str) -> int:
     """The wire ChecksumKind for ``name``: "auto" (fastest installed), "crc32", "crc32c",
-    "xxh3_64"; refuses one that is unknown or not installed here."""
+    "xxh3_64", "sum64"; refuses one that is unknown or not installed here."""
     if name == "auto":
         return next(_NAMES[n] for n in _PREFERENCE if _NAMES[n] in _AVAILABLE)
     if name not in _NAMES:

@@ -33,6 +33,7 @@ from kv_transfer.base import (
 )
 from kv_transfer.checksum import (
     RunningChecksum,
+    Sum64,
     checksum_function,
     checksum_kind,
     running_checksum,
@@ -50,7 +51,9 @@ Tamper = Callable[[int, torch.Tensor], None]
 class TransferOptions:
     chunk_bytes: int = 4 << 20  # KV bytes per chunk (at least one block per chunk)
     window: int = 4  # chunks prepared ahead of the transport (queued writes / shm slots)
-    checksum: str = "auto"  # "auto" (fastest installed), "crc32", "crc32c", "xxh3_64"
+    # "auto" (fastest installed), "crc32", "crc32c", "xxh3_64"; "sum64", computed where the
+    # blocks lie: what a push from or into a GPU's pools takes (checksum.Sum64)
+    checksum: str = "auto"
     timeout_s: float = 120.0  # deadline of one push
     # Progress deadline: a push whose transport moves nothing (no room for a chunk, no
     # chunk taken, no reply) for this long is aborted as stalled.
@@ -369,7 +372,19 @@ class ChunkedKvSender(KvSender):
         running: RunningChecksum,
     ) -> None:
         """Copies each run's K then V blocks straight into their destination blocks, adding
-        them to ``running`` in the order ``_pack`` lays them out (same checksum)."""
+        them to ``running`` in the order ``_pack`` lays them out (same checksum). Into a
+        GPU's pools (CUDA IPC): device copies, checksummed there (SUM64); its ``.item()``
+        waits for the copies, so the chunk's header leaves after its blocks landed."""
+        if dst_kv[0].is_cuda:
+            if not isinstance(running, Sum64):
+                raise ValueError("checksum: a push into GPU pools needs 'sum64'")
+            for run in runs:
+                src_blocks = slice(run.src_start, run.src_start + run.num_blocks)
+                dst_blocks = slice(run.dst_start, run.dst_start + run.num_blocks)
+                for src_t, dst_t in zip(kv, dst_kv, strict=True):
+                    dst_t[dst_blocks].copy_(src_t[src_blocks], non_blocking=True)
+                    running.update_tensor(dst_t[dst_blocks])
+            return
         block_bytes = kv[0][0].numel() * kv[0].element_size()
         src_bytes = [byte_view(t) for t in kv]
         dst_bytes = [byte_view(t) for t in dst_kv]

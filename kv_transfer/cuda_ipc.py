@@ -1,12 +1,11 @@
 """CUDA IPC for KV pools: a process exports a CUDA tensor's memory as a handle of bytes, and
 another process on the same host opens it and writes into it, device to device.
 
-This is the device half of a CUDA IPC KV channel (issue 41), which is not built yet: there,
-a decode worker would export its pools, a same-host prefill worker would copy each block
-straight into its destination block, and only headers would travel over the Push stream,
-as with the shared-memory pools on CPU (shared_pools.py). Today ``bench/cuda_ipc.py`` uses
-it to time such a copy. The handle is plain bytes (``IpcHandle.to_bytes``): no pickle
-crosses a process boundary.
+This is the device half of the CUDA IPC KV channel (issue 41; never run on a GPU): a
+decode worker exports its GPU pools (shared_pools.py), a same-host prefill worker copies
+each block straight into its destination block, and only headers travel over the Push
+stream, as with the shared-memory pools on CPU. ``bench/cuda_ipc.py`` times such a copy.
+The handle is plain bytes (``IpcHandle.to_bytes``): no pickle crosses a process boundary.
 
 It calls the CUDA driver (``libcuda.so.1``, which torch's CUDA build loads) through ctypes:
 ``cuMemGetAddressRange`` finds the allocation a tensor lies in (torch's caching allocator

@@ -44,6 +44,7 @@ from kv_transfer.session import (
 )
 from kv_transfer.shared_pools import (
     BLOCKS_KEY,
+    IPC_KEY,
     PLACEMENT_KEY,
     POOLS_KEY,
     SharedKvPools,
@@ -338,11 +339,13 @@ def _placement(session: ReceiveSession) -> list[tuple[str, str | bytes]]:
     blocks = pb.KvChunk(
         runs=[pb.BlockRun(first_block_id=r.dst_start, num_blocks=r.num_blocks) for r in runs]
     )
-    return [
-        (PLACEMENT_KEY, "pools"),
+    placed = [
         (POOLS_KEY, session.placement.segment().SerializeToString()),
         (BLOCKS_KEY, blocks.SerializeToString()),
     ]
+    if session.placement.ipc is not None:  # on a GPU: its handle, the segment its fences
+        return [(PLACEMENT_KEY, "cuda_ipc"), (IPC_KEY, session.placement.ipc.to_bytes()), *placed]
+    return [(PLACEMENT_KEY, "pools"), *placed]
 
 
 async def _until_dropped(

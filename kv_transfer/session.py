@@ -28,6 +28,7 @@ from kv_transfer.base import (
 )
 from kv_transfer.checksum import (
     ChecksumFn,
+    Sum64,
     checksum_function,
     kind_name,
     running_checksum,
@@ -235,6 +236,10 @@ class ReceiveSession:
                 f"{reserved.lora or 'the base model'!r} (digest {reserved.lora_digest!r})"
             )
         if hs.HasField("shm"):
+            # GPU pools are checksummed where they lie: only a push that chose SUM64.
+            on_gpu = shared is not None and shared.ipc is not None
+            if on_gpu and hs.checksum_kind != pb.CHECKSUM_KIND_SUM64:
+                shared = None
             if shared is not None and self._in_shared(shared, hs.shm.host_id):
                 self.placement, self.is_placed = shared, True
                 self._record.writer = InPlaceWriter(shared, self.block_ids)
@@ -379,6 +384,14 @@ class ReceiveSession:
         (layer, run, K then V): what it sent must be what the pools now hold."""
         running = running_checksum(self._checksum_kind)
         block_bytes = self._layout.tensor_block_bytes(pool)  # K (or V) of one block
+        if self.placement is not None and self.placement.ipc is not None:  # on a GPU
+            assert isinstance(running, Sum64), "GPU pools are placed under SUM64 only"
+            for layer in range(layer_start, layer_end):
+                kv = self._record.reservation.pools[pool].layers[layer]
+                for first, num_blocks in runs:
+                    for t in kv:
+                        running.update_tensor(t[first : first + num_blocks])
+            return running.intdigest()
         for layer in range(layer_start, layer_end):
             views = self._pool_bytes(pool, layer)
             for first, num_blocks in runs:

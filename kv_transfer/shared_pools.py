@@ -11,10 +11,20 @@ then one fence byte per block, so both ends derive every offset from the layout 
 number of blocks alone. The receiver fences the blocks of a push it refused or dropped:
 the sender, which checks them before each chunk, then half-closes the call, and the
 receiver reuses the blocks only after that (receiver.py).
+
+**Pools on a GPU** (CUDA IPC, issue 41; never run on a GPU yet). The tensors lie in one
+device allocation, in the same order, exported as a CUDA IPC handle (cuda_ipc.py); the
+segment holds the fence bytes alone. The receiver answers a same-host push with placement
+"cuda_ipc": the handle too (``IPC_KEY``). The sender opens it and copies each block device
+to device; both ends checksum the blocks where they lie, with CHECKSUM_KIND_SUM64 (the
+receiver offers the GPU pools only to a push that chose it: ``ReceiveSession``). Where the
+runtime refuses CUDA IPC, ``adopt`` leaves the pools where they are and senders use the
+ring.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -22,14 +32,19 @@ from typing import Protocol
 
 import torch
 
+from kv_transfer import cuda_ipc
 from kv_transfer.base import KvLayout, KvPool, KvTransferError, RunPair
 from kv_transfer.shm_transport import SharedFile, host_id, map_shared
 from tandem.v1 import kv_transfer_pb2 as pb
 
+logger = logging.getLogger(__name__)
+
 # Initial metadata of a Push whose handshake names shared memory (see receiver.receive).
-PLACEMENT_KEY = "tandem-kv-placement"  # "pools": write in place; "ring": use your ring
+# "pools": write in place; "cuda_ipc": in place, on a GPU (IPC_KEY); "ring": use your ring
+PLACEMENT_KEY = "tandem-kv-placement"
 POOLS_KEY = "tandem-kv-pools-bin"  # ShmSegment: file, size, host_id, num_slots = blocks
 BLOCKS_KEY = "tandem-kv-blocks-bin"  # KvChunk whose runs are the reserved blocks
+IPC_KEY = "tandem-kv-cuda-ipc-bin"  # cuda_ipc.IpcHandle: the GPU pools (POOLS_KEY: fences)
 _PAGE = mmap.PAGESIZE
 
 Storage = Callable[[torch.Size, torch.dtype], torch.Tensor]
@@ -80,15 +95,28 @@ def segment_bytes(layout: KvLayout, num_blocks: int) -> int:
 
 
 class SharedKvPools:
-    """Every pool of ``layout`` with ``num_blocks`` blocks, in one mapped segment."""
+    """Every pool of ``layout`` with ``num_blocks`` blocks, in one mapped segment (or, on a
+    GPU, in ``device_bytes``, the segment holding the fences alone)."""
 
     def __init__(
-        self, mm: mmap.mmap, owner_pid: int, file: pb.SharedFd, layout: KvLayout, num_blocks: int
+        self,
+        mm: mmap.mmap,
+        owner_pid: int,
+        file: pb.SharedFd,
+        layout: KvLayout,
+        num_blocks: int,
+        device_bytes: torch.Tensor | None = None,
     ) -> None:
         self.size, self.owner_pid, self.file = len(mm), owner_pid, file
         self.layout, self.num_blocks = layout, num_blocks
         self._mm = mm
-        data = torch.frombuffer(mm, dtype=torch.uint8)  # [size]
+        host = torch.frombuffer(mm, dtype=torch.uint8)  # [size]
+        data = host if device_bytes is None else device_bytes
+        self.device = data.device
+        # On a GPU: the receiver's exported handle, or the one a sender opened.
+        self.ipc: cuda_ipc.IpcHandle | None = None
+        self._device_bytes = device_bytes  # kept: the views live in it
+        self._opened: cuda_ipc.OpenedTensor | None = None
         self._layers: dict[KvPool, list[list[torch.Tensor]]] = {}
         for pool, layer, offset, dims in _tensors(layout, num_blocks):
             num_bytes = torch.Size(dims).numel() * layout.dtype.itemsize
@@ -97,42 +125,78 @@ class SharedKvPools:
             if len(layers) == layer:
                 layers.append([])
             layers[layer].append(t)
-        offset = _fences_offset(layout, num_blocks)
-        self._fences = data[offset : offset + num_blocks]  # [num_blocks], 1: fenced
+        offset = _fences_offset(layout, num_blocks) if device_bytes is None else 0
+        self._fences = host[offset : offset + num_blocks]  # [num_blocks], 1: fenced
         self._own: SharedFile | None = None  # the receiver's (create)
 
     @classmethod
-    def create(cls, layout: KvLayout, num_blocks: int) -> SharedKvPools:
-        """A new zeroed (pre-touched) segment; closed by ``close`` or when collected."""
-        file, mm = SharedFile.memory("tandem-kv-pools", segment_bytes(layout, num_blocks))
-        pools = cls(mm, os.getpid(), file.describe(), layout, num_blocks)
+    def create(
+        cls, layout: KvLayout, num_blocks: int, device: torch.device | None = None
+    ) -> SharedKvPools:
+        """A new zeroed (pre-touched) segment; closed by ``close`` or when collected. On a
+        CUDA ``device``: the pools in one exported allocation there (raises
+        ``cuda_ipc.CudaIpcUnavailable`` where the runtime refuses)."""
+        if device is None or device.type == "cpu":
+            file, mm = SharedFile.memory("tandem-kv-pools", segment_bytes(layout, num_blocks))
+            pools = cls(mm, os.getpid(), file.describe(), layout, num_blocks)
+            torch.frombuffer(mm, dtype=torch.uint8).zero_()
+        else:
+            tensor_bytes = _fences_offset(layout, num_blocks)
+            data = torch.zeros(tensor_bytes, dtype=torch.uint8, device=device)
+            handle = cuda_ipc.export(data)
+            file, mm = SharedFile.memory("tandem-kv-fences", _round_up(num_blocks, _PAGE))
+            pools = cls(mm, os.getpid(), file.describe(), layout, num_blocks, data)
+            pools.ipc = handle
         pools._own = file
-        torch.frombuffer(mm, dtype=torch.uint8).zero_()
         return pools
 
     @classmethod
     def adopt(cls, layout: KvLayout, pools: Mapping[str, Placeable]) -> SharedKvPools | None:
-        """Moves existing CPU pools (e.g. ``LLMEngine.kv_pools``) into a new segment,
-        contents kept; None for pools that stay where they are: on a GPU, or split over
-        ranks that map them (engine.executor.shared_kv), whose senders use the ring."""
-        if any(p.layers[0][0].device.type != "cpu" or not p.is_placeable for p in pools.values()):
+        """Moves existing pools (e.g. ``LLMEngine.kv_pools``) into a new segment (on a GPU,
+        an exported allocation), contents kept; None for pools that stay where they are:
+        split over ranks that map them (engine.executor.shared_kv), or on a GPU whose
+        runtime refuses CUDA IPC. Their same-host senders use the ring."""
+        devices = {p.layers[0][0].device for p in pools.values()}
+        if len(devices) != 1 or any(not p.is_placeable for p in pools.values()):
+            return None
+        (device,) = devices
+        if device.type not in ("cpu", "cuda"):
             return None
         num_blocks = next(iter(pools.values())).layers[0][0].shape[0]
-        shared = cls.create(layout, num_blocks)
+        try:
+            shared = cls.create(layout, num_blocks, device)
+        except cuda_ipc.CudaIpcUnavailable as e:
+            logger.warning("KV pools stay unshared (same-host pushes use the ring): %s", e)
+            return None
         for name, cache in pools.items():
             cache.place(shared.storage(KvPool(name)))
         return shared
 
     @classmethod
-    def attach(cls, segment: pb.ShmSegment, layout: KvLayout) -> SharedKvPools:
-        """Maps a receiver's segment (sender side); raises ValueError if it does not fit
-        ``layout``."""
+    def attach(
+        cls, segment: pb.ShmSegment, layout: KvLayout, ipc: bytes | None = None
+    ) -> SharedKvPools:
+        """Maps a receiver's segment (sender side), and with ``ipc`` opens its GPU pools;
+        raises ValueError if they do not fit ``layout``, ``cuda_ipc.CudaIpcUnavailable``
+        where the GPU pools cannot be opened here."""
         if segment.host_id != host_id():
             raise ValueError(f"host_id: receiver {segment.host_id!r}, this host {host_id()!r}")
-        if segment.num_slots < 1 or segment.size != segment_bytes(layout, segment.num_slots):
-            raise ValueError(f"size: {segment.size} bytes do not hold {segment.num_slots} blocks")
+        blocks = segment.num_slots
+        if ipc is None:
+            if blocks < 1 or segment.size != segment_bytes(layout, blocks):
+                raise ValueError(f"size: {segment.size} bytes do not hold {blocks} blocks")
+            mm = map_shared(segment.owner_pid, segment.file, segment.size)
+            return cls(mm, segment.owner_pid, segment.file, layout, blocks)
+        handle = cuda_ipc.IpcHandle.from_bytes(ipc)
+        if blocks < 1 or segment.size != _round_up(blocks, _PAGE):
+            raise ValueError(f"size: {segment.size} bytes are not {blocks} blocks' fences")
+        if handle.num_bytes != _fences_offset(layout, blocks):
+            raise ValueError(f"cuda_ipc: {handle.num_bytes} bytes do not hold {blocks} blocks")
         mm = map_shared(segment.owner_pid, segment.file, segment.size)
-        return cls(mm, segment.owner_pid, segment.file, layout, segment.num_slots)
+        opened = cuda_ipc.OpenedTensor(handle)
+        pools = cls(mm, segment.owner_pid, segment.file, layout, blocks, opened.bytes)
+        pools.ipc, pools._opened = handle, opened
+        return pools
 
     def segment(self) -> pb.ShmSegment:
         return pb.ShmSegment(
@@ -186,9 +250,12 @@ class SharedKvPools:
 
     def close(self) -> None:
         """Closes the segment's file (receiver side); the memory goes with the last
-        mapping, senders' included."""
+        mapping, senders' included. A sender's opened GPU pools are unmapped."""
         if self._own is not None:
             self._own.close()
+        if self._opened is not None:
+            opened, self._opened = self._opened, None
+            opened.close()
 
 
 class PoolDestination:

@@ -18,9 +18,11 @@ import torch
 
 from kv_transfer.base import KvLayout, KvTransferError, RunPair
 from kv_transfer.chunking import ChunkedKvSender, Destination, Tamper, TransferOptions
+from kv_transfer.cuda_ipc import CudaIpcUnavailable
 from kv_transfer.grpc_transport import PushStream, grpc_sender
 from kv_transfer.shared_pools import (
     BLOCKS_KEY,
+    IPC_KEY,
     PLACEMENT_KEY,
     POOLS_KEY,
     PoolDestination,
@@ -81,12 +83,15 @@ class ShmChannel:
         metadata = dict(await call.initial_metadata() or ())
         if self.stream.is_broken:
             raise await self.stream.failure()
-        if metadata.get(PLACEMENT_KEY) != "pools":
+        placement = metadata.get(PLACEMENT_KEY)
+        if placement not in ("pools", "cuda_ipc"):
             return None
         try:
-            pools = _mapped(self._rings, pb.ShmSegment.FromString(metadata[POOLS_KEY]), layout)
+            ipc = metadata[IPC_KEY] if placement == "cuda_ipc" else None
+            segment = pb.ShmSegment.FromString(metadata[POOLS_KEY])
+            pools = _mapped(self._rings, segment, layout, ipc)
             reserved = pb.KvChunk.FromString(metadata[BLOCKS_KEY]).runs
-        except (ValueError, OSError, KeyError) as e:
+        except (ValueError, OSError, KeyError, CudaIpcUnavailable) as e:
             raise KvTransferError(pb.KV_PUSH_STATUS_INCOMPATIBLE, f"shm pools: {e}") from e
         self.is_placed = True
         self._release(is_reusable=True)  # not needed: the blocks go in place
@@ -180,16 +185,19 @@ class ShmChannel:
                 ) from None
 
 
-def _mapped(rings: ShmRingPool, segment: pb.ShmSegment, layout: KvLayout) -> SharedKvPools:
-    """The receiver's pool segment, mapped once per sender process (a few kept; one its
-    receiver closed is mapped again, which fails if the receiver is gone)."""
+def _mapped(
+    rings: ShmRingPool, segment: pb.ShmSegment, layout: KvLayout, ipc: bytes | None = None
+) -> SharedKvPools:
+    """The receiver's pool segment (and with ``ipc`` its GPU pools), mapped once per
+    sender process (a few kept; one its receiver closed is mapped again, which fails if
+    the receiver is gone)."""
     cache = rings.mapped_pools
     for gone in [k for k, pools in cache.items() if not pools.is_open()]:
-        del cache[gone]  # a dead receiver's memory goes with the last mapping: this one
-    key = segment_key(segment)
+        cache.pop(gone).close()  # a dead receiver's memory goes with the last mapping: this one
+    key = (segment_key(segment), ipc)
     pools = cache.get(key)
     if pools is None or not pools.is_open() or pools.size != segment.size:
-        pools = cache[key] = SharedKvPools.attach(segment, layout)
+        pools = cache[key] = SharedKvPools.attach(segment, layout, ipc)
     cache.move_to_end(key)
     while len(cache) > MAX_MAPPED_POOLS:
         cache.popitem(last=False)

@@ -377,7 +377,9 @@ class ShmRingPool:
         self._open: set[ShmRing] = set()  # every ring not closed yet
         self._finalizer = weakref.finalize(self, _close_all, self._open)
         # Receivers' pool segments this process mapped, by segment_key (see shm_channel).
-        self.mapped_pools: OrderedDict[tuple[int, int, int], Any] = OrderedDict()
+        self.mapped_pools: OrderedDict[tuple[tuple[int, int, int], bytes | None], Any] = (
+            OrderedDict()
+        )
 
     @classmethod
     def for_options(cls, options: TransferOptions) -> ShmRingPool:

@@ -2,7 +2,8 @@
 says what runs instead, and its handle travels as exactly 96 bytes, its GPU named by PCI bus
 id; on a GPU (``gpu``) a
 spawned receiver's pool, opened here through its handle, holds exactly what was copied in,
-run by run, and a slice is exported at its offset in its allocation."""
+run by run, a slice is exported at its offset in its allocation, and a push from another
+process into a decode worker's GPU pools goes in place through the KV channel."""
 
 from __future__ import annotations
 
@@ -83,3 +84,95 @@ def test_a_receiver_that_dies_ends_the_senders_wait_with_its_exit() -> None:
     child_conn.close()
     with pytest.raises(RuntimeError, match=r"the receiver ended \(exit 1\) before its handle"):
         next_message(conn, receiver, "handle", wait_s=120)
+
+
+# A same-host prefill worker's part: its pools on the GPU, pushed with SUM64; says how.
+CUDA_SENDER = """
+import asyncio, sys
+import grpc, torch
+from engine.kv_cache import PagedKVCache
+from kv_transfer import ShmRingPool, TransferOptions, shm_sender
+from tests.kv_transfer.kv_pools import SRC_SEED, layout_for, make_pools, push_all
+
+async def main():
+    layout = layout_for(torch.float32)
+    src = {}
+    for pool, cache in make_pools(layout, SRC_SEED).items():
+        layers = [tuple(t.cuda() for t in kv) for kv in cache.layers]
+        src[pool] = PagedKVCache(cache.params, cache.num_blocks, torch.device("cuda"), layers)
+    options = TransferOptions(chunk_bytes=1024, window=2, timeout_s=60, checksum="sum64")
+    rings = ShmRingPool.for_options(options)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{sys.argv[1]}") as channel:
+        sender = shm_sender(channel, rings, options)
+        await push_all(sender, "r1", layout, src)
+        print("placed" if sender.is_placed else "ring", sender.state.value, flush=True)
+    rings.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.gpu
+@needs_cuda
+async def test_a_push_into_gpu_pools_goes_in_place_through_cuda_ipc() -> None:
+    """A decode worker's pools on the GPU move into one exported allocation; a sender in
+    another process (a process cannot open its own handle) is answered "cuda_ipc", copies
+    each block device to device and checksums it there (SUM64), and the receiver checks
+    the blocks where they lie: the pools then hold the sent blocks, bit for bit."""
+    import asyncio
+    import os
+    import sys
+    from pathlib import Path
+
+    import grpc
+
+    from engine.kv_cache import PagedKVCache
+    from kv_transfer import (
+        KvReceiver,
+        KvReservation,
+        SharedKvPools,
+        ShmAttacher,
+        add_kv_transfer_servicer,
+        server_options,
+    )
+    from tests.kv_transfer.kv_pools import (
+        DST_IDS,
+        DST_SEED,
+        SRC_SEED,
+        layout_for,
+        make_pools,
+        mismatches,
+    )
+
+    layout = layout_for(torch.float32)
+    pools = {}
+    for pool, cache in make_pools(layout, DST_SEED).items():
+        layers = [tuple(t.cuda() for t in kv) for kv in cache.layers]
+        pools[pool] = PagedKVCache(cache.params, cache.num_blocks, torch.device("cuda"), layers)
+    shared = SharedKvPools.adopt(layout, {p.value: c for p, c in pools.items()})
+    assert shared is not None and shared.ipc is not None
+    receiver = KvReceiver(attach_segment=ShmAttacher(), shared_pools=shared)
+    server = grpc.aio.server(options=server_options())
+    add_kv_transfer_servicer(server, receiver)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        receiver.reserve(KvReservation("r1", DST_IDS, pools, layout))
+        repo = Path(__file__).resolve().parents[2]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", CUDA_SENDER, str(port), cwd=repo,
+            env={**os.environ, "PYTHONPATH": str(repo)}, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        said, _ = await asyncio.wait_for(proc.communicate(), 120)
+        assert said.decode().split() == ["placed", "done"], said
+        await receiver.wait_done("r1", timeout=10)
+        on_host = {}
+        for pool, cache in pools.items():
+            layers = [tuple(t.cpu() for t in kv) for kv in cache.layers]
+            on_host[pool] = PagedKVCache(
+                cache.params, cache.num_blocks, torch.device("cpu"), layers
+            )
+        assert mismatches(on_host, make_pools(layout, SRC_SEED), make_pools(layout, DST_SEED)) == []
+    finally:
+        await server.stop(0)
+        shared.close()

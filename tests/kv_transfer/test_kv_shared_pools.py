@@ -7,6 +7,7 @@ period after its call ended), whether it lives in this process or another."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import os
 import subprocess
@@ -36,6 +37,7 @@ from kv_transfer import (
     server_options,
     shm_sender,
 )
+from kv_transfer.cuda_ipc import IpcHandle
 from kv_transfer.receiver import ChunkSource
 from tandem.v1 import kv_transfer_pb2 as pb
 from tests.kv_transfer.kv_pools import (
@@ -126,7 +128,12 @@ def test_pools_shared_with_other_ranks_stay_where_they_are() -> None:
         pools[KvPool.TARGET].place(lambda shape, dtype: torch.empty(shape, dtype=dtype))
 
 
-@pytest.mark.parametrize("options", [SMALL_CHUNKS, TransferOptions()], ids=["split", "grouped"])
+SUM64 = TransferOptions(checksum="sum64")  # what a GPU push uses, checked here on CPU
+
+
+@pytest.mark.parametrize(
+    "options", [SMALL_CHUNKS, TransferOptions(), SUM64], ids=["split", "grouped", "sum64"]
+)
 async def test_blocks_are_written_once_in_place(
     shared: SharedReceiving, options: TransferOptions
 ) -> None:
@@ -165,8 +172,9 @@ async def test_a_sender_cannot_write_outside_its_reservation(shared: SharedRecei
     assert shared.receiver.drop("r1") is None  # it stopped with a half-close
 
 
+@pytest.mark.parametrize("checksum", ["auto", "sum64"])
 async def test_a_corrupted_block_is_refused_and_the_request_not_admitted(
-    shared: SharedReceiving,
+    shared: SharedReceiving, checksum: str
 ) -> None:
     shared.reserve("r1")
 
@@ -174,7 +182,8 @@ async def test_a_corrupted_block_is_refused_and_the_request_not_admitted(
         if sequence_number == 1:
             data[17] ^= 0x40  # in the receiver's pool, after the checksum was taken
 
-    sender = shm_sender(shared.channel, shared.rings, SMALL_CHUNKS, tamper=flip_a_byte)
+    options = dataclasses.replace(SMALL_CHUNKS, checksum=checksum)
+    sender = shm_sender(shared.channel, shared.rings, options, tamper=flip_a_byte)
     with pytest.raises(KvTransferError) as refused:
         await push_all(sender, "r1", LAYOUT, make_pools(LAYOUT, SRC_SEED))
     assert refused.value.status == pb.KV_PUSH_STATUS_CHECKSUM_MISMATCH
@@ -185,6 +194,25 @@ async def test_a_corrupted_block_is_refused_and_the_request_not_admitted(
         await shared.receiver.wait_done("r1", timeout=1)
     # the sender learnt it from the reply to its half-close: nothing writes the blocks now
     assert shared.receiver.drop("r1") is None
+
+
+async def test_gpu_pools_are_offered_to_sum64_pushes_alone(shared: SharedReceiving) -> None:
+    """The negotiation of a CUDA IPC push, on CPU: pools announced with a GPU handle are
+    offered only to a push checksummed with SUM64 (others get the ring); such a push is
+    answered "cuda_ipc", which the sender reads as the GPU pools' handle and their fences'
+    segment: here a host segment, refused as INCOMPATIBLE, saying why."""
+    shared.shared.ipc = IpcHandle(bytes(64), b"0000:19:00.0", 0, 4096)  # as if on a GPU
+    shared.reserve("r1")
+    sender = shm_sender(shared.channel, shared.rings, SMALL_CHUNKS)  # xxh3_64
+    await push_all(sender, "r1", LAYOUT, make_pools(LAYOUT, SRC_SEED))
+    assert not sender.is_placed and len(shared.rings_seen) == 1
+    await shared.receiver.wait_done("r1", timeout=5)
+    shared.reserve("r2")
+    options = dataclasses.replace(SMALL_CHUNKS, checksum="sum64")
+    sender = shm_sender(shared.channel, shared.rings, options)
+    with pytest.raises(KvTransferError, match=r"INCOMPATIBLE: shm pools: size: .* fences"):
+        await push_all(sender, "r2", LAYOUT, make_pools(LAYOUT, SRC_SEED))
+    assert len(shared.rings_seen) == 1  # answered in place, not with a ring
 
 
 async def test_pools_not_in_the_segment_go_through_the_ring(shared: SharedReceiving) -> None:

@@ -33,6 +33,11 @@ class _ChecksumKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Checksum
     """XXH3 64-bit, seed 0."""
     CHECKSUM_KIND_CRC32: _ChecksumKind.ValueType  # 3
     """CRC-32 (IEEE, zlib.crc32); in the low 32 bits. Available everywhere."""
+    CHECKSUM_KIND_SUM64: _ChecksumKind.ValueType  # 4
+    """The sum, modulo 2^64, of each 64-bit little-endian word of the data (padded with
+    zeros to whole words) times its 1-based index in it. Computed where the bytes lie, on a
+    GPU too: the one a CUDA IPC push into a decode worker's GPU pools uses.
+    """
 
 class ChecksumKind(_ChecksumKind, metaclass=_ChecksumKindEnumTypeWrapper):
     """How chunk payloads are checksummed."""
@@ -45,6 +50,11 @@ CHECKSUM_KIND_XXH3_64: ChecksumKind.ValueType  # 2
 """XXH3 64-bit, seed 0."""
 CHECKSUM_KIND_CRC32: ChecksumKind.ValueType  # 3
 """CRC-32 (IEEE, zlib.crc32); in the low 32 bits. Available everywhere."""
+CHECKSUM_KIND_SUM64: ChecksumKind.ValueType  # 4
+"""The sum, modulo 2^64, of each 64-bit little-endian word of the data (padded with
+zeros to whole words) times its 1-based index in it. Computed where the bytes lie, on a
+GPU too: the one a CUDA IPC push into a decode worker's GPU pools uses.
+"""
 Global___ChecksumKind: _TypeAlias = ChecksumKind  # noqa: Y015
 
 class _KvPool:
