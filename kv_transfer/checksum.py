@@ -89,6 +89,8 @@ class Sum64:
         self._total = 0
         self._words = 0  # words summed so far: the next one's index is this + 1
         self._rest = b""  # a partial word, from the last host piece
+        # A device's sums, added up there: read (one sync) by ``intdigest``.
+        self._on_device: torch.Tensor | None = None
 
     def update(self, data: Buffer, /) -> None:
         raw = self._rest + bytes(data)
@@ -109,10 +111,24 @@ class Sum64:
     def _add(self, words: torch.Tensor) -> None:
         index = torch.arange(self._words + 1, self._words + 1 + words.numel(),
                              dtype=torch.int64, device=words.device)  # fmt: skip
-        self._total = (self._total + int((words * index).sum().item())) % 2**64
+        total = (words * index).sum()
         self._words += words.numel()
+        if words.device.type == "cpu":
+            self._total = (self._total + int(total.item())) % 2**64
+        elif self._on_device is None or self._on_device.device != words.device:
+            self._fold()
+            self._on_device = total
+        else:
+            self._on_device = self._on_device + total
+
+    def _fold(self) -> None:
+        """A device's running sum into the host's: waits for what was queued before it."""
+        if self._on_device is not None:
+            on_device, self._on_device = self._on_device, None
+            self._total = (self._total + int(on_device.item())) % 2**64
 
     def intdigest(self) -> int:
+        self._fold()
         if not self._rest:
             return self._total
         last = int.from_bytes(self._rest.ljust(8, b"\0"), "little")  # the padded word

@@ -373,8 +373,9 @@ class ChunkedKvSender(KvSender):
     ) -> None:
         """Copies each run's K then V blocks straight into their destination blocks, adding
         them to ``running`` in the order ``_pack`` lays them out (same checksum). Into a
-        GPU's pools (CUDA IPC): device copies, checksummed there (SUM64); its ``.item()``
-        waits for the copies, so the chunk's header leaves after its blocks landed."""
+        GPU's pools (CUDA IPC): device copies, checksummed there (SUM64); the checksum's
+        ``intdigest``, read before the chunk's header is sent, waits for the copies, so the
+        header leaves after its blocks landed."""
         if dst_kv[0].is_cuda:
             if not isinstance(running, Sum64):
                 raise ValueError("checksum: a push into GPU pools needs 'sum64'")

@@ -62,3 +62,14 @@ def test_a_partial_last_word_is_padded_and_tensors_take_whole_words() -> None:
     with pytest.raises(ValueError, match="after a partial word"):
         running.update_tensor(torch.zeros(8, dtype=torch.uint8))
     assert checksum_kind("auto") != pb.CHECKSUM_KIND_SUM64  # never chosen for the host
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the device's sums")
+def test_a_gpus_sums_equal_the_hosts(data: bytes) -> None:
+    """Pieces summed on the GPU (added up there, read once) equal the reference."""
+    on_gpu = torch.frombuffer(bytearray(data), dtype=torch.uint8).cuda()
+    running = Sum64()
+    for start, end in itertools.pairwise([0, 800, 4096, len(data)]):
+        running.update_tensor(on_gpu[start:end])
+    assert running.intdigest() == reference(data)
