@@ -60,7 +60,7 @@ from kv_transfer.cuda_ipc import unavailable_reason
 
 BLOCK_SIZE = 16
 LAYOUT = KvLayout("llama-3-8b-shaped", torch.bfloat16, BLOCK_SIZE, PoolShape(32, 8, 128))
-_INT = struct.Struct("<q")
+_INT = struct.Struct("<Q")
 
 
 def gpu_pool(num_blocks: int, seed: int | None) -> PagedKVCache:
@@ -79,8 +79,9 @@ def gpu_pool(num_blocks: int, seed: int | None) -> PagedKVCache:
 
 def pool_digest(pool: PagedKVCache) -> int:
     """A device checksum of every block of every layer's K and V, in order."""
+    tensors = (t for kv in pool.layers for t in kv)
     return sum(i * digest(t.reshape(-1).view(torch.uint8))
-               for i, t in enumerate((t for kv in pool.layers for t in kv), 1))  # fmt: skip
+               for i, t in enumerate(tensors, 1)) % 2**64  # fmt: skip
 
 
 def receive(conn: Connection, num_blocks: int, num_pushes: int) -> None:

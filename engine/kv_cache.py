@@ -165,12 +165,21 @@ class PagedKVCache:
                 )
         self.layers: list[tuple[torch.Tensor, ...]] = [tuple(kv) for kv in layers]
 
+    def pin(self) -> None:
+        """The pools' addresses are held elsewhere (captured CUDA graphs): they stay where
+        they are from now on (``place`` refuses; a decode worker's KV transfers then take
+        the ring, not its pools in place)."""
+        self.is_placeable = False
+
     def place(self, storage: Callable[[torch.Size, torch.dtype], torch.Tensor]) -> None:
         """Moves every pool into a tensor from ``storage`` (e.g. shared memory another
         process maps), contents kept; each tensor keeps its identity, so holders of
         ``layers`` see the move."""
         if not self.is_placeable:
-            raise ValueError("place: these pools are shared with other ranks; they stay put")
+            raise ValueError(
+                "place: these pools are shared with other ranks, or captured in CUDA graphs; "
+                "they stay put"
+            )
         for kv in self.layers:
             for t in kv:
                 moved = storage(t.shape, t.dtype)

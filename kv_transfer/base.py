@@ -112,7 +112,8 @@ def parse_layout_name(name: str) -> tuple[int, int]:
 # The KV handshake's version (KvHandshake.wire_version): bumped by every change to what
 # sender and receiver must agree on, so that workers of different versions refuse each
 # other. 2: head_layout (tensor-parallel workers). 3: lora and lora_digest (LoRA adapters).
-KV_WIRE_VERSION = 3
+# 4: cuda_ipc_bus_ids and CHECKSUM_KIND_SUM64 (pushes into a GPU's pools through CUDA IPC).
+KV_WIRE_VERSION = 4
 # KvHandshake.head_layout: chunks carry every KV head of the model, in order, whatever the
 # tensor-parallel ranks of either end hold (a split engine's ``kv_pools`` are whole).
 WHOLE_HEADS = "whole"

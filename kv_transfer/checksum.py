@@ -78,7 +78,8 @@ class _Crc32c:
 
 class Sum64:
     """CHECKSUM_KIND_SUM64: the sum, modulo 2^64, of each 64-bit little-endian word times
-    its 1-based index in the data (padded with zeros to whole words). torch's int64
+    2i + 1, i its 0-based index in the data (padded with zeros to whole words): odd
+    weights, so that every single-bit error changes it. torch's int64
     products and sums wrap around modulo 2^64 on CPU and GPU alike, and a sum modulo 2^64
     does not depend on the order it is taken in, so a GPU's reduction gives the host's
     value. ``update`` takes host bytes (a piece
@@ -87,7 +88,7 @@ class Sum64:
 
     def __init__(self) -> None:
         self._total = 0
-        self._words = 0  # words summed so far: the next one's index is this + 1
+        self._words = 0  # words summed so far: the next one's index
         self._rest = b""  # a partial word, from the last host piece
         # A device's sums, added up there: read (one sync) by ``intdigest``.
         self._on_device: torch.Tensor | None = None
@@ -109,9 +110,10 @@ class Sum64:
         self._add(flat.view(torch.int64))
 
     def _add(self, words: torch.Tensor) -> None:
-        index = torch.arange(self._words + 1, self._words + 1 + words.numel(),
-                             dtype=torch.int64, device=words.device)  # fmt: skip
-        total = (words * index).sum()
+        first = 2 * self._words + 1
+        weights = torch.arange(first, first + 2 * words.numel(), 2,
+                               dtype=torch.int64, device=words.device)  # fmt: skip
+        total = (words * weights).sum()
         self._words += words.numel()
         if words.device.type == "cpu":
             self._total = (self._total + int(total.item())) % 2**64
@@ -120,6 +122,11 @@ class Sum64:
             self._on_device = total
         else:
             self._on_device = self._on_device + total
+
+    @property
+    def is_on_device(self) -> bool:
+        """Whether sums wait on a device (``intdigest`` then waits for it)."""
+        return self._on_device is not None
 
     def _fold(self) -> None:
         """A device's running sum into the host's: waits for what was queued before it."""
@@ -132,7 +139,7 @@ class Sum64:
         if not self._rest:
             return self._total
         last = int.from_bytes(self._rest.ljust(8, b"\0"), "little")  # the padded word
-        return (self._total + last * (self._words + 1)) % 2**64
+        return (self._total + last * (2 * self._words + 1)) % 2**64
 
 
 def sum64(data: Buffer) -> int:

@@ -416,7 +416,11 @@ class ChunkedKvSender(KvSender):
         """Sends a packed or placed chunk; the test hook may tamper with its bytes (a
         placed chunk: its first run's K in the destination) after its checksum."""
         layout = self._active_layout()
-        header = spec.header(self.num_chunks_sent, layout.dtype, running.intdigest())
+        if isinstance(running, Sum64) and running.is_on_device:  # waits for the device
+            digest = await self._offload(running.intdigest)
+        else:
+            digest = running.intdigest()
+        header = spec.header(self.num_chunks_sent, layout.dtype, digest)
         if self._tamper is not None:
             self._tamper(header.sequence_number, data if data is not None else self._placed(spec))
         sent = self.channel.send(header, data)

@@ -132,6 +132,14 @@ class IpcHandle:
         return cls(handle, bus_id.rstrip(b"\0"), offset, num_bytes)
 
 
+def visible_bus_ids() -> list[str]:
+    """The PCI bus ids of the GPUs this process sees (and could open handles on); none
+    where CUDA IPC cannot run here."""
+    if unavailable_reason() is not None:
+        return []
+    return [_bus_id(index).decode() for index in range(torch.cuda.device_count())]
+
+
 def export(tensor: torch.Tensor) -> IpcHandle:
     """The handle of a contiguous CUDA tensor's bytes, for another process to open."""
     if tensor.device.type != "cuda":
@@ -199,4 +207,11 @@ class OpenedTensor:
                 _check(_cuda().cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
 
 
-__all__ = ["CudaIpcUnavailable", "IpcHandle", "OpenedTensor", "export", "unavailable_reason"]
+__all__ = [
+    "CudaIpcUnavailable",
+    "IpcHandle",
+    "OpenedTensor",
+    "export",
+    "unavailable_reason",
+    "visible_bus_ids",
+]

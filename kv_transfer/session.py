@@ -112,6 +112,16 @@ class KvReservation:
                 raise ValueError(f"block_ids: outside 0..{num_blocks - 1} of the {pool} pool")
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream of ``device``'s own for checksumming placed blocks, made once."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 class InPlaceWriter:
     """A same-host sender that may be writing a reservation's blocks in place (shared
     pools): they must not go to another request before ``stopped`` is done, once it has
@@ -236,9 +246,13 @@ class ReceiveSession:
                 f"{reserved.lora or 'the base model'!r} (digest {reserved.lora_digest!r})"
             )
         if hs.HasField("shm"):
-            # GPU pools are checksummed where they lie: only a push that chose SUM64.
-            on_gpu = shared is not None and shared.ipc is not None
-            if on_gpu and hs.checksum_kind != pb.CHECKSUM_KIND_SUM64:
+            # GPU pools: only for a sender that sees their GPU and checksums where the blocks
+            # lie (SUM64); others, the ring.
+            ipc = shared.ipc if shared is not None else None
+            if ipc is not None and (
+                hs.checksum_kind != pb.CHECKSUM_KIND_SUM64
+                or ipc.bus_id.decode() not in hs.cuda_ipc_bus_ids
+            ):
                 shared = None
             if shared is not None and self._in_shared(shared, hs.shm.host_id):
                 self.placement, self.is_placed = shared, True
@@ -386,12 +400,15 @@ class ReceiveSession:
         block_bytes = self._layout.tensor_block_bytes(pool)  # K (or V) of one block
         if self.placement is not None and self.placement.ipc is not None:  # on a GPU
             assert isinstance(running, Sum64), "GPU pools are placed under SUM64 only"
-            for layer in range(layer_start, layer_end):
-                kv = self._record.reservation.pools[pool].layers[layer]
-                for first, num_blocks in runs:
-                    for t in kv:
-                        running.update_tensor(t[first : first + num_blocks])
-            return running.intdigest()
+            # On a stream of its own: not behind the decode steps queued on the default
+            # one (the sender's copies landed before it sent the header).
+            with torch.cuda.stream(_side_stream(self.placement.device)):
+                for layer in range(layer_start, layer_end):
+                    kv = self._record.reservation.pools[pool].layers[layer]
+                    for first, num_blocks in runs:
+                        for t in kv:
+                            running.update_tensor(t[first : first + num_blocks])
+                return running.intdigest()
         for layer in range(layer_start, layer_end):
             views = self._pool_bytes(pool, layer)
             for first, num_blocks in runs:

@@ -163,9 +163,9 @@ class SharedKvPools:
         if device.type not in ("cpu", "cuda"):
             return None
         num_blocks = next(iter(pools.values())).layers[0][0].shape[0]
-        try:
+        try:  # on a GPU the pools are copied over: their memory twice, for a moment
             shared = cls.create(layout, num_blocks, device)
-        except cuda_ipc.CudaIpcUnavailable as e:
+        except (cuda_ipc.CudaIpcUnavailable, torch.cuda.OutOfMemoryError) as e:
             logger.warning("KV pools stay unshared (same-host pushes use the ring): %s", e)
             return None
         for name, cache in pools.items():

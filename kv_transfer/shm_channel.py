@@ -12,13 +12,14 @@ cancellation: the receiver then knows that nothing more is written into its bloc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc  # type: ignore[import-untyped]  # no types-grpcio in the dev extra
 import torch
 
 from kv_transfer.base import KvLayout, KvTransferError, RunPair
 from kv_transfer.chunking import ChunkedKvSender, Destination, Tamper, TransferOptions
-from kv_transfer.cuda_ipc import CudaIpcUnavailable
+from kv_transfer.cuda_ipc import CudaIpcUnavailable, visible_bus_ids
 from kv_transfer.grpc_transport import PushStream, grpc_sender
 from kv_transfer.shared_pools import (
     BLOCKS_KEY,
@@ -64,10 +65,13 @@ class ShmChannel:
         self._num_consumed = 0  # wake-up bytes read from the receiver
         self._ended: asyncio.Future[None] | None = None  # done when the call ends
         self._closing: asyncio.Task[None] | None = None  # a failed placed push's half-close
+        self._gpu: torch.device | None = None  # placed into a GPU's pools (cuda_ipc)
 
     async def open(self, handshake: pb.KvHandshake, layout: KvLayout) -> Destination | None:
         ring = self._ring = self._rings.acquire(data_offset_for(layout, self.options.chunk_bytes))
         handshake.shm.CopyFrom(ring.segment())
+        if handshake.checksum_kind == pb.CHECKSUM_KIND_SUM64:  # GPU pools may take it
+            handshake.cuda_ipc_bus_ids.extend(visible_bus_ids())
         self.stream.start()
         await self.stream.put(pb.KvPushMessage(handshake=handshake).SerializeToString())
         await self.stream.flush()  # the handshake leaves now: the receiver maps meanwhile
@@ -94,6 +98,7 @@ class ShmChannel:
         except (ValueError, OSError, KeyError, CudaIpcUnavailable) as e:
             raise KvTransferError(pb.KV_PUSH_STATUS_INCOMPATIBLE, f"shm pools: {e}") from e
         self.is_placed = True
+        self._gpu = pools.device if pools.device.type == "cuda" else None
         self._release(is_reusable=True)  # not needed: the blocks go in place
         runs = [RunPair(r.first_block_id, r.first_block_id, r.num_blocks) for r in reserved]
         return PoolDestination(
@@ -151,6 +156,8 @@ class ShmChannel:
         replies once it sees the half-close), then drops the writer task."""
         stream = self.stream
         try:
+            if self._gpu is not None:  # copies still queued land before the half-close
+                await asyncio.to_thread(torch.cuda.synchronize, self._gpu)
             if not stream.is_broken:
                 await stream.flush()
                 await stream.call.done_writing()
@@ -190,10 +197,13 @@ def _mapped(
 ) -> SharedKvPools:
     """The receiver's pool segment (and with ``ipc`` its GPU pools), mapped once per
     sender process (a few kept; one its receiver closed is mapped again, which fails if
-    the receiver is gone)."""
+    the receiver is gone). GPU handles are never closed: at most one mapping a receiver
+    this process ever pushed to."""
     cache = rings.mapped_pools
     for gone in [k for k, pools in cache.items() if not pools.is_open()]:
-        cache.pop(gone).close()  # a dead receiver's memory goes with the last mapping: this one
+        # A dead receiver's memory goes with the last mapping: this one. An opened GPU
+        # handle is left open, not closed under a push that may still be copying.
+        del cache[gone]
     key = (segment_key(segment), ipc)
     pools = cache.get(key)
     if pools is None or not pools.is_open() or pools.size != segment.size:
@@ -222,9 +232,15 @@ def make_sender(
     peer_host_id: str | None,
     rings: ShmRingPool | None,
     options: TransferOptions | None = None,
+    pools_on_gpu: bool = False,
 ) -> ChunkedKvSender:
     """Shared memory when the receiver reports this host's id (and rings are given),
-    else plain gRPC."""
+    else plain gRPC. ``pools_on_gpu`` (the sender's): a same-host push checksums with
+    SUM64 where its checksum is "auto", so that a decode worker's GPU pools may take the
+    blocks in place (CUDA IPC); across hosts the fastest host checksum stays."""
     if rings is not None and peer_host_id == host_id() and shm_available():
+        options = options or TransferOptions()
+        if pools_on_gpu and options.checksum == "auto":
+            options = dataclasses.replace(options, checksum="sum64")
         return shm_sender(channel, rings, options)
     return grpc_sender(channel, options)

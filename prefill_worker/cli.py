@@ -96,12 +96,7 @@ def make_service(runtime: Runtime) -> PrefillWorkerService:
         draft=draft,
         membership=runtime.new_membership(capacity=engine.block_manager.total_blocks),
         max_queued=args.max_queued,
-        # Pools on a GPU: blocks checksummed where they lie, so that a same-host decode
-        # worker's GPU pools take them in place (CUDA IPC: kv_transfer.shared_pools).
-        transfer_options=TransferOptions(
-            stall_s=args.transfer_stall_s,
-            checksum="sum64" if engine.config.device.startswith("cuda") else "auto",
-        ),
+        transfer_options=TransferOptions(stall_s=args.transfer_stall_s),
         use_shm=args.kv_transport == "auto",
         metrics=runtime.metrics,
         channels=runtime.channel_pool(),

@@ -247,6 +247,7 @@ class PrefillWorkerService(PrefillCalls):
             peer_host_id=request.decode_host_id or None,
             rings=self.rings,
             options=options,
+            pools_on_gpu=str(self.engine.config.device).startswith("cuda"),
         )
         push = LayerPush(
             sender,

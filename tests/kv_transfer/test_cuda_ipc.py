@@ -146,9 +146,11 @@ async def test_a_push_into_gpu_pools_goes_in_place_through_cuda_ipc() -> None:
 
     layout = layout_for(torch.float32)
     pools = {}
-    for pool, cache in make_pools(layout, DST_SEED).items():
-        layers = [tuple(t.cuda() for t in kv) for kv in cache.layers]
-        pools[pool] = PagedKVCache(cache.params, cache.num_blocks, torch.device("cuda"), layers)
+    for pool, cache in make_pools(layout, DST_SEED).items():  # placeable: their own memory
+        pools[pool] = PagedKVCache(cache.params, cache.num_blocks, torch.device("cuda"))
+        for dst, src in zip(pools[pool].layers, cache.layers, strict=True):
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s)
     shared = SharedKvPools.adopt(layout, {p.value: c for p, c in pools.items()})
     assert shared is not None and shared.ipc is not None
     receiver = KvReceiver(attach_segment=ShmAttacher(), shared_pools=shared)

@@ -35,10 +35,14 @@ from kv_transfer import (
     TransferState,
     add_kv_transfer_servicer,
     server_options,
+    shm_channel,
     shm_sender,
 )
+from kv_transfer.checksum import checksum_kind
 from kv_transfer.cuda_ipc import IpcHandle
 from kv_transfer.receiver import ChunkSource
+from kv_transfer.shm_channel import make_sender
+from kv_transfer.shm_transport import host_id
 from tandem.v1 import kv_transfer_pb2 as pb
 from tests.kv_transfer.kv_pools import (
     DST_IDS,
@@ -116,8 +120,9 @@ def test_pools_move_into_the_segment_with_their_contents() -> None:
 
 
 def test_pools_shared_with_other_ranks_stay_where_they_are() -> None:
-    """A split engine's pools are views its ranks map (engine.executor.shared_kv): they
-    are not moved, and same-host senders use the ring."""
+    """A split engine's pools are views its ranks map (engine.executor.shared_kv), and
+    pools captured in CUDA graphs are pinned: they are not moved, and same-host senders
+    use the ring."""
     pools = make_pools(LAYOUT, DST_SEED)
     target = pools[KvPool.TARGET]
     pools[KvPool.TARGET] = PagedKVCache(
@@ -126,6 +131,9 @@ def test_pools_shared_with_other_ranks_stay_where_they_are() -> None:
     assert SharedKvPools.adopt(LAYOUT, {p.value: c for p, c in pools.items()}) is None
     with pytest.raises(ValueError, match="shared with other ranks"):
         pools[KvPool.TARGET].place(lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    pinned = make_pools(LAYOUT, DST_SEED)  # as captured CUDA graphs pin them
+    pinned[KvPool.DRAFT].pin()
+    assert SharedKvPools.adopt(LAYOUT, {p.value: c for p, c in pinned.items()}) is None
 
 
 SUM64 = TransferOptions(checksum="sum64")  # what a GPU push uses, checked here on CPU
@@ -196,23 +204,42 @@ async def test_a_corrupted_block_is_refused_and_the_request_not_admitted(
     assert shared.receiver.drop("r1") is None
 
 
-async def test_gpu_pools_are_offered_to_sum64_pushes_alone(shared: SharedReceiving) -> None:
+async def test_gpu_pools_are_offered_to_sum64_pushes_that_see_their_gpu(
+    shared: SharedReceiving, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The negotiation of a CUDA IPC push, on CPU: pools announced with a GPU handle are
-    offered only to a push checksummed with SUM64 (others get the ring); such a push is
-    answered "cuda_ipc", which the sender reads as the GPU pools' handle and their fences'
-    segment: here a host segment, refused as INCOMPATIBLE, saying why."""
-    shared.shared.ipc = IpcHandle(bytes(64), b"0000:19:00.0", 0, 4096)  # as if on a GPU
-    shared.reserve("r1")
-    sender = shm_sender(shared.channel, shared.rings, SMALL_CHUNKS)  # xxh3_64
-    await push_all(sender, "r1", LAYOUT, make_pools(LAYOUT, SRC_SEED))
-    assert not sender.is_placed and len(shared.rings_seen) == 1
-    await shared.receiver.wait_done("r1", timeout=5)
+    offered only to a push checksummed with SUM64 by a sender that names their GPU; the
+    others get the ring (an XXH3 push; a SUM64 push from a process that sees no GPU). The
+    one offered them is answered "cuda_ipc", which the sender reads as the GPU pools'
+    handle and their fences' segment: here a host segment, refused as INCOMPATIBLE."""
+    bus = "0000:19:00.0"
+    shared.shared.ipc = IpcHandle(bytes(64), bus.encode(), 0, 4096)  # as if on a GPU
+    sum64 = dataclasses.replace(SMALL_CHUNKS, checksum="sum64")
+    for i, options in enumerate((SMALL_CHUNKS, sum64)):
+        shared.reserve(f"r{i}")
+        sender = shm_sender(shared.channel, shared.rings, options)
+        await push_all(sender, f"r{i}", LAYOUT, make_pools(LAYOUT, SRC_SEED))
+        assert not sender.is_placed and len(shared.rings_seen) == i + 1
+        await shared.receiver.wait_done(f"r{i}", timeout=5)
+    monkeypatch.setattr(shm_channel, "visible_bus_ids", lambda: ["0000:3b:00.0", bus])
     shared.reserve("r2")
-    options = dataclasses.replace(SMALL_CHUNKS, checksum="sum64")
-    sender = shm_sender(shared.channel, shared.rings, options)
+    sender = shm_sender(shared.channel, shared.rings, sum64)
     with pytest.raises(KvTransferError, match=r"INCOMPATIBLE: shm pools: size: .* fences"):
         await push_all(sender, "r2", LAYOUT, make_pools(LAYOUT, SRC_SEED))
-    assert len(shared.rings_seen) == 1  # answered in place, not with a ring
+    assert len(shared.rings_seen) == 2  # answered in place, not with a ring
+
+
+async def test_a_sender_on_a_gpu_checksums_with_sum64_on_its_host_alone(
+    shared: SharedReceiving,
+) -> None:
+    def sender(host: str, on_gpu: bool) -> ChunkedKvSender:
+        return make_sender(shared.channel, peer_host_id=host, rings=shared.rings,
+                           options=SMALL_CHUNKS, pools_on_gpu=on_gpu)  # fmt: skip
+
+    same_host, other_host = sender(host_id(), True), sender("elsewhere", True)
+    on_cpu = sender(host_id(), False)
+    assert same_host.checksum_kind == pb.CHECKSUM_KIND_SUM64
+    assert other_host.checksum_kind == on_cpu.checksum_kind == checksum_kind("auto")
 
 
 async def test_pools_not_in_the_segment_go_through_the_ring(shared: SharedReceiving) -> None:

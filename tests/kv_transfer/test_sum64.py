@@ -19,7 +19,7 @@ from tandem.v1 import kv_transfer_pb2 as pb
 def reference(data: bytes) -> int:
     data = data + b"\0" * (-len(data) % 8)  # padded to whole words
     words = struct.unpack(f"<{len(data) // 8}Q", data)
-    return sum((i + 1) * w for i, w in enumerate(words)) % 2**64
+    return sum((2 * i + 1) * w for i, w in enumerate(words)) % 2**64
 
 
 @pytest.fixture
@@ -48,9 +48,10 @@ def test_one_shot_pieces_and_tensors_equal_the_reference(data: bytes) -> None:
 def test_swapped_words_and_a_flipped_bit_change_it(data: bytes) -> None:
     swapped = data[:16] + data[24:32] + data[16:24] + data[32:]
     assert data[16:24] != data[24:32] and sum64(swapped) != sum64(data)
-    flipped = bytearray(data)
-    flipped[4321] ^= 0x10
-    assert sum64(bytes(flipped)) != sum64(data)
+    for byte, bit in ((4321, 0x10), (7, 0x80), (15, 0x80)):  # bit 63 of words 0 and 1 too
+        flipped = bytearray(data)
+        flipped[byte] ^= bit
+        assert sum64(bytes(flipped)) != sum64(data)
 
 
 def test_a_partial_last_word_is_padded_and_tensors_take_whole_words() -> None:

@@ -24,35 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/kv_transfer.proto\x12\ttandem.v1\"i\n\rKvPushMessage\x12+\n\thandshake\x18\x01 \x01(\x0b\x32\x16.tandem.v1.KvHandshakeH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KvChunkH\x00\x42\x06\n\x04kind\"\xd5\x03\n\x0bKvHandshake\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x18\n\x10num_draft_layers\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x0e\n\x06layout\x18\t \x01(\t\x12\x19\n\x11\x64raft_fingerprint\x18\n \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_epoch\x18\x0b \x01(\x04\x12.\n\rchecksum_kind\x18\x0c \x01(\x0e\x32\x17.tandem.v1.ChecksumKind\x12\x13\n\x0btotal_bytes\x18\r \x01(\x04\x12\x1a\n\x12num_draft_kv_heads\x18\x0e \x01(\r\x12\x16\n\x0e\x64raft_head_dim\x18\x0f \x01(\r\x12\"\n\x03shm\x18\x10 \x01(\x0b\x32\x15.tandem.v1.ShmSegment\x12\x14\n\x0cwire_version\x18\x11 \x01(\r\x12\x13\n\x0bhead_layout\x18\x12 \x01(\t\x12\x0c\n\x04lora\x18\x13 \x01(\t\x12\x13\n\x0blora_digest\x18\x14 \x01(\t\"5\n\x08SharedFd\x12\n\n\x02\x66\x64\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x04\x12\r\n\x05inode\x18\x03 \x01(\x04\"\xf0\x01\n\nShmSegment\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x12\n\nslot_bytes\x18\x04 \x01(\x04\x12\x11\n\tnum_slots\x18\x05 \x01(\r\x12\x13\n\x0b\x64\x61ta_offset\x18\x06 \x01(\x04\x12\x11\n\towner_pid\x18\x07 \x01(\r\x12!\n\x04\x66ile\x18\x08 \x01(\x0b\x32\x13.tandem.v1.SharedFd\x12\"\n\x05ready\x18\t \x01(\x0b\x32\x13.tandem.v1.SharedFd\x12!\n\x04\x66ree\x18\n \x01(\x0b\x32\x13.tandem.v1.SharedFdJ\x04\x08\x01\x10\x02R\x04name\"6\n\x08\x42lockRun\x12\x16\n\x0e\x66irst_block_id\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"\x8f\x02\n\x07KvChunk\x12\x17\n\x0fsequence_number\x18\x01 \x01(\x04\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x1f\n\x04pool\x18\x04 \x01(\x0e\x32\x11.tandem.v1.KvPool\x12!\n\x04runs\x18\x05 \x03(\x0b\x32\x13.tandem.v1.BlockRun\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\x06\x12\x0f\n\x07is_last\x18\t \x01(\x08\x12-\n\rextra_tensors\x18\n \x03(\x0b\x32\x16.tandem.v1.NamedTensorJ\x04\x08\x0b\x10\x0cR\nshm_region\"Y\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x06\"\x80\x01\n\x0bKvPushReply\x12\'\n\x06status\x18\x01 \x01(\x0e\x32\x17.tandem.v1.KvPushStatus\x12\x1a\n\x12num_bytes_received\x18\x02 \x01(\x04\x12\x1b\n\x13num_chunks_received\x18\x03 \x01(\x04\x12\x0f\n\x07message\x18\x04 \x01(\t*\x94\x01\n\x0c\x43hecksumKind\x12\x1d\n\x19\x43HECKSUM_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43HECKSUM_KIND_CRC32C\x10\x01\x12\x19\n\x15\x43HECKSUM_KIND_XXH3_64\x10\x02\x12\x17\n\x13\x43HECKSUM_KIND_CRC32\x10\x03\x12\x17\n\x13\x43HECKSUM_KIND_SUM64\x10\x04*H\n\x06KvPool\x12\x17\n\x13KV_POOL_UNSPECIFIED\x10\x00\x12\x12\n\x0eKV_POOL_TARGET\x10\x01\x12\x11\n\rKV_POOL_DRAFT\x10\x02*\xb2\x02\n\x0cKvPushStatus\x12\x1e\n\x1aKV_PUSH_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11KV_PUSH_STATUS_OK\x10\x01\x12$\n KV_PUSH_STATUS_CHECKSUM_MISMATCH\x10\x02\x12\x1f\n\x1bKV_PUSH_STATUS_INCOMPATIBLE\x10\x03\x12\"\n\x1eKV_PUSH_STATUS_UNKNOWN_REQUEST\x10\x04\x12\x1e\n\x1aKV_PUSH_STATUS_STALE_EPOCH\x10\x05\x12\x1f\n\x1bKV_PUSH_STATUS_OUT_OF_ORDER\x10\x06\x12 \n\x1cKV_PUSH_STATUS_INVALID_CHUNK\x10\x07\x12\x1d\n\x19KV_PUSH_STATUS_INCOMPLETE\x10\x08\x32H\n\nKvTransfer\x12:\n\x04Push\x12\x18.tandem.v1.KvPushMessage\x1a\x16.tandem.v1.KvPushReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/kv_transfer.proto\x12\ttandem.v1\"i\n\rKvPushMessage\x12+\n\thandshake\x18\x01 \x01(\x0b\x32\x16.tandem.v1.KvHandshakeH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KvChunkH\x00\x42\x06\n\x04kind\"\xef\x03\n\x0bKvHandshake\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x18\n\x10num_draft_layers\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x0e\n\x06layout\x18\t \x01(\t\x12\x19\n\x11\x64raft_fingerprint\x18\n \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_epoch\x18\x0b \x01(\x04\x12.\n\rchecksum_kind\x18\x0c \x01(\x0e\x32\x17.tandem.v1.ChecksumKind\x12\x13\n\x0btotal_bytes\x18\r \x01(\x04\x12\x1a\n\x12num_draft_kv_heads\x18\x0e \x01(\r\x12\x16\n\x0e\x64raft_head_dim\x18\x0f \x01(\r\x12\"\n\x03shm\x18\x10 \x01(\x0b\x32\x15.tandem.v1.ShmSegment\x12\x14\n\x0cwire_version\x18\x11 \x01(\r\x12\x13\n\x0bhead_layout\x18\x12 \x01(\t\x12\x0c\n\x04lora\x18\x13 \x01(\t\x12\x13\n\x0blora_digest\x18\x14 \x01(\t\x12\x18\n\x10\x63uda_ipc_bus_ids\x18\x15 \x03(\t\"5\n\x08SharedFd\x12\n\n\x02\x66\x64\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x04\x12\r\n\x05inode\x18\x03 \x01(\x04\"\xf0\x01\n\nShmSegment\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x12\n\nslot_bytes\x18\x04 \x01(\x04\x12\x11\n\tnum_slots\x18\x05 \x01(\r\x12\x13\n\x0b\x64\x61ta_offset\x18\x06 \x01(\x04\x12\x11\n\towner_pid\x18\x07 \x01(\r\x12!\n\x04\x66ile\x18\x08 \x01(\x0b\x32\x13.tandem.v1.SharedFd\x12\"\n\x05ready\x18\t \x01(\x0b\x32\x13.tandem.v1.SharedFd\x12!\n\x04\x66ree\x18\n \x01(\x0b\x32\x13.tandem.v1.SharedFdJ\x04\x08\x01\x10\x02R\x04name\"6\n\x08\x42lockRun\x12\x16\n\x0e\x66irst_block_id\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"\x8f\x02\n\x07KvChunk\x12\x17\n\x0fsequence_number\x18\x01 \x01(\x04\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x1f\n\x04pool\x18\x04 \x01(\x0e\x32\x11.tandem.v1.KvPool\x12!\n\x04runs\x18\x05 \x03(\x0b\x32\x13.tandem.v1.BlockRun\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\x06\x12\x0f\n\x07is_last\x18\t \x01(\x08\x12-\n\rextra_tensors\x18\n \x03(\x0b\x32\x16.tandem.v1.NamedTensorJ\x04\x08\x0b\x10\x0cR\nshm_region\"Y\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x06\"\x80\x01\n\x0bKvPushReply\x12\'\n\x06status\x18\x01 \x01(\x0e\x32\x17.tandem.v1.KvPushStatus\x12\x1a\n\x12num_bytes_received\x18\x02 \x01(\x04\x12\x1b\n\x13num_chunks_received\x18\x03 \x01(\x04\x12\x0f\n\x07message\x18\x04 \x01(\t*\x94\x01\n\x0c\x43hecksumKind\x12\x1d\n\x19\x43HECKSUM_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43HECKSUM_KIND_CRC32C\x10\x01\x12\x19\n\x15\x43HECKSUM_KIND_XXH3_64\x10\x02\x12\x17\n\x13\x43HECKSUM_KIND_CRC32\x10\x03\x12\x17\n\x13\x43HECKSUM_KIND_SUM64\x10\x04*H\n\x06KvPool\x12\x17\n\x13KV_POOL_UNSPECIFIED\x10\x00\x12\x12\n\x0eKV_POOL_TARGET\x10\x01\x12\x11\n\rKV_POOL_DRAFT\x10\x02*\xb2\x02\n\x0cKvPushStatus\x12\x1e\n\x1aKV_PUSH_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11KV_PUSH_STATUS_OK\x10\x01\x12$\n KV_PUSH_STATUS_CHECKSUM_MISMATCH\x10\x02\x12\x1f\n\x1bKV_PUSH_STATUS_INCOMPATIBLE\x10\x03\x12\"\n\x1eKV_PUSH_STATUS_UNKNOWN_REQUEST\x10\x04\x12\x1e\n\x1aKV_PUSH_STATUS_STALE_EPOCH\x10\x05\x12\x1f\n\x1bKV_PUSH_STATUS_OUT_OF_ORDER\x10\x06\x12 \n\x1cKV_PUSH_STATUS_INVALID_CHUNK\x10\x07\x12\x1d\n\x19KV_PUSH_STATUS_INCOMPLETE\x10\x08\x32H\n\nKvTransfer\x12:\n\x04Push\x12\x18.tandem.v1.KvPushMessage\x1a\x16.tandem.v1.KvPushReply(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHECKSUMKIND']._serialized_start=1472
-  _globals['_CHECKSUMKIND']._serialized_end=1620
-  _globals['_KVPOOL']._serialized_start=1622
-  _globals['_KVPOOL']._serialized_end=1694
-  _globals['_KVPUSHSTATUS']._serialized_start=1697
-  _globals['_KVPUSHSTATUS']._serialized_end=2003
+  _globals['_CHECKSUMKIND']._serialized_start=1498
+  _globals['_CHECKSUMKIND']._serialized_end=1646
+  _globals['_KVPOOL']._serialized_start=1648
+  _globals['_KVPOOL']._serialized_end=1720
+  _globals['_KVPUSHSTATUS']._serialized_start=1723
+  _globals['_KVPUSHSTATUS']._serialized_end=2029
   _globals['_KVPUSHMESSAGE']._serialized_start=42
   _globals['_KVPUSHMESSAGE']._serialized_end=147
   _globals['_KVHANDSHAKE']._serialized_start=150
-  _globals['_KVHANDSHAKE']._serialized_end=619
-  _globals['_SHAREDFD']._serialized_start=621
-  _globals['_SHAREDFD']._serialized_end=674
-  _globals['_SHMSEGMENT']._serialized_start=677
-  _globals['_SHMSEGMENT']._serialized_end=917
-  _globals['_BLOCKRUN']._serialized_start=919
-  _globals['_BLOCKRUN']._serialized_end=973
-  _globals['_KVCHUNK']._serialized_start=976
-  _globals['_KVCHUNK']._serialized_end=1247
-  _globals['_NAMEDTENSOR']._serialized_start=1249
-  _globals['_NAMEDTENSOR']._serialized_end=1338
-  _globals['_KVPUSHREPLY']._serialized_start=1341
-  _globals['_KVPUSHREPLY']._serialized_end=1469
-  _globals['_KVTRANSFER']._serialized_start=2005
-  _globals['_KVTRANSFER']._serialized_end=2077
+  _globals['_KVHANDSHAKE']._serialized_end=645
+  _globals['_SHAREDFD']._serialized_start=647
+  _globals['_SHAREDFD']._serialized_end=700
+  _globals['_SHMSEGMENT']._serialized_start=703
+  _globals['_SHMSEGMENT']._serialized_end=943
+  _globals['_BLOCKRUN']._serialized_start=945
+  _globals['_BLOCKRUN']._serialized_end=999
+  _globals['_KVCHUNK']._serialized_start=1002
+  _globals['_KVCHUNK']._serialized_end=1273
+  _globals['_NAMEDTENSOR']._serialized_start=1275
+  _globals['_NAMEDTENSOR']._serialized_end=1364
+  _globals['_KVPUSHREPLY']._serialized_start=1367
+  _globals['_KVPUSHREPLY']._serialized_end=1495
+  _globals['_KVTRANSFER']._serialized_start=2031
+  _globals['_KVTRANSFER']._serialized_end=2103
 # @@protoc_insertion_point(module_scope)

@@ -35,7 +35,8 @@ class _ChecksumKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Checksum
     """CRC-32 (IEEE, zlib.crc32); in the low 32 bits. Available everywhere."""
     CHECKSUM_KIND_SUM64: _ChecksumKind.ValueType  # 4
     """The sum, modulo 2^64, of each 64-bit little-endian word of the data (padded with
-    zeros to whole words) times its 1-based index in it. Computed where the bytes lie, on a
+    zeros to whole words) times 2i + 1, i its 0-based index in it (odd weights: every
+    single-bit error changes the sum). Computed where the bytes lie, on a
     GPU too: the one a CUDA IPC push into a decode worker's GPU pools uses.
     """
 
@@ -52,7 +53,8 @@ CHECKSUM_KIND_CRC32: ChecksumKind.ValueType  # 3
 """CRC-32 (IEEE, zlib.crc32); in the low 32 bits. Available everywhere."""
 CHECKSUM_KIND_SUM64: ChecksumKind.ValueType  # 4
 """The sum, modulo 2^64, of each 64-bit little-endian word of the data (padded with
-zeros to whole words) times its 1-based index in it. Computed where the bytes lie, on a
+zeros to whole words) times 2i + 1, i its 0-based index in it (odd weights: every
+single-bit error changes the sum). Computed where the bytes lie, on a
 GPU too: the one a CUDA IPC push into a decode worker's GPU pools uses.
 """
 Global___ChecksumKind: _TypeAlias = ChecksumKind  # noqa: Y015
@@ -187,6 +189,7 @@ class KvHandshake(_message.Message):
     HEAD_LAYOUT_FIELD_NUMBER: _builtins.int
     LORA_FIELD_NUMBER: _builtins.int
     LORA_DIGEST_FIELD_NUMBER: _builtins.int
+    CUDA_IPC_BUS_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request whose reserved blocks receive the KV."""
     model: _builtins.str
@@ -244,6 +247,14 @@ class KvHandshake(_message.Message):
         in this shared-memory ring instead of this stream.
         """
 
+    @_builtins.property
+    def cuda_ipc_bus_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """With shm: the GPUs (PCI bus ids) on which this sender can open CUDA IPC handles and
+        copy into them; empty: none. A receiver whose pools lie on a GPU offers them in place
+        (placement "cuda_ipc") only to a sender that names that GPU and checksums with
+        CHECKSUM_KIND_SUM64; others get the ring.
+        """
+
     def __init__(
         self,
         *,
@@ -267,10 +278,11 @@ class KvHandshake(_message.Message):
         head_layout: _builtins.str = ...,
         lora: _builtins.str = ...,
         lora_digest: _builtins.str = ...,
+        cuda_ipc_bus_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "checksum_kind", b"checksum_kind", "decode_epoch", b"decode_epoch", "draft_fingerprint", b"draft_fingerprint", "draft_head_dim", b"draft_head_dim", "dtype", b"dtype", "head_dim", b"head_dim", "head_layout", b"head_layout", "layout", b"layout", "lora", b"lora", "lora_digest", b"lora_digest", "model", b"model", "num_draft_kv_heads", b"num_draft_kv_heads", "num_draft_layers", b"num_draft_layers", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "request_id", b"request_id", "shm", b"shm", "total_bytes", b"total_bytes", "wire_version", b"wire_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "checksum_kind", b"checksum_kind", "cuda_ipc_bus_ids", b"cuda_ipc_bus_ids", "decode_epoch", b"decode_epoch", "draft_fingerprint", b"draft_fingerprint", "draft_head_dim", b"draft_head_dim", "dtype", b"dtype", "head_dim", b"head_dim", "head_layout", b"head_layout", "layout", b"layout", "lora", b"lora", "lora_digest", b"lora_digest", "model", b"model", "num_draft_kv_heads", b"num_draft_kv_heads", "num_draft_layers", b"num_draft_layers", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "request_id", b"request_id", "shm", b"shm", "total_bytes", b"total_bytes", "wire_version", b"wire_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
