@@ -53,6 +53,24 @@ def add_arguments(parser: argparse.ArgumentParser, default_port: int = DEFAULT_P
     add_engine_stall_argument(parser)
 
 
+def share_pools(engine: Any, layout: Any) -> Any:
+    """The engine's KV pools moved into memory same-host senders write in place
+    (``SharedKvPools.adopt``: a shared segment, or on a GPU an allocation exported through
+    CUDA IPC), or None where they stay put. Captured CUDA graphs address the pools: they
+    are released first and captured again over the pools where they then lie (on the
+    engine's thread, which runs them)."""
+    from kv_transfer import SharedKvPools
+
+    graphs = engine.spec.graphs if engine.spec is not None else None
+    if graphs is None or not graphs.graphs:
+        return SharedKvPools.adopt(layout, engine.kv_pools)
+    graphs.release()
+    try:
+        return SharedKvPools.adopt(layout, engine.kv_pools)
+    finally:
+        graphs.recapture()
+
+
 def register_decode(subparsers: Any) -> None:
     """Add `tandem decode`."""
     parser = subparsers.add_parser(
@@ -84,7 +102,7 @@ def make_service(runtime: Runtime, *, is_colocated: bool = False) -> DecodeWorke
     """The engine (which hands preempted requests back), the KV receiver and the
     service; ``is_colocated``: the decode side of a co-located worker (colocated_worker)."""
     from decode_worker.service import DecodeWorkerService
-    from kv_transfer import KvReceiver, SharedKvPools, ShmAttacher
+    from kv_transfer import KvReceiver, ShmAttacher
     from serving import engine_setup
     from serving.engine_loop import TorchThread, confine_torch
 
@@ -99,7 +117,7 @@ def make_service(runtime: Runtime, *, is_colocated: bool = False) -> DecodeWorke
     layout = engine_setup.kv_layout(engine, spec.served_name, draft.fingerprint if draft else "")
     membership = runtime.new_membership(capacity=engine.block_manager.total_blocks)
     use_shm = args.kv_transport == "auto"
-    shared = SharedKvPools.adopt(layout, engine.kv_pools) if use_shm else None  # written in place
+    shared = thread.call(share_pools, engine, layout) if use_shm else None  # written in place
     attach = ShmAttacher() if use_shm else None
     # Its epoch is the registration's, set on registering (DecodeWorkerService.on_registered).
     receiver = KvReceiver(attach_segment=attach, shared_pools=shared, stall_s=args.transfer_stall_s)

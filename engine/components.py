@@ -340,10 +340,8 @@ def _build(
         spec.defer_drafter = not config.enable_overlap_scheduler
         if config.uses_cuda_graphs:
             spec.enable_graphs(config.max_num_seqs, model_config.max_seq_len, num_blocks - 1)
-            if spec.graphs is not None and spec.graphs.use_graphs:  # captured: they hold
-                for pools in (kv_cache, draft_kv):  # the pools' addresses, which stay put
-                    if pools is not None:
-                        pools.pin()
+            if spec.graphs is not None:  # captured graphs hold the pools' addresses
+                spec.graphs.hold(kv_cache, draft_kv)
     return EngineComponents(
         model_config=model_config,
         eos_token_ids=eos,

@@ -226,6 +226,8 @@ class StepGraphRunner:
         self.shapes: set[StepShape] = set()
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, SpecStepOutputs]] = {}
         self.pool: Any = None  # the graphs' shared memory pool (after the first capture)
+        self.held: list[Any] = []  # the KV pools (PagedKVCache) the graphs address: pinned
+        self._placeable: list[bool] = []
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         pin = device.type == "cuda"
@@ -252,6 +254,28 @@ class StepGraphRunner:
         for bucket in reversed(self.buckets):
             for shape in shapes:
                 self._capture(GraphKey(bucket, shape))
+
+    def hold(self, *pools: Any) -> None:
+        """The KV pools (``PagedKVCache``) the captured graphs read and write: pinned while
+        graphs exist, since moving them would leave the graphs on freed memory."""
+        self.held = [p for p in pools if p is not None]
+        self._placeable = [p.is_placeable for p in self.held]  # as they were before
+        if self.graphs:
+            for p in self.held:
+                p.pin()
+
+    def release(self) -> None:
+        """Drops the captured graphs and their memory pool, and unpins the pools they held
+        (a decode worker moves them into memory it shares), until ``recapture``."""
+        self.graphs.clear()
+        self.pool = None
+        for p, was_placeable in zip(self.held, self._placeable, strict=True):
+            p.is_placeable = was_placeable
+
+    def recapture(self) -> None:
+        """Captures every shape again, over the pools where they lie now, and pins them."""
+        self.capture(sorted(self.shapes))
+        self.hold(*self.held)
 
     @torch.inference_mode()
     def _capture(self, key: GraphKey) -> None:

@@ -235,3 +235,31 @@ def test_engine_with_graph_runner_on_cpu_equals_target_only(markov):
     # Off by default on CPU: the engine's path is unchanged.
     engine = engine_for(target_dir, SpeculativeConfig(str(draft_dir), num_draft_tokens=3))
     assert engine.spec is not None and engine.spec.graphs is None
+
+
+def test_captured_graphs_pin_their_pools_until_released_and_captured_again(monkeypatch):
+    """A decode worker moves its KV pools into memory it shares (decode_worker.cli
+    ``share_pools``): the graphs that address them are released first, which unpins
+    them, and captured again over where they lie. (The capture itself needs CUDA: here it
+    records its keys.)"""
+    captured: list[GraphKey] = []
+
+    def capture(runner: StepGraphRunner, key: GraphKey) -> None:
+        captured.append(key)
+        runner.graphs[key] = (None, None)  # type: ignore[assignment]
+
+    monkeypatch.setattr(StepGraphRunner, "_capture", capture)
+    step = make_step("eagle")
+    runner = make_runner(step, use_graphs=True)
+    pools = (step.target_kv, step.draft_kv)
+    runner.hold(*pools)
+    assert not any(p.is_placeable for p in pools)
+    first = list(captured)
+    assert len(first) == 4 * 2  # buckets 1, 2, 4, 8; greedy and sampled
+    runner.release()
+    assert runner.graphs == {} and all(p.is_placeable for p in pools)
+    for p in pools:
+        p.place(lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+    runner.recapture()
+    assert sorted(captured[len(first) :]) == sorted(first)
+    assert not any(p.is_placeable for p in pools) and len(runner.graphs) == 8
