@@ -61,7 +61,7 @@ def share_pools(engine: Any, layout: Any) -> Any:
     engine's thread, which runs them)."""
     from kv_transfer import SharedKvPools
 
-    graphs = engine.spec.graphs if engine.spec is not None else None
+    graphs = getattr(engine.spec, "graphs", None)  # suffix decoding captures none
     if graphs is None or not graphs.graphs:
         return SharedKvPools.adopt(layout, engine.kv_pools)
     graphs.release()
