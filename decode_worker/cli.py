@@ -62,7 +62,8 @@ def share_pools(engine: Any, layout: Any) -> Any:
     from kv_transfer import SharedKvPools
 
     graphs = getattr(engine.spec, "graphs", None)  # suffix decoding captures none
-    if graphs is None or not graphs.graphs:
+    pools = list(engine.kv_pools.values())  # a split worker's: rank 0's copy, no graph's
+    if graphs is None or not graphs.graphs or not any(p in graphs.held for p in pools):
         return SharedKvPools.adopt(layout, engine.kv_pools)
     graphs.release()
     try:

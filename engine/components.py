@@ -341,7 +341,7 @@ def _build(
         if config.uses_cuda_graphs:
             spec.enable_graphs(config.max_num_seqs, model_config.max_seq_len, num_blocks - 1)
             if spec.graphs is not None:  # captured graphs hold the pools' addresses
-                spec.graphs.hold(kv_cache, draft_kv)
+                spec.graphs.hold(kv_cache, spec.draft_kv)
     return EngineComponents(
         model_config=model_config,
         eos_token_ids=eos,

@@ -416,8 +416,8 @@ class ChunkedKvSender(KvSender):
         """Sends a packed or placed chunk; the test hook may tamper with its bytes (a
         placed chunk: its first run's K in the destination) after its checksum."""
         layout = self._active_layout()
-        if isinstance(running, Sum64) and running.is_on_device:  # waits for the device
-            digest = await self._offload(running.intdigest)
+        if isinstance(running, Sum64) and running.is_on_device:  # waits for the device,
+            digest = await asyncio.to_thread(running.intdigest)  # off the event loop
         else:
             digest = running.intdigest()
         header = spec.header(self.num_chunks_sent, layout.dtype, digest)

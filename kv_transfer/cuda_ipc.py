@@ -22,6 +22,7 @@ shared-memory channel is what runs there.
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -132,12 +133,16 @@ class IpcHandle:
         return cls(handle, bus_id.rstrip(b"\0"), offset, num_bytes)
 
 
-def visible_bus_ids() -> list[str]:
+@functools.cache
+def visible_bus_ids() -> tuple[str, ...]:
     """The PCI bus ids of the GPUs this process sees (and could open handles on); none
-    where CUDA IPC cannot run here."""
+    where CUDA IPC cannot run here (asked once a process)."""
     if unavailable_reason() is not None:
-        return []
-    return [_bus_id(index).decode() for index in range(torch.cuda.device_count())]
+        return ()
+    try:
+        return tuple(_bus_id(index).decode() for index in range(torch.cuda.device_count()))
+    except CudaIpcUnavailable:
+        return ()
 
 
 def export(tensor: torch.Tensor) -> IpcHandle:

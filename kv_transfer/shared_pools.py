@@ -117,6 +117,8 @@ class SharedKvPools:
         self.ipc: cuda_ipc.IpcHandle | None = None
         self._device_bytes = device_bytes  # kept: the views live in it
         self._opened: cuda_ipc.OpenedTensor | None = None
+        self.users = 0  # a sender's pushes writing into these pools now
+        self._dropped = False  # out of the sender's cache: unmapped once unused
         self._layers: dict[KvPool, list[list[torch.Tensor]]] = {}
         for pool, layer, offset, dims in _tensors(layout, num_blocks):
             num_bytes = torch.Size(dims).numel() * layout.dtype.itemsize
@@ -248,14 +250,37 @@ class SharedKvPools:
         """Whether the receiver still holds this segment (sender side)."""
         return SharedFile.is_open(self.owner_pid, self.file)
 
+    def use(self) -> None:
+        """A push starts writing here (sender side)."""
+        self.users += 1
+
+    def unuse(self) -> None:
+        """A push stopped writing here: a dropped mapping's GPU handle closes once unused."""
+        self.users -= 1
+        if self._dropped and self.users == 0:
+            self._unmap()
+
+    def drop(self) -> None:
+        """Out of a sender's cache (its receiver gone, or others used since): its GPU
+        handle is closed once no push writes through it."""
+        self._dropped = True
+        if self.users == 0:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        if self._opened is not None:
+            opened, self._opened = self._opened, None
+            try:
+                opened.close()
+            except cuda_ipc.CudaIpcUnavailable as e:  # a gone receiver's: nothing to save
+                logger.warning("closing a receiver's GPU pools: %s", e)
+
     def close(self) -> None:
         """Closes the segment's file (receiver side); the memory goes with the last
         mapping, senders' included. A sender's opened GPU pools are unmapped."""
         if self._own is not None:
             self._own.close()
-        if self._opened is not None:
-            opened, self._opened = self._opened, None
-            opened.close()
+        self._unmap()
 
 
 class PoolDestination:

@@ -66,6 +66,7 @@ class ShmChannel:
         self._ended: asyncio.Future[None] | None = None  # done when the call ends
         self._closing: asyncio.Task[None] | None = None  # a failed placed push's half-close
         self._gpu: torch.device | None = None  # placed into a GPU's pools (cuda_ipc)
+        self._pools: SharedKvPools | None = None  # the receiver's, while this push writes
 
     async def open(self, handshake: pb.KvHandshake, layout: KvLayout) -> Destination | None:
         ring = self._ring = self._rings.acquire(data_offset_for(layout, self.options.chunk_bytes))
@@ -99,6 +100,8 @@ class ShmChannel:
             raise KvTransferError(pb.KV_PUSH_STATUS_INCOMPATIBLE, f"shm pools: {e}") from e
         self.is_placed = True
         self._gpu = pools.device if pools.device.type == "cuda" else None
+        pools.use()
+        self._pools = pools
         self._release(is_reusable=True)  # not needed: the blocks go in place
         runs = [RunPair(r.first_block_id, r.first_block_id, r.num_blocks) for r in reserved]
         return PoolDestination(
@@ -128,9 +131,18 @@ class ShmChannel:
         ring.publish(header, data.numel())
 
     async def close(self, last: pb.KvChunk) -> pb.KvPushReply:
-        reply = await self.stream.finish(last)
+        try:
+            reply = await self.stream.finish(last)
+        finally:
+            self._done_writing()
         self._release(is_reusable=reply.status == pb.KV_PUSH_STATUS_OK)
         return reply
+
+    def _done_writing(self) -> None:
+        """This push writes the receiver's pools no more (idempotent)."""
+        pools, self._pools = self._pools, None
+        if pools is not None:
+            pools.unuse()
 
     def on_failed(self, status: int, message: str) -> None:
         """A placed push half-closes (in the background): ChunkedKvSender calls this from
@@ -158,6 +170,7 @@ class ShmChannel:
         try:
             if self._gpu is not None:  # copies still queued land before the half-close
                 await asyncio.to_thread(torch.cuda.synchronize, self._gpu)
+            self._done_writing()
             if not stream.is_broken:
                 await stream.flush()
                 await stream.call.done_writing()
@@ -166,6 +179,7 @@ class ShmChannel:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
             pass  # the call ended otherwise: its failure says how
         finally:
+            self._done_writing()
             stream.cancel()
 
     def _release(self, *, is_reusable: bool) -> None:
@@ -197,20 +211,19 @@ def _mapped(
 ) -> SharedKvPools:
     """The receiver's pool segment (and with ``ipc`` its GPU pools), mapped once per
     sender process (a few kept; one its receiver closed is mapped again, which fails if
-    the receiver is gone). GPU handles are never closed: at most one mapping a receiver
-    this process ever pushed to."""
+    the receiver is gone)."""
     cache = rings.mapped_pools
     for gone in [k for k, pools in cache.items() if not pools.is_open()]:
         # A dead receiver's memory goes with the last mapping: this one. An opened GPU
-        # handle is left open, not closed under a push that may still be copying.
-        del cache[gone]
+        # handle closes once no push copies through it.
+        cache.pop(gone).drop()
     key = (segment_key(segment), ipc)
     pools = cache.get(key)
     if pools is None or not pools.is_open() or pools.size != segment.size:
         pools = cache[key] = SharedKvPools.attach(segment, layout, ipc)
     cache.move_to_end(key)
     while len(cache) > MAX_MAPPED_POOLS:
-        cache.popitem(last=False)
+        cache.popitem(last=False)[1].drop()
     return pools
 
 

@@ -215,6 +215,7 @@ async def test_gpu_pools_are_offered_to_sum64_pushes_that_see_their_gpu(
     bus = "0000:19:00.0"
     shared.shared.ipc = IpcHandle(bytes(64), bus.encode(), 0, 4096)  # as if on a GPU
     sum64 = dataclasses.replace(SMALL_CHUNKS, checksum="sum64")
+    monkeypatch.setattr(shm_channel, "visible_bus_ids", lambda: ())  # a process without GPUs
     for i, options in enumerate((SMALL_CHUNKS, sum64)):
         shared.reserve(f"r{i}")
         sender = shm_sender(shared.channel, shared.rings, options)
