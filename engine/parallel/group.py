@@ -213,19 +213,14 @@ class TensorParallelGroup:
                 if sub is not self:
                     sub.close_segment()
             self.data_parallel = None
-        _GROUPS.pop(self.key, None)
-        while self.undo_on_close:
-            self.undo_on_close.pop()()
-        if self.shm is not None:
-            self.shm.close()
-            self.shm = None
+        self.close_segment()
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group()
             self.group = None
 
     def close_segment(self) -> None:
-        """A subgroup's part of ``close``: its segment and its key (the world's process
-        group ends all of them)."""
+        """Its segment and its key: a subgroup's part of ``close`` (the worker's process
+        group ends every subgroup's)."""
         _GROUPS.pop(self.key, None)
         while self.undo_on_close:
             self.undo_on_close.pop()()
