@@ -96,7 +96,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="DeepSeek-V3's data-parallel attention over N ranks (processes): each caches "
         "and attends its own requests, the experts split over all of them. Requests go to "
         "the rank with most free blocks, and the router balances by each rank's room. "
-        "Ranks on one host's CPU (default: 1)",
+        "With --tensor-parallel-size T each is T ranks splitting its attention by heads "
+        "(N x T in all). Ranks on one host's CPU (default: 1)",
     )
     group.add_argument(
         "--enable-expert-parallel",
