@@ -167,8 +167,8 @@ class PagedKVCache:
 
     def pin(self) -> None:
         """The pools' addresses are held elsewhere (captured CUDA graphs): they stay where
-        they are from now on (``place`` refuses; a decode worker's KV transfers then take
-        the ring, not its pools in place)."""
+        they are (``place`` refuses) until that holder lets them go
+        (``StepGraphRunner.release``)."""
         self.is_placeable = False
 
     def place(self, storage: Callable[[torch.Size, torch.dtype], torch.Tensor]) -> None:

@@ -79,12 +79,11 @@ class _Crc32c:
 class Sum64:
     """CHECKSUM_KIND_SUM64: the sum, modulo 2^64, of each 64-bit little-endian word times
     2i + 1, i its 0-based index in the data (padded with zeros to whole words): odd
-    weights, so that every single-bit error changes it. torch's int64
-    products and sums wrap around modulo 2^64 on CPU and GPU alike, and a sum modulo 2^64
-    does not depend on the order it is taken in, so a GPU's reduction gives the host's
-    value. ``update`` takes host bytes (a piece
-    need not end on a word: the rest waits for the next), ``update_tensor`` a tensor's
-    bytes where they lie (whole words, after whole words)."""
+    weights, so that every single-bit error changes it. torch's int64 products and sums
+    wrap around modulo 2^64 on CPU and GPU alike, and a sum modulo 2^64 does not depend on
+    the order it is taken in, so a GPU's reduction gives the host's value. ``update``
+    takes host bytes (a piece need not end on a word: the rest waits for the next),
+    ``update_tensor`` a tensor's bytes where they lie (whole words, after whole words)."""
 
     def __init__(self) -> None:
         self._total = 0

@@ -12,14 +12,14 @@ number of blocks alone. The receiver fences the blocks of a push it refused or d
 the sender, which checks them before each chunk, then half-closes the call, and the
 receiver reuses the blocks only after that (receiver.py).
 
-**Pools on a GPU** (CUDA IPC, issue 41; never run on a GPU yet). The tensors lie in one
+**Pools on a GPU** (CUDA IPC; never run on a GPU). The tensors lie in one
 device allocation, in the same order, exported as a CUDA IPC handle (cuda_ipc.py); the
 segment holds the fence bytes alone. The receiver answers a same-host push with placement
 "cuda_ipc": the handle too (``IPC_KEY``). The sender opens it and copies each block device
 to device; both ends checksum the blocks where they lie, with CHECKSUM_KIND_SUM64 (the
-receiver offers the GPU pools only to a push that chose it: ``ReceiveSession``). Where the
-runtime refuses CUDA IPC, ``adopt`` leaves the pools where they are and senders use the
-ring.
+receiver offers the GPU pools only to a push that chose it and names their GPU:
+``ReceiveSession``). Where the runtime refuses CUDA IPC, ``adopt`` leaves the pools where
+they are and senders use the ring.
 """
 
 from __future__ import annotations
@@ -115,7 +115,6 @@ class SharedKvPools:
         self.device = data.device
         # On a GPU: the receiver's exported handle, or the one a sender opened.
         self.ipc: cuda_ipc.IpcHandle | None = None
-        self._device_bytes = device_bytes  # kept: the views live in it
         self._opened: cuda_ipc.OpenedTensor | None = None
         self.users = 0  # a sender's pushes writing into these pools now
         self._dropped = False  # out of the sender's cache: unmapped once unused

@@ -129,9 +129,9 @@ class ShmCollectives:
         # already have written the next call's.
         self._flags, self._sizes = flags[:, 0], flags[:, 1:3]
         self._compiling = flags[:, 3]  # 1 while the rank compiles (set_compiling)
-        # A subgroup's segment (engine.parallel.group): every rank of the worker's
-        # ``compiling`` flags, in its whole group's segment. A rank here may be waiting,
-        # in another segment, for a rank that compiles: any rank compiling counts.
+        # Once the worker has subgroups (engine.parallel.group), in each of its segments:
+        # every rank's ``compiling`` flags, in the worker's segment. A rank here may be
+        # waiting, in another segment, for a rank that compiles: any rank compiling counts.
         self.worker_compiling: torch.Tensor | None = None
         self._slots = buffer[size * FLAG_BYTES :].view(2, size, slot_bytes)
 
@@ -230,7 +230,7 @@ class ShmCollectives:
                 time.sleep(0)  # let a rank on the same core run
 
     def _is_compiling(self) -> bool:
-        """Whether a rank that has not arrived is compiling (a subgroup's: any rank)."""
+        """Whether a rank that has not arrived is compiling (with subgroups: any rank)."""
         if self.worker_compiling is not None:
             return bool((self.worker_compiling != 0).any())
         late = self._flags < self.generation
