@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +13,8 @@ if TYPE_CHECKING:
 
 DEFAULT_PORT = 50061
 SERVICE_NAMES = ("tandem.v1.DecodeWorker", "tandem.v1.KvTransfer")
+
+log = logging.getLogger("decode_worker")
 
 
 def role() -> Role:
@@ -58,13 +61,17 @@ def share_pools(engine: Any, layout: Any) -> Any:
     (``SharedKvPools.adopt``: a shared segment, or on a GPU an allocation exported through
     CUDA IPC), or None where they stay put. Captured CUDA graphs address the pools: they
     are released first and captured again over the pools where they then lie (on the
-    engine's thread, which runs them)."""
+    engine's thread, which runs them). Where the runtime refuses to export the pools' GPU
+    memory they stay put, their graphs untouched."""
     from kv_transfer import SharedKvPools
 
     graphs = getattr(engine.spec, "graphs", None)  # suffix decoding captures none
     pools = list(engine.kv_pools.values())  # a split worker's: rank 0's copy, no graph's
     if graphs is None or not graphs.graphs or not any(p in graphs.held for p in pools):
         return SharedKvPools.adopt(layout, engine.kv_pools)
+    if (refusal := SharedKvPools.refusal(pools[0].layers[0][0].device)) is not None:
+        log.warning("KV pools stay unshared (same-host pushes use the ring): %s", refusal)
+        return None
     graphs.release()
     try:
         return SharedKvPools.adopt(layout, engine.kv_pools)

@@ -107,6 +107,9 @@ class DecodeWorkerService(LoraCalls, pb_grpc.DecodeWorkerServicer):
         self.decode_timeout_s = decode_timeout_s
         self.is_colocated = is_colocated  # the decode side of a co-located worker
         self.host_id = host_id() if accepts_shm else ""  # "": senders use gRPC
+        shared = receiver.shared_pools if accepts_shm else None
+        ipc = shared.ipc if shared is not None else None
+        self.kv_pools_bus_id = ipc.bus_id.decode() if ipc is not None else ""  # CUDA IPC
         self.block_size = engine.config.block_size
         self._pools = engine.kv_pools
         self.is_draining = False
@@ -190,6 +193,7 @@ class DecodeWorkerService(LoraCalls, pb_grpc.DecodeWorkerServicer):
             epoch=self.membership.epoch,
             block_size=self.block_size,
             host_id=self.host_id,
+            kv_pools_bus_id=self.kv_pools_bus_id,
             data_parallel_rank=rank_of(self.engine.block_manager, table[0]) if table else 0,
         )
 

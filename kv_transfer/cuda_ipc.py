@@ -145,6 +145,20 @@ def visible_bus_ids() -> tuple[str, ...]:
         return ()
 
 
+def export_refusal(device: torch.device) -> str | None:
+    """Why memory on ``device`` cannot be exported here, or None when it can: found by
+    exporting a byte of it, before a caller moves anything there to export it."""
+    if device.type != "cuda":
+        return f"CUDA IPC: {device} is not a GPU"
+    if (reason := unavailable_reason()) is not None:
+        return f"CUDA IPC: {reason}"
+    try:
+        export(torch.zeros(1, dtype=torch.uint8, device=device))
+    except CudaIpcUnavailable as e:
+        return str(e)
+    return None
+
+
 def export(tensor: torch.Tensor) -> IpcHandle:
     """The handle of a contiguous CUDA tensor's bytes, for another process to open."""
     if tensor.device.type != "cuda":

@@ -151,6 +151,14 @@ class SharedKvPools:
         pools._own = file
         return pools
 
+    @staticmethod
+    def refusal(device: torch.device) -> str | None:
+        """Why pools on ``device`` cannot move into shared memory, or None: a GPU whose
+        runtime refuses CUDA IPC (asked by exporting a byte), or a device of another kind."""
+        if device.type == "cuda":
+            return cuda_ipc.export_refusal(device)
+        return None if device.type == "cpu" else f"pools on {device} are not shared"
+
     @classmethod
     def adopt(cls, layout: KvLayout, pools: Mapping[str, Placeable]) -> SharedKvPools | None:
         """Moves existing pools (e.g. ``LLMEngine.kv_pools``) into a new segment (on a GPU,
@@ -161,7 +169,8 @@ class SharedKvPools:
         if len(devices) != 1 or any(not p.is_placeable for p in pools.values()):
             return None
         (device,) = devices
-        if device.type not in ("cpu", "cuda"):
+        if (refusal := cls.refusal(device)) is not None:
+            logger.warning("KV pools stay unshared (same-host pushes use the ring): %s", refusal)
             return None
         num_blocks = next(iter(pools.values())).layers[0][0].shape[0]
         try:  # on a GPU the pools are copied over: their memory twice, for a moment

@@ -246,14 +246,19 @@ def make_sender(
     rings: ShmRingPool | None,
     options: TransferOptions | None = None,
     pools_on_gpu: bool = False,
+    peer_pools_bus_id: str = "",
 ) -> ChunkedKvSender:
     """Shared memory when the receiver reports this host's id (and rings are given),
-    else plain gRPC. ``pools_on_gpu`` (the sender's): a same-host push checksums with
-    SUM64 where its checksum is "auto", so that a decode worker's GPU pools may take the
-    blocks in place (CUDA IPC); across hosts the fastest host checksum stays."""
+    else plain gRPC. A same-host push from pools on a GPU (``pools_on_gpu``, the
+    sender's) into a decode worker's GPU pools that this process sees
+    (``peer_pools_bus_id``: ReserveReply.kv_pools_bus_id) checksums with SUM64 where its
+    checksum is "auto", so that the receiver takes the blocks in place (CUDA IPC). Any
+    other push keeps the fastest host checksum: one that SUM64 would send through the ring
+    is summed on the host, at a fifth of XXH3's speed (docs/serving.md)."""
     if rings is not None and peer_host_id == host_id() and shm_available():
         options = options or TransferOptions()
-        if pools_on_gpu and options.checksum == "auto":
+        gpu_to_gpu = pools_on_gpu and peer_pools_bus_id in visible_bus_ids()
+        if options.checksum == "auto" and gpu_to_gpu:
             options = dataclasses.replace(options, checksum="sum64")
         return shm_sender(channel, rings, options)
     return grpc_sender(channel, options)

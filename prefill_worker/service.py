@@ -248,6 +248,7 @@ class PrefillWorkerService(PrefillCalls):
             rings=self.rings,
             options=options,
             pools_on_gpu=str(self.engine.config.device).startswith("cuda"),
+            peer_pools_bus_id=request.decode_kv_pools_bus_id,
         )
         push = LayerPush(
             sender,

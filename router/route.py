@@ -98,6 +98,25 @@ class Route:
         resumed after a preemption)."""
         return self.request.prompt_token_ids + self.output_tokens_sent
 
+    def prefill_request(self, model: str, reserve: pb.ReserveReply) -> pb.PrefillRequest:
+        """What P is asked to prefill, into the blocks D reserved (``reserve``)."""
+        return pb.PrefillRequest(
+            request_id=self.request.request_id,
+            model=model,
+            prompt_token_ids=self.token_ids,
+            sampling=self.request.sampling,
+            decode_address=self.decode.address,
+            decode_block_ids=reserve.block_ids,
+            num_cached_blocks=reserve.num_cached_blocks,
+            decode_epoch=reserve.epoch,
+            decode_worker_id=self.decode.worker_id,
+            decode_host_id=reserve.host_id,
+            decode_kv_pools_bus_id=reserve.kv_pools_bus_id,
+            num_output_tokens_sent=len(self.output_tokens_sent),
+            lora=self.request.lora,
+            lora_digest=self.lora_digest,
+        )
+
     def remaining(self) -> float:
         left = self.deadline - time.monotonic()
         if left <= 0:

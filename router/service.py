@@ -346,26 +346,10 @@ class GenerationService(gen_grpc.GenerationServicer):
     async def _prefill(self, route: Route, reserve: pb.ReserveReply) -> pb.PrefillReply:
         """P computes the prompt and pushes its KV into D's blocks (P hands it to D); a
         co-located P computes it into them in place."""
-        valid = route.request
         channel = self._channels.get(route.prefill.address)
         await self._connect(channel, route)
         reply: pb.PrefillReply = await pb_grpc.PrefillWorkerStub(channel).Prefill(
-            pb.PrefillRequest(
-                request_id=valid.request_id,
-                model=self.validator.model.name,
-                prompt_token_ids=route.token_ids,
-                sampling=valid.sampling,
-                decode_address=route.decode.address,
-                decode_block_ids=reserve.block_ids,
-                num_cached_blocks=reserve.num_cached_blocks,
-                decode_epoch=reserve.epoch,
-                decode_worker_id=route.decode.worker_id,
-                decode_host_id=reserve.host_id,
-                num_output_tokens_sent=len(route.output_tokens_sent),
-                lora=valid.lora,
-                lora_digest=route.lora_digest,
-            ),
-            timeout=route.remaining(),
+            route.prefill_request(self.validator.model.name, reserve), timeout=route.remaining()
         )
         return reply
 

@@ -15,6 +15,7 @@ from kv_transfer.cuda_ipc import (
     IpcHandle,
     OpenedTensor,
     export,
+    export_refusal,
     unavailable_reason,
 )
 
@@ -45,6 +46,8 @@ def test_without_cuda_it_refuses_and_says_what_runs_instead() -> None:
         export(torch.zeros(16))
     with pytest.raises(CudaIpcUnavailable, match="no CUDA device"):
         OpenedTensor(IpcHandle(bytes(64), b"0000:19:00.0", 0, 16))
+    assert export_refusal(torch.device("cuda")) == f"CUDA IPC: {unavailable_reason()}"
+    assert export_refusal(torch.device("cpu")) == "CUDA IPC: cpu is not a GPU"
 
 
 @pytest.mark.gpu
@@ -66,6 +69,7 @@ def test_a_slice_is_exported_at_its_offset_in_the_allocation() -> None:
     assert whole.bus_id.count(b":") == 2  # e.g. 0000:19:00.0
     assert tail.offset - whole.offset == 4096
     assert (whole.num_bytes, tail.num_bytes) == (1 << 20, (1 << 20) - 4096)
+    assert export_refusal(pool.device) is None  # what share_pools asks before moving pools
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the receiver fails only without CUDA")

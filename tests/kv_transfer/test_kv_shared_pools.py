@@ -230,17 +230,27 @@ async def test_gpu_pools_are_offered_to_sum64_pushes_that_see_their_gpu(
     assert len(shared.rings_seen) == 2  # answered in place, not with a ring
 
 
-async def test_a_sender_on_a_gpu_checksums_with_sum64_on_its_host_alone(
-    shared: SharedReceiving,
+async def test_a_sender_on_a_gpu_checksums_with_sum64_for_pools_on_a_gpu_it_sees_alone(
+    shared: SharedReceiving, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def sender(host: str, on_gpu: bool) -> ChunkedKvSender:
-        return make_sender(shared.channel, peer_host_id=host, rings=shared.rings,
-                           options=SMALL_CHUNKS, pools_on_gpu=on_gpu)  # fmt: skip
+    """SUM64 only where the receiver's pools may take the push in place: on this host, on
+    a GPU this process sees (the Reserve reply's kv_pools_bus_id); else XXH3 ("auto")."""
+    bus = "0000:19:00.0"
+    monkeypatch.setattr(shm_channel, "visible_bus_ids", lambda: ["0000:3b:00.0", bus])
 
-    same_host, other_host = sender(host_id(), True), sender("elsewhere", True)
-    on_cpu = sender(host_id(), False)
-    assert same_host.checksum_kind == pb.CHECKSUM_KIND_SUM64
-    assert other_host.checksum_kind == on_cpu.checksum_kind == checksum_kind("auto")
+    def sender(host: str, on_gpu: bool, pools_bus_id: str = bus) -> ChunkedKvSender:
+        return make_sender(shared.channel, peer_host_id=host, rings=shared.rings,
+                           options=SMALL_CHUNKS, pools_on_gpu=on_gpu,
+                           peer_pools_bus_id=pools_bus_id)  # fmt: skip
+
+    assert sender(host_id(), True).checksum_kind == pb.CHECKSUM_KIND_SUM64
+    others = [
+        sender("elsewhere", True),
+        sender(host_id(), False),  # this worker's pools are on the host
+        sender(host_id(), True, ""),  # the receiver's are not on a GPU (or IPC refused)
+        sender(host_id(), True, "0000:5d:00.0"),  # on a GPU this process does not see
+    ]
+    assert [s.checksum_kind for s in others] == [checksum_kind("auto")] * 4
 
 
 async def test_pools_not_in_the_segment_go_through_the_ring(shared: SharedReceiving) -> None:

@@ -233,6 +233,7 @@ class ReserveReply(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     HOST_ID_FIELD_NUMBER: _builtins.int
     DATA_PARALLEL_RANK_FIELD_NUMBER: _builtins.int
+    KV_POOLS_BUS_ID_FIELD_NUMBER: _builtins.int
     num_cached_blocks: _builtins.int
     """Leading block_ids that already hold the prompt's KV (prefix cache); not to be pushed."""
     lease_ms: _builtins.int
@@ -250,6 +251,12 @@ class ReserveReply(_message.Message):
     0 without. block_ids number every rank's blocks one rank after another: this rank's
     come after the ranks before it.
     """
+    kv_pools_bus_id: _builtins.str
+    """The PCI bus id of the GPU whose pools take same-host pushes in place through CUDA IPC
+    (kv_transfer.shared_pools); empty where they do not (host pools, or IPC refused). A
+    prefill worker that sees this GPU checksums its push there (CHECKSUM_KIND_SUM64);
+    others keep their fastest host checksum.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Reserved block ids, in block-table order (one id addresses a target and a draft block)."""
@@ -264,10 +271,11 @@ class ReserveReply(_message.Message):
         block_size: _builtins.int = ...,
         host_id: _builtins.str = ...,
         data_parallel_rank: _builtins.int = ...,
+        kv_pools_bus_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "block_size", b"block_size", "data_parallel_rank", b"data_parallel_rank", "epoch", b"epoch", "host_id", b"host_id", "lease_ms", b"lease_ms", "num_cached_blocks", b"num_cached_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "block_size", b"block_size", "data_parallel_rank", b"data_parallel_rank", "epoch", b"epoch", "host_id", b"host_id", "kv_pools_bus_id", b"kv_pools_bus_id", "lease_ms", b"lease_ms", "num_cached_blocks", b"num_cached_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -577,6 +585,7 @@ class PrefillRequest(_message.Message):
     DECODE_WORKER_ID_FIELD_NUMBER: _builtins.int
     NUM_OUTPUT_TOKENS_SENT_FIELD_NUMBER: _builtins.int
     DECODE_HOST_ID_FIELD_NUMBER: _builtins.int
+    DECODE_KV_POOLS_BUS_ID_FIELD_NUMBER: _builtins.int
     LORA_FIELD_NUMBER: _builtins.int
     LORA_DIGEST_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
@@ -597,6 +606,8 @@ class PrefillRequest(_message.Message):
     """Output indices already sent (migration); the first token gets this index."""
     decode_host_id: _builtins.str
     """ReserveReply.host_id of the decode worker (equal to this worker's: shared memory)."""
+    decode_kv_pools_bus_id: _builtins.str
+    """ReserveReply.kv_pools_bus_id of the decode worker."""
     lora: _builtins.str
     """The LoRA adapter to prefill under, as in ReserveRequest.lora; the KV push's
     handshake carries it to the decode worker.
@@ -629,12 +640,13 @@ class PrefillRequest(_message.Message):
         decode_worker_id: _builtins.str = ...,
         num_output_tokens_sent: _builtins.int = ...,
         decode_host_id: _builtins.str = ...,
+        decode_kv_pools_bus_id: _builtins.str = ...,
         lora: _builtins.str = ...,
         lora_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_address", b"decode_address", "decode_block_ids", b"decode_block_ids", "decode_epoch", b"decode_epoch", "decode_host_id", b"decode_host_id", "decode_worker_id", b"decode_worker_id", "lora", b"lora", "lora_digest", b"lora_digest", "model", b"model", "num_cached_blocks", b"num_cached_blocks", "num_output_tokens_sent", b"num_output_tokens_sent", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_address", b"decode_address", "decode_block_ids", b"decode_block_ids", "decode_epoch", b"decode_epoch", "decode_host_id", b"decode_host_id", "decode_kv_pools_bus_id", b"decode_kv_pools_bus_id", "decode_worker_id", b"decode_worker_id", "lora", b"lora", "lora_digest", b"lora_digest", "model", b"model", "num_cached_blocks", b"num_cached_blocks", "num_output_tokens_sent", b"num_output_tokens_sent", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
