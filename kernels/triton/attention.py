@@ -11,13 +11,16 @@ its log-sum-exp, and a second kernel combines them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 BLOCK_N = 32  # context positions per tile
 _MAX_SPLITS = 16
-_SPLIT_MIN_LEN = 512  # context positions below which a split is not worth its reduction
+_SPLIT_MIN_LEN = 2 * BLOCK_N  # context positions a split keeps at least
+_INTERPRETER_SMS = 128  # on CPU (the interpreter): the width splits are planned for
 # Running max before any key: finite, so a row with no key gives no NaN (a constexpr: jit
 # functions read no other globals).
 _EMPTY: tl.constexpr = tl.constexpr(-1.0e30)
@@ -183,12 +186,31 @@ def _combine_kernel(
     )
 
 
-def default_num_splits(num_rows: int, num_kv_heads: int, num_m_tiles: int, max_ctx: int) -> int:
-    """Splits of the context, from shapes only (a captured graph keeps them): only when the
-    rows alone give too few programs, and each split keeps at least 512 positions."""
-    if num_rows * num_kv_heads * num_m_tiles >= 128:
+def default_num_splits(num_programs: int, max_ctx: int, num_sms: int) -> int:
+    """Splits of the context, from shapes only (a captured graph keeps them): enough that
+    the programs cover the device's ``num_sms`` once, each split keeping at least two tiles
+    of positions; one where the rows and heads alone do. At batch 1 a decode row has one
+    program per KV head (8 for Llama-3-8B): unsplit, 8 of an H200's 132 SMs walk the whole
+    context one tile after another."""
+    if num_programs >= num_sms:
         return 1
-    return max(1, min(_MAX_SPLITS, max_ctx // _SPLIT_MIN_LEN))
+    return max(1, min(_MAX_SPLITS, -(-num_sms // num_programs), max_ctx // _SPLIT_MIN_LEN))
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a nominal width on CPU."""
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def query_tiles(max_query_len: int, group: int) -> tuple[int, int]:
+    """(BLOCK_M, tiles per row and KV head): a tile packs (new token, query head of the
+    group) pairs."""
+    pairs = max(1, max_query_len) * group
+    block_m = min(64, max(16, triton.next_power_of_2(pairs)))
+    return block_m, triton.cdiv(pairs, block_m)
 
 
 def plan_splits(max_ctx: int, num_splits: int) -> tuple[int, int]:
@@ -283,12 +305,11 @@ def paged_attention(
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.stride(-1) == 1
     group = num_heads // num_kv_heads
-    pairs = max(1, max_query_len) * group
-    block_m = min(64, max(16, triton.next_power_of_2(pairs)))
-    num_m_tiles = triton.cdiv(pairs, block_m)
+    block_m, num_m_tiles = query_tiles(max_query_len, group)
     max_ctx = max_blocks * block_size
     if num_splits is None:
-        num_splits = default_num_splits(num_rows, num_kv_heads, num_m_tiles, max_ctx)
+        num_programs = num_rows * num_m_tiles * num_kv_heads
+        num_splits = default_num_splits(num_programs, max_ctx, num_sms(q.device))
     num_splits, split_len = plan_splits(max_ctx, num_splits)
     is_split = num_splits > 1
     part_o = part_lse = out  # unused unless split

@@ -1,7 +1,8 @@
 """scripts/gpu_check, the prepared GPU check, on CPU: its dry run (every module the check
-imports resolves, the gpu tests are collected, bench/gpu_step.py --quick runs, what a
-device call carries fits in 64 MiB), its help (how to run it, how to leave the drafts out),
-and how it reads pytest's JUnit XML and a benchmark's last JSON line."""
+imports resolves, the gpu tests are collected, bench/gpu_step.py and bench/gpu_attention.py
+run --quick, what a device call carries fits in 64 MiB), its help (how to run it, how to
+leave the drafts out), and how it reads pytest's JUnit XML and a benchmark's last JSON
+line."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def test_the_dry_run_passes_on_cpu() -> None:
     assert "tests/kernels/triton/test_triton_gpu.py" in result["gpu_test_files"]
     assert 0 < result["travelling_mib"] <= 64
     assert "bench/gpu_step.py --quick: ran on CPU" in done.stderr
+    assert "bench/gpu_attention.py --quick: ran on CPU" in done.stderr
     assert "bench/cuda_ipc.py: refused on CPU as it should be" in done.stderr
     # The collection ran in a child that had every package: those the GPU image lacks are
     # named (tandem's own modules never are).
@@ -75,6 +77,7 @@ def test_the_check_itself_on_cpu_leaves_a_summary_within_its_budget(tmp_path: Pa
     assert summary["phases"]["gpu_step"]["exit"] is None  # cut off at the budget
     assert summary["phases"]["cuda_ipc"]["exit"] == 2  # no CUDA device: said, not measured
     assert summary["cuda_ipc_over_d2d"] is None
+    assert summary["phases"]["gpu_attention"]["exit"] == 2  # on CPU only with --quick
     files = list(tmp_path.iterdir())
     assert len(files) <= 8 and all(f.stat().st_size < 16 << 20 for f in files)
     assert json.loads(done.stdout.strip().splitlines()[-1])["device"] is None

@@ -104,6 +104,18 @@ def test_split_k_over_several_splits_matches_one_split_and_the_reference(dtype, 
     assert torch.equal(shifted[-1], torch.zeros_like(shifted[-1]))
 
 
+def test_splits_cover_the_sms_at_small_batches_and_keep_two_tiles_each() -> None:
+    # Llama-3-8B's decode row at batch 1 on an H200 (132 SMs): a program per KV head (8),
+    # a 560-position table: min(16, ceil(132 / 8), 560 // 64) = 8, planned as 6 of 96.
+    assert tri.default_num_splits(8, 560, 132) == 8
+    assert tri.plan_splits(560, 8) == (6, 96)
+    assert tri.default_num_splits(64, 560, 132) == 3  # batch 8: ceil(132 / 64)
+    assert tri.default_num_splits(132, 4096, 132) == 1  # the rows and heads cover them
+    assert tri.default_num_splits(3, 8192, 132) == 16  # SmolLM2's 3 KV heads: at most 16
+    assert tri.default_num_splits(8, 127, 132) == 1  # not two tiles a split
+    assert tri.num_sms(torch.device("cpu")) == 128  # the interpreter's nominal width
+
+
 def test_rows_read_only_their_blocks_and_grouped_heads_their_kv_head(device) -> None:
     case = make_case([2, 2], [20, 20], num_heads=4, num_kv_heads=2, device=device)
     before = attend(tri, case, True)
