@@ -27,38 +27,9 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from engine.sampling_params import SamplingParams
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for x < 2**32, without leaving the int64 range."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
-
-
-def hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer (lowbias32) on int64 tensors holding values < 2**32."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A 32-bit key per (seed, position): [B] int64."""
-    k = hash32(seeds & _MASK32)
-    k = hash32(k ^ ((seeds >> 32) & _MASK32))
-    return hash32(k ^ (positions & _MASK32))
-
-
-def uniform(keys: torch.Tensor, num: int) -> torch.Tensor:
-    """Uniform numbers in (0, 1), [B, num], a pure function of each row's key and column."""
-    cols = torch.arange(num, device=keys.device, dtype=torch.int64)
-    h = hash32(hash32(keys[:, None] ^ cols[None, :]) ^ 0x5BD1E995)
-    # 23 bits: fp32 holds (2**23 - 1) + 0.5 exactly, so u stays strictly below 1.
-    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
+from kernels.reference.sampling import hash32 as hash32  # the keyed uniforms' torch ops
+from kernels.reference.sampling import row_keys as row_keys
+from kernels.reference.sampling import uniform as uniform
 
 
 @dataclass
@@ -358,6 +329,14 @@ class SamplingKernels(Protocol):
 
     name: str
 
+    def row_keys(self, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[N] seeds and positions -> [N] int64 keys: ``row_keys``'s."""
+        ...
+
+    def uniform(self, keys: torch.Tensor, num: int) -> torch.Tensor:
+        """[N] keys -> [N, num] fp32 in (0, 1): ``uniform``'s bits."""
+        ...
+
     def filtered_probs(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """[B, V] logits -> [B, V] the distribution each row samples from."""
         ...
@@ -416,7 +395,11 @@ def sample(
         greedy = masks.greedy(logits, greedy)
     faulty = ~torch.isfinite(best) if greedy is argmax else is_faulty(logits, greedy)
     if not t.all_greedy:
-        keys = row_keys(t.seeds, t.positions)
+        keys = (
+            row_keys(t.seeds, t.positions)
+            if kernels is None
+            else kernels.row_keys(t.seeds, t.positions)
+        )
         if kernels is None:
             drawn = draw(filtered_probs(logits, t), keys)
         else:

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import SamplingKernels, SamplingTensors, draw, filtered_probs, uniform
+from engine.sampler import (
+    SamplingKernels,
+    SamplingTensors,
+    draw,
+    filtered_probs,
+    row_keys,
+    uniform,
+)
 
 __all__ = ["SamplingKernels", "TorchSampling", "TritonSampling", "sampling_kernels"]
 
@@ -30,6 +37,12 @@ class TorchSampling:
     """torch ops: the CPU path, and the reference of ``TritonSampling``."""
 
     name = "torch"
+
+    def row_keys(self, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return row_keys(seeds, positions)
+
+    def uniform(self, keys: torch.Tensor, num: int) -> torch.Tensor:
+        return uniform(keys, num)
 
     def filtered_probs(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         return filtered_probs(logits, t)
@@ -87,6 +100,15 @@ class TritonSampling:
 
         self._kernels = sampling
 
+    def row_keys(self, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One kernel for the ~66 int64 ops of the torch version (a launch each on a GPU)."""
+        out: torch.Tensor = self._kernels.row_keys(seeds, positions)
+        return out
+
+    def uniform(self, keys: torch.Tensor, num: int) -> torch.Tensor:
+        out: torch.Tensor = self._kernels.uniform(keys, num)
+        return out
+
     def filtered_probs(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         out: torch.Tensor = self._kernels.filtered_probs(
             logits.contiguous(), t.temperature, t.top_k, t.top_p, t.min_p
@@ -94,7 +116,7 @@ class TritonSampling:
         return out
 
     def draw(self, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self._kernels.draw(weights, uniform(keys, 1)[:, 0])
+        out: torch.Tensor = self._kernels.draw(weights, self.uniform(keys, 1)[:, 0])
         return out
 
     def accept_sampled(
@@ -105,10 +127,10 @@ class TritonSampling:
         draft_probs: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         b, s, _ = probs.shape
-        draw_u = uniform(keys, 1).view(b, s)  # what ``draw`` takes for each position
+        draw_u = self.uniform(keys, 1).view(b, s)  # what ``draw`` takes for each position
         accept_u = None
         if draft_probs is not None:
-            accept_u = uniform(keys.view(b, s)[:, :-1].reshape(-1) ^ ACCEPT_SALT, 1)
+            accept_u = self.uniform(keys.view(b, s)[:, :-1].reshape(-1) ^ ACCEPT_SALT, 1)
             accept_u = accept_u.view(b, s - 1)
         out: tuple[torch.Tensor, torch.Tensor] = self._kernels.rejection_sample(
             probs, draft_tokens, draw_u, draft_probs, accept_u

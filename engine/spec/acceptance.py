@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from engine.sampler import FAULT, SamplingTensors, is_faulty, penalized, row_keys, uniform
+from engine.sampler import FAULT, SamplingTensors, is_faulty, penalized
 from engine.sampling_kernels import ACCEPT_SALT, TORCH_SAMPLING, SamplingKernels, first_rejection
 
 _ACCEPT_SALT = ACCEPT_SALT  # keys the accept/reject coin apart from the token draw
@@ -80,7 +80,7 @@ def accept(
     positions = first_positions[:, None] + torch.arange(s, device=logits.device)  # [B, K+1]
     flat = per_position(sampling, positions)
     probs = kernels.filtered_probs(logits.reshape(b * s, v), flat).view(b, s, v)  # p
-    keys = row_keys(flat.seeds, flat.positions)  # [B*(K+1)]
+    keys = kernels.row_keys(flat.seeds, flat.positions)  # [B*(K+1)]
     if draft_lengths is not None and kernels is not TORCH_SAMPLING:
         kernels = TORCH_SAMPLING  # padded drafts (-1): the torch rule handles them
     sampled_num, sampled_next = kernels.accept_sampled(probs, draft_tokens, keys, draft_probs)
@@ -130,17 +130,21 @@ def accept_synthetic(
     with probability ``rates[j]`` whatever it is, then emit the target's own choice."""
     b, s, _ = logits.shape
     logits = penalized(logits, sampling.penalties)  # drafts not counted: not lossless anyway
-    positions = first_positions[:, None] + torch.arange(s, device=logits.device)
-    keys = row_keys(per_position(sampling, positions).seeds, positions.reshape(-1))
-    r = uniform(keys.view(b, s)[:, :-1].reshape(-1) ^ _ACCEPT_SALT, 1).view(b, s - 1)
-    is_accepted = r < rates[None, :]
-    if draft_lengths is not None:
-        is_accepted &= torch.arange(s - 1, device=r.device)[None, :] < draft_lengths[:, None]
-    num = first_rejection(is_accepted)
+    num = torch.zeros(b, dtype=torch.int64, device=logits.device)  # no drafts: no coin
+    if s > 1:
+        positions = first_positions[:, None] + torch.arange(s - 1, device=logits.device)
+        seeds = sampling.seeds[:, None].expand(-1, s - 1)
+        keys = kernels.row_keys(seeds.reshape(-1), positions.reshape(-1))
+        r = kernels.uniform(keys ^ _ACCEPT_SALT, 1).view(b, s - 1)
+        is_accepted = r < rates[None, :]
+        if draft_lengths is not None:
+            is_accepted &= torch.arange(s - 1, device=r.device)[None, :] < draft_lengths[:, None]
+        num = first_rejection(is_accepted)
     at = logits.gather(1, num[:, None, None].expand(-1, 1, logits.shape[-1])).squeeze(1)
     greedy = at.argmax(dim=-1)
     if sampling.all_greedy:
         return num, greedy
     rows = dataclasses.replace(sampling, positions=first_positions + num)
-    drawn = kernels.draw(kernels.filtered_probs(at, rows), row_keys(sampling.seeds, rows.positions))
+    keys = kernels.row_keys(sampling.seeds, rows.positions)
+    drawn = kernels.draw(kernels.filtered_probs(at, rows), keys)
     return num, torch.where(sampling.temperature > 0, drawn, greedy)

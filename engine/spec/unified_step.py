@@ -35,7 +35,7 @@ from engine.attention.base import AttentionBackend, BatchLayout
 from engine.executor.inputs import ForwardInputs, TargetForward
 from engine.kv_cache import PagedKVCache
 from engine.models.llama3 import NO_HIDDEN_STATES, ModelOutputs
-from engine.sampler import SamplingTensors, is_faulty, row_keys
+from engine.sampler import SamplingTensors, is_faulty
 from engine.sampling_kernels import TORCH_SAMPLING, SamplingKernels
 from engine.spec.acceptance import DRAFT_SALT, accept, accept_argmax, accept_synthetic
 from engine.spec.drafters import Drafter, DraftLogits, ProposeArgs
@@ -379,7 +379,8 @@ class UnifiedStep:
             # Draft j is the token at position p + 2 + j (p: last committed, p+1: bonus).
             rows = dataclasses.replace(sampling, positions=args.last_positions + 2 + j)
             q = self.sampling_kernels.filtered_probs(scores.full(), rows)  # [B, V]
-            drawn = self.sampling_kernels.draw(q, row_keys(rows.seeds, rows.positions) ^ DRAFT_SALT)
+            keys = self.sampling_kernels.row_keys(rows.seeds, rows.positions) ^ DRAFT_SALT
+            drawn = self.sampling_kernels.draw(q, keys)
             is_sampled = sampling.temperature > 0
             # Greedy rows draft the argmax: their q is one-hot there.
             one_hot = torch.zeros_like(q).scatter_(1, greedy[:, None], 1.0)

@@ -1,12 +1,48 @@
 """Sampling and speculative acceptance in plain torch, with the random uniforms passed in:
 the reference of ``kernels.triton.sampling``. The rules are ``engine.sampler``'s and
-``engine.spec.acceptance``'s (thresholds keep ties; top-p mass in fixed point)."""
+``engine.spec.acceptance``'s (thresholds keep ties; top-p mass in fixed point).
+
+The uniforms themselves are keyed: ``row_keys`` hashes each row's (seed, position) into a
+32-bit key and ``uniform`` each (key, column) into a number in (0, 1), with lowbias32 in
+int64 tensor ops (about 110 of them for a row's keys and its uniform, which the Triton
+versions do in one kernel each). The engine's CPU path runs these."""
 
 from __future__ import annotations
 
 import torch
 
 MASS_ONE = 1 << 40  # probability mass in fixed point: integer sums are exact in any order
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x < 2**32, without leaving the int64 range."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (lowbias32) on int64 tensors holding values < 2**32."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A 32-bit key per (seed, position): [B] int64."""
+    k = hash32(seeds & _MASK32)
+    k = hash32(k ^ ((seeds >> 32) & _MASK32))
+    return hash32(k ^ (positions & _MASK32))
+
+
+def uniform(keys: torch.Tensor, num: int) -> torch.Tensor:
+    """Uniform numbers in (0, 1), [B, num], a pure function of each row's key and column."""
+    cols = torch.arange(num, device=keys.device, dtype=torch.int64)
+    h = hash32(hash32(keys[:, None] ^ cols[None, :]) ^ 0x5BD1E995)
+    # 23 bits: fp32 holds (2**23 - 1) + 0.5 exactly, so u stays strictly below 1.
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def filtered_probs(

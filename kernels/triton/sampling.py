@@ -279,3 +279,68 @@ def rejection_sample(
         BLOCK=min(BLOCK_V, triton.next_power_of_2(vocab)),
     )
     return num, nxt
+
+
+_KEYS_BLOCK = 256  # keys (or key-column pairs) per program
+
+
+@triton.jit
+def _mask32(x):
+    # An int64 constant: a literal of 2**31 or more would be a uint32 in triton.
+    return x & tl.full([], 0xFFFFFFFF, tl.int64)
+
+
+@triton.jit
+def _hash32(x):
+    """lowbias32 on int64 values below 2**32: the reference's ops, the products' low 32 bits
+    kept (an int64 product wraps modulo 2**64, whose low 32 bits are the product's)."""
+    x = x ^ (x >> 16)
+    x = _mask32(x * tl.full([], 0x7FEB352D, tl.int64))
+    x = x ^ (x >> 15)
+    x = _mask32(x * tl.full([], 0x846CA68B, tl.int64))
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _row_keys_kernel(seeds_ptr, positions_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    is_in = i < n
+    seeds = tl.load(seeds_ptr + i, mask=is_in, other=0)
+    positions = tl.load(positions_ptr + i, mask=is_in, other=0)
+    k = _hash32(_mask32(seeds))
+    k = _hash32(k ^ _mask32(seeds >> 32))
+    k = _hash32(k ^ _mask32(positions))
+    tl.store(out_ptr + i, k, mask=is_in)
+
+
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A 32-bit key per (seed, position): [N] int64, the reference's, in one kernel."""
+    n = seeds.numel()
+    out = torch.empty(n, dtype=torch.int64, device=seeds.device)
+    if n:
+        seeds = seeds.to(torch.int64).contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        grid = (triton.cdiv(n, _KEYS_BLOCK),)
+        _row_keys_kernel[grid](seeds, positions, out, n, BLOCK=_KEYS_BLOCK)
+    return out
+
+
+@triton.jit
+def _uniform_kernel(keys_ptr, out_ptr, total, num, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # row * num + column
+    is_in = i < total
+    keys = tl.load(keys_ptr + i // num, mask=is_in, other=0)
+    h = _hash32(_hash32(keys ^ (i % num)) ^ tl.full([], 0x5BD1E995, tl.int64))
+    u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # 23 bits: strictly below 1
+    tl.store(out_ptr + i, u, mask=is_in)
+
+
+def uniform(keys: torch.Tensor, num: int) -> torch.Tensor:
+    """Uniform numbers in (0, 1), [N, num], the reference's bits, in one kernel."""
+    n = keys.numel()
+    out = torch.empty((n, num), dtype=torch.float32, device=keys.device)
+    if n * num:
+        keys = keys.to(torch.int64).contiguous()
+        grid = (triton.cdiv(n * num, _KEYS_BLOCK),)
+        _uniform_kernel[grid](keys, out, n * num, num, BLOCK=_KEYS_BLOCK)
+    return out

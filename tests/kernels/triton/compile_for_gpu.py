@@ -101,6 +101,14 @@ def main() -> None:
              "accept_u_ptr": f32, "num_ptr": i64, "next_ptr": i64},
             {"HAS_DRAFT_PROBS": has_draft_probs, "BLOCK": 1024},
         )  # fmt: skip
+    compile_kernel(
+        sampling._row_keys_kernel,
+        {"seeds_ptr": i64, "positions_ptr": i64, "out_ptr": i64},
+        {"BLOCK": sampling._KEYS_BLOCK},
+    )
+    compile_kernel(
+        sampling._uniform_kernel, {"keys_ptr": i64, "out_ptr": f32}, {"BLOCK": sampling._KEYS_BLOCK}
+    )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,13 @@ from kernels.triton import attention, blocks, elementwise, sampling
 from kv_transfer.checksum import checksum_kind, running_checksum
 from kv_transfer.copying import byte_view, pack_runs, unpack_runs
 from tests.kernels.triton.test_triton_attention import attend, make_case
-from tests.kernels.triton.test_triton_sampling import engine_inputs, engine_tensors
+from tests.kernels.triton.test_triton_sampling import (
+    engine_inputs,
+    engine_tensors,
+)
+from tests.kernels.triton.test_triton_sampling import (
+    test_keys_and_uniforms_are_the_references_bits_in_one_kernel_each as check_keys,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -173,6 +179,11 @@ def test_sampling_at_the_llama3_vocabulary_equals_the_engine() -> None:
     u = uniform(row_keys(seeds, positions), 1)[:, 0]
     want = engine_sample(logits, engine_tensors(p, seeds, positions))
     assert torch.equal(sampling.sample(logits, **p, uniforms=u), want)
+
+
+def test_compiled_keys_and_uniforms_are_the_references_bits() -> None:
+    """The interpreter's int64 products wrap as numpy's; compiled, as LLVM's."""
+    check_keys(CUDA)
 
 
 def test_rejection_sampling_at_the_llama3_vocabulary_equals_the_engines_accept() -> None:

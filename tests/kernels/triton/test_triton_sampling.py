@@ -146,3 +146,24 @@ def test_a_rejection_where_p_equals_q_draws_from_p(device) -> None:
     assert want[0].tolist() == [0, 0] and torch.equal(got[0], want[0])
     assert torch.equal(got[1], want[1])
     assert torch.equal(want[1], ref.draw(p[:, 0], draw_u[:, 0]))
+
+
+def keyed_inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeds across the whole int64 range (its ends and -1 included) and positions past
+    2**32 (only their low 32 bits are hashed)."""
+    g = torch.Generator().manual_seed(3)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (700,), generator=g, dtype=torch.int64)
+    seeds[:4] = torch.tensor([0, -1, 2**63 - 1, -(2**63)])
+    positions = torch.randint(0, 2**40, (700,), generator=g)
+    return seeds.to(device), positions.to(device)
+
+
+def test_keys_and_uniforms_are_the_references_bits_in_one_kernel_each(device) -> None:
+    seeds, positions = keyed_inputs(device)
+    keys = tri.row_keys(seeds, positions)
+    assert torch.equal(keys, ref.row_keys(seeds, positions))
+    for num in (1, 3):
+        got = tri.uniform(keys, num)
+        assert got.shape == (700, num) and torch.equal(got, ref.uniform(keys, num))
+    assert tri.row_keys(seeds[:0], positions[:0]).shape == (0,)
+    assert tri.uniform(keys[:0], 1).shape == (0, 1)
