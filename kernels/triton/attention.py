@@ -226,39 +226,66 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] flat slot (block * block_size + offset); < 0: skipped
 ) -> None:
-    """Writes each token's K/V into its slot; a negative slot (a padded row) writes nothing."""
+    """Writes each token's K/V into its slot, both in one kernel; a negative slot (a padded
+    row) writes nothing."""
     t, num_kv_heads, head_dim = k.shape
     if t == 0:
         return
-    for src, cache in ((k, k_cache), (v, v_cache)):
-        assert src.stride(-1) == 1 and cache.stride(-1) == 1
-        _store_kernel[(t,)](
-            src,
-            cache,
-            slot_mapping,
-            src.stride(0),
-            src.stride(1),
-            cache.stride(0),
-            cache.stride(1),
-            cache.stride(2),
-            cache.shape[1],
-            NUM_HEADS=num_kv_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_H=triton.next_power_of_2(num_kv_heads),
-            BLOCK_D=triton.next_power_of_2(head_dim),
-        )
+    for x in (k, v, k_cache, v_cache):
+        assert x.stride(-1) == 1
+    _store_kernel[(t,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        k_cache.shape[1],
+        NUM_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+@triton.jit
+def _store_one(src_ptr, cache_ptr, token, slot, stride_st, stride_sh, stride_cb, stride_cs,
+               stride_ch, block_size, h, d, mask):  # fmt: skip
+    x = tl.load(src_ptr + token * stride_st + h[:, None] * stride_sh + d[None, :], mask=mask)
+    where = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
+    tl.store(
+        cache_ptr + where + h[:, None] * stride_ch + d[None, :],
+        x.to(cache_ptr.dtype.element_ty),
+        mask=mask & (slot >= 0),
+    )
 
 
 @triton.jit
 def _store_kernel(
-    src_ptr,
-    cache_ptr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
     slots_ptr,
-    stride_st,
-    stride_sh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
     block_size,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -270,13 +297,10 @@ def _store_kernel(
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-    x = tl.load(src_ptr + token * stride_st + h[:, None] * stride_sh + d[None, :], mask=mask)
-    where = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
-    tl.store(
-        cache_ptr + where + h[:, None] * stride_ch + d[None, :],
-        x.to(cache_ptr.dtype.element_ty),
-        mask=mask & (slot >= 0),
-    )
+    _store_one(k_ptr, k_cache_ptr, token, slot, stride_kt, stride_kh, stride_kcb, stride_kcs,
+               stride_kch, block_size, h, d, mask)  # fmt: skip
+    _store_one(v_ptr, v_cache_ptr, token, slot, stride_vt, stride_vh, stride_vcb, stride_vcs,
+               stride_vch, block_size, h, d, mask)  # fmt: skip
 
 
 def paged_attention(

@@ -51,7 +51,13 @@ def main() -> None:
     )
     compile_kernel(
         attention._store_kernel,
-        {"src_ptr": "*bf16", "cache_ptr": "*bf16", "slots_ptr": i64},
+        {
+            "k_ptr": "*bf16",
+            "v_ptr": "*bf16",
+            "k_cache_ptr": "*bf16",
+            "v_cache_ptr": "*bf16",
+            "slots_ptr": i64,
+        },
         {"NUM_HEADS": 8, "HEAD_DIM": 128, "BLOCK_H": 8, "BLOCK_D": 128},
     )
     compile_kernel(
