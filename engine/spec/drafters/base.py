@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from engine.attention.base import AttentionBackend, BatchLayout
+from engine.attention.base import AttentionBackend, BatchLayout, slots_for
 from engine.config import Llama3Config
 from engine.deepseek_v3_config import DeepseekV3Config
 from engine.models.llama3 import Llama3Model, ModelOutputs, ReturnHiddenStates
@@ -167,6 +167,34 @@ def draft_layout(
     )
 
 
+def chain_layouts(args: ProposeArgs, num: int) -> list[BatchLayout]:
+    """The layouts of a chain's ``num`` one-token forwards, at positions p+1 .. p+num (p:
+    each row's ``last_positions``), what ``draft_layout`` gives for each, built at once: a
+    few kernels for the chain, not a few per forward (each a launch in a CUDA graph)."""
+    if num <= 0:
+        return []
+    b, device = args.last_positions.shape[0], args.last_positions.device
+    steps = torch.arange(1, num + 1, device=device)
+    positions = args.last_positions[None, :] + steps[:, None]  # [num, B]: rows contiguous
+    slots = slots_for(args.block_tables, positions.t(), args.block_size).t().contiguous()
+    context_lens = positions + 1
+    offsets = torch.arange(b + 1, device=device)  # one token a row
+    return [
+        BatchLayout(
+            input_row_offsets=offsets,
+            positions=positions[j],
+            slot_mapping=slots[j],
+            context_lens=context_lens[j],
+            block_tables=args.block_tables,
+            block_size=args.block_size,
+            max_query_len=1,
+            max_context_len=args.max_context_len,
+            is_max_context_exact=False,
+        )
+        for j in range(num)
+    ]
+
+
 def propose_chain(
     hidden: torch.Tensor,  # [B, H] draft state at each row's last committed entry
     args: ProposeArgs,
@@ -183,13 +211,13 @@ def propose_chain(
     after the known bonus token); chain step j then runs at position p + j. [B, k]
     """
     drafts = []
+    layouts = chain_layouts(args, k - 1)
     for j in range(k):
         token = select(logits(hidden), j)  # [B]
         drafts.append(token)
         if j + 1 == k:
             break
-        positions = (args.last_positions + 1 + j)[:, None]  # [B, 1]
-        layout = draft_layout(positions, args)
+        layout = layouts[j]
         metadata = (build_metadata or backend.build_metadata)(layout)
         hidden = step(token, hidden, layout, metadata)
     return torch.stack(drafts, dim=1)
