@@ -84,6 +84,7 @@ class Launches(TorchDispatchMode):
         self.names[name] += 1
         if self.by_site:
             ours = [f for f in traceback.extract_stack()[:-3] if f.filename.startswith(str(ROOT))]
+            ours = [f for f in ours if "site-packages" not in f.filename]  # a venv in ROOT
             ours = [f for f in ours if not f.filename.endswith("gpu_launches.py")]
             if ours:
                 where = ours[-1]
