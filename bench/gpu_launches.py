@@ -8,7 +8,9 @@ path, runs one step under Triton's interpreter, and counts every Triton launch a
 torch operator that would launch a kernel (not views, not a conversion that returns its
 input, not an operator on an empty tensor), by name, and with ``--by-site`` by the line
 of this repository that called it. Counting two depths (``--layers``) separates what each
-layer launches from what the step launches once.
+layer launches from what the step launches once. The rows are at the GPU check's context
+(512 positions), and attention splits it as it would on an H200's 132 SMs (a combining
+kernel a layer where it splits).
 
     python bench/gpu_launches.py                    # K=0 and K=5, 8 and 12 layers
     python bench/gpu_launches.py --k 5 --by-site    # where a K=5 step's launches come from
@@ -36,6 +38,8 @@ import gpu_step  # noqa: E402
 import torch  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from kernels.triton import attention  # noqa: E402
 
 VIEWS = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "split", "unbind",
          "split_with_sizes", "unsqueeze", "squeeze", "t", "transpose", "permute", "alias",
@@ -91,12 +95,13 @@ class Launches(TorchDispatchMode):
                 self.sites[f"{name} @ {Path(where.filename).relative_to(ROOT)}:{where.lineno}"] += 1
 
 
-def count(layers: int, k: int, by_site: bool) -> Launches:
-    """One step of ``bench/gpu_step.py``'s SmolLM2-shaped model cut to ``layers`` layers."""
+def count(layers: int, k: int, by_site: bool, context: int) -> Launches:
+    """One step of ``bench/gpu_step.py``'s SmolLM2-shaped model cut to ``layers`` layers,
+    its rows at a KV length of ``context``, attention split as on ``num_sms`` SMs."""
     gpu_step.SHAPES["smollm2"]["num_hidden_layers"] = layers
     gpu_step.select_backend = lambda device, block_size: "triton"  # type: ignore[assignment]
     gpu_step.kernels_for = lambda *_: "triton"  # type: ignore[assignment]
-    args = argparse.Namespace(batches=[1], context=64, rates=[0.8, 0.7, 0.6, 0.5, 0.4],
+    args = argparse.Namespace(batches=[1], context=context, rates=[0.8, 0.7, 0.6, 0.5, 0.4],
                               profile=False, threads=2, quick=True)  # fmt: skip
     bench = gpu_step.StepBench("smollm2", torch.device("cpu"), args)
     inputs = bench.inputs(1, k)
@@ -111,13 +116,23 @@ def main() -> int:
     parser.add_argument("--k", type=int, nargs="*", default=[0, 5], help="drafts per step")
     parser.add_argument("--layers", type=int, nargs=2, default=[8, 12], help="two depths")
     parser.add_argument("--by-site", action="store_true", help="also count by calling line")
+    parser.add_argument(
+        "--context", type=int, default=512, help="KV length of the row (gpu_step.py's default)"
+    )
+    parser.add_argument(
+        "--num-sms",
+        type=int,
+        default=132,
+        help="plan attention's splits of the context for this many SMs (an H200's 132)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
+    attention.num_sms = lambda device: args.num_sms  # type: ignore[assignment]
     result: dict[str, Any] = {"steps": {}}
     for k in args.k:
         totals = {}
         for layers in args.layers:
-            launches = count(layers, k, args.by_site)
+            launches = count(layers, k, args.by_site, args.context)
             totals[layers] = sum(launches.names.values())
             print(f"K={k}, {layers} layers: {totals[layers]} launches", file=sys.stderr)
             for name, n in launches.names.most_common():

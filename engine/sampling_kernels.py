@@ -1,9 +1,10 @@
-"""Where a batch's filters, draws and rejection sampling run: torch ops (``TorchSampling``,
-the CPU path) or the Triton kernels (``TritonSampling``, the GPU path). An engine picks one
-at start-up (``sampling_kernels``); the sampler and the speculative acceptance call it.
+"""Where a batch's keyed uniforms, filters, draws and rejection sampling run: torch ops
+(``TorchSampling``, the CPU path) or the Triton kernels (``TritonSampling``, the GPU path).
+An engine picks one at start-up (``sampling_kernels``); the sampler and the speculative
+acceptance call it.
 
-Both take the same keyed uniforms (``engine.sampler.uniform`` of each row's
-(seed, position) key, salted for the accept/reject coin) and apply the same rules, so a
+Both make the same keyed uniforms, bit for bit (``row_keys`` of each row's (seed,
+position), salted for the accept/reject coin, then ``uniform``), and apply the same rules, so a
 seeded request samples the same tokens on either: thresholds keep ties, top-p mass is fixed
 point, a draw is the first index whose cumulative weight exceeds u * total. Only fp32
 rounding of the softmax and cumulative sums differs (as between torch on CPU and on CUDA):

@@ -1,5 +1,6 @@
 """Sampling and speculative acceptance without host synchronisation, one program per row,
-with the random uniforms passed in (``engine.sampler`` keys them on seed and position).
+with the random uniforms passed in; and those uniforms themselves, keyed on each row's
+seed and position (``row_keys``, ``uniform``: the torch reference's bits, one kernel each).
 
 Thresholds are found without sorting the vocabulary: the k-th largest probability, or the
 nucleus's least one, is the largest bit pattern v (non-negative floats order as their
