@@ -116,12 +116,10 @@ def time_call(case: dict[str, Any], new_tokens: int, num_splits: int | None, cal
 def default_splits(case: dict[str, Any], heads: tuple[int, int, int], new_tokens: int) -> int:
     """What ``paged_attention`` picks for ``num_splits=None`` (its own planning)."""
     num_heads, num_kv_heads, _ = heads
-    _, num_m_tiles = attention.query_tiles(new_tokens, num_heads // num_kv_heads)
-    num_programs = case["block_tables"].shape[0] * num_m_tiles * num_kv_heads
-    max_ctx = case["block_tables"].shape[1] * BLOCK_SIZE
+    num_rows, width = case["block_tables"].shape
+    group, max_ctx = num_heads // num_kv_heads, width * BLOCK_SIZE
     device = case["q"].device
-    wanted = attention.default_num_splits(num_programs, max_ctx, attention.num_sms(device))
-    return attention.plan_splits(max_ctx, wanted)[0]
+    return attention.planned_splits(num_rows, num_kv_heads, new_tokens, group, max_ctx, device)[0]
 
 
 def main() -> int:

@@ -395,14 +395,10 @@ def sample(
         greedy = masks.greedy(logits, greedy)
     faulty = ~torch.isfinite(best) if greedy is argmax else is_faulty(logits, greedy)
     if not t.all_greedy:
-        keys = (
-            row_keys(t.seeds, t.positions)
-            if kernels is None
-            else kernels.row_keys(t.seeds, t.positions)
-        )
         if kernels is None:
-            drawn = draw(filtered_probs(logits, t), keys)
+            drawn = draw(filtered_probs(logits, t), row_keys(t.seeds, t.positions))
         else:
+            keys = kernels.row_keys(t.seeds, t.positions)
             drawn = kernels.draw(kernels.filtered_probs(logits, t), keys)
         greedy = torch.where(t.temperature > 0, drawn, greedy)
     return greedy.masked_fill(faulty, FAULT)

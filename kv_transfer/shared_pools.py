@@ -154,7 +154,8 @@ class SharedKvPools:
     @staticmethod
     def refusal(device: torch.device) -> str | None:
         """Why pools on ``device`` cannot move into shared memory, or None: a GPU whose
-        runtime refuses CUDA IPC (asked by exporting a byte), or a device of another kind."""
+        runtime refuses CUDA IPC (asked by exporting a byte), or a device of another kind.
+        For a caller that must undo something before ``adopt`` (``share_pools``' graphs)."""
         if device.type == "cuda":
             return cuda_ipc.export_refusal(device)
         return None if device.type == "cpu" else f"pools on {device} are not shared"
@@ -169,8 +170,7 @@ class SharedKvPools:
         if len(devices) != 1 or any(not p.is_placeable for p in pools.values()):
             return None
         (device,) = devices
-        if (refusal := cls.refusal(device)) is not None:
-            logger.warning("KV pools stay unshared (same-host pushes use the ring): %s", refusal)
+        if device.type not in ("cpu", "cuda"):  # a refused GPU: create raises, below
             return None
         num_blocks = next(iter(pools.values())).layers[0][0].shape[0]
         try:  # on a GPU the pools are copied over: their memory twice, for a moment

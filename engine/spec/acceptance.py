@@ -130,8 +130,9 @@ def accept_synthetic(
     with probability ``rates[j]`` whatever it is, then emit the target's own choice."""
     b, s, _ = logits.shape
     logits = penalized(logits, sampling.penalties)  # drafts not counted: not lossless anyway
-    num = torch.zeros(b, dtype=torch.int64, device=logits.device)  # no drafts: no coin
-    if s > 1:
+    if s == 1:  # no drafts: no coin
+        num = torch.zeros(b, dtype=torch.int64, device=logits.device)
+    else:
         positions = first_positions[:, None] + torch.arange(s - 1, device=logits.device)
         seeds = sampling.seeds[:, None].expand(-1, s - 1)
         keys = kernels.row_keys(seeds.reshape(-1), positions.reshape(-1))

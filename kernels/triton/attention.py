@@ -213,6 +213,23 @@ def query_tiles(max_query_len: int, group: int) -> tuple[int, int]:
     return block_m, triton.cdiv(pairs, block_m)
 
 
+def planned_splits(
+    num_rows: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    group: int,
+    max_ctx: int,
+    device: torch.device,
+    num_splits: int | None = None,
+) -> tuple[int, int]:
+    """(splits, positions per split) ``paged_attention`` runs: ``num_splits`` as planned,
+    or the default (``default_num_splits``) for None."""
+    if num_splits is None:
+        num_programs = num_rows * query_tiles(max_query_len, group)[1] * num_kv_heads
+        num_splits = default_num_splits(num_programs, max_ctx, num_sms(device))
+    return plan_splits(max_ctx, num_splits)
+
+
 def plan_splits(max_ctx: int, num_splits: int) -> tuple[int, int]:
     """(splits that hold positions, positions per split): whole tiles per split."""
     split_len = triton.cdiv(triton.cdiv(max_ctx, max(1, num_splits)), BLOCK_N) * BLOCK_N
@@ -331,10 +348,9 @@ def paged_attention(
     group = num_heads // num_kv_heads
     block_m, num_m_tiles = query_tiles(max_query_len, group)
     max_ctx = max_blocks * block_size
-    if num_splits is None:
-        num_programs = num_rows * num_m_tiles * num_kv_heads
-        num_splits = default_num_splits(num_programs, max_ctx, num_sms(q.device))
-    num_splits, split_len = plan_splits(max_ctx, num_splits)
+    num_splits, split_len = planned_splits(
+        num_rows, num_kv_heads, max_query_len, group, max_ctx, q.device, num_splits
+    )
     is_split = num_splits > 1
     part_o = part_lse = out  # unused unless split
     if is_split:
